@@ -1,0 +1,55 @@
+//! # outbox-core
+//!
+//! The protocol of the transactional outbox with verified delivery, with no
+//! I/O: envelope and destination types and their canonical encoding and
+//! digests, the closed state machine, claim fencing, the receipt decision of
+//! `acceptDispatchReceipt`, and the store and broker traits.
+//!
+//! **Guarantee.** Decisions live here once. The PostgreSQL store, the
+//! in-memory store and the simulator all call [`decide_receipt`],
+//! [`check_fence`] and [`EventState::transition`], so what the simulator proves
+//! over millions of traces is a statement about the code that runs in
+//! production.
+//!
+//! ```
+//! use outbox_core::{EmitRequest, EventId, RoutePolicy};
+//!
+//! let policy = RoutePolicy::new("order.created.v2", "kafka-prod", "orders", 12);
+//! let request = EmitRequest {
+//!     command_key: "cmd-o-42-create",
+//!     tenant: "tenant-7",
+//!     aggregate_type: "order",
+//!     aggregate_id: "o-42",
+//!     aggregate_version: 17,
+//!     event_type: "order.created.v2",
+//!     payload_schema: "order-v2",
+//!     payload: br#"{"order":"o-42"}"#,
+//! };
+//! request.validate(outbox_core::DEFAULT_MAX_PAYLOAD_BYTES)?;
+//! let (envelope, destination) = request.freeze(EventId::generate(1_700_000_000_000), 1_700_000_000_000, 4711, &policy)?;
+//! assert_eq!(destination.routing_key, "tenant-7.order.o-42");
+//! assert!(envelope.payload_digest.starts_with("sha256:"));
+//! # Ok::<(), outbox_core::CoreError>(())
+//! ```
+#![warn(missing_docs)]
+
+pub mod canonical;
+pub mod claim;
+pub mod envelope;
+pub mod error;
+pub mod headers;
+pub mod id;
+pub mod memory;
+pub mod receipt;
+pub mod state;
+pub mod store;
+
+pub use canonical::{is_digest, sha256_digest};
+pub use claim::{check_fence, Claim, ClaimToken, FencedWrite};
+pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, RoutePolicy, DEFAULT_MAX_PAYLOAD_BYTES};
+pub use error::CoreError;
+pub use id::{AttemptId, EventId};
+pub use memory::MemoryStore;
+pub use receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
+pub use state::{AttemptState, EventState};
+pub use store::{Broker, ClaimedEvent, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

@@ -1,0 +1,451 @@
+//! An in-memory [`OutboxStore`] over the same decisions as the PostgreSQL
+//! store. The simulator and the conformance suite use it; it keeps every
+//! record the PostgreSQL schema keeps (attempts, primary and duplicate
+//! receipts, quarantine, audit), with a clock the caller sets.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+
+use crate::claim::{check_fence, grant, validate_lease_ms, Claim, ClaimToken, FencedWrite, MAX_CLAIM_BATCH};
+use crate::envelope::{Destination, Envelope, Ordering};
+use crate::error::CoreError;
+use crate::id::{AttemptId, EventId};
+use crate::receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
+use crate::state::{AttemptState, EventState};
+use crate::store::{ClaimedEvent, FenceOutcome, OutboxStore, ReceiptOutcome, StoreError, SweepOutcome};
+
+/// One event row.
+#[derive(Debug, Clone)]
+pub struct MemoryEvent {
+    /// Commit order.
+    pub seq: u64,
+    /// Frozen envelope.
+    pub envelope: Envelope,
+    /// Frozen destination.
+    pub destination: Destination,
+    /// Its digest.
+    pub destination_digest: String,
+    /// Stored payload.
+    pub payload: Vec<u8>,
+    /// State.
+    pub state: EventState,
+    /// Claim columns.
+    pub claim: Claim,
+    /// Highest attempt generation so far.
+    pub attempt_generation: u32,
+    /// The publish slot.
+    pub slot: Option<BrokerReceipt>,
+    /// When the event entered its current state, ms.
+    pub state_since_ms: i64,
+}
+
+/// An audit record (stale writes, rejected receipts).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditRecord {
+    /// Event concerned.
+    pub event_id: EventId,
+    /// What happened.
+    pub action: String,
+    /// Details.
+    pub detail: String,
+}
+
+/// Everything the store holds; public for the simulator's invariant checks.
+#[derive(Debug, Default)]
+pub struct MemoryState {
+    /// Events by id.
+    pub events: BTreeMap<EventId, MemoryEvent>,
+    /// Attempts by event, oldest first.
+    pub attempts: BTreeMap<EventId, Vec<AttemptRecord>>,
+    /// Duplicate transport receipts.
+    pub duplicates: Vec<BrokerReceipt>,
+    /// Quarantine records: event, reason.
+    pub quarantine: Vec<(EventId, String)>,
+    /// Audit records.
+    pub audit: Vec<AuditRecord>,
+    /// Command key -> event id.
+    pub commands: BTreeMap<String, EventId>,
+    next_seq: u64,
+}
+
+/// The in-memory store. Cheap to clone; clones share state.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStore {
+    state: Arc<Mutex<MemoryState>>,
+    now_ms: Arc<AtomicI64>,
+}
+
+impl MemoryStore {
+    /// An empty store at time 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the clock.
+    pub fn set_now_ms(&self, now_ms: i64) {
+        self.now_ms.store(now_ms, AtomicOrdering::SeqCst);
+    }
+
+    /// Reads the clock.
+    pub fn now_ms(&self) -> i64 {
+        self.now_ms.load(AtomicOrdering::SeqCst)
+    }
+
+    /// Locks the state for inspection.
+    pub fn lock(&self) -> MutexGuard<'_, MemoryState> {
+        // A panic while holding the lock would already have failed the run.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Inserts a PENDING event, as `emit` does in the caller's transaction.
+    /// A second insert with the same command key returns the first event id
+    /// when the payload digest is equal and an error otherwise.
+    pub fn insert(&self, command_key: &str, envelope: Envelope, destination: Destination, payload: Vec<u8>) -> Result<EventId, CoreError> {
+        let now = self.now_ms();
+        let mut st = self.lock();
+        if let Some(existing) = st.commands.get(command_key) {
+            let ev = &st.events[existing];
+            if ev.envelope.payload_digest != envelope.payload_digest {
+                return Err(CoreError::MalformedIdentifier { field: "commandKey", reason: "reused with a different payload".into() });
+            }
+            return Ok(existing.clone());
+        }
+        let id = envelope.event_id.clone();
+        st.next_seq += 1;
+        let seq = st.next_seq;
+        let destination_digest = destination.digest();
+        st.commands.insert(command_key.to_owned(), id.clone());
+        st.events.insert(
+            id.clone(),
+            MemoryEvent {
+                seq,
+                envelope,
+                destination,
+                destination_digest,
+                payload,
+                state: EventState::Pending,
+                claim: Claim { owner: None, claim_generation: 0, lease_until_ms: None, attempt_id: None },
+                attempt_generation: 0,
+                slot: None,
+                state_since_ms: now,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Moves an event, through the transition table.
+    pub fn transition(ev: &mut MemoryEvent, to: EventState, now_ms: i64) -> Result<(), CoreError> {
+        ev.state = ev.state.transition(to)?;
+        ev.state_since_ms = now_ms;
+        Ok(())
+    }
+
+    fn audit(st: &mut MemoryState, event_id: &EventId, action: &str, detail: String) {
+        st.audit.push(AuditRecord { event_id: event_id.clone(), action: action.to_owned(), detail });
+    }
+
+    fn claimed(ev: &MemoryEvent, from: EventState) -> ClaimedEvent {
+        ClaimedEvent {
+            token: ClaimToken {
+                event_id: ev.envelope.event_id.clone(),
+                owner: ev.claim.owner.clone().unwrap_or_default(),
+                claim_generation: ev.claim.claim_generation,
+                lease_until_ms: ev.claim.lease_until_ms.unwrap_or(0),
+            },
+            envelope: ev.envelope.clone(),
+            destination: ev.destination.clone(),
+            destination_digest: ev.destination_digest.clone(),
+            payload: ev.payload.clone(),
+            claimed_from: from,
+        }
+    }
+
+    /// Whether an earlier event of the same destination and key is not yet published.
+    fn key_blocked(st: &MemoryState, ev: &MemoryEvent) -> bool {
+        ev.destination.ordering == Ordering::Key
+            && st.events.values().any(|o| {
+                o.seq < ev.seq
+                    && o.destination.topic == ev.destination.topic
+                    && o.destination.cluster_id == ev.destination.cluster_id
+                    && o.destination.routing_key == ev.destination.routing_key
+                    && !o.state.is_published()
+            })
+    }
+
+    fn fenced_write<T>(
+        &self,
+        token: &ClaimToken,
+        write: FencedWrite,
+        action: &str,
+        f: impl FnOnce(&mut MemoryState, i64) -> Result<T, StoreError>,
+    ) -> Result<Result<T, CoreError>, StoreError> {
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let ev = st.events.get(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+        if let Err(e) = check_fence(&ev.claim, token, write, now) {
+            Self::audit(&mut st, &token.event_id, "stale_write", format!("{action} by {} gen {}: {e}", token.owner, token.claim_generation));
+            return Ok(Err(e));
+        }
+        f(&mut st, now).map(Ok)
+    }
+}
+
+fn to_outcome(r: Result<FenceOutcome, CoreError>) -> Result<FenceOutcome, StoreError> {
+    match r {
+        Ok(o) => Ok(o),
+        Err(CoreError::Fenced { .. } | CoreError::LeaseExpired { .. }) => Ok(FenceOutcome::Fenced),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[async_trait]
+impl OutboxStore for MemoryStore {
+    async fn claim_batch(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let mut candidates: Vec<(u64, EventId)> =
+            st.events.values().filter(|e| e.state == EventState::Pending).map(|e| (e.seq, e.envelope.event_id.clone())).collect();
+        candidates.sort();
+        let mut out = Vec::new();
+        for (_, id) in candidates {
+            if out.len() >= limit.min(MAX_CLAIM_BATCH) {
+                break;
+            }
+            if Self::key_blocked(&st, &st.events[&id]) {
+                continue;
+            }
+            let ev = st.events.get_mut(&id).ok_or_else(|| StoreError::NotFound(id.clone()))?;
+            Self::transition(ev, EventState::Claimed, now)?;
+            ev.claim = grant(&ev.claim, owner, now, lease_ms);
+            out.push(Self::claimed(ev, EventState::Pending));
+        }
+        Ok(out)
+    }
+
+    async fn claim_retries(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let mut out = Vec::new();
+        for ev in st.events.values_mut() {
+            if out.len() >= limit.min(MAX_CLAIM_BATCH) {
+                break;
+            }
+            // A retry claim is granted by the reconciler; a dispatcher takes
+            // it over only once the reconciler's lease is gone or unowned.
+            if ev.state == EventState::RetryClaimed && ev.claim.owner.is_none() {
+                ev.claim = grant(&ev.claim, owner, now, lease_ms);
+                out.push(Self::claimed(ev, EventState::RetryClaimed));
+            }
+        }
+        Ok(out)
+    }
+
+    async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError> {
+        let r = self.fenced_write(token, FencedWrite::Send, "register_attempt", |st, now| {
+            let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+            if ev.claim.attempt_id.is_some() {
+                return Err(CoreError::IllegalTransition { from: ev.state, to: EventState::Sending }.into());
+            }
+            Self::transition(ev, EventState::Sending, now)?;
+            ev.attempt_generation += 1;
+            let attempt = AttemptRecord {
+                attempt_id: AttemptId::generate(now.max(0) as u64),
+                event_id: token.event_id.clone(),
+                envelope_generation: ev.envelope.envelope_generation,
+                attempt_generation: ev.attempt_generation,
+                claim_generation: token.claim_generation,
+                owner: token.owner.clone(),
+                state: AttemptState::Sending,
+                destination_digest: ev.destination_digest.clone(),
+            };
+            ev.claim.attempt_id = Some(attempt.attempt_id.clone());
+            st.attempts.entry(token.event_id.clone()).or_default().push(attempt.clone());
+            Ok(attempt)
+        })?;
+        r.map_err(StoreError::from)
+    }
+
+    async fn accept_dispatch_receipt(&self, receipt: &BrokerReceipt) -> Result<ReceiptOutcome, StoreError> {
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let st = &mut *st;
+        let ev = st.events.get_mut(&receipt.event_id).ok_or_else(|| StoreError::NotFound(receipt.event_id.clone()))?;
+        let locked = LockedEvent {
+            event_id: ev.envelope.event_id.clone(),
+            envelope_generation: ev.envelope.envelope_generation,
+            state: ev.state,
+            payload_digest: ev.envelope.payload_digest.clone(),
+            destination: ev.destination.clone(),
+            destination_digest: ev.destination_digest.clone(),
+            slot: ev.slot.clone(),
+        };
+        let attempts = st.attempts.entry(receipt.event_id.clone()).or_default();
+        let decision = decide_receipt(&locked, attempts, receipt);
+        let mark_acked = |attempts: &mut Vec<AttemptRecord>| {
+            attempts.iter_mut().filter(|a| a.attempt_id == receipt.attempt_id).for_each(|a| a.state = AttemptState::Acked)
+        };
+        match &decision {
+            ReceiptDecision::Accept { .. } => {
+                Self::transition(ev, EventState::Published, now)?;
+                ev.slot = Some(receipt.clone());
+                ev.claim.owner = None;
+                ev.claim.lease_until_ms = None;
+                mark_acked(attempts);
+            }
+            ReceiptDecision::AlreadyAccepted => {}
+            ReceiptDecision::Duplicate => {
+                mark_acked(attempts);
+                if !st.duplicates.iter().any(|d| d.event_id == receipt.event_id && d.same_placement(receipt)) {
+                    st.duplicates.push(receipt.clone());
+                }
+            }
+            ReceiptDecision::Quarantine { reason, move_event } => {
+                if *move_event {
+                    Self::transition(ev, EventState::Quarantined, now)?;
+                    ev.claim.claim_generation += 1;
+                    ev.claim.owner = None;
+                }
+                st.quarantine.push((receipt.event_id.clone(), format!("{reason:?}")));
+            }
+            ReceiptDecision::Reject { reason } => {
+                st.audit.push(AuditRecord { event_id: receipt.event_id.clone(), action: "receipt_rejected".into(), detail: format!("{reason:?}") });
+            }
+        }
+        let ev = &st.events[&receipt.event_id];
+        Ok(ReceiptOutcome { decision, primary: ev.slot.clone(), state: ev.state })
+    }
+
+    async fn report_unknown(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
+        let r = self.fenced_write(token, FencedWrite::Report, "report_unknown", |st, now| {
+            let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+            let attempt = st.attempts.get_mut(&token.event_id).and_then(|v| v.iter_mut().find(|a| &a.attempt_id == attempt_id));
+            let Some(attempt) = attempt else { return Ok(FenceOutcome::NoOp) };
+            if attempt.state != AttemptState::Sending || ev.state != EventState::Sending {
+                return Ok(FenceOutcome::NoOp);
+            }
+            attempt.state = AttemptState::Unknown;
+            Self::transition(ev, EventState::DispatchUnknown, now)?;
+            ev.claim.owner = None;
+            ev.claim.lease_until_ms = None;
+            st.audit.push(AuditRecord { event_id: token.event_id.clone(), action: "unknown".into(), detail: detail.to_owned() });
+            Ok(FenceOutcome::Applied)
+        })?;
+        to_outcome(r)
+    }
+
+    async fn report_not_sent(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
+        let r = self.fenced_write(token, FencedWrite::Report, "report_not_sent", |st, now| {
+            let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+            let attempt = st.attempts.get_mut(&token.event_id).and_then(|v| v.iter_mut().find(|a| &a.attempt_id == attempt_id));
+            let Some(attempt) = attempt else { return Ok(FenceOutcome::NoOp) };
+            if attempt.state != AttemptState::Sending || ev.state != EventState::Sending {
+                return Ok(FenceOutcome::NoOp);
+            }
+            attempt.state = AttemptState::NotSent;
+            Self::transition(ev, EventState::Pending, now)?;
+            ev.claim.owner = None;
+            ev.claim.lease_until_ms = None;
+            ev.claim.attempt_id = None;
+            st.audit.push(AuditRecord { event_id: token.event_id.clone(), action: "not_sent".into(), detail: detail.to_owned() });
+            Ok(FenceOutcome::Applied)
+        })?;
+        to_outcome(r)
+    }
+
+    async fn release(&self, token: &ClaimToken) -> Result<FenceOutcome, StoreError> {
+        let r = self.fenced_write(token, FencedWrite::Report, "release", |st, now| {
+            let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+            let back = match ev.state {
+                EventState::Claimed => EventState::Pending,
+                _ => return Ok(FenceOutcome::NoOp),
+            };
+            Self::transition(ev, back, now)?;
+            ev.claim.owner = None;
+            ev.claim.lease_until_ms = None;
+            Ok(FenceOutcome::Applied)
+        })?;
+        to_outcome(r)
+    }
+
+    async fn quarantine_claimed(&self, token: &ClaimToken, reason: &str, evidence: serde_json::Value) -> Result<FenceOutcome, StoreError> {
+        let r = self.fenced_write(token, FencedWrite::Report, "quarantine", |st, now| {
+            let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+            Self::transition(ev, EventState::Quarantined, now)?;
+            ev.claim.owner = None;
+            st.quarantine.push((token.event_id.clone(), format!("{reason}: {evidence}")));
+            Ok(FenceOutcome::Applied)
+        })?;
+        to_outcome(r)
+    }
+
+    async fn renew_lease(&self, token: &ClaimToken, lease_ms: i64) -> Result<Option<i64>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        let r = self.fenced_write(token, FencedWrite::Send, "renew_lease", |st, now| {
+            let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+            let until = now + lease_ms;
+            ev.claim.lease_until_ms = Some(until);
+            Ok(until)
+        })?;
+        match r {
+            Ok(until) => Ok(Some(until)),
+            Err(CoreError::Fenced { .. } | CoreError::LeaseExpired { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn expire_leases(&self) -> Result<SweepOutcome, StoreError> {
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let st = &mut *st;
+        let mut out = SweepOutcome::default();
+        for ev in st.events.values_mut() {
+            let expired = ev.claim.lease_until_ms.is_some_and(|l| l <= now) && ev.claim.owner.is_some();
+            if !expired {
+                continue;
+            }
+            let to = match ev.state {
+                EventState::Claimed => {
+                    out.released += 1;
+                    EventState::Pending
+                }
+                EventState::Sending => {
+                    out.unknown += 1;
+                    if let Some(a) = st.attempts.get_mut(&ev.envelope.event_id).and_then(|v| v.iter_mut().find(|a| Some(&a.attempt_id) == ev.claim.attempt_id.as_ref())) {
+                        if a.state == AttemptState::Sending {
+                            a.state = AttemptState::Unknown;
+                        }
+                    }
+                    EventState::DispatchUnknown
+                }
+                EventState::RetryClaimed => {
+                    out.retry_expired += 1;
+                    EventState::DispatchUnknown
+                }
+                _ => continue,
+            };
+            Self::transition(ev, to, now)?;
+            ev.claim.claim_generation += 1;
+            ev.claim.owner = None;
+            ev.claim.lease_until_ms = None;
+            if to == EventState::Pending {
+                ev.claim.attempt_id = None;
+            }
+        }
+        Ok(out)
+    }
+
+    async fn attempts(&self, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError> {
+        Ok(self.lock().attempts.get(event_id).cloned().unwrap_or_default())
+    }
+
+    async fn event_state(&self, event_id: &EventId) -> Result<(EventState, Option<BrokerReceipt>), StoreError> {
+        let st = self.lock();
+        let ev = st.events.get(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
+        Ok((ev.state, ev.slot.clone()))
+    }
+}

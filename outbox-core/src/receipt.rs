@@ -1,0 +1,412 @@
+//! The receipt decision of `acceptDispatchReceipt` (SPEC §5), as a pure
+//! function of the locked event, its attempts and one broker receipt.
+//!
+//! Stores lock the event row, load its attempts, call [`decide_receipt`] and
+//! apply the answer in the same transaction. The decision never looks at the
+//! current claim: a late genuine ACK of an old attempt competes for the slot
+//! like any other.
+
+use serde::{Deserialize, Serialize};
+
+use crate::envelope::Destination;
+use crate::id::{AttemptId, EventId};
+use crate::state::{AttemptState, EventState};
+
+/// What the broker said about one produced message.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BrokerReceipt {
+    /// From the message's headers.
+    pub event_id: EventId,
+    /// From the message's headers.
+    pub envelope_generation: u32,
+    /// From the message's headers.
+    pub attempt_id: AttemptId,
+    /// Digest of the bytes that were produced.
+    pub payload_digest: String,
+    /// Digest of the destination the message claims.
+    pub destination_digest: String,
+    /// Cluster that acknowledged.
+    pub cluster_id: String,
+    /// Topic written.
+    pub topic: String,
+    /// Partition written.
+    pub partition: i32,
+    /// Offset assigned.
+    pub offset: i64,
+}
+
+impl BrokerReceipt {
+    /// Whether two receipts name the same log position.
+    pub fn same_placement(&self, other: &BrokerReceipt) -> bool {
+        self.cluster_id == other.cluster_id && self.topic == other.topic && self.partition == other.partition && self.offset == other.offset
+    }
+}
+
+/// The locked event row as the decision needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockedEvent {
+    /// Event id.
+    pub event_id: EventId,
+    /// Current envelope generation.
+    pub envelope_generation: u32,
+    /// Current state.
+    pub state: EventState,
+    /// Frozen payload digest.
+    pub payload_digest: String,
+    /// Frozen destination.
+    pub destination: Destination,
+    /// Its digest as stored.
+    pub destination_digest: String,
+    /// The publish slot.
+    pub slot: Option<BrokerReceipt>,
+}
+
+/// One registered attempt as the decision needs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptRecord {
+    /// Attempt id.
+    pub attempt_id: AttemptId,
+    /// Event.
+    pub event_id: EventId,
+    /// Envelope generation the attempt sent.
+    pub envelope_generation: u32,
+    /// 1 for the first attempt, + 1 for each later one.
+    pub attempt_generation: u32,
+    /// Claim generation it was registered under.
+    pub claim_generation: u64,
+    /// Claim holder that registered it.
+    pub owner: String,
+    /// Its state.
+    pub state: AttemptState,
+    /// Destination digest it sent to.
+    pub destination_digest: String,
+}
+
+/// Why a receipt was quarantined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuarantineReason {
+    /// The produced bytes are not the frozen payload.
+    PayloadDigestMismatch,
+    /// The message claims another destination digest.
+    DestinationDigestMismatch,
+    /// Cluster, topic or partition are not the ones the frozen routing gives.
+    PlacementMismatch,
+}
+
+/// Why a receipt was refused without quarantine. Refusals are audited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectReason {
+    /// The receipt names another event.
+    WrongEvent,
+    /// The receipt is for an envelope generation other than the current one.
+    EnvelopeGenerationMismatch,
+    /// Negative offset.
+    InvalidOffset,
+    /// No attempt with this id is registered for this event and generation.
+    UnregisteredAttempt,
+    /// The attempt was closed as not sent or proven absent.
+    AttemptClosed,
+    /// Another attempt's receipt claims the same log position.
+    ConflictingPlacement,
+    /// The event's state cannot become PUBLISHED (e.g. QUARANTINED).
+    EventNotAccepting,
+}
+
+/// The answer of the receipt decision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "decision")]
+pub enum ReceiptDecision {
+    /// Fill the slot, move the event to PUBLISHED, mark the attempt ACKED.
+    Accept {
+        /// State the event leaves.
+        from: EventState,
+    },
+    /// This exact receipt already fills the slot: same answer, nothing written.
+    AlreadyAccepted,
+    /// The slot holds another receipt: keep this one as a duplicate transport
+    /// receipt (evidence) and mark its attempt ACKED.
+    Duplicate,
+    /// Divergent payload or destination: record the evidence; move the event
+    /// to QUARANTINED when its state allows.
+    Quarantine {
+        /// What diverged.
+        reason: QuarantineReason,
+        /// Whether the event itself moves to QUARANTINED.
+        move_event: bool,
+    },
+    /// Refused; audited, nothing else changes.
+    Reject {
+        /// Why.
+        reason: RejectReason,
+    },
+}
+
+impl ReceiptDecision {
+    /// Whether this receipt fills or already filled the slot.
+    pub fn is_primary(&self) -> bool {
+        matches!(self, ReceiptDecision::Accept { .. } | ReceiptDecision::AlreadyAccepted)
+    }
+}
+
+/// Decides what `acceptDispatchReceipt` does with `receipt`.
+///
+/// Order of the rules: identity (event, envelope generation), divergence
+/// (payload digest, destination digest, placement against the frozen routing)
+/// which quarantines, the offset, the registered attempt, then the slot.
+pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: &BrokerReceipt) -> ReceiptDecision {
+    use ReceiptDecision::*;
+    if receipt.event_id != event.event_id {
+        return Reject { reason: RejectReason::WrongEvent };
+    }
+    if receipt.envelope_generation != event.envelope_generation {
+        return Reject { reason: RejectReason::EnvelopeGenerationMismatch };
+    }
+    let quarantine = |reason| Quarantine { reason, move_event: event.state.can_transition_to(EventState::Quarantined) };
+    if receipt.payload_digest != event.payload_digest {
+        return quarantine(QuarantineReason::PayloadDigestMismatch);
+    }
+    if receipt.destination_digest != event.destination_digest {
+        return quarantine(QuarantineReason::DestinationDigestMismatch);
+    }
+    if !event.destination.admits(&receipt.cluster_id, &receipt.topic, receipt.partition) {
+        return quarantine(QuarantineReason::PlacementMismatch);
+    }
+    if receipt.offset < 0 {
+        return Reject { reason: RejectReason::InvalidOffset };
+    }
+    let Some(attempt) = attempts.iter().find(|a| {
+        a.attempt_id == receipt.attempt_id && a.event_id == event.event_id && a.envelope_generation == event.envelope_generation
+    }) else {
+        return Reject { reason: RejectReason::UnregisteredAttempt };
+    };
+    if attempt.destination_digest != event.destination_digest {
+        return quarantine(QuarantineReason::DestinationDigestMismatch);
+    }
+    match &event.slot {
+        Some(primary) if primary.same_placement(receipt) => {
+            if primary.attempt_id == receipt.attempt_id {
+                AlreadyAccepted
+            } else {
+                Reject { reason: RejectReason::ConflictingPlacement }
+            }
+        }
+        Some(_) => match attempt.state {
+            AttemptState::Sending | AttemptState::Unknown | AttemptState::Acked => Duplicate,
+            AttemptState::NotSent | AttemptState::Absent => Reject { reason: RejectReason::AttemptClosed },
+        },
+        None => match attempt.state {
+            AttemptState::Sending | AttemptState::Unknown => {
+                if event.state.accepts_receipt() {
+                    Accept { from: event.state }
+                } else {
+                    Reject { reason: RejectReason::EventNotAccepting }
+                }
+            }
+            AttemptState::Acked | AttemptState::NotSent | AttemptState::Absent => Reject { reason: RejectReason::AttemptClosed },
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::canonical::sha256_digest;
+    use crate::envelope::RoutePolicy;
+
+    struct Case {
+        event: LockedEvent,
+        attempts: Vec<AttemptRecord>,
+    }
+
+    fn att(n: u128) -> AttemptId {
+        AttemptId::from_parts(10, n)
+    }
+
+    impl Case {
+        fn new() -> Self {
+            let destination = RoutePolicy::new("order.created", "cluster-a", "orders", 6).resolve("t", "order", "o-1").unwrap();
+            let event = LockedEvent {
+                event_id: EventId::from_parts(1, 1),
+                envelope_generation: 1,
+                state: EventState::Sending,
+                payload_digest: sha256_digest(b"payload"),
+                destination_digest: destination.digest(),
+                destination,
+                slot: None,
+            };
+            Case { event, attempts: vec![] }
+        }
+
+        fn attempt(mut self, n: u128, state: AttemptState) -> Self {
+            self.attempts.push(AttemptRecord {
+                attempt_id: att(n),
+                event_id: self.event.event_id.clone(),
+                envelope_generation: 1,
+                attempt_generation: self.attempts.len() as u32 + 1,
+                claim_generation: n as u64,
+                owner: format!("w{n}"),
+                state,
+                destination_digest: self.event.destination_digest.clone(),
+            });
+            self
+        }
+
+        fn state(mut self, s: EventState) -> Self {
+            self.event.state = s;
+            self
+        }
+
+        fn receipt(&self, n: u128, offset: i64) -> BrokerReceipt {
+            BrokerReceipt {
+                event_id: self.event.event_id.clone(),
+                envelope_generation: 1,
+                attempt_id: att(n),
+                payload_digest: self.event.payload_digest.clone(),
+                destination_digest: self.event.destination_digest.clone(),
+                cluster_id: "cluster-a".into(),
+                topic: "orders".into(),
+                partition: self.event.destination.partition,
+                offset,
+            }
+        }
+
+        /// Applies a decision the way a store does, for multi-step scenarios.
+        fn apply(&mut self, r: &BrokerReceipt) -> ReceiptDecision {
+            let d = decide_receipt(&self.event, &self.attempts, r);
+            match &d {
+                ReceiptDecision::Accept { .. } => {
+                    self.event.slot = Some(r.clone());
+                    self.event.state = EventState::Published;
+                    self.attempts.iter_mut().filter(|a| a.attempt_id == r.attempt_id).for_each(|a| a.state = AttemptState::Acked);
+                }
+                ReceiptDecision::Duplicate => {
+                    self.attempts.iter_mut().filter(|a| a.attempt_id == r.attempt_id).for_each(|a| a.state = AttemptState::Acked);
+                }
+                _ => {}
+            }
+            d
+        }
+    }
+
+    #[test]
+    fn fresh_ack_fills_the_slot() {
+        let c = Case::new().attempt(1, AttemptState::Sending);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Accept { from: EventState::Sending });
+    }
+
+    #[test]
+    fn late_ack_of_an_old_attempt_after_a_new_claim_wins_the_empty_slot() {
+        // Attempt 1 went UNKNOWN, the reconciler proved nothing, a retry claim
+        // registered attempt 2; attempt 1's genuine ACK arrives now.
+        let c = Case::new().attempt(1, AttemptState::Unknown).attempt(2, AttemptState::Sending).state(EventState::Sending);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 3)), ReceiptDecision::Accept { from: EventState::Sending });
+        let c = c.state(EventState::RetryClaimed);
+        assert!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 3)).is_primary());
+    }
+
+    #[test]
+    fn both_attempts_acked_gives_one_primary_and_one_duplicate() {
+        let mut c = Case::new().attempt(1, AttemptState::Unknown).attempt(2, AttemptState::Sending);
+        let (r2, r1) = (c.receipt(2, 9), c.receipt(1, 3));
+        assert!(matches!(c.apply(&r2), ReceiptDecision::Accept { .. }));
+        assert_eq!(c.apply(&r1), ReceiptDecision::Duplicate);
+        assert_eq!(c.event.slot.as_ref().unwrap().attempt_id, att(2));
+        assert!(c.attempts.iter().all(|a| a.state == AttemptState::Acked));
+        // The duplicate delivered again is still a duplicate, never a second primary.
+        assert_eq!(c.apply(&r1), ReceiptDecision::Duplicate);
+    }
+
+    #[test]
+    fn same_receipt_twice_gets_the_same_answer() {
+        let mut c = Case::new().attempt(1, AttemptState::Sending);
+        let r = c.receipt(1, 5);
+        assert!(matches!(c.apply(&r), ReceiptDecision::Accept { .. }));
+        assert_eq!(c.apply(&r), ReceiptDecision::AlreadyAccepted);
+        assert_eq!(c.apply(&r), ReceiptDecision::AlreadyAccepted);
+        assert!(ReceiptDecision::AlreadyAccepted.is_primary());
+    }
+
+    #[test]
+    fn divergent_payload_is_quarantined() {
+        let c = Case::new().attempt(1, AttemptState::Sending);
+        let mut r = c.receipt(1, 5);
+        r.payload_digest = sha256_digest(b"other");
+        assert_eq!(
+            decide_receipt(&c.event, &c.attempts, &r),
+            ReceiptDecision::Quarantine { reason: QuarantineReason::PayloadDigestMismatch, move_event: true }
+        );
+    }
+
+    #[test]
+    fn divergent_destination_is_quarantined() {
+        let c = Case::new().attempt(1, AttemptState::Sending);
+        let mut r = c.receipt(1, 5);
+        r.destination_digest = sha256_digest(b"elsewhere");
+        assert!(matches!(decide_receipt(&c.event, &c.attempts, &r), ReceiptDecision::Quarantine { reason: QuarantineReason::DestinationDigestMismatch, .. }));
+        for mutate in [
+            (|r: &mut BrokerReceipt| r.topic = "payments".into()) as fn(&mut BrokerReceipt),
+            |r| r.cluster_id = "cluster-b".into(),
+            |r| r.partition = (r.partition + 1) % 6,
+        ] {
+            let mut r = c.receipt(1, 5);
+            mutate(&mut r);
+            assert!(matches!(decide_receipt(&c.event, &c.attempts, &r), ReceiptDecision::Quarantine { reason: QuarantineReason::PlacementMismatch, .. }));
+        }
+    }
+
+    #[test]
+    fn divergent_receipt_after_publish_is_evidence_but_does_not_move_the_event() {
+        let mut c = Case::new().attempt(1, AttemptState::Sending);
+        let r = c.receipt(1, 5);
+        c.apply(&r);
+        let mut bad = c.receipt(1, 6);
+        bad.payload_digest = sha256_digest(b"tampered");
+        assert_eq!(c.apply(&bad), ReceiptDecision::Quarantine { reason: QuarantineReason::PayloadDigestMismatch, move_event: false });
+        assert_eq!(c.event.slot.as_ref(), Some(&r));
+    }
+
+    #[test]
+    fn unregistered_attempt_is_rejected() {
+        let c = Case::new().attempt(1, AttemptState::Sending);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(7, 5)), ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt });
+    }
+
+    #[test]
+    fn closed_attempts_cannot_fill_the_slot() {
+        for s in [AttemptState::NotSent, AttemptState::Absent] {
+            let c = Case::new().attempt(1, s).state(EventState::DispatchUnknown);
+            assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::AttemptClosed });
+        }
+    }
+
+    #[test]
+    fn identity_mismatches_are_rejected() {
+        let c = Case::new().attempt(1, AttemptState::Sending);
+        let mut r = c.receipt(1, 5);
+        r.envelope_generation = 2;
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &r), ReceiptDecision::Reject { reason: RejectReason::EnvelopeGenerationMismatch });
+        let mut r = c.receipt(1, 5);
+        r.event_id = EventId::from_parts(1, 2);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &r), ReceiptDecision::Reject { reason: RejectReason::WrongEvent });
+        let r = c.receipt(1, -1);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &r), ReceiptDecision::Reject { reason: RejectReason::InvalidOffset });
+    }
+
+    #[test]
+    fn a_quarantined_event_accepts_nothing() {
+        let c = Case::new().attempt(1, AttemptState::Unknown).state(EventState::Quarantined);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::EventNotAccepting });
+    }
+
+    #[test]
+    fn two_attempts_cannot_claim_one_offset() {
+        let mut c = Case::new().attempt(1, AttemptState::Sending).attempt(2, AttemptState::Unknown);
+        let r = c.receipt(1, 5);
+        c.apply(&r);
+        assert_eq!(c.apply(&c.receipt(2, 5)), ReceiptDecision::Reject { reason: RejectReason::ConflictingPlacement });
+    }
+}

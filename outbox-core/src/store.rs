@@ -1,0 +1,205 @@
+//! The store and broker traits. The PostgreSQL store, the in-memory store and
+//! the simulator implement them over the same decisions of this crate.
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use crate::claim::ClaimToken;
+use crate::envelope::{Destination, Envelope};
+use crate::error::CoreError;
+use crate::id::{AttemptId, EventId};
+use crate::receipt::{AttemptRecord, BrokerReceipt, ReceiptDecision};
+use crate::state::EventState;
+
+/// Errors of a store.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// A protocol rule refused the call (fenced, lease expired, illegal transition...).
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    /// The event does not exist.
+    #[error("no event {0}")]
+    NotFound(EventId),
+    /// The backend failed (connection, serialization failure...).
+    #[error("store backend: {message}")]
+    Backend {
+        /// What failed.
+        message: String,
+        /// Whether the same call may succeed if retried.
+        retryable: bool,
+    },
+}
+
+impl StoreError {
+    /// Whether retrying the call can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StoreError::Core(e) => e.is_retryable(),
+            StoreError::NotFound(_) => false,
+            StoreError::Backend { retryable, .. } => *retryable,
+        }
+    }
+
+    /// Whether the caller lost its claim.
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, StoreError::Core(CoreError::Fenced { .. } | CoreError::LeaseExpired { .. }))
+    }
+}
+
+/// An event a dispatcher now holds a claim on, with everything it needs to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedEvent {
+    /// The fenced claim.
+    pub token: ClaimToken,
+    /// The frozen envelope.
+    pub envelope: Envelope,
+    /// The frozen destination.
+    pub destination: Destination,
+    /// Its stored digest.
+    pub destination_digest: String,
+    /// The stored payload bytes.
+    pub payload: Vec<u8>,
+    /// The state the claim was granted from (PENDING, or RETRY_CLAIMED for a reconciler's retry).
+    pub claimed_from: EventState,
+}
+
+/// The answer of a fenced write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FenceOutcome {
+    /// The write was applied.
+    Applied,
+    /// The writer's claim is no longer current: nothing changed, an audit record was written.
+    Fenced,
+    /// Nothing to do (e.g. the receipt already published the event).
+    NoOp,
+}
+
+/// The answer of `acceptDispatchReceipt`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReceiptOutcome {
+    /// What the decision was.
+    pub decision: ReceiptDecision,
+    /// The receipt in the publish slot after the transaction, if any.
+    pub primary: Option<BrokerReceipt>,
+    /// The event's state after the transaction.
+    pub state: EventState,
+}
+
+/// What a lease sweep changed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SweepOutcome {
+    /// CLAIMED rows whose lease ran out unsent: back to PENDING.
+    pub released: u64,
+    /// SENDING rows whose lease ran out: DISPATCH_UNKNOWN, attempt UNKNOWN.
+    pub unknown: u64,
+    /// RETRY_CLAIMED rows whose lease ran out unsent: back to DISPATCH_UNKNOWN.
+    pub retry_expired: u64,
+}
+
+/// The storage side of the protocol. Every method is one transaction.
+#[async_trait]
+pub trait OutboxStore: Send + Sync {
+    /// Claims up to `limit` eligible events (PENDING, and RETRY_CLAIMED retries
+    /// are handled by [`OutboxStore::claim_retries`]) with a CAS that bumps the
+    /// claim generation. With per-key ordering, an event is eligible only when
+    /// every earlier event of its destination and key is published.
+    async fn claim_batch(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError>;
+
+    /// Takes over RETRY_CLAIMED events for sending (same frozen destination).
+    async fn claim_retries(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError>;
+
+    /// Registers an attempt in SENDING under a live claim: CLAIMED or
+    /// RETRY_CLAIMED -> SENDING. Fenced on generation and lease.
+    async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError>;
+
+    /// The single acceptance point (SPEC §5).
+    async fn accept_dispatch_receipt(&self, receipt: &BrokerReceipt) -> Result<ReceiptOutcome, StoreError>;
+
+    /// The send's outcome is unknown: attempt UNKNOWN, event DISPATCH_UNKNOWN.
+    async fn report_unknown(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError>;
+
+    /// The broker definitely did not persist: attempt NOT_SENT, event PENDING
+    /// again (same frozen destination).
+    async fn report_not_sent(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError>;
+
+    /// Gives back a claim that sent nothing: CLAIMED -> PENDING.
+    async fn release(&self, token: &ClaimToken) -> Result<FenceOutcome, StoreError>;
+
+    /// The stored payload or destination no longer matches its digest: quarantine, never send.
+    async fn quarantine_claimed(&self, token: &ClaimToken, reason: &str, evidence: serde_json::Value) -> Result<FenceOutcome, StoreError>;
+
+    /// Extends a live claim's lease. Returns the new lease end, or `Fenced`.
+    async fn renew_lease(&self, token: &ClaimToken, lease_ms: i64) -> Result<Option<i64>, StoreError>;
+
+    /// Applies lease expiry to every row whose lease ran out, bumping the
+    /// claim generation so the old holder is fenced.
+    async fn expire_leases(&self) -> Result<SweepOutcome, StoreError>;
+
+    /// All attempts of an event, oldest first.
+    async fn attempts(&self, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError>;
+
+    /// Current state and publish slot of an event.
+    async fn event_state(&self, event_id: &EventId) -> Result<(EventState, Option<BrokerReceipt>), StoreError>;
+}
+
+/// A message as the broker adapter sends it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutgoingMessage {
+    /// Topic (from the frozen destination).
+    pub topic: String,
+    /// Partition (from the frozen destination).
+    pub partition: i32,
+    /// Routing key bytes.
+    pub key: Vec<u8>,
+    /// Payload bytes.
+    pub payload: Vec<u8>,
+    /// Headers, name and value.
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+/// What a send came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendOutcome {
+    /// Acknowledged at this position.
+    Acked {
+        /// Partition.
+        partition: i32,
+        /// Offset.
+        offset: i64,
+    },
+    /// Definitely not persisted.
+    NotPersisted(String),
+    /// Possibly persisted, timed out, or otherwise unknown.
+    Unknown(String),
+}
+
+/// What a lookup in the broker found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LookupOutcome {
+    /// Messages carrying the eventId, with their receipts as read back.
+    Found(Vec<BrokerReceipt>),
+    /// The scanned range provably holds no message with the eventId.
+    Absent,
+    /// The broker could not answer.
+    Unavailable(String),
+}
+
+/// The broker side of the protocol.
+#[async_trait]
+pub trait Broker: Send + Sync {
+    /// The cluster identity this adapter is connected to.
+    fn cluster_id(&self) -> &str;
+
+    /// Sends one message and waits for its outcome.
+    async fn send(&self, message: OutgoingMessage) -> SendOutcome;
+
+    /// Whether [`Broker::lookup`] can answer at all.
+    fn supports_lookup(&self) -> bool;
+
+    /// Scans `destination`'s partition from `from_offset` to the high
+    /// watermark for messages carrying `event_id`.
+    async fn lookup(&self, destination: &Destination, event_id: &EventId, from_offset: i64) -> LookupOutcome;
+}

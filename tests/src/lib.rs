@@ -1,0 +1,1 @@
+//! Integration tests of the outbox workspace against real PostgreSQL and a Kafka-protocol broker.
