@@ -126,3 +126,47 @@ mod tests {
         assert!(validate_lease_ms(30_000).is_ok());
     }
 }
+
+/// Where stores read the time from. Production uses [`SystemClock`]; tests
+/// and the simulator use [`ManualClock`] so leases expire when they say.
+pub trait Clock: Send + Sync + std::fmt::Debug {
+    /// Milliseconds since the Unix epoch.
+    fn now_ms(&self) -> i64;
+}
+
+/// The system's wall clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_ms(&self) -> i64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    }
+}
+
+/// A clock that moves only when told. Clones share the time.
+#[derive(Debug, Clone, Default)]
+pub struct ManualClock(std::sync::Arc<std::sync::atomic::AtomicI64>);
+
+impl ManualClock {
+    /// A clock at `now_ms`.
+    pub fn new(now_ms: i64) -> Self {
+        let c = ManualClock::default();
+        c.set(now_ms);
+        c
+    }
+    /// Sets the time.
+    pub fn set(&self, now_ms: i64) {
+        self.0.store(now_ms, std::sync::atomic::Ordering::SeqCst);
+    }
+    /// Moves the time forward.
+    pub fn advance(&self, ms: i64) {
+        self.0.fetch_add(ms, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_ms(&self) -> i64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}

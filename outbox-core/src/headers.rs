@@ -24,3 +24,187 @@ pub const TENANT: &str = "outbox-tenant";
 pub const AGGREGATE: &str = "outbox-aggregate";
 /// W3C trace context, when a trace is active.
 pub const TRACEPARENT: &str = "traceparent";
+
+use crate::canonical::sha256_digest;
+use crate::envelope::{Destination, Envelope, ENVELOPE_SCHEMA};
+use crate::error::CoreError;
+use crate::id::{AttemptId, EventId};
+use crate::receipt::BrokerReceipt;
+
+/// The headers a dispatcher writes for one attempt of one event.
+pub fn build(envelope: &Envelope, destination: &Destination, destination_digest: &str, attempt_id: &AttemptId, traceparent: Option<&str>) -> Vec<(String, Vec<u8>)> {
+    let mut h: Vec<(String, Vec<u8>)> = vec![
+        (SCHEMA.into(), ENVELOPE_SCHEMA.as_bytes().to_vec()),
+        (EVENT_ID.into(), envelope.event_id.as_str().as_bytes().to_vec()),
+        (ENVELOPE_GENERATION.into(), envelope.envelope_generation.to_string().into_bytes()),
+        (ATTEMPT_ID.into(), attempt_id.as_str().as_bytes().to_vec()),
+        (PAYLOAD_DIGEST.into(), envelope.payload_digest.as_bytes().to_vec()),
+        (DESTINATION_DIGEST.into(), destination_digest.as_bytes().to_vec()),
+        (DESTINATION.into(), destination.canonical_bytes()),
+        (EVENT_TYPE.into(), envelope.event_type.as_bytes().to_vec()),
+        (TENANT.into(), envelope.tenant.as_bytes().to_vec()),
+        (AGGREGATE.into(), format!("{}/{}@{}", envelope.aggregate_type, envelope.aggregate_id, envelope.aggregate_version).into_bytes()),
+    ];
+    if let Some(tp) = traceparent {
+        h.push((TRACEPARENT.into(), tp.as_bytes().to_vec()));
+    }
+    h
+}
+
+/// What a message's headers claim, parsed and checked for form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessageClaims {
+    /// eventId header.
+    pub event_id: EventId,
+    /// envelope generation header.
+    pub envelope_generation: u32,
+    /// attemptId header.
+    pub attempt_id: AttemptId,
+    /// payload digest header.
+    pub payload_digest: String,
+    /// destination digest header.
+    pub destination_digest: String,
+    /// The canonical destination header, parsed.
+    pub destination: Destination,
+    /// event type header.
+    pub event_type: String,
+    /// tenant header.
+    pub tenant: String,
+}
+
+/// Why a message does not verify.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum VerifyError {
+    /// A required header is missing or unreadable.
+    #[error("header {0} missing or malformed")]
+    MissingHeader(&'static str),
+    /// A header is present but malformed.
+    #[error("header {header}: {error}")]
+    Malformed {
+        /// Which header.
+        header: &'static str,
+        /// What is wrong.
+        error: CoreError,
+    },
+    /// sha256 of the value is not the payload digest header.
+    #[error("payload digest mismatch: header {claimed}, bytes {actual}")]
+    PayloadDigest {
+        /// From the header.
+        claimed: String,
+        /// Of the bytes.
+        actual: String,
+    },
+    /// The destination header does not hash to the destination digest header.
+    #[error("destination digest mismatch")]
+    DestinationDigest,
+    /// The message is not where its destination says (topic, partition or key).
+    #[error("message placement {0} differs from its frozen destination")]
+    Placement(String),
+}
+
+fn header<'a>(headers: &'a [(String, Vec<u8>)], name: &'static str) -> Result<&'a str, VerifyError> {
+    headers
+        .iter()
+        .rev()
+        .find(|(k, _)| k == name)
+        .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        .ok_or(VerifyError::MissingHeader(name))
+}
+
+/// Parses the headers without checking them against the payload.
+pub fn parse(headers: &[(String, Vec<u8>)]) -> Result<MessageClaims, VerifyError> {
+    if header(headers, SCHEMA)? != ENVELOPE_SCHEMA {
+        return Err(VerifyError::MissingHeader(SCHEMA));
+    }
+    let malformed = |header: &'static str| move |error: CoreError| VerifyError::Malformed { header, error };
+    let destination_bytes = headers.iter().rev().find(|(k, _)| k == DESTINATION).map(|(_, v)| v.as_slice()).ok_or(VerifyError::MissingHeader(DESTINATION))?;
+    Ok(MessageClaims {
+        event_id: header(headers, EVENT_ID)?.parse().map_err(malformed(EVENT_ID))?,
+        envelope_generation: header(headers, ENVELOPE_GENERATION)?.parse().map_err(|_| VerifyError::MissingHeader(ENVELOPE_GENERATION))?,
+        attempt_id: header(headers, ATTEMPT_ID)?.parse().map_err(malformed(ATTEMPT_ID))?,
+        payload_digest: header(headers, PAYLOAD_DIGEST)?.to_owned(),
+        destination_digest: header(headers, DESTINATION_DIGEST)?.to_owned(),
+        destination: Destination::from_canonical(destination_bytes).map_err(malformed(DESTINATION))?,
+        event_type: header(headers, EVENT_TYPE)?.to_owned(),
+        tenant: header(headers, TENANT)?.to_owned(),
+    })
+}
+
+/// Parses and verifies a message as read from the broker: the payload hashes
+/// to its digest, the destination header hashes to its digest, and the
+/// message sits on the topic, partition and key its destination prescribes.
+pub fn verify(headers: &[(String, Vec<u8>)], payload: &[u8], topic: &str, partition: i32, key: Option<&[u8]>) -> Result<MessageClaims, VerifyError> {
+    let claims = parse(headers)?;
+    let actual = sha256_digest(payload);
+    if actual != claims.payload_digest {
+        return Err(VerifyError::PayloadDigest { claimed: claims.payload_digest, actual });
+    }
+    if claims.destination.digest() != claims.destination_digest {
+        return Err(VerifyError::DestinationDigest);
+    }
+    let d = &claims.destination;
+    if d.topic != topic || d.partition != partition || key != Some(d.routing_key.as_bytes()) {
+        return Err(VerifyError::Placement(format!("{topic}/{partition}")));
+    }
+    Ok(claims)
+}
+
+impl MessageClaims {
+    /// The broker receipt of this message at a log position.
+    pub fn receipt(&self, cluster_id: &str, topic: &str, partition: i32, offset: i64, payload: &[u8]) -> BrokerReceipt {
+        BrokerReceipt {
+            event_id: self.event_id.clone(),
+            envelope_generation: self.envelope_generation,
+            attempt_id: self.attempt_id.clone(),
+            payload_digest: sha256_digest(payload),
+            destination_digest: self.destination_digest.clone(),
+            cluster_id: cluster_id.to_owned(),
+            topic: topic.to_owned(),
+            partition,
+            offset,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{EmitRequest, RoutePolicy};
+
+    fn sample() -> (Envelope, Destination, Vec<u8>) {
+        let payload = b"{\"order\":\"o-1\"}".to_vec();
+        let req = EmitRequest { command_key: "c", tenant: "t", aggregate_type: "order", aggregate_id: "o-1", aggregate_version: 1, event_type: "order.created", payload_schema: "s", payload: &payload };
+        let (e, d) = req.freeze(EventId::from_parts(5, 5), 5, 9, &RoutePolicy::new("order.created", "c1", "orders", 4)).unwrap();
+        (e, d, payload)
+    }
+
+    #[test]
+    fn built_headers_verify() {
+        let (e, d, p) = sample();
+        let h = build(&e, &d, &d.digest(), &AttemptId::from_parts(1, 1), Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"));
+        let c = verify(&h, &p, "orders", d.partition, Some(d.routing_key.as_bytes())).unwrap();
+        assert_eq!(c.event_id, e.event_id);
+        let r = c.receipt("c1", "orders", d.partition, 7, &p);
+        assert_eq!(r.payload_digest, e.payload_digest);
+    }
+
+    #[test]
+    fn tampered_messages_do_not_verify() {
+        let (e, d, p) = sample();
+        let h = build(&e, &d, &d.digest(), &AttemptId::from_parts(1, 1), None);
+        assert!(matches!(verify(&h, b"other", "orders", d.partition, Some(d.routing_key.as_bytes())), Err(VerifyError::PayloadDigest { .. })));
+        assert!(matches!(verify(&h, &p, "payments", d.partition, Some(d.routing_key.as_bytes())), Err(VerifyError::Placement(_))));
+        assert!(matches!(verify(&h, &p, "orders", d.partition, Some(b"k")), Err(VerifyError::Placement(_))));
+        let mut bad = h.clone();
+        bad.retain(|(k, _)| k != EVENT_ID);
+        assert_eq!(verify(&bad, &p, "orders", d.partition, None), Err(VerifyError::MissingHeader(EVENT_ID)));
+        let mut bad = h.clone();
+        for (k, v) in bad.iter_mut() {
+            if k == DESTINATION_DIGEST {
+                *v = sha256_digest(b"x").into_bytes();
+            }
+        }
+        assert_eq!(verify(&bad, &p, "orders", d.partition, Some(d.routing_key.as_bytes())), Err(VerifyError::DestinationDigest));
+    }
+}

@@ -15,7 +15,8 @@ use crate::error::CoreError;
 use crate::id::{AttemptId, EventId};
 use crate::receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
 use crate::state::{AttemptState, EventState};
-use crate::store::{ClaimedEvent, FenceOutcome, OutboxStore, ReceiptOutcome, StoreError, SweepOutcome};
+use crate::reconcile::ReconcileDecision;
+use crate::store::{ClaimedEvent, FenceOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
 
 /// One event row.
 #[derive(Debug, Clone)]
@@ -40,6 +41,10 @@ pub struct MemoryEvent {
     pub slot: Option<BrokerReceipt>,
     /// When the event entered its current state, ms.
     pub state_since_ms: i64,
+    /// When a DISPATCH_UNKNOWN event is due for reconciliation, ms.
+    pub next_check_at_ms: i64,
+    /// When it first became DISPATCH_UNKNOWN (kept until resolved), ms.
+    pub unknown_since_ms: Option<i64>,
 }
 
 /// An audit record (stale writes, rejected receipts).
@@ -68,6 +73,8 @@ pub struct MemoryState {
     pub audit: Vec<AuditRecord>,
     /// Command key -> event id.
     pub commands: BTreeMap<String, EventId>,
+    /// Highest primary offset accepted per (topic, partition).
+    pub partition_high: BTreeMap<(String, i32), i64>,
     next_seq: u64,
 }
 
@@ -131,6 +138,8 @@ impl MemoryStore {
                 attempt_generation: 0,
                 slot: None,
                 state_since_ms: now,
+                next_check_at_ms: 0,
+                unknown_since_ms: None,
             },
         );
         Ok(id)
@@ -140,6 +149,13 @@ impl MemoryStore {
     pub fn transition(ev: &mut MemoryEvent, to: EventState, now_ms: i64) -> Result<(), CoreError> {
         ev.state = ev.state.transition(to)?;
         ev.state_since_ms = now_ms;
+        match to {
+            EventState::DispatchUnknown => {
+                ev.unknown_since_ms.get_or_insert(now_ms);
+            }
+            EventState::Published | EventState::Quarantined | EventState::Pending => ev.unknown_since_ms = None,
+            _ => {}
+        }
         Ok(())
     }
 
@@ -262,6 +278,8 @@ impl OutboxStore for MemoryStore {
                 owner: token.owner.clone(),
                 state: AttemptState::Sending,
                 destination_digest: ev.destination_digest.clone(),
+                started_at_ms: now,
+                scan_from_offset: st.partition_high.get(&(ev.destination.topic.clone(), ev.destination.partition)).copied().unwrap_or(0),
             };
             ev.claim.attempt_id = Some(attempt.attempt_id.clone());
             st.attempts.entry(token.event_id.clone()).or_default().push(attempt.clone());
@@ -293,6 +311,8 @@ impl OutboxStore for MemoryStore {
             ReceiptDecision::Accept { .. } => {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
+                let high = st.partition_high.entry((receipt.topic.clone(), receipt.partition)).or_insert(0);
+                *high = (*high).max(receipt.offset);
                 ev.claim.owner = None;
                 ev.claim.lease_until_ms = None;
                 mark_acked(attempts);
@@ -422,7 +442,7 @@ impl OutboxStore for MemoryStore {
                     }
                     EventState::DispatchUnknown
                 }
-                EventState::RetryClaimed => {
+                EventState::RetryClaimed | EventState::Reconciling => {
                     out.retry_expired += 1;
                     EventState::DispatchUnknown
                 }
@@ -437,6 +457,70 @@ impl OutboxStore for MemoryStore {
             }
         }
         Ok(out)
+    }
+
+    async fn begin_reconcile(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ReconcileTask>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let st = &mut *st;
+        let mut out = Vec::new();
+        for ev in st.events.values_mut() {
+            if out.len() >= limit.min(MAX_CLAIM_BATCH) {
+                break;
+            }
+            if ev.state != EventState::DispatchUnknown || ev.next_check_at_ms > now {
+                continue;
+            }
+            let since = ev.unknown_since_ms.unwrap_or(ev.state_since_ms);
+            Self::transition(ev, EventState::Reconciling, now)?;
+            ev.claim = grant(&ev.claim, owner, now, lease_ms);
+            ev.claim.attempt_id = None;
+            out.push(ReconcileTask {
+                token: Self::claimed(ev, EventState::DispatchUnknown).token,
+                event: LockedEvent {
+                    event_id: ev.envelope.event_id.clone(),
+                    envelope_generation: ev.envelope.envelope_generation,
+                    state: ev.state,
+                    payload_digest: ev.envelope.payload_digest.clone(),
+                    destination: ev.destination.clone(),
+                    destination_digest: ev.destination_digest.clone(),
+                    slot: ev.slot.clone(),
+                },
+                attempts: st.attempts.get(&ev.envelope.event_id).cloned().unwrap_or_default(),
+                unknown_since_ms: since,
+            });
+        }
+        Ok(out)
+    }
+
+    async fn finish_reconcile(&self, token: &ClaimToken, decision: &ReconcileDecision) -> Result<FenceOutcome, StoreError> {
+        let r = self.fenced_write(token, FencedWrite::Report, "finish_reconcile", |st, now| {
+            let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+            if ev.state != EventState::Reconciling {
+                return Ok(FenceOutcome::NoOp);
+            }
+            match decision {
+                ReconcileDecision::Retry => {
+                    Self::transition(ev, EventState::RetryClaimed, now)?;
+                    for a in st.attempts.entry(token.event_id.clone()).or_default().iter_mut() {
+                        if a.state.possibly_in_flight() {
+                            a.state = AttemptState::Absent;
+                        }
+                    }
+                }
+                ReconcileDecision::Recheck { next_check_at_ms, .. } => {
+                    Self::transition(ev, EventState::DispatchUnknown, now)?;
+                    ev.next_check_at_ms = *next_check_at_ms;
+                }
+                ReconcileDecision::Submit(_) => return Ok(FenceOutcome::NoOp),
+            }
+            ev.claim.owner = None;
+            ev.claim.lease_until_ms = None;
+            ev.claim.attempt_id = None;
+            Ok(FenceOutcome::Applied)
+        })?;
+        to_outcome(r)
     }
 
     async fn attempts(&self, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError> {

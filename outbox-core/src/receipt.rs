@@ -82,6 +82,12 @@ pub struct AttemptRecord {
     pub state: AttemptState,
     /// Destination digest it sent to.
     pub destination_digest: String,
+    /// When the attempt was registered, ms since the epoch.
+    pub started_at_ms: i64,
+    /// A sound lower bound for a scan: the highest offset already
+    /// acknowledged on the frozen partition when the attempt was registered
+    /// (the log is append-only, so this attempt's message lies above it), or 0.
+    pub scan_from_offset: i64,
 }
 
 /// Why a receipt was quarantined.
@@ -251,6 +257,8 @@ mod tests {
                 owner: format!("w{n}"),
                 state,
                 destination_digest: self.event.destination_digest.clone(),
+                started_at_ms: 0,
+                scan_from_offset: 0,
             });
             self
         }

@@ -8,7 +8,8 @@ use crate::claim::ClaimToken;
 use crate::envelope::{Destination, Envelope};
 use crate::error::CoreError;
 use crate::id::{AttemptId, EventId};
-use crate::receipt::{AttemptRecord, BrokerReceipt, ReceiptDecision};
+use crate::receipt::{AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
+use crate::reconcile::ReconcileDecision;
 use crate::state::EventState;
 
 /// Errors of a store.
@@ -138,11 +139,33 @@ pub trait OutboxStore: Send + Sync {
     /// claim generation so the old holder is fenced.
     async fn expire_leases(&self) -> Result<SweepOutcome, StoreError>;
 
+    /// Takes up to `limit` DISPATCH_UNKNOWN events whose next check is due:
+    /// a fenced CAS to RECONCILING that bumps the claim generation.
+    async fn begin_reconcile(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ReconcileTask>, StoreError>;
+
+    /// Applies a reconciler's `Retry` or `Recheck` (fenced on its claim). A
+    /// `Submit` goes through [`OutboxStore::accept_dispatch_receipt`] first;
+    /// if the event is still RECONCILING afterwards, finish with `Recheck`.
+    async fn finish_reconcile(&self, token: &ClaimToken, decision: &ReconcileDecision) -> Result<FenceOutcome, StoreError>;
+
     /// All attempts of an event, oldest first.
     async fn attempts(&self, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError>;
 
     /// Current state and publish slot of an event.
     async fn event_state(&self, event_id: &EventId) -> Result<(EventState, Option<BrokerReceipt>), StoreError>;
+}
+
+/// One RECONCILING event handed to a reconciler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReconcileTask {
+    /// The reconciler's fenced claim.
+    pub token: ClaimToken,
+    /// The locked view of the event.
+    pub event: LockedEvent,
+    /// Its attempts, oldest first.
+    pub attempts: Vec<AttemptRecord>,
+    /// Since when the event has been DISPATCH_UNKNOWN, ms.
+    pub unknown_since_ms: i64,
 }
 
 /// A message as the broker adapter sends it.

@@ -1,0 +1,176 @@
+//! Reconcile decisions (SPEC §6): what to do with an event whose dispatch
+//! outcome is unknown, given its attempts and what the broker answered.
+
+use serde::{Deserialize, Serialize};
+
+use crate::receipt::{AttemptRecord, BrokerReceipt};
+use crate::store::LookupOutcome;
+
+/// When a reconciler may re-send, and how often it looks again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryPolicy {
+    /// Whether a proven-absent event may be re-sent to its frozen destination.
+    pub allow_retry: bool,
+    /// At most this many attempts per event; beyond it the event stays UNKNOWN and pages.
+    pub max_attempts: u32,
+    /// An attempt younger than this may still be in flight inside the client
+    /// (its `message.timeout.ms` plus a margin): no absence proof covers it yet.
+    pub in_flight_bound_ms: i64,
+    /// Delay before an unresolved event is looked at again.
+    pub recheck_ms: i64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy { allow_retry: true, max_attempts: 10, in_flight_bound_ms: 60_000, recheck_ms: 30_000 }
+    }
+}
+
+/// Why an unknown stays unknown for now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecheckReason {
+    /// The broker could not be asked.
+    BrokerUnavailable,
+    /// An attempt may still be in flight inside the client.
+    AttemptInFlight,
+    /// Policy forbids re-sending.
+    RetryNotAllowed,
+    /// The attempt budget is spent.
+    AttemptsExhausted,
+    /// Receipts were found but none filled the slot.
+    ReceiptsRefused,
+}
+
+/// What the reconciler does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "decision")]
+pub enum ReconcileDecision {
+    /// Found in the broker: submit every receipt through `acceptDispatchReceipt`
+    /// (which accepts, keeps duplicates and quarantines divergence).
+    Submit(Vec<BrokerReceipt>),
+    /// Proven absent with nothing in flight: RETRY_CLAIMED to the same frozen
+    /// destination; the open attempts close as ABSENT.
+    Retry,
+    /// Nothing provable now: back to DISPATCH_UNKNOWN, look again at `next_check_at_ms`.
+    Recheck {
+        /// Why.
+        reason: RecheckReason,
+        /// When to look again.
+        next_check_at_ms: i64,
+    },
+}
+
+/// The lowest offset a scan for this event's messages must start from: the
+/// smallest bound among attempts that may have reached the log.
+pub fn scan_lower_bound(attempts: &[AttemptRecord]) -> i64 {
+    attempts.iter().filter(|a| a.state.possibly_in_flight()).map(|a| a.scan_from_offset).min().unwrap_or(0).max(0)
+}
+
+/// Decides the fate of one RECONCILING event.
+///
+/// Invariant: `Retry` is only ever to the frozen destination (there is no
+/// other kind of retry), and only when the lookup proved absence (or the
+/// adapter cannot look up at all and policy allows blind same-destination
+/// retries) *and* no attempt may still be in flight.
+pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, broker_supports_lookup: bool, policy: &RetryPolicy, now_ms: i64) -> ReconcileDecision {
+    let recheck = |reason| ReconcileDecision::Recheck { reason, next_check_at_ms: now_ms.saturating_add(policy.recheck_ms) };
+    let proven_absent = match lookup {
+        LookupOutcome::Found(receipts) if !receipts.is_empty() => return ReconcileDecision::Submit(receipts.clone()),
+        LookupOutcome::Found(_) | LookupOutcome::Absent => true,
+        LookupOutcome::Unavailable(_) => false,
+    };
+    if !proven_absent && broker_supports_lookup {
+        return recheck(RecheckReason::BrokerUnavailable);
+    }
+    let in_flight = attempts.iter().any(|a| a.state.possibly_in_flight() && now_ms.saturating_sub(a.started_at_ms) < policy.in_flight_bound_ms);
+    if in_flight {
+        return recheck(RecheckReason::AttemptInFlight);
+    }
+    if !policy.allow_retry {
+        return recheck(RecheckReason::RetryNotAllowed);
+    }
+    if attempts.len() as u32 >= policy.max_attempts {
+        return recheck(RecheckReason::AttemptsExhausted);
+    }
+    ReconcileDecision::Retry
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::{AttemptId, EventId};
+    use crate::state::AttemptState;
+
+    fn attempt(state: AttemptState, started_at_ms: i64, scan_from_offset: i64) -> AttemptRecord {
+        AttemptRecord {
+            attempt_id: AttemptId::from_parts(1, started_at_ms as u128),
+            event_id: EventId::from_parts(1, 1),
+            envelope_generation: 1,
+            attempt_generation: 1,
+            claim_generation: 1,
+            owner: "w".into(),
+            state,
+            destination_digest: "d".into(),
+            started_at_ms,
+            scan_from_offset,
+        }
+    }
+
+    const P: RetryPolicy = RetryPolicy { allow_retry: true, max_attempts: 3, in_flight_bound_ms: 1_000, recheck_ms: 500 };
+
+    #[test]
+    fn absent_and_settled_retries_same_destination() {
+        let a = [attempt(AttemptState::Unknown, 0, 10)];
+        assert_eq!(decide_reconcile(&a, &LookupOutcome::Absent, true, &P, 5_000), ReconcileDecision::Retry);
+    }
+
+    #[test]
+    fn absent_but_in_flight_waits() {
+        let a = [attempt(AttemptState::Unknown, 4_500, 10)];
+        assert!(matches!(decide_reconcile(&a, &LookupOutcome::Absent, true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::AttemptInFlight, next_check_at_ms: 5_500 }));
+    }
+
+    #[test]
+    fn unavailable_broker_never_retries_when_it_could_answer() {
+        let a = [attempt(AttemptState::Unknown, 0, 10)];
+        assert!(matches!(decide_reconcile(&a, &LookupOutcome::Unavailable("down".into()), true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, .. }));
+    }
+
+    #[test]
+    fn adapter_without_lookup_may_only_retry_same_destination() {
+        let a = [attempt(AttemptState::Unknown, 0, 10)];
+        assert_eq!(decide_reconcile(&a, &LookupOutcome::Unavailable("no lookup".into()), false, &P, 5_000), ReconcileDecision::Retry);
+    }
+
+    #[test]
+    fn budget_and_policy_are_respected() {
+        let a = [attempt(AttemptState::Absent, 0, 0), attempt(AttemptState::Absent, 1, 0), attempt(AttemptState::Unknown, 2, 0)];
+        assert!(matches!(decide_reconcile(&a, &LookupOutcome::Absent, true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::AttemptsExhausted, .. }));
+        let no = RetryPolicy { allow_retry: false, ..P };
+        assert!(matches!(decide_reconcile(&a[..1], &LookupOutcome::Absent, true, &no, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::RetryNotAllowed, .. }));
+    }
+
+    #[test]
+    fn found_is_submitted() {
+        let r = BrokerReceipt {
+            event_id: EventId::from_parts(1, 1),
+            envelope_generation: 1,
+            attempt_id: AttemptId::from_parts(1, 0),
+            payload_digest: "p".into(),
+            destination_digest: "d".into(),
+            cluster_id: "c".into(),
+            topic: "t".into(),
+            partition: 0,
+            offset: 11,
+        };
+        assert_eq!(decide_reconcile(&[], &LookupOutcome::Found(vec![r.clone()]), true, &P, 0), ReconcileDecision::Submit(vec![r]));
+    }
+
+    #[test]
+    fn lower_bound_is_the_smallest_open_attempt_bound() {
+        let a = [attempt(AttemptState::Unknown, 0, 40), attempt(AttemptState::NotSent, 1, 3), attempt(AttemptState::Sending, 2, 25)];
+        assert_eq!(scan_lower_bound(&a), 25);
+        assert_eq!(scan_lower_bound(&[]), 0);
+    }
+}
