@@ -1,0 +1,189 @@
+//! `emit`: the PENDING envelope inserted inside the caller's own transaction.
+
+use outbox_core::{Destination, EmitRequest, Envelope, EventId, RoutePolicy, DEFAULT_MAX_PAYLOAD_BYTES};
+use sqlx::{Postgres, Row, Transaction};
+
+use crate::error::ProducerError;
+use crate::routes;
+
+/// Limits applied by [`emit`].
+#[derive(Debug, Clone, Copy)]
+pub struct EmitOptions {
+    /// Largest accepted payload, bytes.
+    pub max_payload_bytes: usize,
+}
+
+impl Default for EmitOptions {
+    fn default() -> Self {
+        EmitOptions { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES }
+    }
+}
+
+/// What [`emit`] froze (or found frozen by the first try of the command).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Emitted {
+    /// The envelope.
+    pub envelope: Envelope,
+    /// The frozen destination.
+    pub destination: Destination,
+    /// Its digest.
+    pub destination_digest: String,
+    /// `false` when the command key was seen before and nothing was inserted.
+    pub inserted: bool,
+}
+
+impl Emitted {
+    /// The event id.
+    pub fn event_id(&self) -> &EventId {
+        &self.envelope.event_id
+    }
+}
+
+/// Records the intent to publish inside the caller's transaction.
+///
+/// Resolves the current route policy of the event type into a frozen
+/// destination, computes the digests and inserts the PENDING envelope. The
+/// caller's business change and this row commit or roll back together.
+///
+/// A retried command (same `command_key`) returns the first event's identity
+/// and inserts nothing; the same key with a different payload, event type or
+/// aggregate is [`ProducerError::CommandKeyConflict`]. Invalid input is a typed
+/// error and writes nothing.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_core::EmitRequest;
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("INSERT INTO orders (id) VALUES ('o-42')").execute(&mut *tx).await?;
+/// let emitted = outbox_producer::emit(&mut tx, &EmitRequest {
+///     command_key: "create-order-o-42",
+///     tenant: "tenant-7",
+///     aggregate_type: "order",
+///     aggregate_id: "o-42",
+///     aggregate_version: 1,
+///     event_type: "order.created.v2",
+///     payload_schema: "order-v2",
+///     payload: br#"{"order":"o-42"}"#,
+/// }, &Default::default()).await?;
+/// tx.commit().await?;
+/// println!("{}", emitted.event_id());
+/// # Ok(()) }
+/// ```
+pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>, options: &EmitOptions) -> Result<Emitted, ProducerError> {
+    request.validate(options.max_payload_bytes)?;
+
+    if let Some(existing) = existing_for_command(tx, request).await? {
+        return Ok(existing);
+    }
+
+    let policy: RoutePolicy = routes::current(&mut **tx, request.event_type)
+        .await?
+        .ok_or_else(|| ProducerError::NoRoute { event_type: request.event_type.to_owned() })?;
+
+    let last: Option<i64> = sqlx::query_scalar(
+        "SELECT max(aggregate_version) FROM outbox_events WHERE tenant = $1 AND aggregate_type = $2 AND aggregate_id = $3",
+    )
+    .bind(request.tenant)
+    .bind(request.aggregate_type)
+    .bind(request.aggregate_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    if let Some(last) = last.filter(|&l| request.aggregate_version < l) {
+        return Err(ProducerError::AggregateVersionBackwards {
+            aggregate: format!("{}/{}", request.aggregate_type, request.aggregate_id),
+            version: request.aggregate_version,
+            last,
+        });
+    }
+
+    let row = sqlx::query("SELECT pg_current_xact_id()::text::bigint AS txid, (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms")
+        .fetch_one(&mut **tx)
+        .await?;
+    let txid: i64 = row.try_get("txid")?;
+    let now_ms: i64 = row.try_get("now_ms")?;
+    let event_id = EventId::generate(now_ms.max(0) as u64);
+    let (envelope, destination) = request.freeze(event_id, now_ms, txid.max(0) as u64, &policy)?;
+    let destination_digest = destination.digest();
+
+    // A savepoint keeps the caller's transaction usable if a concurrent
+    // transaction won the command key.
+    let inserted = sqlx::query(
+        "INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
+             aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
+             routing_key, ordered, created_at_ms, state_since_ms)
+         VALUES ($1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16)
+         ON CONFLICT (command_key) DO NOTHING",
+    )
+    .bind(envelope.event_id.as_str())
+    .bind(request.command_key)
+    .bind(&envelope.tenant)
+    .bind(&envelope.aggregate_type)
+    .bind(&envelope.aggregate_id)
+    .bind(envelope.aggregate_version)
+    .bind(&envelope.event_type)
+    .bind(request.payload)
+    .bind(&envelope.payload_digest)
+    .bind(&destination_digest)
+    .bind(&destination.cluster_id)
+    .bind(&destination.topic)
+    .bind(destination.partition)
+    .bind(&destination.routing_key)
+    .bind(destination.ordering == outbox_core::Ordering::Key)
+    .bind(now_ms)
+    .execute(&mut **tx)
+    .await?
+    .rows_affected();
+
+    if inserted == 0 {
+        // Another transaction committed the same command key meanwhile.
+        return existing_for_command(tx, request)
+            .await?
+            .ok_or_else(|| ProducerError::Config("command key conflict vanished; retry the transaction".into()));
+    }
+
+    sqlx::query(
+        "INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest,
+             destination_canonical, destination_digest, payload_digest, created_txid, created_at_ms)
+         VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8)",
+    )
+    .bind(envelope.event_id.as_str())
+    .bind(envelope.canonical_bytes())
+    .bind(envelope.digest())
+    .bind(destination.canonical_bytes())
+    .bind(&destination_digest)
+    .bind(&envelope.payload_digest)
+    .bind(txid)
+    .bind(now_ms)
+    .execute(&mut **tx)
+    .await?;
+
+    sqlx::query("SELECT pg_notify('outbox_pending', '')").execute(&mut **tx).await?;
+    tracing::debug!(event_id = %envelope.event_id, topic = %destination.topic, "emitted");
+    Ok(Emitted { envelope, destination, destination_digest, inserted: true })
+}
+
+async fn existing_for_command(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>) -> Result<Option<Emitted>, ProducerError> {
+    let row = sqlx::query(
+        "SELECT e.event_id, e.payload_digest, e.event_type, e.tenant, e.aggregate_type, e.aggregate_id,
+                v.envelope_canonical, v.destination_canonical, v.destination_digest
+         FROM outbox_events e JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = 1
+         WHERE e.command_key = $1",
+    )
+    .bind(request.command_key)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let envelope = Envelope::from_canonical(row.try_get::<Vec<u8>, _>("envelope_canonical")?.as_slice())?;
+    let conflict = |what| ProducerError::CommandKeyConflict { command_key: request.command_key.to_owned(), event_id: envelope.event_id.clone(), what };
+    if envelope.payload_digest != outbox_core::sha256_digest(request.payload) {
+        return Err(conflict("payload"));
+    }
+    if envelope.event_type != request.event_type {
+        return Err(conflict("event type"));
+    }
+    if envelope.tenant != request.tenant || envelope.aggregate_type != request.aggregate_type || envelope.aggregate_id != request.aggregate_id {
+        return Err(conflict("aggregate"));
+    }
+    let destination = Destination::from_canonical(row.try_get::<Vec<u8>, _>("destination_canonical")?.as_slice())?;
+    Ok(Some(Emitted { envelope, destination, destination_digest: row.try_get("destination_digest")?, inserted: false }))
+}

@@ -1,0 +1,809 @@
+//! The PostgreSQL store: claims, attempts, the receipt transaction,
+//! unknown/retry, lease expiry. Every method is one transaction; every
+//! decision is outbox-core's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use outbox_core::claim::{check_fence, validate_lease_ms, Claim, FencedWrite, MAX_CLAIM_BATCH};
+use outbox_core::{
+    decide_receipt, AttemptId, AttemptRecord, AttemptState, BrokerReceipt, ClaimToken, ClaimedEvent, Clock, CoreError, Destination, Envelope,
+    EventId, EventState, FenceOutcome, LockedEvent, OutboxStore, ReceiptDecision, ReceiptOutcome, ReconcileDecision, ReconcileTask, StoreError,
+    SweepOutcome, SystemClock,
+};
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Postgres, Row, Transaction};
+
+use crate::error::store_err;
+
+type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
+/// Largest number of rows one lease sweep touches.
+pub const MAX_SWEEP_ROWS: i64 = 10_000;
+
+/// The PostgreSQL implementation of [`OutboxStore`].
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    clock: Arc<dyn Clock>,
+}
+
+fn parse_id<T: std::str::FromStr<Err = CoreError>>(s: &str) -> Result<T, StoreError> {
+    s.parse().map_err(StoreError::Core)
+}
+
+fn attempt_from_row(r: &PgRow) -> Result<AttemptRecord, StoreError> {
+    let g = |e: sqlx::Error| store_err(e);
+    Ok(AttemptRecord {
+        attempt_id: parse_id(r.try_get::<&str, _>("attempt_id").map_err(g)?)?,
+        event_id: parse_id(r.try_get::<&str, _>("event_id").map_err(g)?)?,
+        envelope_generation: r.try_get::<i32, _>("envelope_generation").map_err(g)? as u32,
+        attempt_generation: r.try_get::<i32, _>("attempt_generation").map_err(g)? as u32,
+        claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
+        owner: r.try_get("owner").map_err(g)?,
+        state: AttemptState::parse(r.try_get("state").map_err(g)?)?,
+        destination_digest: r.try_get("destination_digest").map_err(g)?,
+        started_at_ms: r.try_get("started_at_ms").map_err(g)?,
+        scan_from_offset: r.try_get("scan_from_offset").map_err(g)?,
+    })
+}
+
+fn receipt_from_row(r: &PgRow) -> Result<BrokerReceipt, StoreError> {
+    let g = |e: sqlx::Error| store_err(e);
+    Ok(BrokerReceipt {
+        event_id: parse_id(r.try_get::<&str, _>("event_id").map_err(g)?)?,
+        envelope_generation: r.try_get::<i32, _>("envelope_generation").map_err(g)? as u32,
+        attempt_id: parse_id(r.try_get::<&str, _>("attempt_id").map_err(g)?)?,
+        payload_digest: r.try_get("payload_digest").map_err(g)?,
+        destination_digest: r.try_get("destination_digest").map_err(g)?,
+        cluster_id: r.try_get("cluster_id").map_err(g)?,
+        topic: r.try_get("topic").map_err(g)?,
+        partition: r.try_get("partition").map_err(g)?,
+        offset: r.try_get("offset").map_err(g)?,
+    })
+}
+
+const ATTEMPT_COLUMNS: &str =
+    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset";
+const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, partition, \"offset\"";
+
+impl PgStore {
+    /// A store on `pool` using the system clock.
+    pub fn new(pool: PgPool) -> Self {
+        PgStore { pool, clock: Arc::new(SystemClock) }
+    }
+
+    /// A store whose leases and timestamps follow `clock` (tests, simulations).
+    pub fn with_clock(pool: PgPool, clock: Arc<dyn Clock>) -> Self {
+        PgStore { pool, clock }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The clock's time, ms.
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
+    async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
+        self.pool.begin().await.map_err(store_err)
+    }
+
+    async fn audit(tx: &mut Transaction<'_, Postgres>, event_id: &str, actor: &str, action: &str, detail: serde_json::Value, now: i64) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO outbox_audit (event_id, actor, action, detail, at_ms) VALUES ($1, $2, $3, $4, $5)")
+            .bind(event_id)
+            .bind(actor)
+            .bind(action)
+            .bind(detail)
+            .bind(now)
+            .execute(&mut **tx)
+            .await
+            .map_err(store_err)?;
+        Ok(())
+    }
+
+    /// The claim columns of one event, for explaining a refused fenced write.
+    async fn claim_of(tx: &mut Transaction<'_, Postgres>, event_id: &str) -> Result<Option<(Claim, EventState)>, StoreError> {
+        let row = sqlx::query("SELECT claim_owner, claim_generation, lease_until_ms, claim_attempt_id, state FROM outbox_events WHERE event_id = $1")
+            .bind(event_id)
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_err)?;
+        let Some(r) = row else { return Ok(None) };
+        let attempt: Option<String> = r.try_get("claim_attempt_id").map_err(store_err)?;
+        Ok(Some((
+            Claim {
+                owner: r.try_get("claim_owner").map_err(store_err)?,
+                claim_generation: r.try_get::<i64, _>("claim_generation").map_err(store_err)? as u64,
+                lease_until_ms: r.try_get("lease_until_ms").map_err(store_err)?,
+                attempt_id: attempt.map(|a| parse_id(&a)).transpose()?,
+            },
+            EventState::parse(r.try_get("state").map_err(store_err)?)?,
+        )))
+    }
+
+    /// After a fenced UPDATE touched nothing: `Fenced` (audited) when the
+    /// writer's claim is stale, `NoOp` when the claim is current but there
+    /// was nothing to do.
+    async fn explain_refusal(&self, tx: &mut Transaction<'_, Postgres>, token: &ClaimToken, action: &str, now: i64) -> Result<FenceOutcome, StoreError> {
+        let Some((claim, state)) = Self::claim_of(tx, token.event_id.as_str()).await? else {
+            return Err(StoreError::NotFound(token.event_id.clone()));
+        };
+        match check_fence(&claim, token, FencedWrite::Report, now) {
+            Ok(()) => Ok(FenceOutcome::NoOp),
+            Err(e) => {
+                let detail = serde_json::json!({
+                    "write": action, "owner": token.owner, "writerGeneration": token.claim_generation,
+                    "currentGeneration": claim.claim_generation, "state": state.as_str(), "error": e.to_string(),
+                });
+                Self::audit(tx, token.event_id.as_str(), &token.owner, "stale_write", detail, now).await?;
+                tracing::info!(event_id = %token.event_id, owner = %token.owner, action, "stale claim holder fenced");
+                Ok(FenceOutcome::Fenced)
+            }
+        }
+    }
+
+    async fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<Vec<ClaimedEvent>, StoreError> {
+        rows.iter()
+            .map(|r| {
+                let g = |e: sqlx::Error| store_err(e);
+                let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
+                let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
+                Ok(ClaimedEvent {
+                    token: ClaimToken {
+                        event_id: envelope.event_id.clone(),
+                        owner: r.try_get("claim_owner").map_err(g)?,
+                        claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
+                        lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
+                    },
+                    envelope,
+                    destination,
+                    destination_digest: r.try_get("destination_digest").map_err(g)?,
+                    payload: r.try_get::<Option<Vec<u8>>, _>("payload").map_err(g)?.unwrap_or_default(),
+                    claimed_from: from,
+                })
+            })
+            .collect()
+    }
+
+    /// Registers attempts for many claims in one transaction. Each token is
+    /// fenced on its own; the answer is per token, in order.
+    pub async fn register_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<Result<AttemptRecord, StoreError>>, StoreError> {
+        if tokens.is_empty() {
+            return Ok(vec![]);
+        }
+        let now = self.now_ms();
+        let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
+        let gens: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect();
+        let owners: Vec<&str> = tokens.iter().map(|t| t.owner.as_str()).collect();
+        let attempt_ids: Vec<String> = tokens.iter().map(|_| AttemptId::generate(now.max(0) as u64).to_string()).collect();
+        let mut tx = self.begin().await?;
+        let rows = sqlx::query(&format!(
+            "WITH input AS (SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::text[], $4::text[]) AS t(event_id, gen, owner, attempt_id)),
+             upd AS (
+                UPDATE outbox_events e SET state = 'SENDING', claim_attempt_id = i.attempt_id,
+                       attempt_generation = e.attempt_generation + 1, state_since_ms = $5
+                FROM input i
+                WHERE e.event_id = i.event_id AND e.claim_generation = i.gen AND e.claim_owner = i.owner
+                  AND e.lease_until_ms > $5 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED') AND e.claim_attempt_id IS NULL
+                RETURNING e.event_id, e.envelope_generation, e.attempt_generation, e.destination_digest, e.cluster_id, e.topic,
+                          e.partition, i.attempt_id, i.gen, i.owner)
+             INSERT INTO outbox_attempts ({ATTEMPT_COLUMNS})
+             SELECT u.attempt_id, u.event_id, u.envelope_generation, u.attempt_generation, u.gen, u.owner, 'SENDING',
+                    u.destination_digest, $5,
+                    coalesce((SELECT max(r.\"offset\") + 1 FROM outbox_publish_receipts r
+                              WHERE r.cluster_id = u.cluster_id AND r.topic = u.topic AND r.partition = u.partition), 0)
+             FROM upd u
+             RETURNING {ATTEMPT_COLUMNS}"
+        ))
+        .bind(&ids)
+        .bind(&gens)
+        .bind(&owners)
+        .bind(&attempt_ids)
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_err)?;
+        let mut registered: HashMap<String, AttemptRecord> = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            let a = attempt_from_row(r)?;
+            registered.insert(a.event_id.to_string(), a);
+        }
+        let mut out = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            match registered.remove(t.event_id.as_str()) {
+                Some(a) => out.push(Ok(a)),
+                None => {
+                    let err = match Self::claim_of(&mut tx, t.event_id.as_str()).await? {
+                        None => StoreError::NotFound(t.event_id.clone()),
+                        Some((claim, state)) => match check_fence(&claim, t, FencedWrite::Send, now) {
+                            Err(e) => StoreError::Core(e),
+                            Ok(()) => StoreError::Core(CoreError::IllegalTransition { from: state, to: EventState::Sending }),
+                        },
+                    };
+                    if err.is_fenced() {
+                        let detail = serde_json::json!({ "write": "register_attempt", "writerGeneration": t.claim_generation, "error": err.to_string() });
+                        Self::audit(&mut tx, t.event_id.as_str(), &t.owner, "stale_write", detail, now).await?;
+                    }
+                    out.push(Err(err));
+                }
+            }
+        }
+        tx.commit().await.map_err(store_err)?;
+        Ok(out)
+    }
+
+    /// `acceptDispatchReceipt` for many receipts in one transaction. Rows are
+    /// locked in event-id order; each receipt is decided by
+    /// [`decide_receipt`] against the state the earlier receipts of the same
+    /// batch left.
+    pub async fn accept_dispatch_receipts(&self, receipts: &[BrokerReceipt]) -> Result<Vec<ReceiptOutcome>, StoreError> {
+        if receipts.is_empty() {
+            return Ok(vec![]);
+        }
+        let now = self.now_ms();
+        let mut ids: Vec<&str> = receipts.iter().map(|r| r.event_id.as_str()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut tx = self.begin().await?;
+        let rows = sqlx::query(
+            "SELECT e.event_id, e.envelope_generation, e.state, e.payload_digest, e.destination_digest, v.destination_canonical
+             FROM outbox_events e
+             JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
+             WHERE e.event_id = ANY($1) ORDER BY e.event_id FOR UPDATE OF e",
+        )
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_err)?;
+        let mut events: HashMap<String, LockedEvent> = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            let g = |e: sqlx::Error| store_err(e);
+            let id: String = r.try_get("event_id").map_err(g)?;
+            events.insert(
+                id.clone(),
+                LockedEvent {
+                    event_id: parse_id(&id)?,
+                    envelope_generation: r.try_get::<i32, _>("envelope_generation").map_err(g)? as u32,
+                    state: EventState::parse(r.try_get("state").map_err(g)?)?,
+                    payload_digest: r.try_get("payload_digest").map_err(g)?,
+                    destination_digest: r.try_get("destination_digest").map_err(g)?,
+                    destination: Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?,
+                    slot: None,
+                },
+            );
+        }
+        for r in sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = ANY($1)"))
+            .bind(&ids)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_err)?
+        {
+            let rec = receipt_from_row(&r)?;
+            if let Some(ev) = events.get_mut(rec.event_id.as_str()) {
+                if ev.envelope_generation == rec.envelope_generation {
+                    ev.slot = Some(rec);
+                }
+            }
+        }
+        let mut attempts: HashMap<String, Vec<AttemptRecord>> = HashMap::new();
+        for r in sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = ANY($1) ORDER BY attempt_generation"))
+            .bind(&ids)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_err)?
+        {
+            let a = attempt_from_row(&r)?;
+            attempts.entry(a.event_id.to_string()).or_default().push(a);
+        }
+
+        let mut accepted: Vec<&BrokerReceipt> = Vec::new();
+        let mut duplicates: Vec<&BrokerReceipt> = Vec::new();
+        let mut acked_attempts: Vec<&str> = Vec::new();
+        let mut outcomes = Vec::with_capacity(receipts.len());
+        for receipt in receipts {
+            let Some(ev) = events.get_mut(receipt.event_id.as_str()) else {
+                Self::audit(&mut tx, receipt.event_id.as_str(), "acceptDispatchReceipt", "receipt_for_unknown_event", serde_json::to_value(receipt).unwrap_or_default(), now).await?;
+                outcomes.push(Err(StoreError::NotFound(receipt.event_id.clone())));
+                continue;
+            };
+            let list = attempts.entry(receipt.event_id.to_string()).or_default();
+            let decision = decide_receipt(ev, list, receipt);
+            match &decision {
+                ReceiptDecision::Accept { from } => {
+                    ev.state = from.transition(EventState::Published)?;
+                    ev.slot = Some(receipt.clone());
+                    accepted.push(receipt);
+                    acked_attempts.push(receipt.attempt_id.as_str());
+                    list.iter_mut().filter(|a| a.attempt_id == receipt.attempt_id).for_each(|a| a.state = AttemptState::Acked);
+                }
+                ReceiptDecision::AlreadyAccepted => {}
+                ReceiptDecision::Duplicate => {
+                    duplicates.push(receipt);
+                    acked_attempts.push(receipt.attempt_id.as_str());
+                    list.iter_mut().filter(|a| a.attempt_id == receipt.attempt_id).for_each(|a| a.state = AttemptState::Acked);
+                }
+                ReceiptDecision::Quarantine { reason, move_event } => {
+                    if *move_event {
+                        ev.state = ev.state.transition(EventState::Quarantined)?;
+                        sqlx::query(
+                            "UPDATE outbox_events SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL,
+                                    claim_generation = claim_generation + 1, state_since_ms = $2 WHERE event_id = $1",
+                        )
+                        .bind(receipt.event_id.as_str())
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_err)?;
+                    }
+                    sqlx::query(
+                        "INSERT INTO outbox_quarantine (event_id, envelope_generation, attempt_id, reason, evidence, created_at_ms)
+                         VALUES ($1, $2, $3, $4, $5, $6)",
+                    )
+                    .bind(receipt.event_id.as_str())
+                    .bind(receipt.envelope_generation as i32)
+                    .bind(receipt.attempt_id.as_str())
+                    .bind(serde_json::to_value(reason).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default())
+                    .bind(serde_json::json!({ "receipt": receipt, "frozenPayloadDigest": ev.payload_digest, "frozenDestinationDigest": ev.destination_digest }))
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_err)?;
+                    tracing::warn!(event_id = %receipt.event_id, ?reason, "receipt quarantined");
+                }
+                ReceiptDecision::Reject { reason } => {
+                    Self::audit(&mut tx, receipt.event_id.as_str(), "acceptDispatchReceipt", "receipt_rejected", serde_json::json!({ "reason": reason, "receipt": receipt }), now)
+                        .await?;
+                }
+            }
+            outcomes.push(Ok(ReceiptOutcome { decision, primary: ev.slot.clone(), state: ev.state }));
+        }
+
+        if !accepted.is_empty() {
+            let ev_ids: Vec<&str> = accepted.iter().map(|r| r.event_id.as_str()).collect();
+            sqlx::query(
+                "UPDATE outbox_events SET state = 'PUBLISHED', claim_owner = NULL, lease_until_ms = NULL, unknown_since_ms = NULL,
+                        published_at_ms = $2, state_since_ms = $2
+                 WHERE event_id = ANY($1)",
+            )
+            .bind(&ev_ids)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_err)?;
+            insert_receipts(&mut tx, "outbox_publish_receipts", "accepted_at_ms", &accepted, now, "").await?;
+        }
+        if !duplicates.is_empty() {
+            insert_receipts(
+                &mut tx,
+                "outbox_duplicate_receipts",
+                "received_at_ms",
+                &duplicates,
+                now,
+                "ON CONFLICT (event_id, envelope_generation, cluster_id, topic, partition, \"offset\") DO NOTHING",
+            )
+            .await?;
+        }
+        if !acked_attempts.is_empty() {
+            sqlx::query("UPDATE outbox_attempts SET state = 'ACKED', finished_at_ms = $2 WHERE attempt_id = ANY($1) AND state <> 'ACKED'")
+                .bind(&acked_attempts)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_err)?;
+        }
+        tx.commit().await.map_err(store_err)?;
+        outcomes.into_iter().collect()
+    }
+
+    /// Extends the leases of many live claims; returns, per token, the new
+    /// lease end or `None` when the claim is no longer the holder's.
+    pub async fn renew_leases(&self, tokens: &[ClaimToken], lease_ms: i64) -> Result<Vec<Option<i64>>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        let now = self.now_ms();
+        let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
+        let gens: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect();
+        let owners: Vec<&str> = tokens.iter().map(|t| t.owner.as_str()).collect();
+        let rows = sqlx::query(
+            "UPDATE outbox_events e SET lease_until_ms = $4 + $5
+             FROM UNNEST($1::text[], $2::bigint[], $3::text[]) AS t(event_id, gen, owner)
+             WHERE e.event_id = t.event_id AND e.claim_generation = t.gen AND e.claim_owner = t.owner AND e.lease_until_ms > $4
+               AND e.state IN ('CLAIMED', 'SENDING', 'RETRY_CLAIMED', 'RECONCILING')
+             RETURNING e.event_id, e.lease_until_ms",
+        )
+        .bind(&ids)
+        .bind(&gens)
+        .bind(&owners)
+        .bind(now)
+        .bind(lease_ms)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_err)?;
+        let mut renewed: HashMap<String, i64> = HashMap::new();
+        for r in rows {
+            renewed.insert(r.try_get("event_id").map_err(store_err)?, r.try_get("lease_until_ms").map_err(store_err)?);
+        }
+        Ok(tokens.iter().map(|t| renewed.get(t.event_id.as_str()).copied()).collect())
+    }
+
+    /// Age in ms of the oldest PENDING event, if any.
+    pub async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
+        let now = self.now_ms();
+        let oldest: Option<i64> = sqlx::query_scalar("SELECT min(created_at_ms) FROM outbox_events WHERE state = 'PENDING'")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_err)?;
+        Ok(oldest.map(|o| (now - o).max(0)))
+    }
+
+    /// Counts of events per state.
+    pub async fn state_counts(&self) -> Result<Vec<(EventState, i64)>, StoreError> {
+        let rows = sqlx::query("SELECT state, count(*) AS n FROM outbox_events GROUP BY state ORDER BY state")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_err)?;
+        rows.iter()
+            .map(|r| Ok((EventState::parse(r.try_get("state").map_err(store_err)?)?, r.try_get("n").map_err(store_err)?)))
+            .collect()
+    }
+
+    /// Applies a fenced single-row state change; the UPDATE must carry the
+    /// fence (`claim_generation = $gen AND claim_owner = $owner`) itself.
+    async fn fenced_update<'q>(&self, token: &'q ClaimToken, action: &str, sql: &'q str, extra: impl FnOnce(PgQuery<'q>) -> PgQuery<'q> + Send) -> Result<FenceOutcome, StoreError> {
+        let now = self.now_ms();
+        let mut tx = self.begin().await?;
+        let q = sqlx::query(sql).bind(token.event_id.as_str()).bind(token.claim_generation as i64).bind(token.owner.as_str()).bind(now);
+        let n = extra(q).execute(&mut *tx).await.map_err(store_err)?.rows_affected();
+        let out = if n > 0 { FenceOutcome::Applied } else { self.explain_refusal(&mut tx, token, action, now).await? };
+        tx.commit().await.map_err(store_err)?;
+        Ok(out)
+    }
+}
+
+async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_column: &str, receipts: &[&BrokerReceipt], now: i64, conflict: &str) -> Result<(), StoreError> {
+    let ev: Vec<&str> = receipts.iter().map(|r| r.event_id.as_str()).collect();
+    let gen: Vec<i32> = receipts.iter().map(|r| r.envelope_generation as i32).collect();
+    let att: Vec<&str> = receipts.iter().map(|r| r.attempt_id.as_str()).collect();
+    let pd: Vec<&str> = receipts.iter().map(|r| r.payload_digest.as_str()).collect();
+    let dd: Vec<&str> = receipts.iter().map(|r| r.destination_digest.as_str()).collect();
+    let cl: Vec<&str> = receipts.iter().map(|r| r.cluster_id.as_str()).collect();
+    let tp: Vec<&str> = receipts.iter().map(|r| r.topic.as_str()).collect();
+    let pa: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
+    let of: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
+    sqlx::query(&format!(
+        "INSERT INTO {table} ({RECEIPT_COLUMNS}, {at_column})
+         SELECT *, $10 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int[], $9::bigint[])
+         {conflict}"
+    ))
+    .bind(&ev)
+    .bind(&gen)
+    .bind(&att)
+    .bind(&pd)
+    .bind(&dd)
+    .bind(&cl)
+    .bind(&tp)
+    .bind(&pa)
+    .bind(&of)
+    .bind(now)
+    .execute(&mut **tx)
+    .await
+    .map_err(store_err)?;
+    Ok(())
+}
+
+const CLAIM_RETURNING: &str = "RETURNING e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
+                 e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
+
+#[async_trait]
+impl OutboxStore for PgStore {
+    async fn claim_batch(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        outbox_core::id::validate_identifier("owner", owner)?;
+        let now = self.now_ms();
+        let rows = sqlx::query(&format!(
+            "WITH c AS (
+                SELECT e.event_id FROM outbox_events e
+                WHERE e.state = 'PENDING'
+                  AND (NOT e.ordered OR NOT EXISTS (
+                        SELECT 1 FROM outbox_events p
+                        WHERE p.cluster_id = e.cluster_id AND p.topic = e.topic AND p.routing_key = e.routing_key
+                          AND p.seq < e.seq AND p.state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED')))
+                ORDER BY e.seq LIMIT $1 FOR UPDATE OF e SKIP LOCKED)
+             UPDATE outbox_events e SET state = 'CLAIMED', claim_owner = $2, claim_generation = e.claim_generation + 1,
+                    lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
+             FROM c, outbox_envelopes v
+             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
+             {CLAIM_RETURNING}"
+        ))
+        .bind(limit.min(MAX_CLAIM_BATCH) as i64)
+        .bind(owner)
+        .bind(now)
+        .bind(lease_ms)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_err)?;
+        let mut out = Self::claimed_rows(rows, EventState::Pending).await?;
+        out.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
+        Ok(out)
+    }
+
+    async fn claim_retries(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        outbox_core::id::validate_identifier("owner", owner)?;
+        let now = self.now_ms();
+        let rows = sqlx::query(&format!(
+            "WITH c AS (
+                SELECT event_id FROM outbox_events WHERE state = 'RETRY_CLAIMED' AND claim_owner IS NULL
+                ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
+             UPDATE outbox_events e SET claim_owner = $2, claim_generation = e.claim_generation + 1,
+                    lease_until_ms = $3 + $4, claim_attempt_id = NULL
+             FROM c, outbox_envelopes v
+             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
+             {CLAIM_RETURNING}"
+        ))
+        .bind(limit.min(MAX_CLAIM_BATCH) as i64)
+        .bind(owner)
+        .bind(now)
+        .bind(lease_ms)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_err)?;
+        Self::claimed_rows(rows, EventState::RetryClaimed).await
+    }
+
+    async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError> {
+        self.register_attempts(std::slice::from_ref(token))
+            .await?
+            .pop()
+            .unwrap_or_else(|| Err(StoreError::NotFound(token.event_id.clone())))
+    }
+
+    async fn accept_dispatch_receipt(&self, receipt: &BrokerReceipt) -> Result<ReceiptOutcome, StoreError> {
+        self.accept_dispatch_receipts(std::slice::from_ref(receipt))
+            .await?
+            .pop()
+            .ok_or_else(|| StoreError::NotFound(receipt.event_id.clone()))
+    }
+
+    async fn report_unknown(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
+        self.fenced_update(
+            token,
+            "report_unknown",
+            "WITH ev AS (
+                UPDATE outbox_events SET state = 'DISPATCH_UNKNOWN', claim_owner = NULL, lease_until_ms = NULL,
+                       state_since_ms = $4, unknown_since_ms = coalesce(unknown_since_ms, $4), next_check_at_ms = $4
+                WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'SENDING' AND claim_attempt_id = $5
+                RETURNING event_id)
+             UPDATE outbox_attempts SET state = 'UNKNOWN', detail = $6, finished_at_ms = $4
+             WHERE attempt_id = $5 AND state = 'SENDING' AND EXISTS (SELECT 1 FROM ev)",
+            |q| q.bind(attempt_id.as_str()).bind(detail),
+        )
+        .await
+    }
+
+    async fn report_not_sent(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
+        self.fenced_update(
+            token,
+            "report_not_sent",
+            "WITH ev AS (
+                UPDATE outbox_events SET state = 'PENDING', claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL,
+                       state_since_ms = $4
+                WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'SENDING' AND claim_attempt_id = $5
+                RETURNING event_id)
+             UPDATE outbox_attempts SET state = 'NOT_SENT', detail = $6, finished_at_ms = $4
+             WHERE attempt_id = $5 AND state = 'SENDING' AND EXISTS (SELECT 1 FROM ev)",
+            |q| q.bind(attempt_id.as_str()).bind(detail),
+        )
+        .await
+    }
+
+    async fn release(&self, token: &ClaimToken) -> Result<FenceOutcome, StoreError> {
+        self.fenced_update(
+            token,
+            "release",
+            "UPDATE outbox_events SET state = 'PENDING', claim_owner = NULL, lease_until_ms = NULL, state_since_ms = $4
+             WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'CLAIMED'",
+            |q| q,
+        )
+        .await
+    }
+
+    async fn quarantine_claimed(&self, token: &ClaimToken, reason: &str, evidence: serde_json::Value) -> Result<FenceOutcome, StoreError> {
+        self.fenced_update(
+            token,
+            "quarantine",
+            "WITH ev AS (
+                UPDATE outbox_events SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL, state_since_ms = $4
+                WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state IN ('CLAIMED', 'RETRY_CLAIMED')
+                RETURNING event_id, envelope_generation)
+             INSERT INTO outbox_quarantine (event_id, envelope_generation, reason, evidence, created_at_ms)
+             SELECT event_id, envelope_generation, $5, $6, $4 FROM ev",
+            |q| q.bind(reason).bind(evidence),
+        )
+        .await
+    }
+
+    async fn renew_lease(&self, token: &ClaimToken, lease_ms: i64) -> Result<Option<i64>, StoreError> {
+        Ok(self.renew_leases(std::slice::from_ref(token), lease_ms).await?.pop().flatten())
+    }
+
+    async fn expire_leases(&self) -> Result<SweepOutcome, StoreError> {
+        let now = self.now_ms();
+        let mut tx = self.begin().await?;
+        let rows = sqlx::query(
+            "WITH c AS (
+                SELECT event_id, state AS old_state, claim_attempt_id FROM outbox_events
+                WHERE claim_owner IS NOT NULL AND lease_until_ms <= $1
+                  AND state IN ('CLAIMED', 'SENDING', 'RETRY_CLAIMED', 'RECONCILING')
+                ORDER BY lease_until_ms LIMIT $2 FOR UPDATE SKIP LOCKED),
+             ev AS (
+                UPDATE outbox_events e SET
+                    state = CASE WHEN c.old_state = 'CLAIMED' THEN 'PENDING' ELSE 'DISPATCH_UNKNOWN' END,
+                    claim_generation = e.claim_generation + 1, claim_owner = NULL, lease_until_ms = NULL,
+                    claim_attempt_id = CASE WHEN c.old_state = 'CLAIMED' THEN NULL ELSE e.claim_attempt_id END,
+                    unknown_since_ms = CASE WHEN c.old_state = 'CLAIMED' THEN e.unknown_since_ms ELSE coalesce(e.unknown_since_ms, $1) END,
+                    next_check_at_ms = $1, state_since_ms = $1
+                FROM c WHERE e.event_id = c.event_id
+                RETURNING c.old_state, c.claim_attempt_id),
+             att AS (
+                UPDATE outbox_attempts a SET state = 'UNKNOWN', detail = 'lease expired while sending', finished_at_ms = $1
+                FROM ev WHERE ev.old_state = 'SENDING' AND a.attempt_id = ev.claim_attempt_id AND a.state = 'SENDING')
+             SELECT old_state, count(*) AS n FROM ev GROUP BY old_state",
+        )
+        .bind(now)
+        .bind(MAX_SWEEP_ROWS)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_err)?;
+        tx.commit().await.map_err(store_err)?;
+        let mut out = SweepOutcome::default();
+        for r in rows {
+            let n = r.try_get::<i64, _>("n").map_err(store_err)? as u64;
+            match r.try_get::<&str, _>("old_state").map_err(store_err)? {
+                "CLAIMED" => out.released += n,
+                "SENDING" => out.unknown += n,
+                _ => out.retry_expired += n,
+            }
+        }
+        if out != SweepOutcome::default() {
+            tracing::info!(?out, "expired leases");
+        }
+        Ok(out)
+    }
+
+    async fn begin_reconcile(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ReconcileTask>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        outbox_core::id::validate_identifier("owner", owner)?;
+        let now = self.now_ms();
+        let mut tx = self.begin().await?;
+        let rows = sqlx::query(&format!(
+            "WITH c AS (
+                SELECT event_id FROM outbox_events WHERE state = 'DISPATCH_UNKNOWN' AND next_check_at_ms <= $3
+                ORDER BY next_check_at_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
+             UPDATE outbox_events e SET state = 'RECONCILING', claim_owner = $2, claim_generation = e.claim_generation + 1,
+                    lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
+             FROM c, outbox_envelopes v
+             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
+             {CLAIM_RETURNING}"
+        ))
+        .bind(limit.min(MAX_CLAIM_BATCH) as i64)
+        .bind(owner)
+        .bind(now)
+        .bind(lease_ms)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_err)?;
+        let mut tasks = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let g = |e: sqlx::Error| store_err(e);
+            let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
+            let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
+            let id = envelope.event_id.to_string();
+            let attempts = sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
+                .bind(&id)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(store_err)?
+                .iter()
+                .map(attempt_from_row)
+                .collect::<Result<Vec<_>, _>>()?;
+            let slot = sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = $1 AND envelope_generation = $2"))
+                .bind(&id)
+                .bind(envelope.envelope_generation as i32)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(store_err)?
+                .map(|r| receipt_from_row(&r))
+                .transpose()?;
+            tasks.push(ReconcileTask {
+                token: ClaimToken {
+                    event_id: envelope.event_id.clone(),
+                    owner: r.try_get("claim_owner").map_err(g)?,
+                    claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
+                    lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
+                },
+                event: LockedEvent {
+                    event_id: envelope.event_id.clone(),
+                    envelope_generation: envelope.envelope_generation,
+                    state: EventState::Reconciling,
+                    payload_digest: r.try_get("payload_digest").map_err(g)?,
+                    destination_digest: r.try_get("destination_digest").map_err(g)?,
+                    destination,
+                    slot,
+                },
+                attempts,
+                unknown_since_ms: r.try_get::<Option<i64>, _>("unknown_since_ms").map_err(g)?.unwrap_or(now),
+            });
+        }
+        tx.commit().await.map_err(store_err)?;
+        Ok(tasks)
+    }
+
+    async fn finish_reconcile(&self, token: &ClaimToken, decision: &ReconcileDecision) -> Result<FenceOutcome, StoreError> {
+        match decision {
+            ReconcileDecision::Retry => {
+                self.fenced_update(
+                    token,
+                    "finish_reconcile",
+                    "WITH ev AS (
+                        UPDATE outbox_events SET state = 'RETRY_CLAIMED', claim_owner = NULL, lease_until_ms = NULL, state_since_ms = $4
+                        WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'RECONCILING'
+                        RETURNING event_id)
+                     UPDATE outbox_attempts SET state = 'ABSENT', finished_at_ms = $4, detail = 'proven absent by reconciler'
+                     WHERE event_id = $1 AND state IN ('SENDING', 'UNKNOWN') AND EXISTS (SELECT 1 FROM ev)",
+                    |q| q,
+                )
+                .await
+                .map(|o| if o == FenceOutcome::NoOp { FenceOutcome::Applied } else { o })
+            }
+            ReconcileDecision::Recheck { next_check_at_ms, reason } => {
+                self.fenced_update(
+                    token,
+                    "finish_reconcile",
+                    "UPDATE outbox_events SET state = 'DISPATCH_UNKNOWN', claim_owner = NULL, lease_until_ms = NULL,
+                            next_check_at_ms = $5, state_since_ms = $4
+                     WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'RECONCILING'",
+                    |q| q.bind(*next_check_at_ms),
+                )
+                .await
+                .inspect(|_| tracing::debug!(event_id = %token.event_id, ?reason, "unknown stays unknown"))
+            }
+            ReconcileDecision::Submit(_) => Ok(FenceOutcome::NoOp),
+        }
+    }
+
+    async fn attempts(&self, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError> {
+        sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
+            .bind(event_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_err)?
+            .iter()
+            .map(attempt_from_row)
+            .collect()
+    }
+
+    async fn event_state(&self, event_id: &EventId) -> Result<(EventState, Option<BrokerReceipt>), StoreError> {
+        let row = sqlx::query("SELECT state, envelope_generation FROM outbox_events WHERE event_id = $1")
+            .bind(event_id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_err)?
+            .ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
+        let state = EventState::parse(row.try_get("state").map_err(store_err)?)?;
+        let generation: i32 = row.try_get("envelope_generation").map_err(store_err)?;
+        let slot = sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = $1 AND envelope_generation = $2"))
+            .bind(event_id.as_str())
+            .bind(generation)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_err)?
+            .map(|r| receipt_from_row(&r))
+            .transpose()?;
+        Ok((state, slot))
+    }
+}

@@ -1,0 +1,60 @@
+//! Route policies with generations. A revision is a new generation; events
+//! already emitted keep the destination they froze.
+
+use outbox_core::{Ordering, Partitioner, RoutePolicy};
+use sqlx::{PgExecutor, Row};
+
+use crate::error::ProducerError;
+
+/// The current (highest) generation of the route of `event_type`.
+pub async fn current<'e>(db: impl PgExecutor<'e>, event_type: &str) -> Result<Option<RoutePolicy>, ProducerError> {
+    let row = sqlx::query(
+        "SELECT event_type, generation, cluster_id, topic, partitions, partitioner, key_template, serializer,
+                durability, required_acks, ordering
+         FROM outbox_route_policies WHERE event_type = $1 ORDER BY generation DESC LIMIT 1",
+    )
+    .bind(event_type)
+    .fetch_optional(db)
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    Ok(Some(RoutePolicy {
+        event_type: r.try_get("event_type")?,
+        generation: r.try_get::<i32, _>("generation")? as u32,
+        cluster_id: r.try_get("cluster_id")?,
+        topic: r.try_get("topic")?,
+        partitions: r.try_get::<i32, _>("partitions")? as u32,
+        partitioner: Partitioner::parse(r.try_get("partitioner")?)?,
+        key_template: r.try_get("key_template")?,
+        serializer: r.try_get("serializer")?,
+        durability: r.try_get("durability")?,
+        required_acks: r.try_get("required_acks")?,
+        ordering: Ordering::parse(r.try_get("ordering")?)?,
+    }))
+}
+
+/// Publishes a new generation of the route of `policy.event_type` (the
+/// `generation` field of the argument is ignored) and returns it. Only events
+/// emitted after this commits are affected.
+pub async fn revise<'e>(db: impl PgExecutor<'e>, policy: &RoutePolicy) -> Result<RoutePolicy, ProducerError> {
+    policy.validate()?;
+    let generation: i32 = sqlx::query_scalar(
+        "INSERT INTO outbox_route_policies (event_type, generation, cluster_id, topic, partitions, partitioner,
+             key_template, serializer, durability, required_acks, ordering)
+         SELECT $1, coalesce(max(generation), 0) + 1, $2, $3, $4, $5, $6, $7, $8, $9, $10
+         FROM outbox_route_policies WHERE event_type = $1
+         RETURNING generation",
+    )
+    .bind(&policy.event_type)
+    .bind(&policy.cluster_id)
+    .bind(&policy.topic)
+    .bind(policy.partitions as i32)
+    .bind(policy.partitioner.as_str())
+    .bind(&policy.key_template)
+    .bind(&policy.serializer)
+    .bind(&policy.durability)
+    .bind(&policy.required_acks)
+    .bind(policy.ordering.as_str())
+    .fetch_one(db)
+    .await?;
+    Ok(RoutePolicy { generation: generation as u32, ..policy.clone() })
+}
