@@ -35,6 +35,7 @@
 
 pub mod canonical;
 pub mod claim;
+pub mod conformance;
 pub mod envelope;
 pub mod error;
 pub mod headers;

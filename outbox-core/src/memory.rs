@@ -176,6 +176,7 @@ impl MemoryStore {
             destination_digest: ev.destination_digest.clone(),
             payload: ev.payload.clone(),
             claimed_from: from,
+            traceparent: None,
         }
     }
 
@@ -501,10 +502,10 @@ impl OutboxStore for MemoryStore {
                 return Ok(FenceOutcome::NoOp);
             }
             match decision {
-                ReconcileDecision::Retry => {
+                ReconcileDecision::Retry { proven_absent } => {
                     Self::transition(ev, EventState::RetryClaimed, now)?;
                     for a in st.attempts.entry(token.event_id.clone()).or_default().iter_mut() {
-                        if a.state.possibly_in_flight() {
+                        if *proven_absent && a.state.possibly_in_flight() {
                             a.state = AttemptState::Absent;
                         }
                     }

@@ -49,9 +49,15 @@ pub enum ReconcileDecision {
     /// Found in the broker: submit every receipt through `acceptDispatchReceipt`
     /// (which accepts, keeps duplicates and quarantines divergence).
     Submit(Vec<BrokerReceipt>),
-    /// Proven absent with nothing in flight: RETRY_CLAIMED to the same frozen
-    /// destination; the open attempts close as ABSENT.
-    Retry,
+    /// Nothing in flight and either proven absent, or the adapter cannot look
+    /// up and policy allows a blind same-destination retry: RETRY_CLAIMED to
+    /// the same frozen destination. Open attempts close as ABSENT only when
+    /// `proven_absent`; otherwise they stay UNKNOWN, so a late genuine ACK of
+    /// theirs still converges (as the primary or a duplicate receipt).
+    Retry {
+        /// Whether a lookup proved the frozen partition holds no message of the event.
+        proven_absent: bool,
+    },
     /// Nothing provable now: back to DISPATCH_UNKNOWN, look again at `next_check_at_ms`.
     Recheck {
         /// Why.
@@ -93,7 +99,7 @@ pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, brok
     if attempts.len() as u32 >= policy.max_attempts {
         return recheck(RecheckReason::AttemptsExhausted);
     }
-    ReconcileDecision::Retry
+    ReconcileDecision::Retry { proven_absent }
 }
 
 #[cfg(test)]
@@ -122,7 +128,7 @@ mod tests {
     #[test]
     fn absent_and_settled_retries_same_destination() {
         let a = [attempt(AttemptState::Unknown, 0, 10)];
-        assert_eq!(decide_reconcile(&a, &LookupOutcome::Absent, true, &P, 5_000), ReconcileDecision::Retry);
+        assert_eq!(decide_reconcile(&a, &LookupOutcome::Absent, true, &P, 5_000), ReconcileDecision::Retry { proven_absent: true });
     }
 
     #[test]
@@ -140,7 +146,7 @@ mod tests {
     #[test]
     fn adapter_without_lookup_may_only_retry_same_destination() {
         let a = [attempt(AttemptState::Unknown, 0, 10)];
-        assert_eq!(decide_reconcile(&a, &LookupOutcome::Unavailable("no lookup".into()), false, &P, 5_000), ReconcileDecision::Retry);
+        assert_eq!(decide_reconcile(&a, &LookupOutcome::Unavailable("no lookup".into()), false, &P, 5_000), ReconcileDecision::Retry { proven_absent: false });
     }
 
     #[test]

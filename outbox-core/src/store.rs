@@ -63,6 +63,8 @@ pub struct ClaimedEvent {
     pub payload: Vec<u8>,
     /// The state the claim was granted from (PENDING, or RETRY_CLAIMED for a reconciler's retry).
     pub claimed_from: EventState,
+    /// W3C trace context recorded at emit, if any.
+    pub traceparent: Option<String>,
 }
 
 /// The answer of a fenced write.
@@ -118,6 +120,29 @@ pub trait OutboxStore: Send + Sync {
 
     /// The single acceptance point (SPEC §5).
     async fn accept_dispatch_receipt(&self, receipt: &BrokerReceipt) -> Result<ReceiptOutcome, StoreError>;
+
+    /// Registers attempts for many claims; the answer is per token, in order.
+    /// Stores may do this in one transaction; each token is fenced on its own.
+    async fn register_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<Result<AttemptRecord, StoreError>>, StoreError> {
+        let mut out = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            match self.register_attempt(t).await {
+                Err(e) if !e.is_fenced() && !matches!(e, StoreError::Core(_)) => return Err(e),
+                r => out.push(r),
+            }
+        }
+        Ok(out)
+    }
+
+    /// `acceptDispatchReceipt` for many receipts; stores may batch them in
+    /// one transaction, each still decided by the same rule.
+    async fn accept_dispatch_receipts(&self, receipts: &[BrokerReceipt]) -> Result<Vec<ReceiptOutcome>, StoreError> {
+        let mut out = Vec::with_capacity(receipts.len());
+        for r in receipts {
+            out.push(self.accept_dispatch_receipt(r).await?);
+        }
+        Ok(out)
+    }
 
     /// The send's outcome is unknown: attempt UNKNOWN, event DISPATCH_UNKNOWN.
     async fn report_unknown(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError>;

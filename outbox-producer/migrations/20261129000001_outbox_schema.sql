@@ -63,6 +63,7 @@ CREATE TABLE outbox_events (
     aggregate_id        text NOT NULL,
     aggregate_version   bigint NOT NULL CHECK (aggregate_version >= 0),
     event_type          text NOT NULL,
+    traceparent         text CHECK (traceparent IS NULL OR traceparent ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'),
     payload             bytea CHECK (payload IS NULL OR octet_length(payload) > 0),
     payload_digest      text NOT NULL CHECK (payload_digest ~ '^sha256:[0-9a-f]{64}$'),
     destination_digest  text NOT NULL CHECK (destination_digest ~ '^sha256:[0-9a-f]{64}$'),

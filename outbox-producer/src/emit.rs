@@ -7,16 +7,27 @@ use crate::error::ProducerError;
 use crate::routes;
 
 /// Limits applied by [`emit`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct EmitOptions {
     /// Largest accepted payload, bytes.
     pub max_payload_bytes: usize,
+    /// The W3C `traceparent` of the request that committed the business
+    /// change; the dispatcher sends it as a header so the trace continues
+    /// through the broker.
+    pub traceparent: Option<String>,
 }
 
 impl Default for EmitOptions {
     fn default() -> Self {
-        EmitOptions { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES }
+        EmitOptions { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES, traceparent: None }
     }
+}
+
+/// Whether `s` has the W3C `traceparent` form `vv-<32 hex>-<16 hex>-ff`.
+pub fn is_traceparent(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('-').collect();
+    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    parts.len() == 4 && hex(parts[0], 2) && hex(parts[1], 32) && hex(parts[2], 16) && hex(parts[3], 2)
 }
 
 /// What [`emit`] froze (or found frozen by the first try of the command).
@@ -71,6 +82,9 @@ impl Emitted {
 /// ```
 pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>, options: &EmitOptions) -> Result<Emitted, ProducerError> {
     request.validate(options.max_payload_bytes)?;
+    if let Some(tp) = options.traceparent.as_deref().filter(|tp| !is_traceparent(tp)) {
+        return Err(outbox_core::CoreError::MalformedIdentifier { field: "traceparent", reason: format!("{tp:?} is not a W3C traceparent") }.into());
+    }
 
     if let Some(existing) = existing_for_command(tx, request).await? {
         return Ok(existing);
@@ -110,8 +124,8 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
     let inserted = sqlx::query(
         "INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
              aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
-             routing_key, ordered, created_at_ms, state_since_ms)
-         VALUES ($1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16)
+             routing_key, ordered, created_at_ms, state_since_ms, traceparent)
+         VALUES ($1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16, $17)
          ON CONFLICT (command_key) DO NOTHING",
     )
     .bind(envelope.event_id.as_str())
@@ -130,6 +144,7 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
     .bind(&destination.routing_key)
     .bind(destination.ordering == outbox_core::Ordering::Key)
     .bind(now_ms)
+    .bind(options.traceparent.as_deref())
     .execute(&mut **tx)
     .await?
     .rows_affected();

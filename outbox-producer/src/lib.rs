@@ -14,15 +14,19 @@
 //! transaction, unknown/retry), the dispatcher loop, and the Kafka adapter.
 #![warn(missing_docs)]
 
+pub mod dispatcher;
 pub mod emit;
 pub mod error;
 pub mod kafka;
 pub mod pg;
+pub mod reconciler;
 pub mod routes;
 
+pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch};
 pub use emit::{emit, EmitOptions, Emitted};
 pub use error::ProducerError;
 pub use pg::PgStore;
+pub use reconciler::{Reconciler, ReconcilerConfig, ResolveReport};
 
 /// The producer's schema migrations (outbox tables, route policies, consumer registry).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();

@@ -27,6 +27,7 @@ pub const MAX_SWEEP_ROWS: i64 = 10_000;
 pub struct PgStore {
     pool: PgPool,
     clock: Arc<dyn Clock>,
+    cluster_scope: Option<String>,
 }
 
 fn parse_id<T: std::str::FromStr<Err = CoreError>>(s: &str) -> Result<T, StoreError> {
@@ -71,12 +72,19 @@ const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payloa
 impl PgStore {
     /// A store on `pool` using the system clock.
     pub fn new(pool: PgPool) -> Self {
-        PgStore { pool, clock: Arc::new(SystemClock) }
+        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None }
     }
 
     /// A store whose leases and timestamps follow `clock` (tests, simulations).
     pub fn with_clock(pool: PgPool, clock: Arc<dyn Clock>) -> Self {
-        PgStore { pool, clock }
+        PgStore { pool, clock, cluster_scope: None }
+    }
+
+    /// Restricts claims to events frozen for `cluster_id`: a dispatcher
+    /// connected to one cluster never claims another cluster's events.
+    pub fn scoped_to_cluster(mut self, cluster_id: impl Into<String>) -> Self {
+        self.cluster_scope = Some(cluster_id.into());
+        self
     }
 
     /// The pool.
@@ -165,6 +173,7 @@ impl PgStore {
                     destination_digest: r.try_get("destination_digest").map_err(g)?,
                     payload: r.try_get::<Option<Vec<u8>>, _>("payload").map_err(g)?.unwrap_or_default(),
                     claimed_from: from,
+                    traceparent: r.try_get("traceparent").map_err(g)?,
                 })
             })
             .collect()
@@ -172,7 +181,7 @@ impl PgStore {
 
     /// Registers attempts for many claims in one transaction. Each token is
     /// fenced on its own; the answer is per token, in order.
-    pub async fn register_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<Result<AttemptRecord, StoreError>>, StoreError> {
+    async fn register_attempts_tx(&self, tokens: &[ClaimToken]) -> Result<Vec<Result<AttemptRecord, StoreError>>, StoreError> {
         if tokens.is_empty() {
             return Ok(vec![]);
         }
@@ -241,7 +250,7 @@ impl PgStore {
     /// locked in event-id order; each receipt is decided by
     /// [`decide_receipt`] against the state the earlier receipts of the same
     /// batch left.
-    pub async fn accept_dispatch_receipts(&self, receipts: &[BrokerReceipt]) -> Result<Vec<ReceiptOutcome>, StoreError> {
+    async fn accept_dispatch_receipts_tx(&self, receipts: &[BrokerReceipt]) -> Result<Vec<ReceiptOutcome>, StoreError> {
         if receipts.is_empty() {
             return Ok(vec![]);
         }
@@ -495,7 +504,7 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     Ok(())
 }
 
-const CLAIM_RETURNING: &str = "RETURNING e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
+const CLAIM_RETURNING: &str = "RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
 #[async_trait]
@@ -507,7 +516,7 @@ impl OutboxStore for PgStore {
         let rows = sqlx::query(&format!(
             "WITH c AS (
                 SELECT e.event_id FROM outbox_events e
-                WHERE e.state = 'PENDING'
+                WHERE e.state = 'PENDING' AND ($5::text IS NULL OR e.cluster_id = $5)
                   AND (NOT e.ordered OR NOT EXISTS (
                         SELECT 1 FROM outbox_events p
                         WHERE p.cluster_id = e.cluster_id AND p.topic = e.topic AND p.routing_key = e.routing_key
@@ -523,6 +532,7 @@ impl OutboxStore for PgStore {
         .bind(owner)
         .bind(now)
         .bind(lease_ms)
+        .bind(self.cluster_scope.as_deref())
         .fetch_all(&self.pool)
         .await
         .map_err(store_err)?;
@@ -538,6 +548,7 @@ impl OutboxStore for PgStore {
         let rows = sqlx::query(&format!(
             "WITH c AS (
                 SELECT event_id FROM outbox_events WHERE state = 'RETRY_CLAIMED' AND claim_owner IS NULL
+                  AND ($5::text IS NULL OR cluster_id = $5)
                 ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
              UPDATE outbox_events e SET claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL
@@ -549,6 +560,7 @@ impl OutboxStore for PgStore {
         .bind(owner)
         .bind(now)
         .bind(lease_ms)
+        .bind(self.cluster_scope.as_deref())
         .fetch_all(&self.pool)
         .await
         .map_err(store_err)?;
@@ -556,17 +568,25 @@ impl OutboxStore for PgStore {
     }
 
     async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError> {
-        self.register_attempts(std::slice::from_ref(token))
+        self.register_attempts_tx(std::slice::from_ref(token))
             .await?
             .pop()
             .unwrap_or_else(|| Err(StoreError::NotFound(token.event_id.clone())))
     }
 
     async fn accept_dispatch_receipt(&self, receipt: &BrokerReceipt) -> Result<ReceiptOutcome, StoreError> {
-        self.accept_dispatch_receipts(std::slice::from_ref(receipt))
+        self.accept_dispatch_receipts_tx(std::slice::from_ref(receipt))
             .await?
             .pop()
             .ok_or_else(|| StoreError::NotFound(receipt.event_id.clone()))
+    }
+
+    async fn register_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<Result<AttemptRecord, StoreError>>, StoreError> {
+        self.register_attempts_tx(tokens).await
+    }
+
+    async fn accept_dispatch_receipts(&self, receipts: &[BrokerReceipt]) -> Result<Vec<ReceiptOutcome>, StoreError> {
+        self.accept_dispatch_receipts_tx(receipts).await
     }
 
     async fn report_unknown(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
@@ -745,20 +765,21 @@ impl OutboxStore for PgStore {
 
     async fn finish_reconcile(&self, token: &ClaimToken, decision: &ReconcileDecision) -> Result<FenceOutcome, StoreError> {
         match decision {
-            ReconcileDecision::Retry => {
+            ReconcileDecision::Retry { proven_absent } => {
                 self.fenced_update(
                     token,
                     "finish_reconcile",
                     "WITH ev AS (
                         UPDATE outbox_events SET state = 'RETRY_CLAIMED', claim_owner = NULL, lease_until_ms = NULL, state_since_ms = $4
                         WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'RECONCILING'
-                        RETURNING event_id)
-                     UPDATE outbox_attempts SET state = 'ABSENT', finished_at_ms = $4, detail = 'proven absent by reconciler'
-                     WHERE event_id = $1 AND state IN ('SENDING', 'UNKNOWN') AND EXISTS (SELECT 1 FROM ev)",
-                    |q| q,
+                        RETURNING event_id),
+                     att AS (
+                        UPDATE outbox_attempts SET state = 'ABSENT', finished_at_ms = $4, detail = 'proven absent by reconciler'
+                        WHERE $5 AND event_id = $1 AND state IN ('SENDING', 'UNKNOWN') AND EXISTS (SELECT 1 FROM ev))
+                     SELECT event_id FROM ev",
+                    move |q| q.bind(*proven_absent),
                 )
                 .await
-                .map(|o| if o == FenceOutcome::NoOp { FenceOutcome::Applied } else { o })
             }
             ReconcileDecision::Recheck { next_check_at_ms, reason } => {
                 self.fenced_update(

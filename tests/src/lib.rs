@@ -50,3 +50,147 @@ pub fn order_request<'a>(command_key: &'a str, id: &'a str, payload: &'a [u8]) -
         payload,
     }
 }
+
+pub mod kafka {
+    //! Kafka-side helpers: an in-process Kafka-protocol cluster (librdkafka's
+    //! mock cluster) or an external one from `OUTBOX_TEST_KAFKA_BOOTSTRAP`,
+    //! and a reader of a whole topic.
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use outbox_core::{Broker, Destination, EventId, LookupOutcome, OutgoingMessage, SendOutcome};
+    use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::{Headers, Message};
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::producer::DefaultProducerContext;
+    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    /// A broker for one test: the in-process mock cluster (kept alive by this value).
+    pub struct TestCluster {
+        /// The mock cluster; `None` when an external cluster is used.
+        pub mock: Option<MockCluster<'static, DefaultProducerContext>>,
+        /// Bootstrap servers.
+        pub bootstrap: String,
+    }
+
+    impl TestCluster {
+        /// Starts a 1-broker mock cluster, or uses `OUTBOX_TEST_KAFKA_BOOTSTRAP`.
+        pub fn start() -> Self {
+            if let Ok(b) = std::env::var("OUTBOX_TEST_KAFKA_BOOTSTRAP") {
+                return TestCluster { mock: None, bootstrap: b };
+            }
+            let mock = MockCluster::new(1).expect("mock cluster");
+            let bootstrap = mock.bootstrap_servers();
+            TestCluster { mock: Some(mock), bootstrap }
+        }
+
+        /// Creates a topic (mock) — an external cluster must have it already
+        /// or auto-create it.
+        pub fn topic(&self, name: &str, partitions: i32) {
+            if let Some(m) = &self.mock {
+                m.create_topic(name, partitions, 1).expect("create topic");
+            }
+        }
+
+        /// A producer adapter with a message timeout.
+        pub async fn broker(&self, message_timeout_ms: u64) -> Arc<KafkaBroker> {
+            let mut cfg = KafkaConfig::new(self.bootstrap.clone());
+            cfg.message_timeout_ms = message_timeout_ms;
+            cfg.request_timeout_ms = message_timeout_ms.min(cfg.request_timeout_ms);
+            cfg.lookup_timeout_ms = 10_000;
+            Arc::new(KafkaBroker::connect(cfg).await.expect("connect broker"))
+        }
+    }
+
+    /// One message read back from the log.
+    #[derive(Debug, Clone)]
+    pub struct LogMessage {
+        /// Partition.
+        pub partition: i32,
+        /// Offset.
+        pub offset: i64,
+        /// Key.
+        pub key: Vec<u8>,
+        /// Payload.
+        pub payload: Vec<u8>,
+        /// Headers.
+        pub headers: Vec<(String, Vec<u8>)>,
+    }
+
+    impl LogMessage {
+        /// The value of a header as text.
+        pub fn header(&self, name: &str) -> Option<String> {
+            self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        }
+    }
+
+    /// Reads every message of `topic` (all `partitions`) up to the high watermarks.
+    pub fn read_topic(bootstrap: &str, topic: &str, partitions: i32) -> Vec<LogMessage> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap)
+            .set("group.id", format!("reader-{}", rand_suffix()))
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("reader");
+        let mut out = Vec::new();
+        for p in 0..partitions {
+            let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).expect("watermarks");
+            if high <= low {
+                continue;
+            }
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(topic, p, Offset::Offset(low)).expect("tpl");
+            consumer.assign(&tpl).expect("assign");
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            let mut next = low;
+            while next < high && std::time::Instant::now() < deadline {
+                if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+                    if m.partition() != p {
+                        continue;
+                    }
+                    next = m.offset() + 1;
+                    let headers = m
+                        .headers()
+                        .map(|h| h.iter().map(|x| (x.key.to_owned(), x.value.map(|v| v.to_vec()).unwrap_or_default())).collect())
+                        .unwrap_or_default();
+                    out.push(LogMessage {
+                        partition: p,
+                        offset: m.offset(),
+                        key: m.key().map(|k| k.to_vec()).unwrap_or_default(),
+                        payload: m.payload().map(|k| k.to_vec()).unwrap_or_default(),
+                        headers,
+                    });
+                }
+            }
+            assert!(next >= high, "could not read {topic}/{p} up to {high}");
+        }
+        out
+    }
+
+    fn rand_suffix() -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0) ^ (std::process::id() as u64)
+    }
+
+    /// A broker adapter that cannot look anything up: the reconciler may then
+    /// only retry to the same frozen destination (SPEC §6).
+    pub struct NoLookup<B>(pub Arc<B>);
+
+    #[async_trait]
+    impl<B: Broker> Broker for NoLookup<B> {
+        fn cluster_id(&self) -> &str {
+            self.0.cluster_id()
+        }
+        async fn send(&self, message: OutgoingMessage) -> SendOutcome {
+            self.0.send(message).await
+        }
+        fn supports_lookup(&self) -> bool {
+            false
+        }
+        async fn lookup(&self, _: &Destination, _: &EventId, _: i64) -> LookupOutcome {
+            LookupOutcome::Unavailable("no lookup".into())
+        }
+    }
+}

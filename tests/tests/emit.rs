@@ -132,7 +132,7 @@ async fn same_command_key_from_two_connections_gives_one_event(pool: PgPool) {
 async fn bad_input_is_a_typed_error_and_writes_nothing(pool: PgPool) {
     setup(&pool).await;
     create_order(&pool, "o-1", 1).await; // version 1 of o-1
-    let small = EmitOptions { max_payload_bytes: 16 };
+    let small = EmitOptions { max_payload_bytes: 16, ..Default::default() };
     let big = vec![b'x'; 17];
     let base = || EmitRequest { aggregate_version: 3, ..order_request("k-1", "o-1", b"{}") };
     let cases: Vec<(EmitRequest<'_>, fn(&ProducerError) -> bool)> = vec![

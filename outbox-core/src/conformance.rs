@@ -1,0 +1,480 @@
+//! One conformance suite, run against every [`OutboxStore`].
+//!
+//! The same scenarios run against the in-memory store (in `outbox-sim`'s
+//! tests) and against the PostgreSQL store, so both are held to the same
+//! protocol: claims and fencing (SPEC §4), the single acceptance point
+//! (SPEC §5), unknown outcomes and reconciliation (SPEC §3, §6) and per-key
+//! ordering.
+//!
+//! A store plugs in through a small [`Harness`]: it emits events (the
+//! business transaction and the PENDING envelope), can tamper with a stored
+//! payload, and owns the clock the store reads. Every scenario creates its own
+//! events under unique command keys and aggregate ids, so scenarios may share
+//! one store (and one database) with each other and with leftovers of earlier
+//! runs: claims and reconcile batches that pick up foreign events hand them
+//! back untouched (release, or recheck far in the future).
+//!
+//! ```ignore
+//! let results = outbox_core::conformance::run_all(&harness).await;
+//! for (name, r) in &results { assert!(r.is_ok(), "{name}: {r:?}"); }
+//! ```
+
+use async_trait::async_trait;
+
+use crate::canonical::sha256_digest;
+use crate::claim::ClaimToken;
+use crate::id::{AttemptId, EventId};
+use crate::receipt::{AttemptRecord, BrokerReceipt, QuarantineReason, ReceiptDecision, RejectReason};
+use crate::reconcile::{decide_reconcile, RecheckReason, ReconcileDecision, RetryPolicy};
+use crate::state::{AttemptState, EventState};
+use crate::store::{ClaimedEvent, FenceOutcome, LookupOutcome, OutboxStore, ReconcileTask};
+
+/// Lease every scenario asks for.
+pub const LEASE_MS: i64 = 1_000;
+
+/// The reconcile policy of the scenarios: attempts older than
+/// [`RetryPolicy::in_flight_bound_ms`] are settled.
+pub const POLICY: RetryPolicy = RetryPolicy { allow_retry: true, max_attempts: 10, in_flight_bound_ms: 5_000, recheck_ms: 1_000 };
+
+/// How a store plugs into the suite.
+#[async_trait]
+pub trait Harness: Send + Sync {
+    /// The store under test.
+    type Store: OutboxStore;
+
+    /// The store under test.
+    fn store(&self) -> &Self::Store;
+
+    /// Runs a business command with idempotency key `command_key` that
+    /// commits a PENDING event for aggregate `order/{aggregate_id}` with
+    /// `payload`, in one transaction, under one route policy with per-key
+    /// ordering. A second call with the same key returns the first event id.
+    async fn emit(&self, command_key: &str, aggregate_id: &str, payload: &[u8]) -> EventId;
+
+    /// Overwrites the stored payload bytes of an event, leaving its frozen
+    /// digest as it was (corruption, a bad migration script...).
+    async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]);
+
+    /// The store's clock, ms since the epoch.
+    fn now_ms(&self) -> i64;
+
+    /// Moves the store's clock forward.
+    fn advance_ms(&self, ms: i64);
+}
+
+/// A scenario's verdict.
+pub type Verdict = Result<(), String>;
+
+/// Runs every scenario in order and returns each one's name and verdict.
+pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
+    let run = format!("{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
+    let ctx = |name: &'static str| Ctx { h, prefix: format!("conf-{run}-{name}") };
+    vec![
+        ("claim_register_accept_publishes", claim_register_accept_publishes(&ctx("publish")).await),
+        ("second_claimer_is_fenced", second_claimer_is_fenced(&ctx("second")).await),
+        ("stale_writer_after_lease_expiry_changes_nothing", stale_writer_after_lease_expiry(&ctx("stale")).await),
+        ("old_and_new_attempt_acked_one_primary_one_duplicate", old_and_new_attempt_acked(&ctx("both")).await),
+        ("divergent_payload_receipt_quarantines", divergent_payload_receipt_quarantines(&ctx("diverge")).await),
+        ("unregistered_attempt_is_rejected", unregistered_attempt_is_rejected(&ctx("unreg")).await),
+        ("same_receipt_twice_same_answer", same_receipt_twice_same_answer(&ctx("twice")).await),
+        ("not_sent_is_pending_again_same_destination", not_sent_is_pending_again(&ctx("notsent")).await),
+        ("lease_expiry_while_sending_is_unknown", lease_expiry_while_sending_is_unknown(&ctx("expiry")).await),
+        ("per_key_ordering_holds_the_second_event", per_key_ordering(&ctx("order")).await),
+        ("reconcile_absent_retries_same_destination", reconcile_absent_retries_same_destination(&ctx("retry")).await),
+        ("reconcile_found_publishes_through_the_slot", reconcile_found_publishes(&ctx("found")).await),
+        ("tampered_payload_is_quarantined_unsent", tampered_payload_is_quarantined(&ctx("tamper")).await),
+    ]
+}
+
+struct Ctx<'a, H> {
+    h: &'a H,
+    prefix: String,
+}
+
+fn ensure(cond: bool, what: impl FnOnce() -> String) -> Verdict {
+    if cond {
+        Ok(())
+    } else {
+        Err(what())
+    }
+}
+
+fn eq<T: PartialEq + std::fmt::Debug>(what: &str, got: T, want: T) -> Verdict {
+    ensure(got == want, || format!("{what}: got {got:?}, want {want:?}"))
+}
+
+fn err<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+impl<H: Harness> Ctx<'_, H> {
+    fn s(&self) -> &H::Store {
+        self.h.store()
+    }
+
+    async fn emit(&self, n: u32, aggregate: &str) -> EventId {
+        let key = format!("{}-cmd{n}", self.prefix);
+        let agg = format!("{}-{aggregate}", self.prefix);
+        self.h.emit(&key, &agg, format!("{{\"scenario\":\"{}\",\"n\":{n}}}", self.prefix).as_bytes()).await
+    }
+
+    /// Claims until `id` is among the claimed events; every other event
+    /// claimed on the way is released afterwards. `Ok(None)` when `id` is not claimable.
+    async fn claim(&self, owner: &str, id: &EventId) -> Result<Option<ClaimedEvent>, String> {
+        let mut found = None;
+        let mut foreign = Vec::new();
+        for _ in 0..64 {
+            let batch = self.s().claim_batch(owner, 16, LEASE_MS).await.map_err(err("claim_batch"))?;
+            if batch.is_empty() {
+                break;
+            }
+            for ce in batch {
+                if &ce.token.event_id == id {
+                    found = Some(ce);
+                } else {
+                    foreign.push(ce.token);
+                }
+            }
+            if found.is_some() {
+                break;
+            }
+        }
+        for token in &foreign {
+            self.s().release(token).await.map_err(err("release of a foreign claim"))?;
+        }
+        Ok(found)
+    }
+
+    async fn claim_some(&self, owner: &str, id: &EventId) -> Result<ClaimedEvent, String> {
+        self.claim(owner, id).await?.ok_or_else(|| format!("{id} was not claimable"))
+    }
+
+    /// Takes over `id`'s retry claim; foreign retry claims are left to expire.
+    async fn claim_retry(&self, owner: &str, id: &EventId) -> Result<ClaimedEvent, String> {
+        for _ in 0..64 {
+            let batch = self.s().claim_retries(owner, 16, LEASE_MS).await.map_err(err("claim_retries"))?;
+            if batch.is_empty() {
+                break;
+            }
+            if let Some(ce) = batch.into_iter().find(|ce| &ce.token.event_id == id) {
+                return Ok(ce);
+            }
+        }
+        Err(format!("{id}'s retry claim was not offered"))
+    }
+
+    /// Begins reconciling `id`; other due events are put back with a recheck far ahead.
+    async fn reconcile(&self, owner: &str, id: &EventId) -> Result<ReconcileTask, String> {
+        let mut found = None;
+        for _ in 0..64 {
+            let tasks = self.s().begin_reconcile(owner, 16, LEASE_MS).await.map_err(err("begin_reconcile"))?;
+            if tasks.is_empty() {
+                break;
+            }
+            for t in tasks {
+                if &t.token.event_id == id {
+                    found = Some(t);
+                } else {
+                    let later = ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: self.h.now_ms() + 3_600_000 };
+                    self.s().finish_reconcile(&t.token, &later).await.map_err(err("finish_reconcile of a foreign task"))?;
+                }
+            }
+            if found.is_some() {
+                break;
+            }
+        }
+        found.ok_or_else(|| format!("{id} was not offered for reconciliation"))
+    }
+
+    async fn register(&self, token: &ClaimToken) -> Result<AttemptRecord, String> {
+        self.s().register_attempt(token).await.map_err(err("register_attempt"))
+    }
+
+    async fn state(&self, id: &EventId) -> Result<(EventState, Option<BrokerReceipt>), String> {
+        self.s().event_state(id).await.map_err(err("event_state"))
+    }
+
+    async fn expect_state(&self, id: &EventId, want: EventState) -> Verdict {
+        eq("event state", self.state(id).await?.0, want)
+    }
+
+    async fn attempts(&self, id: &EventId) -> Result<Vec<AttemptRecord>, String> {
+        self.s().attempts(id).await.map_err(err("attempts"))
+    }
+
+    async fn accept(&self, r: &BrokerReceipt) -> Result<ReceiptDecision, String> {
+        Ok(self.s().accept_dispatch_receipt(r).await.map_err(err("accept_dispatch_receipt"))?.decision)
+    }
+
+    /// Lets a SENDING event's lease run out and sweeps it into DISPATCH_UNKNOWN.
+    async fn expire(&self) -> Verdict {
+        self.h.advance_ms(LEASE_MS + 1);
+        self.s().expire_leases().await.map_err(err("expire_leases"))?;
+        Ok(())
+    }
+}
+
+/// The genuine receipt of `attempt` of `ce` at `offset`.
+fn receipt(ce: &ClaimedEvent, attempt: &AttemptRecord, offset: i64) -> BrokerReceipt {
+    BrokerReceipt {
+        event_id: ce.envelope.event_id.clone(),
+        envelope_generation: ce.envelope.envelope_generation,
+        attempt_id: attempt.attempt_id.clone(),
+        payload_digest: sha256_digest(&ce.payload),
+        destination_digest: ce.destination_digest.clone(),
+        cluster_id: ce.destination.cluster_id.clone(),
+        topic: ce.destination.topic.clone(),
+        partition: ce.destination.partition,
+        offset,
+    }
+}
+
+/// Offsets far above anything an earlier scenario used on the same partition.
+fn offset(n: i64) -> i64 {
+    1_000_000 + n
+}
+
+async fn claim_register_accept_publishes<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    eq("a retried command", c.emit(1, "a").await, id.clone())?;
+    c.expect_state(&id, EventState::Pending).await?;
+    let ce = c.claim_some("w1", &id).await?;
+    eq("claimed from", ce.claimed_from, EventState::Pending)?;
+    c.expect_state(&id, EventState::Claimed).await?;
+    let a = c.register(&ce.token).await?;
+    eq("attempt generation", a.attempt_generation, 1)?;
+    eq("attempt destination", &a.destination_digest, &ce.destination_digest)?;
+    c.expect_state(&id, EventState::Sending).await?;
+    let r = receipt(&ce, &a, offset(1));
+    eq("decision", c.accept(&r).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    let (state, slot) = c.state(&id).await?;
+    eq("state", state, EventState::Published)?;
+    eq("slot", slot, Some(r))?;
+    eq("attempt state", c.attempts(&id).await?.first().map(|a| a.state), Some(AttemptState::Acked))
+}
+
+async fn second_claimer_is_fenced<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    ensure(c.claim("w2", &id).await?.is_none(), || "a claimed event was claimed again".into())?;
+    // Another owner presenting the current generation, and the holder
+    // presenting a generation it was never granted, are both fenced.
+    let forged = ClaimToken { owner: "w2".into(), ..ce.token.clone() };
+    let e = c.s().register_attempt(&forged).await.err().ok_or("a forged owner registered an attempt")?;
+    ensure(e.is_fenced(), || format!("forged owner: {e}"))?;
+    let ahead = ClaimToken { claim_generation: ce.token.claim_generation + 1, ..ce.token.clone() };
+    let e = c.s().register_attempt(&ahead).await.err().ok_or("a future generation registered an attempt")?;
+    ensure(e.is_fenced(), || format!("future generation: {e}"))?;
+    eq("release by the forged owner", c.s().release(&forged).await.map_err(err("release"))?, FenceOutcome::Fenced)?;
+    c.expect_state(&id, EventState::Claimed).await?;
+    let a = c.register(&ce.token).await?;
+    eq("decision", c.accept(&receipt(&ce, &a, offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+}
+
+async fn stale_writer_after_lease_expiry<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let old = c.claim_some("w1", &id).await?;
+    c.h.advance_ms(LEASE_MS + 1);
+    // Still the current generation, but the lease is gone: no send.
+    let e = c.s().register_attempt(&old.token).await.err().ok_or("registered with an expired lease")?;
+    ensure(e.is_fenced(), || format!("expired lease: {e}"))?;
+    c.s().expire_leases().await.map_err(err("expire_leases"))?;
+    c.expect_state(&id, EventState::Pending).await?;
+    let new = c.claim_some("w2", &id).await?;
+    ensure(new.token.claim_generation > old.token.claim_generation, || "the takeover did not bump the generation".into())?;
+    let e = c.s().register_attempt(&old.token).await.err().ok_or("a stale holder registered an attempt")?;
+    ensure(e.is_fenced(), || format!("stale holder: {e}"))?;
+    eq("stale release", c.s().release(&old.token).await.map_err(err("release"))?, FenceOutcome::Fenced)?;
+    eq("stale renew", c.s().renew_lease(&old.token, LEASE_MS).await.map_err(err("renew_lease"))?, None)?;
+    c.expect_state(&id, EventState::Claimed).await?;
+    ensure(c.attempts(&id).await?.is_empty(), || "a stale write left an attempt".into())?;
+    let a = c.register(&new.token).await?;
+    eq("stale not-sent report", c.s().report_not_sent(&old.token, &a.attempt_id, "stale").await.map_err(err("report_not_sent"))?, FenceOutcome::Fenced)?;
+    eq("stale unknown report", c.s().report_unknown(&old.token, &a.attempt_id, "stale").await.map_err(err("report_unknown"))?, FenceOutcome::Fenced)?;
+    c.expect_state(&id, EventState::Sending).await?;
+    eq("decision", c.accept(&receipt(&new, &a, offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+}
+
+/// SPEC §5: a late genuine ACK of an old attempt and the ACK of a new attempt
+/// compete for the slot; the loser is kept as a duplicate transport receipt.
+/// The second attempt exists while the first one's outcome is unproven: the
+/// adapter cannot look up, so the reconciler may only retry to the same
+/// frozen destination (SPEC §6).
+async fn old_and_new_attempt_acked<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce1 = c.claim_some("w1", &id).await?;
+    let a1 = c.register(&ce1.token).await?;
+    c.expire().await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let task = c.reconcile("r1", &id).await?;
+    let lookup = LookupOutcome::Unavailable("adapter cannot look up".into());
+    let d = decide_reconcile(&task.attempts, &lookup, false, &POLICY, c.h.now_ms());
+    eq("reconcile decision", &d, &ReconcileDecision::Retry { proven_absent: true })?;
+    eq("finish", c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
+    let ce2 = c.claim_retry("w2", &id).await?;
+    let a2 = c.register(&ce2.token).await?;
+    let (r1, r2) = (receipt(&ce1, &a1, offset(1)), receipt(&ce2, &a2, offset(2)));
+    eq("new attempt's ACK", c.accept(&r2).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    eq("old attempt's late ACK", c.accept(&r1).await?, ReceiptDecision::Duplicate)?;
+    eq("old attempt's late ACK again", c.accept(&r1).await?, ReceiptDecision::Duplicate)?;
+    let (state, slot) = c.state(&id).await?;
+    eq("state", state, EventState::Published)?;
+    eq("slot", slot, Some(r2))?;
+    let states: Vec<_> = c.attempts(&id).await?.iter().map(|a| a.state).collect();
+    eq("attempt states", states, vec![AttemptState::Acked, AttemptState::Acked])
+}
+
+async fn divergent_payload_receipt_quarantines<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    let a = c.register(&ce.token).await?;
+    let genuine = receipt(&ce, &a, offset(1));
+    let bad = BrokerReceipt { payload_digest: sha256_digest(b"not the frozen payload"), ..genuine.clone() };
+    eq("divergent receipt", c.accept(&bad).await?, ReceiptDecision::Quarantine { reason: QuarantineReason::PayloadDigestMismatch, move_event: true })?;
+    c.expect_state(&id, EventState::Quarantined).await?;
+    eq("genuine receipt after quarantine", c.accept(&genuine).await?, ReceiptDecision::Reject { reason: RejectReason::EventNotAccepting })?;
+    let (state, slot) = c.state(&id).await?;
+    eq("state", state, EventState::Quarantined)?;
+    eq("slot", slot, None)
+}
+
+async fn unregistered_attempt_is_rejected<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    let a = c.register(&ce.token).await?;
+    let genuine = receipt(&ce, &a, offset(2));
+    let stranger = BrokerReceipt { attempt_id: AttemptId::generate(c.h.now_ms().max(0) as u64), offset: offset(1), ..genuine.clone() };
+    eq("unregistered attempt", c.accept(&stranger).await?, ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt })?;
+    c.expect_state(&id, EventState::Sending).await?;
+    eq("registered attempt", c.accept(&genuine).await?, ReceiptDecision::Accept { from: EventState::Sending })
+}
+
+async fn same_receipt_twice_same_answer<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    let a = c.register(&ce.token).await?;
+    let r = receipt(&ce, &a, offset(1));
+    let first = c.s().accept_dispatch_receipt(&r).await.map_err(err("accept"))?;
+    eq("first", &first.decision, &ReceiptDecision::Accept { from: EventState::Sending })?;
+    for _ in 0..2 {
+        let again = c.s().accept_dispatch_receipt(&r).await.map_err(err("accept"))?;
+        eq("again", &again.decision, &ReceiptDecision::AlreadyAccepted)?;
+        eq("primary", &again.primary, &first.primary)?;
+        eq("state", again.state, first.state)?;
+    }
+    Ok(())
+}
+
+async fn not_sent_is_pending_again<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce1 = c.claim_some("w1", &id).await?;
+    let a1 = c.register(&ce1.token).await?;
+    eq("not sent", c.s().report_not_sent(&ce1.token, &a1.attempt_id, "broker refused").await.map_err(err("report_not_sent"))?, FenceOutcome::Applied)?;
+    c.expect_state(&id, EventState::Pending).await?;
+    eq("attempt 1 state", c.attempts(&id).await?.first().map(|a| a.state), Some(AttemptState::NotSent))?;
+    let ce2 = c.claim_some("w2", &id).await?;
+    eq("destination digest", &ce2.destination_digest, &ce1.destination_digest)?;
+    eq("destination", &ce2.destination, &ce1.destination)?;
+    let a2 = c.register(&ce2.token).await?;
+    eq("attempt generation", a2.attempt_generation, 2)?;
+    eq("attempt destination", &a2.destination_digest, &a1.destination_digest)?;
+    // The closed attempt cannot fill the slot; the new one can.
+    eq("closed attempt", c.accept(&receipt(&ce1, &a1, offset(1))).await?, ReceiptDecision::Reject { reason: RejectReason::AttemptClosed })?;
+    eq("new attempt", c.accept(&receipt(&ce2, &a2, offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+}
+
+async fn lease_expiry_while_sending_is_unknown<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    let a = c.register(&ce.token).await?;
+    c.expire().await?;
+    c.expect_state(&id, EventState::DispatchUnknown).await?;
+    let attempts = c.attempts(&id).await?;
+    eq("attempts", attempts.len(), 1)?;
+    eq("attempt state", attempts[0].state, AttemptState::Unknown)?;
+    eq("stale unknown report", c.s().report_unknown(&ce.token, &a.attempt_id, "timeout").await.map_err(err("report_unknown"))?, FenceOutcome::Fenced)?;
+    eq("stale not-sent report", c.s().report_not_sent(&ce.token, &a.attempt_id, "refused").await.map_err(err("report_not_sent"))?, FenceOutcome::Fenced)?;
+    c.expect_state(&id, EventState::DispatchUnknown).await?;
+    // The late genuine ACK of the expired claim still fills the slot.
+    eq("late ACK", c.accept(&receipt(&ce, &a, offset(1))).await?, ReceiptDecision::Accept { from: EventState::DispatchUnknown })?;
+    c.expect_state(&id, EventState::Published).await
+}
+
+async fn per_key_ordering<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let first = c.emit(1, "same").await;
+    let second = c.emit(2, "same").await;
+    let other = c.emit(3, "other").await;
+    ensure(c.claim("w1", &second).await?.is_none(), || "the second event of a key was claimable before the first was published".into())?;
+    let o = c.claim_some("w1", &other).await?;
+    c.s().release(&o.token).await.map_err(err("release"))?;
+    let ce1 = c.claim_some("w1", &first).await?;
+    let a1 = c.register(&ce1.token).await?;
+    ensure(c.claim("w1", &second).await?.is_none(), || "the second event of a key was claimable while the first was SENDING".into())?;
+    c.accept(&receipt(&ce1, &a1, offset(1))).await?;
+    let ce2 = c.claim_some("w1", &second).await?;
+    let a2 = c.register(&ce2.token).await?;
+    eq("second", c.accept(&receipt(&ce2, &a2, offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    let o = c.claim_some("w1", &other).await?;
+    let ao = c.register(&o.token).await?;
+    eq("other", c.accept(&receipt(&o, &ao, offset(3))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+}
+
+async fn reconcile_absent_retries_same_destination<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce1 = c.claim_some("w1", &id).await?;
+    let a1 = c.register(&ce1.token).await?;
+    c.expire().await?;
+    // Young attempt: the absence proof does not cover it yet.
+    let task = c.reconcile("r1", &id).await?;
+    eq("reconcile state", task.event.state, EventState::Reconciling)?;
+    let d = decide_reconcile(&task.attempts, &LookupOutcome::Absent, true, &POLICY, c.h.now_ms());
+    ensure(matches!(d, ReconcileDecision::Recheck { reason: RecheckReason::AttemptInFlight, .. }), || format!("young attempt: {d:?}"))?;
+    eq("finish recheck", c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
+    c.expect_state(&id, EventState::DispatchUnknown).await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let task = c.reconcile("r1", &id).await?;
+    let d = decide_reconcile(&task.attempts, &LookupOutcome::Absent, true, &POLICY, c.h.now_ms());
+    eq("settled attempt", &d, &ReconcileDecision::Retry { proven_absent: true })?;
+    eq("finish retry", c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
+    c.expect_state(&id, EventState::RetryClaimed).await?;
+    // The reconciler's token is spent.
+    eq("stale reconciler", c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?, FenceOutcome::Fenced)?;
+    let ce2 = c.claim_retry("w2", &id).await?;
+    eq("claimed from", ce2.claimed_from, EventState::RetryClaimed)?;
+    eq("frozen destination", &ce2.destination_digest, &ce1.destination_digest)?;
+    let a2 = c.register(&ce2.token).await?;
+    eq("attempt generation", a2.attempt_generation, 2)?;
+    eq("attempt destination", &a2.destination_digest, &a1.destination_digest)?;
+    eq("decision", c.accept(&receipt(&ce2, &a2, offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+}
+
+async fn reconcile_found_publishes<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    let a = c.register(&ce.token).await?;
+    c.s().report_unknown(&ce.token, &a.attempt_id, "timed out, possibly persisted").await.map_err(err("report_unknown"))?;
+    c.expect_state(&id, EventState::DispatchUnknown).await?;
+    let task = c.reconcile("r1", &id).await?;
+    let r = receipt(&ce, &a, offset(1));
+    let d = decide_reconcile(&task.attempts, &LookupOutcome::Found(vec![r.clone()]), true, &POLICY, c.h.now_ms());
+    eq("decision", &d, &ReconcileDecision::Submit(vec![r.clone()]))?;
+    eq("submit", c.accept(&r).await?, ReceiptDecision::Accept { from: EventState::Reconciling })?;
+    let recheck = ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: c.h.now_ms() };
+    let fin = c.s().finish_reconcile(&task.token, &recheck).await.map_err(err("finish_reconcile"))?;
+    ensure(fin != FenceOutcome::Applied, || "a recheck was applied to a published event".into())?;
+    let (state, slot) = c.state(&id).await?;
+    eq("state", state, EventState::Published)?;
+    eq("slot", slot, Some(r))
+}
+
+async fn tampered_payload_is_quarantined<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    c.h.tamper_payload(&id, b"tampered bytes").await;
+    let ce = c.claim_some("w1", &id).await?;
+    ensure(sha256_digest(&ce.payload) != ce.envelope.payload_digest, || "the tampered payload still matches its digest".into())?;
+    let out = c.s().quarantine_claimed(&ce.token, "payload_digest_mismatch", serde_json::json!({"actual": sha256_digest(&ce.payload)})).await.map_err(err("quarantine_claimed"))?;
+    eq("quarantine", out, FenceOutcome::Applied)?;
+    c.expect_state(&id, EventState::Quarantined).await?;
+    ensure(c.attempts(&id).await?.is_empty(), || "a quarantined event has attempts".into())?;
+    ensure(c.claim("w1", &id).await?.is_none(), || "a quarantined event was claimable".into())
+}

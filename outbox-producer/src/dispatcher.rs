@@ -1,0 +1,546 @@
+//! The dispatcher: N workers claim bounded batches under fenced leases, send
+//! each event to its frozen destination, and hand every broker answer to the
+//! single receipt transaction.
+//!
+//! A batch goes through two steps, public so tests and operators can drive
+//! them one at a time:
+//! 1. [`Dispatcher::claim_and_send`]: claim (CAS, generation + 1), verify the
+//!    stored payload and destination against their digests (quarantine on
+//!    mismatch, never send), register the attempts (fenced on generation and
+//!    lease), then start every send. Sends run on their own tasks: once
+//!    started, a broker answer is captured even if the worker stalls.
+//! 2. [`Dispatcher::settle`]: wait for the answers (renewing the leases of a
+//!    long batch), then: ACK -> `accept_dispatch_receipts`; definitely not
+//!    persisted -> attempt NOT_SENT, event PENDING; anything else -> attempt
+//!    UNKNOWN, event DISPATCH_UNKNOWN. A worker whose claim was taken over
+//!    meanwhile writes nothing but audit records, yet its ACKs still go
+//!    through the receipt transaction.
+
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use outbox_core::claim::{MAX_CLAIM_BATCH, MAX_LEASE_MS, MIN_LEASE_MS};
+use outbox_core::{
+    headers, sha256_digest, AttemptRecord, Broker, BrokerReceipt, ClaimedEvent, FenceOutcome, OutboxStore, OutgoingMessage, ReceiptDecision,
+    SendOutcome,
+};
+use serde::Deserialize;
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use crate::error::ProducerError;
+use crate::pg::PgStore;
+
+/// Default number of concurrent workers.
+pub const DEFAULT_WORKERS: usize = 2;
+/// Default claim batch size.
+pub const DEFAULT_BATCH_SIZE: usize = 500;
+/// Default lease, ms.
+pub const DEFAULT_LEASE_MS: i64 = 30_000;
+/// Default fallback poll interval when no notification arrives, ms.
+pub const DEFAULT_POLL_INTERVAL_MS: u64 = 1_000;
+/// Default lease sweep interval, ms.
+pub const DEFAULT_SWEEP_INTERVAL_MS: u64 = 1_000;
+/// Default time shutdown waits for outstanding broker answers, ms.
+pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 30_000;
+/// Most workers one dispatcher runs.
+pub const MAX_WORKERS: usize = 64;
+
+/// Dispatcher settings. Precedence: defaults, then a TOML file, then
+/// `OUTBOX_DISPATCH_*` environment variables, then explicit code.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DispatcherConfig {
+    /// Owner prefix; worker `i` claims as `<name>-<i>`.
+    pub name: String,
+    /// Concurrent workers (1..=64).
+    pub workers: usize,
+    /// Events per claim (1..=10000).
+    pub batch_size: usize,
+    /// Claim lease, ms; a batch outliving half of it renews it.
+    pub lease_ms: i64,
+    /// Fallback poll interval, ms, when LISTEN/NOTIFY is quiet or off.
+    pub poll_interval_ms: u64,
+    /// Lease sweep interval, ms.
+    pub sweep_interval_ms: u64,
+    /// How long shutdown waits for outstanding answers, ms.
+    pub shutdown_grace_ms: u64,
+    /// Wake on `NOTIFY outbox_pending` (sent by `emit`).
+    pub listen: bool,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        DispatcherConfig {
+            name: format!("dispatcher-{}", std::process::id()),
+            workers: DEFAULT_WORKERS,
+            batch_size: DEFAULT_BATCH_SIZE,
+            lease_ms: DEFAULT_LEASE_MS,
+            poll_interval_ms: DEFAULT_POLL_INTERVAL_MS,
+            sweep_interval_ms: DEFAULT_SWEEP_INTERVAL_MS,
+            shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
+            listen: true,
+        }
+    }
+}
+
+fn env_parse<T: std::str::FromStr>(key: &str, into: &mut T) -> Result<(), ProducerError> {
+    if let Ok(v) = std::env::var(key) {
+        *into = v.trim().parse().map_err(|_| ProducerError::Config(format!("{key}={v:?} is not a valid value")))?;
+    }
+    Ok(())
+}
+
+impl DispatcherConfig {
+    /// Reads a TOML file of these fields (unknown keys are an error).
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ProducerError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ProducerError::Config(format!("{}: {e}", path.display())))?;
+        let cfg: DispatcherConfig = toml::from_str(&text).map_err(|e| ProducerError::Config(format!("{}: {e}", path.display())))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Applies `OUTBOX_DISPATCH_NAME`, `_WORKERS`, `_BATCH_SIZE`, `_LEASE_MS`,
+    /// `_POLL_INTERVAL_MS`, `_SWEEP_INTERVAL_MS`, `_SHUTDOWN_GRACE_MS`, `_LISTEN`.
+    pub fn with_env(mut self) -> Result<Self, ProducerError> {
+        env_parse("OUTBOX_DISPATCH_NAME", &mut self.name)?;
+        env_parse("OUTBOX_DISPATCH_WORKERS", &mut self.workers)?;
+        env_parse("OUTBOX_DISPATCH_BATCH_SIZE", &mut self.batch_size)?;
+        env_parse("OUTBOX_DISPATCH_LEASE_MS", &mut self.lease_ms)?;
+        env_parse("OUTBOX_DISPATCH_POLL_INTERVAL_MS", &mut self.poll_interval_ms)?;
+        env_parse("OUTBOX_DISPATCH_SWEEP_INTERVAL_MS", &mut self.sweep_interval_ms)?;
+        env_parse("OUTBOX_DISPATCH_SHUTDOWN_GRACE_MS", &mut self.shutdown_grace_ms)?;
+        env_parse("OUTBOX_DISPATCH_LISTEN", &mut self.listen)?;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Checks every limit.
+    pub fn validate(&self) -> Result<(), ProducerError> {
+        outbox_core::id::validate_identifier("dispatcher name", &self.name)?;
+        let bad = |m: String| Err(ProducerError::Config(m));
+        if !(1..=MAX_WORKERS).contains(&self.workers) {
+            return bad(format!("workers = {} (1..={MAX_WORKERS})", self.workers));
+        }
+        if !(1..=MAX_CLAIM_BATCH).contains(&self.batch_size) {
+            return bad(format!("batch_size = {} (1..={MAX_CLAIM_BATCH})", self.batch_size));
+        }
+        if !(MIN_LEASE_MS..=MAX_LEASE_MS).contains(&self.lease_ms) {
+            return bad(format!("lease_ms = {} ({MIN_LEASE_MS}..={MAX_LEASE_MS})", self.lease_ms));
+        }
+        if !(10..=600_000).contains(&self.poll_interval_ms) || !(10..=600_000).contains(&self.sweep_interval_ms) {
+            return bad("poll_interval_ms and sweep_interval_ms must be within 10..=600000".into());
+        }
+        Ok(())
+    }
+
+    fn owner(&self, worker: usize) -> String {
+        format!("{}-{worker}", self.name)
+    }
+}
+
+/// Counters an operator looks at. Exported as Prometheus metrics by the CLI.
+#[derive(Debug, Default)]
+pub struct DispatchMetrics {
+    /// Events claimed.
+    pub claimed: AtomicU64,
+    /// Sends started.
+    pub sent: AtomicU64,
+    /// Events that became PUBLISHED through this dispatcher's receipts.
+    pub published: AtomicU64,
+    /// Receipts kept as duplicate transport receipts.
+    pub duplicates: AtomicU64,
+    /// Attempts whose outcome is unknown.
+    pub unknown: AtomicU64,
+    /// Attempts the broker definitely did not persist.
+    pub not_sent: AtomicU64,
+    /// Events or receipts quarantined.
+    pub quarantined: AtomicU64,
+    /// Writes refused because the claim was taken over.
+    pub fenced: AtomicU64,
+    /// Batches settled.
+    pub batches: AtomicU64,
+    /// Sum of batch latencies, ms (with `batches`, the mean).
+    pub batch_ms_total: AtomicU64,
+    /// Slowest batch, ms.
+    pub batch_ms_max: AtomicU64,
+    /// Age of the oldest PENDING event at the last sweep, ms.
+    pub oldest_pending_age_ms: AtomicU64,
+}
+
+fn inc(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, AtomicOrdering::Relaxed);
+}
+
+/// What one batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchReport {
+    /// Claimed.
+    pub claimed: usize,
+    /// Sends started.
+    pub sent: usize,
+    /// Filled the slot.
+    pub published: usize,
+    /// Kept as duplicate transport receipts (or already accepted).
+    pub duplicates: usize,
+    /// Became DISPATCH_UNKNOWN.
+    pub unknown: usize,
+    /// Not persisted: eligible again.
+    pub not_sent: usize,
+    /// Quarantined (tampered before send, or divergent receipt).
+    pub quarantined: usize,
+    /// Fenced writes.
+    pub fenced: usize,
+}
+
+/// Sends started by [`Dispatcher::claim_and_send`], waiting to be settled.
+#[derive(Debug)]
+pub struct InFlightBatch {
+    owner: String,
+    started: Instant,
+    report: BatchReport,
+    sends: Vec<(ClaimedEvent, AttemptRecord, JoinHandle<SendOutcome>)>,
+}
+
+impl InFlightBatch {
+    /// Number of sends in flight.
+    pub fn len(&self) -> usize {
+        self.sends.len()
+    }
+
+    /// Whether nothing is in flight.
+    pub fn is_empty(&self) -> bool {
+        self.sends.is_empty()
+    }
+
+    /// The attempts in flight.
+    pub fn attempts(&self) -> impl Iterator<Item = &AttemptRecord> {
+        self.sends.iter().map(|(_, a, _)| a)
+    }
+}
+
+/// The dispatcher service.
+#[derive(Debug)]
+pub struct Dispatcher<B: Broker + 'static> {
+    store: PgStore,
+    broker: Arc<B>,
+    config: DispatcherConfig,
+    metrics: Arc<DispatchMetrics>,
+}
+
+/// Builds the message for one attempt of one claimed event.
+pub fn outgoing_message(event: &ClaimedEvent, attempt: &AttemptRecord) -> OutgoingMessage {
+    OutgoingMessage {
+        topic: event.destination.topic.clone(),
+        partition: event.destination.partition,
+        key: event.destination.routing_key.as_bytes().to_vec(),
+        payload: event.payload.clone(),
+        headers: headers::build(&event.envelope, &event.destination, &event.destination_digest, &attempt.attempt_id, event.traceparent.as_deref()),
+    }
+}
+
+impl<B: Broker + 'static> Dispatcher<B> {
+    /// A dispatcher over `store` sending through `broker`. Claims are scoped
+    /// to the broker's cluster: events frozen for another cluster are never
+    /// claimed here.
+    pub fn new(store: PgStore, broker: Arc<B>, config: DispatcherConfig) -> Result<Self, ProducerError> {
+        config.validate()?;
+        let store = store.scoped_to_cluster(broker.cluster_id());
+        Ok(Dispatcher { store, broker, config, metrics: Arc::default() })
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> Arc<DispatchMetrics> {
+        self.metrics.clone()
+    }
+
+    /// The store.
+    pub fn store(&self) -> &PgStore {
+        &self.store
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DispatcherConfig {
+        &self.config
+    }
+
+    /// Step 1: claim a batch as `owner`, verify, register attempts and start the sends.
+    pub async fn claim_and_send(&self, owner: &str) -> Result<InFlightBatch, ProducerError> {
+        let mut report = BatchReport::default();
+        let started = Instant::now();
+        let mut claimed = self.store.claim_retries(owner, self.config.batch_size, self.config.lease_ms).await?;
+        if claimed.len() < self.config.batch_size {
+            claimed.extend(self.store.claim_batch(owner, self.config.batch_size - claimed.len(), self.config.lease_ms).await?);
+        }
+        report.claimed = claimed.len();
+        inc(&self.metrics.claimed, claimed.len() as u64);
+
+        // Never send bytes or a destination that no longer match what was frozen.
+        let mut verified = Vec::with_capacity(claimed.len());
+        for ev in claimed {
+            let actual_payload = sha256_digest(&ev.payload);
+            let actual_destination = ev.destination.digest();
+            if actual_payload != ev.envelope.payload_digest || actual_destination != ev.destination_digest {
+                let evidence = serde_json::json!({
+                    "frozenPayloadDigest": ev.envelope.payload_digest, "storedPayloadDigest": actual_payload,
+                    "frozenDestinationDigest": ev.destination_digest, "storedDestinationDigest": actual_destination,
+                });
+                tracing::error!(event_id = %ev.envelope.event_id, "stored event no longer matches its digests: quarantined, not sent");
+                if self.store.quarantine_claimed(&ev.token, "stored_payload_or_destination_diverged", evidence).await? == FenceOutcome::Applied {
+                    report.quarantined += 1;
+                    inc(&self.metrics.quarantined, 1);
+                }
+                continue;
+            }
+            verified.push(ev);
+        }
+
+        let tokens: Vec<_> = verified.iter().map(|e| e.token.clone()).collect();
+        let registered = self.store.register_attempts(&tokens).await?;
+        let mut sends = Vec::with_capacity(verified.len());
+        for (ev, reg) in verified.into_iter().zip(registered) {
+            match reg {
+                Ok(attempt) => {
+                    let message = outgoing_message(&ev, &attempt);
+                    let broker = self.broker.clone();
+                    let span = tracing::debug_span!("send", event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id);
+                    let handle = tokio::spawn(async move { broker.send(message).await }.instrument(span));
+                    sends.push((ev, attempt, handle));
+                }
+                Err(e) if e.is_fenced() => {
+                    report.fenced += 1;
+                    inc(&self.metrics.fenced, 1);
+                    tracing::info!(event_id = %ev.envelope.event_id, "claim lost before sending: not sent");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        report.sent = sends.len();
+        inc(&self.metrics.sent, sends.len() as u64);
+        Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends })
+    }
+
+    /// Step 2: wait for every answer of the batch and record it.
+    pub async fn settle(&self, batch: InFlightBatch) -> Result<BatchReport, ProducerError> {
+        let InFlightBatch { owner, started, mut report, sends } = batch;
+        let renew_every = Duration::from_millis((self.config.lease_ms / 2).max(1) as u64);
+        let mut tokens: Vec<Option<outbox_core::ClaimToken>> = sends.iter().map(|(ev, ..)| Some(ev.token.clone())).collect();
+        let mut pending: FuturesUnordered<_> = sends
+            .into_iter()
+            .enumerate()
+            .map(|(i, (ev, attempt, handle))| async move {
+                let outcome = handle.await.unwrap_or_else(|e| SendOutcome::Unknown(format!("send task failed: {e}")));
+                (i, ev, attempt, outcome)
+            })
+            .collect();
+        let mut results = Vec::with_capacity(pending.len());
+        let mut next_renewal = tokio::time::Instant::now() + renew_every;
+        loop {
+            tokio::select! {
+                next = pending.next() => match next {
+                    Some(r) => {
+                        tokens[r.0] = None;
+                        results.push(r);
+                    }
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(next_renewal) => {
+                    // A long batch keeps its claims alive while answers are outstanding.
+                    let outstanding: Vec<_> = tokens.iter().flatten().cloned().collect();
+                    let renewed = self.store.renew_leases(&outstanding, self.config.lease_ms).await?;
+                    let lost = renewed.iter().filter(|r| r.is_none()).count();
+                    if lost > 0 {
+                        tracing::warn!(owner = %owner, lost, "claims lost while sends were outstanding; their answers still go through acceptDispatchReceipt");
+                    }
+                    next_renewal = tokio::time::Instant::now() + renew_every;
+                }
+            }
+        }
+
+        let cluster_id = self.broker.cluster_id().to_owned();
+        let mut receipts: Vec<BrokerReceipt> = Vec::new();
+        for (_, ev, attempt, outcome) in &results {
+            match outcome {
+                SendOutcome::Acked { partition, offset } => receipts.push(BrokerReceipt {
+                    event_id: ev.envelope.event_id.clone(),
+                    envelope_generation: ev.envelope.envelope_generation,
+                    attempt_id: attempt.attempt_id.clone(),
+                    payload_digest: sha256_digest(&ev.payload),
+                    destination_digest: ev.destination_digest.clone(),
+                    cluster_id: cluster_id.clone(),
+                    topic: ev.destination.topic.clone(),
+                    partition: *partition,
+                    offset: *offset,
+                }),
+                SendOutcome::NotPersisted(why) => match self.store.report_not_sent(&ev.token, &attempt.attempt_id, why).await? {
+                    FenceOutcome::Applied => {
+                        report.not_sent += 1;
+                        inc(&self.metrics.not_sent, 1);
+                    }
+                    FenceOutcome::Fenced => {
+                        report.fenced += 1;
+                        inc(&self.metrics.fenced, 1);
+                    }
+                    FenceOutcome::NoOp => {}
+                },
+                SendOutcome::Unknown(why) => {
+                    tracing::warn!(event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id, reason = %why, "dispatch outcome unknown");
+                    match self.store.report_unknown(&ev.token, &attempt.attempt_id, why).await? {
+                        FenceOutcome::Applied => {
+                            report.unknown += 1;
+                            inc(&self.metrics.unknown, 1);
+                        }
+                        FenceOutcome::Fenced => {
+                            report.fenced += 1;
+                            inc(&self.metrics.fenced, 1);
+                        }
+                        FenceOutcome::NoOp => {}
+                    }
+                }
+            }
+        }
+        for outcome in self.store.accept_dispatch_receipts(&receipts).await? {
+            match outcome.decision {
+                ReceiptDecision::Accept { .. } => {
+                    report.published += 1;
+                    inc(&self.metrics.published, 1);
+                }
+                ReceiptDecision::AlreadyAccepted | ReceiptDecision::Duplicate => {
+                    report.duplicates += 1;
+                    inc(&self.metrics.duplicates, 1);
+                }
+                ReceiptDecision::Quarantine { .. } => {
+                    report.quarantined += 1;
+                    inc(&self.metrics.quarantined, 1);
+                }
+                ReceiptDecision::Reject { reason } => tracing::error!(?reason, "own receipt rejected by acceptDispatchReceipt"),
+            }
+        }
+        let ms = started.elapsed().as_millis() as u64;
+        inc(&self.metrics.batches, 1);
+        inc(&self.metrics.batch_ms_total, ms);
+        self.metrics.batch_ms_max.fetch_max(ms, AtomicOrdering::Relaxed);
+        if report.claimed > 0 {
+            tracing::debug!(owner = %owner, ?report, batch_ms = ms, "batch settled");
+        }
+        Ok(report)
+    }
+
+    /// One batch, both steps.
+    pub async fn dispatch_once(&self, owner: &str) -> Result<BatchReport, ProducerError> {
+        let batch = self.claim_and_send(owner).await?;
+        self.settle(batch).await
+    }
+
+    /// Runs the workers, the lease sweeper and the LISTEN wake-up until
+    /// `shutdown` becomes true; then stops claiming, drains outstanding
+    /// answers (bounded by `shutdown_grace_ms`) and returns the totals.
+    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) -> Result<BatchReport, ProducerError> {
+        let wake = Arc::new(Notify::new());
+        let mut tasks = Vec::new();
+        if self.config.listen {
+            let pool = self.store.pool().clone();
+            let wake = wake.clone();
+            let mut stop = shutdown.clone();
+            tasks.push(tokio::spawn(async move {
+                let Ok(mut listener) = sqlx::postgres::PgListener::connect_with(&pool).await else {
+                    tracing::warn!("LISTEN unavailable; polling only");
+                    return Ok(BatchReport::default());
+                };
+                if listener.listen("outbox_pending").await.is_err() {
+                    return Ok(BatchReport::default());
+                }
+                loop {
+                    tokio::select! {
+                        n = listener.recv() => match n {
+                            Ok(_) => wake.notify_waiters(),
+                            Err(e) => { tracing::warn!(error = %e, "LISTEN connection lost; polling until it returns"); tokio::time::sleep(Duration::from_secs(1)).await; }
+                        },
+                        _ = stop.changed() => return Ok(BatchReport::default()),
+                    }
+                }
+            }));
+        }
+        {
+            let me = self.clone();
+            let mut stop = shutdown.clone();
+            tasks.push(tokio::spawn(async move {
+                let every = Duration::from_millis(me.config.sweep_interval_ms);
+                loop {
+                    if let Err(e) = me.store.expire_leases().await {
+                        tracing::warn!(error = %e, "lease sweep failed");
+                    }
+                    if let Ok(age) = me.store.oldest_pending_age_ms().await {
+                        me.metrics.oldest_pending_age_ms.store(age.unwrap_or(0) as u64, AtomicOrdering::Relaxed);
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(every) => {}
+                        _ = stop.changed() => return Ok(BatchReport::default()),
+                    }
+                }
+            }));
+        }
+        for w in 0..self.config.workers {
+            let me = self.clone();
+            let wake = wake.clone();
+            let mut stop = shutdown.clone();
+            let owner = self.config.owner(w);
+            tasks.push(tokio::spawn(
+                async move {
+                    let mut total = BatchReport::default();
+                    let poll = Duration::from_millis(me.config.poll_interval_ms);
+                    while !*stop.borrow() {
+                        match me.dispatch_once(&owner).await {
+                            Ok(r) => {
+                                add(&mut total, &r);
+                                if r.claimed >= me.config.batch_size {
+                                    continue;
+                                }
+                            }
+                            Err(e) => tracing::warn!(error = %e, retryable = e.is_retryable(), "batch failed"),
+                        }
+                        tokio::select! {
+                            _ = wake.notified() => {}
+                            _ = tokio::time::sleep(poll) => {}
+                            _ = stop.changed() => {}
+                        }
+                    }
+                    Ok::<_, ProducerError>(total)
+                }
+                .instrument(tracing::info_span!("worker", worker = w)),
+            ));
+        }
+        while !*shutdown.borrow() {
+            if shutdown.changed().await.is_err() {
+                break;
+            }
+        }
+        tracing::info!("dispatcher stopping: no new claims; draining outstanding answers");
+        let grace = Duration::from_millis(self.config.shutdown_grace_ms);
+        let mut total = BatchReport::default();
+        let joined = tokio::time::timeout(grace, futures::future::join_all(tasks)).await;
+        match joined {
+            Ok(results) => {
+                for r in results.into_iter().flatten().flatten() {
+                    add(&mut total, &r);
+                }
+            }
+            Err(_) => tracing::warn!("shutdown grace elapsed; unanswered attempts will turn DISPATCH_UNKNOWN when their leases expire"),
+        }
+        Ok(total)
+    }
+}
+
+fn add(total: &mut BatchReport, r: &BatchReport) {
+    total.claimed += r.claimed;
+    total.sent += r.sent;
+    total.published += r.published;
+    total.duplicates += r.duplicates;
+    total.unknown += r.unknown;
+    total.not_sent += r.not_sent;
+    total.quarantined += r.quarantined;
+    total.fenced += r.fenced;
+}
