@@ -21,6 +21,29 @@
 //! - Lookup: a fresh, group-less [`BaseConsumer`] assigned to the frozen
 //!   partition, bounded in messages and time.
 //!
+//! ## Lookup
+//!
+//! A fresh consumer (unique `group.id`, `enable.auto.commit=false`, manual
+//! `assign`, `read_uncommitted` since this producer is never transactional)
+//! reads the frozen partition:
+//! - The range is `[max(from_offset, low watermark), high watermark)`, both
+//!   watermarks read first. An empty range is `Absent`; the answer says
+//!   nothing of messages written after the scan began.
+//! - A range wider than [`KafkaConfig::lookup_max_messages`] offsets, a scan
+//!   longer than [`KafkaConfig::lookup_timeout_ms`], or any broker or consumer
+//!   error is `Unavailable`, never `Absent`. A destination on another cluster
+//!   than the connected one is `Unavailable` too.
+//! - A message matches when its last `outbox-event-id` header equals the
+//!   eventId. Its receipt is [`outbox_core::headers::MessageClaims::receipt`]
+//!   of its parsed headers at its real position, with the digest of the
+//!   bytes read back, so divergent bytes are quarantined by the receipt
+//!   decision. If the other headers do not parse, the receipt is built from
+//!   what can be read (generation or 0, attemptId or the nil id, destination
+//!   digest header or empty), with the real payload digest and position: the
+//!   receipt decision rejects or quarantines it rather than it going unseen.
+//!   A key that contradicts the destination header is only logged, since a
+//!   receipt has no field for it.
+//!
 //! **Invariant:** the client never chooses a partition: every record carries
 //! the partition of the frozen destination.
 //!
@@ -618,7 +641,7 @@ impl Broker for KafkaBroker {
     /// Scans `destination.topic` / `destination.partition` from
     /// `from_offset` (raised to the low watermark) to the high watermark read
     /// at the start, for messages whose `outbox-event-id` header is
-    /// `event_id`. See [`scan_partition`] for what a match reports.
+    /// `event_id`. See the [module documentation](self) for what a match reports.
     async fn lookup(&self, destination: &Destination, event_id: &EventId, from_offset: i64) -> LookupOutcome {
         if destination.cluster_id != self.inner.cluster_id {
             return LookupOutcome::Unavailable(format!(
@@ -678,8 +701,7 @@ impl ScanRequest {
 
 static LOOKUP_SEQ: AtomicU64 = AtomicU64::new(0);
 
-/// Scans one partition with a fresh consumer (unique `group.id`, manual
-/// `assign`, no offset commits).
+/// Scans one partition with a fresh consumer; see the module documentation.
 ///
 /// - The range is `[max(from_offset, low watermark), high watermark)`, with
 ///   both watermarks read first; an empty range is `Absent`. A range wider

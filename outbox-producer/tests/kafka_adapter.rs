@@ -1,0 +1,428 @@
+//! The Kafka adapter against librdkafka's in-process Kafka-protocol mock
+//! cluster, each test injecting a real fault and checking the outcome.
+//!
+//! The mock cluster is not `Send`: it lives on the test thread, in the test
+//! body, and outlives the adapter (declared first, dropped last).
+
+use std::time::{Duration, Instant};
+
+use outbox_core::{headers, AttemptId, Broker, Destination, EmitRequest, Envelope, EventId, LookupOutcome, OutgoingMessage, RoutePolicy, SendOutcome};
+use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::DefaultProducerContext;
+use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+
+type Mock = MockCluster<'static, DefaultProducerContext>;
+
+const BROKER: i32 = 1;
+const PARTITIONS: u32 = 4;
+
+fn mock(topic: &str) -> Mock {
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    cluster.create_topic(topic, PARTITIONS as i32, 1).expect("create topic");
+    cluster
+}
+
+fn config(cluster: &Mock, message_timeout_ms: u64) -> KafkaConfig {
+    let mut c = KafkaConfig::new(cluster.bootstrap_servers());
+    c.message_timeout_ms = message_timeout_ms;
+    c.request_timeout_ms = message_timeout_ms;
+    c.lookup_timeout_ms = 10_000;
+    c.connect_timeout_ms = 10_000;
+    c
+}
+
+async fn connect(cluster: &Mock, message_timeout_ms: u64) -> KafkaBroker {
+    KafkaBroker::connect(config(cluster, message_timeout_ms)).await.expect("connect")
+}
+
+/// One event frozen for `broker`'s real cluster, and its message for one attempt.
+struct Event {
+    envelope: Envelope,
+    destination: Destination,
+    attempt: AttemptId,
+    message: OutgoingMessage,
+}
+
+fn event(broker: &KafkaBroker, topic: &str, aggregate_id: &str) -> Event {
+    let now_ms = 1_700_000_000_000u64;
+    let payload = format!("{{\"order\":\"{aggregate_id}\"}}").into_bytes();
+    let request = EmitRequest {
+        command_key: aggregate_id,
+        tenant: "t1",
+        aggregate_type: "order",
+        aggregate_id,
+        aggregate_version: 1,
+        event_type: "order.created",
+        payload_schema: "s",
+        payload: &payload,
+    };
+    let policy = RoutePolicy::new("order.created", broker.cluster_id(), topic, PARTITIONS);
+    let (envelope, destination) = request.freeze(EventId::generate(now_ms), now_ms as i64, 7, &policy).expect("freeze");
+    let attempt = AttemptId::generate(now_ms);
+    let message = OutgoingMessage {
+        topic: destination.topic.clone(),
+        partition: destination.partition,
+        key: destination.routing_key.clone().into_bytes(),
+        payload,
+        headers: headers::build(&envelope, &destination, &destination.digest(), &attempt, None),
+    };
+    Event { envelope, destination, attempt, message }
+}
+
+fn acked(outcome: &SendOutcome) -> (i32, i64) {
+    match outcome {
+        SendOutcome::Acked { partition, offset } => (*partition, *offset),
+        other => panic!("expected Acked, got {other:?}"),
+    }
+}
+
+/// Looks `e` up from 0 and checks the one receipt found against what was frozen.
+async fn assert_found_once(broker: &KafkaBroker, e: &Event) -> i64 {
+    match broker.lookup(&e.destination, &e.envelope.event_id, 0).await {
+        LookupOutcome::Found(receipts) => {
+            assert_eq!(receipts.len(), 1, "{receipts:?}");
+            let r = &receipts[0];
+            assert_eq!(r.event_id, e.envelope.event_id);
+            assert_eq!(r.attempt_id, e.attempt);
+            assert_eq!(r.envelope_generation, e.envelope.envelope_generation);
+            assert_eq!(r.payload_digest, e.envelope.payload_digest);
+            assert_eq!(r.destination_digest, e.destination.digest());
+            assert_eq!(r.cluster_id, broker.cluster_id());
+            assert!(e.destination.admits(&r.cluster_id, &r.topic, r.partition));
+            r.offset
+        }
+        other => panic!("expected Found, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn plain_send_is_acked_and_found_by_lookup() {
+    let started = Instant::now();
+    let cluster = mock("orders");
+    let broker = connect(&cluster, 5_000).await;
+    assert!(!broker.cluster_id().is_empty());
+    assert!(broker.supports_lookup());
+    assert_eq!(broker.partition_count("orders").await.expect("partitions"), PARTITIONS);
+
+    let e = event(&broker, "orders", "o-1");
+    let (partition, offset) = acked(&broker.send(e.message.clone()).await);
+    assert_eq!(partition, e.destination.partition);
+    assert_eq!(assert_found_once(&broker, &e).await, offset);
+
+    // Another event id on the same partition: provably absent.
+    let other = event(&broker, "orders", "o-1");
+    assert_ne!(other.envelope.event_id, e.envelope.event_id);
+    assert_eq!(broker.lookup(&other.destination, &other.envelope.event_id, 0).await, LookupOutcome::Absent);
+    // A lower bound past the message: the range no longer holds it.
+    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, offset + 1).await, LookupOutcome::Absent);
+    // A destination on another cluster is not answered from this one.
+    let mut elsewhere = e.destination.clone();
+    elsewhere.cluster_id = "another-cluster".into();
+    assert!(matches!(broker.lookup(&elsewhere, &e.envelope.event_id, 0).await, LookupOutcome::Unavailable(_)));
+    eprintln!("plain_send_is_acked_and_found_by_lookup: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn ack_slower_than_message_timeout_is_unknown_but_written() {
+    let started = Instant::now();
+    let cluster = mock("orders");
+    let broker = connect(&cluster, 2_000).await;
+    // Warm up: producer id obtained, connection established.
+    let warm = event(&broker, "orders", "o-warm");
+    acked(&broker.send(warm.message.clone()).await);
+
+    cluster.broker_round_trip_time(BROKER, Duration::from_millis(4_000)).expect("rtt");
+    let e = event(&broker, "orders", "o-2");
+    let outcome = broker.send(e.message.clone()).await;
+    eprintln!("outcome: {outcome:?} after {:?}", started.elapsed());
+    assert!(matches!(outcome, SendOutcome::Unknown(_)), "expected Unknown, got {outcome:?}");
+
+    // The broker wrote it all the same: "written but not ACKed".
+    cluster.broker_round_trip_time(BROKER, Duration::ZERO).expect("rtt");
+    assert_found_once(&broker, &e).await;
+    // The producer recovers (epoch bump) and keeps sending.
+    let after = event(&broker, "orders", "o-2b");
+    acked(&broker.send(after.message.clone()).await);
+    eprintln!("ack_slower_than_message_timeout_is_unknown_but_written: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn permanent_produce_error_is_not_persisted_and_absent() {
+    let started = Instant::now();
+    let cluster = mock("orders");
+    let broker = connect(&cluster, 5_000).await;
+    let warm = event(&broker, "orders", "o-warm");
+    acked(&broker.send(warm.message.clone()).await);
+
+    // librdkafka classifies TOPIC_AUTHORIZATION_FAILED on Produce as
+    // PERMANENT | MSG_NOT_PERSISTED (rdkafka_request.c).
+    cluster.request_errors(RDKafkaApiKey::Produce, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED]);
+    let e = event(&broker, "orders", "o-3");
+    let outcome = broker.send(e.message.clone()).await;
+    eprintln!("outcome: {outcome:?}");
+    // Reported by the delivery report's persistence status, not refused at enqueue.
+    assert!(matches!(&outcome, SendOutcome::NotPersisted(r) if !r.starts_with("not enqueued")), "expected NotPersisted, got {outcome:?}");
+    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, 0).await, LookupOutcome::Absent);
+
+    // Right after, librdkafka may still hold the topic's authorization error
+    // and refuse at enqueue (NotPersisted, and absent), or already send (Acked).
+    let again = event(&broker, "orders", "o-3b");
+    let outcome = broker.send(again.message.clone()).await;
+    eprintln!("outcome: {outcome:?}");
+    match outcome {
+        SendOutcome::Acked { .. } => {
+            assert_found_once(&broker, &again).await;
+        }
+        SendOutcome::NotPersisted(_) => assert_eq!(broker.lookup(&again.destination, &again.envelope.event_id, 0).await, LookupOutcome::Absent),
+        other => panic!("expected Acked or NotPersisted, got {other:?}"),
+    }
+    // The producer keeps working.
+    cluster.create_topic("payments", PARTITIONS as i32, 1).expect("create topic");
+    let other = event(&broker, "payments", "o-3c");
+    acked(&broker.send(other.message.clone()).await);
+    eprintln!("permanent_produce_error_is_not_persisted_and_absent: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn broker_down_before_sending_is_not_persisted_and_absent() {
+    let started = Instant::now();
+    let cluster = mock("orders");
+    // While the leader is unreachable, librdkafka notices expired messages
+    // between reconnect attempts: a short reconnect backoff keeps the report
+    // close to message.timeout.ms (default backoff: up to 10 s later).
+    let cfg = config(&cluster, 2_000).with_setting("reconnect.backoff.max.ms", "500");
+    let broker = KafkaBroker::connect(cfg).await.expect("connect");
+    let warm = event(&broker, "orders", "o-warm");
+    acked(&broker.send(warm.message.clone()).await);
+
+    cluster.broker_down(BROKER).expect("down");
+    let e = event(&broker, "orders", "o-4");
+    let outcome = broker.send(e.message.clone()).await;
+    eprintln!("outcome: {outcome:?} after {:?}", started.elapsed());
+    assert!(matches!(outcome, SendOutcome::NotPersisted(_)), "expected NotPersisted, got {outcome:?}");
+
+    cluster.broker_up(BROKER).expect("up");
+    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, 0).await, LookupOutcome::Absent);
+    eprintln!("broker_down_before_sending_is_not_persisted_and_absent: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn unknown_partition_is_not_persisted() {
+    let cluster = mock("orders");
+    let broker = connect(&cluster, 2_000).await;
+    let e = event(&broker, "orders", "o-5");
+    let mut m = e.message.clone();
+    m.partition = PARTITIONS as i32 + 3;
+    let outcome = broker.send(m).await;
+    assert!(matches!(outcome, SendOutcome::NotPersisted(_)), "expected NotPersisted, got {outcome:?}");
+    let mut m = e.message.clone();
+    m.partition = -1;
+    assert!(matches!(broker.send(m).await, SendOutcome::NotPersisted(_)));
+}
+
+#[tokio::test]
+async fn lookup_with_all_brokers_down_is_unavailable() {
+    let started = Instant::now();
+    let cluster = mock("orders");
+    let mut cfg = config(&cluster, 2_000);
+    cfg.lookup_timeout_ms = 2_000;
+    let broker = KafkaBroker::connect(cfg).await.expect("connect");
+    let e = event(&broker, "orders", "o-6");
+    acked(&broker.send(e.message.clone()).await);
+
+    cluster.broker_down(-1).expect("down");
+    let outcome = broker.lookup(&e.destination, &e.envelope.event_id, 0).await;
+    assert!(matches!(outcome, LookupOutcome::Unavailable(_)), "expected Unavailable, got {outcome:?}");
+    assert!(started.elapsed() < Duration::from_secs(15));
+    eprintln!("lookup_with_all_brokers_down_is_unavailable: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn lookup_over_its_bound_is_unavailable() {
+    let cluster = mock("orders");
+    let mut cfg = config(&cluster, 5_000);
+    cfg.lookup_max_messages = 2;
+    let broker = KafkaBroker::connect(cfg).await.expect("connect");
+    let mut last = None;
+    for i in 0..3 {
+        let e = event(&broker, "orders", "o-7");
+        acked(&broker.send(e.message.clone()).await);
+        assert!(i < 2 || last.is_some());
+        last = Some(e);
+    }
+    let e = last.expect("sent");
+    // Three messages on the partition, bound two: no answer from offset 0...
+    assert!(matches!(broker.lookup(&e.destination, &e.envelope.event_id, 0).await, LookupOutcome::Unavailable(_)));
+    // ...but a sound lower bound narrows the range enough.
+    assert!(matches!(broker.lookup(&e.destination, &e.envelope.event_id, 1).await, LookupOutcome::Found(_)));
+}
+
+#[tokio::test]
+async fn stalled_caller_still_gets_the_genuine_ack() {
+    let started = Instant::now();
+    let cluster = mock("orders");
+    let broker = connect(&cluster, 5_000).await;
+    let e = event(&broker, "orders", "o-8");
+
+    let mut send = Box::pin(broker.send(e.message.clone()));
+    // One poll hands the message over; then the caller stalls.
+    assert!(futures::poll!(&mut send).is_pending());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let offset = loop {
+        // The broker wrote it and librdkafka reported on it while nobody polled.
+        if let LookupOutcome::Found(r) = broker.lookup(&e.destination, &e.envelope.event_id, 0).await {
+            break r[0].offset;
+        }
+        assert!(Instant::now() < deadline, "message never reached the log");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let wait = Instant::now() + Duration::from_secs(10);
+    while broker.in_flight() > 0 {
+        assert!(Instant::now() < wait, "delivery report never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The caller resumes and gets the genuine outcome.
+    let (partition, acked_offset) = acked(&send.await);
+    assert_eq!((partition, acked_offset), (e.destination.partition, offset));
+    eprintln!("stalled_caller_still_gets_the_genuine_ack: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn detached_sends_respect_the_in_flight_bound() {
+    let started = Instant::now();
+    let cluster = mock("orders");
+    let mut cfg = config(&cluster, 5_000);
+    cfg.max_in_flight = 2;
+    let broker = KafkaBroker::connect(cfg).await.expect("connect");
+    let events: Vec<Event> = (0..20).map(|i| event(&broker, "orders", &format!("o-{i}"))).collect();
+    let handles: Vec<_> = events.iter().map(|e| tokio::spawn(broker.send_detached(e.message.clone()))).collect();
+    assert!(broker.in_flight() <= 2);
+    let mut positions = Vec::new();
+    for (e, h) in events.iter().zip(handles) {
+        let (partition, offset) = acked(&h.await.expect("join"));
+        assert_eq!(partition, e.destination.partition);
+        positions.push((partition, offset));
+    }
+    positions.sort();
+    positions.dedup();
+    assert_eq!(positions.len(), 20);
+    assert_eq!(broker.in_flight(), 0);
+    eprintln!("detached_sends_respect_the_in_flight_bound: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn config_is_checked() {
+    let mut c = KafkaConfig::new("127.0.0.1:9");
+    assert!(c.validate().is_ok());
+    c.max_in_flight = 0;
+    assert!(c.validate().is_err());
+    let c = KafkaConfig::new("127.0.0.1:9").with_setting("enable.idempotence", "false");
+    assert!(c.validate().is_err());
+    let c = KafkaConfig::new("127.0.0.1:9").with_setting("client.id", "outbox");
+    assert!(c.validate().is_ok());
+    assert!(KafkaBroker::connect(KafkaConfig::new(" ")).await.is_err());
+}
+
+/// Runs against a real cluster when `OUTBOX_KAFKA_BOOTSTRAP` is set; the
+/// topic is `OUTBOX_KAFKA_TEST_TOPIC` (default `outbox-adapter-test`) and must exist.
+#[tokio::test]
+async fn real_cluster_send_and_lookup_when_configured() {
+    let Ok(cfg) = KafkaConfig::from_env() else {
+        eprintln!("OUTBOX_KAFKA_BOOTSTRAP not set: skipped");
+        return;
+    };
+    let topic = std::env::var("OUTBOX_KAFKA_TEST_TOPIC").unwrap_or_else(|_| "outbox-adapter-test".into());
+    let broker = KafkaBroker::connect(cfg).await.expect("connect");
+    let partitions = broker.partition_count(&topic).await.expect("topic");
+    let payload = b"{\"order\":\"real\"}".to_vec();
+    let request = EmitRequest { command_key: "c", tenant: "t1", aggregate_type: "order", aggregate_id: "real", aggregate_version: 1, event_type: "order.created", payload_schema: "s", payload: &payload };
+    let now_ms = 1_700_000_000_000u64;
+    let policy = RoutePolicy::new("order.created", broker.cluster_id(), &topic, partitions);
+    let (envelope, destination) = request.freeze(EventId::generate(now_ms), now_ms as i64, 7, &policy).expect("freeze");
+    let attempt = AttemptId::generate(now_ms);
+    let message = OutgoingMessage {
+        topic: topic.clone(),
+        partition: destination.partition,
+        key: destination.routing_key.clone().into_bytes(),
+        payload,
+        headers: headers::build(&envelope, &destination, &destination.digest(), &attempt, None),
+    };
+    let (_, offset) = acked(&broker.send(message).await);
+    match broker.lookup(&destination, &envelope.event_id, offset).await {
+        LookupOutcome::Found(r) => assert_eq!(r[0].offset, offset),
+        other => panic!("expected Found, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn divergent_and_unreadable_matches_are_reported_not_hidden() {
+    let cluster = mock("orders");
+    let broker = connect(&cluster, 5_000).await;
+
+    // Same headers, other bytes: the receipt carries the digest of what is
+    // really in the log, so the receipt decision quarantines it.
+    let e = event(&broker, "orders", "o-9");
+    let mut tampered = e.message.clone();
+    tampered.payload = b"{\"order\":\"forged\"}".to_vec();
+    let (_, offset) = acked(&broker.send(tampered.clone()).await);
+    match broker.lookup(&e.destination, &e.envelope.event_id, 0).await {
+        LookupOutcome::Found(r) => {
+            assert_eq!(r.len(), 1);
+            assert_eq!(r[0].offset, offset);
+            assert_eq!(r[0].payload_digest, outbox_core::sha256_digest(&tampered.payload));
+            assert_ne!(r[0].payload_digest, e.envelope.payload_digest);
+        }
+        other => panic!("expected Found, got {other:?}"),
+    }
+
+    // Only the eventId header is readable: still reported, from what can be read.
+    let f = event(&broker, "orders", "o-10");
+    let mut foreign = f.message.clone();
+    foreign.headers = vec![(headers::EVENT_ID.to_owned(), f.envelope.event_id.as_str().as_bytes().to_vec()), (headers::SCHEMA.to_owned(), b"garbage".to_vec())];
+    let (_, offset) = acked(&broker.send(foreign.clone()).await);
+    match broker.lookup(&f.destination, &f.envelope.event_id, 0).await {
+        LookupOutcome::Found(r) => {
+            assert_eq!(r.len(), 1);
+            assert_eq!(r[0].event_id, f.envelope.event_id);
+            assert_eq!(r[0].offset, offset);
+            assert_eq!(r[0].envelope_generation, 0);
+            assert_eq!(r[0].destination_digest, "");
+            assert_eq!(r[0].payload_digest, outbox_core::sha256_digest(&foreign.payload));
+        }
+        other => panic!("expected Found, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn full_local_queue_is_waited_out_within_its_bound() {
+    let started = Instant::now();
+    let cluster = mock("orders");
+    let mut cfg = config(&cluster, 10_000).with_setting("queue.buffering.max.messages", "1");
+    cfg.enqueue_timeout_ms = 1_000;
+    let broker = KafkaBroker::connect(cfg).await.expect("connect");
+    let warm = event(&broker, "orders", "o-warm");
+    acked(&broker.send(warm.message.clone()).await);
+
+    // Room for one message in librdkafka: the others wait their turn.
+    let events: Vec<Event> = (0..4).map(|i| event(&broker, "orders", &format!("q-{i}"))).collect();
+    let handles: Vec<_> = events.iter().map(|e| tokio::spawn(broker.send_detached(e.message.clone()))).collect();
+    for h in handles {
+        acked(&h.await.expect("join"));
+    }
+
+    // The one queued message is stuck behind a slow broker: the next send
+    // gives up after enqueue_timeout_ms, definitely not persisted.
+    cluster.broker_round_trip_time(BROKER, Duration::from_millis(3_000)).expect("rtt");
+    let slow = event(&broker, "orders", "q-slow");
+    let first = tokio::spawn(broker.send_detached(slow.message.clone()));
+    let refused = event(&broker, "orders", "q-refused");
+    let outcome = broker.send(refused.message.clone()).await;
+    eprintln!("outcome: {outcome:?}");
+    assert!(matches!(&outcome, SendOutcome::NotPersisted(r) if r.contains("queue full")), "expected NotPersisted, got {outcome:?}");
+    acked(&first.await.expect("join"));
+    cluster.broker_round_trip_time(BROKER, Duration::ZERO).expect("rtt");
+    assert_eq!(broker.lookup(&refused.destination, &refused.envelope.event_id, 0).await, LookupOutcome::Absent);
+    eprintln!("full_local_queue_is_waited_out_within_its_bound: {:?}", started.elapsed());
+}
