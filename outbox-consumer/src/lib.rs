@@ -1,1 +1,126 @@
-//! outbox-consumer
+//! # outbox-consumer
+//!
+//! The idempotent consumer of the transactional outbox (SPEC §8).
+//!
+//! **Guarantee.** For each consumer (`consumerId`) and each event
+//! (`eventId`), the handler's database effect commits at most once, and
+//! together with a consumption receipt; the broker offset moves past a
+//! message only after its decision committed. Hence, whatever the broker
+//! redelivers (a lost offset commit, a producer retry, a replay, a
+//! rebalance), every event has *exactly one* committed effect per consumer,
+//! and a redelivery is answered with the *original* receipt, including the
+//! result the handler recorded the first time.
+//!
+//! For every message, in order within its partition:
+//! 1. **Verify** with [`outbox_core::headers::verify`]: the payload hashes to
+//!    its digest, the destination header to its digest, and the message sits
+//!    on the topic, partition and key its frozen destination prescribes. A
+//!    message that fails is **quarantined** with its evidence
+//!    (`outbox_consumer_quarantine`), the handler never sees it, and the
+//!    partition moves on.
+//! 2. **Claim** the receipt `(consumerId, eventId)` in
+//!    `outbox_consumer_receipts` (`INSERT .. ON CONFLICT DO NOTHING`). If it
+//!    exists, the outcome is [`Outcome::Duplicate`] with the original receipt
+//!    (or a quarantine, if the same eventId arrives with other payload bytes).
+//! 3. **Handle**: the [`Handler`] runs on the *same* transaction; its result
+//!    is stored in the receipt.
+//! 4. Move the partition's **watermark** (`outbox_consumer_watermarks`) in the
+//!    same transaction, **commit**, then store and commit the broker offset.
+//!
+//! Many messages of one partition share one transaction (multi-row claims),
+//! which is what makes the consumer fast; a failing handler splits the batch
+//! so that only the failing event is retried: bounded attempts with
+//! exponential backoff ([`RetryPolicy`]), then a **dead letter**
+//! (`outbox_consumer_dead_letters`), never a silent skip. Partitions are
+//! processed by independent workers, so a poisoned partition does not stop
+//! the others.
+//!
+//! **External effects** (payments, e-mail) cannot join the transaction. Give
+//! the other system [`ConsumedEvent::effect_key`] (see [`effect_key`]) as its
+//! idempotency key: it is the same on every delivery and every retry, so an
+//! effect whose outcome was unknown is retried with the same key and happens
+//! once.
+//!
+//! ## Watermarks and the outbox database
+//!
+//! Each row of `outbox_consumer_watermarks` says, for one consumer and one
+//! partition, that every message below `committed_offset` has a committed
+//! decision (applied, duplicate, quarantined or dead-lettered), with
+//! cumulative counts of each. The producer side's reconciler and retention
+//! read this table *in the outbox database*: an event published at
+//! `(topic, partition, offset)` is consumed by a consumer once that
+//! consumer's `committed_offset` for the partition is greater than `offset`.
+//!
+//! **Contract for a consumer whose state lives in another database than the
+//! outbox:** its receipts and watermarks are written in its own database
+//! (they must commit with its own state). It must copy its watermark rows,
+//! same columns, into the outbox database's `outbox_consumer_watermarks`
+//! (created there by [`migrate`]), by calling [`publish_watermarks`]
+//! periodically (every few seconds) and at shutdown. The copy is monotonic
+//! and idempotent, so calling it too often or concurrently is safe; calling
+//! it too rarely only delays retention and raises "not consumed" alarms, it
+//! can never let an unconsumed event be purged.
+//!
+//! ## Example
+//!
+//! ```no_run
+//! use outbox_consumer::{async_trait, ConsumedEvent, ConsumerConfig, Handler, HandlerError, IdempotentConsumer};
+//! use serde_json::{json, Value};
+//! use sqlx::{Postgres, Transaction};
+//!
+//! struct Reserve;
+//!
+//! #[async_trait]
+//! impl Handler for Reserve {
+//!     async fn handle(&self, tx: &mut Transaction<'_, Postgres>, e: &ConsumedEvent) -> Result<Value, HandlerError> {
+//!         sqlx::query("INSERT INTO reservations (event_id) VALUES ($1)").bind(e.event_id.as_str()).execute(&mut **tx).await?;
+//!         Ok(json!({ "reserved": true }))
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), outbox_consumer::ConsumerError> {
+//! let pool = sqlx::PgPool::connect("postgres://root@127.0.0.1/test").await?;
+//! outbox_consumer::migrate(&pool).await?;
+//! let config = ConsumerConfig::new("fulfilment", "127.0.0.1:9092", &["orders"]);
+//! let consumer = IdempotentConsumer::new(config, pool, Reserve)?;
+//! consumer.run(async { let _ = tokio::signal::ctrl_c().await; }).await
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+mod config;
+mod consumer;
+mod error;
+mod event;
+mod handler;
+mod metrics;
+mod outcome;
+mod processor;
+mod watermark;
+
+pub use async_trait::async_trait;
+pub use config::*;
+pub use consumer::{AfterCommitHook, CommittedBatch, HookAction, IdempotentConsumer};
+pub use error::{ConsumerError, HandlerError};
+pub use event::{effect_key, ConsumedEvent, RawMessage, DEFAULT_EFFECT_PURPOSE, EFFECT_KEY_SCHEMA};
+pub use handler::Handler;
+pub use metrics::{Metrics, MetricsSnapshot};
+pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
+pub use processor::{receipt, Processor, MAX_RESULT_BYTES};
+pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
+
+/// The consumer's migrations (`migrations/`, versions `20261129100001` and
+/// up), for `#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]` and tools.
+/// In a database shared with other migration sets, use [`migrate`].
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
+
+/// Applies the consumer's migrations, ignoring versions applied by other
+/// migration sets in the same database (the producer's). Run it on the
+/// consumer's database, and on the outbox database of a consumer that
+/// publishes its watermarks there.
+pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), ConsumerError> {
+    let mut m: sqlx::migrate::Migrator = sqlx::migrate!();
+    m.set_ignore_missing(true);
+    m.run(pool).await?;
+    Ok(())
+}

@@ -1,0 +1,309 @@
+//! Configuration, with a named default and a limit for every number.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use outbox_core::id::validate_identifier;
+
+use crate::error::ConsumerError;
+
+/// Default [`ConsumerConfig::max_batch_messages`].
+pub const DEFAULT_MAX_BATCH_MESSAGES: usize = 500;
+/// Upper limit of [`ConsumerConfig::max_batch_messages`].
+pub const LIMIT_MAX_BATCH_MESSAGES: usize = 10_000;
+/// Default [`ConsumerConfig::max_batch_bytes`]: 8 MiB.
+pub const DEFAULT_MAX_BATCH_BYTES: usize = 8 * 1024 * 1024;
+/// Upper limit of [`ConsumerConfig::max_batch_bytes`]: 256 MiB.
+pub const LIMIT_MAX_BATCH_BYTES: usize = 256 * 1024 * 1024;
+/// Default [`ConsumerConfig::max_buffered_per_partition`].
+pub const DEFAULT_MAX_BUFFERED_PER_PARTITION: usize = 2_000;
+/// Upper limit of [`ConsumerConfig::max_buffered_per_partition`].
+pub const LIMIT_MAX_BUFFERED_PER_PARTITION: usize = 100_000;
+/// Default [`RetryPolicy::max_attempts`].
+pub const DEFAULT_HANDLER_MAX_ATTEMPTS: u32 = 5;
+/// Upper limit of [`RetryPolicy::max_attempts`].
+pub const LIMIT_HANDLER_MAX_ATTEMPTS: u32 = 100;
+/// Default [`RetryPolicy::initial_backoff_ms`].
+pub const DEFAULT_INITIAL_BACKOFF_MS: u64 = 200;
+/// Default [`RetryPolicy::max_backoff_ms`].
+pub const DEFAULT_MAX_BACKOFF_MS: u64 = 10_000;
+/// Upper limit of any backoff: 10 minutes.
+pub const LIMIT_BACKOFF_MS: u64 = 600_000;
+/// Default [`RetryPolicy::handler_timeout_ms`].
+pub const DEFAULT_HANDLER_TIMEOUT_MS: u64 = 30_000;
+/// Upper limit of [`RetryPolicy::handler_timeout_ms`]: 15 minutes.
+pub const LIMIT_HANDLER_TIMEOUT_MS: u64 = 900_000;
+/// Default [`RetryPolicy::db_max_attempts`].
+pub const DEFAULT_DB_MAX_ATTEMPTS: u32 = 10;
+/// Default [`ConsumerConfig::session_timeout_ms`].
+pub const DEFAULT_SESSION_TIMEOUT_MS: u64 = 10_000;
+/// Default [`ConsumerConfig::shutdown_timeout_ms`].
+pub const DEFAULT_SHUTDOWN_TIMEOUT_MS: u64 = 10_000;
+/// Default [`ConsumerConfig::max_evidence_payload_bytes`]: 1 MiB.
+pub const DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES: usize = 1024 * 1024;
+/// Most topics one consumer subscribes to.
+pub const LIMIT_TOPICS: usize = 100;
+
+/// librdkafka properties the consumer sets itself and refuses to take from
+/// [`ConsumerConfig::kafka`]: offsets are stored and committed only after the
+/// receipt transaction commits.
+pub const RESERVED_KAFKA_PROPERTIES: &[&str] = &["group.id", "bootstrap.servers", "enable.auto.commit", "enable.auto.offset.store", "session.timeout.ms"];
+
+/// How handler failures are retried, and how long anything may take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Handler runs per event before it is dead-lettered (1 = no retry).
+    pub max_attempts: u32,
+    /// Wait before the second attempt; doubles per attempt.
+    pub initial_backoff_ms: u64,
+    /// Longest wait between attempts.
+    pub max_backoff_ms: u64,
+    /// Longest one handler run may take; a timeout is a transient failure.
+    pub handler_timeout_ms: u64,
+    /// Tries of a batch whose *database* work (not the handler) fails with a
+    /// retryable error, before the consumer stops with that error.
+    pub db_max_attempts: u32,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: DEFAULT_HANDLER_MAX_ATTEMPTS,
+            initial_backoff_ms: DEFAULT_INITIAL_BACKOFF_MS,
+            max_backoff_ms: DEFAULT_MAX_BACKOFF_MS,
+            handler_timeout_ms: DEFAULT_HANDLER_TIMEOUT_MS,
+            db_max_attempts: DEFAULT_DB_MAX_ATTEMPTS,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait after failed attempt number `attempt` (1-based):
+    /// `initial_backoff_ms * 2^(attempt-1)`, at most `max_backoff_ms`.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exp = attempt.saturating_sub(1).min(32);
+        let ms = self.initial_backoff_ms.saturating_mul(1u64 << exp).min(self.max_backoff_ms);
+        Duration::from_millis(ms)
+    }
+
+    /// Checks every number against its limit.
+    pub fn validate(&self) -> Result<(), ConsumerError> {
+        let bad = |m: String| Err(ConsumerError::Config(m));
+        if !(1..=LIMIT_HANDLER_MAX_ATTEMPTS).contains(&self.max_attempts) {
+            return bad(format!("max_attempts {} (1..={LIMIT_HANDLER_MAX_ATTEMPTS})", self.max_attempts));
+        }
+        if self.initial_backoff_ms > LIMIT_BACKOFF_MS || self.max_backoff_ms > LIMIT_BACKOFF_MS {
+            return bad(format!("backoff over {LIMIT_BACKOFF_MS} ms"));
+        }
+        if self.initial_backoff_ms > self.max_backoff_ms {
+            return bad(format!("initial_backoff_ms {} > max_backoff_ms {}", self.initial_backoff_ms, self.max_backoff_ms));
+        }
+        if !(1..=LIMIT_HANDLER_TIMEOUT_MS).contains(&self.handler_timeout_ms) {
+            return bad(format!("handler_timeout_ms {} (1..={LIMIT_HANDLER_TIMEOUT_MS})", self.handler_timeout_ms));
+        }
+        if !(1..=LIMIT_HANDLER_MAX_ATTEMPTS).contains(&self.db_max_attempts) {
+            return bad(format!("db_max_attempts {} (1..={LIMIT_HANDLER_MAX_ATTEMPTS})", self.db_max_attempts));
+        }
+        Ok(())
+    }
+}
+
+/// Everything an [`IdempotentConsumer`](crate::IdempotentConsumer) needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerConfig {
+    /// Logical consumer identity: the first half of every receipt key. Keep it
+    /// stable for the life of the consumer; changing it replays everything.
+    pub consumer_id: String,
+    /// Kafka consumer group (default: `consumer_id`).
+    pub group_id: String,
+    /// Kafka `bootstrap.servers`.
+    pub bootstrap_servers: String,
+    /// Topics to subscribe to.
+    pub topics: Vec<String>,
+    /// Most messages of one partition decided in one database transaction.
+    pub max_batch_messages: usize,
+    /// Most message bytes (key + value + headers) in one transaction.
+    pub max_batch_bytes: usize,
+    /// Messages read ahead per partition before that partition is paused.
+    pub max_buffered_per_partition: usize,
+    /// Handler retries and time limits.
+    pub retry: RetryPolicy,
+    /// Kafka group session timeout.
+    pub session_timeout_ms: u64,
+    /// How long [`run`](crate::IdempotentConsumer::run) waits for in-flight
+    /// batches after shutdown is requested, before abandoning them (they are
+    /// rolled back or, if committed, redelivered as duplicates).
+    pub shutdown_timeout_ms: u64,
+    /// Largest quarantined payload stored verbatim (larger: digest and size only).
+    pub max_evidence_payload_bytes: usize,
+    /// Extra librdkafka properties (security, `auto.offset.reset`,
+    /// `partition.assignment.strategy`, ...). [`RESERVED_KAFKA_PROPERTIES`]
+    /// are refused. `auto.offset.reset` defaults to `earliest`.
+    pub kafka: BTreeMap<String, String>,
+}
+
+impl ConsumerConfig {
+    /// A configuration with every default.
+    pub fn new(consumer_id: impl Into<String>, bootstrap_servers: impl Into<String>, topics: &[&str]) -> Self {
+        let consumer_id = consumer_id.into();
+        ConsumerConfig {
+            group_id: consumer_id.clone(),
+            consumer_id,
+            bootstrap_servers: bootstrap_servers.into(),
+            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
+            max_batch_messages: DEFAULT_MAX_BATCH_MESSAGES,
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
+            max_buffered_per_partition: DEFAULT_MAX_BUFFERED_PER_PARTITION,
+            retry: RetryPolicy::default(),
+            session_timeout_ms: DEFAULT_SESSION_TIMEOUT_MS,
+            shutdown_timeout_ms: DEFAULT_SHUTDOWN_TIMEOUT_MS,
+            max_evidence_payload_bytes: DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES,
+            kafka: BTreeMap::new(),
+        }
+    }
+
+    /// Reads the configuration from the environment:
+    ///
+    /// | variable | field | default |
+    /// |---|---|---|
+    /// | `OUTBOX_CONSUMER_ID` | `consumer_id` | required |
+    /// | `OUTBOX_CONSUMER_GROUP_ID` | `group_id` | `consumer_id` |
+    /// | `OUTBOX_KAFKA_BOOTSTRAP_SERVERS` | `bootstrap_servers` | required |
+    /// | `OUTBOX_CONSUMER_TOPICS` (comma-separated) | `topics` | required |
+    /// | `OUTBOX_CONSUMER_MAX_BATCH_MESSAGES` | `max_batch_messages` | 500 |
+    /// | `OUTBOX_CONSUMER_MAX_BATCH_BYTES` | `max_batch_bytes` | 8 MiB |
+    /// | `OUTBOX_CONSUMER_MAX_BUFFERED_PER_PARTITION` | `max_buffered_per_partition` | 2000 |
+    /// | `OUTBOX_CONSUMER_MAX_ATTEMPTS` | `retry.max_attempts` | 5 |
+    /// | `OUTBOX_CONSUMER_INITIAL_BACKOFF_MS` | `retry.initial_backoff_ms` | 200 |
+    /// | `OUTBOX_CONSUMER_MAX_BACKOFF_MS` | `retry.max_backoff_ms` | 10000 |
+    /// | `OUTBOX_CONSUMER_HANDLER_TIMEOUT_MS` | `retry.handler_timeout_ms` | 30000 |
+    /// | `OUTBOX_CONSUMER_SESSION_TIMEOUT_MS` | `session_timeout_ms` | 10000 |
+    /// | `OUTBOX_CONSUMER_SHUTDOWN_TIMEOUT_MS` | `shutdown_timeout_ms` | 10000 |
+    /// | `OUTBOX_CONSUMER_KAFKA_<PROPERTY>` | `kafka`: `<property>` lower-cased, `_` → `.` | |
+    pub fn from_env() -> Result<Self, ConsumerError> {
+        Self::from_lookup(|k| std::env::var(k).ok(), std::env::vars())
+    }
+
+    fn from_lookup(get: impl Fn(&str) -> Option<String>, all: impl Iterator<Item = (String, String)>) -> Result<Self, ConsumerError> {
+        let required = |k: &str| get(k).filter(|v| !v.is_empty()).ok_or_else(|| ConsumerError::Config(format!("{k} is not set")));
+        let topics_text = required("OUTBOX_CONSUMER_TOPICS")?;
+        let topics: Vec<&str> = topics_text.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
+        let mut c = ConsumerConfig::new(required("OUTBOX_CONSUMER_ID")?, required("OUTBOX_KAFKA_BOOTSTRAP_SERVERS")?, &topics);
+        if let Some(g) = get("OUTBOX_CONSUMER_GROUP_ID") {
+            c.group_id = g;
+        }
+        fn num<T: std::str::FromStr>(get: &impl Fn(&str) -> Option<String>, k: &str, slot: &mut T) -> Result<(), ConsumerError> {
+            if let Some(v) = get(k) {
+                *slot = v.trim().parse().map_err(|_| ConsumerError::Config(format!("{k}={v:?} is not a number")))?;
+            }
+            Ok(())
+        }
+        num(&get, "OUTBOX_CONSUMER_MAX_BATCH_MESSAGES", &mut c.max_batch_messages)?;
+        num(&get, "OUTBOX_CONSUMER_MAX_BATCH_BYTES", &mut c.max_batch_bytes)?;
+        num(&get, "OUTBOX_CONSUMER_MAX_BUFFERED_PER_PARTITION", &mut c.max_buffered_per_partition)?;
+        num(&get, "OUTBOX_CONSUMER_MAX_ATTEMPTS", &mut c.retry.max_attempts)?;
+        num(&get, "OUTBOX_CONSUMER_INITIAL_BACKOFF_MS", &mut c.retry.initial_backoff_ms)?;
+        num(&get, "OUTBOX_CONSUMER_MAX_BACKOFF_MS", &mut c.retry.max_backoff_ms)?;
+        num(&get, "OUTBOX_CONSUMER_HANDLER_TIMEOUT_MS", &mut c.retry.handler_timeout_ms)?;
+        num(&get, "OUTBOX_CONSUMER_SESSION_TIMEOUT_MS", &mut c.session_timeout_ms)?;
+        num(&get, "OUTBOX_CONSUMER_SHUTDOWN_TIMEOUT_MS", &mut c.shutdown_timeout_ms)?;
+        for (k, v) in all {
+            if let Some(prop) = k.strip_prefix("OUTBOX_CONSUMER_KAFKA_") {
+                c.kafka.insert(prop.to_ascii_lowercase().replace('_', "."), v);
+            }
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks identifiers and every limit.
+    pub fn validate(&self) -> Result<(), ConsumerError> {
+        let id = |field: &'static str, v: &str| validate_identifier(field, v).map_err(|e| ConsumerError::Config(e.to_string()));
+        id("consumerId", &self.consumer_id)?;
+        id("groupId", &self.group_id)?;
+        if self.bootstrap_servers.trim().is_empty() {
+            return Err(ConsumerError::Config("bootstrap_servers is empty".into()));
+        }
+        if self.topics.is_empty() || self.topics.len() > LIMIT_TOPICS {
+            return Err(ConsumerError::Config(format!("{} topics (1..={LIMIT_TOPICS})", self.topics.len())));
+        }
+        for t in &self.topics {
+            id("topic", t)?;
+        }
+        let range = |name: &str, v: usize, max: usize| {
+            if (1..=max).contains(&v) {
+                Ok(())
+            } else {
+                Err(ConsumerError::Config(format!("{name} {v} (1..={max})")))
+            }
+        };
+        range("max_batch_messages", self.max_batch_messages, LIMIT_MAX_BATCH_MESSAGES)?;
+        range("max_batch_bytes", self.max_batch_bytes, LIMIT_MAX_BATCH_BYTES)?;
+        range("max_buffered_per_partition", self.max_buffered_per_partition, LIMIT_MAX_BUFFERED_PER_PARTITION)?;
+        range("max_evidence_payload_bytes", self.max_evidence_payload_bytes.max(1), LIMIT_MAX_BATCH_BYTES)?;
+        if !(1_000..=3_600_000).contains(&self.session_timeout_ms) {
+            return Err(ConsumerError::Config(format!("session_timeout_ms {} (1000..=3600000)", self.session_timeout_ms)));
+        }
+        if self.shutdown_timeout_ms > 3_600_000 {
+            return Err(ConsumerError::Config(format!("shutdown_timeout_ms {} (..=3600000)", self.shutdown_timeout_ms)));
+        }
+        if let Some(k) = self.kafka.keys().find(|k| RESERVED_KAFKA_PROPERTIES.contains(&k.as_str())) {
+            return Err(ConsumerError::Config(format!("kafka property {k:?} is set by the consumer itself")));
+        }
+        self.retry.validate()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let p = RetryPolicy { initial_backoff_ms: 100, max_backoff_ms: 350, ..RetryPolicy::default() };
+        let ms: Vec<u128> = (1..=5).map(|a| p.backoff(a).as_millis()).collect();
+        assert_eq!(ms, vec![100, 200, 350, 350, 350]);
+        assert_eq!(p.backoff(u32::MAX).as_millis(), 350);
+    }
+
+    #[test]
+    fn config_limits_are_enforced() {
+        let ok = ConsumerConfig::new("billing", "127.0.0.1:9092", &["orders"]);
+        ok.validate().unwrap();
+        let mut c = ok.clone();
+        c.consumer_id = "bad id".into();
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.max_batch_messages = 0;
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.kafka.insert("enable.auto.commit".into(), "true".into());
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.retry.max_attempts = 0;
+        assert!(c.validate().is_err());
+        let mut c = ok;
+        c.topics.clear();
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn config_from_env_lookup() {
+        let env = [
+            ("OUTBOX_CONSUMER_ID", "billing"),
+            ("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "k:9092"),
+            ("OUTBOX_CONSUMER_TOPICS", "orders, payments"),
+            ("OUTBOX_CONSUMER_MAX_ATTEMPTS", "3"),
+            ("OUTBOX_CONSUMER_KAFKA_SECURITY_PROTOCOL", "ssl"),
+        ];
+        let get = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_owned());
+        let all = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
+        let c = ConsumerConfig::from_lookup(get, all).unwrap();
+        assert_eq!(c.topics, vec!["orders", "payments"]);
+        assert_eq!(c.group_id, "billing");
+        assert_eq!(c.retry.max_attempts, 3);
+        assert_eq!(c.kafka.get("security.protocol").map(String::as_str), Some("ssl"));
+        let bad = ConsumerConfig::from_lookup(|k| if k == "OUTBOX_CONSUMER_ID" { None } else { get(k) }, std::iter::empty());
+        assert!(bad.is_err());
+    }
+}

@@ -1,0 +1,528 @@
+//! The Kafka runner: one subscription, one worker per assigned partition,
+//! offsets stored and committed only after the decision transaction commits.
+//!
+//! Shape: the run loop owns the `StreamConsumer` and reads messages; each
+//! message goes to the bounded queue of its partition's worker task. A worker
+//! takes what its queue holds (up to the batch limits), decides it with the
+//! [`Processor`] in as few transactions as possible, then stores and commits
+//! the next offset. A partition whose queue is full is paused at the broker
+//! and resumed when its queue drains, so one slow or poisoned partition never
+//! blocks the others.
+//!
+//! **Invariant:** an offset is stored only for messages whose decision
+//! committed; `enable.auto.commit` and `enable.auto.offset.store` are off.
+//!
+//! **Invariant:** per partition, messages are decided in offset order by one
+//! worker at a time; a worker replacing a revoked one waits for it to end.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::FutureExt as _;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::ClientContext;
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use crate::config::ConsumerConfig;
+use crate::error::ConsumerError;
+use crate::event::RawMessage;
+use crate::handler::Handler;
+use crate::metrics::Metrics;
+use crate::outcome::Outcome;
+use crate::processor::Processor;
+
+/// What an `after_db_commit` hook sees: a batch of one partition whose
+/// decisions just committed, before its offset is stored.
+#[derive(Debug)]
+pub struct CommittedBatch<'a> {
+    /// Topic.
+    pub topic: &'a str,
+    /// Partition.
+    pub partition: i32,
+    /// The decisions, in offset order.
+    pub outcomes: &'a [Outcome],
+}
+
+/// What the consumer does after an `after_db_commit` hook returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HookAction {
+    /// Store and commit the offset, go on.
+    Continue,
+    /// Stop at once *without* storing or committing the offset, as if the
+    /// process died between the database commit and the offset commit:
+    /// [`IdempotentConsumer::run`] aborts its workers, drops the Kafka client
+    /// and returns [`ConsumerError::StoppedByHook`]. For fault injection.
+    Crash,
+}
+
+/// A callback run after every committed batch (observability, fault injection).
+pub type AfterCommitHook = Arc<dyn Fn(&CommittedBatch<'_>) -> HookAction + Send + Sync>;
+
+/// Period of the run loop's housekeeping (draining overflow, resuming
+/// partitions, retiring revoked workers).
+const TICK_MS: u64 = 20;
+
+type PartitionKey = (String, i32);
+
+/// State shared by a partition worker, the run loop and the rebalance callback.
+#[derive(Debug, Default)]
+struct PartitionState {
+    /// Set when the partition is revoked or the consumer shuts down: the
+    /// worker finishes its current transaction and ends.
+    stop: AtomicBool,
+}
+
+/// Rebalance callbacks: mark revoked partitions, commit stored offsets.
+struct Context {
+    registry: Arc<Mutex<HashMap<PartitionKey, Arc<PartitionState>>>>,
+    metrics: Arc<Metrics>,
+}
+
+impl ClientContext for Context {}
+
+impl ConsumerContext for Context {
+    fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            {
+                let mut reg = self.registry.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                for e in tpl.elements() {
+                    if let Some(state) = reg.remove(&(e.topic().to_owned(), e.partition())) {
+                        state.stop.store(true, Ordering::Release);
+                    }
+                }
+            }
+            info!(partitions = tpl.count(), "partitions revoked");
+            // Offsets stored so far belong to committed decisions: hand them
+            // to the group before the partitions move.
+            if let Err(e) = base.commit_consumer_state(CommitMode::Sync) {
+                if !is_no_offset(&e) {
+                    debug!(error = %e, "offset commit on revoke failed");
+                }
+            }
+        }
+    }
+
+    fn post_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            info!(partitions = tpl.count(), "partitions assigned");
+            // A partition paused before a revoke must not stay paused.
+            let _ = base.resume(tpl);
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        if let Err(e) = result {
+            if !is_no_offset(&e) {
+                Metrics::add(&self.metrics.offset_commit_failures, 1);
+                debug!(error = %e, "offset commit failed");
+            }
+        }
+    }
+}
+
+fn is_no_offset(e: &KafkaError) -> bool {
+    e.rdkafka_error_code() == Some(RDKafkaErrorCode::NoOffset)
+}
+
+type Client = StreamConsumer<Context>;
+
+/// What every worker needs.
+struct Shared {
+    processor: Arc<Processor>,
+    hook: Option<AfterCommitHook>,
+    fatal: mpsc::UnboundedSender<ConsumerError>,
+    max_batch_messages: usize,
+    max_batch_bytes: usize,
+}
+
+/// The run loop's view of one partition.
+struct Slot {
+    tx: mpsc::Sender<RawMessage>,
+    state: Arc<PartitionState>,
+    handle: JoinHandle<()>,
+    /// Messages read while the queue was full (the partition is paused).
+    overflow: VecDeque<RawMessage>,
+    paused: bool,
+    /// Next offset expected; lower ones are re-fetches after a resume.
+    next_offset: i64,
+}
+
+/// The idempotent Kafka consumer (SPEC §8).
+///
+/// For every message, in one PostgreSQL transaction: the `(consumerId,
+/// eventId)` receipt is claimed, the [`Handler`] runs on that transaction, the
+/// receipt records its result and the partition's watermark moves; only after
+/// the commit is the offset stored and committed. Redeliveries get the
+/// original receipt and no second effect; messages that fail verification are
+/// quarantined; handlers that keep failing lead to dead letters; partitions
+/// are processed independently.
+pub struct IdempotentConsumer {
+    config: ConsumerConfig,
+    processor: Arc<Processor>,
+    hook: Option<AfterCommitHook>,
+}
+
+impl std::fmt::Debug for IdempotentConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotentConsumer").field("config", &self.config).field("hook", &self.hook.is_some()).finish()
+    }
+}
+
+impl IdempotentConsumer {
+    /// A consumer for `config` (validated) writing receipts to `pool`.
+    pub fn new(config: ConsumerConfig, pool: PgPool, handler: impl Handler + 'static) -> Result<Self, ConsumerError> {
+        config.validate()?;
+        let processor = Processor::new(&config.consumer_id, pool, handler)?
+            .with_retry(config.retry.clone())?
+            .with_max_evidence_payload_bytes(config.max_evidence_payload_bytes);
+        Ok(IdempotentConsumer { config, processor: Arc::new(processor), hook: None })
+    }
+
+    /// Installs a callback run after every committed batch and before its
+    /// offset is stored. Returning [`HookAction::Crash`] simulates a process
+    /// death at exactly that point.
+    pub fn after_db_commit(mut self, hook: impl Fn(&CommittedBatch<'_>) -> HookAction + Send + Sync + 'static) -> Self {
+        self.hook = Some(Arc::new(hook));
+        self
+    }
+
+    /// The counters of this instance.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.processor.metrics().clone()
+    }
+
+    /// The processor (for [`redrive_dead_letter`](Processor::redrive_dead_letter)).
+    pub fn processor(&self) -> &Arc<Processor> {
+        &self.processor
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ConsumerConfig {
+        &self.config
+    }
+
+    fn client_config(&self) -> ClientConfig {
+        let c = &self.config;
+        let mut k = ClientConfig::new();
+        k.set("bootstrap.servers", &c.bootstrap_servers)
+            .set("group.id", &c.group_id)
+            .set("client.id", &c.consumer_id)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", c.session_timeout_ms.to_string());
+        for (key, value) in &c.kafka {
+            k.set(key, value);
+        }
+        k
+    }
+
+    /// Subscribes and consumes until `shutdown` resolves or a fatal error
+    /// occurs.
+    ///
+    /// On shutdown, workers finish the transaction they are in, store and
+    /// commit their offsets (waiting at most `shutdown_timeout_ms`), and the
+    /// consumer leaves its group. A fatal error (a non-retryable database
+    /// error, retryable ones past `db_max_attempts`, a crashed worker, a hook
+    /// returning [`HookAction::Crash`]) aborts every worker without storing
+    /// more offsets and is returned; restart the consumer to continue, and
+    /// already committed decisions come back as duplicates.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ConsumerError> {
+        let metrics = self.processor.metrics().clone();
+        let registry: Arc<Mutex<HashMap<PartitionKey, Arc<PartitionState>>>> = Arc::default();
+        let context = Context { registry: registry.clone(), metrics: metrics.clone() };
+        let client: Arc<Client> = Arc::new(self.client_config().create_with_context(context)?);
+        let topics: Vec<&str> = self.config.topics.iter().map(String::as_str).collect();
+        client.subscribe(&topics)?;
+        info!(consumer = %self.config.consumer_id, group = %self.config.group_id, ?topics, "consumer started");
+
+        let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            processor: self.processor.clone(),
+            hook: self.hook.clone(),
+            fatal: fatal_tx,
+            max_batch_messages: self.config.max_batch_messages,
+            max_batch_bytes: self.config.max_batch_bytes,
+        });
+        let mut run = RunLoop {
+            client: client.clone(),
+            shared,
+            registry,
+            slots: HashMap::new(),
+            retired: HashMap::new(),
+            capacity: self.config.max_buffered_per_partition,
+        };
+        let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut shutdown = std::pin::pin!(shutdown);
+        let outcome = loop {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break Ok(()),
+                Some(e) = fatal_rx.recv() => break Err(e),
+                m = client.recv() => match m {
+                    Ok(m) => {
+                        let raw = RawMessage::from_kafka(&m);
+                        drop(m);
+                        Metrics::add(&metrics.received, 1);
+                        run.dispatch(raw);
+                    }
+                    Err(e) => warn!(error = %e, "kafka consumer error"),
+                },
+                _ = tick.tick() => run.housekeeping(),
+            }
+        };
+        match outcome {
+            Ok(()) => {
+                run.stop_gracefully(Duration::from_millis(self.config.shutdown_timeout_ms)).await;
+                if let Err(e) = client.commit_consumer_state(CommitMode::Sync) {
+                    if !is_no_offset(&e) {
+                        warn!(error = %e, "final offset commit failed");
+                    }
+                }
+                info!(consumer = %self.config.consumer_id, "consumer stopped");
+            }
+            Err(ref e) => {
+                warn!(error = %e, "consumer stopping on error");
+                run.abort().await;
+            }
+        }
+        drop(run);
+        // Leaves the group (the last reference to the client).
+        drop(client);
+        outcome
+    }
+}
+
+struct RunLoop {
+    client: Arc<Client>,
+    shared: Arc<Shared>,
+    registry: Arc<Mutex<HashMap<PartitionKey, Arc<PartitionState>>>>,
+    slots: HashMap<PartitionKey, Slot>,
+    /// Workers of revoked partitions that may still be finishing a batch.
+    retired: HashMap<PartitionKey, JoinHandle<()>>,
+    capacity: usize,
+}
+
+impl RunLoop {
+    fn set_paused(&self, key: &PartitionKey, paused: bool) {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&key.0, key.1);
+        let r = if paused { self.client.pause(&tpl) } else { self.client.resume(&tpl) };
+        if let Err(e) = r {
+            debug!(topic = %key.0, partition = key.1, paused, error = %e, "pause/resume refused");
+        }
+    }
+
+    fn retire_stopped(&mut self) {
+        let stopped: Vec<PartitionKey> = self.slots.iter().filter(|(_, s)| s.state.stop.load(Ordering::Acquire)).map(|(k, _)| k.clone()).collect();
+        for key in stopped {
+            if let Some(slot) = self.slots.remove(&key) {
+                // Dropping the sender lets the worker end after its batch.
+                if let Some(old) = self.retired.insert(key, slot.handle) {
+                    old.abort();
+                }
+            }
+        }
+        self.retired.retain(|_, h| !h.is_finished());
+    }
+
+    fn spawn_worker(&mut self, key: PartitionKey, first_offset: i64) {
+        let (tx, rx) = mpsc::channel(self.capacity);
+        let state = Arc::new(PartitionState::default());
+        self.registry.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key.clone(), state.clone());
+        let previous = self.retired.remove(&key);
+        let shared = self.shared.clone();
+        let client = self.client.clone();
+        let worker_state = state.clone();
+        let (topic, partition) = key.clone();
+        let handle = tokio::spawn(async move {
+            let fatal = shared.fatal.clone();
+            let body = worker(rx, worker_state, shared, client, topic, partition, previous);
+            if let Err(panic) = AssertUnwindSafe(body).catch_unwind().await {
+                let text = panic.downcast_ref::<&str>().map(|s| (*s).to_owned()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+                let _ = fatal.send(ConsumerError::Worker(format!("partition worker panicked: {text}")));
+            }
+        });
+        self.slots.insert(key, Slot { tx, state, handle, overflow: VecDeque::new(), paused: false, next_offset: first_offset });
+    }
+
+    fn dispatch(&mut self, msg: RawMessage) {
+        let key = (msg.topic.clone(), msg.partition);
+        if self.slots.get(&key).is_some_and(|s| s.state.stop.load(Ordering::Acquire)) {
+            self.retire_stopped();
+        }
+        if !self.slots.contains_key(&key) {
+            self.spawn_worker(key.clone(), msg.offset);
+        }
+        let mut pause = false;
+        if let Some(slot) = self.slots.get_mut(&key) {
+            if msg.offset < slot.next_offset {
+                return;
+            }
+            slot.next_offset = msg.offset.saturating_add(1);
+            if !slot.overflow.is_empty() {
+                slot.overflow.push_back(msg);
+                return;
+            }
+            match slot.tx.try_send(msg) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(msg)) => {
+                    slot.overflow.push_back(msg);
+                    if !slot.paused {
+                        slot.paused = true;
+                        pause = true;
+                    }
+                }
+                // The worker ended: a fatal error is on its way to the run loop.
+                Err(mpsc::error::TrySendError::Closed(_)) => {}
+            }
+        }
+        if pause {
+            Metrics::add(&self.shared.processor.metrics().partitions_paused, 1);
+            self.set_paused(&key, true);
+        }
+    }
+
+    fn housekeeping(&mut self) {
+        self.retire_stopped();
+        let mut resume = Vec::new();
+        for (key, slot) in &mut self.slots {
+            while let Some(msg) = slot.overflow.pop_front() {
+                match slot.tx.try_send(msg) {
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(msg)) => {
+                        slot.overflow.push_front(msg);
+                        break;
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => {
+                        slot.overflow.clear();
+                        break;
+                    }
+                }
+            }
+            if slot.paused && slot.overflow.is_empty() {
+                slot.paused = false;
+                resume.push(key.clone());
+            }
+        }
+        for key in resume {
+            self.set_paused(&key, false);
+        }
+    }
+
+    /// Stops every worker after its current transaction and waits for them.
+    async fn stop_gracefully(&mut self, timeout: Duration) {
+        let mut handles = Vec::new();
+        for (_, slot) in self.slots.drain() {
+            slot.state.stop.store(true, Ordering::Release);
+            handles.push(slot.handle);
+        }
+        handles.extend(self.retired.drain().map(|(_, h)| h));
+        let deadline = tokio::time::Instant::now() + timeout;
+        for mut h in handles {
+            if tokio::time::timeout_at(deadline, &mut h).await.is_err() {
+                warn!("a partition worker did not stop in time; abandoning its batch");
+                h.abort();
+                let _ = h.await;
+            }
+        }
+    }
+
+    /// Aborts every worker at its next await point, storing nothing more.
+    async fn abort(&mut self) {
+        let mut handles: Vec<JoinHandle<()>> = self.slots.drain().map(|(_, s)| s.handle).collect();
+        handles.extend(self.retired.drain().map(|(_, h)| h));
+        for h in &handles {
+            h.abort();
+        }
+        for h in handles {
+            let _ = h.await;
+        }
+    }
+}
+
+/// Stores and commits `next_offset` for one partition.
+fn commit_offset(client: &Client, metrics: &Metrics, topic: &str, partition: i32, next_offset: i64) {
+    let mut tpl = TopicPartitionList::new();
+    if let Err(e) = tpl.add_partition_offset(topic, partition, Offset::Offset(next_offset)) {
+        warn!(error = %e, "cannot build offset list");
+        return;
+    }
+    // Fails with _STATE when the partition was revoked meanwhile: the next
+    // owner reads from the last committed offset and finds duplicates.
+    if let Err(e) = client.store_offsets(&tpl) {
+        Metrics::add(&metrics.offset_commit_failures, 1);
+        debug!(topic, partition, error = %e, "offset not stored");
+        return;
+    }
+    if let Err(e) = client.commit(&tpl, CommitMode::Async) {
+        Metrics::add(&metrics.offset_commit_failures, 1);
+        debug!(topic, partition, error = %e, "offset commit not sent");
+    }
+}
+
+async fn worker(
+    mut rx: mpsc::Receiver<RawMessage>,
+    state: Arc<PartitionState>,
+    shared: Arc<Shared>,
+    client: Arc<Client>,
+    topic: String,
+    partition: i32,
+    previous: Option<JoinHandle<()>>,
+) {
+    if let Some(previous) = previous {
+        // The previous worker of this partition may still be committing.
+        let _ = previous.await;
+    }
+    let metrics = shared.processor.metrics().clone();
+    while let Some(first) = rx.recv().await {
+        if state.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mut bytes = first.size_bytes();
+        let mut batch = vec![first];
+        while batch.len() < shared.max_batch_messages && bytes < shared.max_batch_bytes {
+            match rx.try_recv() {
+                Ok(m) => {
+                    bytes += m.size_bytes();
+                    batch.push(m);
+                }
+                Err(_) => break,
+            }
+        }
+        let outcomes = match shared.processor.process_batch_until(&batch, &state.stop).await {
+            Ok(o) => o,
+            Err(ConsumerError::Stopped) => return,
+            Err(e) => {
+                let _ = shared.fatal.send(e);
+                return;
+            }
+        };
+        let Some(last) = outcomes.last().map(|o| o.position().offset) else {
+            return;
+        };
+        if let Some(hook) = &shared.hook {
+            if hook(&CommittedBatch { topic: &topic, partition, outcomes: &outcomes }) == HookAction::Crash {
+                let _ = shared.fatal.send(ConsumerError::StoppedByHook { topic, partition, last_offset: last });
+                return;
+            }
+        }
+        commit_offset(&client, &metrics, &topic, partition, last.saturating_add(1));
+        if outcomes.len() < batch.len() {
+            // Stopped in the middle of the batch.
+            return;
+        }
+    }
+}

@@ -1,0 +1,861 @@
+//! Deciding about messages against PostgreSQL, without Kafka: verification,
+//! receipts, duplicates, quarantine, retries, dead letters and watermarks.
+//!
+//! **Invariant:** a receipt row exists if and only if the handler's writes for
+//! that event committed; the claim (`INSERT .. ON CONFLICT DO NOTHING`) comes
+//! before the handler in the same transaction, so two processors racing on one
+//! event serialize on the receipt's primary key and only one runs the effect.
+//!
+//! **Invariant:** the watermark of a partition moves in the transaction that
+//! decides the messages below it, never before.
+
+use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::FutureExt as _;
+use outbox_core::headers::{self, VerifyError};
+use outbox_core::id::validate_identifier;
+use outbox_core::{sha256_digest, EventId};
+use serde_json::{json, Value};
+use sqlx::{PgPool, Postgres, Row as _, Transaction};
+use tracing::{debug, info_span, warn, Instrument as _};
+
+use crate::config::{RetryPolicy, DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES, LIMIT_MAX_BATCH_MESSAGES};
+use crate::error::{ConsumerError, HandlerError};
+use crate::event::{headers_from_json, headers_json, ConsumedEvent, RawMessage, MAX_EVIDENCE_HEADER_BYTES};
+use crate::handler::Handler;
+use crate::metrics::Metrics;
+use crate::outcome::{DeadLettered, Outcome, Position, Quarantined, QuarantineReason, Receipt};
+
+/// Largest handler result stored in a receipt, serialized: 1 MiB.
+pub const MAX_RESULT_BYTES: usize = 1024 * 1024;
+
+/// SQLSTATE of "current transaction is aborted": a handler ignored a failed query.
+const IN_FAILED_TRANSACTION: &str = "25P02";
+
+/// Decides about messages of one consumer: verifies them, writes receipts
+/// and runs the handler in one transaction, answers duplicates with the
+/// original receipt, quarantines what does not verify, retries failing
+/// handlers and dead-letters what keeps failing.
+///
+/// Usable without Kafka: build [`RawMessage`]s and call
+/// [`process_batch`](Processor::process_batch). The Kafka runner
+/// ([`IdempotentConsumer`](crate::IdempotentConsumer)) calls the same code.
+pub struct Processor {
+    consumer_id: String,
+    pool: PgPool,
+    handler: Arc<dyn Handler>,
+    retry: RetryPolicy,
+    max_evidence_payload_bytes: usize,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Processor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Processor").field("consumer_id", &self.consumer_id).field("retry", &self.retry).finish_non_exhaustive()
+    }
+}
+
+/// A message after verification.
+enum Prepared<'a> {
+    Event { msg: &'a RawMessage, event: ConsumedEvent },
+    Bad { msg: &'a RawMessage, quarantined: Quarantined, evidence: Value },
+}
+
+impl Prepared<'_> {
+    fn msg(&self) -> &RawMessage {
+        match self {
+            Prepared::Event { msg, .. } | Prepared::Bad { msg, .. } => msg,
+        }
+    }
+}
+
+/// Why a batch transaction was rolled back without an infrastructure error.
+enum Fail {
+    /// The handler refused the message at this index of the slice.
+    Handler { index: usize, error: HandlerError },
+    /// A statement after the handlers found the transaction aborted: some
+    /// handler ignored a failed query. Which one is found by going one by one.
+    Aborted,
+}
+
+/// How a claim went for one event.
+enum Claim {
+    New(DateTime<Utc>),
+    Dead,
+}
+
+/// Per-transaction counts for the watermark.
+#[derive(Default)]
+struct Counts {
+    applied: i64,
+    duplicates: i64,
+    quarantined: i64,
+    dead_lettered: i64,
+    last_event_id: Option<String>,
+}
+
+fn position(msg: &RawMessage) -> Position {
+    Position { topic: msg.topic.clone(), partition: msg.partition, offset: msg.offset }
+}
+
+fn verify_code(e: &VerifyError) -> &'static str {
+    match e {
+        VerifyError::MissingHeader(_) => "missing_header",
+        VerifyError::Malformed { .. } => "malformed_header",
+        VerifyError::PayloadDigest { .. } => "payload_digest",
+        VerifyError::DestinationDigest => "destination_digest",
+        VerifyError::Placement(_) => "placement",
+        _ => "other",
+    }
+}
+
+fn bytes_json(b: Option<&[u8]>) -> Value {
+    match b {
+        None => Value::Null,
+        Some(b) => match std::str::from_utf8(b) {
+            Ok(s) => json!({ "utf8": s }),
+            Err(_) => json!({ "hex": hex::encode(b) }),
+        },
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
+
+fn is_aborted(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION))
+}
+
+/// Reads a receipt row (columns of `RECEIPT_COLUMNS`).
+fn receipt_from_row(row: &sqlx::postgres::PgRow) -> Result<Receipt, ConsumerError> {
+    let event_id: String = row.try_get("event_id")?;
+    let generation: i32 = row.try_get("envelope_generation")?;
+    Ok(Receipt {
+        consumer_id: row.try_get("consumer_id")?,
+        event_id: event_id.parse().map_err(|e| ConsumerError::CorruptRow(format!("receipt event_id {event_id:?}: {e}")))?,
+        envelope_generation: u32::try_from(generation).map_err(|_| ConsumerError::CorruptRow(format!("receipt generation {generation}")))?,
+        event_type: row.try_get("event_type")?,
+        position: Position { topic: row.try_get("topic")?, partition: row.try_get("partition")?, offset: row.try_get("offset")? },
+        payload_digest: row.try_get("payload_digest")?,
+        result: row.try_get("result")?,
+        received_at: row.try_get("received_at")?,
+    })
+}
+
+const RECEIPT_COLUMNS: &str = r#"consumer_id, event_id, envelope_generation, event_type, topic, partition, "offset", payload_digest, result, received_at"#;
+
+/// The receipt of one event for one consumer, if the consumer applied it.
+pub async fn receipt(pool: &PgPool, consumer_id: &str, event_id: &EventId) -> Result<Option<Receipt>, ConsumerError> {
+    let sql = format!("SELECT {RECEIPT_COLUMNS} FROM outbox_consumer_receipts WHERE consumer_id = $1 AND event_id = $2");
+    let row = sqlx::query(&sql).bind(consumer_id).bind(event_id.as_str()).fetch_optional(pool).await?;
+    row.as_ref().map(receipt_from_row).transpose()
+}
+
+impl Processor {
+    /// A processor for `consumer_id` (validated with
+    /// [`outbox_core::id::validate_identifier`]) with the default
+    /// [`RetryPolicy`].
+    pub fn new(consumer_id: &str, pool: PgPool, handler: impl Handler + 'static) -> Result<Self, ConsumerError> {
+        validate_identifier("consumerId", consumer_id).map_err(|e| ConsumerError::Config(e.to_string()))?;
+        Ok(Processor {
+            consumer_id: consumer_id.to_owned(),
+            pool,
+            handler: Arc::new(handler),
+            retry: RetryPolicy::default(),
+            max_evidence_payload_bytes: DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES,
+            metrics: Arc::new(Metrics::default()),
+        })
+    }
+
+    /// Replaces the retry policy (validated).
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, ConsumerError> {
+        retry.validate()?;
+        self.retry = retry;
+        Ok(self)
+    }
+
+    /// Largest quarantined payload stored verbatim.
+    pub fn with_max_evidence_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_evidence_payload_bytes = bytes;
+        self
+    }
+
+    /// Counts into `metrics` instead of a private set.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// The consumer id.
+    pub fn consumer_id(&self) -> &str {
+        &self.consumer_id
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The pool receipts are written to.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Decides about one message (a batch of one).
+    pub async fn process_message(&self, msg: &RawMessage) -> Result<Outcome, ConsumerError> {
+        let mut outs = self.process_batch(std::slice::from_ref(msg)).await?;
+        outs.pop().ok_or(ConsumerError::Stopped)
+    }
+
+    /// Decides about messages of one partition, given in increasing offset
+    /// order (at most [`LIMIT_MAX_BATCH_MESSAGES`]). Returns one outcome per
+    /// message, in order. As many messages as possible share one transaction;
+    /// a failing handler splits the batch so that the events before it commit,
+    /// the failing one is retried alone with backoff (then dead-lettered), and
+    /// the rest continue. On `Err`, some leading messages may have committed;
+    /// processing them again yields duplicates, never second effects.
+    pub async fn process_batch(&self, msgs: &[RawMessage]) -> Result<Vec<Outcome>, ConsumerError> {
+        self.process_batch_until(msgs, &AtomicBool::new(false)).await
+    }
+
+    /// [`process_batch`](Self::process_batch) that gives up between
+    /// transactions (and during backoff) once `stop` is set, returning the
+    /// outcomes decided so far: a prefix of `msgs`.
+    pub(crate) async fn process_batch_until(&self, msgs: &[RawMessage], stop: &AtomicBool) -> Result<Vec<Outcome>, ConsumerError> {
+        check_batch(msgs)?;
+        let (Some(first), Some(last)) = (msgs.first(), msgs.last()) else {
+            return Ok(Vec::new());
+        };
+        let span = info_span!("outbox_consume_batch", consumer = %self.consumer_id, topic = %first.topic, partition = first.partition, first_offset = first.offset, last_offset = last.offset, messages = msgs.len());
+        async move {
+            let prepared: Vec<Prepared<'_>> = msgs.iter().map(|m| self.prepare(m)).collect();
+            let n = prepared.len();
+            let mut outcomes = Vec::with_capacity(n);
+            let mut i = 0;
+            let mut end = n;
+            // A handler failure at absolute index j, decided alone once the
+            // events before it committed.
+            let mut pending: Option<(usize, HandlerError)> = None;
+            let mut db_failures = 0u32;
+            while i < n {
+                if stop.load(Ordering::Acquire) {
+                    break;
+                }
+                if let Some((j, error)) = pending.take() {
+                    if j == i {
+                        let o = self.decide_alone(&prepared[i], 1, Some(error), stop).await?;
+                        outcomes.push(o);
+                        i += 1;
+                        end = n;
+                        continue;
+                    }
+                    pending = Some((j, error));
+                }
+                match self.try_slice(&prepared[i..end]).await {
+                    Ok(Ok(outs)) => {
+                        db_failures = 0;
+                        i = end;
+                        end = n;
+                        outcomes.extend(outs);
+                    }
+                    Ok(Err(Fail::Handler { index, error })) => {
+                        db_failures = 0;
+                        Metrics::add(&self.metrics.handler_failures, 1);
+                        debug!(offset = prepared[i + index].msg().offset, %error, "handler failed in batch");
+                        // Commit the events before it (if any), then decide it alone.
+                        end = i + index;
+                        pending = Some((i + index, error));
+                    }
+                    Ok(Err(Fail::Aborted)) => {
+                        db_failures = 0;
+                        warn!("a handler ignored a failed query; deciding the batch one message at a time");
+                        for p in &prepared[i..end] {
+                            if stop.load(Ordering::Acquire) {
+                                return Ok(outcomes);
+                            }
+                            outcomes.push(self.decide_alone(p, 0, None, stop).await?);
+                            i += 1;
+                        }
+                        end = n;
+                    }
+                    Err(e) => {
+                        db_failures += 1;
+                        if !e.is_retryable() || db_failures >= self.retry.db_max_attempts {
+                            return Err(e);
+                        }
+                        Metrics::add(&self.metrics.db_retries, 1);
+                        warn!(error = %e, attempt = db_failures, "retrying batch after database error");
+                        if !self.sleep_unless_stopped(self.retry.backoff(db_failures), stop).await {
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok(outcomes)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Verifies one message.
+    fn prepare<'a>(&self, msg: &'a RawMessage) -> Prepared<'a> {
+        let payload = msg.payload_bytes();
+        match headers::verify(&msg.headers, payload, &msg.topic, msg.partition, msg.key.as_deref()) {
+            Ok(claims) => Prepared::Event { msg, event: ConsumedEvent::new(&self.consumer_id, claims, msg) },
+            Err(e) => {
+                let event_id = msg
+                    .headers
+                    .iter()
+                    .rev()
+                    .find(|(k, _)| k == headers::EVENT_ID)
+                    .and_then(|(_, v)| std::str::from_utf8(v).ok())
+                    .map(|s| s.chars().take(100).collect::<String>());
+                let evidence = json!({
+                    "error": e.to_string(),
+                    "headers": headers_json(&msg.headers, MAX_EVIDENCE_HEADER_BYTES),
+                    "key": bytes_json(msg.key.as_deref()),
+                    "payloadBytes": payload.len(),
+                    "tombstone": msg.payload.is_none(),
+                });
+                let quarantined = Quarantined {
+                    position: position(msg),
+                    event_id,
+                    reason: QuarantineReason::Verification { code: verify_code(&e).to_owned(), detail: e.to_string() },
+                    payload_digest: sha256_digest(payload),
+                };
+                Prepared::Bad { msg, quarantined, evidence }
+            }
+        }
+    }
+
+    /// Runs the handler with its time limit, containing panics.
+    async fn run_handler(&self, tx: &mut Transaction<'static, Postgres>, event: &ConsumedEvent) -> Result<Value, HandlerError> {
+        let span = info_span!("outbox_handle", event_id = %event.event_id, offset = event.offset, event_type = %event.event_type);
+        let call = AssertUnwindSafe(self.handler.handle(tx, event)).catch_unwind().instrument(span);
+        let result = match tokio::time::timeout(Duration::from_millis(self.retry.handler_timeout_ms), call).await {
+            Err(_) => Err(HandlerError::Timeout(self.retry.handler_timeout_ms)),
+            Ok(Err(panic)) => Err(HandlerError::Panicked(panic_message(panic.as_ref()))),
+            Ok(Ok(r)) => r,
+        }?;
+        let size = serde_json::to_vec(&result).map(|v| v.len()).unwrap_or(usize::MAX);
+        if size > MAX_RESULT_BYTES {
+            return Err(HandlerError::Permanent(format!("handler result is {size} bytes, the limit is {MAX_RESULT_BYTES}")));
+        }
+        Ok(result)
+    }
+
+    /// One transaction over a slice: claim, handle, record, commit.
+    async fn try_slice(&self, slice: &[Prepared<'_>]) -> Result<Result<Vec<Outcome>, Fail>, ConsumerError> {
+        let mut tx = self.pool.begin().await?;
+        let outs = match self.decide_in(&mut tx, slice).await? {
+            Ok(v) => v,
+            Err(fail) => {
+                // Rolling back can fail on a broken connection; dropping the
+                // transaction rolls back as well.
+                let _ = tx.rollback().await;
+                return Ok(Err(fail));
+            }
+        };
+        tx.commit().await?;
+        Metrics::add(&self.metrics.transactions, 1);
+        self.metrics.count_outcomes(&outs);
+        Ok(Ok(outs))
+    }
+
+    /// The body of a decision transaction, without begin and commit.
+    async fn decide_in(&self, tx: &mut Transaction<'static, Postgres>, slice: &[Prepared<'_>]) -> Result<Result<Vec<Outcome>, Fail>, ConsumerError> {
+        let Some(last) = slice.last() else {
+            return Ok(Ok(Vec::new()));
+        };
+        let last_msg = last.msg();
+        // First occurrence of each eventId in the slice: the one that may be claimed.
+        let mut seen = HashSet::new();
+        let firsts: Vec<&ConsumedEvent> = slice
+            .iter()
+            .filter_map(|p| match p {
+                Prepared::Event { event, .. } if seen.insert(event.event_id.as_str()) => Some(event),
+                _ => None,
+            })
+            .collect();
+        let claims = self.claim(tx, &firsts).await?;
+        let earlier: Vec<&str> = firsts.iter().map(|e| e.event_id.as_str()).filter(|id| !claims.contains_key(*id)).collect();
+        let mut receipts = self.fetch_receipts(tx, &earlier).await?;
+        let dead_ids: Vec<&str> = claims.iter().filter(|(_, c)| matches!(c, Claim::Dead)).map(|(id, _)| id.as_str()).collect();
+        let dead = self.fetch_dead_letters(tx, &dead_ids).await?;
+
+        let mut outs = Vec::with_capacity(slice.len());
+        let mut counts = Counts::default();
+        let mut results: Vec<(String, Value)> = Vec::new();
+        let mut quarantine: Vec<(&RawMessage, Quarantined, Value)> = Vec::new();
+        for (index, p) in slice.iter().enumerate() {
+            let (msg, event) = match p {
+                Prepared::Bad { msg, quarantined, evidence } => {
+                    quarantine.push((msg, quarantined.clone(), evidence.clone()));
+                    outs.push(Outcome::Quarantined(quarantined.clone()));
+                    continue;
+                }
+                Prepared::Event { msg, event } => (*msg, event),
+            };
+            let id = event.event_id.as_str();
+            if let Some(original) = receipts.get(id) {
+                if original.payload_digest == event.payload_digest {
+                    counts.duplicates += 1;
+                    outs.push(Outcome::Duplicate { original: original.clone(), delivery: position(msg) });
+                } else {
+                    let q = Quarantined {
+                        position: position(msg),
+                        event_id: Some(id.to_owned()),
+                        reason: QuarantineReason::DivergentDuplicate { receipt_digest: original.payload_digest.clone(), message_digest: event.payload_digest.clone() },
+                        payload_digest: event.payload_digest.clone(),
+                    };
+                    let evidence = json!({
+                        "error": "eventId already applied with other payload bytes",
+                        "receipt": original,
+                        "headers": headers_json(&msg.headers, MAX_EVIDENCE_HEADER_BYTES),
+                        "key": bytes_json(msg.key.as_deref()),
+                        "payloadBytes": event.payload.len(),
+                    });
+                    quarantine.push((msg, q.clone(), evidence));
+                    outs.push(Outcome::Quarantined(q));
+                }
+                continue;
+            }
+            match claims.get(id) {
+                Some(Claim::Dead) => {
+                    counts.duplicates += 1;
+                    let (attempts, error) = dead.get(id).cloned().unwrap_or((0, String::new()));
+                    outs.push(Outcome::DeadLettered(DeadLettered { event_id: event.event_id.clone(), position: position(msg), attempts, error, redelivery: true }));
+                }
+                Some(Claim::New(received_at)) => match self.run_handler(tx, event).await {
+                    Ok(result) => {
+                        let receipt = Receipt {
+                            consumer_id: self.consumer_id.clone(),
+                            event_id: event.event_id.clone(),
+                            envelope_generation: event.envelope_generation,
+                            event_type: event.event_type.clone(),
+                            position: position(msg),
+                            payload_digest: event.payload_digest.clone(),
+                            result: result.clone(),
+                            received_at: *received_at,
+                        };
+                        results.push((id.to_owned(), result));
+                        counts.applied += 1;
+                        counts.last_event_id = Some(id.to_owned());
+                        receipts.insert(id.to_owned(), receipt.clone());
+                        outs.push(Outcome::Applied { receipt });
+                    }
+                    Err(error) => return Ok(Err(Fail::Handler { index, error })),
+                },
+                None => {
+                    // Neither claimed, nor dead, nor an earlier receipt: the
+                    // receipt was removed between the claim and the read.
+                    return Err(ConsumerError::CorruptRow(format!("receipt of {id} vanished during the batch")));
+                }
+            }
+        }
+        match self.record(tx, last_msg, &results, &quarantine, counts).await {
+            Ok(()) => Ok(Ok(outs)),
+            Err(ConsumerError::Database(e)) if is_aborted(&e) && !results.is_empty() => Ok(Err(Fail::Aborted)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Claims the receipts of `events` (first occurrences, offset order).
+    async fn claim(&self, tx: &mut Transaction<'static, Postgres>, events: &[&ConsumedEvent]) -> Result<HashMap<String, Claim>, ConsumerError> {
+        let mut out = HashMap::with_capacity(events.len());
+        if events.is_empty() {
+            return Ok(out);
+        }
+        let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+        let gens: Vec<i32> = events.iter().map(|e| i32::try_from(e.envelope_generation).unwrap_or(i32::MAX)).collect();
+        let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+        let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
+        let partitions: Vec<i32> = events.iter().map(|e| e.partition).collect();
+        let offsets: Vec<i64> = events.iter().map(|e| e.offset).collect();
+        let digests: Vec<&str> = events.iter().map(|e| e.payload_digest.as_str()).collect();
+        let rows = sqlx::query(
+            r#"WITH input AS (
+                   SELECT * FROM UNNEST($2::text[], $3::int4[], $4::text[], $5::text[], $6::int4[], $7::int8[], $8::text[])
+                       WITH ORDINALITY AS t(event_id, envelope_generation, event_type, topic, partition, "offset", payload_digest, ord)
+               ), dead AS (
+                   SELECT d.event_id FROM outbox_consumer_dead_letters d
+                   WHERE d.consumer_id = $1 AND d.event_id IN (SELECT event_id FROM input)
+               ), claimed AS (
+                   INSERT INTO outbox_consumer_receipts AS r (consumer_id, event_id, envelope_generation, event_type, topic, partition, "offset", payload_digest)
+                   SELECT $1, i.event_id, i.envelope_generation, i.event_type, i.topic, i.partition, i."offset", i.payload_digest
+                   FROM input i WHERE i.event_id NOT IN (SELECT event_id FROM dead)
+                   ORDER BY i.ord
+                   ON CONFLICT (consumer_id, event_id) DO NOTHING
+                   RETURNING r.event_id, r.received_at
+               )
+               SELECT event_id, received_at, false AS dead FROM claimed
+               UNION ALL
+               SELECT event_id, NULL::timestamptz, true FROM dead"#,
+        )
+        .bind(&self.consumer_id)
+        .bind(&ids)
+        .bind(&gens)
+        .bind(&types)
+        .bind(&topics)
+        .bind(&partitions)
+        .bind(&offsets)
+        .bind(&digests)
+        .fetch_all(&mut **tx)
+        .await?;
+        for row in rows {
+            let id: String = row.try_get("event_id")?;
+            let dead: bool = row.try_get("dead")?;
+            let claim = if dead { Claim::Dead } else { Claim::New(row.try_get("received_at")?) };
+            out.insert(id, claim);
+        }
+        Ok(out)
+    }
+
+    async fn fetch_receipts(&self, tx: &mut Transaction<'static, Postgres>, ids: &[&str]) -> Result<HashMap<String, Receipt>, ConsumerError> {
+        let mut out = HashMap::with_capacity(ids.len());
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let sql = format!("SELECT {RECEIPT_COLUMNS} FROM outbox_consumer_receipts WHERE consumer_id = $1 AND event_id = ANY($2)");
+        for row in sqlx::query(&sql).bind(&self.consumer_id).bind(ids).fetch_all(&mut **tx).await? {
+            let r = receipt_from_row(&row)?;
+            out.insert(r.event_id.as_str().to_owned(), r);
+        }
+        Ok(out)
+    }
+
+    async fn fetch_dead_letters(&self, tx: &mut Transaction<'static, Postgres>, ids: &[&str]) -> Result<HashMap<String, (u32, String)>, ConsumerError> {
+        let mut out = HashMap::new();
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let rows = sqlx::query("SELECT event_id, attempts, last_error FROM outbox_consumer_dead_letters WHERE consumer_id = $1 AND event_id = ANY($2)")
+            .bind(&self.consumer_id)
+            .bind(ids)
+            .fetch_all(&mut **tx)
+            .await?;
+        for row in rows {
+            let attempts: i32 = row.try_get("attempts")?;
+            out.insert(row.try_get("event_id")?, (u32::try_from(attempts).unwrap_or(0), row.try_get("last_error")?));
+        }
+        Ok(out)
+    }
+
+    /// Stores handler results, quarantine rows and the watermark.
+    async fn record(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        last: &RawMessage,
+        results: &[(String, Value)],
+        quarantine: &[(&RawMessage, Quarantined, Value)],
+        mut counts: Counts,
+    ) -> Result<(), ConsumerError> {
+        if !results.is_empty() {
+            let ids: Vec<&str> = results.iter().map(|(id, _)| id.as_str()).collect();
+            let values: Vec<Value> = results.iter().map(|(_, v)| v.clone()).collect();
+            sqlx::query(
+                "UPDATE outbox_consumer_receipts r SET result = u.result
+                 FROM UNNEST($2::text[], $3::jsonb[]) AS u(event_id, result)
+                 WHERE r.consumer_id = $1 AND r.event_id = u.event_id",
+            )
+            .bind(&self.consumer_id)
+            .bind(&ids)
+            .bind(&values)
+            .execute(&mut **tx)
+            .await?;
+        }
+        if !quarantine.is_empty() {
+            let offsets: Vec<i64> = quarantine.iter().map(|(m, _, _)| m.offset).collect();
+            let event_ids: Vec<Option<&str>> = quarantine.iter().map(|(_, q, _)| q.event_id.as_deref()).collect();
+            let reasons: Vec<String> = quarantine.iter().map(|(_, q, _)| q.reason.code()).collect();
+            let evidence: Vec<Value> = quarantine
+                .iter()
+                .map(|(_, q, e)| {
+                    let mut e = e.clone();
+                    e["reason"] = serde_json::to_value(&q.reason).unwrap_or(Value::Null);
+                    e
+                })
+                .collect();
+            let digests: Vec<&str> = quarantine.iter().map(|(_, q, _)| q.payload_digest.as_str()).collect();
+            let sizes: Vec<i32> = quarantine.iter().map(|(m, _, _)| i32::try_from(m.payload_bytes().len()).unwrap_or(i32::MAX)).collect();
+            let payloads: Vec<Option<&[u8]>> = quarantine
+                .iter()
+                .map(|(m, _, _)| Some(m.payload_bytes()).filter(|p| p.len() <= self.max_evidence_payload_bytes))
+                .collect();
+            let inserted = sqlx::query(
+                r#"INSERT INTO outbox_consumer_quarantine (consumer_id, topic, partition, "offset", event_id, reason, evidence, payload_digest, payload_bytes, payload)
+                   SELECT $1, $2, $3, u."offset", u.event_id, u.reason, u.evidence, u.payload_digest, u.payload_bytes, u.payload
+                   FROM UNNEST($4::int8[], $5::text[], $6::text[], $7::jsonb[], $8::text[], $9::int4[], $10::bytea[])
+                       AS u("offset", event_id, reason, evidence, payload_digest, payload_bytes, payload)
+                   ON CONFLICT (consumer_id, topic, partition, "offset") DO NOTHING"#,
+            )
+            .bind(&self.consumer_id)
+            .bind(&last.topic)
+            .bind(last.partition)
+            .bind(&offsets)
+            .bind(&event_ids)
+            .bind(&reasons)
+            .bind(&evidence)
+            .bind(&digests)
+            .bind(&sizes)
+            .bind(&payloads)
+            .execute(&mut **tx)
+            .await?
+            .rows_affected();
+            let inserted = i64::try_from(inserted).unwrap_or(i64::MAX);
+            counts.quarantined += inserted;
+            // A quarantined position seen again is a redelivery.
+            counts.duplicates += i64::try_from(quarantine.len()).unwrap_or(i64::MAX) - inserted;
+        }
+        self.advance_watermark(tx, last, &counts).await
+    }
+
+    async fn advance_watermark(&self, tx: &mut Transaction<'static, Postgres>, last: &RawMessage, c: &Counts) -> Result<(), ConsumerError> {
+        sqlx::query(
+            "INSERT INTO outbox_consumer_watermarks AS w
+                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())
+             ON CONFLICT (consumer_id, topic, partition) DO UPDATE SET
+                 committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
+                 applied_count = w.applied_count + EXCLUDED.applied_count,
+                 duplicate_count = w.duplicate_count + EXCLUDED.duplicate_count,
+                 quarantined_count = w.quarantined_count + EXCLUDED.quarantined_count,
+                 dead_lettered_count = w.dead_lettered_count + EXCLUDED.dead_lettered_count,
+                 last_event_id = COALESCE(EXCLUDED.last_event_id, w.last_event_id),
+                 updated_at = now()",
+        )
+        .bind(&self.consumer_id)
+        .bind(&last.topic)
+        .bind(last.partition)
+        .bind(last.offset.saturating_add(1))
+        .bind(c.applied)
+        .bind(c.duplicates)
+        .bind(c.quarantined)
+        .bind(c.dead_lettered)
+        .bind(c.last_event_id.as_deref())
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Sleeps, waking early (returning `false`) when `stop` is set.
+    async fn sleep_unless_stopped(&self, d: Duration, stop: &AtomicBool) -> bool {
+        let step = Duration::from_millis(50);
+        let mut left = d;
+        while !left.is_zero() {
+            if stop.load(Ordering::Acquire) {
+                return false;
+            }
+            let s = left.min(step);
+            tokio::time::sleep(s).await;
+            left = left.saturating_sub(s);
+        }
+        !stop.load(Ordering::Acquire)
+    }
+
+    /// Decides one message in its own transactions: retries the handler with
+    /// backoff, then dead-letters. `attempts` handler runs already failed
+    /// (`last` is the latest error).
+    async fn decide_alone(&self, p: &Prepared<'_>, mut attempts: u32, mut last: Option<HandlerError>, stop: &AtomicBool) -> Result<Outcome, ConsumerError> {
+        let mut db_failures = 0u32;
+        loop {
+            if let Some(error) = &last {
+                if !error.is_retryable() || attempts >= self.retry.max_attempts {
+                    return self.dead_letter(p, attempts.max(1), error, stop).await;
+                }
+                if !self.sleep_unless_stopped(self.retry.backoff(attempts), stop).await {
+                    return Err(ConsumerError::Stopped);
+                }
+            }
+            match self.try_slice(std::slice::from_ref(p)).await {
+                Ok(Ok(mut outs)) => return outs.pop().ok_or(ConsumerError::Stopped),
+                Ok(Err(fail)) => {
+                    attempts += 1;
+                    Metrics::add(&self.metrics.handler_failures, 1);
+                    let error = match fail {
+                        Fail::Handler { error, .. } => error,
+                        Fail::Aborted => HandlerError::Transient("the handler ignored a failed query and left the transaction aborted".into()),
+                    };
+                    debug!(offset = p.msg().offset, attempt = attempts, %error, "handler failed");
+                    last = Some(error);
+                }
+                Err(e) => {
+                    db_failures += 1;
+                    if !e.is_retryable() || db_failures >= self.retry.db_max_attempts {
+                        return Err(e);
+                    }
+                    Metrics::add(&self.metrics.db_retries, 1);
+                    if !self.sleep_unless_stopped(self.retry.backoff(db_failures), stop).await {
+                        return Err(ConsumerError::Stopped);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes the dead letter of a verified event whose handler kept failing.
+    async fn dead_letter(&self, p: &Prepared<'_>, attempts: u32, error: &HandlerError, stop: &AtomicBool) -> Result<Outcome, ConsumerError> {
+        let Prepared::Event { msg, event } = p else {
+            return Err(ConsumerError::InvalidBatch("only verified events are dead-lettered".into()));
+        };
+        let mut db_failures = 0u32;
+        loop {
+            match self.try_dead_letter(msg, event, attempts, error).await {
+                Ok(o) => {
+                    self.metrics.count_outcomes(std::slice::from_ref(&o));
+                    return Ok(o);
+                }
+                Err(e) => {
+                    db_failures += 1;
+                    if !e.is_retryable() || db_failures >= self.retry.db_max_attempts {
+                        return Err(e);
+                    }
+                    Metrics::add(&self.metrics.db_retries, 1);
+                    if !self.sleep_unless_stopped(self.retry.backoff(db_failures), stop).await {
+                        return Err(ConsumerError::Stopped);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn try_dead_letter(&self, msg: &RawMessage, event: &ConsumedEvent, attempts: u32, error: &HandlerError) -> Result<Outcome, ConsumerError> {
+        let mut tx = self.pool.begin().await?;
+        // Another instance may have applied it in the meantime.
+        let mut found = self.fetch_receipts(&mut tx, &[event.event_id.as_str()]).await?;
+        if let Some(original) = found.remove(event.event_id.as_str()) {
+            let counts = Counts { duplicates: 1, ..Counts::default() };
+            self.advance_watermark(&mut tx, msg, &counts).await?;
+            tx.commit().await?;
+            Metrics::add(&self.metrics.transactions, 1);
+            return Ok(Outcome::Duplicate { original, delivery: position(msg) });
+        }
+        let text: String = error.to_string().chars().take(4000).collect();
+        let inserted = sqlx::query(
+            r#"INSERT INTO outbox_consumer_dead_letters
+                   (consumer_id, event_id, envelope_generation, event_type, topic, partition, "offset", message_key, payload_digest, payload, headers, attempts, last_error)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+               ON CONFLICT (consumer_id, event_id) DO NOTHING"#,
+        )
+        .bind(&self.consumer_id)
+        .bind(event.event_id.as_str())
+        .bind(i32::try_from(event.envelope_generation).unwrap_or(i32::MAX))
+        .bind(&event.event_type)
+        .bind(&msg.topic)
+        .bind(msg.partition)
+        .bind(msg.offset)
+        .bind(msg.key.as_deref())
+        .bind(&event.payload_digest)
+        .bind(&event.payload)
+        .bind(headers_json(&msg.headers, usize::MAX))
+        .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
+        .bind(&text)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let redelivery = inserted == 0;
+        let counts = if redelivery { Counts { duplicates: 1, ..Counts::default() } } else { Counts { dead_lettered: 1, ..Counts::default() } };
+        self.advance_watermark(&mut tx, msg, &counts).await?;
+        tx.commit().await?;
+        Metrics::add(&self.metrics.transactions, 1);
+        warn!(event_id = %event.event_id, offset = msg.offset, attempts, error = %text, "event dead-lettered");
+        Ok(Outcome::DeadLettered(DeadLettered { event_id: event.event_id.clone(), position: position(msg), attempts, error: text, redelivery }))
+    }
+
+    /// Runs the handler once more for a dead-lettered event (after the cause
+    /// was fixed). In one transaction the dead letter is removed and the event
+    /// is applied with its receipt; if the handler fails again, nothing changes
+    /// but the dead letter's `attempts` and `last_error`. Returns `None` when
+    /// there is no such dead letter.
+    pub async fn redrive_dead_letter(&self, event_id: &EventId) -> Result<Option<Outcome>, ConsumerError> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(
+            r#"DELETE FROM outbox_consumer_dead_letters WHERE consumer_id = $1 AND event_id = $2
+               RETURNING topic, partition, "offset", message_key, payload, headers"#,
+        )
+        .bind(&self.consumer_id)
+        .bind(event_id.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let headers_value: Value = row.try_get("headers")?;
+        let msg = RawMessage {
+            topic: row.try_get("topic")?,
+            partition: row.try_get("partition")?,
+            offset: row.try_get("offset")?,
+            key: row.try_get("message_key")?,
+            payload: Some(row.try_get("payload")?),
+            headers: headers_from_json(&headers_value).ok_or_else(|| ConsumerError::CorruptRow(format!("dead letter headers of {event_id}")))?,
+        };
+        let p = self.prepare(&msg);
+        if let Prepared::Bad { quarantined, .. } = &p {
+            return Err(ConsumerError::CorruptRow(format!("dead letter {event_id} no longer verifies: {:?}", quarantined.reason)));
+        }
+        match self.decide_in(&mut tx, std::slice::from_ref(&p)).await? {
+            Ok(mut outs) => {
+                tx.commit().await?;
+                Metrics::add(&self.metrics.transactions, 1);
+                self.metrics.count_outcomes(&outs);
+                Ok(outs.pop())
+            }
+            Err(fail) => {
+                let _ = tx.rollback().await;
+                Metrics::add(&self.metrics.handler_failures, 1);
+                let error = match fail {
+                    Fail::Handler { error, .. } => error.to_string(),
+                    Fail::Aborted => "the handler ignored a failed query and left the transaction aborted".to_owned(),
+                };
+                let error: String = error.chars().take(4000).collect();
+                let attempts: i32 = sqlx::query_scalar(
+                    "UPDATE outbox_consumer_dead_letters SET attempts = attempts + 1, last_error = $3
+                     WHERE consumer_id = $1 AND event_id = $2 RETURNING attempts",
+                )
+                .bind(&self.consumer_id)
+                .bind(event_id.as_str())
+                .bind(&error)
+                .fetch_one(&self.pool)
+                .await?;
+                Ok(Some(Outcome::DeadLettered(DeadLettered {
+                    event_id: event_id.clone(),
+                    position: position(&msg),
+                    attempts: u32::try_from(attempts).unwrap_or(0),
+                    error,
+                    redelivery: true,
+                })))
+            }
+        }
+    }
+}
+
+/// A batch is one partition, offsets strictly increasing, within the limit.
+fn check_batch(msgs: &[RawMessage]) -> Result<(), ConsumerError> {
+    if msgs.len() > LIMIT_MAX_BATCH_MESSAGES {
+        return Err(ConsumerError::InvalidBatch(format!("{} messages, the limit is {LIMIT_MAX_BATCH_MESSAGES}", msgs.len())));
+    }
+    for w in msgs.windows(2) {
+        if w[0].topic != w[1].topic || w[0].partition != w[1].partition {
+            return Err(ConsumerError::InvalidBatch("messages of more than one partition".into()));
+        }
+        if w[0].offset >= w[1].offset {
+            return Err(ConsumerError::InvalidBatch(format!("offset {} follows {}", w[1].offset, w[0].offset)));
+        }
+    }
+    if let Some(m) = msgs.iter().find(|m| m.offset < 0 || m.partition < 0) {
+        return Err(ConsumerError::InvalidBatch(format!("negative position {}/{}", m.partition, m.offset)));
+    }
+    Ok(())
+}

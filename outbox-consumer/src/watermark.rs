@@ -1,0 +1,116 @@
+//! Reading watermarks, and publishing them to the outbox database.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgPool, Row as _};
+
+use crate::error::ConsumerError;
+
+/// One row of `outbox_consumer_watermarks`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Watermark {
+    /// The consumer.
+    pub consumer_id: String,
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// Next offset to read: every message below it has a committed decision.
+    pub committed_offset: i64,
+    /// Events applied.
+    pub applied_count: i64,
+    /// Redeliveries answered without a second effect.
+    pub duplicate_count: i64,
+    /// Messages quarantined.
+    pub quarantined_count: i64,
+    /// Events dead-lettered.
+    pub dead_lettered_count: i64,
+    /// Last event applied on this partition.
+    pub last_event_id: Option<String>,
+    /// When the consumer last moved this row (consumer database clock).
+    pub updated_at: DateTime<Utc>,
+}
+
+const COLUMNS: &str = "consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at";
+
+/// Most watermark rows read or published per call.
+pub const MAX_WATERMARK_ROWS: i64 = 100_000;
+
+fn from_row(row: &sqlx::postgres::PgRow) -> Result<Watermark, sqlx::Error> {
+    Ok(Watermark {
+        consumer_id: row.try_get("consumer_id")?,
+        topic: row.try_get("topic")?,
+        partition: row.try_get("partition")?,
+        committed_offset: row.try_get("committed_offset")?,
+        applied_count: row.try_get("applied_count")?,
+        duplicate_count: row.try_get("duplicate_count")?,
+        quarantined_count: row.try_get("quarantined_count")?,
+        dead_lettered_count: row.try_get("dead_lettered_count")?,
+        last_event_id: row.try_get("last_event_id")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+/// The watermarks of `consumer_id`, ordered by topic and partition.
+pub async fn watermarks(pool: &PgPool, consumer_id: &str) -> Result<Vec<Watermark>, ConsumerError> {
+    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 ORDER BY topic, partition LIMIT $2");
+    let rows = sqlx::query(&sql).bind(consumer_id).bind(MAX_WATERMARK_ROWS).fetch_all(pool).await?;
+    Ok(rows.iter().map(from_row).collect::<Result<_, _>>()?)
+}
+
+/// Copies the watermarks of `consumer_id` from the consumer's database
+/// (`from`) into the outbox database (`to`), for a consumer whose state does
+/// not live in the outbox database. Returns the number of rows published.
+///
+/// The target table is `outbox_consumer_watermarks` with the same columns
+/// (run [`migrate`](crate::migrate) on the outbox database once). The copy is
+/// monotonic: offsets and counts only grow (`GREATEST`), `updated_at` keeps
+/// the consumer's own time, so a late or repeated publish never moves a
+/// watermark back. Call it periodically (e.g. every few seconds) and after
+/// shutdown; a watermark that lags only delays retention and alarms, it never
+/// lets an unconsumed event be purged.
+pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -> Result<usize, ConsumerError> {
+    let rows = watermarks(from, consumer_id).await?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let topics: Vec<&str> = rows.iter().map(|w| w.topic.as_str()).collect();
+    let partitions: Vec<i32> = rows.iter().map(|w| w.partition).collect();
+    let offsets: Vec<i64> = rows.iter().map(|w| w.committed_offset).collect();
+    let applied: Vec<i64> = rows.iter().map(|w| w.applied_count).collect();
+    let duplicates: Vec<i64> = rows.iter().map(|w| w.duplicate_count).collect();
+    let quarantined: Vec<i64> = rows.iter().map(|w| w.quarantined_count).collect();
+    let dead: Vec<i64> = rows.iter().map(|w| w.dead_lettered_count).collect();
+    let last: Vec<Option<&str>> = rows.iter().map(|w| w.last_event_id.as_deref()).collect();
+    let updated: Vec<DateTime<Utc>> = rows.iter().map(|w| w.updated_at).collect();
+    let n = sqlx::query(
+        "INSERT INTO outbox_consumer_watermarks AS w
+             (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
+         SELECT $1, u.topic, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at
+         FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[])
+             AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at)
+         ON CONFLICT (consumer_id, topic, partition) DO UPDATE SET
+             committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
+             applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
+             duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
+             quarantined_count = GREATEST(w.quarantined_count, EXCLUDED.quarantined_count),
+             dead_lettered_count = GREATEST(w.dead_lettered_count, EXCLUDED.dead_lettered_count),
+             last_event_id = CASE WHEN EXCLUDED.committed_offset >= w.committed_offset
+                                  THEN COALESCE(EXCLUDED.last_event_id, w.last_event_id) ELSE w.last_event_id END,
+             updated_at = GREATEST(w.updated_at, EXCLUDED.updated_at)",
+    )
+    .bind(consumer_id)
+    .bind(&topics)
+    .bind(&partitions)
+    .bind(&offsets)
+    .bind(&applied)
+    .bind(&duplicates)
+    .bind(&quarantined)
+    .bind(&dead)
+    .bind(&last)
+    .bind(&updated)
+    .execute(to)
+    .await?
+    .rows_affected();
+    Ok(usize::try_from(n).unwrap_or(usize::MAX))
+}

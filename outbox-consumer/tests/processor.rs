@@ -1,0 +1,295 @@
+//! The decision core on real PostgreSQL, without Kafka: messages are built
+//! from outbox-core envelopes exactly as a dispatcher sends them.
+
+mod common;
+
+use common::*;
+use outbox_consumer::{Outcome, Processor, QuarantineReason, RawMessage, RetryPolicy};
+use outbox_core::headers;
+use sqlx::PgPool;
+
+const TOPIC: &str = "orders";
+
+fn processor(pool: &PgPool, h: &TestHandler) -> Processor {
+    let retry = RetryPolicy { max_attempts: 3, initial_backoff_ms: 5, max_backoff_ms: 20, ..RetryPolicy::default() };
+    Processor::new("billing", pool.clone(), h.clone()).unwrap().with_retry(retry).unwrap()
+}
+
+fn kinds(outs: &[Outcome]) -> Vec<&'static str> {
+    outs.iter().map(Outcome::kind).collect()
+}
+
+/// A redelivery returns the original receipt, result included, and runs nothing.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn duplicate_returns_the_original_receipt(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let f = fixture(TOPIC, 4, "o-1");
+
+    let first = p.process_message(&f.raw(10)).await.unwrap();
+    let Outcome::Applied { receipt } = &first else { panic!("{first:?}") };
+    assert_eq!(receipt.result["applied_at_offset"], 10);
+    assert_eq!(receipt.event_id, *f.event_id());
+
+    let again = p.process_message(&f.raw(11)).await.unwrap();
+    let Outcome::Duplicate { original, delivery } = &again else { panic!("{again:?}") };
+    assert_eq!(original, receipt, "the original receipt, byte for byte");
+    assert_eq!(delivery.offset, 11);
+    // A different Processor instance (a restarted process) sees the same.
+    let p2 = processor(&pool, &h);
+    let third = p2.process_message(&f.raw(10)).await.unwrap();
+    assert_eq!(third.receipt(), Some(receipt));
+
+    assert_eq!(h.calls(), 1);
+    assert_eq!(effects(&pool).await, (1, 1));
+    assert_eq!(outbox_consumer::receipt(&pool, "billing", f.event_id()).await.unwrap().as_ref(), Some(receipt));
+    // Another consumer id has its own receipt and its own effect.
+    let other = Processor::new("shipping", pool.clone(), h.clone()).unwrap();
+    assert_eq!(other.process_message(&f.raw(10)).await.unwrap().kind(), "applied");
+    assert_eq!(effects(&pool).await, (2, 2));
+}
+
+/// Duplicated and reordered messages inside one batch and across batches.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn duplicated_and_reordered_messages_have_one_effect_each(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let (a, b, c) = (fixture_on(TOPIC, 4, 1, "a"), fixture_on(TOPIC, 4, 1, "b"), fixture_on(TOPIC, 4, 1, "c"));
+    let outs = p.process_batch(&[a.raw(0), b.raw(1), a.raw(2), c.raw(3), b.raw(4)]).await.unwrap();
+    assert_eq!(kinds(&outs), ["applied", "applied", "duplicate", "applied", "duplicate"]);
+    assert_eq!(outs[2].receipt(), outs[0].receipt());
+    assert_eq!(outs[4].receipt(), outs[1].receipt());
+    // Replayed out of order in a later batch (e.g. after a reset of offsets).
+    let outs = p.process_batch(&[c.raw(5), a.raw(6), b.raw(7)]).await.unwrap();
+    assert_eq!(kinds(&outs), ["duplicate", "duplicate", "duplicate"]);
+    assert_eq!(h.calls(), 3);
+    assert_eq!(effects(&pool).await, (3, 3));
+
+    let w = outbox_consumer::watermarks(&pool, "billing").await.unwrap();
+    assert_eq!(w.len(), 1);
+    assert_eq!((w[0].committed_offset, w[0].applied_count, w[0].duplicate_count), (8, 3, 5));
+}
+
+/// Tampered bytes, a wrong placement and a missing header are quarantined
+/// with evidence; the events around them are applied.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn tampered_messages_are_quarantined_and_the_partition_moves_on(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let good1 = fixture_on(TOPIC, 4, 2, "g1");
+    let good2 = fixture_on(TOPIC, 4, 2, "g2");
+    let victim = fixture_on(TOPIC, 4, 2, "v");
+    let mut tampered = victim.raw(1);
+    tampered.payload = Some(b"{\"order\":\"o-v\",\"quantity\":200}".to_vec());
+    let mut wrong_key = victim.raw(2);
+    wrong_key.key = Some(b"someone-else".to_vec());
+    let mut no_id = victim.raw(3);
+    no_id.headers.retain(|(k, _)| k != headers::EVENT_ID);
+    let outs = p.process_batch(&[good1.raw(0), tampered, wrong_key, no_id, good2.raw(4)]).await.unwrap();
+    assert_eq!(kinds(&outs), ["applied", "quarantined", "quarantined", "quarantined", "applied"]);
+    let codes: Vec<String> = outs[1..4]
+        .iter()
+        .map(|o| match o {
+            Outcome::Quarantined(q) => q.reason.code(),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(codes, ["verify:payload_digest", "verify:placement", "verify:missing_header"]);
+    assert_eq!(h.calls(), 2, "the handler never saw a quarantined message");
+
+    let rows: Vec<(i64, Option<String>, String, serde_json::Value, String, Option<Vec<u8>>)> =
+        sqlx::query_as(r#"SELECT "offset", event_id, reason, evidence, payload_digest, payload FROM outbox_consumer_quarantine ORDER BY "offset""#).fetch_all(&pool).await.unwrap();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0].1.as_deref(), Some(victim.event_id().as_str()));
+    assert!(rows[0].3["error"].as_str().unwrap().contains("payload digest mismatch"));
+    assert!(rows[0].3["headers"].as_array().unwrap().iter().any(|h| h["name"] == headers::PAYLOAD_DIGEST));
+    assert_eq!(rows[0].4, outbox_core::sha256_digest(b"{\"order\":\"o-v\",\"quantity\":200}"));
+    assert!(rows[0].5.is_some(), "small tampered payloads are kept as evidence");
+    assert_eq!(rows[2].1, None);
+
+    // The genuine copy of the victim still applies later; redelivering the
+    // tampered position does not add a second quarantine row.
+    let mut tampered_again = victim.raw(1);
+    tampered_again.payload = Some(b"x".to_vec());
+    assert_eq!(p.process_message(&tampered_again).await.unwrap().kind(), "quarantined");
+    assert_eq!(p.process_message(&victim.raw(5)).await.unwrap().kind(), "applied");
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_quarantine").fetch_one(&pool).await.unwrap();
+    assert_eq!(n, 3);
+    let w = &outbox_consumer::watermarks(&pool, "billing").await.unwrap()[0];
+    assert_eq!((w.committed_offset, w.applied_count, w.quarantined_count, w.duplicate_count), (6, 3, 3, 1));
+}
+
+/// The same eventId with other payload bytes (each copy self-consistent) is
+/// never accepted as a duplicate: it is quarantined as divergent.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn same_event_id_with_other_bytes_is_quarantined(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let f = fixture(TOPIC, 4, "o-9");
+    assert_eq!(p.process_message(&f.raw(0)).await.unwrap().kind(), "applied");
+    // A second envelope claiming the same eventId with another payload.
+    let mut forged = fixture(TOPIC, 4, "o-9");
+    forged.envelope.event_id = f.event_id().clone();
+    forged.payload = b"{\"order\":\"o-9\",\"quantity\":99}".to_vec();
+    forged.envelope.payload_digest = outbox_core::sha256_digest(&forged.payload);
+    forged.headers = headers::build(&forged.envelope, &forged.destination, &forged.destination.digest(), &outbox_core::AttemptId::generate(1), None);
+    let o = p.process_message(&forged.raw(1)).await.unwrap();
+    let Outcome::Quarantined(q) = &o else { panic!("{o:?}") };
+    assert!(matches!(q.reason, QuarantineReason::DivergentDuplicate { .. }));
+    assert_eq!(h.calls(), 1);
+}
+
+/// A handler failing twice then succeeding: retried alone with backoff,
+/// applied once; the events before and after it in the batch commit too.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn handler_failing_twice_then_succeeding(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let fs: Vec<_> = (0..5).map(|i| fixture_on(TOPIC, 4, 0, &format!("f{i}"))).collect();
+    h.script(fs[2].event_id(), Script::FailTimes(2));
+    let msgs: Vec<RawMessage> = fs.iter().enumerate().map(|(i, f)| f.raw(i as i64)).collect();
+    let outs = p.process_batch(&msgs).await.unwrap();
+    assert_eq!(kinds(&outs), ["applied"; 5]);
+    let m = p.metrics().snapshot();
+    assert_eq!((m.applied, m.handler_failures, m.dead_lettered), (5, 2, 0));
+    assert_eq!(effects(&pool).await, (5, 5), "failed attempts left no effect");
+    assert_eq!(outs[2].receipt().unwrap().result["applied_at_offset"], 2);
+}
+
+/// A handler that always fails: bounded attempts, then a dead letter; the
+/// rest of the batch is applied; a redelivery does not run it again; a
+/// redrive after the fix applies it once.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn always_failing_handler_is_dead_lettered_then_redriven(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let fs: Vec<_> = (0..3).map(|i| fixture_on(TOPIC, 4, 3, &format!("d{i}"))).collect();
+    h.script(fs[1].event_id(), Script::AlwaysFail);
+    let outs = p.process_batch(&[fs[0].raw(0), fs[1].raw(1), fs[2].raw(2)]).await.unwrap();
+    assert_eq!(kinds(&outs), ["applied", "dead_lettered", "applied"]);
+    let Outcome::DeadLettered(d) = &outs[1] else { unreachable!() };
+    assert_eq!((d.attempts, d.redelivery), (3, false));
+    assert!(d.error.contains("always fails"));
+    let calls = h.calls();
+
+    let again = p.process_message(&fs[1].raw(7)).await.unwrap();
+    let Outcome::DeadLettered(d) = &again else { panic!("{again:?}") };
+    assert!(d.redelivery);
+    assert_eq!(h.calls(), calls, "a dead-lettered event is not retried on redelivery");
+
+    let (attempts, err, payload): (i32, String, Vec<u8>) =
+        sqlx::query_as("SELECT attempts, last_error, payload FROM outbox_consumer_dead_letters WHERE event_id = $1").bind(fs[1].event_id().as_str()).fetch_one(&pool).await.unwrap();
+    assert_eq!((attempts, payload), (3, fs[1].payload.clone()));
+    assert!(err.contains("always fails"));
+
+    // Redrive while still broken: stays dead-lettered, attempts grow.
+    let o = p.redrive_dead_letter(fs[1].event_id()).await.unwrap().unwrap();
+    assert!(matches!(o, Outcome::DeadLettered(ref d) if d.attempts == 4));
+    // Fixed: applied once, dead letter gone.
+    h.clear(fs[1].event_id());
+    let o = p.redrive_dead_letter(fs[1].event_id()).await.unwrap().unwrap();
+    assert_eq!(o.kind(), "applied");
+    assert!(p.redrive_dead_letter(fs[1].event_id()).await.unwrap().is_none());
+    assert_eq!(p.process_message(&fs[1].raw(8)).await.unwrap().kind(), "duplicate");
+    assert_eq!(effects(&pool).await, (3, 3));
+    let w = &outbox_consumer::watermarks(&pool, "billing").await.unwrap()[0];
+    assert_eq!((w.committed_offset, w.applied_count, w.dead_lettered_count), (9, 3, 1));
+}
+
+/// Permanent errors skip the retries; panics and swallowed query errors are
+/// contained and end as dead letters without blocking their neighbours.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn permanent_errors_panics_and_swallowed_query_errors(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let fs: Vec<_> = (0..5).map(|i| fixture_on(TOPIC, 4, 1, &format!("p{i}"))).collect();
+    h.script(fs[0].event_id(), Script::Permanent);
+    h.script(fs[2].event_id(), Script::Panic);
+    h.script(fs[3].event_id(), Script::SwallowDbError);
+    let msgs: Vec<RawMessage> = fs.iter().enumerate().map(|(i, f)| f.raw(i as i64)).collect();
+    let outs = p.process_batch(&msgs).await.unwrap();
+    assert_eq!(kinds(&outs), ["dead_lettered", "applied", "dead_lettered", "dead_lettered", "applied"]);
+    let attempts: Vec<u32> = outs
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::DeadLettered(d) => Some(d.attempts),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(attempts, [1, 3, 3]);
+    assert!(matches!(&outs[2], Outcome::DeadLettered(d) if d.error.contains("panicked")));
+    assert_eq!(effects(&pool).await, (2, 2));
+}
+
+/// Two processors (two instances) racing on the same events: the receipt's
+/// primary key serializes them, one effect per event.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn concurrent_instances_apply_each_event_once(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p1 = processor(&pool, &h);
+    let p2 = processor(&pool, &h);
+    let msgs: Vec<RawMessage> = (0..200).map(|i| fixture_on(TOPIC, 4, 0, &format!("r{i}")).raw(i)).collect();
+    let (a, b) = tokio::join!(p1.process_batch(&msgs), p2.process_batch(&msgs));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    for (x, y) in a.iter().zip(&b) {
+        let mut k = [x.kind(), y.kind()];
+        k.sort();
+        assert_eq!(k, ["applied", "duplicate"]);
+        assert_eq!(x.receipt(), y.receipt());
+    }
+    assert_eq!(effects(&pool).await, (200, 200));
+}
+
+/// Watermarks are copied, monotonically, into the outbox database.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn watermarks_are_published_to_the_outbox_database(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    for part in 0..2 {
+        let msgs: Vec<RawMessage> = (0..3).map(|i| fixture_on(TOPIC, 4, part, &format!("w{part}{i}")).raw(i)).collect();
+        p.process_batch(&msgs).await.unwrap();
+    }
+    // A second database standing for the outbox database.
+    let name = format!("outbox_wm_{}_{}", std::process::id(), rand_suffix());
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&pool).await.unwrap();
+    let opts = pool.connect_options().as_ref().clone().database(&name);
+    let outbox = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(opts).await.unwrap();
+    outbox_consumer::migrate(&outbox).await.unwrap();
+
+    assert_eq!(outbox_consumer::publish_watermarks(&pool, &outbox, "billing").await.unwrap(), 2);
+    let copied = outbox_consumer::watermarks(&outbox, "billing").await.unwrap();
+    assert_eq!(copied, outbox_consumer::watermarks(&pool, "billing").await.unwrap());
+    assert_eq!(copied.iter().map(|w| w.committed_offset).collect::<Vec<_>>(), [3, 3]);
+    // Publishing an older state never moves the copy back.
+    sqlx::query("UPDATE outbox_consumer_watermarks SET committed_offset = 1, applied_count = 0").execute(&pool).await.unwrap();
+    outbox_consumer::publish_watermarks(&pool, &outbox, "billing").await.unwrap();
+    let again = outbox_consumer::watermarks(&outbox, "billing").await.unwrap();
+    assert_eq!(again, copied);
+
+    outbox.close().await;
+    sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&pool).await.unwrap();
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos() as u64).unwrap_or(0)
+}
+
+/// Batches must be one partition in increasing offsets.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn invalid_batches_are_refused(pool: PgPool) {
+    let p = processor(&pool, &TestHandler::default());
+    let a = fixture_on(TOPIC, 4, 0, "x");
+    let b = fixture_on(TOPIC, 4, 1, "y");
+    assert!(p.process_batch(&[a.raw(1), a.raw(1)]).await.is_err());
+    assert!(p.process_batch(&[a.raw(2), b.raw(3)]).await.is_err());
+    assert!(p.process_batch(&[]).await.unwrap().is_empty());
+}
