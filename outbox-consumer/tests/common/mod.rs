@@ -104,6 +104,8 @@ pub struct TestHandler {
     pub calls: Arc<AtomicU64>,
     pub scripts: Arc<Mutex<HashMap<String, Script>>>,
     pub failures: Arc<Mutex<HashMap<String, u32>>>,
+    /// Milliseconds each call sleeps (inside the transaction).
+    pub delay_ms: Arc<AtomicU64>,
 }
 
 impl TestHandler {
@@ -141,6 +143,10 @@ impl Handler for TestHandler {
     async fn handle(&self, tx: &mut Transaction<'_, Postgres>, e: &ConsumedEvent) -> Result<Value, HandlerError> {
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         let script = self.scripts.lock().unwrap().get(e.event_id.as_str()).copied();
+        let delay = self.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
         // The effect is written before any failure, so a failure must roll it back.
         sqlx::query(r#"INSERT INTO test_effects (consumer_id, event_id, "offset") VALUES ($1, $2, $3)"#)
             .bind(&e.consumer_id)
