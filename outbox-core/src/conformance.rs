@@ -74,6 +74,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("second_claimer_is_fenced", second_claimer_is_fenced(&ctx("second")).await),
         ("stale_writer_after_lease_expiry_changes_nothing", stale_writer_after_lease_expiry(&ctx("stale")).await),
         ("old_and_new_attempt_acked_one_primary_one_duplicate", old_and_new_attempt_acked(&ctx("both")).await),
+        ("not_sent_retry_after_blind_retry_stays_unknown", not_sent_retry_after_blind_retry(&ctx("blindnotsent")).await),
         ("divergent_payload_receipt_quarantines", divergent_payload_receipt_quarantines(&ctx("diverge")).await),
         ("unregistered_attempt_is_rejected", unregistered_attempt_is_rejected(&ctx("unreg")).await),
         ("same_receipt_twice_same_answer", same_receipt_twice_same_answer(&ctx("twice")).await),
@@ -309,7 +310,7 @@ async fn old_and_new_attempt_acked<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let task = c.reconcile("r1", &id).await?;
     let lookup = LookupOutcome::Unavailable("adapter cannot look up".into());
     let d = decide_reconcile(&task.attempts, &lookup, false, &POLICY, c.h.now_ms());
-    eq("reconcile decision", &d, &ReconcileDecision::Retry { proven_absent: true })?;
+    eq("reconcile decision", &d, &ReconcileDecision::Retry { proven_absent: false })?;
     eq("finish", c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
     let ce2 = c.claim_retry("w2", &id).await?;
     let a2 = c.register(&ce2.token).await?;
@@ -322,6 +323,31 @@ async fn old_and_new_attempt_acked<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     eq("slot", slot, Some(r2))?;
     let states: Vec<_> = c.attempts(&id).await?.iter().map(|a| a.state).collect();
     eq("attempt states", states, vec![AttemptState::Acked, AttemptState::Acked])
+}
+
+/// After a blind retry the first attempt is still UNKNOWN (possibly in the
+/// log). If the retry attempt is then definitely not sent, the event's outcome
+/// is still unknown: it must go back to DISPATCH_UNKNOWN, not PENDING, or the
+/// first attempt's late genuine ACK could no longer fill the slot (found by
+/// the simulator, seed 91609).
+async fn not_sent_retry_after_blind_retry<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce1 = c.claim_some("w1", &id).await?;
+    let a1 = c.register(&ce1.token).await?;
+    c.expire().await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let task = c.reconcile("r1", &id).await?;
+    let d = decide_reconcile(&task.attempts, &LookupOutcome::Unavailable("adapter cannot look up".into()), false, &POLICY, c.h.now_ms());
+    eq("reconcile decision", &d, &ReconcileDecision::Retry { proven_absent: false })?;
+    c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?;
+    let ce2 = c.claim_retry("w2", &id).await?;
+    let a2 = c.register(&ce2.token).await?;
+    eq("retry not sent", c.s().report_not_sent(&ce2.token, &a2.attempt_id, "broker refused").await.map_err(err("report_not_sent"))?, FenceOutcome::Applied)?;
+    c.expect_state(&id, EventState::DispatchUnknown).await?;
+    let states: Vec<_> = c.attempts(&id).await?.iter().map(|a| a.state).collect();
+    eq("attempt states", states, vec![AttemptState::Unknown, AttemptState::NotSent])?;
+    eq("first attempt's late ACK", c.accept(&receipt(&ce1, &a1, offset(1))).await?, ReceiptDecision::Accept { from: EventState::DispatchUnknown })?;
+    c.expect_state(&id, EventState::Published).await
 }
 
 async fn divergent_payload_receipt_quarantines<H: Harness>(c: &Ctx<'_, H>) -> Verdict {

@@ -73,8 +73,10 @@ pub struct MemoryState {
     pub audit: Vec<AuditRecord>,
     /// Command key -> event id.
     pub commands: BTreeMap<String, EventId>,
-    /// Highest primary offset accepted per (topic, partition).
-    pub partition_high: BTreeMap<(String, i32), i64>,
+    /// Highest primary offset accepted per (cluster, topic, partition). The
+    /// cluster is part of the key: two clusters may carry the same topic name
+    /// (a route revision to another cluster), and their offsets are unrelated.
+    pub partition_high: BTreeMap<(String, String, i32), i64>,
     next_seq: u64,
 }
 
@@ -280,7 +282,11 @@ impl OutboxStore for MemoryStore {
                 state: AttemptState::Sending,
                 destination_digest: ev.destination_digest.clone(),
                 started_at_ms: now,
-                scan_from_offset: st.partition_high.get(&(ev.destination.topic.clone(), ev.destination.partition)).copied().unwrap_or(0),
+                scan_from_offset: st
+                    .partition_high
+                    .get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.partition))
+                    .copied()
+                    .unwrap_or(0),
             };
             ev.claim.attempt_id = Some(attempt.attempt_id.clone());
             st.attempts.entry(token.event_id.clone()).or_default().push(attempt.clone());
@@ -312,7 +318,7 @@ impl OutboxStore for MemoryStore {
             ReceiptDecision::Accept { .. } => {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
-                let high = st.partition_high.entry((receipt.topic.clone(), receipt.partition)).or_insert(0);
+                let high = st.partition_high.entry((receipt.cluster_id.clone(), receipt.topic.clone(), receipt.partition)).or_insert(0);
                 *high = (*high).max(receipt.offset);
                 ev.claim.owner = None;
                 ev.claim.lease_until_ms = None;
@@ -368,7 +374,12 @@ impl OutboxStore for MemoryStore {
                 return Ok(FenceOutcome::NoOp);
             }
             attempt.state = AttemptState::NotSent;
-            Self::transition(ev, EventState::Pending, now)?;
+            // After a blind (unproven) retry an earlier attempt may still be
+            // UNKNOWN, i.e. possibly in the log: the event's outcome is then
+            // still unknown, and only DISPATCH_UNKNOWN keeps that attempt's
+            // late genuine ACK acceptable (PENDING -> PUBLISHED is illegal).
+            let earlier_open = st.attempts.get(&token.event_id).is_some_and(|v| v.iter().any(|a| &a.attempt_id != attempt_id && a.state.possibly_in_flight()));
+            Self::transition(ev, if earlier_open { EventState::DispatchUnknown } else { EventState::Pending }, now)?;
             ev.claim.owner = None;
             ev.claim.lease_until_ms = None;
             ev.claim.attempt_id = None;

@@ -1,0 +1,67 @@
+//! The conformance [`Harness`] of the in-memory store.
+
+use async_trait::async_trait;
+use outbox_core::conformance::Harness;
+use outbox_core::{EmitRequest, EventId, MemoryStore, RoutePolicy};
+
+/// Runs `outbox_core::conformance` against a [`MemoryStore`].
+#[derive(Debug, Clone)]
+pub struct MemoryHarness {
+    store: MemoryStore,
+    policy: RoutePolicy,
+}
+
+impl MemoryHarness {
+    /// A fresh store at a fixed time, routing `order.created` to `sim-cluster/orders` (4 partitions).
+    pub fn new() -> Self {
+        let store = MemoryStore::new();
+        store.set_now_ms(1_700_000_000_000);
+        MemoryHarness { store, policy: RoutePolicy::new("order.created", "sim-cluster", "orders", 4) }
+    }
+}
+
+impl Default for MemoryHarness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl Harness for MemoryHarness {
+    type Store = MemoryStore;
+
+    fn store(&self) -> &MemoryStore {
+        &self.store
+    }
+
+    async fn emit(&self, command_key: &str, aggregate_id: &str, payload: &[u8]) -> EventId {
+        let now = self.store.now_ms();
+        let request = EmitRequest {
+            command_key,
+            tenant: "t1",
+            aggregate_type: "order",
+            aggregate_id,
+            aggregate_version: 1,
+            event_type: "order.created",
+            payload_schema: "order-v1",
+            payload,
+        };
+        request.validate(outbox_core::DEFAULT_MAX_PAYLOAD_BYTES).expect("valid emit request");
+        let (envelope, destination) = request.freeze(EventId::generate(now as u64), now, 1, &self.policy).expect("policy resolves");
+        self.store.insert(command_key, envelope, destination, payload.to_vec()).expect("insert")
+    }
+
+    async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
+        if let Some(row) = self.store.lock().events.get_mut(id) {
+            row.payload = new_payload.to_vec();
+        }
+    }
+
+    fn now_ms(&self) -> i64 {
+        self.store.now_ms()
+    }
+
+    fn advance_ms(&self, ms: i64) {
+        self.store.set_now_ms(self.store.now_ms() + ms);
+    }
+}
