@@ -1,1 +1,4 @@
-//! Shared helpers for the runnable examples.
+//! Shared pieces of the runnable examples (`cargo run --example <name>`).
+
+pub mod env;
+pub mod fulfilment;

@@ -89,8 +89,10 @@ CREATE TABLE outbox_events (
     CHECK ((state = 'PURGED') = (payload IS NULL))
 );
 CREATE INDEX outbox_events_pending ON outbox_events (seq) WHERE state = 'PENDING';
+CREATE INDEX outbox_events_pending_unordered ON outbox_events (seq) WHERE state = 'PENDING' AND NOT ordered;
+-- Per-key ordering: the oldest open event of each key, one index descent per key.
 CREATE INDEX outbox_events_open_by_key ON outbox_events (cluster_id, topic, routing_key, seq)
-    WHERE state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED');
+    WHERE state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered;
 CREATE INDEX outbox_events_unknown ON outbox_events (next_check_at_ms) WHERE state = 'DISPATCH_UNKNOWN';
 CREATE INDEX outbox_events_leased ON outbox_events (lease_until_ms) WHERE claim_owner IS NOT NULL;
 CREATE INDEX outbox_events_retry ON outbox_events (seq) WHERE state = 'RETRY_CLAIMED';

@@ -86,22 +86,36 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
         return Err(outbox_core::CoreError::MalformedIdentifier { field: "traceparent", reason: format!("{tp:?} is not a W3C traceparent") }.into());
     }
 
-    if let Some(existing) = existing_for_command(tx, request).await? {
-        return Ok(existing);
-    }
-
-    let policy: RoutePolicy = routes::current(&mut **tx, request.event_type)
-        .await?
-        .ok_or_else(|| ProducerError::NoRoute { event_type: request.event_type.to_owned() })?;
-
-    let last: Option<i64> = sqlx::query_scalar(
-        "SELECT max(aggregate_version) FROM outbox_events WHERE tenant = $1 AND aggregate_type = $2 AND aggregate_id = $3",
-    )
+    // One round trip for everything the freeze needs.
+    let ctx = sqlx::query(&format!(
+        "SELECT pg_current_xact_id()::text::bigint AS txid,
+                (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
+                (SELECT event_id FROM outbox_events WHERE command_key = $1) AS existing,
+                (SELECT max(aggregate_version) FROM outbox_events
+                  WHERE tenant = $2 AND aggregate_type = $3 AND aggregate_id = $4) AS last_version,
+                p.*
+         FROM (SELECT 1) one
+         LEFT JOIN LATERAL (SELECT {} FROM outbox_route_policies WHERE event_type = $5
+                            ORDER BY generation DESC LIMIT 1) p ON true",
+        routes::POLICY_COLUMNS
+    ))
+    .bind(request.command_key)
     .bind(request.tenant)
     .bind(request.aggregate_type)
     .bind(request.aggregate_id)
+    .bind(request.event_type)
     .fetch_one(&mut **tx)
     .await?;
+    if ctx.try_get::<Option<String>, _>("existing")?.is_some() {
+        if let Some(existing) = existing_for_command(tx, request).await? {
+            return Ok(existing);
+        }
+    }
+
+    let policy: RoutePolicy =
+        routes::from_row_opt(&ctx)?.ok_or_else(|| ProducerError::NoRoute { event_type: request.event_type.to_owned() })?;
+
+    let last: Option<i64> = ctx.try_get("last_version")?;
     if let Some(last) = last.filter(|&l| request.aggregate_version < l) {
         return Err(ProducerError::AggregateVersionBackwards {
             aggregate: format!("{}/{}", request.aggregate_type, request.aggregate_id),
@@ -110,23 +124,30 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
         });
     }
 
-    let row = sqlx::query("SELECT pg_current_xact_id()::text::bigint AS txid, (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms")
-        .fetch_one(&mut **tx)
-        .await?;
-    let txid: i64 = row.try_get("txid")?;
-    let now_ms: i64 = row.try_get("now_ms")?;
+    let txid: i64 = ctx.try_get("txid")?;
+    let now_ms: i64 = ctx.try_get("now_ms")?;
     let event_id = EventId::generate(now_ms.max(0) as u64);
     let (envelope, destination) = request.freeze(event_id, now_ms, txid.max(0) as u64, &policy)?;
     let destination_digest = destination.digest();
 
-    // A savepoint keeps the caller's transaction usable if a concurrent
-    // transaction won the command key.
-    let inserted = sqlx::query(
-        "INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
-             aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
-             routing_key, ordered, created_at_ms, state_since_ms, traceparent)
-         VALUES ($1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16, $17)
-         ON CONFLICT (command_key) DO NOTHING",
+    // The event row, its frozen envelope and the wake-up notification in one
+    // statement. A concurrent transaction holding the same command key makes
+    // this wait; if it commits, nothing is inserted here.
+    let inserted: i64 = sqlx::query_scalar(
+        "WITH ins AS (
+            INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
+                 aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
+                 routing_key, ordered, created_at_ms, state_since_ms, traceparent)
+            VALUES ($1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16, $17)
+            ON CONFLICT (command_key) DO NOTHING
+            RETURNING event_id),
+         env AS (
+            INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest,
+                 destination_canonical, destination_digest, payload_digest, created_txid, created_at_ms)
+            SELECT event_id, 1, $18, $19, $20, $10, $9, $21, $16 FROM ins
+            RETURNING event_id),
+         wake AS (SELECT pg_notify('outbox_pending', '') FROM env)
+         SELECT (SELECT count(*) FROM ins) + 0 * (SELECT count(*) FROM wake)",
     )
     .bind(envelope.event_id.as_str())
     .bind(request.command_key)
@@ -145,9 +166,12 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
     .bind(destination.ordering == outbox_core::Ordering::Key)
     .bind(now_ms)
     .bind(options.traceparent.as_deref())
-    .execute(&mut **tx)
-    .await?
-    .rows_affected();
+    .bind(envelope.canonical_bytes())
+    .bind(envelope.digest())
+    .bind(destination.canonical_bytes())
+    .bind(txid)
+    .fetch_one(&mut **tx)
+    .await?;
 
     if inserted == 0 {
         // Another transaction committed the same command key meanwhile.
@@ -155,24 +179,6 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
             .await?
             .ok_or_else(|| ProducerError::Config("command key conflict vanished; retry the transaction".into()));
     }
-
-    sqlx::query(
-        "INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest,
-             destination_canonical, destination_digest, payload_digest, created_txid, created_at_ms)
-         VALUES ($1, 1, $2, $3, $4, $5, $6, $7, $8)",
-    )
-    .bind(envelope.event_id.as_str())
-    .bind(envelope.canonical_bytes())
-    .bind(envelope.digest())
-    .bind(destination.canonical_bytes())
-    .bind(&destination_digest)
-    .bind(&envelope.payload_digest)
-    .bind(txid)
-    .bind(now_ms)
-    .execute(&mut **tx)
-    .await?;
-
-    sqlx::query("SELECT pg_notify('outbox_pending', '')").execute(&mut **tx).await?;
     tracing::debug!(event_id = %envelope.event_id, topic = %destination.topic, "emitted");
     Ok(Emitted { envelope, destination, destination_digest, inserted: true })
 }

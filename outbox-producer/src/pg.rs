@@ -514,13 +514,28 @@ impl OutboxStore for PgStore {
         outbox_core::id::validate_identifier("owner", owner)?;
         let now = self.now_ms();
         let rows = sqlx::query(&format!(
-            "WITH c AS (
-                SELECT e.event_id FROM outbox_events e
-                WHERE e.state = 'PENDING' AND ($5::text IS NULL OR e.cluster_id = $5)
-                  AND (NOT e.ordered OR NOT EXISTS (
-                        SELECT 1 FROM outbox_events p
-                        WHERE p.cluster_id = e.cluster_id AND p.topic = e.topic AND p.routing_key = e.routing_key
-                          AND p.seq < e.seq AND p.state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED')))
+            // Ordered events: only the oldest open event of each (cluster, topic,
+            // key) may go, found with one index descent per key (a loose index
+            // scan), so a deep backlog behind claimed heads costs nothing.
+            // Unordered events: every PENDING one, in commit order.
+            "WITH RECURSIVE heads AS (
+                (SELECT cluster_id, topic, routing_key, seq, state, event_id FROM outbox_events
+                 WHERE state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered
+                 ORDER BY cluster_id, topic, routing_key, seq LIMIT 1)
+                UNION ALL
+                SELECT n.* FROM heads h CROSS JOIN LATERAL (
+                    SELECT e.cluster_id, e.topic, e.routing_key, e.seq, e.state, e.event_id FROM outbox_events e
+                    WHERE e.state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered
+                      AND (e.cluster_id, e.topic, e.routing_key) > (h.cluster_id, h.topic, h.routing_key)
+                    ORDER BY e.cluster_id, e.topic, e.routing_key, e.seq LIMIT 1) n),
+             cand AS (
+                SELECT event_id FROM heads WHERE state = 'PENDING' AND ($5::text IS NULL OR cluster_id = $5)
+                UNION ALL
+                (SELECT event_id FROM outbox_events WHERE state = 'PENDING' AND NOT ordered AND ($5::text IS NULL OR cluster_id = $5)
+                 ORDER BY seq LIMIT $1)),
+             c AS (
+                SELECT e.event_id FROM outbox_events e JOIN cand USING (event_id)
+                WHERE e.state = 'PENDING'
                 ORDER BY e.seq LIMIT $1 FOR UPDATE OF e SKIP LOCKED)
              UPDATE outbox_events e SET state = 'CLAIMED', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3

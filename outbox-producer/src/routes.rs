@@ -2,6 +2,7 @@
 //! already emitted keep the destination they froze.
 
 use outbox_core::{Ordering, Partitioner, RoutePolicy};
+use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};
 
 use crate::error::ProducerError;
@@ -16,8 +17,23 @@ pub async fn current<'e>(db: impl PgExecutor<'e>, event_type: &str) -> Result<Op
     .bind(event_type)
     .fetch_optional(db)
     .await?;
-    let Some(r) = row else { return Ok(None) };
-    Ok(Some(RoutePolicy {
+    row.map(|r| from_row(&r)).transpose()
+}
+
+/// The columns [`from_row`] reads, for queries that join the current policy.
+pub(crate) const POLICY_COLUMNS: &str =
+    "event_type, generation, cluster_id, topic, partitions, partitioner, key_template, serializer, durability, required_acks, ordering";
+
+/// Reads a policy from a row carrying [`POLICY_COLUMNS`]; `None` when they are NULL (no route).
+pub(crate) fn from_row_opt(r: &PgRow) -> Result<Option<RoutePolicy>, ProducerError> {
+    if r.try_get::<Option<i32>, _>("generation")?.is_none() {
+        return Ok(None);
+    }
+    from_row(r).map(Some)
+}
+
+fn from_row(r: &PgRow) -> Result<RoutePolicy, ProducerError> {
+    Ok(RoutePolicy {
         event_type: r.try_get("event_type")?,
         generation: r.try_get::<i32, _>("generation")? as u32,
         cluster_id: r.try_get("cluster_id")?,
@@ -29,7 +45,7 @@ pub async fn current<'e>(db: impl PgExecutor<'e>, event_type: &str) -> Result<Op
         durability: r.try_get("durability")?,
         required_acks: r.try_get("required_acks")?,
         ordering: Ordering::parse(r.try_get("ordering")?)?,
-    }))
+    })
 }
 
 /// Publishes a new generation of the route of `policy.event_type` (the
