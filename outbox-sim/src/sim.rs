@@ -449,6 +449,8 @@ impl Sim {
             if self.cfg.tamper_step == Some(step) {
                 self.tamper();
             }
+            self.migration_hook(step);
+            self.purge_hook(step);
             self.wake();
             if self.rng.chance(self.cfg.faults.worker_fault) {
                 self.worker_fault();
@@ -540,6 +542,31 @@ impl Sim {
         self.figures.events_tampered += 1;
         slog!(self, "TAMPER: stored payload of E{ev} overwritten (its frozen digest stays)");
     }
+
+    /// TODO(migration): destination migration (SPEC §7) is not in
+    /// outbox-core yet, so nothing is faked here. When the core has it
+    /// (a migration decision plus a store call that creates envelope
+    /// generation + 1 with a new frozen destination and a migration receipt),
+    /// this hook should, at a seed-chosen step, migrate some events to
+    /// another cluster/topic while the old target is made unqueryable for a
+    /// while, and the invariants should grow:
+    /// * no message under envelope generation N+1 unless the old target was
+    ///   proven not to hold generation N (no cross-target re-send while UNKNOWN);
+    /// * `cross_destination_retries` then compares each message with the
+    ///   frozen destination *of its envelope generation*;
+    /// * the original envelope is never edited; a migration receipt links both;
+    /// * a late genuine ACK of generation N after the migration is kept as evidence.
+    fn migration_hook(&mut self, _step: usize) {}
+
+    /// TODO(purge): retention and purge (SPEC §9) are not in outbox-core
+    /// yet. When they are, this hook should run the purge decision with a
+    /// replay window and consumer watermarks (consumers publishing their
+    /// positions, some of them slow), racing consumers that lag, and the
+    /// invariants should grow: no event purged before the replay window
+    /// and every mandatory consumer's watermark passed it; a purged event
+    /// keeps its tombstone (digests, receipt); redelivery after a consumer's
+    /// dedupe state was compacted by watermark still has no second effect.
+    fn purge_hook(&mut self, _step: usize) {}
 
     fn wake(&mut self) {
         let now = self.now;
