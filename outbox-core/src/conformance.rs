@@ -68,7 +68,7 @@ pub type Verdict = Result<(), String>;
 /// Runs every scenario in order and returns each one's name and verdict.
 pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
     let run = format!("{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
-    let ctx = |name: &'static str| Ctx { h, prefix: format!("conf-{run}-{name}") };
+    let ctx = |name: &'static str| Ctx { h, prefix: format!("conf-{run}-{name}"), offsets: offset_block() };
     vec![
         ("claim_register_accept_publishes", claim_register_accept_publishes(&ctx("publish")).await),
         ("second_claimer_is_fenced", second_claimer_is_fenced(&ctx("second")).await),
@@ -90,6 +90,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
 struct Ctx<'a, H> {
     h: &'a H,
     prefix: String,
+    offsets: i64,
 }
 
 fn ensure(cond: bool, what: impl FnOnce() -> String) -> Verdict {
@@ -109,6 +110,11 @@ fn err<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> String {
 }
 
 impl<H: Harness> Ctx<'_, H> {
+    /// Log offset `n` of this scenario.
+    fn offset(&self, n: i64) -> i64 {
+        self.offsets + n
+    }
+
     fn s(&self) -> &H::Store {
         self.h.store()
     }
@@ -230,9 +236,15 @@ fn receipt(ce: &ClaimedEvent, attempt: &AttemptRecord, offset: i64) -> BrokerRec
     }
 }
 
-/// Offsets far above anything an earlier scenario used on the same partition.
-fn offset(n: i64) -> i64 {
-    1_000_000 + n
+/// A block of 1 000 log offsets no other scenario (of this run or an
+/// earlier run on the same database) uses: one log position holds one
+/// message, and stores may enforce it.
+fn offset_block() -> i64 {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    static NEXT: AtomicI64 = AtomicI64::new(0);
+    let run_base = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0) % 1_000_000_000) * 1_000_000;
+    let _ = NEXT.compare_exchange(0, run_base, Ordering::SeqCst, Ordering::SeqCst);
+    NEXT.fetch_add(1_000, Ordering::SeqCst)
 }
 
 async fn claim_register_accept_publishes<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
@@ -246,7 +258,7 @@ async fn claim_register_accept_publishes<H: Harness>(c: &Ctx<'_, H>) -> Verdict 
     eq("attempt generation", a.attempt_generation, 1)?;
     eq("attempt destination", &a.destination_digest, &ce.destination_digest)?;
     c.expect_state(&id, EventState::Sending).await?;
-    let r = receipt(&ce, &a, offset(1));
+    let r = receipt(&ce, &a, c.offset(1));
     eq("decision", c.accept(&r).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
     let (state, slot) = c.state(&id).await?;
     eq("state", state, EventState::Published)?;
@@ -269,7 +281,7 @@ async fn second_claimer_is_fenced<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     eq("release by the forged owner", c.s().release(&forged).await.map_err(err("release"))?, FenceOutcome::Fenced)?;
     c.expect_state(&id, EventState::Claimed).await?;
     let a = c.register(&ce.token).await?;
-    eq("decision", c.accept(&receipt(&ce, &a, offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+    eq("decision", c.accept(&receipt(&ce, &a, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })
 }
 
 async fn stale_writer_after_lease_expiry<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
@@ -293,7 +305,7 @@ async fn stale_writer_after_lease_expiry<H: Harness>(c: &Ctx<'_, H>) -> Verdict 
     eq("stale not-sent report", c.s().report_not_sent(&old.token, &a.attempt_id, "stale").await.map_err(err("report_not_sent"))?, FenceOutcome::Fenced)?;
     eq("stale unknown report", c.s().report_unknown(&old.token, &a.attempt_id, "stale").await.map_err(err("report_unknown"))?, FenceOutcome::Fenced)?;
     c.expect_state(&id, EventState::Sending).await?;
-    eq("decision", c.accept(&receipt(&new, &a, offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+    eq("decision", c.accept(&receipt(&new, &a, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })
 }
 
 /// SPEC §5: a late genuine ACK of an old attempt and the ACK of a new attempt
@@ -314,7 +326,7 @@ async fn old_and_new_attempt_acked<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     eq("finish", c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
     let ce2 = c.claim_retry("w2", &id).await?;
     let a2 = c.register(&ce2.token).await?;
-    let (r1, r2) = (receipt(&ce1, &a1, offset(1)), receipt(&ce2, &a2, offset(2)));
+    let (r1, r2) = (receipt(&ce1, &a1, c.offset(1)), receipt(&ce2, &a2, c.offset(2)));
     eq("new attempt's ACK", c.accept(&r2).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
     eq("old attempt's late ACK", c.accept(&r1).await?, ReceiptDecision::Duplicate)?;
     eq("old attempt's late ACK again", c.accept(&r1).await?, ReceiptDecision::Duplicate)?;
@@ -346,7 +358,7 @@ async fn not_sent_retry_after_blind_retry<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     c.expect_state(&id, EventState::DispatchUnknown).await?;
     let states: Vec<_> = c.attempts(&id).await?.iter().map(|a| a.state).collect();
     eq("attempt states", states, vec![AttemptState::Unknown, AttemptState::NotSent])?;
-    eq("first attempt's late ACK", c.accept(&receipt(&ce1, &a1, offset(1))).await?, ReceiptDecision::Accept { from: EventState::DispatchUnknown })?;
+    eq("first attempt's late ACK", c.accept(&receipt(&ce1, &a1, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::DispatchUnknown })?;
     c.expect_state(&id, EventState::Published).await
 }
 
@@ -354,7 +366,7 @@ async fn divergent_payload_receipt_quarantines<H: Harness>(c: &Ctx<'_, H>) -> Ve
     let id = c.emit(1, "a").await;
     let ce = c.claim_some("w1", &id).await?;
     let a = c.register(&ce.token).await?;
-    let genuine = receipt(&ce, &a, offset(1));
+    let genuine = receipt(&ce, &a, c.offset(1));
     let bad = BrokerReceipt { payload_digest: sha256_digest(b"not the frozen payload"), ..genuine.clone() };
     eq("divergent receipt", c.accept(&bad).await?, ReceiptDecision::Quarantine { reason: QuarantineReason::PayloadDigestMismatch, move_event: true })?;
     c.expect_state(&id, EventState::Quarantined).await?;
@@ -368,8 +380,8 @@ async fn unregistered_attempt_is_rejected<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     let id = c.emit(1, "a").await;
     let ce = c.claim_some("w1", &id).await?;
     let a = c.register(&ce.token).await?;
-    let genuine = receipt(&ce, &a, offset(2));
-    let stranger = BrokerReceipt { attempt_id: AttemptId::generate(c.h.now_ms().max(0) as u64), offset: offset(1), ..genuine.clone() };
+    let genuine = receipt(&ce, &a, c.offset(2));
+    let stranger = BrokerReceipt { attempt_id: AttemptId::generate(c.h.now_ms().max(0) as u64), offset: c.offset(1), ..genuine.clone() };
     eq("unregistered attempt", c.accept(&stranger).await?, ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt })?;
     c.expect_state(&id, EventState::Sending).await?;
     eq("registered attempt", c.accept(&genuine).await?, ReceiptDecision::Accept { from: EventState::Sending })
@@ -379,7 +391,7 @@ async fn same_receipt_twice_same_answer<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let id = c.emit(1, "a").await;
     let ce = c.claim_some("w1", &id).await?;
     let a = c.register(&ce.token).await?;
-    let r = receipt(&ce, &a, offset(1));
+    let r = receipt(&ce, &a, c.offset(1));
     let first = c.s().accept_dispatch_receipt(&r).await.map_err(err("accept"))?;
     eq("first", &first.decision, &ReceiptDecision::Accept { from: EventState::Sending })?;
     for _ in 0..2 {
@@ -405,8 +417,8 @@ async fn not_sent_is_pending_again<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     eq("attempt generation", a2.attempt_generation, 2)?;
     eq("attempt destination", &a2.destination_digest, &a1.destination_digest)?;
     // The closed attempt cannot fill the slot; the new one can.
-    eq("closed attempt", c.accept(&receipt(&ce1, &a1, offset(1))).await?, ReceiptDecision::Reject { reason: RejectReason::AttemptClosed })?;
-    eq("new attempt", c.accept(&receipt(&ce2, &a2, offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+    eq("closed attempt", c.accept(&receipt(&ce1, &a1, c.offset(1))).await?, ReceiptDecision::Reject { reason: RejectReason::AttemptClosed })?;
+    eq("new attempt", c.accept(&receipt(&ce2, &a2, c.offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })
 }
 
 async fn lease_expiry_while_sending_is_unknown<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
@@ -422,7 +434,7 @@ async fn lease_expiry_while_sending_is_unknown<H: Harness>(c: &Ctx<'_, H>) -> Ve
     eq("stale not-sent report", c.s().report_not_sent(&ce.token, &a.attempt_id, "refused").await.map_err(err("report_not_sent"))?, FenceOutcome::Fenced)?;
     c.expect_state(&id, EventState::DispatchUnknown).await?;
     // The late genuine ACK of the expired claim still fills the slot.
-    eq("late ACK", c.accept(&receipt(&ce, &a, offset(1))).await?, ReceiptDecision::Accept { from: EventState::DispatchUnknown })?;
+    eq("late ACK", c.accept(&receipt(&ce, &a, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::DispatchUnknown })?;
     c.expect_state(&id, EventState::Published).await
 }
 
@@ -436,13 +448,13 @@ async fn per_key_ordering<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let ce1 = c.claim_some("w1", &first).await?;
     let a1 = c.register(&ce1.token).await?;
     ensure(c.claim("w1", &second).await?.is_none(), || "the second event of a key was claimable while the first was SENDING".into())?;
-    c.accept(&receipt(&ce1, &a1, offset(1))).await?;
+    c.accept(&receipt(&ce1, &a1, c.offset(1))).await?;
     let ce2 = c.claim_some("w1", &second).await?;
     let a2 = c.register(&ce2.token).await?;
-    eq("second", c.accept(&receipt(&ce2, &a2, offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    eq("second", c.accept(&receipt(&ce2, &a2, c.offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
     let o = c.claim_some("w1", &other).await?;
     let ao = c.register(&o.token).await?;
-    eq("other", c.accept(&receipt(&o, &ao, offset(3))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+    eq("other", c.accept(&receipt(&o, &ao, c.offset(3))).await?, ReceiptDecision::Accept { from: EventState::Sending })
 }
 
 async fn reconcile_absent_retries_same_destination<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
@@ -471,7 +483,7 @@ async fn reconcile_absent_retries_same_destination<H: Harness>(c: &Ctx<'_, H>) -
     let a2 = c.register(&ce2.token).await?;
     eq("attempt generation", a2.attempt_generation, 2)?;
     eq("attempt destination", &a2.destination_digest, &a1.destination_digest)?;
-    eq("decision", c.accept(&receipt(&ce2, &a2, offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })
+    eq("decision", c.accept(&receipt(&ce2, &a2, c.offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })
 }
 
 async fn reconcile_found_publishes<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
@@ -481,7 +493,7 @@ async fn reconcile_found_publishes<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     c.s().report_unknown(&ce.token, &a.attempt_id, "timed out, possibly persisted").await.map_err(err("report_unknown"))?;
     c.expect_state(&id, EventState::DispatchUnknown).await?;
     let task = c.reconcile("r1", &id).await?;
-    let r = receipt(&ce, &a, offset(1));
+    let r = receipt(&ce, &a, c.offset(1));
     let d = decide_reconcile(&task.attempts, &LookupOutcome::Found(vec![r.clone()]), true, &POLICY, c.h.now_ms());
     eq("decision", &d, &ReconcileDecision::Submit(vec![r.clone()]))?;
     eq("submit", c.accept(&r).await?, ReceiptDecision::Accept { from: EventState::Reconciling })?;

@@ -55,4 +55,4 @@ pub use memory::MemoryStore;
 pub use reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
 pub use receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
-pub use store::{Broker, ClaimedEvent, ReconcileTask, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};
+pub use store::{Broker, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

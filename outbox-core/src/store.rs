@@ -148,7 +148,9 @@ pub trait OutboxStore: Send + Sync {
     async fn report_unknown(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError>;
 
     /// The broker definitely did not persist: attempt NOT_SENT, event PENDING
-    /// again (same frozen destination).
+    /// again (same frozen destination) — or DISPATCH_UNKNOWN when an earlier
+    /// attempt may still be in the log (after a blind retry), so that its late
+    /// ACK still converges.
     async fn report_not_sent(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError>;
 
     /// Gives back a claim that sent nothing: CLAIMED -> PENDING.
@@ -250,4 +252,30 @@ pub trait Broker: Send + Sync {
     /// Scans `destination`'s partition from `from_offset` to the high
     /// watermark for messages carrying `event_id`.
     async fn lookup(&self, destination: &Destination, event_id: &EventId, from_offset: i64) -> LookupOutcome;
+
+    /// Reads the eventIds of up to `max_messages` messages of a partition
+    /// from `from_offset` (for the reconciler's bypass check). Adapters that
+    /// cannot read the log answer `Err`.
+    async fn scan_event_ids(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<PartitionScan, String> {
+        let _ = (topic, partition, from_offset, max_messages);
+        Err("this broker adapter cannot read the log".into())
+    }
+}
+
+/// One message seen by [`Broker::scan_event_ids`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScannedMessage {
+    /// Its offset.
+    pub offset: i64,
+    /// Its `outbox-event-id` header, if any.
+    pub event_id: Option<String>,
+}
+
+/// The answer of [`Broker::scan_event_ids`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PartitionScan {
+    /// Messages read, in offset order.
+    pub messages: Vec<ScannedMessage>,
+    /// The next offset to read.
+    pub next_offset: i64,
 }

@@ -58,7 +58,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use outbox_core::headers;
-use outbox_core::{sha256_digest, AttemptId, Broker, BrokerReceipt, Destination, EventId, LookupOutcome, OutgoingMessage, SendOutcome};
+use outbox_core::{sha256_digest, AttemptId, Broker, BrokerReceipt, Destination, EventId, LookupOutcome, OutgoingMessage, PartitionScan, ScannedMessage, SendOutcome};
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -680,6 +680,39 @@ impl Broker for KafkaBroker {
             Err(e) => LookupOutcome::Unavailable(format!("lookup task failed: {e}")),
         }
     }
+
+    /// Reads the eventId header of up to `max_messages` messages of
+    /// `topic`/`partition` from `from_offset`, for the bypass check.
+    async fn scan_event_ids(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<PartitionScan, String> {
+        let timeout = Duration::from_millis(self.inner.config.lookup_timeout_ms);
+        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner.lookups).acquire_owned()).await {
+            Ok(Ok(p)) => p,
+            _ => return Err("no lookup slot".into()),
+        };
+        let req = ScanRequest {
+            cluster_id: self.inner.cluster_id.clone(),
+            topic: topic.to_owned(),
+            partition,
+            event_id: EventId::from_parts(0, 0),
+            from_offset,
+            max_messages: max_messages.min(self.inner.config.lookup_max_messages),
+            deadline: Instant::now() + timeout,
+        };
+        let config = self.inner.config.clone();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let mut messages = Vec::new();
+            let next_offset = scan_range(&config, &req, Some(req.max_messages), |msg| {
+                let event_id = msg
+                    .headers()
+                    .and_then(|h| h.iter().filter(|x| x.key == headers::EVENT_ID).last().and_then(|x| x.value.map(|v| String::from_utf8_lossy(v).into_owned())));
+                messages.push(ScannedMessage { offset: msg.offset(), event_id });
+            })?;
+            Ok(PartitionScan { messages, next_offset })
+        })
+        .await
+        .map_err(|e| format!("scan task failed: {e}"))?
+    }
 }
 
 /// One bounded scan.
@@ -719,62 +752,71 @@ static LOOKUP_SEQ: AtomicU64 = AtomicU64::new(0);
 ///   quarantines a wrong partition); a wrong key is logged as a warning,
 ///   since a receipt has no field for it.
 fn scan_partition(config: &KafkaConfig, req: &ScanRequest) -> LookupOutcome {
-    let unavailable = |what: String| {
-        warn!(topic = %req.topic, partition = req.partition, event_id = %req.event_id, reason = %what, "kafka lookup unavailable");
-        LookupOutcome::Unavailable(what)
-    };
+    let mut found = Vec::new();
+    let scanned = scan_range(config, req, None, |msg| {
+        if let Some(receipt) = match_message(&req.cluster_id, &req.event_id, msg) {
+            found.push(receipt);
+        }
+    });
+    match scanned {
+        Err(what) => {
+            warn!(topic = %req.topic, partition = req.partition, event_id = %req.event_id, reason = %what, "kafka lookup unavailable");
+            LookupOutcome::Unavailable(what)
+        }
+        Ok(_) if found.is_empty() => LookupOutcome::Absent,
+        Ok(_) => LookupOutcome::Found(found),
+    }
+}
+
+/// Reads `[max(from_offset, low), end)` of one partition with a fresh
+/// consumer, where `end` is the high watermark read at the start, or
+/// `from_offset + limit` if that is lower. Calls `on_message` for each
+/// message in order and returns the next offset to read. A range wider than
+/// `max_messages` (with no `limit`), a deadline that runs out or any broker
+/// error is an `Err`.
+fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<i64, String> {
     if req.from_offset < 0 {
-        return unavailable(format!("negative lower bound {}", req.from_offset));
+        return Err(format!("negative lower bound {}", req.from_offset));
     }
     let seq = LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed);
     let group_id = format!("outbox-lookup-{}-{}-{}", std::process::id(), seq, req.event_id.as_str());
-    let consumer: BaseConsumer<LookupContext> = match config.lookup_config(&group_id).create_with_context(LookupContext) {
-        Ok(c) => c,
-        Err(e) => return unavailable(format!("lookup consumer: {e}")),
-    };
-    let (low, high) = match consumer.fetch_watermarks(&req.topic, req.partition, req.remaining()) {
-        Ok(w) => w,
-        Err(e) => return unavailable(format!("watermarks of {}/{}: {e}", req.topic, req.partition)),
-    };
+    let consumer: BaseConsumer<LookupContext> = config.lookup_config(&group_id).create_with_context(LookupContext).map_err(|e| format!("lookup consumer: {e}"))?;
+    let (low, high) = consumer
+        .fetch_watermarks(&req.topic, req.partition, req.remaining())
+        .map_err(|e| format!("watermarks of {}/{}: {e}", req.topic, req.partition))?;
     let start = req.from_offset.max(low).max(0);
+    let high = match limit {
+        Some(l) => high.min(start.saturating_add(i64::try_from(l).unwrap_or(i64::MAX))),
+        None => high,
+    };
     if start >= high {
-        debug!(topic = %req.topic, partition = req.partition, start, low, high, "kafka lookup: empty range");
-        return LookupOutcome::Absent;
+        debug!(topic = %req.topic, partition = req.partition, start, low, high, "kafka scan: empty range");
+        return Ok(start.max(req.from_offset));
     }
     let width = u64::try_from(high - start).unwrap_or(u64::MAX);
     if width > req.max_messages {
-        return unavailable(format!("range [{start}, {high}) of {}/{} exceeds the lookup bound of {} messages", req.topic, req.partition, req.max_messages));
+        return Err(format!("range [{start}, {high}) of {}/{} exceeds the lookup bound of {} messages", req.topic, req.partition, req.max_messages));
     }
     let mut tpl = TopicPartitionList::new();
-    if let Err(e) = tpl.add_partition_offset(&req.topic, req.partition, Offset::Offset(start)) {
-        return unavailable(format!("assignment: {e}"));
-    }
-    if let Err(e) = consumer.assign(&tpl) {
-        return unavailable(format!("assign {}/{}: {e}", req.topic, req.partition));
-    }
-    debug!(topic = %req.topic, partition = req.partition, start, high, "kafka lookup scanning");
-    let mut found = Vec::new();
+    tpl.add_partition_offset(&req.topic, req.partition, Offset::Offset(start)).map_err(|e| format!("assignment: {e}"))?;
+    consumer.assign(&tpl).map_err(|e| format!("assign {}/{}: {e}", req.topic, req.partition))?;
+    debug!(topic = %req.topic, partition = req.partition, start, high, "kafka scan");
     let mut next = start;
     let mut read: u64 = 0;
     while next < high {
         let remaining = req.remaining();
         if remaining.is_zero() {
-            return unavailable(format!("lookup timed out at offset {next} of [{start}, {high}) of {}/{}", req.topic, req.partition));
+            return Err(format!("scan timed out at offset {next} of [{start}, {high}) of {}/{}", req.topic, req.partition));
         }
         match consumer.poll(remaining.min(Duration::from_millis(LOOKUP_POLL_SLICE_MS))) {
-            None => {
+            None | Some(Err(KafkaError::PartitionEOF(_))) => {
                 // Offsets without messages (e.g. transaction markers) advance
                 // the position without yielding anything.
                 if let Some(p) = position_of(&consumer, &req.topic, req.partition) {
                     next = next.max(p);
                 }
             }
-            Some(Err(KafkaError::PartitionEOF(_))) => {
-                if let Some(p) = position_of(&consumer, &req.topic, req.partition) {
-                    next = next.max(p);
-                }
-            }
-            Some(Err(e)) => return unavailable(format!("reading {}/{} at offset {next}: {e}", req.topic, req.partition)),
+            Some(Err(e)) => return Err(format!("reading {}/{} at offset {next}: {e}", req.topic, req.partition)),
             Some(Ok(msg)) => {
                 if msg.topic() != req.topic || msg.partition() != req.partition || msg.offset() < next {
                     continue;
@@ -785,20 +827,14 @@ fn scan_partition(config: &KafkaConfig, req: &ScanRequest) -> LookupOutcome {
                 next = msg.offset() + 1;
                 read += 1;
                 if read > req.max_messages {
-                    return unavailable(format!("lookup read more than {} messages", req.max_messages));
+                    return Err(format!("scan read more than {} messages", req.max_messages));
                 }
-                if let Some(receipt) = match_message(&req.cluster_id, &req.event_id, &msg) {
-                    found.push(receipt);
-                }
+                on_message(&msg);
             }
         }
     }
-    debug!(topic = %req.topic, partition = req.partition, start, high, read, matches = found.len(), "kafka lookup complete");
-    if found.is_empty() {
-        LookupOutcome::Absent
-    } else {
-        LookupOutcome::Found(found)
-    }
+    debug!(topic = %req.topic, partition = req.partition, start, high, read, "kafka scan complete");
+    Ok(next)
 }
 
 fn position_of(consumer: &BaseConsumer<LookupContext>, topic: &str, partition: i32) -> Option<i64> {

@@ -340,8 +340,12 @@ impl PgStore {
                     if *move_event {
                         ev.state = ev.state.transition(EventState::Quarantined)?;
                         sqlx::query(
-                            "UPDATE outbox_events SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL,
-                                    claim_generation = claim_generation + 1, state_since_ms = $2 WHERE event_id = $1",
+                            "WITH old AS (SELECT event_id, unknown_since_ms FROM outbox_events WHERE event_id = $1 AND unknown_since_ms IS NOT NULL),
+                             upd AS (
+                                UPDATE outbox_events SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL, unknown_since_ms = NULL,
+                                       claim_generation = claim_generation + 1, state_since_ms = $2 WHERE event_id = $1 RETURNING event_id)
+                             INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome)
+                             SELECT event_id, unknown_since_ms, $2, 'QUARANTINED' FROM old WHERE EXISTS (SELECT 1 FROM upd)",
                         )
                         .bind(receipt.event_id.as_str())
                         .bind(now)
@@ -374,10 +378,16 @@ impl PgStore {
 
         if !accepted.is_empty() {
             let ev_ids: Vec<&str> = accepted.iter().map(|r| r.event_id.as_str()).collect();
+            // An event that had been UNKNOWN records its time to resolution.
             sqlx::query(
-                "UPDATE outbox_events SET state = 'PUBLISHED', claim_owner = NULL, lease_until_ms = NULL, unknown_since_ms = NULL,
-                        published_at_ms = $2, state_since_ms = $2
-                 WHERE event_id = ANY($1)",
+                "WITH old AS (
+                    SELECT event_id, unknown_since_ms FROM outbox_events WHERE event_id = ANY($1) AND unknown_since_ms IS NOT NULL),
+                 upd AS (
+                    UPDATE outbox_events SET state = 'PUBLISHED', claim_owner = NULL, lease_until_ms = NULL, unknown_since_ms = NULL,
+                           published_at_ms = $2, state_since_ms = $2
+                    WHERE event_id = ANY($1) RETURNING event_id)
+                 INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome)
+                 SELECT event_id, unknown_since_ms, $2, 'PUBLISHED' FROM old WHERE EXISTS (SELECT 1 FROM upd)",
             )
             .bind(&ev_ids)
             .bind(now)
@@ -624,9 +634,17 @@ impl OutboxStore for PgStore {
         self.fenced_update(
             token,
             "report_not_sent",
-            "WITH ev AS (
-                UPDATE outbox_events SET state = 'PENDING', claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL,
-                       state_since_ms = $4
+            // PENDING again, unless an earlier attempt may still be in the
+            // log (a blind retry left it UNKNOWN): then its late ACK must
+            // still find the event accepting, so the event waits in
+            // DISPATCH_UNKNOWN for the reconciler.
+            "WITH other AS (
+                SELECT 1 FROM outbox_attempts WHERE event_id = $1 AND attempt_id <> $5 AND state IN ('SENDING', 'UNKNOWN') LIMIT 1),
+             ev AS (
+                UPDATE outbox_events SET
+                       state = CASE WHEN EXISTS (SELECT 1 FROM other) THEN 'DISPATCH_UNKNOWN' ELSE 'PENDING' END,
+                       unknown_since_ms = CASE WHEN EXISTS (SELECT 1 FROM other) THEN coalesce(unknown_since_ms, $4) ELSE unknown_since_ms END,
+                       claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL, next_check_at_ms = $4, state_since_ms = $4
                 WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'SENDING' AND claim_attempt_id = $5
                 RETURNING event_id)
              UPDATE outbox_attempts SET state = 'NOT_SENT', detail = $6, finished_at_ms = $4

@@ -1,0 +1,78 @@
+//! The store conformance suite of `outbox_core::conformance`, against the
+//! PostgreSQL store (the in-memory store runs the same suite in outbox-sim).
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use outbox_core::{EmitRequest, EventId, ManualClock};
+use outbox_producer::{emit, EmitOptions, PgStore};
+use sqlx::PgPool;
+
+struct PgHarness {
+    pool: PgPool,
+    store: PgStore,
+    clock: ManualClock,
+}
+
+#[async_trait]
+impl outbox_core::conformance::Harness for PgHarness {
+    type Store = PgStore;
+
+    fn store(&self) -> &PgStore {
+        &self.store
+    }
+
+    async fn emit(&self, command_key: &str, aggregate_id: &str, payload: &[u8]) -> EventId {
+        let mut tx = self.pool.begin().await.expect("begin");
+        let req = EmitRequest {
+            command_key,
+            tenant: "conformance",
+            aggregate_type: "order",
+            aggregate_id,
+            aggregate_version: 1,
+            event_type: "order.created",
+            payload_schema: "order-v1",
+            payload,
+        };
+        let e = emit(&mut tx, &req, &EmitOptions::default()).await.expect("emit");
+        tx.commit().await.expect("commit");
+        e.envelope.event_id
+    }
+
+    async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
+        sqlx::query("UPDATE outbox_events SET payload = $2 WHERE event_id = $1").bind(id.as_str()).bind(new_payload).execute(&self.pool).await.expect("tamper");
+    }
+
+    fn now_ms(&self) -> i64 {
+        outbox_core::Clock::now_ms(&self.clock)
+    }
+
+    fn advance_ms(&self, ms: i64) {
+        self.clock.advance(ms);
+    }
+}
+
+async fn harness(pool: PgPool) -> PgHarness {
+    outbox_producer::routes::revise(&pool, &outbox_core::RoutePolicy::new("order.created", "sim-cluster", "orders", 4)).await.expect("route");
+    let clock = ManualClock::new(1_800_000_000_000);
+    PgHarness { store: PgStore::with_clock(pool.clone(), Arc::new(clock.clone())), pool, clock }
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn postgres_store_passes_the_conformance_suite(pool: PgPool) {
+    let h = harness(pool).await;
+    let results = outbox_core::conformance::run_all(&h).await;
+    assert!(results.len() >= 10, "the suite has {} scenarios", results.len());
+    let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().map(|e| format!("{n}: {e}"))).collect();
+    assert!(failed.is_empty(), "conformance failures:\n{}", failed.join("\n"));
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_suite_can_run_twice_on_one_database(pool: PgPool) {
+    let h = harness(pool).await;
+    for _ in 0..2 {
+        for (n, r) in outbox_core::conformance::run_all(&h).await {
+            assert!(r.is_ok(), "{n}: {r:?}");
+        }
+    }
+}
