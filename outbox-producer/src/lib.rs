@@ -18,15 +18,21 @@ pub mod dispatcher;
 pub mod emit;
 pub mod error;
 pub mod kafka;
+pub mod migration;
 pub mod pg;
 pub mod reconciler;
+pub mod report;
+pub mod retention;
 pub mod routes;
 
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch};
 pub use emit::{emit, EmitOptions, Emitted};
 pub use error::ProducerError;
+pub use migration::{migrate_destination, MigrationOutcome};
 pub use pg::PgStore;
-pub use reconciler::{Reconciler, ReconcilerConfig, ResolveReport};
+pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport};
+pub use report::{build_report, Report, ReportOptions};
+pub use retention::{purge, register_consumer, PurgeReport, RetentionPolicy};
 
 /// The producer's schema migrations (outbox tables, route policies, consumer registry).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();

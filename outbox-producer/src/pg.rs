@@ -449,6 +449,78 @@ impl PgStore {
         Ok(tokens.iter().map(|t| renewed.get(t.event_id.as_str()).copied()).collect())
     }
 
+    /// The CAS DISPATCH_UNKNOWN -> RECONCILING, for due events or, with
+    /// `event_id`, for that one event whatever its next check time.
+    pub async fn begin_reconcile_where(&self, owner: &str, limit: usize, lease_ms: i64, event_id: Option<&EventId>) -> Result<Vec<ReconcileTask>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        outbox_core::id::validate_identifier("owner", owner)?;
+        let now = self.now_ms();
+        let mut tx = self.begin().await?;
+        let rows = sqlx::query(&format!(
+            "WITH c AS (
+                SELECT event_id FROM outbox_events WHERE state = 'DISPATCH_UNKNOWN'
+                  AND (($5::text IS NULL AND next_check_at_ms <= $3) OR event_id = $5)
+                ORDER BY next_check_at_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
+             UPDATE outbox_events e SET state = 'RECONCILING', claim_owner = $2, claim_generation = e.claim_generation + 1,
+                    lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
+             FROM c, outbox_envelopes v
+             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
+             {CLAIM_RETURNING}"
+        ))
+        .bind(limit.min(MAX_CLAIM_BATCH) as i64)
+        .bind(owner)
+        .bind(now)
+        .bind(lease_ms)
+        .bind(event_id.map(|e| e.as_str()))
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_err)?;
+        let mut tasks = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let g = |e: sqlx::Error| store_err(e);
+            let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
+            let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
+            let id = envelope.event_id.to_string();
+            let attempts = sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
+                .bind(&id)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(store_err)?
+                .iter()
+                .map(attempt_from_row)
+                .collect::<Result<Vec<_>, _>>()?;
+            let slot = sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = $1 AND envelope_generation = $2"))
+                .bind(&id)
+                .bind(envelope.envelope_generation as i32)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(store_err)?
+                .map(|r| receipt_from_row(&r))
+                .transpose()?;
+            tasks.push(ReconcileTask {
+                token: ClaimToken {
+                    event_id: envelope.event_id.clone(),
+                    owner: r.try_get("claim_owner").map_err(g)?,
+                    claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
+                    lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
+                },
+                event: LockedEvent {
+                    event_id: envelope.event_id.clone(),
+                    envelope_generation: envelope.envelope_generation,
+                    state: EventState::Reconciling,
+                    payload_digest: r.try_get("payload_digest").map_err(g)?,
+                    destination_digest: r.try_get("destination_digest").map_err(g)?,
+                    destination,
+                    slot,
+                },
+                attempts,
+                unknown_since_ms: r.try_get::<Option<i64>, _>("unknown_since_ms").map_err(g)?.unwrap_or(now),
+            });
+        }
+        tx.commit().await.map_err(store_err)?;
+        Ok(tasks)
+    }
+
     /// Age in ms of the oldest PENDING event, if any.
     pub async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
         let now = self.now_ms();
@@ -729,71 +801,7 @@ impl OutboxStore for PgStore {
     }
 
     async fn begin_reconcile(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ReconcileTask>, StoreError> {
-        validate_lease_ms(lease_ms)?;
-        outbox_core::id::validate_identifier("owner", owner)?;
-        let now = self.now_ms();
-        let mut tx = self.begin().await?;
-        let rows = sqlx::query(&format!(
-            "WITH c AS (
-                SELECT event_id FROM outbox_events WHERE state = 'DISPATCH_UNKNOWN' AND next_check_at_ms <= $3
-                ORDER BY next_check_at_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
-             UPDATE outbox_events e SET state = 'RECONCILING', claim_owner = $2, claim_generation = e.claim_generation + 1,
-                    lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
-             FROM c, outbox_envelopes v
-             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-             {CLAIM_RETURNING}"
-        ))
-        .bind(limit.min(MAX_CLAIM_BATCH) as i64)
-        .bind(owner)
-        .bind(now)
-        .bind(lease_ms)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(store_err)?;
-        let mut tasks = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let g = |e: sqlx::Error| store_err(e);
-            let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
-            let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
-            let id = envelope.event_id.to_string();
-            let attempts = sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
-                .bind(&id)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(store_err)?
-                .iter()
-                .map(attempt_from_row)
-                .collect::<Result<Vec<_>, _>>()?;
-            let slot = sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = $1 AND envelope_generation = $2"))
-                .bind(&id)
-                .bind(envelope.envelope_generation as i32)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(store_err)?
-                .map(|r| receipt_from_row(&r))
-                .transpose()?;
-            tasks.push(ReconcileTask {
-                token: ClaimToken {
-                    event_id: envelope.event_id.clone(),
-                    owner: r.try_get("claim_owner").map_err(g)?,
-                    claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
-                    lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
-                },
-                event: LockedEvent {
-                    event_id: envelope.event_id.clone(),
-                    envelope_generation: envelope.envelope_generation,
-                    state: EventState::Reconciling,
-                    payload_digest: r.try_get("payload_digest").map_err(g)?,
-                    destination_digest: r.try_get("destination_digest").map_err(g)?,
-                    destination,
-                    slot,
-                },
-                attempts,
-                unknown_since_ms: r.try_get::<Option<i64>, _>("unknown_since_ms").map_err(g)?.unwrap_or(now),
-            });
-        }
-        tx.commit().await.map_err(store_err)?;
-        Ok(tasks)
+        self.begin_reconcile_where(owner, limit, lease_ms, None).await
     }
 
     async fn finish_reconcile(&self, token: &ClaimToken, decision: &ReconcileDecision) -> Result<FenceOutcome, StoreError> {

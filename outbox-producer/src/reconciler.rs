@@ -11,11 +11,12 @@
 use std::sync::Arc;
 
 use outbox_core::{decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, OutboxStore, RecheckReason, ReconcileDecision, RetryPolicy};
+use sqlx::Row;
 
 use crate::error::ProducerError;
 use crate::pg::PgStore;
 
-/// Reconciler settings.
+/// Reconciler settings; every threshold has its unit in its name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReconcilerConfig {
     /// Claim owner name.
@@ -26,11 +27,58 @@ pub struct ReconcilerConfig {
     pub lease_ms: i64,
     /// When to retry and when to look again.
     pub retry: RetryPolicy,
+    /// A PENDING event older than this is a finding (a dispatcher is not scanning).
+    pub aged_pending_ms: i64,
+    /// A PUBLISHED event a critical consumer has not passed after this long is a finding.
+    pub unconsumed_after_ms: i64,
+    /// An UNKNOWN older than this is a finding (page someone).
+    pub unknown_slo_ms: i64,
+    /// Most messages the bypass check reads per partition per round.
+    pub bypass_scan_max_messages: u64,
+    /// Most findings of one kind recorded per round.
+    pub max_findings_per_kind: i64,
+    /// State snapshots older than this are dropped, ms.
+    pub history_keep_ms: i64,
 }
 
 impl Default for ReconcilerConfig {
     fn default() -> Self {
-        ReconcilerConfig { owner: format!("reconciler-{}", std::process::id()), batch_size: 100, lease_ms: 60_000, retry: RetryPolicy::default() }
+        ReconcilerConfig {
+            owner: format!("reconciler-{}", std::process::id()),
+            batch_size: 100,
+            lease_ms: 60_000,
+            retry: RetryPolicy::default(),
+            aged_pending_ms: 60_000,
+            unconsumed_after_ms: 5 * 60_000,
+            unknown_slo_ms: crate::report::DEFAULT_UNKNOWN_SLO_MS,
+            bypass_scan_max_messages: 10_000,
+            max_findings_per_kind: 1_000,
+            history_keep_ms: 7 * 24 * 3_600_000,
+        }
+    }
+}
+
+/// What one comparison of the three sets found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CompareReport {
+    /// PENDING past `aged_pending_ms`.
+    pub aged_pending: usize,
+    /// PUBLISHED but not passed by a critical consumer's watermark.
+    pub unconsumed_published: usize,
+    /// Messages in a routed topic that the outbox never committed (this round).
+    pub bypass_publish: usize,
+    /// UNKNOWN past the SLO.
+    pub unknown_past_slo: usize,
+    /// Quarantined events.
+    pub quarantined: usize,
+    /// Messages read by the bypass check.
+    pub scanned_messages: usize,
+}
+
+impl CompareReport {
+    /// Total findings.
+    pub fn total(&self) -> usize {
+        self.aged_pending + self.unconsumed_published + self.bypass_publish + self.unknown_past_slo + self.quarantined
     }
 }
 
@@ -112,5 +160,223 @@ impl<B: Broker + 'static> Reconciler<B> {
             }
         }
         Ok(report)
+    }
+
+    /// Compares the three sets — committed outbox, publish receipts and the
+    /// critical consumers' watermarks — plus the topics themselves (bypass
+    /// publishes), and records the findings: new ones are opened, ones no
+    /// longer true are resolved (bypass evidence stays open).
+    pub async fn compare_once(&self) -> Result<CompareReport, ProducerError> {
+        let pool = self.store.pool();
+        let now = self.store.now_ms();
+        let limit = self.config.max_findings_per_kind;
+        let mut found: Vec<(&'static str, String, String, i64, String)> = Vec::new();
+
+        for r in sqlx::query("SELECT event_id, $1 - created_at_ms AS age FROM outbox_events WHERE state = 'PENDING' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3")
+            .bind(now)
+            .bind(self.config.aged_pending_ms)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?
+        {
+            found.push(("aged_pending", r.try_get("event_id")?, String::new(), r.try_get("age")?, "PENDING past the threshold: is a dispatcher running for its cluster?".into()));
+        }
+        for r in sqlx::query(
+            "SELECT event_id, state, $1 - unknown_since_ms AS age FROM outbox_events
+             WHERE unknown_since_ms IS NOT NULL AND unknown_since_ms < $1 - $2
+               AND state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'QUARANTINED')
+             ORDER BY unknown_since_ms LIMIT $3",
+        )
+        .bind(now)
+        .bind(self.config.unknown_slo_ms)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?
+        {
+            let state: String = r.try_get("state")?;
+            found.push(("unknown_past_slo", r.try_get("event_id")?, String::new(), r.try_get("age")?, format!("dispatch outcome unknown past the SLO (now {state})")));
+        }
+        for r in sqlx::query(
+            "SELECT e.event_id, $1 - e.state_since_ms AS age, coalesce(q.reason, '') AS reason FROM outbox_events e
+             LEFT JOIN LATERAL (SELECT reason FROM outbox_quarantine WHERE event_id = e.event_id ORDER BY id DESC LIMIT 1) q ON true
+             WHERE e.state = 'QUARANTINED' ORDER BY e.state_since_ms LIMIT $2",
+        )
+        .bind(now)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?
+        {
+            let reason: String = r.try_get("reason")?;
+            found.push(("quarantined", r.try_get("event_id")?, String::new(), r.try_get("age")?, format!("quarantined: {reason}")));
+        }
+        let watermarks = crate::report::has_watermarks(pool).await?;
+        let critical: Vec<(String, Vec<String>)> = sqlx::query_as("SELECT consumer_id, topics FROM outbox_consumers WHERE critical").fetch_all(pool).await?;
+        for (consumer_id, topics) in &critical {
+            let passed = if watermarks {
+                "EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.topic = r.topic
+                         AND w.partition = r.partition AND w.committed_offset > r.\"offset\")"
+            } else {
+                "false"
+            };
+            for row in sqlx::query(&format!(
+                "SELECT e.event_id, $1 - e.published_at_ms AS age, r.topic, r.partition, r.\"offset\" FROM outbox_events e
+                 JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
+                 WHERE e.state IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 - $2 AND r.topic = ANY($5)
+                   AND NOT {passed}
+                 ORDER BY e.published_at_ms LIMIT $3"
+            ))
+            .bind(now)
+            .bind(self.config.unconsumed_after_ms)
+            .bind(limit)
+            .bind(consumer_id)
+            .bind(topics)
+            .fetch_all(pool)
+            .await?
+            {
+                let (topic, partition, offset): (String, i32, i64) = (row.try_get("topic")?, row.try_get("partition")?, row.try_get("offset")?);
+                found.push((
+                    "unconsumed_published",
+                    row.try_get("event_id")?,
+                    consumer_id.clone(),
+                    row.try_get("age")?,
+                    format!("published at {topic}/{partition}@{offset}, not passed by the consumer's watermark"),
+                ));
+            }
+        }
+
+        let (bypass, scanned) = self.scan_for_bypass(now).await?;
+        found.extend(bypass);
+
+        let mut report = CompareReport { scanned_messages: scanned, ..Default::default() };
+        for (kind, ..) in &found {
+            match *kind {
+                "aged_pending" => report.aged_pending += 1,
+                "unconsumed_published" => report.unconsumed_published += 1,
+                "bypass_publish" => report.bypass_publish += 1,
+                "unknown_past_slo" => report.unknown_past_slo += 1,
+                _ => report.quarantined += 1,
+            }
+        }
+
+        let mut tx = pool.begin().await?;
+        let kinds: Vec<&str> = found.iter().map(|f| f.0).collect();
+        let ids: Vec<&str> = found.iter().map(|f| f.1.as_str()).collect();
+        let consumers: Vec<&str> = found.iter().map(|f| f.2.as_str()).collect();
+        let ages: Vec<i64> = found.iter().map(|f| f.3).collect();
+        let details: Vec<&str> = found.iter().map(|f| f.4.as_str()).collect();
+        sqlx::query(
+            "INSERT INTO outbox_findings (kind, event_id, consumer_id, age_ms, detail, first_seen_ms, last_seen_ms)
+             SELECT k, e, c, a, d, $6, $6 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[]) AS t(k, e, c, a, d)
+             ON CONFLICT (kind, event_id, consumer_id) WHERE resolved_at_ms IS NULL
+             DO UPDATE SET age_ms = EXCLUDED.age_ms, detail = EXCLUDED.detail, last_seen_ms = EXCLUDED.last_seen_ms",
+        )
+        .bind(&kinds)
+        .bind(&ids)
+        .bind(&consumers)
+        .bind(&ages)
+        .bind(&details)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        // Conditions that no longer hold are resolved; bypass evidence stays until an operator closes it.
+        sqlx::query("UPDATE outbox_findings SET resolved_at_ms = $1 WHERE resolved_at_ms IS NULL AND last_seen_ms < $1 AND kind <> 'bypass_publish'")
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("INSERT INTO outbox_state_snapshots (at_ms, state, count) SELECT $1, state, count(*) FROM outbox_events GROUP BY state ON CONFLICT DO NOTHING")
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM outbox_state_snapshots WHERE at_ms < $1").bind(now - self.config.history_keep_ms).execute(&mut *tx).await?;
+        tx.commit().await?;
+        if report.total() > 0 {
+            tracing::warn!(?report, "reconciler findings");
+        }
+        Ok(report)
+    }
+
+    /// Reads every routed topic of this broker's cluster from its cursor and
+    /// reports messages whose eventId the outbox never committed, or that
+    /// carry none.
+    async fn scan_for_bypass(&self, now: i64) -> Result<(Vec<(&'static str, String, String, i64, String)>, usize), ProducerError> {
+        let pool = self.store.pool();
+        let cluster = self.broker.cluster_id().to_owned();
+        let topics: Vec<(String, i32)> = sqlx::query_as(
+            "SELECT DISTINCT ON (topic) topic, partitions FROM outbox_route_policies WHERE cluster_id = $1 ORDER BY topic, generation DESC",
+        )
+        .bind(&cluster)
+        .fetch_all(pool)
+        .await?;
+        let mut found = Vec::new();
+        let mut scanned = 0;
+        for (topic, partitions) in topics {
+            for partition in 0..partitions {
+                let cursor: i64 = sqlx::query_scalar("SELECT next_offset FROM outbox_scan_cursors WHERE cluster_id = $1 AND topic = $2 AND partition = $3")
+                    .bind(&cluster)
+                    .bind(&topic)
+                    .bind(partition)
+                    .fetch_optional(pool)
+                    .await?
+                    .unwrap_or(0);
+                let scan = match self.broker.scan_event_ids(&topic, partition, cursor, self.config.bypass_scan_max_messages).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(%topic, partition, error = %e, "bypass check could not read the partition");
+                        continue;
+                    }
+                };
+                scanned += scan.messages.len();
+                let ids: Vec<String> = scan.messages.iter().filter_map(|m| m.event_id.clone()).collect();
+                let known: std::collections::HashSet<String> =
+                    sqlx::query_scalar::<_, String>("SELECT event_id FROM outbox_events WHERE event_id = ANY($1)").bind(&ids).fetch_all(pool).await?.into_iter().collect();
+                let mut tx = pool.begin().await?;
+                for m in &scan.messages {
+                    if m.event_id.as_ref().is_some_and(|id| known.contains(id)) {
+                        continue;
+                    }
+                    let label = m.event_id.clone().unwrap_or_else(|| format!("no-event-id@{topic}/{partition}/{}", m.offset));
+                    sqlx::query(
+                        "INSERT INTO outbox_bypass_messages (cluster_id, topic, partition, \"offset\", event_id, seen_at_ms)
+                         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                    )
+                    .bind(&cluster)
+                    .bind(&topic)
+                    .bind(partition)
+                    .bind(m.offset)
+                    .bind(m.event_id.as_deref())
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                    let why = if m.event_id.is_some() { "eventId in the topic that the outbox never committed" } else { "message without an outbox eventId" };
+                    found.push(("bypass_publish", label, String::new(), 0, format!("{why} at {topic}/{partition}@{}", m.offset)));
+                }
+                sqlx::query(
+                    "INSERT INTO outbox_scan_cursors (cluster_id, topic, partition, next_offset) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (cluster_id, topic, partition) DO UPDATE SET next_offset = greatest(outbox_scan_cursors.next_offset, EXCLUDED.next_offset)",
+                )
+                .bind(&cluster)
+                .bind(&topic)
+                .bind(partition)
+                .bind(scan.next_offset)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+            }
+        }
+        Ok((found, scanned))
+    }
+
+    /// One full round: resolve due UNKNOWNs, then compare the three sets.
+    pub async fn run_once(&self) -> Result<(ResolveReport, CompareReport), ProducerError> {
+        let resolved = self.resolve_unknown_once().await?;
+        let compared = self.compare_once().await?;
+        Ok((resolved, compared))
+    }
+
+    /// The report, with this reconciler's SLO.
+    pub async fn report(&self) -> Result<crate::report::Report, ProducerError> {
+        let mut opts = crate::report::ReportOptions::at(self.store.now_ms());
+        opts.unknown_slo_ms = self.config.unknown_slo_ms;
+        crate::report::build_report(self.store.pool(), &opts).await
     }
 }

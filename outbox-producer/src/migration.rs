@@ -1,0 +1,192 @@
+//! Destination migration (SPEC §7): move an undelivered event to another
+//! cluster or topic only after proving the old target does not hold it.
+//!
+//! The original envelope generation is never edited: the move writes envelope
+//! generation + 1 with the new frozen destination and a *migration receipt*
+//! linking the two, with the proof. While the old target is UNKNOWN and
+//! cannot be asked, the move is refused: no cross-target re-send ever happens
+//! in disguise. Delivery to two targets is not a migration; it is not offered
+//! as one.
+
+use outbox_core::{
+    decide_reconcile, scan_lower_bound, AttemptState, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, OutboxStore, RecheckReason,
+    ReconcileDecision, RetryPolicy, RoutePolicy,
+};
+use serde::Serialize;
+use sqlx::Row;
+
+use crate::error::ProducerError;
+use crate::pg::PgStore;
+
+/// What a migration request came to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "outcome")]
+pub enum MigrationOutcome {
+    /// Moved: a new envelope generation with the new destination, PENDING.
+    Migrated {
+        /// Generation left behind.
+        from_generation: u32,
+        /// New generation.
+        to_generation: u32,
+        /// The new frozen destination's digest.
+        to_destination_digest: String,
+    },
+    /// Not moved, and why. Nothing was sent anywhere.
+    Refused {
+        /// The reason.
+        reason: String,
+    },
+}
+
+/// Moves `event_id` to the destination `new_route` resolves for it.
+///
+/// `old_broker` must be connected to the cluster the event is frozen for; it
+/// is asked whether the event is there when an attempt may have reached it.
+pub async fn migrate_destination<B: Broker>(
+    store: &PgStore,
+    old_broker: &B,
+    event_id: &EventId,
+    new_route: &RoutePolicy,
+    operator: &str,
+    retry: &RetryPolicy,
+) -> Result<MigrationOutcome, ProducerError> {
+    outbox_core::id::validate_identifier("operator", operator)?;
+    new_route.validate()?;
+    let refused = |reason: String| Ok(MigrationOutcome::Refused { reason });
+    let (state, _) = store.event_state(event_id).await?;
+    let attempts = store.attempts(event_id).await?;
+    let proof = match state {
+        EventState::Pending => {
+            if attempts.iter().any(|a| a.state.possibly_in_flight() || a.state == AttemptState::Acked) {
+                return refused("an earlier attempt may be in the old target".into());
+            }
+            serde_json::json!({ "kind": "never_persisted", "attempts": attempts.iter().map(|a| (a.attempt_id.to_string(), a.state.as_str())).collect::<Vec<_>>() })
+        }
+        EventState::DispatchUnknown => {
+            let owner = format!("migrate-{operator}");
+            let mut tasks = store.begin_reconcile_where(&owner, 1, 60_000, Some(event_id)).await?;
+            let Some(task) = tasks.pop() else { return refused("the event is being reconciled; try again".into()) };
+            let lookup = if !old_broker.supports_lookup() || task.event.destination.cluster_id != old_broker.cluster_id() {
+                LookupOutcome::Unavailable("the old target cannot be queried".into())
+            } else {
+                old_broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
+            };
+            let now = store.now_ms();
+            match decide_reconcile(&task.attempts, &lookup, true, retry, now) {
+                ReconcileDecision::Retry { proven_absent: true } => {}
+                ReconcileDecision::Submit(receipts) => {
+                    store.accept_dispatch_receipts(&receipts).await?;
+                    let (after, _) = store.event_state(event_id).await?;
+                    if after == EventState::Reconciling {
+                        let recheck = ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: now + retry.recheck_ms };
+                        store.finish_reconcile(&task.token, &recheck).await?;
+                    }
+                    return refused(format!("the old target holds the event; it is now {after}"));
+                }
+                other => {
+                    let recheck = match other {
+                        r @ ReconcileDecision::Recheck { .. } => r,
+                        _ => ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: now + retry.recheck_ms },
+                    };
+                    store.finish_reconcile(&task.token, &recheck).await?;
+                    let why = match &lookup {
+                        LookupOutcome::Unavailable(e) => format!("old target unknown and unqueryable ({e})"),
+                        _ => "an attempt may still be in flight to the old target".into(),
+                    };
+                    return refused(why);
+                }
+            }
+            serde_json::json!({ "kind": "proven_absent", "lookup_from_offset": scan_lower_bound(&task.attempts), "claim_generation": task.token.claim_generation })
+        }
+        other => return refused(format!("state {other}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move")),
+    };
+
+    let now = store.now_ms();
+    let mut tx = store.pool().begin().await?;
+    let row = sqlx::query(
+        "SELECT e.state, e.envelope_generation, e.destination_digest, e.unknown_since_ms, v.envelope_canonical
+         FROM outbox_events e JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
+         WHERE e.event_id = $1 FOR UPDATE OF e",
+    )
+    .bind(event_id.as_str())
+    .fetch_one(&mut *tx)
+    .await?;
+    let locked_state = EventState::parse(row.try_get("state")?)?;
+    if locked_state != EventState::Pending && locked_state != EventState::Reconciling {
+        return refused(format!("state changed to {locked_state} meanwhile"));
+    }
+    let old: Envelope = Envelope::from_canonical(row.try_get::<&[u8], _>("envelope_canonical")?)?;
+    let from_digest: String = row.try_get("destination_digest")?;
+    let destination: Destination = new_route.resolve(&old.tenant, &old.aggregate_type, &old.aggregate_id)?;
+    let to_digest = destination.digest();
+    if to_digest == from_digest {
+        return refused("the new route resolves to the same destination".into());
+    }
+    let envelope = Envelope { envelope_generation: old.envelope_generation + 1, ..old.clone() };
+    sqlx::query(
+        "INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest, destination_canonical,
+             destination_digest, payload_digest, created_txid, created_at_ms)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(event_id.as_str())
+    .bind(envelope.envelope_generation as i32)
+    .bind(envelope.canonical_bytes())
+    .bind(envelope.digest())
+    .bind(destination.canonical_bytes())
+    .bind(&to_digest)
+    .bind(&envelope.payload_digest)
+    .bind(envelope.created_txid as i64)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE outbox_attempts SET state = 'ABSENT', finished_at_ms = $2, detail = 'proven absent before destination migration'
+         WHERE event_id = $1 AND state IN ('SENDING', 'UNKNOWN')",
+    )
+    .bind(event_id.as_str())
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE outbox_events SET state = 'PENDING', envelope_generation = $2, destination_digest = $3, cluster_id = $4, topic = $5,
+                partition = $6, routing_key = $7, ordered = $8, claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL,
+                unknown_since_ms = NULL, state_since_ms = $9
+         WHERE event_id = $1",
+    )
+    .bind(event_id.as_str())
+    .bind(envelope.envelope_generation as i32)
+    .bind(&to_digest)
+    .bind(&destination.cluster_id)
+    .bind(&destination.topic)
+    .bind(destination.partition)
+    .bind(&destination.routing_key)
+    .bind(destination.ordering == outbox_core::Ordering::Key)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    if let Some(since) = row.try_get::<Option<i64>, _>("unknown_since_ms")? {
+        sqlx::query("INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome) VALUES ($1, $2, $3, 'MIGRATED')")
+            .bind(event_id.as_str())
+            .bind(since)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+    }
+    sqlx::query(
+        "INSERT INTO outbox_migration_receipts (event_id, from_generation, to_generation, from_destination_digest, to_destination_digest, proof, operator, at_ms)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+    )
+    .bind(event_id.as_str())
+    .bind(old.envelope_generation as i32)
+    .bind(envelope.envelope_generation as i32)
+    .bind(&from_digest)
+    .bind(&to_digest)
+    .bind(&proof)
+    .bind(operator)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    tracing::info!(%event_id, from = old.envelope_generation, to = envelope.envelope_generation, "destination migrated");
+    Ok(MigrationOutcome::Migrated { from_generation: old.envelope_generation, to_generation: envelope.envelope_generation, to_destination_digest: to_digest })
+}

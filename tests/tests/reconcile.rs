@@ -1,0 +1,314 @@
+//! The reconciler on real PostgreSQL and librdkafka's in-process Kafka
+//! cluster: one test per branch of SPEC §6, §7 and §9.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{headers, EventState, ManualClock, OutboxStore, RetryPolicy, RoutePolicy};
+use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
+use outbox_producer::{
+    migrate_destination, purge, register_consumer, Dispatcher, DispatcherConfig, MigrationOutcome, PgStore, Reconciler, ReconcilerConfig, RetentionPolicy,
+};
+use outbox_tests::kafka::{read_topic, TestCluster};
+use outbox_tests::*;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+use sqlx::PgPool;
+
+const TOPIC: &str = "orders";
+const PARTITIONS: i32 = 3;
+
+struct Fixture {
+    pool: PgPool,
+    cluster: TestCluster,
+    broker: Arc<KafkaBroker>,
+    clock: ManualClock,
+    store: PgStore,
+}
+
+async fn fixture(pool: PgPool) -> Fixture {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let mut cfg = KafkaConfig::new(cluster.bootstrap.clone());
+    cfg.message_timeout_ms = 5_000;
+    cfg.lookup_timeout_ms = 3_000;
+    cfg.extra.push(("reconnect.backoff.max.ms".into(), "500".into()));
+    let broker = Arc::new(KafkaBroker::connect(cfg).await.unwrap());
+    business_schema(&pool).await;
+    route(&pool, ORDER_CREATED, broker.cluster_id(), TOPIC, PARTITIONS as u32).await;
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap();
+    let clock = ManualClock::new(now);
+    let store = PgStore::with_clock(pool.clone(), Arc::new(clock.clone()));
+    Fixture { pool, cluster, broker, clock, store }
+}
+
+impl Fixture {
+    fn dispatcher(&self) -> Dispatcher<KafkaBroker> {
+        let cfg = DispatcherConfig { name: "d".into(), lease_ms: 1_000, ..Default::default() };
+        Dispatcher::new(self.store.clone(), self.broker.clone(), cfg).unwrap()
+    }
+
+    fn reconciler(&self) -> Reconciler<KafkaBroker> {
+        let cfg = ReconcilerConfig { owner: "r".into(), retry: RetryPolicy { in_flight_bound_ms: 5_000, ..RetryPolicy::default() }, ..Default::default() };
+        Reconciler::new(self.store.clone(), self.broker.clone(), cfg).unwrap()
+    }
+
+    /// A dispatcher registers an attempt and dies before sending: after its
+    /// lease the event is DISPATCH_UNKNOWN and nothing is in the log.
+    async fn unknown_never_sent(&self, order: &str) -> outbox_producer::Emitted {
+        let e = create_order(&self.pool, order, 1).await;
+        let claimed = self.store.claim_batch("crashed", 10, 1_000).await.unwrap();
+        let mine = claimed.iter().find(|c| &c.envelope.event_id == e.event_id()).unwrap();
+        self.store.register_attempt(&mine.token).await.unwrap();
+        for c in claimed.iter().filter(|c| &c.envelope.event_id != e.event_id()) {
+            self.store.release(&c.token).await.unwrap();
+        }
+        self.clock.advance(1_500);
+        assert_eq!(self.store.expire_leases().await.unwrap().unknown, 1);
+        assert_eq!(self.state(e.event_id().as_str()).await, EventState::DispatchUnknown);
+        e
+    }
+
+    async fn state(&self, id: &str) -> EventState {
+        EventState::parse(&sqlx::query_scalar::<_, String>("SELECT state FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(&self.pool).await.unwrap())
+            .unwrap()
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
+    }
+
+    fn log_of(&self, topic: &str, id: &str) -> usize {
+        read_topic(&self.cluster.bootstrap, topic, PARTITIONS).iter().filter(|m| m.header(headers::EVENT_ID).as_deref() == Some(id)).count()
+    }
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn written_but_unacked_message_is_found_by_the_scan_and_published(pool: PgPool) {
+    let f = fixture(pool).await;
+    let d = f.dispatcher();
+    create_order(&f.pool, "o-0", 1).await;
+    assert_eq!(d.dispatch_once("w").await.unwrap().published, 1);
+    let e = create_order(&f.pool, "o-1", 1).await;
+    let mock = f.cluster.mock.as_ref().unwrap();
+    mock.broker_round_trip_time(1, Duration::from_millis(7_000)).unwrap();
+    assert_eq!(d.dispatch_once("w").await.unwrap().unknown, 1);
+    mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
+
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!((r.published, r.retried), (1, 0), "{r:?}");
+    assert_eq!(f.state(e.event_id().as_str()).await, EventState::Published);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_unknown_resolutions WHERE outcome = 'PUBLISHED'").await, 1);
+    assert_eq!(f.log_of(TOPIC, e.event_id().as_str()), 1, "found, not re-sent");
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn proven_absent_gives_exactly_one_retry_to_the_same_destination(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = f.unknown_never_sent("o-1").await;
+    let id = e.event_id().as_str();
+    let rec = f.reconciler();
+
+    // Young attempt: it may still be in flight inside a client, so no proof yet.
+    let r = rec.resolve_unknown_once().await.unwrap();
+    assert_eq!((r.retried, r.rechecks), (0, 1), "{r:?}");
+    assert_eq!(f.state(id).await, EventState::DispatchUnknown);
+
+    f.clock.advance(60_000);
+    let r = rec.resolve_unknown_once().await.unwrap();
+    assert_eq!(r.retried, 1, "{r:?}");
+    assert_eq!(f.state(id).await, EventState::RetryClaimed);
+    // Nothing else is due: another round changes nothing.
+    assert_eq!(rec.resolve_unknown_once().await.unwrap().examined, 0);
+
+    assert_eq!(f.dispatcher().dispatch_once("w").await.unwrap().published, 1);
+    let attempts: Vec<(i32, String, String)> =
+        sqlx::query_as("SELECT attempt_generation, state, destination_digest FROM outbox_attempts ORDER BY 1").fetch_all(&f.pool).await.unwrap();
+    assert_eq!(attempts, vec![(1, "ABSENT".into(), e.destination_digest.clone()), (2, "ACKED".into(), e.destination_digest.clone())]);
+    assert_eq!(f.log_of(TOPIC, id), 1);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_unknown_resolutions").await, 1);
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn unqueryable_broker_keeps_the_event_unknown_with_no_cross_target_send(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = f.unknown_never_sent("o-1").await;
+    let id = e.event_id().as_str();
+    // The route moves to another cluster meanwhile: it must not matter.
+    route(&f.pool, ORDER_CREATED, "cluster-elsewhere", "orders-elsewhere", 3).await;
+    f.clock.advance(60_000);
+    f.cluster.mock.as_ref().unwrap().broker_down(1).unwrap();
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!((r.retried, r.rechecks, r.published), (0, 1, 0), "{r:?}");
+    assert_eq!(f.state(id).await, EventState::DispatchUnknown);
+    let next: i64 = sqlx::query_scalar("SELECT next_check_at_ms FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(&f.pool).await.unwrap();
+    assert!(next > f.store.now_ms(), "the next check is scheduled");
+    assert_eq!(f.count("SELECT count(*) FROM outbox_attempts").await, 1, "no new attempt");
+    assert_eq!(f.count("SELECT count(DISTINCT destination_digest) FROM outbox_attempts").await, 1);
+    // A dispatcher of another cluster never claims it.
+    f.cluster.mock.as_ref().unwrap().broker_up(1).unwrap();
+    let other = TestCluster::start();
+    other.topic("orders-elsewhere", 3);
+    let other_broker = other.broker(5_000).await;
+    let d = Dispatcher::new(f.store.clone(), other_broker, DispatcherConfig { name: "x".into(), ..Default::default() }).unwrap();
+    assert_eq!(d.dispatch_once("x").await.unwrap().claimed, 0);
+    assert_eq!(f.state(id).await, EventState::DispatchUnknown);
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn bypass_publish_is_detected_and_a_healthy_run_has_no_findings(pool: PgPool) {
+    let f = fixture(pool).await;
+    for i in 0..5 {
+        create_order(&f.pool, &format!("o-{i}"), i).await;
+    }
+    assert_eq!(f.dispatcher().dispatch_once("w").await.unwrap().published, 5);
+    let rec = f.reconciler();
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!(c.total(), 0, "{c:?}");
+    assert_eq!(c.scanned_messages, 5);
+    let report = rec.report().await.unwrap();
+    assert!(report.findings.is_empty());
+    assert_eq!((report.committed_events, report.publish_receipts), (5, 5));
+
+    // Someone publishes around the outbox: one message with a made-up eventId, one with none.
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", &f.cluster.bootstrap).create().unwrap();
+    let forged = outbox_core::EventId::generate(1);
+    let hdrs = rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header { key: headers::EVENT_ID, value: Some(forged.as_str()) });
+    producer.send(FutureRecord::to(TOPIC).partition(0).key("k").payload("{}").headers(hdrs), Duration::from_secs(5)).await.unwrap();
+    producer.send(FutureRecord::<str, str>::to(TOPIC).partition(1).payload("{}"), Duration::from_secs(5)).await.unwrap();
+
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!(c.bypass_publish, 2, "{c:?}");
+    let report = rec.report().await.unwrap();
+    let bypass: Vec<_> = report.findings.iter().filter(|x| x.kind == "bypass_publish").collect();
+    assert_eq!(bypass.len(), 2);
+    assert!(bypass.iter().any(|x| x.event_id == forged.as_str()));
+    assert!(report.to_text().contains("bypass_publish"));
+    // The next round reads on from its cursor; the evidence stays open.
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!((c.bypass_publish, c.scanned_messages), (0, 0));
+    assert_eq!(rec.report().await.unwrap().findings.len(), 2);
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn aged_pending_and_unknown_past_slo_are_findings(pool: PgPool) {
+    let f = fixture(pool).await;
+    let stuck = create_order(&f.pool, "o-stuck", 1).await;
+    let unknown = f.unknown_never_sent("o-unknown").await;
+    f.clock.advance(20 * 60_000);
+    f.cluster.mock.as_ref().unwrap().broker_down(1).unwrap();
+    let rec = f.reconciler();
+    let c = rec.compare_once().await.unwrap();
+    assert!(c.aged_pending >= 1 && c.unknown_past_slo == 1, "{c:?}");
+    let report = rec.report().await.unwrap();
+    assert!(report.findings.iter().any(|x| x.kind == "aged_pending" && x.event_id == stuck.event_id().as_str()));
+    assert!(report.findings.iter().any(|x| x.kind == "unknown_past_slo" && x.event_id == unknown.event_id().as_str()));
+    assert_eq!(report.unknown_open, 1);
+    assert_eq!(report.unknown_age_histogram.iter().map(|b| b.count).sum::<i64>(), 1);
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
+    let f = fixture(pool).await;
+    outbox_consumer::migrate(&f.pool).await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        ids.push(create_order(&f.pool, &format!("o-{i}"), i).await);
+    }
+    assert_eq!(f.dispatcher().dispatch_once("w").await.unwrap().published, 6);
+    register_consumer(&f.pool, "fulfilment", &[TOPIC], true, true).await.unwrap();
+    // The consumer has passed everything on partition 0 only.
+    let end0: i64 = f.count("SELECT coalesce(max(\"offset\") + 1, 0) FROM outbox_publish_receipts WHERE partition = 0").await;
+    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, topic, partition, committed_offset) VALUES ('fulfilment', $1, 0, $2)")
+        .bind(TOPIC)
+        .bind(end0)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let on_p0 = f.count("SELECT count(*) FROM outbox_publish_receipts WHERE partition = 0").await as u64;
+    let policy = RetentionPolicy { replay_window_ms: 60_000, batch_size: 2, max_batches: 100 };
+
+    // Inside the replay window nothing moves.
+    let r = purge(&f.pool, f.store.now_ms(), &policy, false, |_| {}).await.unwrap();
+    assert_eq!((r.retained, r.purged), (0, 0));
+    let later = f.store.now_ms() + 120_000;
+    let dry = purge(&f.pool, later, &policy, true, |_| {}).await.unwrap();
+    assert_eq!((dry.retained, dry.purged, dry.held_by_consumers), (6, on_p0, 6 - on_p0));
+    assert_eq!(f.count("SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await, 6, "a dry run writes nothing");
+
+    let r = purge(&f.pool, later, &policy, false, |_| {}).await.unwrap();
+    assert_eq!((r.retained, r.purged, r.held_by_consumers), (6, on_p0, 6 - on_p0), "{r:?}");
+    assert!(r.batches > 2, "bounded batches");
+    assert_eq!(f.count("SELECT count(*) FROM outbox_events WHERE state = 'PURGED' AND partition <> 0").await, 0);
+
+    // The consumer catches up: the rest goes.
+    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, topic, partition, committed_offset) VALUES ('fulfilment', $1, 1, 1000), ('fulfilment', $1, 2, 1000)")
+        .bind(TOPIC)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let r = purge(&f.pool, later, &policy, false, |_| {}).await.unwrap();
+    assert_eq!((r.purged, r.held_by_consumers), (6 - on_p0, 0));
+
+    // Tombstones: receipts and digests stay; a retried command still gets its first eventId.
+    assert_eq!(f.count("SELECT count(*) FROM outbox_events WHERE state = 'PURGED' AND payload IS NULL").await, 6);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_publish_receipts").await, 6);
+    let payload = order_payload("o-0", 0);
+    let mut tx = f.pool.begin().await.unwrap();
+    let again = outbox_producer::emit(&mut tx, &order_request("create-o-0", "o-0", &payload), &Default::default()).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!((again.event_id(), again.inserted), (ids[0].event_id(), false));
+    // A late duplicate ACK after the purge is still recognised as a duplicate.
+    let primary: (String, String, i32, i64) =
+        sqlx::query_as("SELECT event_id, attempt_id, partition, \"offset\" FROM outbox_publish_receipts LIMIT 1").fetch_one(&f.pool).await.unwrap();
+    let dup = outbox_core::BrokerReceipt {
+        event_id: primary.0.parse().unwrap(),
+        envelope_generation: 1,
+        attempt_id: primary.1.parse().unwrap(),
+        payload_digest: sqlx::query_scalar("SELECT payload_digest FROM outbox_events WHERE event_id = $1").bind(&primary.0).fetch_one(&f.pool).await.unwrap(),
+        destination_digest: sqlx::query_scalar("SELECT destination_digest FROM outbox_events WHERE event_id = $1").bind(&primary.0).fetch_one(&f.pool).await.unwrap(),
+        cluster_id: f.broker.cluster_id().into(),
+        topic: TOPIC.into(),
+        partition: primary.2,
+        offset: primary.3 + 10_000,
+    };
+    let out = f.store.accept_dispatch_receipt(&dup).await.unwrap();
+    assert_eq!(out.decision, outbox_core::ReceiptDecision::Duplicate);
+    assert_eq!(out.state, EventState::Purged);
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn migration_is_refused_while_unknown_and_accepted_after_proof(pool: PgPool) {
+    let f = fixture(pool).await;
+    f.cluster.topic("orders-eu", PARTITIONS);
+    let e = f.unknown_never_sent("o-1").await;
+    let id = e.event_id();
+    let new_route = RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), "orders-eu", PARTITIONS as u32);
+    let retry = RetryPolicy { in_flight_bound_ms: 5_000, ..RetryPolicy::default() };
+    f.clock.advance(60_000);
+
+    f.cluster.mock.as_ref().unwrap().broker_down(1).unwrap();
+    let out = migrate_destination(&f.store, f.broker.as_ref(), id, &new_route, "ops-alice", &retry).await.unwrap();
+    assert!(matches!(&out, MigrationOutcome::Refused { reason } if reason.contains("unqueryable")), "{out:?}");
+    assert_eq!(f.state(id.as_str()).await, EventState::DispatchUnknown);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_envelopes").await, 1);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_migration_receipts").await, 0);
+
+    f.cluster.mock.as_ref().unwrap().broker_up(1).unwrap();
+    let out = migrate_destination(&f.store, f.broker.as_ref(), id, &new_route, "ops-alice", &retry).await.unwrap();
+    let MigrationOutcome::Migrated { from_generation, to_generation, to_destination_digest } = out else { panic!("{out:?}") };
+    assert_eq!((from_generation, to_generation), (1, 2));
+    assert_eq!(f.state(id.as_str()).await, EventState::Pending);
+    let original: String = sqlx::query_scalar("SELECT destination_digest FROM outbox_envelopes WHERE envelope_generation = 1").fetch_one(&f.pool).await.unwrap();
+    assert_eq!(original, e.destination_digest, "the original envelope is never edited");
+    let receipt: (i32, i32, String, String) =
+        sqlx::query_as("SELECT from_generation, to_generation, to_destination_digest, proof->>'kind' FROM outbox_migration_receipts").fetch_one(&f.pool).await.unwrap();
+    assert_eq!(receipt, (1, 2, to_destination_digest.clone(), "proven_absent".into()));
+
+    assert_eq!(f.dispatcher().dispatch_once("w").await.unwrap().published, 1);
+    assert_eq!(f.log_of("orders-eu", id.as_str()), 1);
+    assert_eq!(f.log_of(TOPIC, id.as_str()), 0);
+    // A published event cannot be moved.
+    let out = migrate_destination(&f.store, f.broker.as_ref(), id, &RoutePolicy::new(ORDER_CREATED, "c", "t", 1), "ops-alice", &retry).await.unwrap();
+    assert!(matches!(out, MigrationOutcome::Refused { .. }));
+}
