@@ -1,9 +1,14 @@
 //! The environment an example runs in: a PostgreSQL database of its own and
 //! a Kafka-protocol cluster.
 //!
-//! * PostgreSQL: `DATABASE_URL` (default `postgres://root@127.0.0.1:5432/test`)
-//!   names the server; the example creates a database of its own on it and
-//!   drops it at the end, so runs never see each other's rows.
+//! * PostgreSQL: `DATABASE_URL` names the server. Without it, the local
+//!   server at `postgres://root@127.0.0.1:5432/test` is used if it answers
+//!   within a second, else a throwaway server is started from the locally
+//!   installed PostgreSQL binaries and removed at the end (zero setup:
+//!   `apt-get install postgresql` is all it needs). `--throwaway-postgres`
+//!   on the example's command line (or `OUTBOX_THROWAWAY_POSTGRES=1`) always
+//!   starts a throwaway server. The example creates a database of its own on
+//!   the server and drops it at the end, so runs never see each other's rows.
 //! * Kafka: `OUTBOX_KAFKA_BOOTSTRAP` names an external cluster; otherwise an
 //!   in-process Kafka-protocol cluster (librdkafka's mock cluster) is started.
 
@@ -11,13 +16,22 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
+use outbox_testkit::{pick_database_with, PickOptions, PickedDatabase};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
-/// Default server when `DATABASE_URL` is not set.
-pub const DEFAULT_DATABASE_URL: &str = "postgres://root@127.0.0.1:5432/test";
+/// The local server tried when `DATABASE_URL` is not set.
+pub const DEFAULT_DATABASE_URL: &str = outbox_testkit::DEFAULT_LOCAL_URL;
+
+/// The command-line flag that forces a throwaway PostgreSQL server.
+pub const THROWAWAY_FLAG: &str = "--throwaway-postgres";
+
+/// Whether the command line carries `--throwaway-postgres`.
+pub fn force_throwaway_from_args() -> bool {
+    std::env::args().skip(1).any(|a| a == THROWAWAY_FLAG)
+}
 
 /// A database created for one run, dropped by [`ScratchDb::drop_now`].
 pub struct ScratchDb {
@@ -26,13 +40,28 @@ pub struct ScratchDb {
     pub name: String,
     /// A pool on it.
     pub pool: PgPool,
+    where_: String,
+    /// Keeps a throwaway server alive until the database is dropped.
+    server: Option<PickedDatabase>,
 }
 
 impl ScratchDb {
-    /// Creates `<prefix>_<pid>` on the server `DATABASE_URL` names.
+    /// Creates `<prefix>_<pid>` on the server `DATABASE_URL` names; without
+    /// it, on the local server if it answers, else on a throwaway server.
+    /// `--throwaway-postgres` on the command line forces the throwaway server.
     pub async fn create(prefix: &str, max_connections: u32) -> anyhow::Result<Self> {
-        let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
-        Self::create_on(&url, prefix, max_connections).await
+        Self::create_with(prefix, max_connections, force_throwaway_from_args()).await
+    }
+
+    /// [`ScratchDb::create`] with the throwaway server forced or not.
+    pub async fn create_with(prefix: &str, max_connections: u32, force_throwaway: bool) -> anyhow::Result<Self> {
+        let mut options = PickOptions::default();
+        options.force_throwaway |= force_throwaway;
+        let picked = pick_database_with(options).await.context("no PostgreSQL server")?;
+        let mut db = Self::create_on(picked.url(), prefix, max_connections).await?;
+        db.where_ = picked.describe();
+        db.server = Some(picked);
+        Ok(db)
     }
 
     /// Creates `<prefix>_<pid>` on the server of `url`.
@@ -44,14 +73,22 @@ impl ScratchDb {
         sqlx::query(&format!("DROP DATABASE IF EXISTS {name}")).execute(&mut conn).await?;
         sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
         let pool = PgPoolOptions::new().max_connections(max_connections).connect_with(admin.clone().database(&name)).await?;
-        Ok(ScratchDb { admin, name, pool })
+        let where_ = format!("PostgreSQL at {}:{}", admin.get_host(), admin.get_port());
+        Ok(ScratchDb { admin, name, pool, where_, server: None })
     }
 
-    /// Closes the pool and drops the database.
+    /// Where the database is, for printing (no credentials).
+    pub fn describe(&self) -> String {
+        format!("database {} on {}", self.name, self.where_)
+    }
+
+    /// Closes the pool and drops the database (and stops a throwaway server).
     pub async fn drop_now(self) -> anyhow::Result<()> {
         self.pool.close().await;
         let mut conn = self.admin.connect().await?;
         sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)).execute(&mut conn).await?;
+        drop(conn);
+        drop(self.server);
         Ok(())
     }
 }
