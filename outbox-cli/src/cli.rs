@@ -1,0 +1,320 @@
+//! The command line (clap derive). Every command and flag is documented
+//! here; `outbox --help` and `outbox <command> --help` print it.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+const AFTER_HELP: &str = "\
+CONFIGURATION PRECEDENCE (highest first):
+  1. command-line flags
+  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP, OUTBOX_METRICS_ADDR, OUTBOX_LOG_FORMAT,
+     RUST_LOG, and OUTBOX_DISPATCH_NAME/_WORKERS/_BATCH_SIZE/_LEASE_MS/_POLL_INTERVAL_MS/
+     _SWEEP_INTERVAL_MS/_SHUTDOWN_GRACE_MS/_LISTEN for the dispatcher
+  3. the TOML file given by --config (or OUTBOX_CONFIG): sections [kafka], [dispatch],
+     [reconcile], [retention], [report], [metrics]; see outbox-cli/README.md
+  4. built-in defaults
+
+EXIT CODES:
+  0 success; 1 error; 2 findings present (reconcile --once / report with --fail-on-findings);
+  3 destination migration refused; 130 interrupted twice (no graceful drain).";
+
+/// Operate a transactional outbox on PostgreSQL + Kafka.
+///
+/// `migrate` installs the schema; `dispatch` and `reconcile` are the
+/// long-running services; `status`, `trace` and `report` inspect; `purge`
+/// applies retention; `migrate-destination` moves an undelivered event to a
+/// new destination with proof that the old one never received it.
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, about, long_about, after_long_help = AFTER_HELP, after_help = "Configuration precedence: flags > environment > --config file > defaults (see --help).")]
+pub struct Cli {
+    /// TOML configuration file (see outbox-cli/README.md for its sections).
+    #[arg(long, global = true, env = "OUTBOX_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// PostgreSQL URL of the outbox database, e.g. postgres://user@host:5432/db.
+    #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true, value_name = "URL")]
+    pub database_url: Option<String>,
+
+    /// Log format on standard error.
+    #[arg(long, global = true, env = "OUTBOX_LOG_FORMAT", value_enum, value_name = "FORMAT")]
+    pub log_format: Option<LogFormat>,
+
+    /// Log filter in tracing's EnvFilter syntax, e.g. `info` or `warn,outbox_producer=debug` [env: RUST_LOG; default: info,sqlx=warn].
+    #[arg(long, global = true, value_name = "FILTER")]
+    pub log: Option<String>,
+
+    /// The command to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (for log shippers).
+    Json,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply the producer's and the consumer's schema migrations (idempotent, locked).
+    Migrate(MigrateArgs),
+    /// Run the dispatcher until SIGINT/SIGTERM: claim PENDING events, send them to Kafka, record receipts.
+    ///
+    /// On the first SIGINT or SIGTERM it stops claiming, waits for outstanding
+    /// broker answers (at most shutdown_grace_ms) and exits 0; a second signal
+    /// exits at once (130): unanswered attempts then turn DISPATCH_UNKNOWN when
+    /// their leases expire and the reconciler resolves them.
+    Dispatch(DispatchArgs),
+    /// Resolve DISPATCH_UNKNOWN events and compare the three sets (outbox, receipts, consumer watermarks).
+    ///
+    /// Loops every --interval-ms until SIGINT/SIGTERM, or runs one round with --once.
+    Reconcile(ReconcileArgs),
+    /// Counts per state, oldest PENDING, open UNKNOWNs, open findings and each critical consumer's lag.
+    Status(StatusArgs),
+    /// One event's whole life: envelope, frozen destination, attempts, receipts, quarantine, audit, consumers.
+    Trace(TraceArgs),
+    /// The reconciliation report as text, JSON, or a self-contained HTML file with charts.
+    Report(ReportArgs),
+    /// Retention: PUBLISHED -> RETAINED after the replay window, RETAINED -> PURGED once every mandatory consumer passed.
+    ///
+    /// A dry run (the default) counts what would change and writes nothing;
+    /// --execute runs bounded batches and prints each one.
+    Purge(PurgeArgs),
+    /// Move an undelivered event to a new destination (new envelope generation + migration receipt).
+    ///
+    /// Allowed only for a PENDING event no attempt may have delivered, or a
+    /// DISPATCH_UNKNOWN event the old cluster proves it does not hold (the
+    /// Kafka connection must be to the event's frozen cluster). Otherwise
+    /// refused (exit 3) and nothing changes.
+    MigrateDestination(MigrateDestinationArgs),
+}
+
+/// `outbox migrate`.
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    /// Apply only one side's migrations.
+    #[arg(long, value_enum)]
+    pub only: Option<Side>,
+}
+
+/// Which migration set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Side {
+    /// outbox-producer (outbox tables, route policies, reconciler tables).
+    Producer,
+    /// outbox-consumer (receipts, watermarks, consumer quarantine, dead letters).
+    Consumer,
+}
+
+/// Kafka connection flags.
+#[derive(Debug, Args, Clone, Default)]
+pub struct KafkaArgs {
+    /// Kafka bootstrap servers, host:port[,host:port...].
+    #[arg(long, env = "OUTBOX_KAFKA_BOOTSTRAP", value_name = "SERVERS")]
+    pub kafka_bootstrap: Option<String>,
+    /// librdkafka message.timeout.ms: how long one message may take to be delivered [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub kafka_message_timeout_ms: Option<u64>,
+    /// librdkafka request.timeout.ms: how long one produce request may wait [default: 10000].
+    #[arg(long, value_name = "MS")]
+    pub kafka_request_timeout_ms: Option<u64>,
+    /// Most messages handed to the Kafka client and not yet reported on [default: 1000].
+    #[arg(long, value_name = "N")]
+    pub kafka_max_in_flight: Option<usize>,
+    /// Longest one reconciler lookup (partition scan) may take [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub kafka_lookup_timeout_ms: Option<u64>,
+    /// Extra librdkafka setting KEY=VALUE (repeatable), e.g. security.protocol=SASL_SSL; settings carrying the guarantees are refused.
+    #[arg(long = "kafka-setting", value_name = "KEY=VALUE")]
+    pub kafka_settings: Vec<String>,
+}
+
+/// `outbox dispatch`.
+#[derive(Debug, Args)]
+pub struct DispatchArgs {
+    /// Kafka connection.
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Owner prefix of the claims; worker i claims as NAME-i [default: dispatcher-<pid>].
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+    /// Concurrent workers, 1..=64 [default: 2].
+    #[arg(long, value_name = "N")]
+    pub workers: Option<usize>,
+    /// Events per claim, 1..=10000 [default: 500].
+    #[arg(long, value_name = "N")]
+    pub batch_size: Option<usize>,
+    /// Claim lease; a batch outliving half of it renews it [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub lease_ms: Option<i64>,
+    /// Fallback poll interval when no NOTIFY arrives [default: 1000].
+    #[arg(long, value_name = "MS")]
+    pub poll_interval_ms: Option<u64>,
+    /// Interval of the expired-lease sweep [default: 1000].
+    #[arg(long, value_name = "MS")]
+    pub sweep_interval_ms: Option<u64>,
+    /// How long shutdown waits for outstanding broker answers [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub shutdown_grace_ms: Option<u64>,
+    /// Do not LISTEN for `outbox_pending` notifications; poll only.
+    #[arg(long)]
+    pub no_listen: bool,
+    /// Serve Prometheus metrics on HOST:PORT at /metrics (see outbox-cli/METRICS.md).
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
+    /// Print the effective configuration (after flags, environment and file) and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+/// `outbox reconcile`.
+#[derive(Debug, Args)]
+pub struct ReconcileArgs {
+    /// Kafka connection (the cluster the events are frozen for).
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Run one round, print the report, and exit.
+    #[arg(long)]
+    pub once: bool,
+    /// Pause between rounds in the loop [default: 10000].
+    #[arg(long, value_name = "MS")]
+    pub interval_ms: Option<u64>,
+    /// Claim owner name of the reconciler [default: reconciler-<pid>].
+    #[arg(long, value_name = "NAME")]
+    pub owner: Option<String>,
+    /// UNKNOWN events resolved per round [default: 100].
+    #[arg(long, value_name = "N")]
+    pub batch_size: Option<usize>,
+    /// Lease of a RECONCILING claim [default: 60000].
+    #[arg(long, value_name = "MS")]
+    pub lease_ms: Option<i64>,
+    /// Never re-send a proven-absent event (it stays DISPATCH_UNKNOWN and pages) [default: re-send to the same frozen destination].
+    #[arg(long)]
+    pub no_retry: bool,
+    /// Most attempts per event; beyond it the event stays UNKNOWN [default: 10].
+    #[arg(long, value_name = "N")]
+    pub max_attempts: Option<u32>,
+    /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 60000].
+    #[arg(long, value_name = "MS")]
+    pub in_flight_bound_ms: Option<i64>,
+    /// Delay before an unresolved UNKNOWN is looked at again [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub recheck_ms: Option<i64>,
+    /// A PENDING event older than this is an `aged_pending` finding [default: 60000].
+    #[arg(long, value_name = "MS")]
+    pub aged_pending_ms: Option<i64>,
+    /// A PUBLISHED event a critical consumer has not passed after this long is `unconsumed_published` [default: 300000].
+    #[arg(long, value_name = "MS")]
+    pub unconsumed_after_ms: Option<i64>,
+    /// An UNKNOWN older than this is `unknown_past_slo`; also the report's SLO [default: 900000 = 15 min].
+    #[arg(long, value_name = "MS")]
+    pub unknown_slo_ms: Option<i64>,
+    /// Most messages the bypass-publish check reads per partition per round [default: 10000].
+    #[arg(long, value_name = "N")]
+    pub bypass_scan_max_messages: Option<u64>,
+    /// Serve Prometheus metrics on HOST:PORT at /metrics (see outbox-cli/METRICS.md).
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
+    /// With --once: exit 2 when findings are open (for cron jobs and CI).
+    #[arg(long)]
+    pub fail_on_findings: bool,
+    /// With --once: print the report as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the effective configuration and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+/// `outbox status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `outbox trace`.
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// The event, e.g. evt-01J....
+    #[arg(value_name = "EVENT_ID")]
+    pub event_id: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `outbox report`.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// Also write a self-contained HTML report (inline SVG charts, no network) to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// The UNKNOWN SLO the p99 is held to [default: 900000 = 15 min].
+    #[arg(long, value_name = "MS")]
+    pub unknown_slo_ms: Option<i64>,
+    /// Most findings listed [default: 1000].
+    #[arg(long, value_name = "N")]
+    pub max_findings: Option<i64>,
+    /// Most state snapshots in the history chart [default: 200].
+    #[arg(long, value_name = "N")]
+    pub max_history: Option<i64>,
+    /// Exit 2 when findings are open.
+    #[arg(long)]
+    pub fail_on_findings: bool,
+}
+
+/// `outbox purge`.
+#[derive(Debug, Args)]
+pub struct PurgeArgs {
+    /// Actually retain and purge; without it, a dry run that writes nothing.
+    #[arg(long)]
+    pub execute: bool,
+    /// The maximum replay window: nothing published more recently is touched [default: 604800000 = 7 days].
+    #[arg(long, value_name = "MS")]
+    pub replay_window_ms: Option<i64>,
+    /// Rows per statement, 1..=10000 [default: 1000].
+    #[arg(long, value_name = "N")]
+    pub batch_size: Option<i64>,
+    /// Most batches per phase in this run (bounds the run's work) [default: 100].
+    #[arg(long, value_name = "N")]
+    pub max_batches: Option<u32>,
+}
+
+/// `outbox migrate-destination`.
+#[derive(Debug, Args)]
+pub struct MigrateDestinationArgs {
+    /// The event to move.
+    #[arg(value_name = "EVENT_ID")]
+    pub event_id: String,
+    /// Who asks (recorded in the migration receipt), e.g. your login.
+    #[arg(long, value_name = "NAME")]
+    pub operator: String,
+    /// New cluster id [default: the event type's current route policy].
+    #[arg(long, value_name = "CLUSTER_ID")]
+    pub to_cluster: Option<String>,
+    /// New topic [default: the event type's current route policy].
+    #[arg(long, value_name = "TOPIC")]
+    pub to_topic: Option<String>,
+    /// Partition count of the new topic [default: the event type's current route policy].
+    #[arg(long, value_name = "N")]
+    pub to_partitions: Option<u32>,
+    /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 60000].
+    #[arg(long, value_name = "MS")]
+    pub in_flight_bound_ms: Option<i64>,
+    /// Print the destination the event would move to and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Kafka connection to the event's current (old) cluster, asked whether it holds the event.
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+}

@@ -1,0 +1,493 @@
+//! What each command does.
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use outbox_core::{EventId, RetryPolicy, RoutePolicy};
+use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
+use outbox_producer::report::{build_report, ReportOptions};
+use outbox_producer::retention::{purge, RetentionPolicy};
+use outbox_producer::{migrate_destination, Dispatcher, DispatcherConfig, MigrationOutcome, PgStore, Reconciler, ReconcilerConfig};
+use prometheus::Registry;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+use tokio::sync::watch;
+
+use crate::cli::{Cli, Command, DispatchArgs, KafkaArgs, LogFormat, MigrateArgs, MigrateDestinationArgs, PurgeArgs, ReconcileArgs, ReportArgs, Side};
+use crate::config::{self, DispatchFlags, FileConfig, KafkaFlags};
+use crate::metrics::{self, DispatchExport, ReconcileExport};
+
+/// Exit code: findings are open.
+pub const EXIT_FINDINGS: u8 = 2;
+/// Exit code: a destination migration was refused.
+pub const EXIT_REFUSED: u8 = 3;
+/// Exit code: interrupted twice.
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+/// The log filter without `--log`, `RUST_LOG` or a file setting (PostgreSQL
+/// notices such as "relation already exists, skipping" are sqlx info lines).
+pub const DEFAULT_LOG: &str = "info,sqlx=warn";
+
+/// Sets up logging on standard error: `--log` > `RUST_LOG` > file `log` > `info`;
+/// `--log-format`/`OUTBOX_LOG_FORMAT` > file `log_format` > text.
+pub fn init_logging(cli: &Cli, file: &FileConfig) -> anyhow::Result<()> {
+    use tracing_subscriber::EnvFilter;
+    let filter = cli.log.clone().or_else(|| std::env::var("RUST_LOG").ok()).or_else(|| file.log.clone()).unwrap_or_else(|| DEFAULT_LOG.into());
+    let filter = EnvFilter::try_new(&filter).with_context(|| format!("log filter {filter:?}"))?;
+    let format = match (cli.log_format, file.log_format.as_deref()) {
+        (Some(f), _) => f,
+        (None, Some("json")) => LogFormat::Json,
+        (None, Some("text") | None) => LogFormat::Text,
+        (None, Some(other)) => bail!("config file: log_format = {other:?} (text or json)"),
+    };
+    use std::io::IsTerminal as _;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).init(),
+        LogFormat::Text => builder.with_target(false).init(),
+    }
+    Ok(())
+}
+
+/// Runs the command; returns the exit code.
+pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
+    let url = || config::database_url(cli.database_url.as_deref(), &file);
+    match &cli.command {
+        Command::Migrate(a) => migrate(&url()?, a).await,
+        Command::Dispatch(a) => dispatch(&url, &file, a).await,
+        Command::Reconcile(a) => reconcile(&url, &file, a).await,
+        Command::Status(a) => {
+            let pool = connect(&url()?, 2).await?;
+            let s = crate::status::status(&pool).await.context("reading status (has `outbox migrate` run?)")?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                print!("{}", s.to_text());
+            }
+            Ok(0)
+        }
+        Command::Trace(a) => {
+            let pool = connect(&url()?, 2).await?;
+            let id: EventId = a.event_id.parse().with_context(|| format!("{:?} is not an eventId (evt-<26 characters>)", a.event_id))?;
+            let Some(t) = crate::trace::trace(&pool, id.as_str()).await? else { bail!("no outbox event {id}") };
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&t)?);
+            } else {
+                print!("{}", t.to_text());
+            }
+            Ok(0)
+        }
+        Command::Report(a) => report(&url()?, &file, a).await,
+        Command::Purge(a) => purge_cmd(&url()?, &file, a).await,
+        Command::MigrateDestination(a) => migrate_destination_cmd(&url()?, &file, a).await,
+    }
+}
+
+/// A pool on the outbox database.
+pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+    let opts: PgConnectOptions = url.parse().context("DATABASE_URL is not a PostgreSQL URL")?;
+    let opts = opts.log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(5)).log_statements(tracing::log::LevelFilter::Trace);
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(opts.clone())
+        .await
+        .with_context(|| format!("connecting to PostgreSQL at {}:{}/{}", opts.get_host(), opts.get_port(), opts.get_database().unwrap_or("")))
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+fn kafka_flags(a: &KafkaArgs) -> KafkaFlags {
+    KafkaFlags {
+        bootstrap: a.kafka_bootstrap.clone(),
+        message_timeout_ms: a.kafka_message_timeout_ms,
+        request_timeout_ms: a.kafka_request_timeout_ms,
+        max_in_flight: a.kafka_max_in_flight,
+        lookup_timeout_ms: a.kafka_lookup_timeout_ms,
+        settings: a.kafka_settings.clone(),
+    }
+}
+
+/// The Kafka configuration, printable (secrets redacted).
+fn describe_kafka(k: &KafkaConfig) -> String {
+    let extra: Vec<String> = k
+        .extra
+        .iter()
+        .map(|(key, v)| {
+            let secret = ["password", "secret", "token", "key"].iter().any(|s| key.to_ascii_lowercase().contains(s));
+            format!("{key}={}", if secret { "***" } else { v })
+        })
+        .collect();
+    format!(
+        "kafka.bootstrap = {}\nkafka.message_timeout_ms = {}\nkafka.request_timeout_ms = {}\nkafka.max_in_flight = {}\nkafka.enqueue_timeout_ms = {}\nkafka.connect_timeout_ms = {}\nkafka.lookup_max_messages = {}\nkafka.lookup_timeout_ms = {}\nkafka.max_concurrent_lookups = {}\nkafka.settings = [{}]\n",
+        k.bootstrap_servers,
+        k.message_timeout_ms,
+        k.request_timeout_ms,
+        k.max_in_flight,
+        k.enqueue_timeout_ms,
+        k.connect_timeout_ms,
+        k.lookup_max_messages,
+        k.lookup_timeout_ms,
+        k.max_concurrent_lookups,
+        extra.join(", ")
+    )
+}
+
+async fn connect_kafka(k: KafkaConfig) -> anyhow::Result<Arc<KafkaBroker>> {
+    let bootstrap = k.bootstrap_servers.clone();
+    let b = KafkaBroker::connect(k).await.with_context(|| format!("connecting to Kafka at {bootstrap}"))?;
+    tracing::info!(cluster_id = b.cluster_id(), %bootstrap, "connected to Kafka");
+    Ok(Arc::new(b))
+}
+
+/// Resolves on the first SIGINT or SIGTERM; a second one exits the process at once.
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    let which = tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    };
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = int.recv() => {},
+            _ = term.recv() => {},
+        }
+        eprintln!("outbox: second signal: exiting without draining");
+        std::process::exit(EXIT_INTERRUPTED as i32);
+    });
+    which
+}
+
+async fn start_metrics(addr: &str, registry: Registry, refresh: Arc<dyn Fn() + Send + Sync>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let (bound, handle) = metrics::serve(addr, registry, refresh).await?;
+    tracing::info!(addr = %bound, "serving Prometheus metrics at /metrics");
+    Ok(handle)
+}
+
+async fn migrate(url: &str, a: &MigrateArgs) -> anyhow::Result<u8> {
+    let pool = connect(url, 2).await?;
+    let applied = |pool: PgPool| async move {
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&pool).await?;
+        if !exists {
+            return Ok::<Vec<i64>, sqlx::Error>(Vec::new());
+        }
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version").fetch_all(&pool).await
+    };
+    let before = applied(pool.clone()).await?;
+    if a.only != Some(Side::Consumer) {
+        outbox_producer::migrate(&pool).await.context("producer migrations")?;
+    }
+    if a.only != Some(Side::Producer) {
+        outbox_consumer::migrate(&pool).await.context("consumer migrations")?;
+    }
+    let after = applied(pool.clone()).await?;
+    let new: Vec<String> = after.iter().filter(|v| !before.contains(v)).map(|v| v.to_string()).collect();
+    if new.is_empty() {
+        println!("schema up to date ({} migrations applied)", after.len());
+    } else {
+        println!("applied {} migration(s): {} ({} in total)", new.len(), new.join(", "), after.len());
+    }
+    outbox_producer::check_protocol(&pool).await.ok();
+    Ok(0)
+}
+
+async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a: &DispatchArgs) -> anyhow::Result<u8> {
+    let flags = DispatchFlags {
+        name: a.name.clone(),
+        workers: a.workers,
+        batch_size: a.batch_size,
+        lease_ms: a.lease_ms,
+        poll_interval_ms: a.poll_interval_ms,
+        sweep_interval_ms: a.sweep_interval_ms,
+        shutdown_grace_ms: a.shutdown_grace_ms,
+        no_listen: a.no_listen,
+    };
+    let cfg: DispatcherConfig = config::dispatcher_config(&flags, file)?;
+    let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
+    let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
+    if a.print_config {
+        print!(
+            "dispatch.name = {}\ndispatch.workers = {}\ndispatch.batch_size = {}\ndispatch.lease_ms = {}\ndispatch.poll_interval_ms = {}\ndispatch.sweep_interval_ms = {}\ndispatch.shutdown_grace_ms = {}\ndispatch.listen = {}\n{}metrics.addr = {}\n",
+            cfg.name,
+            cfg.workers,
+            cfg.batch_size,
+            cfg.lease_ms,
+            cfg.poll_interval_ms,
+            cfg.sweep_interval_ms,
+            cfg.shutdown_grace_ms,
+            cfg.listen,
+            describe_kafka(&kafka),
+            metrics_addr.as_deref().unwrap_or("off")
+        );
+        return Ok(0);
+    }
+    let pool = connect(&url()?, cfg.workers as u32 * 2 + 4).await?;
+    outbox_producer::check_protocol(&pool).await.context("the outbox schema (run `outbox migrate` first)")?;
+    let broker = connect_kafka(kafka).await?;
+    let dispatcher = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), cfg.clone())?);
+    let _metrics = match &metrics_addr {
+        Some(addr) => {
+            let registry = Registry::new();
+            metrics::build_info(&registry, "dispatch");
+            let b = broker.clone();
+            let export = DispatchExport::register(&registry, dispatcher.metrics(), Some(Arc::new(move || b.in_flight())));
+            Some(start_metrics(addr, registry, Arc::new(move || export.refresh())).await?)
+        }
+        None => None,
+    };
+    tracing::info!(name = %cfg.name, workers = cfg.workers, batch_size = cfg.batch_size, lease_ms = cfg.lease_ms, cluster_id = broker.cluster_id(), "dispatcher running");
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let which = shutdown_signal().await;
+        tracing::info!(signal = which, "stopping: no new claims, draining outstanding answers (a second signal exits at once)");
+        let _ = stop_tx.send(true);
+    });
+    let totals = dispatcher.clone().run(stop_rx).await?;
+    let _ = broker.flush(5_000).await;
+    tracing::info!(
+        claimed = totals.claimed,
+        sent = totals.sent,
+        published = totals.published,
+        duplicates = totals.duplicates,
+        unknown = totals.unknown,
+        not_sent = totals.not_sent,
+        quarantined = totals.quarantined,
+        fenced = totals.fenced,
+        "dispatcher stopped"
+    );
+    pool.close().await;
+    Ok(0)
+}
+
+fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
+    let f = &file.reconcile;
+    let mut c = ReconcilerConfig::default();
+    let retry_default = RetryPolicy::default();
+    if let Some(v) = a.owner.clone().or(f.owner.clone()) {
+        c.owner = v;
+    }
+    c.batch_size = a.batch_size.or(f.batch_size).unwrap_or(c.batch_size);
+    c.lease_ms = a.lease_ms.or(f.lease_ms).unwrap_or(c.lease_ms);
+    c.retry = RetryPolicy {
+        allow_retry: if a.no_retry { false } else { f.allow_retry.unwrap_or(retry_default.allow_retry) },
+        max_attempts: a.max_attempts.or(f.max_attempts).unwrap_or(retry_default.max_attempts),
+        in_flight_bound_ms: a.in_flight_bound_ms.or(f.in_flight_bound_ms).unwrap_or(retry_default.in_flight_bound_ms),
+        recheck_ms: a.recheck_ms.or(f.recheck_ms).unwrap_or(retry_default.recheck_ms),
+    };
+    c.aged_pending_ms = a.aged_pending_ms.or(f.aged_pending_ms).unwrap_or(c.aged_pending_ms);
+    c.unconsumed_after_ms = a.unconsumed_after_ms.or(f.unconsumed_after_ms).unwrap_or(c.unconsumed_after_ms);
+    c.unknown_slo_ms = a.unknown_slo_ms.or(f.unknown_slo_ms).unwrap_or(c.unknown_slo_ms);
+    c.bypass_scan_max_messages = a.bypass_scan_max_messages.or(f.bypass_scan_max_messages).unwrap_or(c.bypass_scan_max_messages);
+    c.max_findings_per_kind = f.max_findings_per_kind.unwrap_or(c.max_findings_per_kind);
+    c.history_keep_ms = f.history_keep_ms.unwrap_or(c.history_keep_ms);
+    c
+}
+
+async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a: &ReconcileArgs) -> anyhow::Result<u8> {
+    let cfg = reconciler_config(a, file);
+    let interval_ms = a.interval_ms.or(file.reconcile.interval_ms).unwrap_or(10_000).max(100);
+    let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
+    let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
+    if a.print_config {
+        print!("reconcile.interval_ms = {interval_ms}\nreconcile = {cfg:#?}\n{}metrics.addr = {}\n", describe_kafka(&kafka), metrics_addr.as_deref().unwrap_or("off"));
+        return Ok(0);
+    }
+    let pool = connect(&url()?, 6).await?;
+    outbox_producer::check_protocol(&pool).await.context("the outbox schema (run `outbox migrate` first)")?;
+    let broker = connect_kafka(kafka).await?;
+    let reconciler = Reconciler::new(PgStore::new(pool.clone()), broker, cfg.clone())?;
+
+    if a.once {
+        let (resolved, compared) = reconciler.run_once().await?;
+        let report = reconciler.report().await?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&serde_json::json!({
+                "resolved": { "examined": resolved.examined, "published": resolved.published, "quarantined": resolved.quarantined, "retried": resolved.retried, "rechecks": resolved.rechecks },
+                "compared": { "agedPending": compared.aged_pending, "unconsumedPublished": compared.unconsumed_published, "bypassPublish": compared.bypass_publish,
+                              "unknownPastSlo": compared.unknown_past_slo, "quarantined": compared.quarantined, "scannedMessages": compared.scanned_messages },
+                "report": report,
+            }))?);
+        } else {
+            println!(
+                "round: examined {} UNKNOWN (published {}, quarantined {}, retried {}, recheck {}); bypass check read {} messages",
+                resolved.examined, resolved.published, resolved.quarantined, resolved.retried, resolved.rechecks, compared.scanned_messages
+            );
+            print!("{}", report.to_text());
+        }
+        return Ok(if a.fail_on_findings && !report.findings.is_empty() { EXIT_FINDINGS } else { 0 });
+    }
+
+    let registry = Registry::new();
+    metrics::build_info(&registry, "reconcile");
+    let export = ReconcileExport::register(&registry);
+    let _metrics = match &metrics_addr {
+        Some(addr) => Some(start_metrics(addr, registry.clone(), Arc::new(|| {})).await?),
+        None => None,
+    };
+    tracing::info!(owner = %cfg.owner, interval_ms, unknown_slo_ms = cfg.unknown_slo_ms, "reconciler running");
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        let round = async {
+            let (resolved, compared) = reconciler.run_once().await?;
+            let report = reconciler.report().await?;
+            let (_, oldest_unknown) = crate::status::unknown_open(&pool, now_ms()).await?;
+            Ok::<_, anyhow::Error>((resolved, compared, report, oldest_unknown))
+        };
+        tokio::select! {
+            r = round => match r {
+                Ok((resolved, compared, report, oldest_unknown)) => {
+                    export.round(&resolved, &compared);
+                    export.report(&report, oldest_unknown);
+                    tracing::info!(
+                        examined = resolved.examined, published = resolved.published, retried = resolved.retried, rechecks = resolved.rechecks,
+                        findings = report.findings.len(), unknown_open = report.unknown_open, slo_met = report.unknown_slo_met(),
+                        "reconcile round"
+                    );
+                }
+                Err(e) => {
+                    export.round_failed();
+                    tracing::warn!(error = %format!("{e:#}"), "reconcile round failed; retrying next interval");
+                }
+            },
+            which = &mut stop => {
+                tracing::info!(signal = which, "reconciler stopping (round abandoned; its claims expire with their lease)");
+                break;
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(interval_ms)) => {}
+            which = &mut stop => {
+                tracing::info!(signal = which, "reconciler stopping");
+                break;
+            }
+        }
+    }
+    pool.close().await;
+    Ok(0)
+}
+
+async fn report(url: &str, file: &FileConfig, a: &ReportArgs) -> anyhow::Result<u8> {
+    let pool = connect(url, 2).await?;
+    let mut opts = ReportOptions::at(now_ms());
+    let f = &file.report;
+    opts.unknown_slo_ms = a.unknown_slo_ms.or(f.unknown_slo_ms).or(file.reconcile.unknown_slo_ms).unwrap_or(opts.unknown_slo_ms);
+    opts.max_findings = a.max_findings.or(f.max_findings).unwrap_or(opts.max_findings);
+    opts.max_history = a.max_history.or(f.max_history).unwrap_or(opts.max_history);
+    let report = build_report(&pool, &opts).await.context("building the report (has `outbox migrate` run?)")?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.to_text());
+    }
+    if let Some(path) = &a.html {
+        std::fs::write(path, crate::html::render(&report)).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote HTML report to {}", path.display());
+    }
+    Ok(if a.fail_on_findings && !report.findings.is_empty() { EXIT_FINDINGS } else { 0 })
+}
+
+async fn purge_cmd(url: &str, file: &FileConfig, a: &PurgeArgs) -> anyhow::Result<u8> {
+    let pool = connect(url, 2).await?;
+    let d = RetentionPolicy::default();
+    let f = &file.retention;
+    let policy = RetentionPolicy {
+        replay_window_ms: a.replay_window_ms.or(f.replay_window_ms).unwrap_or(d.replay_window_ms),
+        batch_size: a.batch_size.or(f.batch_size).unwrap_or(d.batch_size),
+        max_batches: a.max_batches.or(f.max_batches).unwrap_or(d.max_batches),
+    };
+    let dry_run = !a.execute;
+    if dry_run {
+        println!("dry run: nothing is written (pass --execute to apply); replay window {}", crate::fmt::age(policy.replay_window_ms));
+    } else {
+        println!(
+            "purging: replay window {}, batches of {} rows, at most {} batches per phase",
+            crate::fmt::age(policy.replay_window_ms),
+            policy.batch_size,
+            policy.max_batches
+        );
+    }
+    let started = std::time::Instant::now();
+    let result = purge(&pool, now_ms(), &policy, dry_run, |r| {
+        if !r.dry_run {
+            println!("  batch {:>4}: {} retained, {} purged so far ({:.1} s)", r.batches, r.retained, r.purged, started.elapsed().as_secs_f64());
+            let _ = std::io::stdout().flush();
+        }
+    })
+    .await?;
+    let verb = if dry_run { "would be" } else { "were" };
+    println!("{} event(s) {verb} retained (PUBLISHED -> RETAINED)", result.retained);
+    println!("{} event(s) {verb} purged (payload deleted; tombstone, digests and receipt kept)", result.purged);
+    println!("{} event(s) past the replay window held back by a mandatory consumer's watermark", result.held_by_consumers);
+    Ok(0)
+}
+
+async fn migrate_destination_cmd(url: &str, file: &FileConfig, a: &MigrateDestinationArgs) -> anyhow::Result<u8> {
+    let id: EventId = a.event_id.parse().with_context(|| format!("{:?} is not an eventId", a.event_id))?;
+    let pool = connect(url, 4).await?;
+    let row: Option<(String, String, String, String, String)> = sqlx::query_as(
+        "SELECT e.event_type, e.state, e.tenant, e.aggregate_type, e.aggregate_id FROM outbox_events e WHERE e.event_id = $1",
+    )
+    .bind(id.as_str())
+    .fetch_optional(&pool)
+    .await?;
+    let Some((event_type, state, tenant, aggregate_type, aggregate_id)) = row else { bail!("no outbox event {id}") };
+    let current = outbox_producer::routes::current(&pool, &event_type).await?;
+    let explicit = a.to_cluster.is_some() || a.to_topic.is_some() || a.to_partitions.is_some();
+    let route: RoutePolicy = match (current, explicit) {
+        (Some(mut r), true) => {
+            if let Some(c) = &a.to_cluster {
+                r.cluster_id = c.clone();
+            }
+            if let Some(t) = &a.to_topic {
+                r.topic = t.clone();
+            }
+            if let Some(p) = a.to_partitions {
+                r.partitions = p;
+            }
+            r
+        }
+        (Some(r), false) => r,
+        (None, true) => match (&a.to_cluster, &a.to_topic, a.to_partitions) {
+            (Some(c), Some(t), Some(p)) => RoutePolicy::new(&event_type, c, t, p),
+            _ => bail!("no route policy for {event_type}: pass all of --to-cluster, --to-topic and --to-partitions"),
+        },
+        (None, false) => bail!("no route policy for {event_type}: pass --to-cluster, --to-topic and --to-partitions"),
+    };
+    let destination = route.resolve(&tenant, &aggregate_type, &aggregate_id)?;
+    println!(
+        "event {id} ({state}) -> {}/{} partition {} of {} key {} (route {}@{}, destination {})",
+        destination.cluster_id,
+        destination.topic,
+        destination.partition,
+        destination.partitions,
+        destination.routing_key,
+        route.event_type,
+        route.generation,
+        destination.digest()
+    );
+    if a.dry_run {
+        println!("dry run: nothing changed");
+        return Ok(0);
+    }
+    let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
+    let broker = connect_kafka(kafka).await?;
+    let retry = RetryPolicy { in_flight_bound_ms: a.in_flight_bound_ms.unwrap_or(RetryPolicy::default().in_flight_bound_ms), ..RetryPolicy::default() };
+    let store = PgStore::new(pool.clone());
+    match migrate_destination(&store, broker.as_ref(), &id, &route, &a.operator, &retry).await? {
+        MigrationOutcome::Migrated { from_generation, to_generation, to_destination_digest } => {
+            println!("migrated: envelope generation {from_generation} -> {to_generation}, destination {to_destination_digest}; the event is PENDING for its new destination");
+            Ok(0)
+        }
+        MigrationOutcome::Refused { reason } => {
+            println!("refused: {reason}; nothing changed");
+            Ok(EXIT_REFUSED)
+        }
+    }
+}

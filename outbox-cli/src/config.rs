@@ -1,0 +1,347 @@
+//! The configuration file and how it merges with the environment and flags.
+//!
+//! Precedence, highest first: command-line flag, environment variable, the
+//! TOML file (`--config FILE` or `OUTBOX_CONFIG`), built-in default.
+//!
+//! ```toml
+//! database_url = "postgres://outbox_dispatcher@db:5432/app"
+//! log_format = "json"          # or "text"
+//! log = "info"                 # tracing filter
+//!
+//! [kafka]
+//! bootstrap = "kafka-1:9092,kafka-2:9092"
+//! message_timeout_ms = 30000
+//! settings = { "security.protocol" = "SASL_SSL" }
+//!
+//! [dispatch]                   # outbox_producer::DispatcherConfig
+//! workers = 4
+//! batch_size = 500
+//!
+//! [reconcile]
+//! interval_ms = 10000
+//! unknown_slo_ms = 900000
+//!
+//! [retention]
+//! replay_window_ms = 604800000
+//!
+//! [report]
+//! max_findings = 1000
+//!
+//! [metrics]
+//! addr = "0.0.0.0:9187"
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use outbox_producer::kafka::KafkaConfig;
+use outbox_producer::DispatcherConfig;
+use serde::Deserialize;
+
+/// The whole file; every section optional, unknown keys refused.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FileConfig {
+    /// PostgreSQL URL of the outbox database.
+    pub database_url: Option<String>,
+    /// `text` or `json`.
+    pub log_format: Option<String>,
+    /// tracing filter, e.g. `info,outbox_producer=debug`.
+    pub log: Option<String>,
+    /// Kafka adapter.
+    pub kafka: KafkaSection,
+    /// The dispatcher (all of `DispatcherConfig`'s fields).
+    pub dispatch: Option<DispatcherConfig>,
+    /// The reconciler.
+    pub reconcile: ReconcileSection,
+    /// Retention (purge).
+    pub retention: RetentionSection,
+    /// The report.
+    pub report: ReportSection,
+    /// The metrics endpoint.
+    pub metrics: MetricsSection,
+}
+
+/// `[kafka]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KafkaSection {
+    /// `bootstrap.servers`.
+    pub bootstrap: Option<String>,
+    /// See `KafkaConfig::message_timeout_ms`.
+    pub message_timeout_ms: Option<u64>,
+    /// See `KafkaConfig::request_timeout_ms`.
+    pub request_timeout_ms: Option<u64>,
+    /// See `KafkaConfig::max_in_flight`.
+    pub max_in_flight: Option<usize>,
+    /// See `KafkaConfig::enqueue_timeout_ms`.
+    pub enqueue_timeout_ms: Option<u64>,
+    /// See `KafkaConfig::connect_timeout_ms`.
+    pub connect_timeout_ms: Option<u64>,
+    /// See `KafkaConfig::lookup_max_messages`.
+    pub lookup_max_messages: Option<u64>,
+    /// See `KafkaConfig::lookup_timeout_ms`.
+    pub lookup_timeout_ms: Option<u64>,
+    /// See `KafkaConfig::max_concurrent_lookups`.
+    pub max_concurrent_lookups: Option<usize>,
+    /// Raw librdkafka settings (security, client.id...).
+    pub settings: BTreeMap<String, String>,
+}
+
+/// `[reconcile]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReconcileSection {
+    /// Pause between rounds, ms.
+    pub interval_ms: Option<u64>,
+    /// Claim owner name.
+    pub owner: Option<String>,
+    /// UNKNOWN events per round.
+    pub batch_size: Option<usize>,
+    /// RECONCILING lease, ms.
+    pub lease_ms: Option<i64>,
+    /// Whether a proven-absent event may be re-sent to its frozen destination.
+    pub allow_retry: Option<bool>,
+    /// Most attempts per event.
+    pub max_attempts: Option<u32>,
+    /// How long an attempt may still be in flight inside the client, ms.
+    pub in_flight_bound_ms: Option<i64>,
+    /// Delay before an unresolved UNKNOWN is looked at again, ms.
+    pub recheck_ms: Option<i64>,
+    /// PENDING older than this is a finding, ms.
+    pub aged_pending_ms: Option<i64>,
+    /// PUBLISHED not consumed by a critical consumer after this long is a finding, ms.
+    pub unconsumed_after_ms: Option<i64>,
+    /// UNKNOWN older than this is a finding, ms.
+    pub unknown_slo_ms: Option<i64>,
+    /// Most messages the bypass check reads per partition per round.
+    pub bypass_scan_max_messages: Option<u64>,
+    /// Most findings of one kind recorded per round.
+    pub max_findings_per_kind: Option<i64>,
+    /// State snapshots kept, ms.
+    pub history_keep_ms: Option<i64>,
+}
+
+/// `[retention]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetentionSection {
+    /// Maximum replay window, ms.
+    pub replay_window_ms: Option<i64>,
+    /// Rows per statement.
+    pub batch_size: Option<i64>,
+    /// Most batches per run.
+    pub max_batches: Option<u32>,
+}
+
+/// `[report]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReportSection {
+    /// UNKNOWN SLO, ms.
+    pub unknown_slo_ms: Option<i64>,
+    /// Most findings listed.
+    pub max_findings: Option<i64>,
+    /// Most history snapshots.
+    pub max_history: Option<i64>,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSection {
+    /// `HOST:PORT` of the Prometheus endpoint.
+    pub addr: Option<String>,
+}
+
+impl FileConfig {
+    /// Reads and parses `path`.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("config file {}", path.display()))
+    }
+
+    /// Parses TOML text.
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        Ok(toml::from_str(text)?)
+    }
+}
+
+/// First of flag, (environment is folded into the flag by clap), file.
+pub fn pick<T: Clone>(flag: Option<T>, file: Option<T>) -> Option<T> {
+    flag.or(file)
+}
+
+/// The database URL: flag or `DATABASE_URL` (clap), else the file.
+pub fn database_url(flag_or_env: Option<&str>, file: &FileConfig) -> anyhow::Result<String> {
+    match flag_or_env.map(str::to_owned).or_else(|| file.database_url.clone()) {
+        Some(u) if !u.trim().is_empty() => Ok(u),
+        _ => bail!("no database: pass --database-url, set DATABASE_URL, or put database_url in the --config file"),
+    }
+}
+
+/// Kafka flags (already merged with `OUTBOX_KAFKA_BOOTSTRAP` by clap).
+#[derive(Debug, Clone, Default)]
+pub struct KafkaFlags {
+    /// Bootstrap servers.
+    pub bootstrap: Option<String>,
+    /// message.timeout.ms.
+    pub message_timeout_ms: Option<u64>,
+    /// request.timeout.ms.
+    pub request_timeout_ms: Option<u64>,
+    /// In-flight bound.
+    pub max_in_flight: Option<usize>,
+    /// Lookup timeout.
+    pub lookup_timeout_ms: Option<u64>,
+    /// KEY=VALUE settings.
+    pub settings: Vec<String>,
+}
+
+/// The Kafka adapter configuration: defaults < file < environment < flags.
+pub fn kafka_config(flags: &KafkaFlags, file: &KafkaSection) -> anyhow::Result<KafkaConfig> {
+    let Some(bootstrap) = pick(flags.bootstrap.clone(), file.bootstrap.clone()).filter(|b| !b.trim().is_empty()) else {
+        bail!("no Kafka cluster: pass --kafka-bootstrap, set OUTBOX_KAFKA_BOOTSTRAP, or put bootstrap in the [kafka] section of the --config file")
+    };
+    let mut c = KafkaConfig::new(bootstrap.trim());
+    let set = |into: &mut u64, f: Option<u64>, file: Option<u64>| {
+        if let Some(v) = f.or(file) {
+            *into = v;
+        }
+    };
+    set(&mut c.message_timeout_ms, flags.message_timeout_ms, file.message_timeout_ms);
+    set(&mut c.request_timeout_ms, flags.request_timeout_ms, file.request_timeout_ms);
+    set(&mut c.enqueue_timeout_ms, None, file.enqueue_timeout_ms);
+    set(&mut c.connect_timeout_ms, None, file.connect_timeout_ms);
+    set(&mut c.lookup_max_messages, None, file.lookup_max_messages);
+    set(&mut c.lookup_timeout_ms, flags.lookup_timeout_ms, file.lookup_timeout_ms);
+    if let Some(v) = flags.max_in_flight.or(file.max_in_flight) {
+        c.max_in_flight = v;
+    }
+    if let Some(v) = file.max_concurrent_lookups {
+        c.max_concurrent_lookups = v;
+    }
+    let mut extra: BTreeMap<String, String> = file.settings.clone();
+    for kv in &flags.settings {
+        let Some((k, v)) = kv.split_once('=') else { bail!("--kafka-setting {kv:?}: expected KEY=VALUE") };
+        extra.insert(k.trim().to_owned(), v.to_owned());
+    }
+    c.extra = extra.into_iter().collect();
+    c.validate()?;
+    Ok(c)
+}
+
+/// Dispatcher flags.
+#[derive(Debug, Clone, Default)]
+pub struct DispatchFlags {
+    /// Owner prefix.
+    pub name: Option<String>,
+    /// Workers.
+    pub workers: Option<usize>,
+    /// Batch size.
+    pub batch_size: Option<usize>,
+    /// Lease, ms.
+    pub lease_ms: Option<i64>,
+    /// Poll interval, ms.
+    pub poll_interval_ms: Option<u64>,
+    /// Sweep interval, ms.
+    pub sweep_interval_ms: Option<u64>,
+    /// Shutdown grace, ms.
+    pub shutdown_grace_ms: Option<u64>,
+    /// Disable LISTEN.
+    pub no_listen: bool,
+}
+
+/// The dispatcher configuration: defaults < file `[dispatch]` < `OUTBOX_DISPATCH_*` < flags.
+pub fn dispatcher_config(flags: &DispatchFlags, file: &FileConfig) -> anyhow::Result<DispatcherConfig> {
+    let mut c = file.dispatch.clone().unwrap_or_default().with_env()?;
+    if let Some(v) = &flags.name {
+        c.name = v.clone();
+    }
+    if let Some(v) = flags.workers {
+        c.workers = v;
+    }
+    if let Some(v) = flags.batch_size {
+        c.batch_size = v;
+    }
+    if let Some(v) = flags.lease_ms {
+        c.lease_ms = v;
+    }
+    if let Some(v) = flags.poll_interval_ms {
+        c.poll_interval_ms = v;
+    }
+    if let Some(v) = flags.sweep_interval_ms {
+        c.sweep_interval_ms = v;
+    }
+    if let Some(v) = flags.shutdown_grace_ms {
+        c.shutdown_grace_ms = v;
+    }
+    if flags.no_listen {
+        c.listen = false;
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_parses_and_refuses_unknown_keys() {
+        let f = FileConfig::parse(
+            r#"
+            database_url = "postgres://file/db"
+            [kafka]
+            bootstrap = "file:9092"
+            message_timeout_ms = 1234
+            settings = { "client.id" = "ops" }
+            [dispatch]
+            workers = 3
+            [reconcile]
+            interval_ms = 500
+            "#,
+        )
+        .unwrap();
+        assert_eq!(f.database_url.as_deref(), Some("postgres://file/db"));
+        assert_eq!(f.dispatch.as_ref().unwrap().workers, 3);
+        assert_eq!(f.dispatch.as_ref().unwrap().batch_size, outbox_producer::dispatcher::DEFAULT_BATCH_SIZE);
+        assert_eq!(f.reconcile.interval_ms, Some(500));
+        assert!(FileConfig::parse("[dispatch]\nwokers = 3").is_err());
+        assert!(FileConfig::parse("colour = 1").is_err());
+    }
+
+    #[test]
+    fn flags_beat_file_beats_defaults() {
+        let f = FileConfig::parse("database_url = \"postgres://file/db\"\n[kafka]\nbootstrap = \"file:9092\"\nmessage_timeout_ms = 1234\nrequest_timeout_ms = 999").unwrap();
+        assert_eq!(database_url(None, &f).unwrap(), "postgres://file/db");
+        assert_eq!(database_url(Some("postgres://flag/db"), &f).unwrap(), "postgres://flag/db");
+        assert!(database_url(None, &FileConfig::default()).unwrap_err().to_string().contains("DATABASE_URL"));
+
+        let k = kafka_config(&KafkaFlags::default(), &f.kafka).unwrap();
+        assert_eq!((k.bootstrap_servers.as_str(), k.message_timeout_ms, k.request_timeout_ms), ("file:9092", 1234, 999));
+        let flags = KafkaFlags { bootstrap: Some("flag:9092".into()), message_timeout_ms: Some(77), settings: vec!["client.id=x".into()], ..Default::default() };
+        let k = kafka_config(&flags, &f.kafka).unwrap();
+        assert_eq!((k.bootstrap_servers.as_str(), k.message_timeout_ms, k.request_timeout_ms), ("flag:9092", 77, 999));
+        assert_eq!(k.extra, vec![("client.id".to_owned(), "x".to_owned())]);
+        let k = kafka_config(&KafkaFlags::default(), &KafkaSection { bootstrap: Some("b:1".into()), ..Default::default() }).unwrap();
+        assert_eq!(k.message_timeout_ms, outbox_producer::kafka::DEFAULT_MESSAGE_TIMEOUT_MS);
+        assert!(kafka_config(&KafkaFlags::default(), &KafkaSection::default()).unwrap_err().to_string().contains("OUTBOX_KAFKA_BOOTSTRAP"));
+        let bad = KafkaFlags { bootstrap: Some("b:1".into()), settings: vec!["acks=0".into()], ..Default::default() };
+        assert!(kafka_config(&bad, &KafkaSection::default()).is_err(), "protected settings are refused");
+    }
+
+    #[test]
+    fn dispatcher_flags_beat_file() {
+        let f = FileConfig::parse("[dispatch]\nworkers = 3\nbatch_size = 50").unwrap();
+        // OUTBOX_DISPATCH_* is read by DispatcherConfig::with_env; this test leaves the environment alone.
+        if std::env::vars().any(|(k, _)| k.starts_with("OUTBOX_DISPATCH_")) {
+            return;
+        }
+        let c = dispatcher_config(&DispatchFlags::default(), &f).unwrap();
+        assert_eq!((c.workers, c.batch_size), (3, 50));
+        let c = dispatcher_config(&DispatchFlags { workers: Some(5), no_listen: true, ..Default::default() }, &f).unwrap();
+        assert_eq!((c.workers, c.batch_size, c.listen), (5, 50, false));
+        assert!(dispatcher_config(&DispatchFlags { workers: Some(0), ..Default::default() }, &f).is_err());
+    }
+}

@@ -1,0 +1,299 @@
+//! The Prometheus endpoint of `outbox dispatch` and `outbox reconcile`
+//! (`--metrics-addr HOST:PORT`, path `/metrics`, text format 0.0.4).
+//! Every metric is documented in `outbox-cli/METRICS.md`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use outbox_producer::report::Report;
+use outbox_producer::{CompareReport, DispatchMetrics, ResolveReport};
+use prometheus::{Encoder, Gauge, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn fgauge(r: &Registry, name: &str, help: &str) -> Gauge {
+    let g = Gauge::new(name, help).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+/// Raises a counter to `value` (the source is monotonic).
+fn follow(c: &IntCounter, value: u64) {
+    let now = c.get();
+    if value > now {
+        c.inc_by(value - now);
+    }
+}
+
+/// The dispatcher's counters, mirrored from [`DispatchMetrics`] at each scrape.
+#[derive(Clone)]
+pub struct DispatchExport {
+    source: Arc<DispatchMetrics>,
+    claimed: IntCounter,
+    sent: IntCounter,
+    published: IntCounter,
+    duplicates: IntCounter,
+    unknown: IntCounter,
+    not_sent: IntCounter,
+    quarantined: IntCounter,
+    fenced: IntCounter,
+    batches: IntCounter,
+    batch_ms_total: IntCounter,
+    batch_ms_max: IntGauge,
+    oldest_pending: Gauge,
+    in_flight: IntGauge,
+    in_flight_source: Option<Arc<dyn Fn() -> usize + Send + Sync>>,
+}
+
+impl DispatchExport {
+    /// Registers the dispatcher metrics.
+    pub fn register(r: &Registry, source: Arc<DispatchMetrics>, in_flight: Option<Arc<dyn Fn() -> usize + Send + Sync>>) -> Self {
+        DispatchExport {
+            source,
+            claimed: counter(r, "outbox_dispatch_claimed_total", "Events claimed by this dispatcher."),
+            sent: counter(r, "outbox_dispatch_sent_total", "Sends started (attempts registered and handed to the broker client)."),
+            published: counter(r, "outbox_dispatch_published_total", "Events that became PUBLISHED through this dispatcher's receipts."),
+            duplicates: counter(r, "outbox_dispatch_duplicate_receipts_total", "Receipts kept as duplicate transport receipts (or already accepted)."),
+            unknown: counter(r, "outbox_dispatch_unknown_total", "Attempts whose outcome is unknown (event went DISPATCH_UNKNOWN)."),
+            not_sent: counter(r, "outbox_dispatch_not_sent_total", "Attempts the broker definitely did not persist (event eligible again)."),
+            quarantined: counter(r, "outbox_dispatch_quarantined_total", "Events or receipts quarantined (divergent payload or destination)."),
+            fenced: counter(r, "outbox_dispatch_fenced_total", "Writes refused because the claim was taken over (stale worker)."),
+            batches: counter(r, "outbox_dispatch_batches_total", "Batches settled."),
+            batch_ms_total: counter(r, "outbox_dispatch_batch_milliseconds_total", "Sum of batch latencies, ms (divide by batches_total for the mean)."),
+            batch_ms_max: gauge(r, "outbox_dispatch_batch_max_milliseconds", "Slowest batch since start, ms."),
+            oldest_pending: fgauge(r, "outbox_oldest_pending_age_seconds", "Age of the oldest PENDING event, seconds (0 when none)."),
+            in_flight: gauge(r, "outbox_kafka_in_flight_messages", "Messages handed to the Kafka client and not yet reported on."),
+            in_flight_source: in_flight,
+        }
+    }
+
+    /// Copies the current values.
+    pub fn refresh(&self) {
+        let m = &self.source;
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        follow(&self.claimed, g(&m.claimed));
+        follow(&self.sent, g(&m.sent));
+        follow(&self.published, g(&m.published));
+        follow(&self.duplicates, g(&m.duplicates));
+        follow(&self.unknown, g(&m.unknown));
+        follow(&self.not_sent, g(&m.not_sent));
+        follow(&self.quarantined, g(&m.quarantined));
+        follow(&self.fenced, g(&m.fenced));
+        follow(&self.batches, g(&m.batches));
+        follow(&self.batch_ms_total, g(&m.batch_ms_total));
+        self.batch_ms_max.set(g(&m.batch_ms_max) as i64);
+        self.oldest_pending.set(g(&m.oldest_pending_age_ms) as f64 / 1000.0);
+        if let Some(f) = &self.in_flight_source {
+            self.in_flight.set(f() as i64);
+        }
+    }
+}
+
+/// The reconciler's round counters and the report's figures.
+#[derive(Clone)]
+pub struct ReconcileExport {
+    rounds: IntCounter,
+    round_errors: IntCounter,
+    last_success: Gauge,
+    examined: IntCounter,
+    resolved_published: IntCounter,
+    resolved_quarantined: IntCounter,
+    retried: IntCounter,
+    rechecks: IntCounter,
+    bypass_scanned: IntCounter,
+    events: IntGaugeVec,
+    committed: IntGauge,
+    receipts: IntGauge,
+    duplicate_receipts: IntGauge,
+    oldest_pending: Gauge,
+    unknown_open: IntGauge,
+    unknown_oldest: Gauge,
+    unknown_by_age: IntGaugeVec,
+    unknown_resolved: IntGauge,
+    unknown_p99: Gauge,
+    unknown_slo: Gauge,
+    findings: IntGaugeVec,
+    consumer_lag: IntGaugeVec,
+    consumed: IntGaugeVec,
+}
+
+/// Finding kinds always exported (0 when none open).
+pub const FINDING_KINDS: [&str; 5] = ["aged_pending", "unconsumed_published", "bypass_publish", "unknown_past_slo", "quarantined"];
+
+impl ReconcileExport {
+    /// Registers the reconciler metrics.
+    pub fn register(r: &Registry) -> Self {
+        ReconcileExport {
+            rounds: counter(r, "outbox_reconcile_rounds_total", "Reconciler rounds completed."),
+            round_errors: counter(r, "outbox_reconcile_round_errors_total", "Reconciler rounds that failed (database or broker error)."),
+            last_success: fgauge(r, "outbox_reconcile_last_success_timestamp_seconds", "Unix time of the last successful round."),
+            examined: counter(r, "outbox_reconcile_examined_total", "UNKNOWN events taken into RECONCILING."),
+            resolved_published: counter(r, "outbox_reconcile_published_total", "UNKNOWN events found in the broker and published."),
+            resolved_quarantined: counter(r, "outbox_reconcile_quarantined_total", "UNKNOWN events found divergent and quarantined."),
+            retried: counter(r, "outbox_reconcile_retried_total", "UNKNOWN events proven absent: RETRY_CLAIMED to the same destination."),
+            rechecks: counter(r, "outbox_reconcile_rechecks_total", "UNKNOWN events still unprovable: next check scheduled."),
+            bypass_scanned: counter(r, "outbox_reconcile_bypass_scanned_messages_total", "Messages read by the bypass-publish check."),
+            events: gauge_vec(r, "outbox_events", "Outbox events per state.", &["state"]),
+            committed: gauge(r, "outbox_committed_events", "Set 1: committed outbox events (all states)."),
+            receipts: gauge(r, "outbox_publish_receipts", "Set 2: accepted primary publish receipts."),
+            duplicate_receipts: gauge(r, "outbox_duplicate_receipts", "Duplicate transport receipts kept as evidence."),
+            oldest_pending: fgauge(r, "outbox_oldest_pending_age_seconds", "Age of the oldest PENDING event, seconds (0 when none)."),
+            unknown_open: gauge(r, "outbox_unknown_open", "Events whose dispatch outcome is unknown now."),
+            unknown_oldest: fgauge(r, "outbox_unknown_oldest_age_seconds", "Age of the oldest open UNKNOWN, seconds (0 when none)."),
+            unknown_by_age: gauge_vec(r, "outbox_unknown_open_by_age", "Open UNKNOWNs per age bucket (upper bound le, seconds; +Inf last).", &["le"]),
+            unknown_resolved: gauge(r, "outbox_unknown_resolutions", "UNKNOWNs resolved, ever (published, quarantined or migrated)."),
+            unknown_p99: fgauge(r, "outbox_unknown_resolution_p99_seconds", "p99 time from DISPATCH_UNKNOWN to resolution, seconds (-1 when none resolved)."),
+            unknown_slo: fgauge(r, "outbox_unknown_slo_seconds", "The UNKNOWN resolution SLO the p99 is held to, seconds."),
+            findings: gauge_vec(r, "outbox_findings_open", "Open reconciler findings per kind.", &["kind"]),
+            consumer_lag: gauge_vec(
+                r,
+                "outbox_consumer_lag_events",
+                "Published events at or above a critical consumer's watermark, per partition.",
+                &["consumer_id", "topic", "partition"],
+            ),
+            consumed: gauge_vec(r, "outbox_consumer_consumed_events", "Set 3: published events a critical consumer's watermark has passed.", &["consumer_id"]),
+        }
+    }
+
+    /// Counts one round.
+    pub fn round(&self, resolved: &ResolveReport, compared: &CompareReport) {
+        self.rounds.inc();
+        self.last_success.set(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0));
+        self.examined.inc_by(resolved.examined as u64);
+        self.resolved_published.inc_by(resolved.published as u64);
+        self.resolved_quarantined.inc_by(resolved.quarantined as u64);
+        self.retried.inc_by(resolved.retried as u64);
+        self.rechecks.inc_by(resolved.rechecks as u64);
+        self.bypass_scanned.inc_by(compared.scanned_messages as u64);
+    }
+
+    /// Counts a failed round.
+    pub fn round_failed(&self) {
+        self.round_errors.inc();
+    }
+
+    /// Sets the gauges from a report (and the oldest open UNKNOWN's age, ms).
+    pub fn report(&self, report: &Report, oldest_unknown_ms: Option<i64>) {
+        self.events.reset();
+        for s in outbox_core::ALL_STATES {
+            let n = report.state_counts.iter().find(|(k, _)| *k == s.as_str()).map(|(_, n)| *n).unwrap_or(0);
+            self.events.with_label_values(&[s.as_str()]).set(n);
+        }
+        self.committed.set(report.committed_events);
+        self.receipts.set(report.publish_receipts);
+        self.duplicate_receipts.set(report.duplicate_receipts);
+        self.oldest_pending.set(report.oldest_pending_age_ms.unwrap_or(0) as f64 / 1000.0);
+        self.unknown_open.set(report.unknown_open);
+        self.unknown_oldest.set(oldest_unknown_ms.unwrap_or(0) as f64 / 1000.0);
+        self.unknown_by_age.reset();
+        for b in &report.unknown_age_histogram {
+            let le = if b.le_ms == i64::MAX { "+Inf".to_owned() } else { format!("{}", b.le_ms / 1000) };
+            self.unknown_by_age.with_label_values(&[le.as_str()]).set(b.count);
+        }
+        self.unknown_resolved.set(report.unknown_resolved);
+        self.unknown_p99.set(report.unknown_p99_resolution_ms.map(|p| p as f64 / 1000.0).unwrap_or(-1.0));
+        self.unknown_slo.set(report.unknown_slo_ms as f64 / 1000.0);
+        self.findings.reset();
+        for k in FINDING_KINDS {
+            self.findings.with_label_values(&[k]).set(report.findings.iter().filter(|f| f.kind == k).count() as i64);
+        }
+        self.consumer_lag.reset();
+        for l in &report.consumer_lag {
+            self.consumer_lag.with_label_values(&[l.consumer_id.as_str(), l.topic.as_str(), l.partition.to_string().as_str()]).set(l.lag_events);
+        }
+        self.consumed.reset();
+        for (c, n) in &report.consumed_by_critical {
+            self.consumed.with_label_values(&[c.as_str()]).set(*n);
+        }
+    }
+}
+
+/// Registers `outbox_build_info{version, command}` = 1.
+pub fn build_info(r: &Registry, command: &str) {
+    let g = gauge_vec(r, "outbox_build_info", "Always 1; labels carry the CLI version and the running command.", &["version", "command"]);
+    g.with_label_values(&[env!("CARGO_PKG_VERSION"), command]).set(1);
+}
+
+/// The text exposition of `registry`.
+pub fn encode(registry: &Registry) -> String {
+    let mut buf = Vec::new();
+    TextEncoder::new().encode(&registry.gather(), &mut buf).expect("text encoding");
+    String::from_utf8(buf).expect("utf-8")
+}
+
+/// Serves `GET /metrics` on `addr` until the task is dropped; `refresh`
+/// runs before each scrape. Returns the bound address (port 0 picks one).
+pub async fn serve(
+    addr: &str,
+    registry: Registry,
+    refresh: Arc<dyn Fn() + Send + Sync>,
+) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = TcpListener::bind(addr).await.with_context(|| format!("binding the metrics endpoint on {addr}"))?;
+    let bound = listener.local_addr()?;
+    let handle = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else { continue };
+            let registry = registry.clone();
+            let refresh = refresh.clone();
+            tokio::spawn(async move {
+                // One small request per connection; bounded in size and time.
+                let mut buf = vec![0u8; 8192];
+                let mut n = 0;
+                let read = tokio::time::timeout(Duration::from_secs(5), async {
+                    while n < buf.len() {
+                        match sock.read(&mut buf[n..]).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => {
+                                n += k;
+                                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                })
+                .await;
+                if read.is_err() {
+                    return;
+                }
+                let head = String::from_utf8_lossy(&buf[..n]);
+                let mut parts = head.split_whitespace();
+                let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+                let (status, ctype, body) = match (method, path.split('?').next().unwrap_or("")) {
+                    ("GET" | "HEAD", "/metrics") => {
+                        refresh();
+                        ("200 OK", "text/plain; version=0.0.4; charset=utf-8", encode(&registry))
+                    }
+                    ("GET" | "HEAD", "/") => ("200 OK", "text/plain; charset=utf-8", "outbox metrics: GET /metrics\n".to_owned()),
+                    ("GET" | "HEAD", _) => ("404 Not Found", "text/plain; charset=utf-8", "not found\n".to_owned()),
+                    _ => ("405 Method Not Allowed", "text/plain; charset=utf-8", "GET only\n".to_owned()),
+                };
+                let body = if method == "HEAD" { String::new() } else { body };
+                let resp = format!("HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+                let _ = sock.write_all(resp.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    Ok((bound, handle))
+}

@@ -1,0 +1,217 @@
+//! `outbox status`: the numbers an operator looks at first, straight from
+//! the tables (no reconciler needed).
+
+use std::fmt::Write as _;
+
+use outbox_core::ALL_STATES;
+use serde::Serialize;
+use sqlx::{PgPool, Row};
+
+use crate::fmt::{age, ts};
+
+/// Lag of one consumer on one partition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PartitionLag {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// Next offset the consumer will read (0 without a watermark).
+    pub committed_offset: i64,
+    /// One past the highest published offset the outbox knows there.
+    pub published_end_offset: i64,
+    /// Published events at or above the committed offset.
+    pub lag_events: i64,
+    /// When the watermark last moved, ms since the epoch (None: no watermark).
+    pub watermark_updated_at_ms: Option<i64>,
+}
+
+/// One registered consumer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumerStatus {
+    /// Consumer id.
+    pub consumer_id: String,
+    /// Compared by the reconciler.
+    pub critical: bool,
+    /// Held by retention.
+    pub mandatory: bool,
+    /// Topics it reads.
+    pub topics: Vec<String>,
+    /// Per partition with published events or a watermark.
+    pub partitions: Vec<PartitionLag>,
+    /// Sum of `lag_events`.
+    pub total_lag_events: i64,
+}
+
+/// The whole status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Status {
+    /// The database's clock, ms since the epoch.
+    pub now_ms: i64,
+    /// Every state with its count (zeros included), in SPEC order.
+    pub state_counts: Vec<(String, i64)>,
+    /// Total events.
+    pub total_events: i64,
+    /// Age of the oldest PENDING event, ms.
+    pub oldest_pending_age_ms: Option<i64>,
+    /// Events whose dispatch outcome is unknown (DISPATCH_UNKNOWN, RECONCILING, RETRY_CLAIMED).
+    pub unknown_open: i64,
+    /// Age of the oldest of them (since it became unknown), ms.
+    pub oldest_unknown_age_ms: Option<i64>,
+    /// Open reconciler findings by kind (empty if the reconciler never ran).
+    pub open_findings: Vec<(String, i64)>,
+    /// Registered consumers (critical ones with their lag).
+    pub consumers: Vec<ConsumerStatus>,
+    /// Whether `outbox_consumer_watermarks` exists in this database.
+    pub watermarks_table: bool,
+}
+
+async fn exists(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL").bind(table).fetch_one(pool).await
+}
+
+/// The database's clock, ms since the epoch.
+pub async fn db_now_ms(pool: &PgPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetch_one(pool).await
+}
+
+/// Oldest open UNKNOWN: (count, age ms).
+pub async fn unknown_open(pool: &PgPool, now_ms: i64) -> Result<(i64, Option<i64>), sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT count(*) AS n, min(coalesce(unknown_since_ms, state_since_ms)) AS since FROM outbox_events
+         WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING', 'RETRY_CLAIMED')",
+    )
+    .fetch_one(pool)
+    .await?;
+    let since: Option<i64> = row.get("since");
+    Ok((row.get("n"), since.map(|s| (now_ms - s).max(0))))
+}
+
+/// Reads the status.
+pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
+    let now_ms = db_now_ms(pool).await?;
+    let counts: Vec<(String, i64)> = sqlx::query_as("SELECT state, count(*) FROM outbox_events GROUP BY state").fetch_all(pool).await?;
+    let mut state_counts: Vec<(String, i64)> =
+        ALL_STATES.iter().map(|s| (s.to_string(), counts.iter().find(|(n, _)| *n == s.to_string()).map(|(_, c)| *c).unwrap_or(0))).collect();
+    for (s, n) in &counts {
+        if !state_counts.iter().any(|(k, _)| k == s) {
+            state_counts.push((s.clone(), *n));
+        }
+    }
+    let total_events = state_counts.iter().map(|(_, n)| n).sum();
+    let oldest_pending: Option<i64> = sqlx::query_scalar("SELECT min(created_at_ms) FROM outbox_events WHERE state = 'PENDING'").fetch_one(pool).await?;
+    let (unknown_open, oldest_unknown_age_ms) = unknown_open(pool, now_ms).await?;
+    let open_findings: Vec<(String, i64)> = if exists(pool, "outbox_findings").await? {
+        sqlx::query_as("SELECT kind, count(*) FROM outbox_findings WHERE resolved_at_ms IS NULL GROUP BY kind ORDER BY kind").fetch_all(pool).await?
+    } else {
+        Vec::new()
+    };
+
+    let watermarks_table = exists(pool, "outbox_consumer_watermarks").await?;
+    let has_topics: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_name = 'outbox_consumers' AND column_name = 'topics')")
+            .fetch_one(pool)
+            .await?;
+    let topics_col = if has_topics { "topics" } else { "'{}'::text[]" };
+    let registered: Vec<(String, bool, bool, Vec<String>)> =
+        sqlx::query_as(&format!("SELECT consumer_id, critical, mandatory, {topics_col} FROM outbox_consumers ORDER BY consumer_id")).fetch_all(pool).await?;
+    let mut consumers = Vec::new();
+    for (consumer_id, critical, mandatory, topics) in registered {
+        let mut partitions = Vec::new();
+        if critical {
+            // Every partition of its topics that has published events, and every watermark it published.
+            let wm = if watermarks_table {
+                "SELECT topic, partition, committed_offset, (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
+                 FROM outbox_consumer_watermarks WHERE consumer_id = $1"
+            } else {
+                "SELECT NULL::text AS topic, NULL::int AS partition, NULL::bigint AS committed_offset, NULL::bigint AS updated_ms WHERE false"
+            };
+            let rows = sqlx::query(&format!(
+                "WITH wm AS ({wm}),
+                      pub AS (SELECT topic, partition, max(\"offset\") + 1 AS end_offset FROM outbox_publish_receipts
+                              WHERE topic = ANY($2) GROUP BY topic, partition),
+                      parts AS (SELECT topic, partition FROM pub UNION SELECT topic, partition FROM wm)
+                 SELECT p.topic, p.partition, coalesce(wm.committed_offset, 0) AS committed, coalesce(pub.end_offset, 0) AS end_offset,
+                        wm.updated_ms,
+                        (SELECT count(*) FROM outbox_publish_receipts r
+                          WHERE r.topic = p.topic AND r.partition = p.partition AND r.\"offset\" >= coalesce(wm.committed_offset, 0)) AS lag
+                 FROM parts p LEFT JOIN wm USING (topic, partition) LEFT JOIN pub USING (topic, partition)
+                 ORDER BY p.topic, p.partition"
+            ))
+            .bind(&consumer_id)
+            .bind(&topics)
+            .fetch_all(pool)
+            .await?;
+            for r in rows {
+                partitions.push(PartitionLag {
+                    topic: r.get("topic"),
+                    partition: r.get("partition"),
+                    committed_offset: r.get("committed"),
+                    published_end_offset: r.get("end_offset"),
+                    lag_events: r.get("lag"),
+                    watermark_updated_at_ms: r.get("updated_ms"),
+                });
+            }
+        }
+        let total_lag_events = partitions.iter().map(|p| p.lag_events).sum();
+        consumers.push(ConsumerStatus { consumer_id, critical, mandatory, topics, partitions, total_lag_events });
+    }
+    Ok(Status {
+        now_ms,
+        state_counts,
+        total_events,
+        oldest_pending_age_ms: oldest_pending.map(|o| (now_ms - o).max(0)),
+        unknown_open,
+        oldest_unknown_age_ms,
+        open_findings,
+        consumers,
+        watermarks_table,
+    })
+}
+
+impl Status {
+    /// Plain text for a terminal.
+    pub fn to_text(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "outbox status at {}", ts(self.now_ms));
+        let _ = writeln!(o, "events: {}", self.total_events);
+        for (s, n) in &self.state_counts {
+            let _ = writeln!(o, "  {s:<17} {n:>10}");
+        }
+        let _ = writeln!(o, "oldest PENDING:  {}", self.oldest_pending_age_ms.map(age).unwrap_or_else(|| "none".into()));
+        let _ = writeln!(
+            o,
+            "UNKNOWN open:    {} (oldest {})",
+            self.unknown_open,
+            self.oldest_unknown_age_ms.map(age).unwrap_or_else(|| "none".into())
+        );
+        if self.open_findings.is_empty() {
+            let _ = writeln!(o, "open findings:   none");
+        } else {
+            let f: Vec<String> = self.open_findings.iter().map(|(k, n)| format!("{k}={n}")).collect();
+            let _ = writeln!(o, "open findings:   {}", f.join(" "));
+        }
+        if self.consumers.is_empty() {
+            let _ = writeln!(o, "consumers:       none registered");
+        }
+        for c in &self.consumers {
+            let flags = [c.critical.then_some("critical"), c.mandatory.then_some("mandatory")].into_iter().flatten().collect::<Vec<_>>().join(",");
+            let _ = writeln!(o, "consumer {} [{}] topics {:?}: lag {} events", c.consumer_id, flags, c.topics, c.total_lag_events);
+            if c.critical && c.partitions.is_empty() {
+                let _ = writeln!(o, "  nothing published on its topics yet{}", if self.watermarks_table { "" } else { " (no watermark table here)" });
+            }
+            for p in &c.partitions {
+                let seen = p.watermark_updated_at_ms.map(|t| format!("watermark moved {} ago", age((self.now_ms - t).max(0)))).unwrap_or_else(|| "no watermark".into());
+                let _ = writeln!(
+                    o,
+                    "  {}/{}: committed {} of {} ({} behind; {seen})",
+                    p.topic, p.partition, p.committed_offset, p.published_end_offset, p.lag_events
+                );
+            }
+        }
+        o
+    }
+}
