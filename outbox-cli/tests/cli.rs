@@ -1,0 +1,307 @@
+//! The `outbox` binary against real PostgreSQL (a fresh database per test)
+//! and the in-process Kafka mock cluster (its ports are real, so the binary
+//! can connect to it from its own process).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::CommandFactory;
+use common::{create_order, free_port, http_get, outbox_bin, route, Env};
+use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Processor, RawMessage};
+use outbox_producer::{Dispatcher, DispatcherConfig, PgStore};
+use outbox_testkit::{assert_published, KafkaFixture};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use serde_json::Value;
+use sqlx::{Postgres, Transaction};
+
+const COMMANDS: [&str; 8] = ["migrate", "dispatch", "reconcile", "status", "trace", "report", "purge", "migrate-destination"];
+
+#[test]
+fn help_lists_every_command_and_documents_every_flag() {
+    let out = outbox_bin().arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for c in COMMANDS {
+        assert!(help.contains(&format!("\n  {c} ")), "--help lists {c}:\n{help}");
+        let sub = outbox_bin().args([c, "--help"]).output().unwrap();
+        assert!(sub.status.success(), "{c} --help");
+        assert!(String::from_utf8_lossy(&sub.stdout).contains(&format!("Usage: outbox {c}")));
+    }
+    assert!(help.contains("CONFIGURATION PRECEDENCE"), "precedence documented in --help");
+    // Every command and every argument carries a doc comment.
+    let cmd = outbox_cli::cli::Cli::command();
+    let mut missing = Vec::new();
+    for a in cmd.get_arguments() {
+        if a.get_help().is_none() {
+            missing.push(format!("outbox --{}", a.get_id()));
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        if sub.get_about().is_none() {
+            missing.push(format!("outbox {}", sub.get_name()));
+        }
+        for a in sub.get_arguments() {
+            if a.get_help().is_none() && a.get_id() != "help" {
+                missing.push(format!("outbox {} {}", sub.get_name(), a.get_id()));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "undocumented: {missing:?}");
+}
+
+#[tokio::test]
+async fn migrate_then_status_on_an_empty_outbox() {
+    let env = Env::new("cli_status").await;
+    let out = env.ok(&["migrate"]);
+    assert!(out.contains("applied 3 migration(s)"), "{out}");
+    let out = env.ok(&["migrate"]);
+    assert!(out.contains("schema up to date"), "{out}");
+    let status = env.ok(&["status"]);
+    assert!(status.contains("events: 0"), "{status}");
+    assert!(status.contains("PENDING") && status.contains("QUARANTINED"), "{status}");
+    assert!(status.contains("oldest PENDING:  none") && status.contains("UNKNOWN open:    0"), "{status}");
+    let json: Value = serde_json::from_str(&env.ok(&["status", "--json"])).unwrap();
+    assert_eq!(json["totalEvents"], 0);
+    assert_eq!(json["stateCounts"].as_array().unwrap().len(), 10);
+
+    // No database configured at all: one clear line.
+    let out = outbox_bin().arg("status").output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no database: pass --database-url, set DATABASE_URL"));
+    env.drop_now().await;
+}
+
+#[tokio::test]
+async fn config_precedence_is_flags_then_environment_then_file() {
+    let dir = std::env::temp_dir().join(format!("outbox-cli-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("outbox.toml");
+    std::fs::write(&file, "[kafka]\nbootstrap = \"file:9092\"\nmessage_timeout_ms = 1111\n[dispatch]\nworkers = 3\nbatch_size = 33\nlease_ms = 20000\n[metrics]\naddr = \"127.0.0.1:1\"\n").unwrap();
+    let cfg = |envs: &[(&str, &str)], flags: &[&str]| {
+        let mut c = outbox_bin();
+        c.args(["dispatch", "--print-config", "--config"]).arg(&file).args(flags);
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let from_file = cfg(&[], &[]);
+    assert!(from_file.contains("dispatch.workers = 3") && from_file.contains("dispatch.batch_size = 33"), "{from_file}");
+    assert!(from_file.contains("kafka.bootstrap = file:9092") && from_file.contains("kafka.message_timeout_ms = 1111"), "{from_file}");
+    assert!(from_file.contains("dispatch.poll_interval_ms = 1000"), "defaults fill the rest: {from_file}");
+    let env = cfg(&[("OUTBOX_DISPATCH_WORKERS", "5"), ("OUTBOX_KAFKA_BOOTSTRAP", "env:9092"), ("OUTBOX_METRICS_ADDR", "127.0.0.1:2")], &[]);
+    assert!(env.contains("dispatch.workers = 5") && env.contains("dispatch.batch_size = 33"), "{env}");
+    assert!(env.contains("kafka.bootstrap = env:9092") && env.contains("metrics.addr = 127.0.0.1:2"), "{env}");
+    let flags = cfg(&[("OUTBOX_DISPATCH_WORKERS", "5"), ("OUTBOX_KAFKA_BOOTSTRAP", "env:9092")], &["--workers", "7", "--kafka-bootstrap", "flag:9092"]);
+    assert!(flags.contains("dispatch.workers = 7") && flags.contains("kafka.bootstrap = flag:9092"), "{flags}");
+    // A typo in the file is an error naming the file.
+    std::fs::write(&file, "[dispatch]\nwokers = 3\n").unwrap();
+    let out = outbox_bin().args(["dispatch", "--print-config", "--config"]).arg(&file).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("outbox.toml"), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+struct Fulfil;
+
+#[async_trait]
+impl Handler for Fulfil {
+    async fn handle(&self, _tx: &mut Transaction<'_, Postgres>, e: &ConsumedEvent) -> Result<Value, HandlerError> {
+        Ok(serde_json::json!({ "fulfilled": e.event_id.as_str() }))
+    }
+}
+
+fn read_message(bootstrap: &str, topic: &str, partition: i32, offset: i64) -> RawMessage {
+    let c: BaseConsumer = ClientConfig::new().set("bootstrap.servers", bootstrap).set("group.id", "cli-test-reader").set("enable.auto.commit", "false").create().unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).unwrap();
+    c.assign(&tpl).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+            if m.offset() == offset {
+                return RawMessage::from_kafka(&m);
+            }
+        }
+    }
+    panic!("message not read");
+}
+
+#[tokio::test]
+async fn trace_shows_envelope_attempt_receipt_and_consumer() {
+    let env = Env::new("cli_trace").await;
+    env.ok(&["migrate"]);
+    let kafka = KafkaFixture::mock(1).unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
+    route(env.pool(), broker.cluster_id(), "orders", 3).await;
+    let e = create_order(env.pool(), "o-42").await;
+    let id = e.event_id().clone();
+
+    let before = env.ok(&["trace", id.as_str()]);
+    assert!(before.contains("state              PENDING") && before.contains("publish receipt: none"), "{before}");
+
+    let d = Arc::new(Dispatcher::new(PgStore::new(env.pool().clone()), broker, DispatcherConfig { name: "clitest".into(), ..Default::default() }).unwrap());
+    assert_eq!(d.dispatch_once("clitest-0").await.unwrap().published, 1);
+    let receipt = assert_published(env.pool(), &id).await;
+    let processor = Processor::new("fulfilment", env.pool().clone(), Fulfil).unwrap();
+    processor.process_message(&read_message(kafka.bootstrap(), "orders", receipt.partition, receipt.offset)).await.unwrap();
+
+    let t = env.ok(&["trace", id.as_str()]);
+    assert!(t.contains(&format!("event {id}")), "{t}");
+    assert!(t.contains("state              PUBLISHED"), "{t}");
+    assert!(t.contains("outboxEnvelope.v1  aggregate order/o-42@1 type order.created.v2"), "{t}");
+    assert!(t.contains("(verified)") && !t.contains("MISMATCH"), "{t}");
+    assert!(t.contains(&format!("destination.v1     {}/orders partition {}", e.destination.cluster_id, receipt.partition)), "{t}");
+    assert!(t.contains("attempts: 1"), "{t}");
+    assert!(t.contains(&format!("#1 {} gen 1 owner clitest-0 claim generation 1 ACKED", receipt.attempt_id)), "{t}");
+    assert!(t.contains(&format!("primary   gen 1 {}/orders partition {} offset {} attempt {}", e.destination.cluster_id, receipt.partition, receipt.offset, receipt.attempt_id)), "{t}");
+    assert!(t.contains("consumers: 1") && t.contains(&format!("fulfilment consumed gen 1 at orders/{} offset {}", receipt.partition, receipt.offset)), "{t}");
+
+    let j: Value = serde_json::from_str(&env.ok(&["trace", id.as_str(), "--json"])).unwrap();
+    assert_eq!(j["primaryReceipts"][0]["offset"], receipt.offset);
+    assert_eq!(j["attempts"][0]["state"], "ACKED");
+    assert_eq!(j["envelopes"][0]["envelope"]["eventId"], id.as_str());
+    assert_eq!(j["consumerReceipts"][0]["consumerId"], "fulfilment");
+
+    let missing = env.run(&["trace", "evt-01J0000000000000000000000A"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no outbox event evt-01J0000000000000000000000A"));
+    let bad = env.run(&["trace", "order-42"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("is not an eventId"));
+    drop(kafka);
+    env.drop_now().await;
+}
+
+#[tokio::test]
+async fn dispatch_process_publishes_serves_metrics_and_drains_on_sigterm() {
+    let env = Env::new("cli_dispatch").await;
+    env.ok(&["migrate"]);
+    let kafka = KafkaFixture::mock(1).unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    let broker = kafka.broker(|_| {}).await.unwrap();
+    route(env.pool(), broker.cluster_id(), "orders", 3).await;
+    for i in 0..5 {
+        create_order(env.pool(), &format!("o-{i}")).await;
+    }
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut child = env
+        .outbox()
+        .args(["dispatch", "--kafka-bootstrap", kafka.bootstrap(), "--metrics-addr", &metrics_addr, "--name", "clidispatch", "--poll-interval-ms", "100", "--log-format", "json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while env.count("SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await < 5 {
+        assert!(Instant::now() < deadline, "the dispatcher did not publish the 5 events");
+        assert!(child.try_wait().unwrap().is_none(), "outbox dispatch exited early");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // An event emitted while it runs is woken by NOTIFY.
+    create_order(env.pool(), "o-late").await;
+    while env.count("SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await < 6 {
+        assert!(Instant::now() < deadline, "late event not published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, body) = http_get(&metrics_addr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    assert!(body.contains("# TYPE outbox_dispatch_published_total counter"), "{body}");
+    assert!(body.contains("outbox_dispatch_published_total 6"), "{body}");
+    assert!(body.contains("outbox_dispatch_claimed_total 6"), "{body}");
+    assert!(body.contains("outbox_oldest_pending_age_seconds"), "{body}");
+    assert!(body.contains("outbox_build_info{command=\"dispatch\""), "{body}");
+    assert!(http_get(&metrics_addr, "/nope").0.contains("404"));
+
+    // SAFETY: kill(2) with a child's pid we own.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "outbox dispatch did not stop after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(status.success(), "exit {status:?}: {stderr}");
+    let stopped = stderr.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).find(|v| v["message"] == "dispatcher stopped").expect(&format!("a JSON 'dispatcher stopped' line: {stderr}"));
+    assert_eq!(stopped["published"], 6);
+    drop(kafka);
+    env.drop_now().await;
+}
+
+#[tokio::test]
+async fn reconcile_once_report_purge_and_migrate_destination() {
+    let env = Env::new("cli_ops").await;
+    env.ok(&["migrate"]);
+    let kafka = KafkaFixture::mock(1).unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    kafka.create_topic("orders-eu", 3).await.unwrap();
+    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
+    route(env.pool(), broker.cluster_id(), "orders", 3).await;
+    let published: Vec<_> = {
+        let mut v = Vec::new();
+        for i in 0..2 {
+            v.push(create_order(env.pool(), &format!("p-{i}")).await);
+        }
+        v
+    };
+    let d = Arc::new(Dispatcher::new(PgStore::new(env.pool().clone()), broker.clone(), DispatcherConfig { name: "cliops".into(), ..Default::default() }).unwrap());
+    assert_eq!(d.dispatch_once("cliops-0").await.unwrap().published, 2);
+    let pending = create_order(env.pool(), "stuck").await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    // One reconciler round: the stuck PENDING event is a finding.
+    let out = env.run(&["reconcile", "--once", "--kafka-bootstrap", kafka.bootstrap(), "--aged-pending-ms", "1", "--fail-on-findings"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "findings -> exit 2: {stdout}");
+    assert!(stdout.contains("round: examined 0 UNKNOWN") && stdout.contains(&format!("aged_pending {}", pending.event_id())), "{stdout}");
+    let status = env.ok(&["status"]);
+    assert!(status.contains("open findings:   aged_pending=1"), "{status}");
+
+    // The report, as text, JSON and HTML.
+    let html = std::env::temp_dir().join(format!("outbox-cli-report-{}.html", std::process::id()));
+    let text = env.ok(&["report", "--html", html.to_str().unwrap()]);
+    assert!(text.contains("committed outbox events   3") && text.contains("accepted publish receipts 2"), "{text}");
+    let page = std::fs::read_to_string(&html).unwrap();
+    std::fs::remove_file(&html).unwrap();
+    for id in ["chart-states", "chart-unknown-age", "chart-lag", "findings"] {
+        assert!(page.contains(&format!("id=\"{id}\"")), "{id}");
+    }
+    assert!(page.contains(pending.event_id().as_str()));
+    let j: Value = serde_json::from_str(&env.ok(&["report", "--json"])).unwrap();
+    assert_eq!(j["committedEvents"], 3);
+    assert!(!j["history"].as_array().unwrap().is_empty(), "the reconciler round recorded a snapshot");
+    assert_eq!(env.run(&["report", "--fail-on-findings"]).status.code(), Some(2));
+
+    // Purge: a dry run writes nothing; --execute retains then purges, batch by batch.
+    let dry = env.ok(&["purge", "--replay-window-ms", "0"]);
+    assert!(dry.contains("dry run") && dry.contains("2 event(s) would be retained") && dry.contains("2 event(s) would be purged"), "{dry}");
+    assert_eq!(env.count("SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await, 2);
+    let run = env.ok(&["purge", "--execute", "--replay-window-ms", "0", "--batch-size", "1"]);
+    assert!(run.contains("batch    1: 1 retained") && run.contains("2 event(s) were purged"), "{run}");
+    assert_eq!(env.count("SELECT count(*) FROM outbox_events WHERE state = 'PURGED' AND payload IS NULL").await, 2);
+    let t = env.ok(&["trace", published[0].event_id().as_str()]);
+    assert!(t.contains("state              PURGED") && t.contains("purged:"), "tombstone keeps the receipt: {t}");
+
+    // Destination migration: a dry run, a refusal (published), then the move.
+    let dry = env.ok(&["migrate-destination", pending.event_id().as_str(), "--operator", "ops-alice", "--to-topic", "orders-eu", "--dry-run"]);
+    assert!(dry.contains("/orders-eu partition") && dry.contains("dry run: nothing changed"), "{dry}");
+    let refused = env.run(&["migrate-destination", published[1].event_id().as_str(), "--operator", "ops-alice", "--to-topic", "orders-eu", "--kafka-bootstrap", kafka.bootstrap()]);
+    assert_eq!(refused.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&refused.stdout).contains("refused:"));
+    let moved = env.ok(&["migrate-destination", pending.event_id().as_str(), "--operator", "ops-alice", "--to-topic", "orders-eu", "--kafka-bootstrap", kafka.bootstrap()]);
+    assert!(moved.contains("migrated: envelope generation 1 -> 2"), "{moved}");
+    let t = env.ok(&["trace", pending.event_id().as_str()]);
+    assert!(t.contains("envelope generation 1") && t.contains("envelope generation 2") && t.contains("migration: ") && t.contains("operator=ops-alice"), "{t}");
+    assert!(t.contains("routes to          ") && t.contains("/orders-eu/"), "{t}");
+    drop(kafka);
+    env.drop_now().await;
+}
