@@ -110,7 +110,7 @@ fn no_data(o: &mut String, id: &str, w: i32, h: i32, msg: &str) {
 /// Events per state over time: stacked areas.
 fn states_chart(o: &mut String, r: &Report) {
     let (w, h) = (900.0, 320.0);
-    let (left, right, top, bottom) = (60.0, 170.0, 20.0, 40.0);
+    let (left, right, top, bottom) = (60.0, 215.0, 20.0, 40.0);
     let (pw, ph) = (w - left - right, h - top - bottom);
     if r.history.is_empty() {
         no_data(o, "chart-states", w as i32, h as i32, "no state snapshots yet: the reconciler records one per round");
