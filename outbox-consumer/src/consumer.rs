@@ -271,6 +271,9 @@ impl IdempotentConsumer {
                 biased;
                 () = &mut shutdown => break Ok(()),
                 Some(e) = fatal_rx.recv() => break Err(e),
+                // Before `recv`, which is always ready under load: paused
+                // partitions must be drained and resumed on time.
+                _ = tick.tick() => run.housekeeping(),
                 m = client.recv() => match m {
                     Ok(m) => {
                         let raw = RawMessage::from_kafka(&m);
@@ -280,7 +283,6 @@ impl IdempotentConsumer {
                     }
                     Err(e) => warn!(error = %e, "kafka consumer error"),
                 },
-                _ = tick.tick() => run.housekeeping(),
             }
         };
         match outcome {
@@ -319,6 +321,7 @@ impl RunLoop {
     fn set_paused(&self, key: &PartitionKey, paused: bool) {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(&key.0, key.1);
+        debug!(topic = %key.0, partition = key.1, paused, "flow control");
         let r = if paused { self.client.pause(&tpl) } else { self.client.resume(&tpl) };
         if let Err(e) = r {
             debug!(topic = %key.0, partition = key.1, paused, error = %e, "pause/resume refused");

@@ -100,7 +100,8 @@ async fn tampered_messages_are_quarantined_and_the_partition_moves_on(pool: PgPo
     assert_eq!(codes, ["verify:payload_digest", "verify:placement", "verify:missing_header"]);
     assert_eq!(h.calls(), 2, "the handler never saw a quarantined message");
 
-    let rows: Vec<(i64, Option<String>, String, serde_json::Value, String, Option<Vec<u8>>)> =
+    type Row = (i64, Option<String>, String, serde_json::Value, String, Option<Vec<u8>>);
+    let rows: Vec<Row> =
         sqlx::query_as(r#"SELECT "offset", event_id, reason, evidence, payload_digest, payload FROM outbox_consumer_quarantine ORDER BY "offset""#).fetch_all(&pool).await.unwrap();
     assert_eq!(rows.len(), 3);
     assert_eq!(rows[0].1.as_deref(), Some(victim.event_id().as_str()));
@@ -226,6 +227,24 @@ async fn permanent_errors_panics_and_swallowed_query_errors(pool: PgPool) {
     assert_eq!(attempts, [1, 3, 3]);
     assert!(matches!(&outs[2], Outcome::DeadLettered(d) if d.error.contains("panicked")));
     assert_eq!(effects(&pool).await, (2, 2));
+}
+
+/// A handler that runs past its time limit is a transient failure; the
+/// transaction (and what the handler wrote) is rolled back.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn slow_handler_times_out_and_is_dead_lettered(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    h.delay_ms.store(300, std::sync::atomic::Ordering::SeqCst);
+    let retry = RetryPolicy { max_attempts: 2, initial_backoff_ms: 5, max_backoff_ms: 5, handler_timeout_ms: 50, ..RetryPolicy::default() };
+    let p = Processor::new("billing", pool.clone(), h.clone()).unwrap().with_retry(retry).unwrap();
+    let f = fixture(TOPIC, 4, "slow");
+    let o = p.process_message(&f.raw(0)).await.unwrap();
+    assert!(matches!(&o, Outcome::DeadLettered(d) if d.attempts == 2 && d.error.contains("timed out after 50 ms")), "{o:?}");
+    assert_eq!(effects(&pool).await, (0, 0));
+    // Fast again: a redrive applies it.
+    h.delay_ms.store(0, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(p.redrive_dead_letter(f.event_id()).await.unwrap().map(|o| o.kind()), Some("applied"));
 }
 
 /// Two processors (two instances) racing on the same events: the receipt's
