@@ -163,6 +163,38 @@ pub async fn receipt(pool: &PgPool, consumer_id: &str, event_id: &EventId) -> Re
     row.as_ref().map(receipt_from_row).transpose()
 }
 
+/// Most receipts [`purge_receipts_before`] deletes per call.
+pub const LIMIT_PURGE_ROWS: i64 = 100_000;
+
+/// Deletes at most `max_rows` (up to [`LIMIT_PURGE_ROWS`]) receipts of
+/// `consumer_id` received before `received_before`, oldest first; returns how
+/// many were deleted. Call it in a loop until it returns less than `max_rows`.
+///
+/// A receipt is what makes a redelivery a duplicate: once it is gone, a
+/// replay of that event would apply it again. Only purge receipts older than
+/// the longest possible replay window (the topic's retention, plus any
+/// re-publication from the outbox you allow), the same rule as the outbox's
+/// own retention (SPEC §9). Dead letters and quarantine rows are never purged
+/// here.
+pub async fn purge_receipts_before(pool: &PgPool, consumer_id: &str, received_before: DateTime<Utc>, max_rows: i64) -> Result<u64, ConsumerError> {
+    if !(1..=LIMIT_PURGE_ROWS).contains(&max_rows) {
+        return Err(ConsumerError::Config(format!("max_rows {max_rows} (1..={LIMIT_PURGE_ROWS})")));
+    }
+    let n = sqlx::query(
+        "DELETE FROM outbox_consumer_receipts WHERE consumer_id = $1 AND event_id IN (
+             SELECT event_id FROM outbox_consumer_receipts
+             WHERE consumer_id = $1 AND received_at < $2
+             ORDER BY received_at LIMIT $3)",
+    )
+    .bind(consumer_id)
+    .bind(received_before)
+    .bind(max_rows)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    Ok(n)
+}
+
 impl Processor {
     /// A processor for `consumer_id` (validated with
     /// [`outbox_core::id::validate_identifier`]) with the default

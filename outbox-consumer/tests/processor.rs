@@ -312,3 +312,18 @@ async fn invalid_batches_are_refused(pool: PgPool) {
     assert!(p.process_batch(&[a.raw(2), b.raw(3)]).await.is_err());
     assert!(p.process_batch(&[]).await.unwrap().is_empty());
 }
+
+/// Receipts older than the replay window can be purged in bounded batches.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn receipts_are_purged_in_bounded_batches(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let p = processor(&pool, &TestHandler::default());
+    let msgs: Vec<RawMessage> = (0..5).map(|i| fixture_on(TOPIC, 4, 0, &format!("u{i}")).raw(i)).collect();
+    p.process_batch(&msgs).await.unwrap();
+    let cutoff = chrono::Utc::now() + chrono::Duration::seconds(1);
+    assert!(outbox_consumer::purge_receipts_before(&pool, "billing", cutoff, 0).await.is_err());
+    assert_eq!(outbox_consumer::purge_receipts_before(&pool, "billing", chrono::Utc::now() - chrono::Duration::hours(1), 10).await.unwrap(), 0);
+    assert_eq!(outbox_consumer::purge_receipts_before(&pool, "billing", cutoff, 3).await.unwrap(), 3);
+    assert_eq!(outbox_consumer::purge_receipts_before(&pool, "billing", cutoff, 3).await.unwrap(), 2);
+    assert_eq!(outbox_consumer::purge_receipts_before(&pool, "other", cutoff, 3).await.unwrap(), 0);
+}
