@@ -1,0 +1,138 @@
+-- Least-privilege roles for the transactional outbox (protocol version 1).
+--
+-- Apply AFTER `outbox migrate` (both migration sets), as the owner of the
+-- outbox tables, in every database that holds them:
+--
+--     psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -f docs/roles.sql
+--
+-- It is idempotent (run it again after every upgrade: new tables get their
+-- grants) and works in the outbox database, in a consumer's own database, or
+-- in one shared database: a grant on a table that does not exist there is
+-- skipped. The roles are NOLOGIN groups; give each service a login role of
+-- its own and make it a member, e.g.
+--
+--     CREATE ROLE orders_dispatcher LOGIN PASSWORD '...' IN ROLE outbox_dispatcher;
+--
+-- Roles (see docs/OPERATIONS.md for who runs what):
+--   outbox_app          the service that emits events in its own transactions
+--   outbox_dispatcher   `outbox dispatch`: claims, attempts, the receipt transaction
+--   outbox_reconciler   `outbox reconcile`: the dispatcher's rights for UNKNOWNs,
+--                       plus findings, snapshots, bypass scan cursors
+--   outbox_operator     `outbox purge`, `outbox migrate-destination`, route
+--                       policies and the consumer registry; reads everything
+--   outbox_reader       `outbox status`, `trace`, `report`: read-only
+--   outbox_consumer     an idempotent consumer: its receipts, watermarks,
+--                       quarantine and dead letters; nothing of the outbox
+--   outbox_watermark_publisher
+--                       copies a consumer's watermarks into the outbox database
+--
+-- Nobody but the owner may DELETE outbox evidence: events, envelopes,
+-- attempts and receipts are never deleted (retention only clears payloads).
+-- The schema (and `outbox migrate`) stays with the owner role.
+
+-- Roles (cluster-wide; created once).
+DO $$
+DECLARE r text;
+BEGIN
+    FOREACH r IN ARRAY ARRAY['outbox_app', 'outbox_dispatcher', 'outbox_reconciler', 'outbox_operator',
+                             'outbox_reader', 'outbox_consumer', 'outbox_watermark_publisher'] LOOP
+        BEGIN
+            EXECUTE format('CREATE ROLE %I NOLOGIN', r);
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL; -- exists already (or was created concurrently)
+        END;
+    END LOOP;
+END $$;
+
+-- grant(role, privileges, table): GRANT if the table exists in this database.
+CREATE OR REPLACE FUNCTION pg_temp.outbox_grant(grantee text, privileges text, tbl text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF to_regclass(tbl) IS NOT NULL THEN
+        EXECUTE format('GRANT %s ON TABLE %s TO %I', privileges, tbl, grantee);
+    END IF;
+END $$;
+
+-- Nothing beyond these grants (re-running the file after a change revokes what was dropped).
+DO $$
+DECLARE t text;
+BEGIN
+    FOREACH t IN ARRAY ARRAY['outbox_meta', 'outbox_route_policies', 'outbox_states', 'outbox_transitions', 'outbox_events',
+                             'outbox_envelopes', 'outbox_attempts', 'outbox_publish_receipts', 'outbox_duplicate_receipts',
+                             'outbox_quarantine', 'outbox_audit', 'outbox_consumers', 'outbox_unknown_resolutions',
+                             'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots',
+                             'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
+                             'outbox_consumer_quarantine', 'outbox_consumer_dead_letters'] LOOP
+        IF to_regclass(t) IS NOT NULL THEN
+            EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
+                            outbox_reader, outbox_consumer, outbox_watermark_publisher', t);
+        END IF;
+    END LOOP;
+END $$;
+
+-- Everyone who touches outbox_events reads the protocol version and the
+-- closed transition table (the transition trigger reads it as the caller).
+SELECT pg_temp.outbox_grant(r, 'SELECT', t)
+FROM unnest(ARRAY['outbox_app', 'outbox_dispatcher', 'outbox_reconciler', 'outbox_operator', 'outbox_reader']) r,
+     unnest(ARRAY['outbox_meta', 'outbox_states', 'outbox_transitions']) t;
+
+-- outbox_app: emit inside the service's own transaction (insert the event and
+-- its frozen envelope, read the route policy; a retried command reads its
+-- first eventId). No UPDATE: a committed event is the dispatcher's.
+SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_events');
+SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_envelopes');
+SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_route_policies');
+
+-- outbox_dispatcher: claim (UPDATE with row locks), register attempts, the
+-- receipt transaction, not-sent / unknown reports, lease sweeps, quarantine
+-- of divergent events, audit of stale writes. No INSERT or DELETE of events.
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, UPDATE', 'outbox_events');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_envelopes');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE', 'outbox_attempts');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_publish_receipts');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_duplicate_receipts');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_quarantine');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'INSERT', 'outbox_audit');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'INSERT', 'outbox_unknown_resolutions');
+
+-- outbox_reconciler: the dispatcher's rights (it resolves UNKNOWNs through
+-- the same receipt transaction), plus the three-set comparison and report.
+GRANT outbox_dispatcher TO outbox_reconciler;
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT', t)
+FROM unnest(ARRAY['outbox_route_policies', 'outbox_consumers', 'outbox_consumer_watermarks', 'outbox_unknown_resolutions',
+                  'outbox_audit', 'outbox_migration_receipts']) t;
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_findings');
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_scan_cursors');
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT', 'outbox_bypass_messages');
+-- Snapshots older than history_keep_ms are deleted: the only DELETE granted on the producer side.
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, DELETE', 'outbox_state_snapshots');
+
+-- outbox_operator: retention (PUBLISHED -> RETAINED -> PURGED clears the
+-- payload by UPDATE), destination migration (a new envelope generation and a
+-- migration receipt), route policy revisions, the consumer registry.
+GRANT outbox_reconciler TO outbox_operator;
+SELECT pg_temp.outbox_grant('outbox_operator', 'INSERT', 'outbox_envelopes');
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_migration_receipts');
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_route_policies');
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT, UPDATE', 'outbox_consumers');
+
+-- outbox_reader: everything, read-only (status, trace, report, dashboards).
+SELECT pg_temp.outbox_grant('outbox_reader', 'SELECT', t)
+FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_envelopes', 'outbox_attempts', 'outbox_publish_receipts',
+                  'outbox_duplicate_receipts', 'outbox_quarantine', 'outbox_audit', 'outbox_consumers', 'outbox_unknown_resolutions',
+                  'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots',
+                  'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
+                  'outbox_consumer_quarantine', 'outbox_consumer_dead_letters']) t;
+
+-- outbox_consumer: its own receipts (the handler's result is written back on
+-- the receipt), watermarks, quarantine and dead letters (a redrive deletes
+-- the dead letter). No privilege at all on the producer's tables.
+SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox_consumer_receipts');
+SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox_consumer_watermarks');
+SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT', 'outbox_consumer_quarantine');
+SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_consumer_dead_letters');
+
+-- outbox_watermark_publisher: outbox_consumer::publish_watermarks into the outbox database.
+SELECT pg_temp.outbox_grant('outbox_watermark_publisher', 'SELECT, INSERT, UPDATE', 'outbox_consumer_watermarks');
+
+DROP FUNCTION pg_temp.outbox_grant(text, text, text);

@@ -1,0 +1,206 @@
+//! docs/roles.sql: each service works under its least-privilege role, and
+//! nothing more is allowed. Applied to a fresh database after both migration
+//! sets; every step below connects as a login role that is only a member of
+//! the role under test.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{route, Env, ORDER_CREATED};
+use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Processor, RawMessage};
+use outbox_core::{EmitRequest, OutboxStore};
+use outbox_producer::{emit, Dispatcher, DispatcherConfig, EmitOptions, PgStore, Reconciler, ReconcilerConfig};
+use outbox_testkit::{assert_consumed_once, assert_emitted, assert_published, KafkaFixture};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use serde_json::Value;
+use sqlx::{PgPool, Postgres, Transaction};
+
+const ROLES_SQL: &str = include_str!("../../docs/roles.sql");
+
+/// Login roles created for this test, dropped at the end (also on panic).
+struct Logins {
+    admin_url: String,
+    names: Vec<String>,
+}
+
+impl Drop for Logins {
+    fn drop(&mut self) {
+        let (url, names) = (self.admin_url.clone(), std::mem::take(&mut self.names));
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                if let Ok(pool) = PgPool::connect(&url).await {
+                    for n in names {
+                        let _ = sqlx::query(&format!("DROP ROLE IF EXISTS {n}")).execute(&pool).await;
+                    }
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn url_as(db_url: &str, user: &str) -> String {
+    // postgres://<user>@host:port/db (trust authentication on the test servers).
+    let after = &db_url[db_url.find("://").unwrap() + 3..];
+    let host = &after[after.rfind('@').map(|i| i + 1).unwrap_or(0)..];
+    format!("postgres://{user}@{host}")
+}
+
+fn denied(r: Result<sqlx::postgres::PgQueryResult, sqlx::Error>, what: &str) {
+    match r {
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {}
+        other => panic!("{what}: expected permission denied, got {other:?}"),
+    }
+}
+
+struct Noop;
+
+#[async_trait]
+impl Handler for Noop {
+    async fn handle(&self, _tx: &mut Transaction<'_, Postgres>, _e: &ConsumedEvent) -> Result<Value, HandlerError> {
+        Ok(Value::Null)
+    }
+}
+
+fn read_message(bootstrap: &str, topic: &str, partition: i32, offset: i64) -> RawMessage {
+    let c: BaseConsumer = ClientConfig::new().set("bootstrap.servers", bootstrap).set("group.id", "roles-reader").set("enable.auto.commit", "false").create().unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).unwrap();
+    c.assign(&tpl).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+            if m.offset() == offset {
+                return RawMessage::from_kafka(&m);
+            }
+        }
+    }
+    panic!("message not read");
+}
+
+async fn emit_as_app(pool: &PgPool, id: &str) -> outbox_core::EventId {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind(id).execute(&mut *tx).await.unwrap();
+    let payload = format!(r#"{{"order":"{id}"}}"#);
+    let key = format!("create-{id}");
+    let req = EmitRequest {
+        command_key: &key,
+        tenant: "tenant-7",
+        aggregate_type: "order",
+        aggregate_id: id,
+        aggregate_version: 1,
+        event_type: ORDER_CREATED,
+        payload_schema: "order-v2",
+        payload: payload.as_bytes(),
+    };
+    emit(&mut tx, &req, &EmitOptions::default()).await.expect("emit as outbox_app");
+    let event_id = assert_emitted(&mut tx, &key).await;
+    tx.commit().await.unwrap();
+    event_id
+}
+
+#[tokio::test]
+async fn every_service_works_under_its_role_and_nothing_more() {
+    let env = Env::new("cli_roles").await;
+    let owner = env.pool().clone();
+    outbox_producer::migrate(&owner).await.unwrap();
+    outbox_consumer::migrate(&owner).await.unwrap();
+    sqlx::raw_sql(ROLES_SQL).execute(&owner).await.expect("roles.sql applies");
+    sqlx::raw_sql(ROLES_SQL).execute(&owner).await.expect("roles.sql is idempotent");
+
+    let suffix = env.db.name.rsplit('_').next().unwrap().to_owned();
+    let mut logins = Logins { admin_url: env.server.url().to_owned(), names: Vec::new() };
+    let mut pool_as = std::collections::HashMap::new();
+    for role in ["app", "dispatcher", "reconciler", "operator", "reader", "consumer"] {
+        let login = format!("t_{role}_{suffix}");
+        sqlx::query(&format!("CREATE ROLE {login} LOGIN IN ROLE outbox_{role}")).execute(&owner).await.unwrap();
+        logins.names.push(login.clone());
+        let url = url_as(&env.db.url, &login);
+        let pool = PgPool::connect(&url).await.unwrap_or_else(|e| panic!("connect as {login}: {e}"));
+        pool_as.insert(role, (pool, url));
+    }
+    let pool = |r: &str| pool_as[r].0.clone();
+    let url = |r: &str| pool_as[r].1.clone();
+
+    // The business table is the service's own.
+    sqlx::query("CREATE TABLE orders (id text PRIMARY KEY)").execute(&owner).await.unwrap();
+    sqlx::query(&format!("GRANT SELECT, INSERT ON orders TO t_app_{suffix}")).execute(&owner).await.unwrap();
+    let kafka = KafkaFixture::mock(1).unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    kafka.create_topic("orders-eu", 3).await.unwrap();
+    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
+    route(&owner, broker.cluster_id(), "orders", 3).await;
+
+    // outbox_app emits in its own transaction.
+    let published = emit_as_app(&pool("app"), "o-1").await;
+    let later = emit_as_app(&pool("app"), "o-2").await;
+
+    // outbox_dispatcher claims, sends and records receipts; sweeps leases.
+    outbox_producer::check_protocol(&pool("dispatcher")).await.unwrap();
+    let store = PgStore::new(pool("dispatcher"));
+    let d = Arc::new(Dispatcher::new(store.clone(), broker.clone(), DispatcherConfig { name: "roles".into(), batch_size: 1, ..Default::default() }).unwrap());
+    assert_eq!(d.dispatch_once("roles-0").await.unwrap().published, 1);
+    store.expire_leases().await.expect("lease sweep as outbox_dispatcher");
+    let receipt = assert_published(&owner, &published).await;
+
+    // outbox_reconciler: a full round and the report.
+    let rec = Reconciler::new(PgStore::new(pool("reconciler")), broker.clone(), ReconcilerConfig { aged_pending_ms: 1, ..Default::default() }).unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let (_, compared) = rec.run_once().await.expect("reconciler round as outbox_reconciler");
+    assert_eq!(compared.aged_pending, 1, "o-2 is still PENDING");
+    rec.report().await.expect("report as outbox_reconciler");
+
+    // outbox_consumer applies the message: receipt and watermark.
+    let processor = Processor::new("fulfilment", pool("consumer"), Noop).unwrap();
+    processor.process_message(&read_message(kafka.bootstrap(), "orders", receipt.partition, receipt.offset)).await.expect("consume as outbox_consumer");
+    assert_consumed_once(&owner, "fulfilment", &published).await;
+
+    // The CLI under least privilege: reader inspects, operator purges and migrates.
+    let as_role = |r: &str, args: &[&str]| {
+        let out = common::outbox_bin().env("DATABASE_URL", url(r)).args(args).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.code(), text)
+    };
+    for args in [&["status"][..], &["trace", published.as_str()], &["report"]] {
+        let (code, text) = as_role("reader", args);
+        assert_eq!(code, Some(0), "outbox {args:?} as outbox_reader: {text}");
+    }
+    let (code, text) = as_role("reader", &["purge", "--execute", "--replay-window-ms", "0"]);
+    assert_eq!(code, Some(1), "the reader cannot purge: {text}");
+    assert!(text.contains("permission denied"), "{text}");
+    let (code, text) = as_role("operator", &["purge", "--execute", "--replay-window-ms", "0"]);
+    assert_eq!(code, Some(0), "purge as outbox_operator: {text}");
+    assert!(text.contains("1 event(s) were retained"), "{text}");
+    let (code, text) = as_role("operator", &["migrate-destination", later.as_str(), "--operator", "ops", "--to-topic", "orders-eu", "--kafka-bootstrap", kafka.bootstrap()]);
+    assert_eq!(code, Some(0), "migrate-destination as outbox_operator: {text}");
+
+    // And nothing more.
+    let (dispatcher, app, reader, consumer) = (pool("dispatcher"), pool("app"), pool("reader"), pool("consumer"));
+    let id = published.as_str();
+    denied(sqlx::query("DELETE FROM outbox_events WHERE event_id = $1").bind(id).execute(&dispatcher).await, "dispatcher DELETE event");
+    denied(sqlx::query("DELETE FROM outbox_publish_receipts").execute(&dispatcher).await, "dispatcher DELETE receipt");
+    denied(sqlx::query("DELETE FROM outbox_attempts").execute(&dispatcher).await, "dispatcher DELETE attempt");
+    denied(sqlx::query("UPDATE outbox_envelopes SET created_at_ms = 0").execute(&dispatcher).await, "dispatcher UPDATE envelope");
+    denied(sqlx::query("INSERT INTO outbox_route_policies (event_type) VALUES ('x')").execute(&dispatcher).await, "dispatcher INSERT route");
+    denied(sqlx::query("SELECT 1 FROM outbox_consumer_receipts").execute(&dispatcher).await, "dispatcher reads consumer receipts");
+    denied(sqlx::query("UPDATE outbox_events SET tenant = tenant").execute(&app).await, "app UPDATE event");
+    denied(sqlx::query("DELETE FROM outbox_events").execute(&app).await, "app DELETE event");
+    denied(sqlx::query("SELECT 1 FROM outbox_attempts").execute(&app).await, "app reads attempts");
+    denied(sqlx::query("UPDATE outbox_events SET tenant = tenant").execute(&reader).await, "reader UPDATE");
+    denied(sqlx::query("INSERT INTO outbox_findings (kind) VALUES ('x')").execute(&reader).await, "reader INSERT");
+    denied(sqlx::query("SELECT 1 FROM outbox_events").execute(&consumer).await, "consumer reads outbox_events");
+    denied(sqlx::query("UPDATE outbox_events SET tenant = tenant").execute(&consumer).await, "consumer UPDATE outbox_events");
+    denied(sqlx::query("SELECT 1 FROM outbox_publish_receipts").execute(&consumer).await, "consumer reads receipts");
+    denied(sqlx::query("DELETE FROM outbox_consumer_receipts").execute(&consumer).await, "consumer DELETE receipts");
+
+    for (_, (p, _)) in pool_as.drain() {
+        p.close().await;
+    }
+    drop(kafka);
+    env.drop_now().await;
+    drop(logins);
+}
