@@ -297,3 +297,91 @@ pub async fn serve(
     });
     Ok((bound, handle))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_producer::report::{Bucket, ConsumerLag, Finding};
+
+    fn registry() -> (Registry, DispatchExport) {
+        let r = Registry::new();
+        build_info(&r, "test");
+        let d = DispatchExport::register(&r, Arc::new(DispatchMetrics::default()), Some(Arc::new(|| 7)));
+        (r, d)
+    }
+
+    fn report() -> Report {
+        Report {
+            generated_at_ms: 0,
+            committed_events: 3,
+            publish_receipts: 2,
+            duplicate_receipts: 0,
+            consumed_by_critical: vec![("billing".into(), 1)],
+            state_counts: vec![("PENDING".into(), 1), ("PUBLISHED".into(), 2)],
+            oldest_pending_age_ms: Some(2_500),
+            unknown_open: 0,
+            unknown_age_histogram: vec![Bucket { le_ms: 60_000, count: 0 }, Bucket { le_ms: i64::MAX, count: 0 }],
+            unknown_resolved: 0,
+            unknown_p99_resolution_ms: None,
+            unknown_slo_ms: 900_000,
+            consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), topic: "orders".into(), partition: 0, committed_offset: 1, published_end_offset: 2, lag_events: 1 }],
+            history: vec![],
+            findings: vec![Finding { kind: "aged_pending".into(), event_id: "e".into(), consumer_id: None, age_ms: 1, detail: String::new() }],
+        }
+    }
+
+    #[test]
+    fn every_exported_metric_is_documented() {
+        let docs = include_str!("../METRICS.md");
+        let (r, d) = registry();
+        d.refresh();
+        // Both commands export the oldest PENDING age; a process registers one of the two sets.
+        let r2 = Registry::new();
+        let rec = ReconcileExport::register(&r2);
+        rec.round(&ResolveReport::default(), &CompareReport::default());
+        rec.report(&report(), Some(1_000));
+        let text = format!("{}{}", encode(&r), encode(&r2));
+        let names: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split_whitespace().next()).collect();
+        assert!(names.len() >= 35, "{names:?}");
+        for n in names {
+            assert!(docs.contains(&format!("`{n}`")), "{n} is not documented in METRICS.md");
+        }
+        assert!(text.contains("outbox_kafka_in_flight_messages 7"));
+        assert!(text.contains("outbox_events{state=\"PUBLISHED\"} 2") && text.contains("outbox_events{state=\"QUARANTINED\"} 0"), "{text}");
+        assert!(text.contains("outbox_findings_open{kind=\"aged_pending\"} 1") && text.contains("outbox_findings_open{kind=\"bypass_publish\"} 0"));
+        assert!(text.contains("outbox_consumer_lag_events{consumer_id=\"billing\",partition=\"0\",topic=\"orders\"} 1"), "{text}");
+        assert!(text.contains("outbox_unknown_open_by_age{le=\"+Inf\"} 0") && text.contains("outbox_unknown_resolution_p99_seconds -1"));
+        assert!(text.contains("outbox_oldest_pending_age_seconds 2.5"));
+    }
+
+    #[test]
+    fn counters_follow_the_dispatcher() {
+        let r = Registry::new();
+        let m = Arc::new(DispatchMetrics::default());
+        let d = DispatchExport::register(&r, m.clone(), None);
+        m.published.store(5, Ordering::Relaxed);
+        d.refresh();
+        m.published.store(8, Ordering::Relaxed);
+        d.refresh();
+        d.refresh();
+        assert!(encode(&r).contains("outbox_dispatch_published_total 8"));
+    }
+
+    #[tokio::test]
+    async fn serves_metrics_over_http() {
+        let r = Registry::new();
+        build_info(&r, "test");
+        let (addr, handle) = serve("127.0.0.1:0", r, Arc::new(|| {})).await.unwrap();
+        let get = |path: &'static str| async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).await.unwrap();
+            let mut out = String::new();
+            s.read_to_string(&mut out).await.unwrap();
+            out
+        };
+        let ok = get("/metrics").await;
+        assert!(ok.starts_with("HTTP/1.1 200 OK") && ok.contains("text/plain; version=0.0.4") && ok.contains("outbox_build_info{command=\"test\""), "{ok}");
+        assert!(get("/other").await.starts_with("HTTP/1.1 404"));
+        handle.abort();
+    }
+}
