@@ -222,3 +222,31 @@ where
 {
     check_consumed_once(db, consumer_id, event_id).await.unwrap_or_else(|m| panic!("assert_consumed_once: {m}"))
 }
+
+/// Checks that a reconciliation report (`outbox_producer::build_report`, or
+/// `Reconciler::report` after `Reconciler::run_once`) has no open findings
+/// and that the UNKNOWN SLO is met; the message lists up to ten findings.
+pub fn check_no_findings(report: &outbox_producer::Report) -> Result<(), String> {
+    let mut problems: Vec<String> = report
+        .findings
+        .iter()
+        .take(10)
+        .map(|f| format!("{} {}{}: {}", f.kind, f.event_id, f.consumer_id.as_deref().map(|c| format!(" (consumer {c})")).unwrap_or_default(), f.detail))
+        .collect();
+    if report.findings.len() > 10 {
+        problems.push(format!("... and {} more", report.findings.len() - 10));
+    }
+    if !report.unknown_slo_met() {
+        problems.push(format!("UNKNOWN p99 to resolution {:?} ms exceeds the SLO of {} ms", report.unknown_p99_resolution_ms, report.unknown_slo_ms));
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} finding(s):\n  {}", report.findings.len(), problems.join("\n  ")))
+    }
+}
+
+/// Panicking twin of [`check_no_findings`].
+pub fn assert_no_findings(report: &outbox_producer::Report) {
+    check_no_findings(report).unwrap_or_else(|m| panic!("assert_no_findings: {m}"))
+}

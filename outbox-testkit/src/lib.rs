@@ -14,7 +14,8 @@
 //! * [`KafkaFixture`]: `OUTBOX_KAFKA_BOOTSTRAP` if set, else librdkafka's
 //!   in-process Kafka-protocol mock cluster.
 //! * Assertions called in the user's own transaction or pool:
-//!   [`assert_emitted`], [`assert_published`], [`assert_consumed_once`].
+//!   [`assert_emitted`], [`assert_published`], [`assert_consumed_once`],
+//!   and [`assert_no_findings`] over a reconciliation report.
 //!
 //! ## Assertion style
 //!
@@ -42,7 +43,10 @@ mod assert;
 mod kafka;
 mod postgres;
 
-pub use assert::{assert_consumed_once, assert_emitted, assert_published, check_consumed_once, check_emitted, check_published, PrimaryReceipt};
+pub use assert::{
+    assert_consumed_once, assert_emitted, assert_no_findings, assert_published, check_consumed_once, check_emitted, check_no_findings,
+    check_published, PrimaryReceipt,
+};
 pub use kafka::KafkaFixture;
 pub use postgres::{
     find_postgres_bindir, pick_database, pick_database_with, DatabaseSource, PickOptions, PickedDatabase, TestDatabase, ThrowawayPostgres,

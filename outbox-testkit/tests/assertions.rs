@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Processor, RawMessage};
 use outbox_core::{EmitRequest, RoutePolicy};
-use outbox_producer::{emit, Dispatcher, DispatcherConfig, EmitOptions, PgStore};
+use outbox_producer::{emit, Dispatcher, DispatcherConfig, EmitOptions, PgStore, Reconciler, ReconcilerConfig};
 use outbox_testkit::{
-    assert_consumed_once, assert_emitted, assert_published, check_consumed_once, check_emitted, check_published, pick_database, KafkaFixture,
-    TestDatabase,
+    assert_consumed_once, assert_emitted, assert_no_findings, assert_published, check_consumed_once, check_emitted, check_no_findings, check_published,
+    pick_database, KafkaFixture, TestDatabase,
 };
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
@@ -98,6 +98,20 @@ async fn emitted_published_and_consumed_once() {
     assert_consumed_once(&pool, "fulfilment", &event_id).await;
     let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects").fetch_one(&pool).await.unwrap();
     assert_eq!(effects, 1);
+
+    // The reconciler agrees: nothing to report.
+    let reconciler = Reconciler::new(PgStore::new(pool.clone()), kafka.broker(|_| {}).await.unwrap(), ReconcilerConfig::default()).unwrap();
+    reconciler.run_once().await.unwrap();
+    assert_no_findings(&reconciler.report().await.unwrap());
+    // A PENDING event past the threshold is a finding, and the message names it.
+    let mut tx = pool.begin().await.unwrap();
+    let late = emit(&mut tx, &EmitRequest { command_key: "create-o-43", aggregate_id: "o-43", ..request }, &EmitOptions::default()).await.unwrap();
+    tx.commit().await.unwrap();
+    let strict = Reconciler::new(PgStore::new(pool.clone()), kafka.broker(|_| {}).await.unwrap(), ReconcilerConfig { aged_pending_ms: 0, ..Default::default() }).unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    strict.run_once().await.unwrap();
+    let err = check_no_findings(&strict.report().await.unwrap()).unwrap_err();
+    assert!(err.contains(&format!("aged_pending {}", late.event_id())), "{err}");
 
     // A tampered payload is caught.
     sqlx::query("ALTER TABLE outbox_events DISABLE TRIGGER outbox_events_transition").execute(&pool).await.unwrap();
