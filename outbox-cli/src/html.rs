@@ -155,8 +155,8 @@ fn states_chart(o: &mut String, r: &Report) {
             let (x0, x1) = (left + pw / 2.0 - 30.0, left + pw / 2.0 + 30.0);
             let _ = write!(pts, "{x0:.1},{:.1} {x1:.1},{:.1} {x1:.1},{:.1} {x0:.1},{:.1}", y(tops[0]), y(tops[0]), y(base[0]), y(base[0]));
         } else {
-            for i in 0..n {
-                let _ = write!(pts, "{:.1},{:.1} ", x(i), y(tops[i]));
+            for (i, t) in tops.iter().enumerate() {
+                let _ = write!(pts, "{:.1},{:.1} ", x(i), y(*t));
             }
             for i in (0..n).rev() {
                 let _ = write!(pts, "{:.1},{:.1} ", x(i), y(base[i]));

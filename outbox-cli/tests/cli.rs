@@ -231,7 +231,7 @@ async fn dispatch_process_publishes_serves_metrics_and_drains_on_sigterm() {
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(status.success(), "exit {status:?}: {stderr}");
-    let stopped = stderr.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).find(|v| v["message"] == "dispatcher stopped").expect(&format!("a JSON 'dispatcher stopped' line: {stderr}"));
+    let stopped = stderr.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).find(|v| v["message"] == "dispatcher stopped").unwrap_or_else(|| panic!("a JSON 'dispatcher stopped' line: {stderr}"));
     assert_eq!(stopped["published"], 6);
     drop(kafka);
     env.drop_now().await;
@@ -302,6 +302,63 @@ async fn reconcile_once_report_purge_and_migrate_destination() {
     let t = env.ok(&["trace", pending.event_id().as_str()]);
     assert!(t.contains("envelope generation 1") && t.contains("envelope generation 2") && t.contains("migration: ") && t.contains("operator=ops-alice"), "{t}");
     assert!(t.contains("routes to          ") && t.contains("/orders-eu/"), "{t}");
+    drop(kafka);
+    env.drop_now().await;
+}
+
+#[tokio::test]
+async fn reconcile_loop_exports_report_metrics_and_stops_on_sigint() {
+    let env = Env::new("cli_reconcile_loop").await;
+    env.ok(&["migrate"]);
+    let kafka = KafkaFixture::mock(1).unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    let broker = kafka.broker(|_| {}).await.unwrap();
+    route(env.pool(), broker.cluster_id(), "orders", 3).await;
+    outbox_producer::register_consumer(env.pool(), "billing", &["orders"], true, true).await.unwrap();
+    let stuck = create_order(env.pool(), "stuck").await;
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut child = env
+        .outbox()
+        .args(["reconcile", "--kafka-bootstrap", kafka.bootstrap(), "--interval-ms", "200", "--aged-pending-ms", "1", "--metrics-addr", &metrics_addr])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let body = loop {
+        assert!(child.try_wait().unwrap().is_none(), "outbox reconcile exited early");
+        if let Ok((_, body)) = std::panic::catch_unwind(|| http_get(&metrics_addr, "/metrics")) {
+            if body.contains("outbox_findings_open{kind=\"aged_pending\"} 1") {
+                break body;
+            }
+        }
+        assert!(Instant::now() < deadline, "no aged_pending finding exported");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(body.contains("outbox_events{state=\"PENDING\"} 1"), "{body}");
+    assert!(body.contains("outbox_committed_events 1") && body.contains("outbox_unknown_open 0"), "{body}");
+    assert!(body.contains("outbox_consumer_consumed_events{consumer_id=\"billing\"} 0"), "{body}");
+    assert!(body.contains("outbox_unknown_slo_seconds 900"), "{body}");
+    assert!(body.contains("outbox_reconcile_last_success_timestamp_seconds"), "{body}");
+    let rounds: f64 = body.lines().find_map(|l| l.strip_prefix("outbox_reconcile_rounds_total ")).unwrap().parse().unwrap();
+    assert!(rounds >= 1.0);
+    let status = env.ok(&["status"]);
+    assert!(status.contains("consumer billing [critical,mandatory]"), "{status}");
+    // SAFETY: kill(2) with a child's pid we own.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "outbox reconcile did not stop after SIGINT");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let out = child.wait_with_output().unwrap();
+    assert!(status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("reconciler stopping"));
+    let t = env.ok(&["trace", stuck.event_id().as_str()]);
+    assert!(t.contains("finding: ") && t.contains("kind=aged_pending"), "{t}");
     drop(kafka);
     env.drop_now().await;
 }

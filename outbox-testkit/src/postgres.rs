@@ -116,7 +116,7 @@ fn run(mut cmd: Command, what: &str) -> Result<(), TestkitError> {
         return Ok(());
     }
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let last = text.lines().filter(|l| !l.trim().is_empty()).last().unwrap_or("").to_owned();
+    let last = text.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("").to_owned();
     Err(TestkitError::new(format!("{what} failed ({}): {last}", out.status)))
 }
 
