@@ -33,14 +33,19 @@ struct Args {
     batch: usize,
     partitions: i32,
     preload: bool,
+    keep_db: bool,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
-    let mut a = Args { events: 100_000, keys: 1_000, emitters: 2, txn_events: 100, workers: 2, batch: 1_000, partitions: 12, preload: false };
+    let mut a = Args { events: 100_000, keys: 1_000, emitters: 2, txn_events: 100, workers: 2, batch: 1_000, partitions: 12, preload: false, keep_db: false };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--preload" {
             a.preload = true;
+            continue;
+        }
+        if flag == "--keep-db" {
+            a.keep_db = true;
             continue;
         }
         let v: usize = it.next().with_context(|| format!("{flag} needs a value"))?.parse().with_context(|| format!("{flag} takes a number"))?;
@@ -63,7 +68,11 @@ async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
     let db = ScratchDb::create("outbox_dispatch_bench", 24).await?;
     let result = run(&args, &db).await;
-    db.drop_now().await?;
+    if args.keep_db {
+        eprintln!("# kept database {}", db.name);
+    } else {
+        db.drop_now().await?;
+    }
     result
 }
 
