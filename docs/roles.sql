@@ -25,6 +25,11 @@
 --                       quarantine and dead letters; nothing of the outbox
 --   outbox_watermark_publisher
 --                       copies a consumer's watermarks into the outbox database
+--   outbox_consumer_retention
+--                       outbox_consumer::purge_receipts_before: deletes old
+--                       consumption receipts (a separate job: the consumer
+--                       itself can never delete the receipts that make
+--                       redeliveries duplicates)
 --
 -- Nobody but the owner may DELETE outbox evidence: events, envelopes,
 -- attempts and receipts are never deleted (retention only clears payloads).
@@ -35,7 +40,7 @@ DO $$
 DECLARE r text;
 BEGIN
     FOREACH r IN ARRAY ARRAY['outbox_app', 'outbox_dispatcher', 'outbox_reconciler', 'outbox_operator',
-                             'outbox_reader', 'outbox_consumer', 'outbox_watermark_publisher'] LOOP
+                             'outbox_reader', 'outbox_consumer', 'outbox_watermark_publisher', 'outbox_consumer_retention'] LOOP
         BEGIN
             EXECUTE format('CREATE ROLE %I NOLOGIN', r);
         EXCEPTION WHEN duplicate_object OR unique_violation THEN
@@ -65,7 +70,7 @@ BEGIN
                              'outbox_consumer_quarantine', 'outbox_consumer_dead_letters'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
-                            outbox_reader, outbox_consumer, outbox_watermark_publisher', t);
+                            outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
         END IF;
     END LOOP;
 END $$;
@@ -131,6 +136,9 @@ SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox
 SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox_consumer_watermarks');
 SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT', 'outbox_consumer_quarantine');
 SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_consumer_dead_letters');
+
+-- outbox_consumer_retention: bounded deletion of receipts older than the replay window.
+SELECT pg_temp.outbox_grant('outbox_consumer_retention', 'SELECT, DELETE', 'outbox_consumer_receipts');
 
 -- outbox_watermark_publisher: outbox_consumer::publish_watermarks into the outbox database.
 SELECT pg_temp.outbox_grant('outbox_watermark_publisher', 'SELECT, INSERT, UPDATE', 'outbox_consumer_watermarks');

@@ -115,7 +115,7 @@ async fn every_service_works_under_its_role_and_nothing_more() {
     let suffix = env.db.name.rsplit('_').next().unwrap().to_owned();
     let mut logins = Logins { admin_url: env.server.url().to_owned(), names: Vec::new() };
     let mut pool_as = std::collections::HashMap::new();
-    for role in ["app", "dispatcher", "reconciler", "operator", "reader", "consumer"] {
+    for role in ["app", "dispatcher", "reconciler", "operator", "reader", "consumer", "consumer_retention"] {
         let login = format!("t_{role}_{suffix}");
         sqlx::query(&format!("CREATE ROLE {login} LOGIN IN ROLE outbox_{role}")).execute(&owner).await.unwrap();
         logins.names.push(login.clone());
@@ -196,6 +196,14 @@ async fn every_service_works_under_its_role_and_nothing_more() {
     denied(sqlx::query("UPDATE outbox_events SET tenant = tenant").execute(&consumer).await, "consumer UPDATE outbox_events");
     denied(sqlx::query("SELECT 1 FROM outbox_publish_receipts").execute(&consumer).await, "consumer reads receipts");
     denied(sqlx::query("DELETE FROM outbox_consumer_receipts").execute(&consumer).await, "consumer DELETE receipts");
+
+    // Receipt retention is a separate role; it can do nothing else.
+    let retention = pool("consumer_retention");
+    denied(sqlx::query("INSERT INTO outbox_consumer_receipts (consumer_id) VALUES ('x')").execute(&retention).await, "retention INSERT receipts");
+    denied(sqlx::query("SELECT 1 FROM outbox_events").execute(&retention).await, "retention reads outbox_events");
+    let far_future = chrono::Utc::now() + chrono::Duration::days(1);
+    let purged = outbox_consumer::purge_receipts_before(&retention, "fulfilment", far_future, 100).await.expect("purge receipts as outbox_consumer_retention");
+    assert_eq!(purged, 1);
 
     for (_, (p, _)) in pool_as.drain() {
         p.close().await;
