@@ -52,12 +52,13 @@ INSERT INTO outbox_transitions (from_state, to_state) VALUES
     ('PUBLISHED', 'RETAINED'), ('RETAINED', 'PURGED');
 
 CREATE TABLE outbox_events (
-    seq                 bigint GENERATED ALWAYS AS IDENTITY UNIQUE,
+    seq                 bigint GENERATED ALWAYS AS IDENTITY,
     event_id            text PRIMARY KEY CHECK (event_id ~ '^evt-[0-7][0-9A-HJKMNP-TV-Z]{25}$'),
     command_key         text NOT NULL UNIQUE,
     protocol_version    smallint NOT NULL DEFAULT 1,
     envelope_generation integer NOT NULL DEFAULT 1 CHECK (envelope_generation >= 1),
-    state               text NOT NULL REFERENCES outbox_states,
+    state               text NOT NULL CHECK (state IN ('PENDING', 'CLAIMED', 'SENDING', 'PUBLISHED', 'RETAINED', 'PURGED',
+                                                       'DISPATCH_UNKNOWN', 'RECONCILING', 'RETRY_CLAIMED', 'QUARANTINED')),
     tenant              text NOT NULL,
     aggregate_type      text NOT NULL,
     aggregate_id        text NOT NULL,
@@ -97,13 +98,33 @@ CREATE INDEX outbox_events_unknown ON outbox_events (next_check_at_ms) WHERE sta
 CREATE INDEX outbox_events_leased ON outbox_events (lease_until_ms) WHERE claim_owner IS NOT NULL;
 CREATE INDEX outbox_events_retry ON outbox_events (seq) WHERE state = 'RETRY_CLAIMED';
 CREATE INDEX outbox_events_aggregate ON outbox_events (tenant, aggregate_type, aggregate_id, aggregate_version);
-CREATE INDEX outbox_events_state ON outbox_events (state, state_since_ms);
+-- Every UPDATE of a state writes a new entry into each full index, so full
+-- indexes are few; the states an operator or the reconciler looks up have
+-- small partial indexes instead.
+CREATE INDEX outbox_events_published ON outbox_events (published_at_ms) WHERE state = 'PUBLISHED';
+CREATE INDEX outbox_events_retained ON outbox_events (published_at_ms) WHERE state = 'RETAINED';
+CREATE INDEX outbox_events_quarantined ON outbox_events (state_since_ms) WHERE state = 'QUARANTINED';
+CREATE INDEX outbox_events_unknown_since ON outbox_events (unknown_since_ms) WHERE unknown_since_ms IS NOT NULL;
+
+-- The closed transition table, enforced on every state change. The list is
+-- the outbox_transitions table's (a test checks both against outbox-core);
+-- it is inlined here so the check costs no query per row.
+CREATE FUNCTION outbox_transition_allowed(from_state text, to_state text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT (from_state || '>' || to_state) = ANY (ARRAY[
+        'PENDING>CLAIMED', 'PENDING>QUARANTINED',
+        'CLAIMED>SENDING', 'CLAIMED>PENDING', 'CLAIMED>QUARANTINED',
+        'SENDING>PUBLISHED', 'SENDING>DISPATCH_UNKNOWN', 'SENDING>PENDING', 'SENDING>QUARANTINED',
+        'DISPATCH_UNKNOWN>RECONCILING', 'DISPATCH_UNKNOWN>PUBLISHED', 'DISPATCH_UNKNOWN>QUARANTINED',
+        'RECONCILING>PUBLISHED', 'RECONCILING>RETRY_CLAIMED', 'RECONCILING>DISPATCH_UNKNOWN',
+        'RECONCILING>PENDING', 'RECONCILING>QUARANTINED',
+        'RETRY_CLAIMED>SENDING', 'RETRY_CLAIMED>PUBLISHED', 'RETRY_CLAIMED>DISPATCH_UNKNOWN', 'RETRY_CLAIMED>QUARANTINED',
+        'PUBLISHED>RETAINED', 'RETAINED>PURGED'])
+$$;
 
 CREATE FUNCTION outbox_check_transition() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.state IS DISTINCT FROM OLD.state AND NOT EXISTS (
-        SELECT 1 FROM outbox_transitions WHERE from_state = OLD.state AND to_state = NEW.state
-    ) THEN
+    IF NEW.state IS DISTINCT FROM OLD.state AND NOT outbox_transition_allowed(OLD.state, NEW.state) THEN
         RAISE EXCEPTION 'illegal outbox transition % -> % for %', OLD.state, NEW.state, OLD.event_id
             USING ERRCODE = 'check_violation';
     END IF;
@@ -142,7 +163,7 @@ CREATE TRIGGER outbox_envelopes_frozen BEFORE UPDATE OR DELETE ON outbox_envelop
 
 CREATE TABLE outbox_attempts (
     attempt_id          text PRIMARY KEY CHECK (attempt_id ~ '^att-[0-7][0-9A-HJKMNP-TV-Z]{25}$'),
-    event_id            text NOT NULL REFERENCES outbox_events,
+    event_id            text NOT NULL,
     envelope_generation integer NOT NULL,
     attempt_generation  integer NOT NULL CHECK (attempt_generation >= 1),
     claim_generation    bigint NOT NULL,
