@@ -269,6 +269,10 @@ pub struct ScannedMessage {
     pub offset: i64,
     /// Its `outbox-event-id` header, if any.
     pub event_id: Option<String>,
+    /// Its key, if any.
+    pub key: Option<Vec<u8>>,
+    /// `sha256:` digest of its value.
+    pub payload_digest: String,
 }
 
 /// The answer of [`Broker::scan_event_ids`].

@@ -706,7 +706,12 @@ impl Broker for KafkaBroker {
                 let event_id = msg
                     .headers()
                     .and_then(|h| h.iter().filter(|x| x.key == headers::EVENT_ID).last().and_then(|x| x.value.map(|v| String::from_utf8_lossy(v).into_owned())));
-                messages.push(ScannedMessage { offset: msg.offset(), event_id });
+                messages.push(ScannedMessage {
+                    offset: msg.offset(),
+                    event_id,
+                    key: msg.key().map(<[u8]>::to_vec),
+                    payload_digest: sha256_digest(msg.payload().unwrap_or_default()),
+                });
             })?;
             Ok(PartitionScan { messages, next_offset })
         })
