@@ -77,6 +77,16 @@ impl ScratchDb {
         Ok(ScratchDb { admin, name, pool, where_, server: None })
     }
 
+    /// A connection URL of the scratch database (user, host, port, name; no password).
+    pub fn url(&self) -> String {
+        format!("postgres://{}@{}:{}/{}", self.admin.get_username(), self.admin.get_host(), self.admin.get_port(), self.name)
+    }
+
+    /// Whether the database lives on a throwaway server that ends with this process.
+    pub fn is_throwaway(&self) -> bool {
+        self.server.as_ref().is_some_and(|s| s.throwaway().is_some())
+    }
+
     /// Where the database is, for printing (no credentials).
     pub fn describe(&self) -> String {
         format!("database {} on {}", self.name, self.where_)

@@ -13,7 +13,8 @@
 //! PostgreSQL: `DATABASE_URL`, else the local server, else a throwaway one
 //! (`--throwaway-postgres` forces it). Kafka: `OUTBOX_KAFKA_BOOTSTRAP`, else
 //! an in-process Kafka-protocol cluster. A scratch database is created for the
-//! run and dropped at the end.
+//! run and dropped at the end, unless `--keep` is given (then the `outbox`
+//! CLI can `trace` its events afterwards).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,16 +34,22 @@ const ORDERS: usize = 5;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())).with_target(false).init();
+    let keep = std::env::args().any(|a| a == "--keep");
     let db = ScratchDb::create("outbox_quickstart", 10).await?;
     let result = run(&db).await;
-    db.drop_now().await?;
+    if keep && !db.is_throwaway() {
+        println!("\nkept {}; look at any event with:", db.describe());
+        println!("  DATABASE_URL={} cargo run -p outbox-cli -- trace <eventId>", db.url());
+    } else {
+        db.drop_now().await?;
+    }
     result
 }
 
 async fn run(db: &ScratchDb) -> anyhow::Result<()> {
     let pool = db.pool.clone();
     println!("== setup");
-    println!("database : scratch database {}", db.name);
+    println!("database : {}", db.describe());
     outbox_producer::migrate(&pool).await?;
     outbox_consumer::migrate(&pool).await?;
     let kafka = Kafka::start(&[(TOPIC, PARTITIONS)])?;
@@ -156,7 +163,7 @@ async fn run(db: &ScratchDb) -> anyhow::Result<()> {
     let report = reconciler.report().await?;
     print!("{}", report.to_text());
     println!("(this round: {} unknowns examined, {} messages scanned for bypass publishes)", resolved.examined, compared.scanned_messages);
-    println!("\ntrace any event: cargo run -p outbox-cli -- trace {}   (with DATABASE_URL pointing at a kept database)", event_ids[0]);
+    println!("\nfirst event: {} (run with --keep to trace it with the outbox CLI)", event_ids[0]);
     anyhow::ensure!(report.findings.is_empty(), "a healthy run has no findings");
     let _ = Arc::strong_count(&broker);
     Ok(())
