@@ -167,8 +167,14 @@ pub async fn receipt(pool: &PgPool, consumer_id: &str, event_id: &EventId) -> Re
 pub const LIMIT_PURGE_ROWS: i64 = 100_000;
 
 /// Deletes at most `max_rows` (up to [`LIMIT_PURGE_ROWS`]) receipts of
-/// `consumer_id` received before `received_before`, oldest first; returns how
-/// many were deleted. Call it in a loop until it returns less than `max_rows`.
+/// `consumer_id` received before `received_before` *and* below their
+/// partition's committed watermark, oldest first; returns how many were
+/// deleted. Call it in a loop until it returns less than `max_rows`.
+///
+/// The watermark condition is the consumer-side twin of the outbox's
+/// retention rule: a receipt whose offset the watermark has not passed may
+/// still see its message redelivered (the offset commit may not have
+/// happened), so it is kept whatever its age.
 ///
 /// A receipt is what makes a redelivery a duplicate: once it is gone, a
 /// replay of that event would apply it again. Only purge receipts older than
@@ -182,9 +188,12 @@ pub async fn purge_receipts_before(pool: &PgPool, consumer_id: &str, received_be
     }
     let n = sqlx::query(
         "DELETE FROM outbox_consumer_receipts WHERE consumer_id = $1 AND event_id IN (
-             SELECT event_id FROM outbox_consumer_receipts
-             WHERE consumer_id = $1 AND received_at < $2
-             ORDER BY received_at LIMIT $3)",
+             SELECT r.event_id FROM outbox_consumer_receipts r
+             WHERE r.consumer_id = $1 AND r.received_at < $2
+               AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w
+                           WHERE w.consumer_id = r.consumer_id AND w.topic = r.topic AND w.partition = r.partition
+                             AND w.committed_offset > r.\"offset\")
+             ORDER BY r.received_at LIMIT $3)",
     )
     .bind(consumer_id)
     .bind(received_before)

@@ -327,3 +327,19 @@ async fn receipts_are_purged_in_bounded_batches(pool: PgPool) {
     assert_eq!(outbox_consumer::purge_receipts_before(&pool, "billing", cutoff, 3).await.unwrap(), 2);
     assert_eq!(outbox_consumer::purge_receipts_before(&pool, "other", cutoff, 3).await.unwrap(), 0);
 }
+
+/// A receipt the partition's watermark has not passed is never purged,
+/// whatever its age: its message may still be redelivered.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn purge_never_overtakes_the_watermark(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let p = processor(&pool, &TestHandler::default());
+    let msgs: Vec<RawMessage> = (0..5).map(|i| fixture_on(TOPIC, 4, 0, &format!("w{i}")).raw(i)).collect();
+    p.process_batch(&msgs).await.unwrap();
+    // As if the offsets 3 and 4 were decided but the watermark had not moved past them.
+    sqlx::query("UPDATE outbox_consumer_watermarks SET committed_offset = 3 WHERE consumer_id = 'billing'").execute(&pool).await.unwrap();
+    let cutoff = chrono::Utc::now() + chrono::Duration::seconds(1);
+    assert_eq!(outbox_consumer::purge_receipts_before(&pool, "billing", cutoff, 100).await.unwrap(), 3);
+    let left: Vec<i64> = sqlx::query_scalar("SELECT \"offset\" FROM outbox_consumer_receipts WHERE consumer_id = 'billing' ORDER BY 1").fetch_all(&pool).await.unwrap();
+    assert_eq!(left, vec![3, 4]);
+}
