@@ -95,41 +95,27 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
         return Ok(report);
     }
 
-    for _ in 0..policy.max_batches {
-        let n = sqlx::query(
-            "UPDATE outbox_events SET state = 'RETAINED', state_since_ms = $1
-             WHERE event_id IN (SELECT event_id FROM outbox_events WHERE state = 'PUBLISHED' AND published_at_ms < $1 - $2
-                                ORDER BY published_at_ms LIMIT $3 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind(now_ms)
-        .bind(policy.replay_window_ms)
-        .bind(policy.batch_size)
-        .execute(pool)
-        .await?
-        .rows_affected();
-        report.retained += n;
-        report.batches += 1;
-        progress(&report);
-        if (n as i64) < policy.batch_size {
-            break;
-        }
-    }
-    for _ in 0..policy.max_batches {
-        let n = sqlx::query(&format!(
-            "UPDATE outbox_events SET state = 'PURGED', payload = NULL, state_since_ms = $1
-             WHERE event_id IN (SELECT e.event_id FROM {from} WHERE {cond} ORDER BY e.published_at_ms LIMIT $3 FOR UPDATE OF e SKIP LOCKED)"
-        ))
-        .bind(now_ms)
-        .bind(policy.replay_window_ms)
-        .bind(policy.batch_size)
-        .execute(pool)
-        .await?
-        .rows_affected();
-        report.purged += n;
-        report.batches += 1;
-        progress(&report);
-        if (n as i64) < policy.batch_size {
-            break;
+    let retain = "UPDATE outbox_events SET state = 'RETAINED', state_since_ms = $1
+         WHERE event_id IN (SELECT event_id FROM outbox_events WHERE state = 'PUBLISHED' AND published_at_ms < $1 - $2
+                            ORDER BY published_at_ms LIMIT $3 FOR UPDATE SKIP LOCKED)"
+        .to_owned();
+    let purge = format!(
+        "UPDATE outbox_events SET state = 'PURGED', payload = NULL, state_since_ms = $1
+         WHERE event_id IN (SELECT e.event_id FROM {from} WHERE {cond} ORDER BY e.published_at_ms LIMIT $3 FOR UPDATE OF e SKIP LOCKED)"
+    );
+    for (sql, retaining) in [(retain, true), (purge, false)] {
+        for _ in 0..policy.max_batches {
+            let n = sqlx::query(&sql).bind(now_ms).bind(policy.replay_window_ms).bind(policy.batch_size).execute(pool).await?.rows_affected();
+            if retaining {
+                report.retained += n;
+            } else {
+                report.purged += n;
+            }
+            report.batches += 1;
+            progress(&report);
+            if (n as i64) < policy.batch_size {
+                break;
+            }
         }
     }
     report.held_by_consumers = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_events WHERE state = 'RETAINED' AND published_at_ms < $1 - $2")
