@@ -43,6 +43,7 @@ pub mod id;
 pub mod memory;
 pub mod receipt;
 pub mod reconcile;
+pub mod retention;
 pub mod state;
 pub mod store;
 
@@ -53,6 +54,7 @@ pub use error::CoreError;
 pub use id::{AttemptId, EventId};
 pub use memory::MemoryStore;
 pub use reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
+pub use retention::{decide_migration, may_purge, may_retain, HoldReason, MigrationDecision, MigrationProof, MigrationRefusal};
 pub use receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
 pub use store::{Broker, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

@@ -16,6 +16,7 @@ use crate::id::{AttemptId, EventId};
 use crate::receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
 use crate::state::{AttemptState, EventState};
 use crate::reconcile::ReconcileDecision;
+use crate::retention::{decide_migration, may_purge, may_retain, MigrationDecision, MigrationProof};
 use crate::store::{ClaimedEvent, FenceOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
 
 /// One event row.
@@ -45,6 +46,49 @@ pub struct MemoryEvent {
     pub next_check_at_ms: i64,
     /// When it first became DISPATCH_UNKNOWN (kept until resolved), ms.
     pub unknown_since_ms: Option<i64>,
+    /// When the publish slot was filled, ms (the replay window counts from here).
+    pub published_at_ms: Option<i64>,
+}
+
+/// A migration receipt (SPEC §7): links envelope generation N (kept as it
+/// was, never edited) to N + 1 with its new frozen destination, with the proof.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MigrationRecord {
+    /// Event moved.
+    pub event_id: EventId,
+    /// Generation left behind.
+    pub from_generation: u32,
+    /// New generation (`from_generation + 1`).
+    pub to_generation: u32,
+    /// The envelope of the generation left behind, as it was frozen.
+    pub from_envelope: Envelope,
+    /// Its frozen destination.
+    pub from_destination: Destination,
+    /// Its digest.
+    pub from_destination_digest: String,
+    /// The new frozen destination.
+    pub to_destination: Destination,
+    /// Its digest.
+    pub to_destination_digest: String,
+    /// Why the old target does not hold the event.
+    pub proof: MigrationProof,
+    /// Who asked.
+    pub operator: String,
+    /// When, ms.
+    pub at_ms: i64,
+    /// Attempts of the old generation closed ABSENT by the move (only under `ProvenAbsent`).
+    pub closed_attempts: Vec<AttemptId>,
+}
+
+/// What one retention pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemoryPurgeOutcome {
+    /// PUBLISHED -> RETAINED.
+    pub retained: Vec<EventId>,
+    /// RETAINED -> PURGED (payload dropped, tombstone kept).
+    pub purged: Vec<EventId>,
+    /// RETAINED events past the window held back by a mandatory consumer.
+    pub held_by_consumers: u64,
 }
 
 /// An audit record (stale writes, rejected receipts).
@@ -77,6 +121,8 @@ pub struct MemoryState {
     /// cluster is part of the key: two clusters may carry the same topic name
     /// (a route revision to another cluster), and their offsets are unrelated.
     pub partition_high: BTreeMap<(String, String, i32), i64>,
+    /// Migration receipts, in order.
+    pub migrations: Vec<MigrationRecord>,
     next_seq: u64,
 }
 
@@ -142,15 +188,169 @@ impl MemoryStore {
                 state_since_ms: now,
                 next_check_at_ms: 0,
                 unknown_since_ms: None,
+                published_at_ms: None,
             },
         );
         Ok(id)
+    }
+
+    /// The topic name retention uses for a log: `cluster/topic`. Two clusters
+    /// may carry the same topic name (a route revision to another cluster)
+    /// with unrelated offsets, so watermarks name the cluster too.
+    pub fn log_name(cluster_id: &str, topic: &str) -> String {
+        format!("{cluster_id}/{topic}")
+    }
+
+    /// Takes one DISPATCH_UNKNOWN event (due or not) for a fenced reconcile,
+    /// as an operator's migration does before asking the old target.
+    pub fn begin_reconcile_event(&self, owner: &str, event_id: &EventId, lease_ms: i64) -> Result<Option<ReconcileTask>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(ev) = st.events.get_mut(event_id) else { return Err(StoreError::NotFound(event_id.clone())) };
+        if ev.state != EventState::DispatchUnknown {
+            return Ok(None);
+        }
+        Ok(Some(Self::take_for_reconcile(ev, &st.attempts, owner, now, lease_ms)?))
+    }
+
+    fn take_for_reconcile(ev: &mut MemoryEvent, attempts: &BTreeMap<EventId, Vec<AttemptRecord>>, owner: &str, now: i64, lease_ms: i64) -> Result<ReconcileTask, StoreError> {
+        let since = ev.unknown_since_ms.unwrap_or(ev.state_since_ms);
+        Self::transition(ev, EventState::Reconciling, now)?;
+        ev.claim = grant(&ev.claim, owner, now, lease_ms);
+        ev.claim.attempt_id = None;
+        Ok(ReconcileTask {
+            token: Self::claimed(ev, EventState::DispatchUnknown).token,
+            event: LockedEvent {
+                event_id: ev.envelope.event_id.clone(),
+                envelope_generation: ev.envelope.envelope_generation,
+                state: ev.state,
+                payload_digest: ev.envelope.payload_digest.clone(),
+                destination: ev.destination.clone(),
+                destination_digest: ev.destination_digest.clone(),
+                slot: ev.slot.clone(),
+            },
+            attempts: attempts.get(&ev.envelope.event_id).cloned().unwrap_or_default(),
+            unknown_since_ms: since,
+        })
+    }
+
+    /// Destination migration (SPEC §7): writes envelope generation + 1 with
+    /// `new_destination`, keeps the old envelope in a migration receipt, and
+    /// makes the event PENDING for the new destination.
+    ///
+    /// `NeverPersisted` is re-checked here ([`decide_migration`] on the locked
+    /// row: PENDING, no attempt in flight or acknowledged). `ProvenAbsent` is
+    /// accepted only for a RECONCILING event (the caller holds the reconcile
+    /// claim under which it looked up the old target); only then are the old
+    /// generation's SENDING/UNKNOWN attempts closed ABSENT. The move fences
+    /// every earlier claim. `Ok(Err(why))` when refused; nothing changed.
+    pub fn migrate(&self, event_id: &EventId, new_destination: Destination, proof: MigrationProof, operator: &str) -> Result<Result<MigrationRecord, String>, StoreError> {
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let st = &mut *st;
+        let ev = st.events.get_mut(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
+        let attempts = st.attempts.entry(event_id.clone()).or_default();
+        match (&proof, ev.state) {
+            (MigrationProof::NeverPersisted, EventState::Pending) => {
+                if let MigrationDecision::Refuse(r) = decide_migration(EventState::Pending, attempts, None, &Default::default(), now) {
+                    return Ok(Err(r.to_string()));
+                }
+            }
+            (MigrationProof::ProvenAbsent { .. }, EventState::Reconciling) => {}
+            (p, s) => return Ok(Err(format!("state {s} cannot move under proof {p:?}"))),
+        }
+        let to_digest = new_destination.digest();
+        if to_digest == ev.destination_digest {
+            return Ok(Err("the new route resolves to the same destination".into()));
+        }
+        let mut closed = Vec::new();
+        if matches!(proof, MigrationProof::ProvenAbsent { .. }) {
+            for a in attempts.iter_mut().filter(|a| a.state.possibly_in_flight()) {
+                a.state = AttemptState::Absent;
+                closed.push(a.attempt_id.clone());
+            }
+        }
+        let old_envelope = ev.envelope.clone();
+        let record = MigrationRecord {
+            event_id: event_id.clone(),
+            from_generation: old_envelope.envelope_generation,
+            to_generation: old_envelope.envelope_generation + 1,
+            from_destination: ev.destination.clone(),
+            from_destination_digest: ev.destination_digest.clone(),
+            to_destination: new_destination.clone(),
+            to_destination_digest: to_digest.clone(),
+            from_envelope: old_envelope.clone(),
+            proof,
+            operator: operator.to_owned(),
+            at_ms: now,
+            closed_attempts: closed,
+        };
+        ev.envelope = Envelope { envelope_generation: old_envelope.envelope_generation + 1, ..old_envelope };
+        ev.destination = new_destination;
+        ev.destination_digest = to_digest;
+        if ev.state != EventState::Pending {
+            Self::transition(ev, EventState::Pending, now)?;
+        }
+        ev.state_since_ms = now;
+        ev.unknown_since_ms = None;
+        ev.next_check_at_ms = 0;
+        ev.claim.claim_generation += 1;
+        ev.claim.owner = None;
+        ev.claim.lease_until_ms = None;
+        ev.claim.attempt_id = None;
+        Self::audit(st, event_id, "migrated", format!("generation {} -> {} by {operator}", record.from_generation, record.to_generation));
+        st.migrations.push(record.clone());
+        Ok(Ok(record))
+    }
+
+    /// Retention (SPEC §9): PUBLISHED -> RETAINED past the replay window
+    /// ([`may_retain`]); RETAINED -> PURGED when [`may_purge`] allows. The
+    /// purge drops the payload only: slot, digests, envelopes, attempts and
+    /// the command key stay, so late duplicates and retried commands are
+    /// still recognised.
+    ///
+    /// `watermarks`: `(consumer_id, topic, partition, committed_offset)` with
+    /// topics named by [`MemoryStore::log_name`]; `mandatory`: each mandatory
+    /// consumer with the topics it reads (same naming).
+    pub fn retain_and_purge(&self, replay_window_ms: i64, watermarks: &[(String, String, i32, i64)], mandatory: &[(String, Vec<String>)]) -> MemoryPurgeOutcome {
+        let now = self.now_ms();
+        let wms: Vec<(&str, &str, i32, i64)> = watermarks.iter().map(|(c, t, p, o)| (c.as_str(), t.as_str(), *p, *o)).collect();
+        let mut st = self.lock();
+        let mut out = MemoryPurgeOutcome::default();
+        for ev in st.events.values_mut() {
+            let Some(published_at) = ev.published_at_ms else { continue };
+            if ev.state == EventState::Published && may_retain(published_at, now, replay_window_ms) && Self::transition(ev, EventState::Retained, now).is_ok() {
+                out.retained.push(ev.envelope.event_id.clone());
+            }
+            if ev.state != EventState::Retained {
+                continue;
+            }
+            let Some(slot) = ev.slot.as_ref() else { continue };
+            let topic = Self::log_name(&slot.cluster_id, &slot.topic);
+            let on_topic: Vec<&str> = mandatory.iter().filter(|(_, topics)| topics.iter().any(|t| *t == topic)).map(|(c, _)| c.as_str()).collect();
+            match may_purge(ev.state, published_at, now, replay_window_ms, (&topic, slot.partition, slot.offset), &wms, &on_topic) {
+                Ok(()) => {
+                    if Self::transition(ev, EventState::Purged, now).is_ok() {
+                        ev.payload = Vec::new();
+                        out.purged.push(ev.envelope.event_id.clone());
+                    }
+                }
+                Err(crate::retention::HoldReason::WithinReplayWindow | crate::retention::HoldReason::NotRetained { .. }) => {}
+                Err(_) => out.held_by_consumers += 1,
+            }
+        }
+        out
     }
 
     /// Moves an event, through the transition table.
     pub fn transition(ev: &mut MemoryEvent, to: EventState, now_ms: i64) -> Result<(), CoreError> {
         ev.state = ev.state.transition(to)?;
         ev.state_since_ms = now_ms;
+        if to == EventState::Published {
+            ev.published_at_ms.get_or_insert(now_ms);
+        }
         match to {
             EventState::DispatchUnknown => {
                 ev.unknown_since_ms.get_or_insert(now_ms);
@@ -484,24 +684,7 @@ impl OutboxStore for MemoryStore {
             if ev.state != EventState::DispatchUnknown || ev.next_check_at_ms > now {
                 continue;
             }
-            let since = ev.unknown_since_ms.unwrap_or(ev.state_since_ms);
-            Self::transition(ev, EventState::Reconciling, now)?;
-            ev.claim = grant(&ev.claim, owner, now, lease_ms);
-            ev.claim.attempt_id = None;
-            out.push(ReconcileTask {
-                token: Self::claimed(ev, EventState::DispatchUnknown).token,
-                event: LockedEvent {
-                    event_id: ev.envelope.event_id.clone(),
-                    envelope_generation: ev.envelope.envelope_generation,
-                    state: ev.state,
-                    payload_digest: ev.envelope.payload_digest.clone(),
-                    destination: ev.destination.clone(),
-                    destination_digest: ev.destination_digest.clone(),
-                    slot: ev.slot.clone(),
-                },
-                attempts: st.attempts.get(&ev.envelope.event_id).cloned().unwrap_or_default(),
-                unknown_since_ms: since,
-            });
+            out.push(Self::take_for_reconcile(ev, &st.attempts, owner, now, lease_ms)?);
         }
         Ok(out)
     }

@@ -9,8 +9,8 @@
 //! as one.
 
 use outbox_core::{
-    decide_reconcile, scan_lower_bound, AttemptState, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, OutboxStore, RecheckReason,
-    ReconcileDecision, RetryPolicy, RoutePolicy,
+    decide_migration, scan_lower_bound, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, MigrationDecision, MigrationRefusal, OutboxStore,
+    RecheckReason, ReconcileDecision, RetryPolicy, RoutePolicy,
 };
 use serde::Serialize;
 use sqlx::Row;
@@ -55,13 +55,15 @@ pub async fn migrate_destination<B: Broker>(
     let refused = |reason: String| Ok(MigrationOutcome::Refused { reason });
     let (state, _) = store.event_state(event_id).await?;
     let attempts = store.attempts(event_id).await?;
+    // The decision is outbox_core::decide_migration, the same function the
+    // in-memory store and the simulator use.
     let proof = match state {
-        EventState::Pending => {
-            if attempts.iter().any(|a| a.state.possibly_in_flight() || a.state == AttemptState::Acked) {
-                return refused("an earlier attempt may be in the old target".into());
+        EventState::Pending => match decide_migration(state, &attempts, None, retry, store.now_ms()) {
+            MigrationDecision::Move { .. } => {
+                serde_json::json!({ "kind": "never_persisted", "attempts": attempts.iter().map(|a| (a.attempt_id.to_string(), a.state.as_str())).collect::<Vec<_>>() })
             }
-            serde_json::json!({ "kind": "never_persisted", "attempts": attempts.iter().map(|a| (a.attempt_id.to_string(), a.state.as_str())).collect::<Vec<_>>() })
-        }
+            MigrationDecision::Refuse(r) => return refused(r.to_string()),
+        },
         EventState::DispatchUnknown => {
             let owner = format!("migrate-{operator}");
             let mut tasks = store.begin_reconcile_where(&owner, 1, 60_000, Some(event_id)).await?;
@@ -72,9 +74,9 @@ pub async fn migrate_destination<B: Broker>(
                 old_broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
             };
             let now = store.now_ms();
-            match decide_reconcile(&task.attempts, &lookup, true, retry, now) {
-                ReconcileDecision::Retry { proven_absent: true } => {}
-                ReconcileDecision::Submit(receipts) => {
+            match decide_migration(EventState::DispatchUnknown, &task.attempts, Some(&lookup), retry, now) {
+                MigrationDecision::Move { .. } => {}
+                MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }) => {
                     store.accept_dispatch_receipts(&receipts).await?;
                     let (after, _) = store.event_state(event_id).await?;
                     if after == EventState::Reconciling {
@@ -83,22 +85,17 @@ pub async fn migrate_destination<B: Broker>(
                     }
                     return refused(format!("the old target holds the event; it is now {after}"));
                 }
-                other => {
-                    let recheck = match other {
-                        r @ ReconcileDecision::Recheck { .. } => r,
-                        _ => ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: now + retry.recheck_ms },
-                    };
-                    store.finish_reconcile(&task.token, &recheck).await?;
-                    let why = match &lookup {
-                        LookupOutcome::Unavailable(e) => format!("old target unknown and unqueryable ({e})"),
-                        _ => "an attempt may still be in flight to the old target".into(),
-                    };
-                    return refused(why);
+                MigrationDecision::Refuse(r) => {
+                    store.finish_reconcile(&task.token, &r.recheck(retry, now)).await?;
+                    return refused(r.to_string());
                 }
             }
             serde_json::json!({ "kind": "proven_absent", "lookup_from_offset": scan_lower_bound(&task.attempts), "claim_generation": task.token.claim_generation })
         }
-        other => return refused(format!("state {other}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move")),
+        other => match decide_migration(other, &attempts, None, retry, store.now_ms()) {
+            MigrationDecision::Refuse(r) => return refused(r.to_string()),
+            MigrationDecision::Move { .. } => unreachable!("decide_migration moves only PENDING or DISPATCH_UNKNOWN events"),
+        },
     };
 
     let now = store.now_ms();

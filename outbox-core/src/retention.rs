@@ -1,0 +1,365 @@
+//! Retention and destination-migration decisions (SPEC §7, §9), with no I/O.
+//!
+//! * [`may_retain`] / [`may_purge`]: evidence goes only after the maximum
+//!   replay window *and* after every mandatory consumer reading the topic has
+//!   committed past the event on its partition. Seeing an ACK is never a
+//!   reason to delete the only evidence. A purge drops the payload bytes and
+//!   keeps a tombstone (eventId, command key, digests, envelopes, receipts).
+//! * [`decide_migration`]: an undelivered event moves to another
+//!   cluster/topic only when the old target provably does not hold it: either
+//!   it is PENDING and no attempt may have reached the old target, or it is
+//!   DISPATCH_UNKNOWN and [`decide_reconcile`] proves absence. While the old
+//!   target is UNKNOWN and cannot be asked, the move is refused: no
+//!   cross-target re-send in disguise.
+//!
+//! The PostgreSQL migration (`outbox_producer::migration`), the in-memory
+//! store ([`crate::MemoryStore::migrate`], [`crate::MemoryStore::retain_and_purge`])
+//! and the simulator call these functions.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::receipt::{AttemptRecord, BrokerReceipt};
+use crate::reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
+use crate::state::{AttemptState, EventState};
+use crate::store::LookupOutcome;
+
+/// Why an event's evidence is kept for now.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "hold")]
+pub enum HoldReason {
+    /// Only RETAINED events are purged (PUBLISHED ones are retained first).
+    NotRetained {
+        /// The event's state.
+        state: EventState,
+    },
+    /// Published within the replay window.
+    WithinReplayWindow,
+    /// A mandatory consumer reading the topic has published no watermark for the partition.
+    NoWatermark {
+        /// The consumer.
+        consumer_id: String,
+    },
+    /// A mandatory consumer's committed offset has not passed the event.
+    WatermarkBehind {
+        /// The consumer.
+        consumer_id: String,
+        /// Its committed offset (the next offset it will read).
+        committed_offset: i64,
+    },
+}
+
+/// Whether an event published at `published_at_ms` is past the replay
+/// window at `now_ms` (PUBLISHED -> RETAINED). Same condition as the SQL:
+/// `published_at_ms < now_ms - replay_window_ms`.
+pub fn may_retain(published_at_ms: i64, now_ms: i64, replay_window_ms: i64) -> bool {
+    published_at_ms < now_ms.saturating_sub(replay_window_ms.max(0))
+}
+
+/// Whether a RETAINED event may be purged (RETAINED -> PURGED).
+///
+/// `placement` is the primary receipt's `(topic, partition, offset)`;
+/// `mandatory_watermarks` holds `(consumer_id, topic, partition,
+/// committed_offset)` rows (the committed offset is the next offset the
+/// consumer reads, so it has passed `offset` when `committed_offset >
+/// offset`); `mandatory_consumers_on_topic` lists every mandatory consumer
+/// reading the event's topic. A mandatory consumer without a watermark row
+/// for the partition holds the event.
+pub fn may_purge(
+    state: EventState,
+    published_at_ms: i64,
+    now_ms: i64,
+    replay_window_ms: i64,
+    placement: (&str, i32, i64),
+    mandatory_watermarks: &[(&str, &str, i32, i64)],
+    mandatory_consumers_on_topic: &[&str],
+) -> Result<(), HoldReason> {
+    if state != EventState::Retained {
+        return Err(HoldReason::NotRetained { state });
+    }
+    if !may_retain(published_at_ms, now_ms, replay_window_ms) {
+        return Err(HoldReason::WithinReplayWindow);
+    }
+    let (topic, partition, offset) = placement;
+    for &consumer in mandatory_consumers_on_topic {
+        let committed = mandatory_watermarks.iter().find(|(c, t, p, _)| *c == consumer && *t == topic && *p == partition).map(|w| w.3);
+        match committed {
+            None => return Err(HoldReason::NoWatermark { consumer_id: consumer.to_owned() }),
+            Some(committed_offset) if committed_offset <= offset => {
+                return Err(HoldReason::WatermarkBehind { consumer_id: consumer.to_owned(), committed_offset })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// What proves that the old target does not hold the event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum MigrationProof {
+    /// PENDING, and no attempt may be in the old target (none in flight, none acknowledged).
+    NeverPersisted,
+    /// DISPATCH_UNKNOWN, and a lookup of the frozen partition from
+    /// `lookup_from_offset` found nothing while no attempt may still be in flight.
+    ProvenAbsent {
+        /// Where the scan started ([`scan_lower_bound`]).
+        lookup_from_offset: i64,
+    },
+}
+
+/// Why a migration is refused. Nothing is sent anywhere.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "refusal")]
+pub enum MigrationRefusal {
+    /// Only PENDING or proven-absent DISPATCH_UNKNOWN events can move.
+    NotMovable {
+        /// The event's state.
+        state: EventState,
+    },
+    /// PENDING, but an earlier attempt may be in the old target (in flight or acknowledged).
+    AttemptMayBeInOldTarget,
+    /// DISPATCH_UNKNOWN and the old target cannot be asked.
+    OldTargetUnqueryable {
+        /// Why.
+        detail: String,
+    },
+    /// The old target holds the event: submit these receipts through
+    /// `acceptDispatchReceipt` instead of moving.
+    OldTargetHoldsEvent {
+        /// What the lookup found.
+        receipts: Vec<BrokerReceipt>,
+    },
+    /// Absence is not proven for another reason (an attempt may still be in
+    /// flight, retry policy, attempt budget).
+    Unproven {
+        /// The reconcile decision's reason.
+        reason: RecheckReason,
+    },
+}
+
+impl MigrationRefusal {
+    /// The reconcile recheck a migrator holding a reconcile claim finishes with.
+    pub fn recheck(&self, policy: &RetryPolicy, now_ms: i64) -> ReconcileDecision {
+        let reason = match self {
+            MigrationRefusal::Unproven { reason } => *reason,
+            MigrationRefusal::OldTargetHoldsEvent { .. } => RecheckReason::ReceiptsRefused,
+            _ => RecheckReason::BrokerUnavailable,
+        };
+        ReconcileDecision::Recheck { reason, next_check_at_ms: now_ms.saturating_add(policy.recheck_ms) }
+    }
+}
+
+impl fmt::Display for MigrationRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MigrationRefusal::NotMovable { state } => write!(f, "state {state}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move"),
+            MigrationRefusal::AttemptMayBeInOldTarget => f.write_str("an earlier attempt may be in the old target"),
+            MigrationRefusal::OldTargetUnqueryable { detail } => write!(f, "old target unknown and unqueryable ({detail})"),
+            MigrationRefusal::OldTargetHoldsEvent { receipts } => write!(f, "the old target holds the event ({} message(s))", receipts.len()),
+            MigrationRefusal::Unproven { .. } => f.write_str("an attempt may still be in flight to the old target"),
+        }
+    }
+}
+
+/// What a migration request comes to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "decision")]
+pub enum MigrationDecision {
+    /// Move: write envelope generation + 1 with the new destination and a migration receipt carrying `proof`.
+    Move {
+        /// Why the old target does not hold the event.
+        proof: MigrationProof,
+    },
+    /// Do not move.
+    Refuse(MigrationRefusal),
+}
+
+/// Decides whether an event in `state` with `attempts` may move to another
+/// destination. `lookup` is the old target's answer for the frozen partition
+/// (from [`scan_lower_bound`]); `None` when it was not (or could not be) asked.
+///
+/// * PENDING: moves when no attempt may be in flight or was acknowledged.
+/// * DISPATCH_UNKNOWN: moves only when [`decide_reconcile`] (with a broker
+///   that can look up) answers `Retry { proven_absent: true }`.
+/// * anything else: refused.
+pub fn decide_migration(state: EventState, attempts: &[AttemptRecord], lookup: Option<&LookupOutcome>, policy: &RetryPolicy, now_ms: i64) -> MigrationDecision {
+    use MigrationDecision::{Move, Refuse};
+    match state {
+        EventState::Pending => {
+            if attempts.iter().any(|a| a.state.possibly_in_flight() || a.state == AttemptState::Acked) {
+                Refuse(MigrationRefusal::AttemptMayBeInOldTarget)
+            } else {
+                Move { proof: MigrationProof::NeverPersisted }
+            }
+        }
+        EventState::DispatchUnknown => {
+            let Some(lookup) = lookup else {
+                return Refuse(MigrationRefusal::OldTargetUnqueryable { detail: "the old target was not asked".into() });
+            };
+            match decide_reconcile(attempts, lookup, true, policy, now_ms) {
+                ReconcileDecision::Retry { proven_absent: true } => Move { proof: MigrationProof::ProvenAbsent { lookup_from_offset: scan_lower_bound(attempts) } },
+                ReconcileDecision::Submit(receipts) => Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }),
+                ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, .. } | ReconcileDecision::Retry { proven_absent: false } => {
+                    let detail = match lookup {
+                        LookupOutcome::Unavailable(e) => e.clone(),
+                        _ => "no absence proof".into(),
+                    };
+                    Refuse(MigrationRefusal::OldTargetUnqueryable { detail })
+                }
+                ReconcileDecision::Recheck { reason, .. } => Refuse(MigrationRefusal::Unproven { reason }),
+            }
+        }
+        other => Refuse(MigrationRefusal::NotMovable { state: other }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::{AttemptId, EventId};
+
+    #[test]
+    fn retain_only_past_the_window() {
+        assert!(may_retain(0, 1_001, 1_000));
+        assert!(!may_retain(0, 1_000, 1_000));
+        assert!(!may_retain(500, 1_000, 1_000));
+        assert!(may_retain(999, 1_000, 0));
+        assert!(!may_retain(1_000, 1_000, 0));
+    }
+
+    const W: i64 = 1_000;
+
+    fn purge(state: EventState, published: i64, wms: &[(&str, &str, i32, i64)], mandatory: &[&str]) -> Result<(), HoldReason> {
+        may_purge(state, published, 10_000, W, ("orders", 2, 7), wms, mandatory)
+    }
+
+    #[test]
+    fn purge_needs_retained() {
+        for s in [EventState::Published, EventState::Pending, EventState::Purged, EventState::DispatchUnknown] {
+            assert_eq!(purge(s, 0, &[], &[]), Err(HoldReason::NotRetained { state: s }));
+        }
+    }
+
+    #[test]
+    fn purge_needs_the_replay_window() {
+        assert_eq!(purge(EventState::Retained, 9_500, &[], &[]), Err(HoldReason::WithinReplayWindow));
+        assert_eq!(purge(EventState::Retained, 9_000, &[], &[]), Err(HoldReason::WithinReplayWindow));
+        assert_eq!(purge(EventState::Retained, 8_999, &[], &[]), Ok(()));
+    }
+
+    #[test]
+    fn mandatory_consumer_without_watermark_holds() {
+        assert_eq!(purge(EventState::Retained, 0, &[], &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
+        // A watermark of another partition, topic or consumer is no watermark.
+        let wms = [("c1", "orders", 3, 100), ("c1", "other", 2, 100), ("c2", "orders", 2, 100)];
+        assert_eq!(purge(EventState::Retained, 0, &wms, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
+    }
+
+    #[test]
+    fn watermark_must_pass_the_offset() {
+        let at = [("c1", "orders", 2, 7)];
+        assert_eq!(purge(EventState::Retained, 0, &at, &["c1"]), Err(HoldReason::WatermarkBehind { consumer_id: "c1".into(), committed_offset: 7 }));
+        let past = [("c1", "orders", 2, 8)];
+        assert_eq!(purge(EventState::Retained, 0, &past, &["c1"]), Ok(()));
+    }
+
+    #[test]
+    fn every_mandatory_consumer_must_have_passed() {
+        let wms = [("c1", "orders", 2, 50), ("c2", "orders", 2, 3)];
+        assert_eq!(purge(EventState::Retained, 0, &wms, &["c1", "c2"]), Err(HoldReason::WatermarkBehind { consumer_id: "c2".into(), committed_offset: 3 }));
+        // A consumer that is not mandatory on the topic does not hold.
+        assert_eq!(purge(EventState::Retained, 0, &wms, &["c1"]), Ok(()));
+        assert_eq!(purge(EventState::Retained, 0, &wms, &[]), Ok(()));
+    }
+
+    fn attempt(state: AttemptState, started_at_ms: i64) -> AttemptRecord {
+        AttemptRecord {
+            attempt_id: AttemptId::from_parts(1, started_at_ms as u128),
+            event_id: EventId::from_parts(1, 1),
+            envelope_generation: 1,
+            attempt_generation: 1,
+            claim_generation: 1,
+            owner: "w".into(),
+            state,
+            destination_digest: "d".into(),
+            started_at_ms,
+            scan_from_offset: 4,
+        }
+    }
+
+    const P: RetryPolicy = RetryPolicy { allow_retry: true, max_attempts: 5, in_flight_bound_ms: 1_000, recheck_ms: 500 };
+
+    #[test]
+    fn pending_moves_only_without_possible_delivery() {
+        assert_eq!(decide_migration(EventState::Pending, &[], None, &P, 0), MigrationDecision::Move { proof: MigrationProof::NeverPersisted });
+        let closed = [attempt(AttemptState::NotSent, 0), attempt(AttemptState::Absent, 1)];
+        assert_eq!(decide_migration(EventState::Pending, &closed, None, &P, 0), MigrationDecision::Move { proof: MigrationProof::NeverPersisted });
+        for s in [AttemptState::Sending, AttemptState::Unknown, AttemptState::Acked] {
+            assert_eq!(decide_migration(EventState::Pending, &[attempt(s, 0)], None, &P, 0), MigrationDecision::Refuse(MigrationRefusal::AttemptMayBeInOldTarget), "{s}");
+        }
+    }
+
+    #[test]
+    fn unknown_moves_only_when_proven_absent() {
+        let a = [attempt(AttemptState::Unknown, 0)];
+        assert_eq!(
+            decide_migration(EventState::DispatchUnknown, &a, Some(&LookupOutcome::Absent), &P, 5_000),
+            MigrationDecision::Move { proof: MigrationProof::ProvenAbsent { lookup_from_offset: 4 } }
+        );
+        // Not asked, or unqueryable: refused (never a cross-target re-send while UNKNOWN).
+        assert!(matches!(decide_migration(EventState::DispatchUnknown, &a, None, &P, 5_000), MigrationDecision::Refuse(MigrationRefusal::OldTargetUnqueryable { .. })));
+        assert_eq!(
+            decide_migration(EventState::DispatchUnknown, &a, Some(&LookupOutcome::Unavailable("down".into())), &P, 5_000),
+            MigrationDecision::Refuse(MigrationRefusal::OldTargetUnqueryable { detail: "down".into() })
+        );
+        // Absent but an attempt may still land: refused.
+        let young = [attempt(AttemptState::Unknown, 4_500)];
+        assert_eq!(
+            decide_migration(EventState::DispatchUnknown, &young, Some(&LookupOutcome::Absent), &P, 5_000),
+            MigrationDecision::Refuse(MigrationRefusal::Unproven { reason: RecheckReason::AttemptInFlight })
+        );
+        // Policy forbids retries: the same rule as reconcile refuses.
+        let no = RetryPolicy { allow_retry: false, ..P };
+        assert_eq!(
+            decide_migration(EventState::DispatchUnknown, &a, Some(&LookupOutcome::Absent), &no, 5_000),
+            MigrationDecision::Refuse(MigrationRefusal::Unproven { reason: RecheckReason::RetryNotAllowed })
+        );
+    }
+
+    #[test]
+    fn found_in_the_old_target_is_refused_with_the_receipts() {
+        let r = BrokerReceipt {
+            event_id: EventId::from_parts(1, 1),
+            envelope_generation: 1,
+            attempt_id: AttemptId::from_parts(1, 0),
+            payload_digest: "p".into(),
+            destination_digest: "d".into(),
+            cluster_id: "c".into(),
+            topic: "t".into(),
+            partition: 0,
+            offset: 11,
+        };
+        let d = decide_migration(EventState::DispatchUnknown, &[attempt(AttemptState::Unknown, 0)], Some(&LookupOutcome::Found(vec![r.clone()])), &P, 5_000);
+        assert_eq!(d, MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts: vec![r] }));
+    }
+
+    #[test]
+    fn other_states_never_move() {
+        for s in crate::state::ALL_STATES {
+            if matches!(s, EventState::Pending | EventState::DispatchUnknown) {
+                continue;
+            }
+            assert_eq!(decide_migration(s, &[], Some(&LookupOutcome::Absent), &P, 5_000), MigrationDecision::Refuse(MigrationRefusal::NotMovable { state: s }));
+        }
+    }
+
+    #[test]
+    fn refusals_recheck_like_the_reconciler() {
+        let u = MigrationRefusal::OldTargetUnqueryable { detail: "x".into() };
+        assert_eq!(u.recheck(&P, 10), ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: 510 });
+        let f = MigrationRefusal::Unproven { reason: RecheckReason::AttemptInFlight };
+        assert_eq!(f.recheck(&P, 10), ReconcileDecision::Recheck { reason: RecheckReason::AttemptInFlight, next_check_at_ms: 510 });
+    }
+}
