@@ -67,7 +67,9 @@ BEGIN
                              'outbox_quarantine', 'outbox_audit', 'outbox_consumers', 'outbox_unknown_resolutions',
                              'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots',
                              'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
-                             'outbox_consumer_quarantine', 'outbox_consumer_dead_letters'] LOOP
+                             'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
+                             'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
+                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -87,6 +89,8 @@ FROM unnest(ARRAY['outbox_app', 'outbox_dispatcher', 'outbox_reconciler', 'outbo
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_events');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_route_policies');
+-- emit freezes who sends the event from the current takeover policy (rollout).
+SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_takeover_policies');
 
 -- outbox_dispatcher: claim (UPDATE with row locks), register attempts, the
 -- receipt transaction, not-sent / unknown reports, lease sweeps, quarantine
@@ -99,6 +103,10 @@ SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_dupli
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_quarantine');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'INSERT', 'outbox_audit');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'INSERT', 'outbox_unknown_resolutions');
+-- Rollout: a dispatcher under an alias reads it; the shadow dispatcher records
+-- the messages it would have sent (and sends nothing).
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_dispatcher_aliases');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_shadow_attempts');
 
 -- outbox_reconciler: the dispatcher's rights (it resolves UNKNOWNs through
 -- the same receipt transaction), plus the three-set comparison and report.
@@ -109,6 +117,10 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_consumers', 'outbox_consumer_
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_findings');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_scan_cursors');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT', 'outbox_bypass_messages');
+-- The shadow comparison: marks where each shadowed event was seen, its cursors, its mismatches.
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_attempts');
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_cursors');
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_mismatches');
 -- Snapshots older than history_keep_ms are deleted: the only DELETE granted on the producer side.
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, DELETE', 'outbox_state_snapshots');
 
@@ -120,6 +132,11 @@ SELECT pg_temp.outbox_grant('outbox_operator', 'INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_migration_receipts');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_route_policies');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT, UPDATE', 'outbox_consumers');
+-- Rollout and rollback: takeover policy generations and the dispatcher alias
+-- (its history is append-only).
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_takeover_policies');
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT, UPDATE', 'outbox_dispatcher_aliases');
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_dispatcher_alias_history');
 
 -- outbox_reader: everything, read-only (status, trace, report, dashboards).
 SELECT pg_temp.outbox_grant('outbox_reader', 'SELECT', t)
@@ -127,7 +144,9 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_envelopes', 
                   'outbox_duplicate_receipts', 'outbox_quarantine', 'outbox_audit', 'outbox_consumers', 'outbox_unknown_resolutions',
                   'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots',
                   'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
-                  'outbox_consumer_quarantine', 'outbox_consumer_dead_letters']) t;
+                  'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
+                  'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
+                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes
@@ -137,8 +156,10 @@ SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox
 SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT', 'outbox_consumer_quarantine');
 SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_consumer_dead_letters');
 
--- outbox_consumer_retention: bounded deletion of receipts older than the replay window.
+-- outbox_consumer_retention: bounded deletion of receipts older than the replay
+-- window and below their partition's committed watermark (which it reads).
 SELECT pg_temp.outbox_grant('outbox_consumer_retention', 'SELECT, DELETE', 'outbox_consumer_receipts');
+SELECT pg_temp.outbox_grant('outbox_consumer_retention', 'SELECT', 'outbox_consumer_watermarks');
 
 -- outbox_watermark_publisher: outbox_consumer::publish_watermarks into the outbox database.
 SELECT pg_temp.outbox_grant('outbox_watermark_publisher', 'SELECT, INSERT, UPDATE', 'outbox_consumer_watermarks');
