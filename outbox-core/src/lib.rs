@@ -46,6 +46,7 @@ pub mod reconcile;
 pub mod retention;
 pub mod state;
 pub mod store;
+pub mod takeover;
 
 pub use canonical::{is_digest, sha256_digest};
 pub use claim::{check_fence, Claim, ClaimToken, Clock, FencedWrite, ManualClock, SystemClock};
@@ -57,4 +58,5 @@ pub use reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, Reconcile
 pub use retention::{decide_migration, may_purge, may_retain, HoldReason, MigrationDecision, MigrationProof, MigrationRefusal};
 pub use receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
+pub use takeover::{decide_publisher, takeover_bucket, Publisher, TakeoverPolicy, TAKEOVER_BUCKETS};
 pub use store::{Broker, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

@@ -48,6 +48,8 @@ pub const DEFAULT_SWEEP_INTERVAL_MS: u64 = 1_000;
 pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 30_000;
 /// Most workers one dispatcher runs.
 pub const MAX_WORKERS: usize = 64;
+/// This build's implementation name, the default of [`DispatcherConfig::implementation`].
+pub const IMPLEMENTATION: &str = concat!("outbox-rs/", env!("CARGO_PKG_VERSION"));
 
 /// Dispatcher settings. Precedence: defaults, then a TOML file, then
 /// `OUTBOX_DISPATCH_*` environment variables, then explicit code.
@@ -70,6 +72,13 @@ pub struct DispatcherConfig {
     pub shutdown_grace_ms: u64,
     /// Wake on `NOTIFY outbox_pending` (sent by `emit`).
     pub listen: bool,
+    /// The dispatcher alias this instance runs under (SPEC §11). With an
+    /// alias, it claims only while the alias names its `implementation`
+    /// (checked at most every `poll_interval_ms`); otherwise it idles.
+    /// Switching the alias is the rollout's only rollback step.
+    pub alias: Option<String>,
+    /// This instance's implementation name, e.g. `outbox-rs/0.1.0`.
+    pub implementation: String,
 }
 
 impl Default for DispatcherConfig {
@@ -83,6 +92,8 @@ impl Default for DispatcherConfig {
             sweep_interval_ms: DEFAULT_SWEEP_INTERVAL_MS,
             shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
             listen: true,
+            alias: None,
+            implementation: IMPLEMENTATION.to_owned(),
         }
     }
 }
@@ -104,7 +115,8 @@ impl DispatcherConfig {
     }
 
     /// Applies `OUTBOX_DISPATCH_NAME`, `_WORKERS`, `_BATCH_SIZE`, `_LEASE_MS`,
-    /// `_POLL_INTERVAL_MS`, `_SWEEP_INTERVAL_MS`, `_SHUTDOWN_GRACE_MS`, `_LISTEN`.
+    /// `_POLL_INTERVAL_MS`, `_SWEEP_INTERVAL_MS`, `_SHUTDOWN_GRACE_MS`, `_LISTEN`,
+    /// `_ALIAS`, `_IMPLEMENTATION`.
     pub fn with_env(mut self) -> Result<Self, ProducerError> {
         env_parse("OUTBOX_DISPATCH_NAME", &mut self.name)?;
         env_parse("OUTBOX_DISPATCH_WORKERS", &mut self.workers)?;
@@ -114,6 +126,10 @@ impl DispatcherConfig {
         env_parse("OUTBOX_DISPATCH_SWEEP_INTERVAL_MS", &mut self.sweep_interval_ms)?;
         env_parse("OUTBOX_DISPATCH_SHUTDOWN_GRACE_MS", &mut self.shutdown_grace_ms)?;
         env_parse("OUTBOX_DISPATCH_LISTEN", &mut self.listen)?;
+        if let Ok(a) = std::env::var("OUTBOX_DISPATCH_ALIAS") {
+            self.alias = Some(a.trim().to_owned()).filter(|a| !a.is_empty());
+        }
+        env_parse("OUTBOX_DISPATCH_IMPLEMENTATION", &mut self.implementation)?;
         self.validate()?;
         Ok(self)
     }
@@ -121,6 +137,10 @@ impl DispatcherConfig {
     /// Checks every limit.
     pub fn validate(&self) -> Result<(), ProducerError> {
         outbox_core::id::validate_identifier("dispatcher name", &self.name)?;
+        outbox_core::id::validate_identifier("dispatcher implementation", &self.implementation)?;
+        if let Some(alias) = &self.alias {
+            outbox_core::id::validate_identifier("dispatcher alias", alias)?;
+        }
         let bad = |m: String| Err(ProducerError::Config(m));
         if !(1..=MAX_WORKERS).contains(&self.workers) {
             return bad(format!("workers = {} (1..={MAX_WORKERS})", self.workers));
@@ -169,6 +189,12 @@ pub struct DispatchMetrics {
     pub batch_ms_max: AtomicU64,
     /// Age of the oldest PENDING event at the last sweep, ms.
     pub oldest_pending_age_ms: AtomicU64,
+    /// Rows waiting for a dispatcher that this one refuses because their
+    /// protocol version is newer than it understands, at the last sweep.
+    pub refused_protocol_rows: AtomicU64,
+    /// 1 while this dispatcher may claim (no alias, or its alias names its
+    /// implementation), 0 while it idles.
+    pub alias_active: AtomicU64,
 }
 
 fn inc(c: &AtomicU64, n: u64) {
@@ -229,6 +255,8 @@ pub struct Dispatcher<B: Broker + 'static> {
     broker: Arc<B>,
     config: DispatcherConfig,
     metrics: Arc<DispatchMetrics>,
+    /// When the alias was last read, and whether it named this implementation.
+    alias_checked: std::sync::Mutex<Option<(Instant, bool)>>,
 }
 
 /// Builds the message for one attempt of one claimed event.
@@ -249,7 +277,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
     pub fn new(store: PgStore, broker: Arc<B>, config: DispatcherConfig) -> Result<Self, ProducerError> {
         config.validate()?;
         let store = store.scoped_to_cluster(broker.cluster_id());
-        Ok(Dispatcher { store, broker, config, metrics: Arc::default() })
+        Ok(Dispatcher { store, broker, config, metrics: Arc::default(), alias_checked: std::sync::Mutex::new(None) })
     }
 
     /// The counters.
@@ -267,10 +295,38 @@ impl<B: Broker + 'static> Dispatcher<B> {
         &self.config
     }
 
-    /// Step 1: claim a batch as `owner`, verify, register attempts and start the sends.
+    /// Whether this dispatcher may claim now: no alias configured, or the
+    /// alias currently names this implementation. Read from the database at
+    /// most every `poll_interval_ms`; an alias never set means idle.
+    pub async fn alias_active(&self) -> Result<bool, ProducerError> {
+        let Some(alias) = &self.config.alias else {
+            self.metrics.alias_active.store(1, AtomicOrdering::Relaxed);
+            return Ok(true);
+        };
+        let fresh_for = Duration::from_millis(self.config.poll_interval_ms);
+        let cached = *self.alias_checked.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, active)) = cached.filter(|(at, _)| at.elapsed() < fresh_for) {
+            return Ok(active);
+        }
+        let current = crate::rollout::current_alias(self.store.pool(), alias).await?;
+        let active = current.as_ref().is_some_and(|a| a.implementation == self.config.implementation);
+        if cached.map(|(_, was)| was) != Some(active) {
+            let now_serving = current.as_ref().map(|a| a.implementation.as_str()).unwrap_or("nobody");
+            tracing::info!(%alias, implementation = %self.config.implementation, now_serving, active, "dispatcher alias checked");
+        }
+        *self.alias_checked.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), active));
+        self.metrics.alias_active.store(u64::from(active), AtomicOrdering::Relaxed);
+        Ok(active)
+    }
+
+    /// Step 1: claim a batch as `owner`, verify, register attempts and start
+    /// the sends. Claims nothing while [`Dispatcher::alias_active`] is false.
     pub async fn claim_and_send(&self, owner: &str) -> Result<InFlightBatch, ProducerError> {
         let mut report = BatchReport::default();
         let started = Instant::now();
+        if !self.alias_active().await? {
+            return Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends: Vec::new() });
+        }
         let mut claimed = self.store.claim_retries(owner, self.config.batch_size, self.config.lease_ms).await?;
         if claimed.len() < self.config.batch_size {
             claimed.extend(self.store.claim_batch(owner, self.config.batch_size - claimed.len(), self.config.lease_ms).await?);
@@ -475,6 +531,13 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     }
                     if let Ok(age) = me.store.oldest_pending_age_ms().await {
                         me.metrics.oldest_pending_age_ms.store(age.unwrap_or(0) as u64, AtomicOrdering::Relaxed);
+                    }
+                    if let Ok(refused) = me.store.rows_beyond_protocol().await {
+                        let before = me.metrics.refused_protocol_rows.swap(refused.max(0) as u64, AtomicOrdering::Relaxed);
+                        if refused > 0 && before != refused as u64 {
+                            tracing::warn!(refused, understood = me.store.max_protocol_version(),
+                                "rows of a newer protocol version are waiting; this dispatcher leaves them alone (run a dispatcher that understands them)");
+                        }
                     }
                     tokio::select! {
                         _ = tokio::time::sleep(every) => {}

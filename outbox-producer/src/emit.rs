@@ -1,6 +1,6 @@
 //! `emit`: the PENDING envelope inserted inside the caller's own transaction.
 
-use outbox_core::{Destination, EmitRequest, Envelope, EventId, RoutePolicy, DEFAULT_MAX_PAYLOAD_BYTES};
+use outbox_core::{decide_publisher, Destination, EmitRequest, Envelope, EventId, Publisher, RoutePolicy, TakeoverPolicy, DEFAULT_MAX_PAYLOAD_BYTES};
 use sqlx::{Postgres, Row, Transaction};
 
 use crate::error::ProducerError;
@@ -41,6 +41,9 @@ pub struct Emitted {
     pub destination_digest: String,
     /// `false` when the command key was seen before and nothing was inserted.
     pub inserted: bool,
+    /// Who sends it, frozen at emit by the takeover policy (SPEC §11):
+    /// [`Publisher::Outbox`] unless a rollout leaves it to the legacy publisher.
+    pub publisher: Publisher,
 }
 
 impl Emitted {
@@ -93,10 +96,13 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
                 (SELECT event_id FROM outbox_events WHERE command_key = $1) AS existing,
                 (SELECT max(aggregate_version) FROM outbox_events
                   WHERE tenant = $2 AND aggregate_type = $3 AND aggregate_id = $4) AS last_version,
-                p.*
+                p.*, t.*
          FROM (SELECT 1) one
          LEFT JOIN LATERAL (SELECT {} FROM outbox_route_policies WHERE event_type = $5
-                            ORDER BY generation DESC LIMIT 1) p ON true",
+                            ORDER BY generation DESC LIMIT 1) p ON true
+         LEFT JOIN LATERAL (SELECT generation AS takeover_generation, event_types AS takeover_event_types,
+                                   percent_bp AS takeover_percent_bp
+                            FROM outbox_takeover_policies ORDER BY generation DESC LIMIT 1) t ON true",
         routes::POLICY_COLUMNS
     ))
     .bind(request.command_key)
@@ -129,6 +135,15 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
     let event_id = EventId::generate(now_ms.max(0) as u64);
     let (envelope, destination) = request.freeze(event_id, now_ms, txid.max(0) as u64, &policy)?;
     let destination_digest = destination.digest();
+    let takeover = match ctx.try_get::<Option<i32>, _>("takeover_generation")? {
+        None => None,
+        Some(generation) => Some(TakeoverPolicy {
+            generation: generation as u32,
+            event_types: ctx.try_get("takeover_event_types")?,
+            percent_bp: ctx.try_get::<i32, _>("takeover_percent_bp")? as u32,
+        }),
+    };
+    let publisher = decide_publisher(takeover.as_ref(), &envelope.event_type, &envelope.event_id);
 
     // The event row, its frozen envelope and the wake-up notification in one
     // statement. A concurrent transaction holding the same command key makes
@@ -137,8 +152,8 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
         "WITH ins AS (
             INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
                  aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
-                 routing_key, ordered, created_at_ms, state_since_ms, traceparent)
-            VALUES ($1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16, $17)
+                 routing_key, ordered, created_at_ms, state_since_ms, traceparent, publisher, takeover_generation)
+            VALUES ($1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16, $17, $22, $23)
             ON CONFLICT (command_key) DO NOTHING
             RETURNING event_id),
          env AS (
@@ -170,6 +185,8 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
     .bind(envelope.digest())
     .bind(destination.canonical_bytes())
     .bind(txid)
+    .bind(publisher.as_str())
+    .bind(takeover.as_ref().map(|t| t.generation as i32))
     .fetch_one(&mut **tx)
     .await?;
 
@@ -179,14 +196,14 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
             .await?
             .ok_or_else(|| ProducerError::Config("command key conflict vanished; retry the transaction".into()));
     }
-    tracing::debug!(event_id = %envelope.event_id, topic = %destination.topic, "emitted");
-    Ok(Emitted { envelope, destination, destination_digest, inserted: true })
+    tracing::debug!(event_id = %envelope.event_id, topic = %destination.topic, publisher = publisher.as_str(), "emitted");
+    Ok(Emitted { envelope, destination, destination_digest, inserted: true, publisher })
 }
 
 async fn existing_for_command(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>) -> Result<Option<Emitted>, ProducerError> {
     let row = sqlx::query(
         "SELECT e.event_id, e.payload_digest, e.event_type, e.tenant, e.aggregate_type, e.aggregate_id,
-                v.envelope_canonical, v.destination_canonical, v.destination_digest
+                v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
          FROM outbox_events e JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = 1
          WHERE e.command_key = $1",
     )
@@ -206,5 +223,6 @@ async fn existing_for_command(tx: &mut Transaction<'_, Postgres>, request: &Emit
         return Err(conflict("aggregate"));
     }
     let destination = Destination::from_canonical(row.try_get::<Vec<u8>, _>("destination_canonical")?.as_slice())?;
-    Ok(Some(Emitted { envelope, destination, destination_digest: row.try_get("destination_digest")?, inserted: false }))
+    let publisher = Publisher::parse(row.try_get("publisher")?)?;
+    Ok(Some(Emitted { envelope, destination, destination_digest: row.try_get("destination_digest")?, inserted: false, publisher }))
 }

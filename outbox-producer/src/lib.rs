@@ -23,6 +23,7 @@ pub mod pg;
 pub mod reconciler;
 pub mod report;
 pub mod retention;
+pub mod rollout;
 pub mod routes;
 
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch};
@@ -32,6 +33,7 @@ pub use migration::{migrate_destination, MigrationOutcome};
 pub use pg::PgStore;
 pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport};
 pub use report::{build_report, Report, ReportOptions};
+pub use rollout::{compare_shadow, set_takeover, switch_alias, ShadowDispatcher, ShadowReport};
 pub use retention::{purge, register_consumer, PurgeReport, RetentionPolicy};
 
 /// The producer's schema migrations (outbox tables, route policies, consumer registry).

@@ -28,6 +28,12 @@ pub struct PgStore {
     pool: PgPool,
     clock: Arc<dyn Clock>,
     cluster_scope: Option<String>,
+    max_protocol_version: i32,
+}
+
+/// The protocol version of [`crate::PROTOCOL_VERSION`], as a number.
+fn own_protocol_version() -> i32 {
+    crate::PROTOCOL_VERSION.parse().unwrap_or(1)
 }
 
 fn parse_id<T: std::str::FromStr<Err = CoreError>>(s: &str) -> Result<T, StoreError> {
@@ -72,12 +78,12 @@ const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payloa
 impl PgStore {
     /// A store on `pool` using the system clock.
     pub fn new(pool: PgPool) -> Self {
-        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None }
+        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version() }
     }
 
     /// A store whose leases and timestamps follow `clock` (tests, simulations).
     pub fn with_clock(pool: PgPool, clock: Arc<dyn Clock>) -> Self {
-        PgStore { pool, clock, cluster_scope: None }
+        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version() }
     }
 
     /// Restricts claims to events frozen for `cluster_id`: a dispatcher
@@ -85,6 +91,34 @@ impl PgStore {
     pub fn scoped_to_cluster(mut self, cluster_id: impl Into<String>) -> Self {
         self.cluster_scope = Some(cluster_id.into());
         self
+    }
+
+    /// Claims only rows of protocol version `version` or older (default: this
+    /// build's [`crate::PROTOCOL_VERSION`]). Rows of a newer protocol are left
+    /// alone, never guessed at; [`PgStore::rows_beyond_protocol`] counts them.
+    pub fn understanding_protocol(mut self, version: i32) -> Self {
+        self.max_protocol_version = version;
+        self
+    }
+
+    /// The newest protocol version this store claims.
+    pub fn max_protocol_version(&self) -> i32 {
+        self.max_protocol_version
+    }
+
+    /// Rows waiting for a dispatcher (PENDING or RETRY_CLAIMED, the outbox's
+    /// own, of this store's cluster scope) that this store refuses because
+    /// their protocol version is newer than it understands.
+    pub async fn rows_beyond_protocol(&self) -> Result<i64, StoreError> {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM outbox_events WHERE state IN ('PENDING', 'RETRY_CLAIMED') AND publisher = 'outbox'
+               AND protocol_version > $1 AND ($2::text IS NULL OR cluster_id = $2)",
+        )
+        .bind(self.max_protocol_version)
+        .bind(self.cluster_scope.as_deref())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(store_err)
     }
 
     /// The pool.
@@ -458,7 +492,7 @@ impl PgStore {
         let mut tx = self.begin().await?;
         let rows = sqlx::query(&format!(
             "WITH c AS (
-                SELECT event_id FROM outbox_events WHERE state = 'DISPATCH_UNKNOWN'
+                SELECT event_id FROM outbox_events WHERE state = 'DISPATCH_UNKNOWN' AND protocol_version <= $6
                   AND (($5::text IS NULL AND next_check_at_ms <= $3) OR event_id = $5)
                 ORDER BY next_check_at_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
              UPDATE outbox_events e SET state = 'RECONCILING', claim_owner = $2, claim_generation = e.claim_generation + 1,
@@ -472,6 +506,7 @@ impl PgStore {
         .bind(now)
         .bind(lease_ms)
         .bind(event_id.map(|e| e.as_str()))
+        .bind(self.max_protocol_version)
         .fetch_all(&mut *tx)
         .await
         .map_err(store_err)?;
@@ -524,7 +559,8 @@ impl PgStore {
     /// Age in ms of the oldest PENDING event, if any.
     pub async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
         let now = self.now_ms();
-        let oldest: Option<i64> = sqlx::query_scalar("SELECT min(created_at_ms) FROM outbox_events WHERE state = 'PENDING'")
+        // Legacy events stay PENDING here: they are the legacy publisher's to send.
+        let oldest: Option<i64> = sqlx::query_scalar("SELECT min(created_at_ms) FROM outbox_events WHERE state = 'PENDING' AND publisher = 'outbox'")
             .fetch_one(&self.pool)
             .await
             .map_err(store_err)?;
@@ -602,22 +638,26 @@ impl OutboxStore for PgStore {
             // Unordered events: every PENDING one, in commit order.
             "WITH RECURSIVE heads AS (
                 (SELECT cluster_id, topic, routing_key, seq, state, event_id FROM outbox_events
-                 WHERE state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered
+                 WHERE state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox'
                  ORDER BY cluster_id, topic, routing_key, seq LIMIT 1)
                 UNION ALL
                 SELECT n.* FROM heads h CROSS JOIN LATERAL (
                     SELECT e.cluster_id, e.topic, e.routing_key, e.seq, e.state, e.event_id FROM outbox_events e
-                    WHERE e.state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered
+                    WHERE e.state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
                       AND (e.cluster_id, e.topic, e.routing_key) > (h.cluster_id, h.topic, h.routing_key)
                     ORDER BY e.cluster_id, e.topic, e.routing_key, e.seq LIMIT 1) n),
              cand AS (
                 SELECT event_id FROM heads WHERE state = 'PENDING' AND ($5::text IS NULL OR cluster_id = $5)
                 UNION ALL
-                (SELECT event_id FROM outbox_events WHERE state = 'PENDING' AND NOT ordered AND ($5::text IS NULL OR cluster_id = $5)
+                (SELECT event_id FROM outbox_events WHERE state = 'PENDING' AND NOT ordered AND publisher = 'outbox'
+                   AND ($5::text IS NULL OR cluster_id = $5)
                  ORDER BY seq LIMIT $1)),
              c AS (
+                -- A head of a newer protocol is refused here, after the heads
+                -- were found: it still holds its key, so nothing behind it
+                -- overtakes it.
                 SELECT e.event_id FROM outbox_events e JOIN cand USING (event_id)
-                WHERE e.state = 'PENDING'
+                WHERE e.state = 'PENDING' AND e.protocol_version <= $6
                 ORDER BY e.seq LIMIT $1 FOR UPDATE OF e SKIP LOCKED)
              UPDATE outbox_events e SET state = 'CLAIMED', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
@@ -630,6 +670,7 @@ impl OutboxStore for PgStore {
         .bind(now)
         .bind(lease_ms)
         .bind(self.cluster_scope.as_deref())
+        .bind(self.max_protocol_version)
         .fetch_all(&self.pool)
         .await
         .map_err(store_err)?;
@@ -645,7 +686,7 @@ impl OutboxStore for PgStore {
         let rows = sqlx::query(&format!(
             "WITH c AS (
                 SELECT event_id FROM outbox_events WHERE state = 'RETRY_CLAIMED' AND claim_owner IS NULL
-                  AND ($5::text IS NULL OR cluster_id = $5)
+                  AND publisher = 'outbox' AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
                 ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
              UPDATE outbox_events e SET claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL
@@ -658,6 +699,7 @@ impl OutboxStore for PgStore {
         .bind(now)
         .bind(lease_ms)
         .bind(self.cluster_scope.as_deref())
+        .bind(self.max_protocol_version)
         .fetch_all(&self.pool)
         .await
         .map_err(store_err)?;

@@ -172,7 +172,12 @@ impl<B: Broker + 'static> Reconciler<B> {
         let limit = self.config.max_findings_per_kind;
         let mut found: Vec<(&'static str, String, String, i64, String)> = Vec::new();
 
-        for r in sqlx::query("SELECT event_id, $1 - created_at_ms AS age FROM outbox_events WHERE state = 'PENDING' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3")
+        // Legacy-owned events (a rollout's shadow or partial takeover) are the
+        // legacy publisher's to send; the shadow comparison covers them.
+        for r in sqlx::query(
+            "SELECT event_id, $1 - created_at_ms AS age FROM outbox_events
+             WHERE state = 'PENDING' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3",
+        )
             .bind(now)
             .bind(self.config.aged_pending_ms)
             .bind(limit)

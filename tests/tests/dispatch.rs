@@ -15,7 +15,7 @@ const TOPIC: &str = "orders";
 const PARTITIONS: i32 = 3;
 
 fn config(name: &str) -> DispatcherConfig {
-    DispatcherConfig { name: name.into(), workers: 2, batch_size: 100, lease_ms: 30_000, poll_interval_ms: 50, sweep_interval_ms: 100, shutdown_grace_ms: 20_000, listen: true }
+    DispatcherConfig { name: name.into(), workers: 2, batch_size: 100, lease_ms: 30_000, poll_interval_ms: 50, sweep_interval_ms: 100, shutdown_grace_ms: 20_000, listen: true, ..Default::default() }
 }
 
 async fn setup(pool: &PgPool, cluster_id: &str) {
