@@ -329,7 +329,7 @@ impl MemoryStore {
             }
             let Some(slot) = ev.slot.as_ref() else { continue };
             let topic = Self::log_name(&slot.cluster_id, &slot.topic);
-            let on_topic: Vec<&str> = mandatory.iter().filter(|(_, topics)| topics.iter().any(|t| *t == topic)).map(|(c, _)| c.as_str()).collect();
+            let on_topic: Vec<&str> = mandatory.iter().filter(|(_, topics)| topics.contains(&topic)).map(|(c, _)| c.as_str()).collect();
             match may_purge(ev.state, published_at, now, replay_window_ms, (&topic, slot.partition, slot.offset), &wms, &on_topic) {
                 Ok(()) => {
                     if Self::transition(ev, EventState::Purged, now).is_ok() {

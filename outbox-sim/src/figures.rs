@@ -72,6 +72,22 @@ figures! {
     late_acks_not_converged: MustBeZero,
     /// PUBLISHED events a consumer never took effect for, after quiescence.
     published_not_consumed: MustBeZero,
+    /// Sends under envelope generation N + 1 to a new destination while the
+    /// old target may hold generation N (a message of it is in the old log or
+    /// still on its way), or after a move made without an absence proof while
+    /// old attempts were open (SPEC §7: no cross-target re-send while UNKNOWN).
+    cross_target_resends_while_unknown: MustBeZero,
+    /// Migrations accepted although the old target holds (or will hold) the
+    /// old generation, or whose `ProvenAbsent` proof no lookup of the old target backed.
+    migrations_without_proof: MustBeZero,
+    /// Events purged while a mandatory consumer had not committed past their
+    /// offset (ground truth: the consumer's committed position in that log).
+    purged_before_mandatory_watermark: MustBeZero,
+    /// Events purged before the replay window had passed since their publication.
+    purged_within_replay_window: MustBeZero,
+    /// After a purge, a late duplicate ACK (the slot's or a duplicate's
+    /// receipt) or a retried command not recognised through the tombstone.
+    late_duplicates_unrecognised_after_purge: MustBeZero,
     /// Store calls that failed where the protocol allows no failure (illegal transitions...).
     unexpected_store_errors: MustBeZero,
     /// Traces that did not settle within the quiescence budget.
@@ -126,6 +142,20 @@ figures! {
     offset_commits_lost: Info,
     /// Messages consumers quarantined (bytes do not match their digest).
     consumer_quarantined: Info,
+    /// Destination migrations accepted (envelope generation + 1).
+    migrations: Info,
+    /// Migration requests refused (nothing moved, nothing sent).
+    migrations_refused: Info,
+    /// Of those, refused because the old target was UNKNOWN and unqueryable.
+    migrations_refused_unqueryable: Info,
+    /// Events moved PUBLISHED -> RETAINED.
+    events_retained: Info,
+    /// Events purged (payload dropped, tombstone kept).
+    events_purged: Info,
+    /// Retention passes in which a mandatory consumer's watermark held an event back.
+    purges_held_by_consumers: Info,
+    /// Late duplicate ACKs and retried commands replayed against tombstones.
+    late_duplicates_after_purge: Info,
 }
 
 impl Figures {

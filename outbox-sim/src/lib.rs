@@ -14,7 +14,8 @@
 //! The seed picks 2-6 business commands over 1-3 aggregates, 1-3
 //! dispatchers, 1-2 reconcilers, 1-2 consumers, a fault intensity, whether
 //! the broker adapter can look up an eventId at all (90%), a route policy
-//! revision (40%) and a payload tampering (10%). Then 30-80 steps of a faulty
+//! revision (40%), a payload tampering (10%), a destination migration (30%)
+//! and retention (50%). Then 30-80 steps of a faulty
 //! phase; in each, time moves (mostly milliseconds, sometimes tens of
 //! seconds, so leases expire), the broker writes what is due, and one actor
 //! acts:
@@ -49,12 +50,21 @@
 //! quiescence, a spent attempt budget, an untampered QUARANTINED — is a
 //! lost event.
 //!
-//! ## Not modelled yet
+//! ## Migration and retention
 //!
-//! Destination migration (SPEC §7) and purge (SPEC §9) are not in
-//! `outbox-core` yet; see the `TODO(migration)` and `TODO(purge)` hooks in
-//! [`sim`].
-
+//! In 30% of traces (drawn from their own random stream, so the other traces
+//! are unchanged) the route policy is revised mid-trace to another cluster or
+//! topic, the old target becomes unqueryable for up to 40 s, and an operator
+//! tries at random steps to move one undelivered event to the new
+//! destination (`decide_migration`, `MemoryStore::migrate`): refused while
+//! the old target is UNKNOWN and unqueryable, accepted only under proof.
+//! In 50% of traces retention passes run at random points
+//! (`MemoryStore::retain_and_purge`: `may_retain`, `may_purge`) against
+//! mandatory consumers whose published watermarks lag (some publish rarely);
+//! every purge is checked against the consumers' committed positions and the
+//! replay window, then a late duplicate ACK and a retried command are
+//! replayed against the tombstone.
+//!
 #![warn(missing_docs)]
 
 pub mod figures;

@@ -28,11 +28,18 @@ pub enum Mutation {
     /// A retried command gets a fresh idempotency key. Caught by
     /// `second_logical_event_ids`.
     NewEventIdOnRetry,
+    /// The operator moves a DISPATCH_UNKNOWN event to the new destination
+    /// without asking the old target (a forged `ProvenAbsent` proof).
+    /// Caught by `migrations_without_proof`.
+    MigrationWithoutProof,
+    /// Retention purges past the replay window without looking at mandatory
+    /// consumers' watermarks. Caught by `purged_before_mandatory_watermark`.
+    PurgeIgnoresWatermarks,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 7] = [
+    pub const ALL: [Mutation; 9] = [
         Mutation::ClaimFenceDisabled,
         Mutation::AckWithoutDigestCheck,
         Mutation::RetryToNewDestination,
@@ -40,6 +47,8 @@ impl Mutation {
         Mutation::LateAcksDropped,
         Mutation::EmitOutsideTransaction,
         Mutation::NewEventIdOnRetry,
+        Mutation::MigrationWithoutProof,
+        Mutation::PurgeIgnoresWatermarks,
     ];
 
     /// Command-line name.
@@ -52,6 +61,8 @@ impl Mutation {
             Mutation::LateAcksDropped => "late-acks-dropped",
             Mutation::EmitOutsideTransaction => "emit-outside-transaction",
             Mutation::NewEventIdOnRetry => "new-event-id-on-retry",
+            Mutation::MigrationWithoutProof => "migration-without-proof",
+            Mutation::PurgeIgnoresWatermarks => "purge-ignores-watermarks",
         }
     }
 
@@ -70,6 +81,8 @@ impl Mutation {
             Mutation::LateAcksDropped => "late_acks_not_converged",
             Mutation::EmitOutsideTransaction => "commits_without_envelope",
             Mutation::NewEventIdOnRetry => "second_logical_event_ids",
+            Mutation::MigrationWithoutProof => "migrations_without_proof",
+            Mutation::PurgeIgnoresWatermarks => "purged_before_mandatory_watermark",
         }
     }
 }

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 
 use outbox_core::memory::MemoryStore;
 use outbox_core::{
-    AttemptState, decide_reconcile, scan_lower_bound, sha256_digest, AttemptId, AttemptRecord, BrokerReceipt, ClaimToken, ClaimedEvent, Destination, EmitRequest,
+    decide_migration, MigrationDecision, MigrationProof, MigrationRefusal, AttemptState, decide_reconcile, scan_lower_bound, sha256_digest, AttemptId, AttemptRecord, BrokerReceipt, ClaimToken, ClaimedEvent, Destination, EmitRequest,
     EventId, EventState, FenceOutcome, LookupOutcome, OutboxStore, ReceiptDecision, ReceiptOutcome, RecheckReason, ReconcileDecision, ReconcileTask,
     RetryPolicy, RoutePolicy,
 };
@@ -112,6 +112,38 @@ pub struct TraceConfig {
     pub verifies_payload: Vec<bool>,
     /// Fault probabilities.
     pub faults: FaultRates,
+    /// A destination migration mid-trace (SPEC §7).
+    pub migration: Option<MigrationPlan>,
+    /// Retention racing slow consumers (SPEC §9).
+    pub retention: Option<RetentionPlan>,
+}
+
+/// A route revision to another cluster or topic, then an operator moving
+/// undelivered events to it (SPEC §7).
+#[derive(Debug, Clone)]
+pub struct MigrationPlan {
+    /// Step of the route revision.
+    pub step: usize,
+    /// Another cluster (else another topic on the same cluster).
+    pub new_cluster: bool,
+    /// For how long after the revision the old target cannot be asked, ms.
+    pub old_down_ms: i64,
+    /// Per step after the revision: the operator tries to move one undelivered event.
+    pub operator_rate: f64,
+}
+
+/// Retention passes at random points, racing consumers whose published
+/// watermarks lag (SPEC §9).
+#[derive(Debug, Clone)]
+pub struct RetentionPlan {
+    /// The maximum replay window, ms.
+    pub replay_window_ms: i64,
+    /// Per consumer: whether it is mandatory (holds purges).
+    pub mandatory: Vec<bool>,
+    /// Per consumer: chance to publish its watermarks after an offset commit (slow ones rarely).
+    pub watermark_rate: Vec<f64>,
+    /// Per step: chance of a retention pass.
+    pub purge_rate: f64,
 }
 
 impl TraceConfig {
@@ -150,7 +182,22 @@ impl TraceConfig {
             consumer_crash_before_commit: 0.05 * k,
             offset_commit_lost: 0.15 * k,
         };
-        TraceConfig { seed, commands, aggregates, dispatchers, reconcilers, consumers, main_steps, lookup_supported, revision, tamper_step, verifies_payload, faults }
+        // Migration and retention draw from their own stream, so traces
+        // without them are the traces of earlier gate runs.
+        let mut m = Rng::new(seed ^ 0x6d69_6772_6174_6531);
+        let migration = m.chance(0.3).then(|| MigrationPlan {
+            step: m.below(main_steps as u64 * 2 / 3) as usize,
+            new_cluster: m.chance(0.5),
+            old_down_ms: m.range(0, 40_000),
+            operator_rate: 0.05 + 0.25 * m.unit(),
+        });
+        let retention = m.chance(0.5).then(|| RetentionPlan {
+            replay_window_ms: [0, m.range(0, 5_000), m.range(5_000, 60_000)][m.below(3) as usize],
+            mandatory: (0..consumers).map(|_| m.chance(0.75)).collect(),
+            watermark_rate: (0..consumers).map(|_| [0.05, 0.3, 1.0][m.below(3) as usize]).collect(),
+            purge_rate: 0.05 + 0.3 * m.unit(),
+        });
+        TraceConfig { seed, commands, aggregates, dispatchers, reconcilers, consumers, main_steps, lookup_supported, revision, tamper_step, verifies_payload, faults, migration, retention }
     }
 }
 
@@ -221,6 +268,19 @@ struct SimEvent {
     trail_flagged: bool,
     /// Attempts registered through the simulator, in order.
     attempts: Vec<AttemptId>,
+    /// Frozen destination (and digest) per envelope generation, from 1.
+    gens: Vec<(Destination, String)>,
+    /// Whether the move into the current generation was made without an
+    /// absence proof while attempts of the old one were open.
+    unproven_move: bool,
+    /// When the simulator first saw the event published (the step's time).
+    published_seen_ms: Option<i64>,
+}
+
+impl SimEvent {
+    fn gen(&self, g: u32) -> Option<&(Destination, String)> {
+        self.gens.get((g as usize).wrapping_sub(1))
+    }
 }
 
 #[derive(Debug)]
@@ -371,6 +431,14 @@ pub struct Sim {
     figures: Figures,
     resolutions: Vec<i64>,
     violations: Vec<String>,
+    /// Draws of the migration and retention hooks (own stream).
+    hook_rng: Rng,
+    /// The target a migration moves away from: (cluster, topic), unqueryable until the ms.
+    old_target: Option<(String, String, i64)>,
+    /// Published watermarks: (consumer, log) -> committed offset.
+    watermarks: BTreeMap<(usize, usize), i64>,
+    /// Migrations done: (event, from generation, whether a violation was already counted).
+    migrated: Vec<(usize, u32, bool)>,
 }
 
 macro_rules! slog {
@@ -428,6 +496,10 @@ impl Sim {
             figures: Figures { traces: 1, ..Figures::default() },
             resolutions: Vec::new(),
             violations: Vec::new(),
+            hook_rng: Rng::new(cfg.seed ^ 0x686f_6f6b_7321),
+            old_target: None,
+            watermarks: BTreeMap::new(),
+            migrated: Vec::new(),
             cfg,
         };
         sim.figures.commands = sim.cfg.commands as u64;
@@ -543,30 +615,287 @@ impl Sim {
         slog!(self, "TAMPER: stored payload of E{ev} overwritten (its frozen digest stays)");
     }
 
-    /// TODO(migration): destination migration (SPEC §7) is not in
-    /// outbox-core yet, so nothing is faked here. When the core has it
-    /// (a migration decision plus a store call that creates envelope
-    /// generation + 1 with a new frozen destination and a migration receipt),
-    /// this hook should, at a seed-chosen step, migrate some events to
-    /// another cluster/topic while the old target is made unqueryable for a
-    /// while, and the invariants should grow:
-    /// * no message under envelope generation N+1 unless the old target was
-    ///   proven not to hold generation N (no cross-target re-send while UNKNOWN);
-    /// * `cross_destination_retries` then compares each message with the
-    ///   frozen destination *of its envelope generation*;
-    /// * the original envelope is never edited; a migration receipt links both;
-    /// * a late genuine ACK of generation N after the migration is kept as evidence.
-    fn migration_hook(&mut self, _step: usize) {}
+    /// Destination migration (SPEC §7). At the plan's step the route policy
+    /// is revised to another cluster or topic and the old target becomes
+    /// unqueryable for a while; from then on, at random steps, an operator
+    /// tries to move one undelivered event (PENDING or DISPATCH_UNKNOWN) to
+    /// the destination the new policy resolves, through
+    /// [`decide_migration`] and [`MemoryStore::migrate`]. Checked: no
+    /// migration unless the old target provably does not hold the old
+    /// generation (`migrations_without_proof`), no send under the new
+    /// generation while the old one may be in the old target
+    /// (`cross_target_resends_while_unknown`), and every message, attempt and
+    /// receipt is compared with the frozen destination *of its generation*.
+    fn migration_hook(&mut self, step: usize) {
+        let Some(plan) = self.cfg.migration.clone() else { return };
+        if step == plan.step {
+            let mut p = self.policy.clone();
+            let old = (p.cluster_id.clone(), p.topic.clone());
+            p.generation += 1;
+            if plan.new_cluster {
+                p.cluster_id = format!("{}-m", p.cluster_id);
+            } else {
+                p.topic = format!("{}-m", p.topic);
+            }
+            self.policy = p;
+            self.figures.route_revisions += 1;
+            self.old_target = Some((old.0, old.1, self.now + plan.old_down_ms));
+            slog!(self, "ROUTE POLICY REVISION for migration: generation {} -> {}/{}; the old target is unqueryable for {} ms", self.policy.generation, self.policy.cluster_id, self.policy.topic, plan.old_down_ms);
+            return;
+        }
+        if step > plan.step && self.hook_rng.chance(plan.operator_rate) {
+            self.operator_migrate();
+        }
+    }
 
-    /// TODO(purge): retention and purge (SPEC §9) are not in outbox-core
-    /// yet. When they are, this hook should run the purge decision with a
-    /// replay window and consumer watermarks (consumers publishing their
-    /// positions, some of them slow), racing consumers that lag, and the
-    /// invariants should grow: no event purged before the replay window
-    /// and every mandatory consumer's watermark passed it; a purged event
-    /// keeps its tombstone (digests, receipt); redelivery after a consumer's
-    /// dedupe state was compacted by watermark still has no second effect.
-    fn purge_hook(&mut self, _step: usize) {}
+    fn old_target_down(&self, dest: &Destination) -> bool {
+        self.old_target.as_ref().is_some_and(|(c, t, until)| self.now < *until && dest.cluster_id == *c && dest.topic == *t)
+    }
+
+    /// Whether generation `gen` of `ev` is (or may still become) in the broker:
+    /// a message of it in a log, or a write of it still on its way.
+    fn generation_in_broker(&self, ev: usize, gen: u32) -> bool {
+        self.logs.iter().any(|l| l.msgs.iter().any(|m| m.ev == ev && m.envelope_generation == gen))
+            || self.requests.iter().any(|r| r.ev == ev && r.msg.envelope_generation == gen && r.write_at_ms.is_some() && r.offset.is_none())
+    }
+
+    /// An operator's `migrate-destination` on one undelivered event.
+    fn operator_migrate(&mut self) {
+        let candidates: Vec<(usize, EventState)> = {
+            let st = self.store.lock();
+            self.events
+                .iter()
+                .enumerate()
+                .filter_map(|(i, e)| st.events.get(&e.id).filter(|r| matches!(r.state, EventState::Pending | EventState::DispatchUnknown)).map(|r| (i, r.state)))
+                .collect()
+        };
+        if candidates.is_empty() {
+            return;
+        }
+        let (ev, state) = candidates[self.hook_rng.below(candidates.len() as u64) as usize];
+        let aggregate = self.cmds[self.events[ev].cmd].aggregate.clone();
+        let Ok(dest) = self.policy.resolve(TENANT, "order", &aggregate) else { return };
+        if dest.digest() == self.events[ev].dest_digest {
+            return;
+        }
+        let id = self.events[ev].id.clone();
+        match state {
+            EventState::Pending => {
+                let attempts = match now(self.store.attempts(&id)) {
+                    Ok(a) => a,
+                    Err(e) => return self.unexpected("attempts", &e),
+                };
+                match decide_migration(state, &attempts, None, &RETRY_POLICY, self.now) {
+                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false),
+                    MigrationDecision::Refuse(r) => {
+                        self.figures.migrations_refused += 1;
+                        slog!(self, "operator: migration of PENDING E{ev} refused: {r}");
+                    }
+                }
+            }
+            _ => {
+                let task = match self.store.begin_reconcile_event("operator", &id, LEASE_MS) {
+                    Ok(Some(t)) => t,
+                    Ok(None) => return,
+                    Err(e) => return self.unexpected("begin_reconcile_event", &e),
+                };
+                self.note_grant(ev, task.token.claim_generation);
+                let open = task.attempts.iter().any(|a| a.state.possibly_in_flight());
+                if self.mutation == Some(Mutation::MigrationWithoutProof) {
+                    slog!(self, "MUTATION operator: moves UNKNOWN E{ev} without asking the old target");
+                    let proof = MigrationProof::ProvenAbsent { lookup_from_offset: scan_lower_bound(&task.attempts) };
+                    return self.do_migrate(ev, dest, proof, open);
+                }
+                let from = scan_lower_bound(&task.attempts);
+                let open_attempts: Vec<AttemptRecord> = task.attempts.iter().filter(|a| a.state.possibly_in_flight()).cloned().collect();
+                let lookup = self.lookup(&task.event.destination, &id, from, &open_attempts, true);
+                let decision = decide_migration(state, &task.attempts, Some(&lookup), &RETRY_POLICY, self.now);
+                match decision {
+                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false),
+                    MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }) => {
+                        self.figures.migrations_refused += 1;
+                        slog!(self, "operator: migration of E{ev} refused: the old target holds it; submitting {} receipt(s)", receipts.len());
+                        for rc in &receipts {
+                            let genuine = self.genuine(ev, rc);
+                            if let Some(out) = self.accept(rc) {
+                                self.record_receipt(ev, genuine, None, &out.decision);
+                            }
+                        }
+                        if let Ok((EventState::Reconciling, _)) = now(self.store.event_state(&id)) {
+                            let d = ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: self.now + RETRY_POLICY.recheck_ms };
+                            if let Err(e) = now(self.store.finish_reconcile(&task.token, &d)) {
+                                self.unexpected("finish_reconcile", &e);
+                            }
+                        }
+                    }
+                    MigrationDecision::Refuse(r) => {
+                        self.figures.migrations_refused += 1;
+                        if matches!(r, MigrationRefusal::OldTargetUnqueryable { .. }) {
+                            self.figures.migrations_refused_unqueryable += 1;
+                        }
+                        slog!(self, "operator: migration of UNKNOWN E{ev} refused: {r}");
+                        if let Err(e) = now(self.store.finish_reconcile(&task.token, &r.recheck(&RETRY_POLICY, self.now))) {
+                            self.unexpected("finish_reconcile", &e);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Applies a migration and checks it against the broker's ground truth.
+    /// `unproven`: the proof was forged while old attempts were open.
+    fn do_migrate(&mut self, ev: usize, dest: Destination, proof: MigrationProof, unproven: bool) {
+        let id = self.events[ev].id.clone();
+        let from_gen = self.events[ev].gens.len() as u32;
+        let held = self.generation_in_broker(ev, from_gen);
+        match self.store.migrate(&id, dest.clone(), proof.clone(), "operator") {
+            Ok(Ok(rec)) => {
+                self.figures.migrations += 1;
+                slog!(self, "operator: MIGRATED E{ev} generation {} -> {} to {}/{}/p{} under {:?} (closed {} attempt(s) ABSENT)", rec.from_generation, rec.to_generation, dest.cluster_id, dest.topic, dest.partition, proof, rec.closed_attempts.len());
+                let bad = held || unproven;
+                if held {
+                    self.figures.migrations_without_proof += 1;
+                    self.violation(format!("E{ev} migrated although generation {from_gen} is (or will be) in the old target"));
+                }
+                if unproven {
+                    self.figures.migrations_without_proof += 1;
+                    self.violation(format!("E{ev} migrated under a ProvenAbsent proof no lookup backed"));
+                }
+                let digest = dest.digest();
+                let e = &mut self.events[ev];
+                e.gens.push((dest.clone(), digest.clone()));
+                e.dest = dest;
+                e.dest_digest = digest;
+                e.unproven_move = unproven;
+                self.migrated.push((ev, from_gen, bad));
+            }
+            Ok(Err(why)) => {
+                self.figures.migrations_refused += 1;
+                slog!(self, "operator: the store refused the migration of E{ev}: {why}");
+            }
+            Err(e) => self.unexpected("migrate", &e),
+        }
+    }
+
+    /// Retention (SPEC §9) at random points, racing consumers whose
+    /// published watermarks lag their committed positions (some publish
+    /// rarely, all stall and crash). Runs [`MemoryStore::retain_and_purge`]
+    /// (`may_retain`, `may_purge`) and checks every purge against ground
+    /// truth: past the replay window since the event was seen published, and
+    /// every mandatory consumer's *committed* position in the event's log
+    /// past its offset. Then replays a late duplicate ACK and a retried
+    /// command against the tombstone: both must still be recognised.
+    fn purge_hook(&mut self, _step: usize) {
+        let Some(rate) = self.cfg.retention.as_ref().map(|p| p.purge_rate) else { return };
+        if self.hook_rng.chance(rate) {
+            self.run_purge();
+        }
+    }
+
+    fn publish_watermarks(&mut self, c: usize) {
+        let Some(rate) = self.cfg.retention.as_ref().map(|p| p.watermark_rate[c]) else { return };
+        if !self.hook_rng.chance(rate) {
+            return;
+        }
+        for (l, &o) in self.cons[c].committed.iter().enumerate() {
+            let w = self.watermarks.entry((c, l)).or_insert(0);
+            *w = (*w).max(o as i64);
+        }
+    }
+
+    fn run_purge(&mut self) {
+        let Some(plan) = self.cfg.retention.clone() else { return };
+        let names: Vec<String> = self.logs.iter().map(|l| MemoryStore::log_name(&l.cluster, &l.topic)).collect();
+        let wms: Vec<(String, String, i32, i64)> = self.watermarks.iter().map(|(&(c, l), &o)| (self.cons[c].w.name.clone(), names[l].clone(), self.logs[l].partition, o)).collect();
+        let mut topics = names.clone();
+        topics.sort();
+        topics.dedup();
+        let mandatory: Vec<(String, Vec<String>)> = if self.mutation == Some(Mutation::PurgeIgnoresWatermarks) {
+            Vec::new()
+        } else {
+            (0..self.cons.len()).filter(|&c| plan.mandatory[c]).map(|c| (self.cons[c].w.name.clone(), topics.clone())).collect()
+        };
+        let out = self.store.retain_and_purge(plan.replay_window_ms, &wms, &mandatory);
+        self.figures.events_retained += out.retained.len() as u64;
+        self.figures.events_purged += out.purged.len() as u64;
+        if out.held_by_consumers > 0 {
+            self.figures.purges_held_by_consumers += 1;
+        }
+        if out.retained.is_empty() && out.purged.is_empty() {
+            return;
+        }
+        slog!(self, "retention (window {} ms): {} retained, {} purged, {} held by consumers", plan.replay_window_ms, out.retained.len(), out.purged.len(), out.held_by_consumers);
+        for id in out.purged {
+            let Some(ev) = self.ev_of(&id) else { continue };
+            let slot = self.store.lock().events.get(&id).and_then(|r| r.slot.clone());
+            let Some(slot) = slot else { continue };
+            let seen = self.events[ev].published_seen_ms;
+            let past_window = matches!(seen, Some(p) if p < self.now - plan.replay_window_ms.max(0));
+            if !past_window {
+                self.figures.purged_within_replay_window += 1;
+                self.violation(format!("E{ev} purged within the replay window (published at {:?}, window {} ms)", seen.map(|p| self.t(p)), plan.replay_window_ms));
+            }
+            let log = self.find_log(&slot.cluster_id, &slot.topic, slot.partition);
+            for c in 0..self.cons.len() {
+                let committed = log.and_then(|l| self.cons[c].committed.get(l).copied()).unwrap_or(0) as i64;
+                if plan.mandatory[c] && committed <= slot.offset {
+                    self.figures.purged_before_mandatory_watermark += 1;
+                    self.violation(format!("E{ev} purged at offset {} while mandatory {} has committed only up to {committed}", slot.offset, self.cons[c].w.name));
+                }
+            }
+            slog!(self, "retention: E{ev} PURGED (tombstone kept)");
+            self.replay_against_tombstone(ev, &slot);
+        }
+    }
+
+    /// A late duplicate ACK and a retried command after a purge.
+    fn replay_against_tombstone(&mut self, ev: usize, slot: &BrokerReceipt) {
+        self.figures.late_duplicates_after_purge += 1;
+        let mut ok = true;
+        match self.accept(slot) {
+            Some(o) if o.decision == ReceiptDecision::AlreadyAccepted && o.state == EventState::Purged => {}
+            other => {
+                ok = false;
+                self.violation(format!("late duplicate of E{ev}'s primary ACK after the purge: {:?}", other.map(|o| (o.decision, o.state))));
+            }
+        }
+        let dup = self.store.lock().duplicates.iter().find(|d| d.event_id == slot.event_id).cloned();
+        if let Some(dup) = dup {
+            match self.accept(&dup) {
+                Some(o) if o.decision == ReceiptDecision::Duplicate && o.state == EventState::Purged => {}
+                other => {
+                    ok = false;
+                    self.violation(format!("late duplicate transport receipt of E{ev} after the purge: {:?}", other.map(|o| (o.decision, o.state))));
+                }
+            }
+        }
+        let c = self.events[ev].cmd;
+        let fresh = EventId::from_parts(self.now as u64, self.hook_rng.next_u128());
+        let cmd = &self.cmds[c];
+        let req = EmitRequest {
+            command_key: &cmd.key,
+            tenant: TENANT,
+            aggregate_type: "order",
+            aggregate_id: &cmd.aggregate,
+            aggregate_version: c as i64 + 1,
+            event_type: EVENT_TYPE,
+            payload_schema: "order-v1",
+            payload: &cmd.payload,
+        };
+        let frozen = req.freeze(fresh, self.now, self.txid + 1, &self.policy);
+        let (key, payload) = (cmd.key.clone(), cmd.payload.clone());
+        match frozen.map_err(outbox_core::StoreError::from).map(|(env, dest)| self.store.insert(&key, env, dest, payload)) {
+            Ok(Ok(id)) if id == self.events[ev].id => {}
+            other => {
+                ok = false;
+                self.violation(format!("retried command {key} after E{ev}'s purge: {other:?}"));
+            }
+        }
+        if !ok {
+            self.figures.late_duplicates_unrecognised_after_purge += 1;
+        }
+    }
 
     fn wake(&mut self) {
         let now = self.now;
@@ -756,6 +1085,7 @@ impl Sim {
             Ok(id) => {
                 if id == fresh {
                     let dest_digest = dest.digest();
+                    let gens = vec![(dest.clone(), dest_digest.clone())];
                     let seq = self.events.len();
                     slog!(self, "  emit: new event E{seq} = {id}, frozen to {}/{}/p{} (route generation {})", dest.cluster_id, dest.topic, dest.partition, dest.route_policy_generation);
                     self.events.push(SimEvent {
@@ -770,6 +1100,9 @@ impl Sim {
                         unknown_since_ms: None,
                         trail_flagged: false,
                         attempts: Vec::new(),
+                        gens,
+                        unproven_move: false,
+                        published_seen_ms: None,
                     });
                     self.figures.events += 1;
                 }
@@ -1030,6 +1363,15 @@ impl Sim {
             self.figures.stale_sends += 1;
             self.violation(format!("stale send of {a} by {} (gen {}, lease until {}, newest grant gen {})", ce.token.owner, ce.token.claim_generation, self.t(ce.token.lease_until_ms), self.events[ev].max_granted_gen));
         }
+        let gen = ce.envelope.envelope_generation;
+        if gen > 1 {
+            let moved = self.events[ev].gen(gen - 1).is_some_and(|(d, _)| d.cluster_id != dest.cluster_id || d.topic != dest.topic || d.partition != dest.partition);
+            let old_may_hold = (1..gen).any(|g| self.generation_in_broker(ev, g));
+            if moved && (old_may_hold || self.events[ev].unproven_move) {
+                self.figures.cross_target_resends_while_unknown += 1;
+                self.violation(format!("{a} sent to the new target while an earlier generation of E{ev} may be in the old one"));
+            }
+        }
         let log = self.log_index(&dest.cluster_id, &dest.topic, dest.partition);
         let msg = Message {
             ev,
@@ -1135,7 +1477,8 @@ impl Sim {
     /// Right bytes, right destination digest, right placement.
     fn genuine(&self, ev: usize, r: &BrokerReceipt) -> bool {
         let e = &self.events[ev];
-        r.payload_digest == e.payload_digest && r.destination_digest == e.dest_digest && e.dest.admits(&r.cluster_id, &r.topic, r.partition)
+        let Some((dest, digest)) = e.gen(r.envelope_generation) else { return false };
+        r.payload_digest == e.payload_digest && r.destination_digest == *digest && dest.admits(&r.cluster_id, &r.topic, r.partition)
     }
 
     fn handle_outcome(&mut self, d: usize, ri: usize) {
@@ -1322,11 +1665,15 @@ impl Sim {
         any
     }
 
-    fn lookup(&mut self, dest: &Destination, id: &EventId, from: i64, open_attempts: &[AttemptRecord]) -> LookupOutcome {
+    fn lookup(&mut self, dest: &Destination, id: &EventId, from: i64, open_attempts: &[AttemptRecord], operator: bool) -> LookupOutcome {
         if !self.cfg.lookup_supported {
             return LookupOutcome::Unavailable("the adapter cannot look up".into());
         }
-        if self.faults && self.rng.chance(self.cfg.faults.lookup_fail) {
+        if self.old_target_down(dest) {
+            return LookupOutcome::Unavailable("the old target is unreachable".into());
+        }
+        let fails = self.faults && if operator { self.hook_rng.chance(self.cfg.faults.lookup_fail) } else { self.rng.chance(self.cfg.faults.lookup_fail) };
+        if fails {
             self.figures.lookups_failed += 1;
             return LookupOutcome::Unavailable("lookup timed out".into());
         }
@@ -1353,7 +1700,7 @@ impl Sim {
         if front.decision.is_none() {
             let (dest, id, from, attempts) = (front.task.event.destination.clone(), front.task.event.event_id.clone(), scan_lower_bound(&front.task.attempts), front.task.attempts.clone());
             let open: Vec<AttemptRecord> = attempts.iter().filter(|a| a.state.possibly_in_flight()).cloned().collect();
-            let lookup = self.lookup(&dest, &id, from, &open);
+            let lookup = self.lookup(&dest, &id, from, &open, false);
             let decision = decide_reconcile(&attempts, &lookup, self.cfg.lookup_supported, &RETRY_POLICY, self.now);
             if self.log.is_some() {
                 let l = match &lookup {
@@ -1468,6 +1815,7 @@ impl Sim {
         let cons = &mut self.cons[c];
         cons.positions[l] = off + 1;
         cons.committed[l] = off + 1;
+        self.publish_watermarks(c);
         true
     }
 
@@ -1478,6 +1826,9 @@ impl Sim {
         let st = self.store.lock();
         for se in self.events.iter_mut() {
             let Some(row) = st.events.get(&se.id) else { continue };
+            if se.published_seen_ms.is_none() && row.state.is_published() {
+                se.published_seen_ms = Some(self.now);
+            }
             match (row.unknown_since_ms, se.unknown_since_ms) {
                 (Some(s), None) => {
                     se.unknown_since_ms = Some(s);
@@ -1550,6 +1901,11 @@ impl Sim {
                 while self.consumer_step(c) {}
             }
             self.observe();
+            if self.cfg.migration.as_ref().is_some_and(|p| p.step < self.cfg.main_steps) && self.hook_rng.chance(0.2) {
+                self.operator_migrate();
+                self.observe();
+            }
+            self.purge_hook(usize::MAX);
             if self.settled() {
                 slog!(self, "---- settled ----");
                 return;
@@ -1665,7 +2021,8 @@ impl Sim {
         // Attempts: frozen destination, known to the simulator.
         for (e, se) in self.events.iter().enumerate() {
             for a in st.attempts.get(&se.id).map(|v| v.as_slice()).unwrap_or(&[]) {
-                if a.destination_digest != se.dest_digest {
+                let frozen = matches!(se.gen(a.envelope_generation), Some((_, d)) if a.destination_digest == *d);
+                if !frozen {
                     f.cross_destination_retries += 1;
                     v.push(format!("attempt {} of E{e} names another destination", self.an(e, &a.attempt_id)));
                 }
@@ -1676,9 +2033,10 @@ impl Sim {
         for lg in &self.logs {
             for (off, m) in lg.msgs.iter().enumerate() {
                 let se = &self.events[m.ev];
-                if !se.dest.admits(&lg.cluster, &lg.topic, lg.partition) || m.destination_digest != se.dest_digest {
+                let frozen = se.gen(m.envelope_generation).unwrap_or(&se.gens[0]);
+                if !frozen.0.admits(&lg.cluster, &lg.topic, lg.partition) || m.destination_digest != frozen.1 {
                     f.cross_destination_retries += 1;
-                    v.push(format!("message of E{} at {}/{}/p{}@{off} is not at its frozen destination {}/{}/p{}", m.ev, lg.cluster, lg.topic, lg.partition, se.dest.cluster_id, se.dest.topic, se.dest.partition));
+                    v.push(format!("message of E{} at {}/{}/p{}@{off} is not at its frozen destination {}/{}/p{}", m.ev, lg.cluster, lg.topic, lg.partition, frozen.0.cluster_id, frozen.0.topic, frozen.0.partition));
                 }
                 match st.attempts.get(&m.event_id).and_then(|v| v.iter().find(|a| a.attempt_id == m.attempt)) {
                     None => {
@@ -1691,6 +2049,22 @@ impl Sim {
                     }
                     Some(_) => {}
                 }
+            }
+        }
+
+        // Migrations: the old generation never reached the old target, the
+        // store kept a receipt linking both generations with the old envelope.
+        for &(e, from_gen, counted) in &self.migrated {
+            let se = &self.events[e];
+            let rec = st.migrations.iter().find(|m| m.event_id == se.id && m.from_generation == from_gen);
+            let linked = rec.is_some_and(|m| m.to_generation == from_gen + 1 && m.from_envelope.envelope_generation == from_gen && se.gen(from_gen).is_some_and(|(_, d)| *d == m.from_destination_digest));
+            if !linked {
+                f.migrations_without_proof += 1;
+                v.push(format!("E{e}'s migration from generation {from_gen} has no receipt linking both generations"));
+            }
+            if !counted && self.logs.iter().any(|l| l.msgs.iter().any(|m| m.ev == e && m.envelope_generation == from_gen)) {
+                f.migrations_without_proof += 1;
+                v.push(format!("E{e} was migrated, but generation {from_gen} reached the old target"));
             }
         }
 

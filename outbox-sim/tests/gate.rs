@@ -26,6 +26,11 @@ fn unmutated_gate_passes() {
         ("stalls", f.stalls),
         ("crashes", f.crashes),
         ("fenced_writes", f.fenced_writes),
+        ("migrations", f.migrations),
+        ("migrations_refused_unqueryable", f.migrations_refused_unqueryable),
+        ("events_purged", f.events_purged),
+        ("purges_held_by_consumers", f.purges_held_by_consumers),
+        ("late_duplicates_after_purge", f.late_duplicates_after_purge),
     ] {
         assert!(v > 0, "no {what} in {TRACES} traces");
     }
@@ -101,8 +106,18 @@ fn mutation_new_event_id_on_retry_is_caught() {
 }
 
 #[test]
+fn mutation_migration_without_proof_is_caught() {
+    assert_caught(Mutation::MigrationWithoutProof);
+}
+
+#[test]
+fn mutation_purge_ignores_watermarks_is_caught() {
+    assert_caught(Mutation::PurgeIgnoresWatermarks);
+}
+
+#[test]
 fn every_mutation_has_a_test() {
-    assert_eq!(Mutation::ALL.len(), 7);
+    assert_eq!(Mutation::ALL.len(), 9);
     for m in Mutation::ALL {
         assert_eq!(Mutation::parse(m.name()), Some(m));
     }
