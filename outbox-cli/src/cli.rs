@@ -92,6 +92,63 @@ pub enum Command {
     /// Kafka connection must be to the event's frozen cluster). Otherwise
     /// refused (exit 3) and nothing changes.
     MigrateDestination(MigrateDestinationArgs),
+    /// Rollout: which events the outbox sends (event types and a share by eventId hash); the rest stays with the legacy publisher.
+    #[command(subcommand)]
+    Takeover(TakeoverCommand),
+    /// Rollout and rollback: which dispatcher implementation claims under an alias.
+    #[command(subcommand)]
+    Alias(AliasCommand),
+    /// Shadow mode, one round: record the messages the outbox would send for legacy events, compare with the topics, print mismatches.
+    ///
+    /// Exits 2 when mismatches are open. Sends nothing.
+    Shadow(ShadowArgs),
+}
+
+/// `outbox takeover`.
+#[derive(Debug, Subcommand)]
+pub enum TakeoverCommand {
+    /// Publish a new takeover policy generation (affects only events emitted after it).
+    Set {
+        /// Event type the outbox may own (repeatable; `*` = every type; none = shadow mode).
+        #[arg(long = "event-type", value_name = "TYPE")]
+        event_types: Vec<String>,
+        /// Share of the selected types' events the outbox owns, basis points (500 = 5%).
+        #[arg(long, value_name = "BP")]
+        percent_bp: u32,
+    },
+    /// Print the current takeover policy.
+    Show,
+}
+
+/// `outbox alias`.
+#[derive(Debug, Subcommand)]
+pub enum AliasCommand {
+    /// Point an alias at an implementation (the rollout step and the only rollback step).
+    Switch {
+        /// The alias dispatchers run under (`OUTBOX_DISPATCH_ALIAS`).
+        alias: String,
+        /// The implementation that claims from now on (`OUTBOX_DISPATCH_IMPLEMENTATION`).
+        implementation: String,
+        /// The protocol version that implementation speaks.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        protocol_version: i32,
+    },
+    /// Print every alias and the implementation it names.
+    Show,
+}
+
+/// `outbox shadow`.
+#[derive(Debug, Args)]
+pub struct ShadowArgs {
+    /// Kafka connection (the cluster the legacy publisher writes to); used only to read.
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// A shadow attempt with no message after this long is `missing` [default: 60000].
+    #[arg(long, value_name = "MS")]
+    pub grace_ms: Option<i64>,
+    /// Most messages read per partition in this round [default: 100000].
+    #[arg(long, value_name = "N")]
+    pub max_messages: Option<u64>,
 }
 
 /// `outbox migrate`.

@@ -61,6 +61,8 @@ pub struct DispatchExport {
     batch_ms_total: IntCounter,
     batch_ms_max: IntGauge,
     oldest_pending: Gauge,
+    refused_protocol_rows: IntGauge,
+    alias_active: IntGauge,
     in_flight: IntGauge,
     in_flight_source: Option<Arc<dyn Fn() -> usize + Send + Sync>>,
 }
@@ -82,6 +84,8 @@ impl DispatchExport {
             batch_ms_total: counter(r, "outbox_dispatch_batch_milliseconds_total", "Sum of batch latencies, ms (divide by batches_total for the mean)."),
             batch_ms_max: gauge(r, "outbox_dispatch_batch_max_milliseconds", "Slowest batch since start, ms."),
             oldest_pending: fgauge(r, "outbox_oldest_pending_age_seconds", "Age of the oldest PENDING event, seconds (0 when none)."),
+            refused_protocol_rows: gauge(r, "outbox_dispatch_refused_protocol_rows", "Waiting rows of a newer protocol version this dispatcher refuses to claim."),
+            alias_active: gauge(r, "outbox_dispatch_alias_active", "1 while this dispatcher may claim (no alias, or its alias names its implementation), 0 while it idles."),
             in_flight: gauge(r, "outbox_kafka_in_flight_messages", "Messages handed to the Kafka client and not yet reported on."),
             in_flight_source: in_flight,
         }
@@ -103,6 +107,8 @@ impl DispatchExport {
         follow(&self.batch_ms_total, g(&m.batch_ms_total));
         self.batch_ms_max.set(g(&m.batch_ms_max) as i64);
         self.oldest_pending.set(g(&m.oldest_pending_age_ms) as f64 / 1000.0);
+        self.refused_protocol_rows.set(g(&m.refused_protocol_rows) as i64);
+        self.alias_active.set(g(&m.alias_active) as i64);
         if let Some(f) = &self.in_flight_source {
             self.in_flight.set(f() as i64);
         }

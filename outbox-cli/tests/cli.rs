@@ -17,7 +17,7 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 
-const COMMANDS: [&str; 8] = ["migrate", "dispatch", "reconcile", "status", "trace", "report", "purge", "migrate-destination"];
+const COMMANDS: [&str; 11] = ["migrate", "dispatch", "reconcile", "status", "trace", "report", "purge", "migrate-destination", "takeover", "alias", "shadow"];
 
 #[test]
 fn help_lists_every_command_and_documents_every_flag() {
@@ -360,5 +360,24 @@ async fn reconcile_loop_exports_report_metrics_and_stops_on_sigint() {
     let t = env.ok(&["trace", stuck.event_id().as_str()]);
     assert!(t.contains("finding: ") && t.contains("kind=aged_pending"), "{t}");
     drop(kafka);
+    env.drop_now().await;
+}
+
+#[tokio::test]
+async fn rollout_commands_set_the_takeover_policy_and_switch_the_alias() {
+    let env = Env::new("cli_rollout").await;
+    env.ok(&["migrate"]);
+    assert!(env.ok(&["takeover", "show"]).contains("takeover: none (the outbox sends every event)"));
+    let out = env.ok(&["takeover", "set", "--percent-bp", "0"]);
+    assert!(out.contains("takeover generation 1: the outbox sends 0.00% of event types []"), "{out}");
+    let out = env.ok(&["takeover", "set", "--event-type", "order.created.v2", "--event-type", "audit.logged.v1", "--percent-bp", "500"]);
+    assert!(out.contains("takeover generation 2: the outbox sends 5.00% of event types [order.created.v2, audit.logged.v1]"), "{out}");
+    let out = env.ok(&["alias", "switch", "orders-dispatch", "outbox-rs/0.1.0"]);
+    assert!(out.contains("alias orders-dispatch: none -> outbox-rs/0.1.0"), "{out}");
+    let out = env.ok(&["alias", "switch", "orders-dispatch", "outbox-rs/0.0.9", "--protocol-version", "1"]);
+    assert!(out.contains("alias orders-dispatch: outbox-rs/0.1.0 -> outbox-rs/0.0.9"), "{out}");
+    assert!(env.ok(&["alias", "show"]).contains("orders-dispatch\toutbox-rs/0.0.9\tprotocol 1"));
+    let history: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_dispatcher_alias_history").fetch_one(env.pool()).await.unwrap();
+    assert_eq!(history, 2);
     env.drop_now().await;
 }

@@ -100,7 +100,9 @@ impl ShadowDispatcher {
         .bind(limit.min(outbox_core::claim::MAX_CLAIM_BATCH) as i64)
         .fetch_all(self.store.pool())
         .await?;
-        let mut cols: (Vec<String>, Vec<String>, Vec<i32>, Vec<Vec<u8>>, Vec<String>, Vec<String>, Vec<String>) = Default::default();
+        #[derive(Default)]
+        struct Columns(Vec<String>, Vec<String>, Vec<i32>, Vec<Vec<u8>>, Vec<String>, Vec<String>, Vec<String>);
+        let mut cols = Columns::default();
         for r in &rows {
             let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical")?)?;
             let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical")?)?;
