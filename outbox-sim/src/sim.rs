@@ -816,6 +816,8 @@ impl Sim {
         } else {
             (0..self.cons.len()).filter(|&c| plan.mandatory[c]).map(|c| (self.cons[c].w.name.clone(), topics.clone())).collect()
         };
+        // The slots as they were: a purge must keep them (the tombstone).
+        let slots: BTreeMap<EventId, BrokerReceipt> = self.store.lock().events.iter().filter_map(|(id, r)| r.slot.clone().map(|s| (id.clone(), s))).collect();
         let out = self.store.retain_and_purge(plan.replay_window_ms, &wms, &mandatory);
         self.figures.events_retained += out.retained.len() as u64;
         self.figures.events_purged += out.purged.len() as u64;
@@ -828,8 +830,13 @@ impl Sim {
         slog!(self, "retention (window {} ms): {} retained, {} purged, {} held by consumers", plan.replay_window_ms, out.retained.len(), out.purged.len(), out.held_by_consumers);
         for id in out.purged {
             let Some(ev) = self.ev_of(&id) else { continue };
-            let slot = self.store.lock().events.get(&id).and_then(|r| r.slot.clone());
-            let Some(slot) = slot else { continue };
+            let Some(slot) = slots.get(&id).cloned() else { continue };
+            let kept = self.store.lock().events.get(&id).is_some_and(|r| r.slot.as_ref() == Some(&slot) && r.envelope.payload_digest == self.events[ev].payload_digest);
+            if !kept {
+                self.figures.late_duplicates_unrecognised_after_purge += 1;
+                self.violation(format!("E{ev}'s tombstone lost its publish slot or digest"));
+                continue;
+            }
             let seen = self.events[ev].published_seen_ms;
             let past_window = matches!(seen, Some(p) if p < self.now - plan.replay_window_ms.max(0));
             if !past_window {
