@@ -355,7 +355,19 @@ impl<B: Broker + 'static> Dispatcher<B> {
         }
 
         let tokens: Vec<_> = verified.iter().map(|e| e.token.clone()).collect();
-        let registered = self.store.register_attempts(&tokens).await?;
+        let registered = match self.store.register_attempts(&tokens).await {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing was sent: give the claims back rather than leave
+                // them to their leases (best effort; the sweeper is the backstop).
+                for t in &tokens {
+                    if let Err(re) = self.store.release(t).await {
+                        tracing::debug!(event_id = %t.event_id, error = %re, "release after a failed registration");
+                    }
+                }
+                return Err(e.into());
+            }
+        };
         let mut sends = Vec::with_capacity(verified.len());
         for (ev, reg) in verified.into_iter().zip(registered) {
             match reg {

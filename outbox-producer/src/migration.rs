@@ -94,7 +94,8 @@ pub async fn migrate_destination<B: Broker>(
         }
         other => match decide_migration(other, &attempts, None, retry, store.now_ms()) {
             MigrationDecision::Refuse(r) => return refused(r.to_string()),
-            MigrationDecision::Move { .. } => unreachable!("decide_migration moves only PENDING or DISPATCH_UNKNOWN events"),
+            // decide_migration moves only PENDING or DISPATCH_UNKNOWN events; refuse rather than trust that here.
+            MigrationDecision::Move { .. } => return refused(format!("state {other}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move")),
         },
     };
 

@@ -358,3 +358,28 @@ async fn parallel_workers_keep_each_keys_commit_order_in_the_log(pool: PgPool) {
     assert_eq!(committed.len(), 20);
     assert_eq!(logged, committed, "a key's events left the outbox out of commit order");
 }
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn graceful_shutdown_stops_claiming_and_settles_every_started_send(pool: PgPool) {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let broker = cluster.broker(10_000).await;
+    setup(&pool, broker.cluster_id()).await;
+    emit_many(&pool, 2_000, 1).await;
+    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { batch_size: 50, ..config("d") }).unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn(d.clone().run(stop_rx));
+    // Stop in the middle of the backlog.
+    wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 100, Duration::from_secs(60)).await;
+    stop_tx.send(true).unwrap();
+    let total = run.await.unwrap().unwrap();
+    let published = count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await;
+    assert!(published < 2_000, "shutdown came too late to test anything ({published})");
+    assert_eq!(total.published as i64, published, "every started send was settled and recorded");
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state IN ('CLAIMED', 'SENDING')").await, 0, "no claim left behind");
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_attempts WHERE state = 'SENDING'").await, 0);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PENDING'").await, 2_000 - published);
+    // Nothing is claimed after the stop.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await, published);
+}
