@@ -5,6 +5,24 @@ use outbox_core::{EmitRequest, RoutePolicy};
 use outbox_producer::{emit, EmitOptions, Emitted};
 use sqlx::PgPool;
 
+/// `SELECT count(*)`-style scalar of `sql`.
+pub async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.expect("count query")
+}
+
+/// Polls `sql` (a count) until it reaches `want`; fails the test after `timeout`.
+pub async fn wait_count(pool: &PgPool, sql: &str, want: i64, timeout: std::time::Duration) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let n = count(pool, sql).await;
+        if n >= want {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {want} from {sql}, have {n}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// The event type the tests route.
 pub const ORDER_CREATED: &str = "order.created.v2";
 

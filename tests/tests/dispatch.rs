@@ -28,22 +28,6 @@ async fn state_of(pool: &PgPool, id: &str) -> EventState {
     EventState::parse(&s).unwrap()
 }
 
-async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
-}
-
-async fn wait_count(pool: &PgPool, sql: &str, want: i64, timeout: Duration) {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let n = count(pool, sql).await;
-        if n >= want {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {want} from {sql}, have {n}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn ack_publishes_with_a_receipt_matching_the_log(pool: PgPool) {
     let cluster = TestCluster::start();

@@ -10,10 +10,6 @@ async fn setup(pool: &PgPool) {
     route(pool, ORDER_CREATED, "cluster-a", "orders", 6).await;
 }
 
-async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
-}
-
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn commit_stores_a_pending_envelope_with_correct_digests(pool: PgPool) {
     setup(&pool).await;

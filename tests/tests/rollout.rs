@@ -32,22 +32,6 @@ async fn setup(pool: &PgPool, cluster_id: &str) {
     route(pool, PAYMENT_CAPTURED, cluster_id, TOPIC, PARTITIONS as u32).await;
 }
 
-async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
-}
-
-async fn wait_count(pool: &PgPool, sql: &str, want: i64, timeout: Duration) {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let n = count(pool, sql).await;
-        if n >= want {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {want} from {sql}, have {n}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 async fn emit_typed(pool: &PgPool, event_type: &str, id: &str) -> Emitted {
     let payload = order_payload(id, 1);
     let key = format!("{event_type}-{id}");
