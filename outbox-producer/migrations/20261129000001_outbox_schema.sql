@@ -53,7 +53,10 @@ INSERT INTO outbox_transitions (from_state, to_state) VALUES
 
 CREATE TABLE outbox_events (
     seq                 bigint GENERATED ALWAYS AS IDENTITY,
-    event_id            text PRIMARY KEY CHECK (event_id ~ '^evt-[0-7][0-9A-HJKMNP-TV-Z]{25}$'),
+    -- Formats of event_id, digests and traceparent are checked by the
+    -- outbox_events_formats trigger at insert (and on change): a CHECK would be
+    -- re-evaluated on each of the row's state updates.
+    event_id            text PRIMARY KEY,
     command_key         text NOT NULL UNIQUE,
     protocol_version    smallint NOT NULL DEFAULT 1,
     envelope_generation integer NOT NULL DEFAULT 1 CHECK (envelope_generation >= 1),
@@ -64,10 +67,10 @@ CREATE TABLE outbox_events (
     aggregate_id        text NOT NULL,
     aggregate_version   bigint NOT NULL CHECK (aggregate_version >= 0),
     event_type          text NOT NULL,
-    traceparent         text CHECK (traceparent IS NULL OR traceparent ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'),
+    traceparent         text,
     payload             bytea CHECK (payload IS NULL OR octet_length(payload) > 0),
-    payload_digest      text NOT NULL CHECK (payload_digest ~ '^sha256:[0-9a-f]{64}$'),
-    destination_digest  text NOT NULL CHECK (destination_digest ~ '^sha256:[0-9a-f]{64}$'),
+    payload_digest      text NOT NULL,
+    destination_digest  text NOT NULL,
     -- Copies of the current generation's frozen destination, for claiming and ordering.
     cluster_id          text NOT NULL,
     topic               text NOT NULL,
@@ -128,7 +131,8 @@ BEGIN
         RAISE EXCEPTION 'illegal outbox transition % -> % for %', OLD.state, NEW.state, OLD.event_id
             USING ERRCODE = 'check_violation';
     END IF;
-    IF NEW.event_id <> OLD.event_id OR NEW.command_key <> OLD.command_key OR NEW.seq <> OLD.seq THEN
+    IF NEW.event_id <> OLD.event_id OR NEW.command_key <> OLD.command_key OR NEW.seq <> OLD.seq
+       OR NEW.payload_digest <> OLD.payload_digest THEN
         RAISE EXCEPTION 'outbox event identity is immutable' USING ERRCODE = 'check_violation';
     END IF;
     IF NEW.claim_generation < OLD.claim_generation OR NEW.attempt_generation < OLD.attempt_generation
@@ -139,6 +143,35 @@ BEGIN
 END $$;
 CREATE TRIGGER outbox_events_transition BEFORE UPDATE ON outbox_events
     FOR EACH ROW EXECUTE FUNCTION outbox_check_transition();
+
+CREATE FUNCTION outbox_check_formats() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' OR NEW.event_id IS DISTINCT FROM OLD.event_id THEN
+        IF NEW.event_id !~ '^evt-[0-7][0-9A-HJKMNP-TV-Z]{25}$' THEN
+            RAISE EXCEPTION 'malformed event_id %', NEW.event_id USING ERRCODE = 'check_violation';
+        END IF;
+    END IF;
+    IF TG_OP = 'INSERT' OR NEW.payload_digest IS DISTINCT FROM OLD.payload_digest THEN
+        IF NEW.payload_digest !~ '^sha256:[0-9a-f]{64}$' THEN
+            RAISE EXCEPTION 'malformed payload_digest %', NEW.payload_digest USING ERRCODE = 'check_violation';
+        END IF;
+    END IF;
+    IF TG_OP = 'INSERT' OR NEW.destination_digest IS DISTINCT FROM OLD.destination_digest THEN
+        IF NEW.destination_digest !~ '^sha256:[0-9a-f]{64}$' THEN
+            RAISE EXCEPTION 'malformed destination_digest %', NEW.destination_digest USING ERRCODE = 'check_violation';
+        END IF;
+    END IF;
+    IF (TG_OP = 'INSERT' OR NEW.traceparent IS DISTINCT FROM OLD.traceparent) AND NEW.traceparent IS NOT NULL
+       AND NEW.traceparent !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$' THEN
+        RAISE EXCEPTION 'malformed traceparent %', NEW.traceparent USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+-- Fires only when a checked column is written (every insert; updates that touch them).
+CREATE TRIGGER outbox_events_formats_insert BEFORE INSERT ON outbox_events
+    FOR EACH ROW EXECUTE FUNCTION outbox_check_formats();
+CREATE TRIGGER outbox_events_formats_update BEFORE UPDATE OF event_id, payload_digest, destination_digest, traceparent ON outbox_events
+    FOR EACH ROW EXECUTE FUNCTION outbox_check_formats();
 
 -- Frozen envelopes and destinations, one row per envelope generation. Never updated.
 CREATE TABLE outbox_envelopes (

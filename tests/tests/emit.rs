@@ -176,6 +176,16 @@ async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
     // Frozen envelopes cannot be edited.
     let err = sqlx::query("UPDATE outbox_envelopes SET destination_digest = 'x' WHERE event_id = $1").bind(id).execute(&pool).await.unwrap_err();
     assert!(err.to_string().contains("append-only"), "{err}");
+    // The frozen payload digest cannot be rewritten; malformed digests are refused.
+    let err = sqlx::query("UPDATE outbox_events SET payload_digest = $2 WHERE event_id = $1")
+        .bind(id)
+        .bind(outbox_core::sha256_digest(b"other"))
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("immutable"), "{err}");
+    let err = sqlx::query("UPDATE outbox_events SET destination_digest = 'sha256:nothex' WHERE event_id = $1").bind(id).execute(&pool).await.unwrap_err();
+    assert!(err.to_string().contains("malformed destination_digest"), "{err}");
     // One eventId, one command key.
     let dup = sqlx::query("INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
                            SELECT event_id, 'other-key', 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0 FROM outbox_events WHERE event_id = $1")
