@@ -249,6 +249,14 @@ pub trait Broker: Send + Sync {
     /// Whether [`Broker::lookup`] can answer at all.
     fn supports_lookup(&self) -> bool;
 
+    /// The longest a message of a send may stay in flight (and so still land
+    /// in the log) after the send began, if the adapter knows. A reconciler's
+    /// [`crate::RetryPolicy::in_flight_bound_ms`] must not be shorter, or an
+    /// absence proof could miss a message that is still on its way.
+    fn max_in_flight_ms(&self) -> Option<u64> {
+        None
+    }
+
     /// Scans `destination`'s partition from `from_offset` to the high
     /// watermark for messages carrying `event_id`.
     async fn lookup(&self, destination: &Destination, event_id: &EventId, from_offset: i64) -> LookupOutcome;

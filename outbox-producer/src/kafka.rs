@@ -638,6 +638,13 @@ impl Broker for KafkaBroker {
         true
     }
 
+    /// The enqueue wait plus the delivery-report backstop: past it librdkafka
+    /// has given up on the message, so it can no longer be written.
+    fn max_in_flight_ms(&self) -> Option<u64> {
+        let backstop = u64::try_from(self.inner.report_backstop().as_millis()).unwrap_or(u64::MAX);
+        Some(self.inner.config.enqueue_timeout_ms.saturating_add(backstop))
+    }
+
     /// Scans `destination.topic` / `destination.partition` from
     /// `from_offset` (raised to the low watermark) to the high watermark read
     /// at the start, for messages whose `outbox-event-id` header is

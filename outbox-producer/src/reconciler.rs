@@ -110,6 +110,15 @@ impl<B: Broker + 'static> Reconciler<B> {
     pub fn new(store: PgStore, broker: Arc<B>, config: ReconcilerConfig) -> Result<Self, ProducerError> {
         outbox_core::id::validate_identifier("reconciler owner", &config.owner)?;
         outbox_core::claim::validate_lease_ms(config.lease_ms)?;
+        if let Some(max) = broker.max_in_flight_ms() {
+            if (config.retry.in_flight_bound_ms.max(0) as u64) < max {
+                return Err(ProducerError::Config(format!(
+                    "retry.in_flight_bound_ms = {} is shorter than the {max} ms a message of this broker adapter may stay in flight; \
+                     an absence proof could miss a message still on its way",
+                    config.retry.in_flight_bound_ms
+                )));
+            }
+        }
         Ok(Reconciler { store, broker, config })
     }
 

@@ -49,7 +49,7 @@ impl Fixture {
     }
 
     fn reconciler(&self) -> Reconciler<KafkaBroker> {
-        let cfg = ReconcilerConfig { owner: "r".into(), retry: RetryPolicy { in_flight_bound_ms: 5_000, ..RetryPolicy::default() }, ..Default::default() };
+        let cfg = ReconcilerConfig { owner: "r".into(), retry: RetryPolicy { in_flight_bound_ms: 30_000, ..RetryPolicy::default() }, ..Default::default() };
         Reconciler::new(self.store.clone(), self.broker.clone(), cfg).unwrap()
     }
 
@@ -284,7 +284,7 @@ async fn migration_is_refused_while_unknown_and_accepted_after_proof(pool: PgPoo
     let e = f.unknown_never_sent("o-1").await;
     let id = e.event_id();
     let new_route = RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), "orders-eu", PARTITIONS as u32);
-    let retry = RetryPolicy { in_flight_bound_ms: 5_000, ..RetryPolicy::default() };
+    let retry = RetryPolicy { in_flight_bound_ms: 30_000, ..RetryPolicy::default() };
     f.clock.advance(60_000);
 
     f.cluster.mock.as_ref().unwrap().broker_down(1).unwrap();
@@ -311,4 +311,12 @@ async fn migration_is_refused_while_unknown_and_accepted_after_proof(pool: PgPoo
     // A published event cannot be moved.
     let out = migrate_destination(&f.store, f.broker.as_ref(), id, &RoutePolicy::new(ORDER_CREATED, "c", "t", 1), "ops-alice", &retry).await.unwrap();
     assert!(matches!(out, MigrationOutcome::Refused { .. }));
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_reconciler_whose_absence_proofs_could_miss_an_in_flight_message_refuses_to_start(pool: PgPool) {
+    let f = fixture(pool).await;
+    let too_short = ReconcilerConfig { retry: RetryPolicy { in_flight_bound_ms: 1_000, ..RetryPolicy::default() }, ..Default::default() };
+    let err = Reconciler::new(f.store.clone(), f.broker.clone(), too_short).unwrap_err();
+    assert!(err.to_string().contains("in_flight_bound_ms"), "{err}");
 }
