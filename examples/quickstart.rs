@@ -161,9 +161,9 @@ async fn run(db: &ScratchDb) -> anyhow::Result<()> {
     let reconciler = Reconciler::new(PgStore::new(pool.clone()), broker.clone(), ReconcilerConfig { owner: "quickstart-reconciler".into(), ..Default::default() })?;
     let (resolved, compared) = reconciler.run_once().await?;
     let report = reconciler.report().await?;
+    println!("first event: {} (run with --keep to trace it with the outbox CLI)", event_ids[0]);
+    println!("this round: {} unknowns examined, {} messages scanned for bypass publishes\n", resolved.examined, compared.scanned_messages);
     print!("{}", report.to_text());
-    println!("(this round: {} unknowns examined, {} messages scanned for bypass publishes)", resolved.examined, compared.scanned_messages);
-    println!("\nfirst event: {} (run with --keep to trace it with the outbox CLI)", event_ids[0]);
     anyhow::ensure!(report.findings.is_empty(), "a healthy run has no findings");
     let _ = Arc::strong_count(&broker);
     Ok(())
