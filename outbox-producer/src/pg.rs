@@ -189,7 +189,7 @@ impl PgStore {
         }
     }
 
-    async fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<Vec<ClaimedEvent>, StoreError> {
+    fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<Vec<ClaimedEvent>, StoreError> {
         rows.iter()
             .map(|r| {
                 let g = |e: sqlx::Error| store_err(e);
@@ -556,6 +556,25 @@ impl PgStore {
         Ok(tasks)
     }
 
+    /// Runs a claim statement: `$1` limit, `$2` owner, `$3` now, `$4` lease,
+    /// `$5` cluster scope, `$6` highest protocol understood; it returns
+    /// [`CLAIM_RETURNING`] rows.
+    async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState) -> Result<Vec<ClaimedEvent>, StoreError> {
+        validate_lease_ms(lease_ms)?;
+        outbox_core::id::validate_identifier("owner", owner)?;
+        let rows = sqlx::query(sql)
+            .bind(limit.min(MAX_CLAIM_BATCH) as i64)
+            .bind(owner)
+            .bind(self.now_ms())
+            .bind(lease_ms)
+            .bind(self.cluster_scope.as_deref())
+            .bind(self.max_protocol_version)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_err)?;
+        Self::claimed_rows(rows, from)
+    }
+
     /// Age in ms of the oldest PENDING event, if any.
     pub async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
         let now = self.now_ms();
@@ -628,10 +647,9 @@ const CLAIM_RETURNING: &str = "RETURNING e.traceparent, e.claim_owner, e.claim_g
 #[async_trait]
 impl OutboxStore for PgStore {
     async fn claim_batch(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        validate_lease_ms(lease_ms)?;
-        outbox_core::id::validate_identifier("owner", owner)?;
-        let now = self.now_ms();
-        let rows = sqlx::query(&format!(
+        let mut out = self
+            .claim_with(
+                &format!(
             // Ordered events: only the oldest open event of each (cluster, topic,
             // key) may go, found with one index descent per key (a loose index
             // scan), so a deep backlog behind claimed heads costs nothing.
@@ -664,26 +682,20 @@ impl OutboxStore for PgStore {
              FROM c, outbox_envelopes v
              WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
              {CLAIM_RETURNING}"
-        ))
-        .bind(limit.min(MAX_CLAIM_BATCH) as i64)
-        .bind(owner)
-        .bind(now)
-        .bind(lease_ms)
-        .bind(self.cluster_scope.as_deref())
-        .bind(self.max_protocol_version)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(store_err)?;
-        let mut out = Self::claimed_rows(rows, EventState::Pending).await?;
+                ),
+                owner,
+                limit,
+                lease_ms,
+                EventState::Pending,
+            )
+            .await?;
         out.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
         Ok(out)
     }
 
     async fn claim_retries(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        validate_lease_ms(lease_ms)?;
-        outbox_core::id::validate_identifier("owner", owner)?;
-        let now = self.now_ms();
-        let rows = sqlx::query(&format!(
+        self.claim_with(
+            &format!(
             "WITH c AS (
                 SELECT event_id FROM outbox_events WHERE state = 'RETRY_CLAIMED' AND claim_owner IS NULL
                   AND publisher = 'outbox' AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
@@ -693,17 +705,13 @@ impl OutboxStore for PgStore {
              FROM c, outbox_envelopes v
              WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
              {CLAIM_RETURNING}"
-        ))
-        .bind(limit.min(MAX_CLAIM_BATCH) as i64)
-        .bind(owner)
-        .bind(now)
-        .bind(lease_ms)
-        .bind(self.cluster_scope.as_deref())
-        .bind(self.max_protocol_version)
-        .fetch_all(&self.pool)
+            ),
+            owner,
+            limit,
+            lease_ms,
+            EventState::RetryClaimed,
+        )
         .await
-        .map_err(store_err)?;
-        Self::claimed_rows(rows, EventState::RetryClaimed).await
     }
 
     async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError> {
