@@ -217,6 +217,23 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
     }
 }
 
+/// An attempt of event `evt(1,1)` for unit tests of the decisions.
+#[cfg(test)]
+pub(crate) fn sample_attempt(state: AttemptState, started_at_ms: i64, scan_from_offset: i64) -> AttemptRecord {
+    AttemptRecord {
+        attempt_id: AttemptId::from_parts(1, started_at_ms as u128),
+        event_id: EventId::from_parts(1, 1),
+        envelope_generation: 1,
+        attempt_generation: 1,
+        claim_generation: 1,
+        owner: "w".into(),
+        state,
+        destination_digest: "d".into(),
+        started_at_ms,
+        scan_from_offset,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

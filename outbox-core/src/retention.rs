@@ -275,18 +275,7 @@ mod tests {
     }
 
     fn attempt(state: AttemptState, started_at_ms: i64) -> AttemptRecord {
-        AttemptRecord {
-            attempt_id: AttemptId::from_parts(1, started_at_ms as u128),
-            event_id: EventId::from_parts(1, 1),
-            envelope_generation: 1,
-            attempt_generation: 1,
-            claim_generation: 1,
-            owner: "w".into(),
-            state,
-            destination_digest: "d".into(),
-            started_at_ms,
-            scan_from_offset: 4,
-        }
+        crate::receipt::sample_attempt(state, started_at_ms, 4)
     }
 
     const P: RetryPolicy = RetryPolicy { allow_retry: true, max_attempts: 5, in_flight_bound_ms: 1_000, recheck_ms: 500 };

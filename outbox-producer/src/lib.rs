@@ -25,6 +25,7 @@ pub mod report;
 pub mod retention;
 pub mod rollout;
 pub mod routes;
+mod topic_scan;
 
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch};
 pub use emit::{emit, EmitOptions, Emitted};

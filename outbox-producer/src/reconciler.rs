@@ -14,6 +14,7 @@ use outbox_core::{decide_reconcile, scan_lower_bound, Broker, EventState, Lookup
 use sqlx::Row;
 
 use crate::error::ProducerError;
+use crate::topic_scan::Cursors;
 use crate::pg::PgStore;
 
 /// Reconciler settings; every threshold has its unit in its name.
@@ -315,23 +316,12 @@ impl<B: Broker + 'static> Reconciler<B> {
     async fn scan_for_bypass(&self, now: i64) -> Result<(Vec<(&'static str, String, String, i64, String)>, usize), ProducerError> {
         let pool = self.store.pool();
         let cluster = self.broker.cluster_id().to_owned();
-        let topics: Vec<(String, i32)> = sqlx::query_as(
-            "SELECT DISTINCT ON (topic) topic, partitions FROM outbox_route_policies WHERE cluster_id = $1 ORDER BY topic, generation DESC",
-        )
-        .bind(&cluster)
-        .fetch_all(pool)
-        .await?;
+        let topics = crate::topic_scan::routed_topics(pool, &cluster).await?;
         let mut found = Vec::new();
         let mut scanned = 0;
         for (topic, partitions) in topics {
             for partition in 0..partitions {
-                let cursor: i64 = sqlx::query_scalar("SELECT next_offset FROM outbox_scan_cursors WHERE cluster_id = $1 AND topic = $2 AND partition = $3")
-                    .bind(&cluster)
-                    .bind(&topic)
-                    .bind(partition)
-                    .fetch_optional(pool)
-                    .await?
-                    .unwrap_or(0);
+                let cursor = Cursors::Bypass.read(pool, &cluster, &topic, partition).await?;
                 let scan = match self.broker.scan_event_ids(&topic, partition, cursor, self.config.bypass_scan_max_messages).await {
                     Ok(s) => s,
                     Err(e) => {
@@ -364,16 +354,7 @@ impl<B: Broker + 'static> Reconciler<B> {
                     let why = if m.event_id.is_some() { "eventId in the topic that the outbox never committed" } else { "message without an outbox eventId" };
                     found.push(("bypass_publish", label, String::new(), 0, format!("{why} at {topic}/{partition}@{}", m.offset)));
                 }
-                sqlx::query(
-                    "INSERT INTO outbox_scan_cursors (cluster_id, topic, partition, next_offset) VALUES ($1, $2, $3, $4)
-                     ON CONFLICT (cluster_id, topic, partition) DO UPDATE SET next_offset = greatest(outbox_scan_cursors.next_offset, EXCLUDED.next_offset)",
-                )
-                .bind(&cluster)
-                .bind(&topic)
-                .bind(partition)
-                .bind(scan.next_offset)
-                .execute(&mut *tx)
-                .await?;
+                Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, scan.next_offset).await?;
                 tx.commit().await?;
             }
         }

@@ -25,6 +25,7 @@ use sqlx::{PgPool, Row};
 
 use crate::dispatcher::outgoing_message;
 use crate::error::ProducerError;
+use crate::topic_scan::Cursors;
 use crate::pg::PgStore;
 
 /// Publishes a new takeover policy generation and returns it. `event_types`
@@ -214,23 +215,13 @@ pub async fn compare_shadow<B: Broker + ?Sized>(store: &PgStore, broker: &B, gra
     let pool = store.pool();
     let round_start = store.now_ms();
     let cluster = broker.cluster_id().to_owned();
-    let topics: Vec<(String, i32)> =
-        sqlx::query_as("SELECT DISTINCT ON (topic) topic, partitions FROM outbox_route_policies WHERE cluster_id = $1 ORDER BY topic, generation DESC")
-            .bind(&cluster)
-            .fetch_all(pool)
-            .await?;
+    let topics = crate::topic_scan::routed_topics(pool, &cluster).await?;
     let mut report = ShadowReport::default();
     let mut complete_topics: Vec<String> = Vec::new();
     for (topic, partitions) in topics {
         let mut complete = true;
         for partition in 0..partitions {
-            let cursor: i64 = sqlx::query_scalar("SELECT next_offset FROM outbox_shadow_cursors WHERE cluster_id = $1 AND topic = $2 AND partition = $3")
-                .bind(&cluster)
-                .bind(&topic)
-                .bind(partition)
-                .fetch_optional(pool)
-                .await?
-                .unwrap_or(0);
+            let cursor = Cursors::Shadow.read(pool, &cluster, &topic, partition).await?;
             let scan = match broker.scan_event_ids(&topic, partition, cursor, max_messages).await {
                 Ok(s) => s,
                 Err(e) => {
@@ -335,16 +326,7 @@ pub async fn compare_shadow<B: Broker + ?Sized>(store: &PgStore, broker: &B, gra
                     .await?;
             }
             count_new(&mut report, record(&mut tx, &mismatches, round_start).await?);
-            sqlx::query(
-                "INSERT INTO outbox_shadow_cursors (cluster_id, topic, partition, next_offset) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (cluster_id, topic, partition) DO UPDATE SET next_offset = greatest(outbox_shadow_cursors.next_offset, EXCLUDED.next_offset)",
-            )
-            .bind(&cluster)
-            .bind(&topic)
-            .bind(partition)
-            .bind(next_offset)
-            .execute(&mut *tx)
-            .await?;
+            Cursors::Shadow.advance(&mut tx, &cluster, &topic, partition, next_offset).await?;
             tx.commit().await?;
         }
         if complete {
