@@ -8,12 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::CommandFactory;
-use common::{create_order, free_port, http_get, outbox_bin, route, Env};
-use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Processor, RawMessage};
+use common::{create_order, free_port, http_get, outbox_bin, read_message, route, Env};
+use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Processor};
 use outbox_producer::{Dispatcher, DispatcherConfig, PgStore};
 use outbox_testkit::{assert_published, KafkaFixture};
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 
@@ -116,21 +114,6 @@ impl Handler for Fulfil {
     }
 }
 
-fn read_message(bootstrap: &str, topic: &str, partition: i32, offset: i64) -> RawMessage {
-    let c: BaseConsumer = ClientConfig::new().set("bootstrap.servers", bootstrap).set("group.id", "cli-test-reader").set("enable.auto.commit", "false").create().unwrap();
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).unwrap();
-    c.assign(&tpl).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
-            if m.offset() == offset {
-                return RawMessage::from_kafka(&m);
-            }
-        }
-    }
-    panic!("message not read");
-}
 
 #[tokio::test]
 async fn trace_shows_envelope_attempt_receipt_and_consumer() {

@@ -6,15 +6,13 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{route, Env, ORDER_CREATED};
-use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Processor, RawMessage};
-use outbox_core::{EmitRequest, OutboxStore};
-use outbox_producer::{emit, Dispatcher, DispatcherConfig, EmitOptions, PgStore, Reconciler, ReconcilerConfig};
+use common::{read_message, route, Env};
+use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Processor};
+use outbox_core::OutboxStore;
+use outbox_producer::{Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig};
 use outbox_testkit::{assert_consumed_once, assert_emitted, assert_published, KafkaFixture};
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::Value;
 use sqlx::{PgPool, Postgres, Transaction};
 
@@ -66,39 +64,11 @@ impl Handler for Noop {
     }
 }
 
-fn read_message(bootstrap: &str, topic: &str, partition: i32, offset: i64) -> RawMessage {
-    let c: BaseConsumer = ClientConfig::new().set("bootstrap.servers", bootstrap).set("group.id", "roles-reader").set("enable.auto.commit", "false").create().unwrap();
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).unwrap();
-    c.assign(&tpl).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
-            if m.offset() == offset {
-                return RawMessage::from_kafka(&m);
-            }
-        }
-    }
-    panic!("message not read");
-}
 
 async fn emit_as_app(pool: &PgPool, id: &str) -> outbox_core::EventId {
     let mut tx = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind(id).execute(&mut *tx).await.unwrap();
-    let payload = format!(r#"{{"order":"{id}"}}"#);
-    let key = format!("create-{id}");
-    let req = EmitRequest {
-        command_key: &key,
-        tenant: "tenant-7",
-        aggregate_type: "order",
-        aggregate_id: id,
-        aggregate_version: 1,
-        event_type: ORDER_CREATED,
-        payload_schema: "order-v2",
-        payload: payload.as_bytes(),
-    };
-    emit(&mut tx, &req, &EmitOptions::default()).await.expect("emit as outbox_app");
-    let event_id = assert_emitted(&mut tx, &key).await;
+    common::emit_order(&mut tx, id).await;
+    let event_id = assert_emitted(&mut tx, &format!("create-{id}")).await;
     tx.commit().await.unwrap();
     event_id
 }

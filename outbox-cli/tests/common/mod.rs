@@ -8,7 +8,10 @@ use std::process::{Command, Output};
 use outbox_core::{EmitRequest, RoutePolicy};
 use outbox_producer::{emit, EmitOptions, Emitted};
 use outbox_testkit::{pick_database, PickedDatabase, TestDatabase};
-use sqlx::PgPool;
+use outbox_consumer::RawMessage;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use sqlx::{PgPool, Postgres, Transaction};
 
 pub const ORDER_CREATED: &str = "order.created.v2";
 
@@ -75,11 +78,9 @@ pub async fn route(pool: &PgPool, cluster_id: &str, topic: &str, partitions: u32
     outbox_producer::routes::revise(pool, &RoutePolicy::new(ORDER_CREATED, cluster_id, topic, partitions)).await.expect("route");
 }
 
-/// One business transaction: an order row and its `order.created.v2` event.
-pub async fn create_order(pool: &PgPool, id: &str) -> Emitted {
-    sqlx::query("CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY)").execute(pool).await.unwrap();
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind(id).execute(&mut *tx).await.unwrap();
+/// Inside `tx`: an order row and its `order.created.v2` event (command key `create-<id>`).
+pub async fn emit_order(tx: &mut Transaction<'_, Postgres>, id: &str) -> Emitted {
+    sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind(id).execute(&mut **tx).await.unwrap();
     let payload = format!(r#"{{"order":"{id}"}}"#);
     let command_key = format!("create-{id}");
     let request = EmitRequest {
@@ -92,9 +93,34 @@ pub async fn create_order(pool: &PgPool, id: &str) -> Emitted {
         payload_schema: "order-v2",
         payload: payload.as_bytes(),
     };
-    let e = emit(&mut tx, &request, &EmitOptions::default()).await.expect("emit");
+    emit(tx, &request, &EmitOptions::default()).await.expect("emit")
+}
+
+/// One business transaction: an order row and its `order.created.v2` event.
+pub async fn create_order(pool: &PgPool, id: &str) -> Emitted {
+    sqlx::query("CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY)").execute(pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let e = emit_order(&mut tx, id).await;
     tx.commit().await.unwrap();
     e
+}
+
+/// Reads the message at `topic/partition@offset` back from the broker.
+#[allow(dead_code)] // not every test binary reads messages
+pub fn read_message(bootstrap: &str, topic: &str, partition: i32, offset: i64) -> RawMessage {
+    let c: BaseConsumer = ClientConfig::new().set("bootstrap.servers", bootstrap).set("group.id", "cli-test-reader").set("enable.auto.commit", "false").create().unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).unwrap();
+    c.assign(&tpl).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while std::time::Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(std::time::Duration::from_millis(200)) {
+            if m.offset() == offset {
+                return RawMessage::from_kafka(&m);
+            }
+        }
+    }
+    panic!("message {topic}/{partition}@{offset} not read");
 }
 
 pub fn free_port() -> u16 {
