@@ -75,7 +75,7 @@ impl Fixture {
     }
 
     async fn count(&self, sql: &str) -> i64 {
-        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
+        count(&self.pool, sql).await
     }
 
     fn log_of(&self, topic: &str, id: &str) -> usize {
