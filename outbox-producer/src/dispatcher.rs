@@ -46,6 +46,8 @@ pub const DEFAULT_POLL_INTERVAL_MS: u64 = 1_000;
 pub const DEFAULT_SWEEP_INTERVAL_MS: u64 = 1_000;
 /// Default time shutdown waits for outstanding broker answers, ms.
 pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 30_000;
+/// How often the sweeper recounts rows of a newer protocol version.
+pub const PROTOCOL_GAUGE_EVERY: Duration = Duration::from_secs(30);
 /// Most workers one dispatcher runs.
 pub const MAX_WORKERS: usize = 64;
 /// This build's implementation name, the default of [`DispatcherConfig::implementation`].
@@ -257,6 +259,8 @@ pub struct Dispatcher<B: Broker + 'static> {
     metrics: Arc<DispatchMetrics>,
     /// When the alias was last read, and whether it named this implementation.
     alias_checked: std::sync::Mutex<Option<(Instant, bool)>>,
+    /// Held while claiming (see [`Dispatcher::claim`]).
+    claim_turn: tokio::sync::Mutex<()>,
 }
 
 /// Builds the message for one attempt of one claimed event.
@@ -277,7 +281,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
     pub fn new(store: PgStore, broker: Arc<B>, config: DispatcherConfig) -> Result<Self, ProducerError> {
         config.validate()?;
         let store = store.scoped_to_cluster(broker.cluster_id());
-        Ok(Dispatcher { store, broker, config, metrics: Arc::default(), alias_checked: std::sync::Mutex::new(None) })
+        Ok(Dispatcher { store, broker, config, metrics: Arc::default(), alias_checked: std::sync::Mutex::new(None), claim_turn: tokio::sync::Mutex::new(()) })
     }
 
     /// The counters.
@@ -327,10 +331,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
         if !self.alias_active().await? {
             return Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends: Vec::new() });
         }
-        let mut claimed = self.store.claim_retries(owner, self.config.batch_size, self.config.lease_ms).await?;
-        if claimed.len() < self.config.batch_size {
-            claimed.extend(self.store.claim_batch(owner, self.config.batch_size - claimed.len(), self.config.lease_ms).await?);
-        }
+        let claimed = self.claim(owner).await?;
         report.claimed = claimed.len();
         inc(&self.metrics.claimed, claimed.len() as u64);
 
@@ -389,6 +390,20 @@ impl<B: Broker + 'static> Dispatcher<B> {
         report.sent = sends.len();
         inc(&self.metrics.sent, sends.len() as u64);
         Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends })
+    }
+
+    /// Claims up to a batch, retries first. One claim statement at a time
+    /// per instance: two claims running together would scan the same key
+    /// heads, and each would keep the rows the other had just claimed locked
+    /// until it commits, stalling their registration.
+    async fn claim(&self, owner: &str) -> Result<Vec<ClaimedEvent>, ProducerError> {
+        let (batch, lease) = (self.config.batch_size, self.config.lease_ms);
+        let _turn = self.claim_turn.lock().await;
+        let mut claimed = self.store.claim_retries(owner, batch, lease).await?;
+        if claimed.len() < batch {
+            claimed.extend(self.store.claim_batch(owner, batch - claimed.len(), lease).await?);
+        }
+        Ok(claimed)
     }
 
     /// Step 2: wait for every answer of the batch and record it.
@@ -537,6 +552,9 @@ impl<B: Broker + 'static> Dispatcher<B> {
             let mut stop = shutdown.clone();
             tasks.push(tokio::spawn(async move {
                 let every = Duration::from_millis(me.config.sweep_interval_ms);
+                // Counting rows of a newer protocol visits the whole backlog:
+                // a rollout gauge, refreshed every PROTOCOL_GAUGE_EVERY.
+                let mut protocol_checked: Option<Instant> = None;
                 loop {
                     if let Err(e) = me.store.expire_leases().await {
                         tracing::warn!(error = %e, "lease sweep failed");
@@ -544,11 +562,14 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     if let Ok(age) = me.store.oldest_pending_age_ms().await {
                         me.metrics.oldest_pending_age_ms.store(age.unwrap_or(0) as u64, AtomicOrdering::Relaxed);
                     }
-                    if let Ok(refused) = me.store.rows_beyond_protocol().await {
-                        let before = me.metrics.refused_protocol_rows.swap(refused.max(0) as u64, AtomicOrdering::Relaxed);
-                        if refused > 0 && before != refused as u64 {
-                            tracing::warn!(refused, understood = me.store.max_protocol_version(),
-                                "rows of a newer protocol version are waiting; this dispatcher leaves them alone (run a dispatcher that understands them)");
+                    if protocol_checked.is_none_or(|at| at.elapsed() >= PROTOCOL_GAUGE_EVERY) {
+                        if let Ok(refused) = me.store.rows_beyond_protocol().await {
+                            protocol_checked = Some(Instant::now());
+                            let before = me.metrics.refused_protocol_rows.swap(refused.max(0) as u64, AtomicOrdering::Relaxed);
+                            if refused > 0 && before != refused as u64 {
+                                tracing::warn!(refused, understood = me.store.max_protocol_version(),
+                                    "rows of a newer protocol version are waiting; this dispatcher leaves them alone (run a dispatcher that understands them)");
+                            }
                         }
                     }
                     tokio::select! {

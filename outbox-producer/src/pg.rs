@@ -578,9 +578,12 @@ impl PgStore {
     /// Age in ms of the oldest PENDING event, if any.
     pub async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
         let now = self.now_ms();
-        // Legacy events stay PENDING here: they are the legacy publisher's to send.
-        let oldest: Option<i64> = sqlx::query_scalar("SELECT min(created_at_ms) FROM outbox_events WHERE state = 'PENDING' AND publisher = 'outbox'")
-            .fetch_one(&self.pool)
+        // Legacy events stay PENDING here: they are the legacy publisher's to
+        // send. The earliest-inserted PENDING event, found through the PENDING
+        // index in one descent: this runs every sweep, it must not scan the backlog.
+        let oldest: Option<i64> =
+            sqlx::query_scalar("SELECT created_at_ms FROM outbox_events WHERE state = 'PENDING' AND publisher = 'outbox' ORDER BY seq LIMIT 1")
+                .fetch_optional(&self.pool)
             .await
             .map_err(store_err)?;
         Ok(oldest.map(|o| (now - o).max(0)))
