@@ -62,7 +62,7 @@ END $$;
 DO $$
 DECLARE t text;
 BEGIN
-    FOREACH t IN ARRAY ARRAY['outbox_meta', 'outbox_route_policies', 'outbox_states', 'outbox_transitions', 'outbox_events',
+    FOREACH t IN ARRAY ARRAY['outbox_meta', 'outbox_route_policies', 'outbox_states', 'outbox_transitions', 'outbox_events', 'outbox_commands',
                              'outbox_envelopes', 'outbox_attempts', 'outbox_publish_receipts', 'outbox_duplicate_receipts',
                              'outbox_quarantine', 'outbox_audit', 'outbox_consumers', 'outbox_unknown_resolutions',
                              'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots',
@@ -86,6 +86,7 @@ FROM unnest(ARRAY['outbox_app', 'outbox_dispatcher', 'outbox_reconciler', 'outbo
 -- outbox_app: emit inside the service's own transaction (insert the event and
 -- its frozen envelope, read the route policy; a retried command reads its
 -- first eventId). No UPDATE: a committed event is the dispatcher's.
+SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_commands');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_events');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_route_policies');
@@ -140,7 +141,7 @@ SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_dispatc
 
 -- outbox_reader: everything, read-only (status, trace, report, dashboards).
 SELECT pg_temp.outbox_grant('outbox_reader', 'SELECT', t)
-FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_envelopes', 'outbox_attempts', 'outbox_publish_receipts',
+FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', 'outbox_envelopes', 'outbox_attempts', 'outbox_publish_receipts',
                   'outbox_duplicate_receipts', 'outbox_quarantine', 'outbox_audit', 'outbox_consumers', 'outbox_unknown_resolutions',
                   'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots',
                   'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',

@@ -93,8 +93,8 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
     let ctx = sqlx::query(&format!(
         "SELECT pg_current_xact_id()::text::bigint AS txid,
                 (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
-                (SELECT event_id FROM outbox_events WHERE command_key = $1) AS existing,
-                (SELECT max(aggregate_version) FROM outbox_events
+                (SELECT event_id FROM outbox_commands WHERE command_key = $1) AS existing,
+                (SELECT max(aggregate_version) FROM outbox_commands
                   WHERE tenant = $2 AND aggregate_type = $3 AND aggregate_id = $4) AS last_version,
                 p.*, t.*
          FROM (SELECT 1) one
@@ -145,16 +145,20 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
     };
     let publisher = decide_publisher(takeover.as_ref(), &envelope.event_type, &envelope.event_id);
 
-    // The event row, its frozen envelope and the wake-up notification in one
-    // statement. A concurrent transaction holding the same command key makes
-    // this wait; if it commits, nothing is inserted here.
+    // The command key, the event row, its frozen envelope and the wake-up
+    // notification in one statement. A concurrent transaction holding the
+    // same command key makes this wait; if it commits, nothing is inserted here.
     let inserted: i64 = sqlx::query_scalar(
-        "WITH ins AS (
+        "WITH cmd AS (
+            INSERT INTO outbox_commands (command_key, event_id, tenant, aggregate_type, aggregate_id, aggregate_version)
+            VALUES ($2, $1, $3, $4, $5, $6)
+            ON CONFLICT (command_key) DO NOTHING
+            RETURNING event_id),
+         ins AS (
             INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
                  aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
                  routing_key, ordered, created_at_ms, state_since_ms, traceparent, publisher, takeover_generation)
-            VALUES ($1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16, $17, $22, $23)
-            ON CONFLICT (command_key) DO NOTHING
+            SELECT $1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16, $17, $22, $23 FROM cmd
             RETURNING event_id),
          env AS (
             INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest,
@@ -204,8 +208,10 @@ async fn existing_for_command(tx: &mut Transaction<'_, Postgres>, request: &Emit
     let row = sqlx::query(
         "SELECT e.event_id, e.payload_digest, e.event_type, e.tenant, e.aggregate_type, e.aggregate_id,
                 v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
-         FROM outbox_events e JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = 1
-         WHERE e.command_key = $1",
+         FROM outbox_commands c
+         JOIN outbox_events e ON e.event_id = c.event_id
+         JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = 1
+         WHERE c.command_key = $1",
     )
     .bind(request.command_key)
     .fetch_optional(&mut **tx)

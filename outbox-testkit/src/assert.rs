@@ -46,9 +46,10 @@ where
                 e.cluster_id, e.topic, e.partition, e.routing_key,
                 v.envelope_canonical, v.envelope_digest, v.destination_canonical, v.destination_digest AS v_destination_digest,
                 v.payload_digest AS v_payload_digest
-         FROM outbox_events e
+         FROM outbox_commands c
+         JOIN outbox_events e ON e.event_id = c.event_id
          LEFT JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-         WHERE e.command_key = $1",
+         WHERE c.command_key = $1",
     )
     .bind(command_key)
     .fetch_optional(&mut *conn)
