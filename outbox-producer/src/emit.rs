@@ -1,6 +1,8 @@
 //! `emit`: the PENDING envelope inserted inside the caller's own transaction.
 
 use outbox_core::{decide_publisher, Destination, EmitRequest, Envelope, EventId, Publisher, RoutePolicy, TakeoverPolicy, DEFAULT_MAX_PAYLOAD_BYTES};
+use std::collections::{HashMap, HashSet};
+
 use sqlx::{Postgres, Row, Transaction};
 
 use crate::error::ProducerError;
@@ -84,57 +86,110 @@ impl Emitted {
 /// # Ok(()) }
 /// ```
 pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>, options: &EmitOptions) -> Result<Emitted, ProducerError> {
-    request.validate(options.max_payload_bytes)?;
+    emit_batch(tx, std::slice::from_ref(request), options)
+        .await?
+        .pop()
+        .ok_or_else(|| ProducerError::Config("emit of one request answered nothing".into()))
+}
+
+/// Most requests one [`emit_batch`] call takes.
+pub const MAX_EMIT_BATCH: usize = 10_000;
+
+/// [`emit`] for many requests of one transaction in two round trips: the
+/// answers are, in order, what `emit` would have answered for each request
+/// in turn. A command key repeated within the batch is a retried command (the
+/// later request gets the first one's identity, or a
+/// [`ProducerError::CommandKeyConflict`]); aggregate versions must not go
+/// backwards within the batch either. All or nothing: the first invalid
+/// request fails the call and nothing is written.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_core::EmitRequest;
+/// let lines = [("o-42", 1), ("o-43", 1)];
+/// let keys: Vec<String> = lines.iter().map(|(o, _)| format!("create-order-{o}")).collect();
+/// let requests: Vec<EmitRequest> = lines
+///     .iter()
+///     .zip(&keys)
+///     .map(|((order, version), key)| EmitRequest {
+///         command_key: key,
+///         tenant: "tenant-7",
+///         aggregate_type: "order",
+///         aggregate_id: order,
+///         aggregate_version: *version,
+///         event_type: "order.created.v2",
+///         payload_schema: "order-v2",
+///         payload: br#"{"order":"created"}"#,
+///     })
+///     .collect();
+/// let mut tx = pool.begin().await?;
+/// let emitted = outbox_producer::emit_batch(&mut tx, &requests, &Default::default()).await?;
+/// tx.commit().await?;
+/// assert_eq!(emitted.len(), 2);
+/// # Ok(()) }
+/// ```
+pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequest<'_>], options: &EmitOptions) -> Result<Vec<Emitted>, ProducerError> {
+    if requests.is_empty() {
+        return Ok(Vec::new());
+    }
+    if requests.len() > MAX_EMIT_BATCH {
+        return Err(ProducerError::BatchTooLarge { len: requests.len(), max: MAX_EMIT_BATCH });
+    }
+    for request in requests {
+        request.validate(options.max_payload_bytes)?;
+    }
     if let Some(tp) = options.traceparent.as_deref().filter(|tp| !is_traceparent(tp)) {
         return Err(outbox_core::CoreError::MalformedIdentifier { field: "traceparent", reason: format!("{tp:?} is not a W3C traceparent") }.into());
     }
 
-    // One round trip for everything the freeze needs.
-    let ctx = sqlx::query(&format!(
-        "SELECT pg_current_xact_id()::text::bigint AS txid,
-                (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
-                (SELECT event_id FROM outbox_commands WHERE command_key = $1) AS existing,
-                (SELECT max(aggregate_version) FROM outbox_commands
-                  WHERE tenant = $2 AND aggregate_type = $3 AND aggregate_id = $4) AS last_version,
-                p.*, t.*
-         FROM (SELECT 1) one
-         LEFT JOIN LATERAL (SELECT {} FROM outbox_route_policies WHERE event_type = $5
-                            ORDER BY generation DESC LIMIT 1) p ON true
-         LEFT JOIN LATERAL (SELECT generation AS takeover_generation, event_types AS takeover_event_types,
-                                   percent_bp AS takeover_percent_bp
-                            FROM outbox_takeover_policies ORDER BY generation DESC LIMIT 1) t ON true",
+    // One round trip for everything the freeze needs: the transaction id and
+    // clock, which command keys exist, the last version of each aggregate,
+    // the current takeover policy and one row per event type's current route.
+    let keys: Vec<&str> = requests.iter().map(|r| r.command_key).collect();
+    let mut aggregates: Vec<(&str, &str, &str)> = requests.iter().map(|r| (r.tenant, r.aggregate_type, r.aggregate_id)).collect();
+    aggregates.sort_unstable();
+    aggregates.dedup();
+    let mut event_types: Vec<&str> = requests.iter().map(|r| r.event_type).collect();
+    event_types.sort_unstable();
+    event_types.dedup();
+    let rows = sqlx::query(&format!(
+        "WITH lv AS (
+            SELECT array_agg(m.v ORDER BY a.ord) AS last_versions
+            FROM UNNEST($2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS a(tenant, aggregate_type, aggregate_id, ord)
+            CROSS JOIN LATERAL (SELECT max(c.aggregate_version) AS v FROM outbox_commands c
+                                WHERE c.tenant = a.tenant AND c.aggregate_type = a.aggregate_type AND c.aggregate_id = a.aggregate_id) m),
+         ctx AS (
+            SELECT pg_current_xact_id()::text::bigint AS txid,
+                   (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
+                   ARRAY(SELECT command_key FROM outbox_commands WHERE command_key = ANY($1)) AS existing,
+                   lv.last_versions, t.*
+            FROM lv
+            LEFT JOIN LATERAL (SELECT generation AS takeover_generation, event_types AS takeover_event_types,
+                                      percent_bp AS takeover_percent_bp
+                               FROM outbox_takeover_policies ORDER BY generation DESC LIMIT 1) t ON true)
+         SELECT ctx.*, p.* FROM ctx
+         LEFT JOIN LATERAL (SELECT DISTINCT ON (event_type) {}
+                            FROM outbox_route_policies WHERE event_type = ANY($5)
+                            ORDER BY event_type, generation DESC) p ON true",
         routes::POLICY_COLUMNS
     ))
-    .bind(request.command_key)
-    .bind(request.tenant)
-    .bind(request.aggregate_type)
-    .bind(request.aggregate_id)
-    .bind(request.event_type)
-    .fetch_one(&mut **tx)
+    .bind(&keys)
+    .bind(aggregates.iter().map(|a| a.0).collect::<Vec<_>>())
+    .bind(aggregates.iter().map(|a| a.1).collect::<Vec<_>>())
+    .bind(aggregates.iter().map(|a| a.2).collect::<Vec<_>>())
+    .bind(&event_types)
+    .fetch_all(&mut **tx)
     .await?;
-    if ctx.try_get::<Option<String>, _>("existing")?.is_some() {
-        if let Some(existing) = existing_for_command(tx, request).await? {
-            return Ok(existing);
-        }
-    }
-
-    let policy: RoutePolicy =
-        routes::from_row_opt(&ctx)?.ok_or_else(|| ProducerError::NoRoute { event_type: request.event_type.to_owned() })?;
-
-    let last: Option<i64> = ctx.try_get("last_version")?;
-    if let Some(last) = last.filter(|&l| request.aggregate_version < l) {
-        return Err(ProducerError::AggregateVersionBackwards {
-            aggregate: format!("{}/{}", request.aggregate_type, request.aggregate_id),
-            version: request.aggregate_version,
-            last,
-        });
-    }
-
+    let ctx = rows.first().ok_or_else(|| ProducerError::Config("emit context query answered no row".into()))?;
     let txid: i64 = ctx.try_get("txid")?;
     let now_ms: i64 = ctx.try_get("now_ms")?;
-    let event_id = EventId::generate(now_ms.max(0) as u64);
-    let (envelope, destination) = request.freeze(event_id, now_ms, txid.max(0) as u64, &policy)?;
-    let destination_digest = destination.digest();
+    let existing: HashSet<String> = ctx.try_get::<Vec<String>, _>("existing")?.into_iter().collect();
+    let mut last_version: HashMap<(&str, &str, &str), i64> = HashMap::with_capacity(aggregates.len());
+    for (aggregate, last) in aggregates.iter().zip(ctx.try_get::<Vec<Option<i64>>, _>("last_versions")?) {
+        if let Some(last) = last {
+            last_version.insert(*aggregate, last);
+        }
+    }
     let takeover = match ctx.try_get::<Option<i32>, _>("takeover_generation")? {
         None => None,
         Some(generation) => Some(TakeoverPolicy {
@@ -143,65 +198,161 @@ pub async fn emit(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>,
             percent_bp: ctx.try_get::<i32, _>("takeover_percent_bp")? as u32,
         }),
     };
-    let publisher = decide_publisher(takeover.as_ref(), &envelope.event_type, &envelope.event_id);
-
-    // The command key, the event row, its frozen envelope and the wake-up
-    // notification in one statement. A concurrent transaction holding the
-    // same command key makes this wait; if it commits, nothing is inserted here.
-    let inserted: i64 = sqlx::query_scalar(
-        "WITH cmd AS (
-            INSERT INTO outbox_commands (command_key, event_id, tenant, aggregate_type, aggregate_id, aggregate_version)
-            VALUES ($2, $1, $3, $4, $5, $6)
-            ON CONFLICT (command_key) DO NOTHING
-            RETURNING event_id),
-         ins AS (
-            INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
-                 aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
-                 routing_key, ordered, created_at_ms, state_since_ms, traceparent, publisher, takeover_generation)
-            SELECT $1, $2, 1, 'PENDING', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16, $17, $22, $23 FROM cmd
-            RETURNING event_id),
-         env AS (
-            INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest,
-                 destination_canonical, destination_digest, payload_digest, created_txid, created_at_ms)
-            SELECT event_id, 1, $18, $19, $20, $10, $9, $21, $16 FROM ins
-            RETURNING event_id),
-         wake AS (SELECT pg_notify('outbox_pending', '') FROM env)
-         SELECT (SELECT count(*) FROM ins) + 0 * (SELECT count(*) FROM wake)",
-    )
-    .bind(envelope.event_id.as_str())
-    .bind(request.command_key)
-    .bind(&envelope.tenant)
-    .bind(&envelope.aggregate_type)
-    .bind(&envelope.aggregate_id)
-    .bind(envelope.aggregate_version)
-    .bind(&envelope.event_type)
-    .bind(request.payload)
-    .bind(&envelope.payload_digest)
-    .bind(&destination_digest)
-    .bind(&destination.cluster_id)
-    .bind(&destination.topic)
-    .bind(destination.partition)
-    .bind(&destination.routing_key)
-    .bind(destination.ordering == outbox_core::Ordering::Key)
-    .bind(now_ms)
-    .bind(options.traceparent.as_deref())
-    .bind(envelope.canonical_bytes())
-    .bind(envelope.digest())
-    .bind(destination.canonical_bytes())
-    .bind(txid)
-    .bind(publisher.as_str())
-    .bind(takeover.as_ref().map(|t| t.generation as i32))
-    .fetch_one(&mut **tx)
-    .await?;
-
-    if inserted == 0 {
-        // Another transaction committed the same command key meanwhile.
-        return existing_for_command(tx, request)
-            .await?
-            .ok_or_else(|| ProducerError::Config("command key conflict vanished; retry the transaction".into()));
+    let mut policies: HashMap<String, RoutePolicy> = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        if let Some(policy) = routes::from_row_opt(row)? {
+            policies.insert(policy.event_type.clone(), policy);
+        }
     }
-    tracing::debug!(event_id = %envelope.event_id, topic = %destination.topic, publisher = publisher.as_str(), "emitted");
-    Ok(Emitted { envelope, destination, destination_digest, inserted: true, publisher })
+
+    // Decide each request in order, exactly as one emit after another would.
+    enum Answer {
+        New(usize),
+        Existing(Box<Emitted>),
+    }
+    let mut answers: Vec<Answer> = Vec::with_capacity(requests.len());
+    let mut fresh: Vec<(&EmitRequest<'_>, Emitted)> = Vec::with_capacity(requests.len());
+    let mut first_of_key: HashMap<&str, usize> = HashMap::new();
+    for request in requests {
+        if let Some(&n) = first_of_key.get(request.command_key) {
+            let first = match &answers[n] {
+                Answer::New(i) => fresh[*i].1.clone(),
+                Answer::Existing(e) => (**e).clone(),
+            };
+            answers.push(Answer::Existing(Box::new(same_command(request, Emitted { inserted: false, ..first })?)));
+            continue;
+        }
+        first_of_key.insert(request.command_key, answers.len());
+        if existing.contains(request.command_key) {
+            if let Some(found) = existing_for_command(tx, request).await? {
+                answers.push(Answer::Existing(Box::new(found)));
+                continue;
+            }
+        }
+        let policy = policies.get(request.event_type).ok_or_else(|| ProducerError::NoRoute { event_type: request.event_type.to_owned() })?;
+        let aggregate = (request.tenant, request.aggregate_type, request.aggregate_id);
+        if let Some(&last) = last_version.get(&aggregate).filter(|&&l| request.aggregate_version < l) {
+            return Err(ProducerError::AggregateVersionBackwards {
+                aggregate: format!("{}/{}", request.aggregate_type, request.aggregate_id),
+                version: request.aggregate_version,
+                last,
+            });
+        }
+        last_version.insert(aggregate, request.aggregate_version);
+        let event_id = EventId::generate(now_ms.max(0) as u64);
+        let (envelope, destination) = request.freeze(event_id, now_ms, txid.max(0) as u64, policy)?;
+        let destination_digest = destination.digest();
+        let publisher = decide_publisher(takeover.as_ref(), &envelope.event_type, &envelope.event_id);
+        answers.push(Answer::New(fresh.len()));
+        fresh.push((request, Emitted { envelope, destination, destination_digest, inserted: true, publisher }));
+    }
+
+    // The command keys, event rows, frozen envelopes and the wake-up
+    // notification in one statement. A concurrent transaction holding one of
+    // the command keys makes this wait; if it commits, that request's rows are
+    // not inserted here and it answers the committed event.
+    let mut inserted: HashSet<String> = HashSet::new();
+    if !fresh.is_empty() {
+        let col = |f: &dyn Fn(&(&EmitRequest<'_>, Emitted)) -> String| fresh.iter().map(f).collect::<Vec<String>>();
+        let envelope_bytes: Vec<Vec<u8>> = fresh.iter().map(|(_, e)| e.envelope.canonical_bytes()).collect();
+        let destination_bytes: Vec<Vec<u8>> = fresh.iter().map(|(_, e)| e.destination.canonical_bytes()).collect();
+        let ids: Vec<String> = sqlx::query_scalar(
+            "WITH input AS (
+                SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::bytea[],
+                                     $9::text[], $10::text[], $11::text[], $12::text[], $13::int[], $14::text[], $15::bool[],
+                                     $16::bytea[], $17::text[], $18::bytea[], $19::text[], $20::int[])
+                    WITH ORDINALITY AS i(event_id, command_key, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload,
+                                         payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered,
+                                         envelope_canonical, envelope_digest, destination_canonical, publisher, takeover_generation, ord)),
+             cmd AS (
+                INSERT INTO outbox_commands (command_key, event_id, tenant, aggregate_type, aggregate_id, aggregate_version)
+                SELECT command_key, event_id, tenant, aggregate_type, aggregate_id, aggregate_version FROM input ORDER BY ord
+                ON CONFLICT (command_key) DO NOTHING
+                RETURNING event_id),
+             ins AS (
+                INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
+                     aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
+                     routing_key, ordered, created_at_ms, state_since_ms, traceparent, publisher, takeover_generation)
+                SELECT i.event_id, i.command_key, 1, 'PENDING', i.tenant, i.aggregate_type, i.aggregate_id, i.aggregate_version,
+                       i.event_type, i.payload, i.payload_digest, i.destination_digest, i.cluster_id, i.topic, i.partition,
+                       i.routing_key, i.ordered, $21, $21, $22, i.publisher, i.takeover_generation
+                FROM input i JOIN cmd USING (event_id) ORDER BY i.ord
+                RETURNING event_id),
+             env AS (
+                INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest,
+                     destination_canonical, destination_digest, payload_digest, created_txid, created_at_ms)
+                SELECT i.event_id, 1, i.envelope_canonical, i.envelope_digest, i.destination_canonical, i.destination_digest,
+                       i.payload_digest, $23, $21
+                FROM input i JOIN ins USING (event_id)
+                RETURNING event_id),
+             wake AS (SELECT pg_notify('outbox_pending', '') WHERE EXISTS (SELECT 1 FROM env))
+             SELECT event_id FROM ins WHERE (SELECT count(*) FROM wake) >= 0",
+        )
+        .bind(col(&|(_, e)| e.envelope.event_id.to_string()))
+        .bind(fresh.iter().map(|(r, _)| r.command_key).collect::<Vec<_>>())
+        .bind(col(&|(_, e)| e.envelope.tenant.clone()))
+        .bind(col(&|(_, e)| e.envelope.aggregate_type.clone()))
+        .bind(col(&|(_, e)| e.envelope.aggregate_id.clone()))
+        .bind(fresh.iter().map(|(_, e)| e.envelope.aggregate_version).collect::<Vec<_>>())
+        .bind(col(&|(_, e)| e.envelope.event_type.clone()))
+        .bind(fresh.iter().map(|(r, _)| r.payload).collect::<Vec<_>>())
+        .bind(col(&|(_, e)| e.envelope.payload_digest.clone()))
+        .bind(col(&|(_, e)| e.destination_digest.clone()))
+        .bind(col(&|(_, e)| e.destination.cluster_id.clone()))
+        .bind(col(&|(_, e)| e.destination.topic.clone()))
+        .bind(fresh.iter().map(|(_, e)| e.destination.partition).collect::<Vec<_>>())
+        .bind(col(&|(_, e)| e.destination.routing_key.clone()))
+        .bind(fresh.iter().map(|(_, e)| e.destination.ordering == outbox_core::Ordering::Key).collect::<Vec<_>>())
+        .bind(&envelope_bytes)
+        .bind(col(&|(_, e)| e.envelope.digest()))
+        .bind(&destination_bytes)
+        .bind(fresh.iter().map(|(_, e)| e.publisher.as_str()).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|(_, _)| takeover.as_ref().map(|t| t.generation as i32)).collect::<Vec<_>>())
+        .bind(now_ms)
+        .bind(options.traceparent.as_deref())
+        .bind(txid)
+        .fetch_all(&mut **tx)
+        .await?;
+        inserted.extend(ids);
+    }
+
+    let mut out = Vec::with_capacity(answers.len());
+    for answer in answers {
+        match answer {
+            Answer::Existing(e) => out.push(*e),
+            Answer::New(i) => {
+                let (request, emitted) = &fresh[i];
+                if inserted.contains(emitted.envelope.event_id.as_str()) {
+                    tracing::debug!(event_id = %emitted.envelope.event_id, topic = %emitted.destination.topic, publisher = emitted.publisher.as_str(), "emitted");
+                    out.push(emitted.clone());
+                } else {
+                    // Another transaction committed the same command key meanwhile.
+                    out.push(
+                        existing_for_command(tx, request)
+                            .await?
+                            .ok_or_else(|| ProducerError::Config("command key conflict vanished; retry the transaction".into()))?,
+                    );
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A request repeating a command key already answered by `first`: the same
+/// command (answer `first`) or a [`ProducerError::CommandKeyConflict`].
+fn same_command(request: &EmitRequest<'_>, first: Emitted) -> Result<Emitted, ProducerError> {
+    let conflict = |what| ProducerError::CommandKeyConflict { command_key: request.command_key.to_owned(), event_id: first.envelope.event_id.clone(), what };
+    if first.envelope.payload_digest != outbox_core::sha256_digest(request.payload) {
+        return Err(conflict("payload"));
+    }
+    if first.envelope.event_type != request.event_type {
+        return Err(conflict("event type"));
+    }
+    if first.envelope.tenant != request.tenant || first.envelope.aggregate_type != request.aggregate_type || first.envelope.aggregate_id != request.aggregate_id {
+        return Err(conflict("aggregate"));
+    }
+    Ok(first)
 }
 
 async fn existing_for_command(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>) -> Result<Option<Emitted>, ProducerError> {
@@ -218,17 +369,8 @@ async fn existing_for_command(tx: &mut Transaction<'_, Postgres>, request: &Emit
     .await?;
     let Some(row) = row else { return Ok(None) };
     let envelope = Envelope::from_canonical(row.try_get::<Vec<u8>, _>("envelope_canonical")?.as_slice())?;
-    let conflict = |what| ProducerError::CommandKeyConflict { command_key: request.command_key.to_owned(), event_id: envelope.event_id.clone(), what };
-    if envelope.payload_digest != outbox_core::sha256_digest(request.payload) {
-        return Err(conflict("payload"));
-    }
-    if envelope.event_type != request.event_type {
-        return Err(conflict("event type"));
-    }
-    if envelope.tenant != request.tenant || envelope.aggregate_type != request.aggregate_type || envelope.aggregate_id != request.aggregate_id {
-        return Err(conflict("aggregate"));
-    }
     let destination = Destination::from_canonical(row.try_get::<Vec<u8>, _>("destination_canonical")?.as_slice())?;
     let publisher = Publisher::parse(row.try_get("publisher")?)?;
-    Ok(Some(Emitted { envelope, destination, destination_digest: row.try_get("destination_digest")?, inserted: false, publisher }))
+    let found = Emitted { envelope, destination, destination_digest: row.try_get("destination_digest")?, inserted: false, publisher };
+    same_command(request, found).map(Some)
 }

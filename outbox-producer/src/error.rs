@@ -26,6 +26,14 @@ pub enum ProducerError {
         /// What differs.
         what: &'static str,
     },
+    /// More requests in one batch than the batch limit; nothing was written.
+    #[error("{len} requests in one batch; at most {max}")]
+    BatchTooLarge {
+        /// Requests given.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The aggregate version is lower than one already emitted for the aggregate.
     #[error("aggregate {aggregate} version {version} is below the last emitted version {last}")]
     AggregateVersionBackwards {

@@ -28,7 +28,7 @@ pub mod routes;
 mod topic_scan;
 
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch};
-pub use emit::{emit, EmitOptions, Emitted};
+pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
 pub use error::ProducerError;
 pub use migration::{migrate_destination, MigrationOutcome};
 pub use pg::PgStore;

@@ -1,9 +1,12 @@
 //! `emit` inside the caller's transaction, on real PostgreSQL (a fresh database per test).
 
 use outbox_core::{sha256_digest, CoreError, Destination, EmitRequest, Envelope, EventState, ALL_TRANSITIONS};
-use outbox_producer::{emit, EmitOptions, ProducerError};
+use outbox_producer::{emit, emit_batch, EmitOptions, ProducerError};
 use outbox_tests::*;
 use sqlx::{PgPool, Row};
+
+/// A request and the check its error must pass.
+type Case<'a> = (EmitRequest<'a>, fn(&ProducerError) -> bool);
 
 async fn setup(pool: &PgPool) {
     business_schema(pool).await;
@@ -131,7 +134,7 @@ async fn bad_input_is_a_typed_error_and_writes_nothing(pool: PgPool) {
     let small = EmitOptions { max_payload_bytes: 16, ..Default::default() };
     let big = vec![b'x'; 17];
     let base = || EmitRequest { aggregate_version: 3, ..order_request("k-1", "o-1", b"{}") };
-    let cases: Vec<(EmitRequest<'_>, fn(&ProducerError) -> bool)> = vec![
+    let cases: Vec<Case<'_>> = vec![
         (EmitRequest { payload: b"", ..base() }, |e| matches!(e, ProducerError::Core(CoreError::EmptyPayload))),
         (EmitRequest { payload: &big, ..base() }, |e| matches!(e, ProducerError::Core(CoreError::PayloadTooLarge { size_bytes: 17, limit_bytes: 16 }))),
         (EmitRequest { event_type: "order.deleted", ..base() }, |e| matches!(e, ProducerError::NoRoute { .. })),
@@ -195,4 +198,75 @@ async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
     assert!(dup.is_err());
     let state: String = sqlx::query_scalar("SELECT state FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(&pool).await.unwrap();
     assert_eq!(EventState::parse(&state).unwrap(), EventState::Pending);
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn emit_batch_answers_what_one_emit_after_another_would(pool: PgPool) {
+    setup(&pool).await;
+    let before = create_order(&pool, "o-1", 100).await;
+    let (p1, p2, p3) = (order_payload("o-1", 100), order_payload("o-2", 200), order_payload("o-3", 300));
+    let requests = [
+        order_request("create-o-2", "o-2", &p2),
+        order_request("create-o-1", "o-1", &p1), // retried command from an earlier transaction
+        EmitRequest { aggregate_version: 2, ..order_request("ship-o-2", "o-2", &p2) },
+        order_request("create-o-2", "o-2", &p2), // retried within the batch
+        order_request("create-o-3", "o-3", &p3),
+    ];
+    let mut tx = pool.begin().await.unwrap();
+    let out = emit_batch(&mut tx, &requests, &EmitOptions::default()).await.unwrap();
+    tx.commit().await.unwrap();
+
+    assert_eq!(out.len(), 5);
+    assert_eq!(out.iter().map(|e| e.inserted).collect::<Vec<_>>(), [true, false, true, false, true]);
+    assert_eq!(out[1].event_id(), before.event_id());
+    assert_eq!(out[3].event_id(), out[0].event_id());
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 4);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_envelopes").await, 4);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_commands").await, 4);
+    // Commit order within the batch is request order: seq follows it.
+    let ids: Vec<String> = sqlx::query_scalar("SELECT event_id FROM outbox_events ORDER BY seq").fetch_all(&pool).await.unwrap();
+    let expected: Vec<String> = [&before, &out[0], &out[2], &out[4]].iter().map(|e| e.event_id().to_string()).collect();
+    assert_eq!(ids, expected);
+    // Each stored envelope is the one answered.
+    for e in [&out[0], &out[2], &out[4]] {
+        let bytes: Vec<u8> = sqlx::query_scalar("SELECT envelope_canonical FROM outbox_envelopes WHERE event_id = $1")
+            .bind(e.event_id().as_str())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(Envelope::from_canonical(&bytes).unwrap(), e.envelope);
+    }
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn emit_batch_is_all_or_nothing(pool: PgPool) {
+    setup(&pool).await;
+    let (p1, p2, other) = (order_payload("o-1", 1), order_payload("o-2", 2), order_payload("o-1", 999));
+    let v = |version, key, id, payload| EmitRequest { aggregate_version: version, ..order_request(key, id, payload) };
+
+    // An aggregate version going backwards inside the batch.
+    let mut tx = pool.begin().await.unwrap();
+    let err = emit_batch(&mut tx, &[v(5, "a", "o-1", &p1), v(4, "b", "o-1", &p1)], &EmitOptions::default()).await.unwrap_err();
+    assert!(matches!(err, ProducerError::AggregateVersionBackwards { version: 4, last: 5, .. }), "{err}");
+    drop(tx);
+    // The same command key with another payload inside the batch.
+    let mut tx = pool.begin().await.unwrap();
+    let err = emit_batch(&mut tx, &[v(1, "k", "o-1", &p1), v(1, "k", "o-1", &other)], &EmitOptions::default()).await.unwrap_err();
+    assert!(matches!(err, ProducerError::CommandKeyConflict { what: "payload", .. }), "{err}");
+    drop(tx);
+    // An event type without a route after a valid request.
+    let mut tx = pool.begin().await.unwrap();
+    let unrouted = EmitRequest { event_type: "order.unrouted.v1", ..order_request("c", "o-2", &p2) };
+    let err = emit_batch(&mut tx, &[v(1, "ok", "o-2", &p2), unrouted], &EmitOptions::default()).await.unwrap_err();
+    assert!(matches!(err, ProducerError::NoRoute { .. }), "{err}");
+    tx.commit().await.unwrap();
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 0, "a failed batch writes nothing");
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_commands").await, 0);
+
+    // Over the limit: refused before touching the database.
+    let many: Vec<EmitRequest> = (0..=outbox_producer::MAX_EMIT_BATCH).map(|_| v(1, "x", "o-1", &p1)).collect();
+    let mut tx = pool.begin().await.unwrap();
+    let err = emit_batch(&mut tx, &many, &EmitOptions::default()).await.unwrap_err();
+    assert!(matches!(err, ProducerError::BatchTooLarge { .. }), "{err}");
+    assert!(emit_batch(&mut tx, &[], &EmitOptions::default()).await.unwrap().is_empty());
 }
