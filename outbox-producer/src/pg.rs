@@ -320,12 +320,25 @@ impl PgStore {
                 },
             );
         }
-        for r in sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = ANY($1)"))
-            .bind(&ids)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_err)?
-        {
+        // The slot is filled in the same transaction that sets PUBLISHED, and
+        // only RETAINED and PURGED follow: other events have an empty slot.
+        // (Were that ever violated, filling the slot again would fail on its
+        // primary key, not overwrite it.)
+        let filled: Vec<&str> = events
+            .values()
+            .filter(|e| matches!(e.state, EventState::Published | EventState::Retained | EventState::Purged))
+            .map(|e| e.event_id.as_str())
+            .collect();
+        let slots = if filled.is_empty() {
+            Vec::new()
+        } else {
+            sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = ANY($1)"))
+                .bind(&filled)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(store_err)?
+        };
+        for r in slots {
             let rec = receipt_from_row(&r)?;
             if let Some(ev) = events.get_mut(rec.event_id.as_str()) {
                 if ev.envelope_generation == rec.envelope_generation {
@@ -676,9 +689,13 @@ impl OutboxStore for PgStore {
              c AS (
                 -- A head of a newer protocol is refused here, after the heads
                 -- were found: it still holds its key, so nothing behind it
-                -- overtakes it.
-                SELECT e.event_id FROM outbox_events e JOIN cand USING (event_id)
-                WHERE e.state = 'PENDING' AND e.protocol_version <= $6
+                -- overtakes it. The candidates come in as one array (an
+                -- init plan, run once), not as a join: when a row changed
+                -- since this statement's snapshot, the lock re-checks that one
+                -- row's conditions instead of re-running a join over every head.
+                SELECT e.event_id FROM outbox_events e
+                WHERE e.event_id = ANY (ARRAY(SELECT event_id FROM cand))
+                  AND e.state = 'PENDING' AND e.protocol_version <= $6
                 ORDER BY e.seq LIMIT $1 FOR UPDATE OF e SKIP LOCKED)
              UPDATE outbox_events e SET state = 'CLAIMED', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
