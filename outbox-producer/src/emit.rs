@@ -161,7 +161,10 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
          ctx AS (
             SELECT pg_current_xact_id()::text::bigint AS txid,
                    (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
-                   ARRAY(SELECT command_key FROM outbox_commands WHERE command_key = ANY($1)) AS existing,
+                   -- One primary-key probe per key: a plan cached while the
+                   -- table was small must not turn this into a scan of it.
+                   ARRAY(SELECT k.key FROM UNNEST($1::text[]) AS k(key)
+                         CROSS JOIN LATERAL (SELECT 1 FROM outbox_commands c WHERE c.command_key = k.key LIMIT 1) hit) AS existing,
                    lv.last_versions, t.*
             FROM lv
             LEFT JOIN LATERAL (SELECT generation AS takeover_generation, event_types AS takeover_event_types,
