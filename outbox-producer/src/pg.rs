@@ -234,13 +234,18 @@ impl PgStore {
                 WHERE e.event_id = i.event_id AND e.claim_generation = i.gen AND e.claim_owner = i.owner
                   AND e.lease_until_ms > $5 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED') AND e.claim_attempt_id IS NULL
                 RETURNING e.event_id, e.envelope_generation, e.attempt_generation, e.destination_digest, e.cluster_id, e.topic,
-                          e.partition, i.attempt_id, i.gen, i.owner)
+                          e.partition, i.attempt_id, i.gen, i.owner),
+             -- Where a scan for the message would start: past the highest
+             -- receipted offset of its partition, looked up once per partition.
+             floors AS (
+                SELECT p.cluster_id, p.topic, p.partition,
+                       coalesce((SELECT max(r.\"offset\") + 1 FROM outbox_publish_receipts r
+                                 WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.partition = p.partition), 0) AS scan_from
+                FROM (SELECT DISTINCT cluster_id, topic, partition FROM upd) p)
              INSERT INTO outbox_attempts ({ATTEMPT_COLUMNS})
              SELECT u.attempt_id, u.event_id, u.envelope_generation, u.attempt_generation, u.gen, u.owner, 'SENDING',
-                    u.destination_digest, $5,
-                    coalesce((SELECT max(r.\"offset\") + 1 FROM outbox_publish_receipts r
-                              WHERE r.cluster_id = u.cluster_id AND r.topic = u.topic AND r.partition = u.partition), 0)
-             FROM upd u
+                    u.destination_digest, $5, f.scan_from
+             FROM upd u JOIN floors f USING (cluster_id, topic, partition)
              RETURNING {ATTEMPT_COLUMNS}"
         ))
         .bind(&ids)
