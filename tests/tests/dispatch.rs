@@ -315,7 +315,9 @@ async fn two_dispatcher_instances_publish_every_event_exactly_once(pool: PgPool)
     // Neither instance's claims stall behind the other's: when a claim had
     // to re-check rows the other instance had just claimed, it used to wait
     // seconds while the other drained nearly everything.
-    assert!(owners.iter().all(|(_, n)| *n >= 600), "each instance sent at least a fifth of the events: {owners:?}");
+    // (With the stall, the starved instance got one or two batches of 100;
+    // shared fairly, each gets about half.)
+    assert!(owners.iter().all(|(_, n)| *n >= 300), "each instance sent at least a tenth of the events: {owners:?}");
     let log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
     let in_log: Vec<String> = log.iter().filter_map(|m| m.header(headers::EVENT_ID)).collect();
     assert_eq!(in_log.len(), 3_000, "each event exactly once in the log");
