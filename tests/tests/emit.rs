@@ -196,6 +196,17 @@ async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
         .execute(&pool)
         .await;
     assert!(dup.is_err());
+    // One event per command key, even for a writer that bypasses emit: a new
+    // event id under a used command key has no command row of its own.
+    let other = outbox_core::EventId::generate(1).to_string();
+    let err = sqlx::query("INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
+                           SELECT $2, command_key, 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0 FROM outbox_events WHERE event_id = $1")
+        .bind(id)
+        .bind(&other)
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("outbox_events_command_fkey"), "{err}");
     let state: String = sqlx::query_scalar("SELECT state FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(&pool).await.unwrap();
     assert_eq!(EventState::parse(&state).unwrap(), EventState::Pending);
 }
