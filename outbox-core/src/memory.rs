@@ -222,15 +222,7 @@ impl MemoryStore {
         ev.claim.attempt_id = None;
         Ok(ReconcileTask {
             token: Self::claimed(ev, EventState::DispatchUnknown).token,
-            event: LockedEvent {
-                event_id: ev.envelope.event_id.clone(),
-                envelope_generation: ev.envelope.envelope_generation,
-                state: ev.state,
-                payload_digest: ev.envelope.payload_digest.clone(),
-                destination: ev.destination.clone(),
-                destination_digest: ev.destination_digest.clone(),
-                slot: ev.slot.clone(),
-            },
+            event: Self::locked(ev),
             attempts: attempts.get(&ev.envelope.event_id).cloned().unwrap_or_default(),
             unknown_since_ms: since,
         })
@@ -363,6 +355,19 @@ impl MemoryStore {
 
     fn audit(st: &mut MemoryState, event_id: &EventId, action: &str, detail: String) {
         st.audit.push(AuditRecord { event_id: event_id.clone(), action: action.to_owned(), detail });
+    }
+
+    /// The event as the receipt and reconcile decisions see it.
+    fn locked(ev: &MemoryEvent) -> LockedEvent {
+        LockedEvent {
+            event_id: ev.envelope.event_id.clone(),
+            envelope_generation: ev.envelope.envelope_generation,
+            state: ev.state,
+            payload_digest: ev.envelope.payload_digest.clone(),
+            destination: ev.destination.clone(),
+            destination_digest: ev.destination_digest.clone(),
+            slot: ev.slot.clone(),
+        }
     }
 
     fn claimed(ev: &MemoryEvent, from: EventState) -> ClaimedEvent {
@@ -500,15 +505,7 @@ impl OutboxStore for MemoryStore {
         let mut st = self.lock();
         let st = &mut *st;
         let ev = st.events.get_mut(&receipt.event_id).ok_or_else(|| StoreError::NotFound(receipt.event_id.clone()))?;
-        let locked = LockedEvent {
-            event_id: ev.envelope.event_id.clone(),
-            envelope_generation: ev.envelope.envelope_generation,
-            state: ev.state,
-            payload_digest: ev.envelope.payload_digest.clone(),
-            destination: ev.destination.clone(),
-            destination_digest: ev.destination_digest.clone(),
-            slot: ev.slot.clone(),
-        };
+        let locked = Self::locked(ev);
         let attempts = st.attempts.entry(receipt.event_id.clone()).or_default();
         let decision = decide_receipt(&locked, attempts, receipt);
         let mark_acked = |attempts: &mut Vec<AttemptRecord>| {

@@ -234,6 +234,23 @@ pub(crate) fn sample_attempt(state: AttemptState, started_at_ms: i64, scan_from_
     }
 }
 
+/// A receipt of event `evt(1,1)`'s first attempt at `offset`, for unit tests
+/// of the decisions.
+#[cfg(test)]
+pub(crate) fn sample_receipt(offset: i64) -> BrokerReceipt {
+    BrokerReceipt {
+        event_id: EventId::from_parts(1, 1),
+        envelope_generation: 1,
+        attempt_id: AttemptId::from_parts(1, 0),
+        payload_digest: "p".into(),
+        destination_digest: "d".into(),
+        cluster_id: "c".into(),
+        topic: "t".into(),
+        partition: 0,
+        offset,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -105,7 +105,6 @@ pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, brok
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::id::{AttemptId, EventId};
     use crate::state::AttemptState;
 
     fn attempt(state: AttemptState, started_at_ms: i64, scan_from_offset: i64) -> AttemptRecord {
@@ -148,17 +147,7 @@ mod tests {
 
     #[test]
     fn found_is_submitted() {
-        let r = BrokerReceipt {
-            event_id: EventId::from_parts(1, 1),
-            envelope_generation: 1,
-            attempt_id: AttemptId::from_parts(1, 0),
-            payload_digest: "p".into(),
-            destination_digest: "d".into(),
-            cluster_id: "c".into(),
-            topic: "t".into(),
-            partition: 0,
-            offset: 11,
-        };
+        let r = crate::receipt::sample_receipt(11);
         assert_eq!(decide_reconcile(&[], &LookupOutcome::Found(vec![r.clone()]), true, &P, 0), ReconcileDecision::Submit(vec![r]));
     }
 

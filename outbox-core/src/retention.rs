@@ -218,7 +218,6 @@ pub fn decide_migration(state: EventState, attempts: &[AttemptRecord], lookup: O
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::id::{AttemptId, EventId};
 
     #[test]
     fn retain_only_past_the_window() {
@@ -319,17 +318,7 @@ mod tests {
 
     #[test]
     fn found_in_the_old_target_is_refused_with_the_receipts() {
-        let r = BrokerReceipt {
-            event_id: EventId::from_parts(1, 1),
-            envelope_generation: 1,
-            attempt_id: AttemptId::from_parts(1, 0),
-            payload_digest: "p".into(),
-            destination_digest: "d".into(),
-            cluster_id: "c".into(),
-            topic: "t".into(),
-            partition: 0,
-            offset: 11,
-        };
+        let r = crate::receipt::sample_receipt(11);
         let d = decide_migration(EventState::DispatchUnknown, &[attempt(AttemptState::Unknown, 0)], Some(&LookupOutcome::Found(vec![r.clone()])), &P, 5_000);
         assert_eq!(d, MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts: vec![r] }));
     }
