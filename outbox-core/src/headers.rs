@@ -136,21 +136,29 @@ pub fn parse(headers: &[(String, Vec<u8>)]) -> Result<MessageClaims, VerifyError
 /// message sits on the topic, partition and key its destination prescribes.
 pub fn verify(headers: &[(String, Vec<u8>)], payload: &[u8], topic: &str, partition: i32, key: Option<&[u8]>) -> Result<MessageClaims, VerifyError> {
     let claims = parse(headers)?;
-    let actual = sha256_digest(payload);
-    if actual != claims.payload_digest {
-        return Err(VerifyError::PayloadDigest { claimed: claims.payload_digest, actual });
-    }
-    if claims.destination.digest() != claims.destination_digest {
-        return Err(VerifyError::DestinationDigest);
-    }
-    let d = &claims.destination;
-    if d.topic != topic || d.partition != partition || key != Some(d.routing_key.as_bytes()) {
-        return Err(VerifyError::Placement(format!("{topic}/{partition}")));
-    }
+    claims.check(payload, topic, partition, key)?;
     Ok(claims)
 }
 
 impl MessageClaims {
+    /// The checks of [`verify`] on claims already parsed: the payload hashes
+    /// to its digest, the destination to its digest, and the message sits on
+    /// the topic, partition and key its destination prescribes.
+    pub fn check(&self, payload: &[u8], topic: &str, partition: i32, key: Option<&[u8]>) -> Result<(), VerifyError> {
+        let actual = sha256_digest(payload);
+        if actual != self.payload_digest {
+            return Err(VerifyError::PayloadDigest { claimed: self.payload_digest.clone(), actual });
+        }
+        if self.destination.digest() != self.destination_digest {
+            return Err(VerifyError::DestinationDigest);
+        }
+        let d = &self.destination;
+        if d.topic != topic || d.partition != partition || key != Some(d.routing_key.as_bytes()) {
+            return Err(VerifyError::Placement(format!("{topic}/{partition}")));
+        }
+        Ok(())
+    }
+
     /// The broker receipt of this message at a log position.
     pub fn receipt(&self, cluster_id: &str, topic: &str, partition: i32, offset: i64, payload: &[u8]) -> BrokerReceipt {
         BrokerReceipt {

@@ -451,7 +451,8 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     event_id: ev.envelope.event_id.clone(),
                     envelope_generation: ev.envelope.envelope_generation,
                     attempt_id: attempt.attempt_id.clone(),
-                    payload_digest: sha256_digest(&ev.payload),
+                    // The bytes sent were checked against this digest before the send.
+                    payload_digest: ev.envelope.payload_digest.clone(),
                     destination_digest: ev.destination_digest.clone(),
                     cluster_id: cluster_id.clone(),
                     topic: ev.destination.topic.clone(),

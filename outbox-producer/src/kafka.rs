@@ -869,7 +869,7 @@ fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>
     let (topic, partition, offset) = (msg.topic(), msg.partition(), msg.offset());
     Some(match headers::parse(&owned) {
         Ok(claims) => {
-            if let Err(e) = headers::verify(&owned, payload, topic, partition, msg.key()) {
+            if let Err(e) = claims.check(payload, topic, partition, msg.key()) {
                 warn!(event_id = %event_id, topic, partition, offset, error = %e, "kafka lookup: matching message does not verify");
             }
             claims.receipt(cluster_id, topic, partition, offset, payload)
