@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use outbox_consumer::{async_trait, ConsumedEvent, ConsumerConfig, Handler, HandlerError, IdempotentConsumer};
 use outbox_core::{headers, AttemptId, EmitRequest, EventId, RoutePolicy};
+use outbox_examples::env::ScratchDb;
 use outbox_examples::fulfilment;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -37,8 +38,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::{json, Value};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Postgres, Transaction};
+use sqlx::{Postgres, Transaction};
 
 const TOPIC: &str = "orders";
 const EVENT_TYPE: &str = "order.created.v2";
@@ -160,23 +160,15 @@ async fn main() -> anyhow::Result<()> {
     let batch: usize = env_or("OUTBOX_BENCH_BATCH", 1_000)?;
     let handler_kind: String = env_or("OUTBOX_BENCH_HANDLER", "receipt".to_owned())?;
 
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".to_owned());
-    let admin: PgConnectOptions = url.parse().context("DATABASE_URL")?;
-    let admin = admin.disable_statement_logging();
-    let name = format!("outbox_bench_{}", std::process::id());
-    let mut conn = admin.connect().await.with_context(|| format!("connecting to {url}"))?;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name}")).execute(&mut conn).await?;
-    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
-    let db = admin.clone().database(&name).options([("synchronous_commit", "on")]);
-    let pool = PgPoolOptions::new().max_connections(partitions + 4).connect_with(db).await?;
+    let db = ScratchDb::create("outbox_bench", partitions + 4).await?;
+    let pool = db.pool.clone();
 
     let mock = MockCluster::new(1).context("mock cluster")?;
     mock.create_topic(TOPIC, partitions as i32, 1)?;
     let bootstrap = mock.bootstrap_servers();
 
     let result = bench(&pool, &bootstrap, messages, partitions, batch, &handler_kind).await;
-    pool.close().await;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
+    db.drop_now().await?;
     drop(mock);
     let rate = result?;
     println!("consume events={n} events_per_s={rate:.0}");

@@ -4,7 +4,7 @@
 //! transaction's events through one `emit_batch`) spread round-robin over `--keys` routing keys while the
 //! dispatcher, with per-key ordering on, publishes them to the in-process
 //! Kafka-protocol cluster (or `OUTBOX_KAFKA_BOOTSTRAP`). PostgreSQL commits
-//! are durable (`synchronous_commit` as the server has it, `on` by default).
+//! are durable (`synchronous_commit = on` on every connection).
 //!
 //! Prints one line:
 //! `dispatch events=<n> events_per_s=<x> p50_ms=<a> p99_ms=<b>`

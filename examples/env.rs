@@ -72,7 +72,9 @@ impl ScratchDb {
         let mut conn = admin.connect().await.with_context(|| format!("cannot connect to PostgreSQL at {url}"))?;
         sqlx::query(&format!("DROP DATABASE IF EXISTS {name}")).execute(&mut conn).await?;
         sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
-        let pool = PgPoolOptions::new().max_connections(max_connections).connect_with(admin.clone().database(&name)).await?;
+        // Durable commits whatever the server's default: the benchmarks measure them.
+        let db = admin.clone().database(&name).options([("synchronous_commit", "on")]);
+        let pool = PgPoolOptions::new().max_connections(max_connections).connect_with(db).await?;
         let where_ = format!("PostgreSQL at {}:{}", admin.get_host(), admin.get_port());
         Ok(ScratchDb { admin, name, pool, where_, server: None })
     }

@@ -24,12 +24,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{ensure, Context};
+use anyhow::ensure;
 use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Outcome, Processor, RawMessage, RetryPolicy};
 use outbox_core::{headers, AttemptId, EmitRequest, EventId, RoutePolicy};
+use outbox_examples::env::ScratchDb;
 use serde_json::{json, Value};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Postgres, Transaction};
+use sqlx::{Postgres, Transaction};
 
 /// A payment provider stand-in that deduplicates by idempotency key, as real
 /// ones (Stripe's `Idempotency-Key`, Adyen's, ...) do.
@@ -120,16 +120,9 @@ fn order_created(order: &str) -> anyhow::Result<RawMessage> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".to_owned());
-    let admin: PgConnectOptions = url.parse().context("DATABASE_URL")?;
-    let admin = admin.disable_statement_logging();
-    let name = format!("outbox_example_{}", std::process::id());
-    let mut conn = admin.connect().await.with_context(|| format!("connecting to {url}"))?;
-    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
-    let pool = PgPoolOptions::new().max_connections(4).connect_with(admin.clone().database(&name)).await?;
-    let result = run(&pool).await;
-    pool.close().await;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await?;
+    let db = ScratchDb::create("outbox_example", 4).await?;
+    let result = run(&db.pool).await;
+    db.drop_now().await?;
     result
 }
 
