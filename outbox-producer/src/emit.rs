@@ -1,6 +1,6 @@
 //! `emit`: the PENDING envelope inserted inside the caller's own transaction.
 
-use outbox_core::{decide_publisher, Destination, EmitRequest, Envelope, EventId, Publisher, RoutePolicy, TakeoverPolicy, DEFAULT_MAX_PAYLOAD_BYTES};
+use outbox_core::{decide_publisher, sha256_digest, Destination, EmitRequest, Envelope, EventId, Publisher, RoutePolicy, TakeoverPolicy, DEFAULT_MAX_PAYLOAD_BYTES};
 use std::collections::{HashMap, HashSet};
 
 use sqlx::{Postgres, Row, Transaction};
@@ -214,12 +214,12 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         Existing(Box<Emitted>),
     }
     let mut answers: Vec<Answer> = Vec::with_capacity(requests.len());
-    let mut fresh: Vec<(&EmitRequest<'_>, Emitted)> = Vec::with_capacity(requests.len());
+    let mut fresh: Vec<Frozen<'_, '_>> = Vec::with_capacity(requests.len());
     let mut first_of_key: HashMap<&str, usize> = HashMap::new();
     for request in requests {
         if let Some(&n) = first_of_key.get(request.command_key) {
             let first = match &answers[n] {
-                Answer::New(i) => fresh[*i].1.clone(),
+                Answer::New(i) => fresh[*i].emitted.clone(),
                 Answer::Existing(e) => (**e).clone(),
             };
             answers.push(Answer::Existing(Box::new(same_command(request, Emitted { inserted: false, ..first })?)));
@@ -244,10 +244,13 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         last_version.insert(aggregate, request.aggregate_version);
         let event_id = EventId::generate(now_ms.max(0) as u64);
         let (envelope, destination) = request.freeze(event_id, now_ms, txid.max(0) as u64, policy)?;
-        let destination_digest = destination.digest();
+        // Each canonical encoding is made once: stored, and hashed for its digest.
+        let (envelope_bytes, destination_bytes) = (envelope.canonical_bytes(), destination.canonical_bytes());
+        let (envelope_digest, destination_digest) = (sha256_digest(&envelope_bytes), sha256_digest(&destination_bytes));
         let publisher = decide_publisher(takeover.as_ref(), &envelope.event_type, &envelope.event_id);
         answers.push(Answer::New(fresh.len()));
-        fresh.push((request, Emitted { envelope, destination, destination_digest, inserted: true, publisher }));
+        let emitted = Emitted { envelope, destination, destination_digest, inserted: true, publisher };
+        fresh.push(Frozen { request, emitted, envelope_bytes, envelope_digest, destination_bytes });
     }
 
     // The command keys, event rows, frozen envelopes and the wake-up
@@ -256,9 +259,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     // not inserted here and it answers the committed event.
     let mut inserted: HashSet<String> = HashSet::new();
     if !fresh.is_empty() {
-        let col = |f: &dyn Fn(&(&EmitRequest<'_>, Emitted)) -> String| fresh.iter().map(f).collect::<Vec<String>>();
-        let envelope_bytes: Vec<Vec<u8>> = fresh.iter().map(|(_, e)| e.envelope.canonical_bytes()).collect();
-        let destination_bytes: Vec<Vec<u8>> = fresh.iter().map(|(_, e)| e.destination.canonical_bytes()).collect();
+        let f = fresh.as_slice();
         let ids: Vec<String> = sqlx::query_scalar(
             "WITH input AS (
                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::bytea[],
@@ -291,26 +292,26 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
              wake AS (SELECT pg_notify('outbox_pending', '') WHERE EXISTS (SELECT 1 FROM env))
              SELECT event_id FROM ins WHERE (SELECT count(*) FROM wake) >= 0",
         )
-        .bind(col(&|(_, e)| e.envelope.event_id.to_string()))
-        .bind(fresh.iter().map(|(r, _)| r.command_key).collect::<Vec<_>>())
-        .bind(col(&|(_, e)| e.envelope.tenant.clone()))
-        .bind(col(&|(_, e)| e.envelope.aggregate_type.clone()))
-        .bind(col(&|(_, e)| e.envelope.aggregate_id.clone()))
-        .bind(fresh.iter().map(|(_, e)| e.envelope.aggregate_version).collect::<Vec<_>>())
-        .bind(col(&|(_, e)| e.envelope.event_type.clone()))
-        .bind(fresh.iter().map(|(r, _)| r.payload).collect::<Vec<_>>())
-        .bind(col(&|(_, e)| e.envelope.payload_digest.clone()))
-        .bind(col(&|(_, e)| e.destination_digest.clone()))
-        .bind(col(&|(_, e)| e.destination.cluster_id.clone()))
-        .bind(col(&|(_, e)| e.destination.topic.clone()))
-        .bind(fresh.iter().map(|(_, e)| e.destination.partition).collect::<Vec<_>>())
-        .bind(col(&|(_, e)| e.destination.routing_key.clone()))
-        .bind(fresh.iter().map(|(_, e)| e.destination.ordering == outbox_core::Ordering::Key).collect::<Vec<_>>())
-        .bind(&envelope_bytes)
-        .bind(col(&|(_, e)| e.envelope.digest()))
-        .bind(&destination_bytes)
-        .bind(fresh.iter().map(|(_, e)| e.publisher.as_str()).collect::<Vec<_>>())
-        .bind(fresh.iter().map(|(_, _)| takeover.as_ref().map(|t| t.generation as i32)).collect::<Vec<_>>())
+        .bind(col(f, |x| x.emitted.envelope.event_id.as_str()))
+        .bind(col(f, |x| x.request.command_key))
+        .bind(col(f, |x| x.emitted.envelope.tenant.as_str()))
+        .bind(col(f, |x| x.emitted.envelope.aggregate_type.as_str()))
+        .bind(col(f, |x| x.emitted.envelope.aggregate_id.as_str()))
+        .bind(col(f, |x| x.emitted.envelope.aggregate_version))
+        .bind(col(f, |x| x.emitted.envelope.event_type.as_str()))
+        .bind(col(f, |x| x.request.payload))
+        .bind(col(f, |x| x.emitted.envelope.payload_digest.as_str()))
+        .bind(col(f, |x| x.emitted.destination_digest.as_str()))
+        .bind(col(f, |x| x.emitted.destination.cluster_id.as_str()))
+        .bind(col(f, |x| x.emitted.destination.topic.as_str()))
+        .bind(col(f, |x| x.emitted.destination.partition))
+        .bind(col(f, |x| x.emitted.destination.routing_key.as_str()))
+        .bind(col(f, |x| x.emitted.destination.ordering == outbox_core::Ordering::Key))
+        .bind(col(f, |x| x.envelope_bytes.as_slice()))
+        .bind(col(f, |x| x.envelope_digest.as_str()))
+        .bind(col(f, |x| x.destination_bytes.as_slice()))
+        .bind(col(f, |x| x.emitted.publisher.as_str()))
+        .bind(col(f, |_| takeover.as_ref().map(|t| t.generation as i32)))
         .bind(now_ms)
         .bind(options.traceparent.as_deref())
         .bind(txid)
@@ -324,7 +325,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         match answer {
             Answer::Existing(e) => out.push(*e),
             Answer::New(i) => {
-                let (request, emitted) = &fresh[i];
+                let Frozen { request, emitted, .. } = &fresh[i];
                 if inserted.contains(emitted.envelope.event_id.as_str()) {
                     tracing::debug!(event_id = %emitted.envelope.event_id, topic = %emitted.destination.topic, publisher = emitted.publisher.as_str(), "emitted");
                     out.push(emitted.clone());
@@ -342,11 +343,26 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     Ok(out)
 }
 
+/// A request of a batch with what `emit_batch` froze for it, and the canonical
+/// bytes it stores.
+struct Frozen<'b, 'r> {
+    request: &'b EmitRequest<'r>,
+    emitted: Emitted,
+    envelope_bytes: Vec<u8>,
+    envelope_digest: String,
+    destination_bytes: Vec<u8>,
+}
+
+/// One column of the batch insert.
+fn col<'a, T>(fresh: &'a [Frozen<'_, '_>], f: impl Fn(&'a Frozen<'_, '_>) -> T) -> Vec<T> {
+    fresh.iter().map(f).collect()
+}
+
 /// A request repeating a command key already answered by `first`: the same
 /// command (answer `first`) or a [`ProducerError::CommandKeyConflict`].
 fn same_command(request: &EmitRequest<'_>, first: Emitted) -> Result<Emitted, ProducerError> {
     let conflict = |what| ProducerError::CommandKeyConflict { command_key: request.command_key.to_owned(), event_id: first.envelope.event_id.clone(), what };
-    if first.envelope.payload_digest != outbox_core::sha256_digest(request.payload) {
+    if first.envelope.payload_digest != sha256_digest(request.payload) {
         return Err(conflict("payload"));
     }
     if first.envelope.event_type != request.event_type {

@@ -520,9 +520,7 @@ impl PgStore {
                 ORDER BY next_check_at_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
              UPDATE outbox_events e SET state = 'RECONCILING', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
-             FROM c, outbox_envelopes v
-             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-             {CLAIM_RETURNING}"
+             {CLAIM_FROM_C}"
         ))
         .bind(limit.min(MAX_CLAIM_BATCH) as i64)
         .bind(owner)
@@ -581,7 +579,7 @@ impl PgStore {
 
     /// Runs a claim statement: `$1` limit, `$2` owner, `$3` now, `$4` lease,
     /// `$5` cluster scope, `$6` highest protocol understood; it returns
-    /// [`CLAIM_RETURNING`] rows.
+    /// [`CLAIM_FROM_C`] rows.
     async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState) -> Result<Vec<ClaimedEvent>, StoreError> {
         validate_lease_ms(lease_ms)?;
         outbox_core::id::validate_identifier("owner", owner)?;
@@ -667,7 +665,11 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     Ok(())
 }
 
-const CLAIM_RETURNING: &str = "RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
+/// The end of every claim statement: the UPDATE of `outbox_events e` applies
+/// to the rows of the CTE `c` and returns them with their current envelope.
+const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
+             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
+             RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
 #[async_trait]
@@ -709,9 +711,7 @@ impl OutboxStore for PgStore {
                 ORDER BY e.seq LIMIT $1 FOR UPDATE OF e SKIP LOCKED)
              UPDATE outbox_events e SET state = 'CLAIMED', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
-             FROM c, outbox_envelopes v
-             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-             {CLAIM_RETURNING}"
+             {CLAIM_FROM_C}"
                 ),
                 owner,
                 limit,
@@ -732,9 +732,7 @@ impl OutboxStore for PgStore {
                 ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
              UPDATE outbox_events e SET claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL
-             FROM c, outbox_envelopes v
-             WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-             {CLAIM_RETURNING}"
+             {CLAIM_FROM_C}"
             ),
             owner,
             limit,
