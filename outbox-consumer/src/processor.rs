@@ -332,13 +332,7 @@ impl Processor {
                         end = n;
                     }
                     Err(e) => {
-                        db_failures += 1;
-                        if !e.is_retryable() || db_failures >= self.retry.db_max_attempts {
-                            return Err(e);
-                        }
-                        Metrics::add(&self.metrics.db_retries, 1);
-                        warn!(error = %e, attempt = db_failures, "retrying batch after database error");
-                        if !self.sleep_unless_stopped(self.retry.backoff(db_failures), stop).await {
+                        if !self.back_off_after(e, &mut db_failures, stop).await? {
                             break;
                         }
                     }
@@ -692,6 +686,19 @@ impl Processor {
     }
 
     /// Sleeps, waking early (returning `false`) when `stop` is set.
+    /// After a database error: the error back when it is not retryable or
+    /// the retries are used up; otherwise counts the retry, backs off and
+    /// answers whether to go on (`false`: stopped while waiting).
+    async fn back_off_after(&self, e: ConsumerError, failures: &mut u32, stop: &AtomicBool) -> Result<bool, ConsumerError> {
+        *failures += 1;
+        if !e.is_retryable() || *failures >= self.retry.db_max_attempts {
+            return Err(e);
+        }
+        Metrics::add(&self.metrics.db_retries, 1);
+        warn!(error = %e, attempt = *failures, "retrying after a database error");
+        Ok(self.sleep_unless_stopped(self.retry.backoff(*failures), stop).await)
+    }
+
     async fn sleep_unless_stopped(&self, d: Duration, stop: &AtomicBool) -> bool {
         let step = Duration::from_millis(50);
         let mut left = d;
@@ -733,12 +740,7 @@ impl Processor {
                     last = Some(error);
                 }
                 Err(e) => {
-                    db_failures += 1;
-                    if !e.is_retryable() || db_failures >= self.retry.db_max_attempts {
-                        return Err(e);
-                    }
-                    Metrics::add(&self.metrics.db_retries, 1);
-                    if !self.sleep_unless_stopped(self.retry.backoff(db_failures), stop).await {
+                    if !self.back_off_after(e, &mut db_failures, stop).await? {
                         return Err(ConsumerError::Stopped);
                     }
                 }
@@ -759,12 +761,7 @@ impl Processor {
                     return Ok(o);
                 }
                 Err(e) => {
-                    db_failures += 1;
-                    if !e.is_retryable() || db_failures >= self.retry.db_max_attempts {
-                        return Err(e);
-                    }
-                    Metrics::add(&self.metrics.db_retries, 1);
-                    if !self.sleep_unless_stopped(self.retry.backoff(db_failures), stop).await {
+                    if !self.back_off_after(e, &mut db_failures, stop).await? {
                         return Err(ConsumerError::Stopped);
                     }
                 }

@@ -459,30 +459,14 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     partition: *partition,
                     offset: *offset,
                 }),
-                SendOutcome::NotPersisted(why) => match self.store.report_not_sent(&ev.token, &attempt.attempt_id, why).await? {
-                    FenceOutcome::Applied => {
-                        report.not_sent += 1;
-                        inc(&self.metrics.not_sent, 1);
-                    }
-                    FenceOutcome::Fenced => {
-                        report.fenced += 1;
-                        inc(&self.metrics.fenced, 1);
-                    }
-                    FenceOutcome::NoOp => {}
-                },
+                SendOutcome::NotPersisted(why) => {
+                    let outcome = self.store.report_not_sent(&ev.token, &attempt.attempt_id, why).await?;
+                    self.tally(outcome, &mut report, |r| &mut r.not_sent, &self.metrics.not_sent);
+                }
                 SendOutcome::Unknown(why) => {
                     tracing::warn!(event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id, reason = %why, "dispatch outcome unknown");
-                    match self.store.report_unknown(&ev.token, &attempt.attempt_id, why).await? {
-                        FenceOutcome::Applied => {
-                            report.unknown += 1;
-                            inc(&self.metrics.unknown, 1);
-                        }
-                        FenceOutcome::Fenced => {
-                            report.fenced += 1;
-                            inc(&self.metrics.fenced, 1);
-                        }
-                        FenceOutcome::NoOp => {}
-                    }
+                    let outcome = self.store.report_unknown(&ev.token, &attempt.attempt_id, why).await?;
+                    self.tally(outcome, &mut report, |r| &mut r.unknown, &self.metrics.unknown);
                 }
             }
         }
@@ -511,6 +495,22 @@ impl<B: Broker + 'static> Dispatcher<B> {
             tracing::debug!(owner = %owner, ?report, batch_ms = ms, "batch settled");
         }
         Ok(report)
+    }
+
+    /// Counts one fenced report: under `applied` when it changed the row, as
+    /// fenced when the claim had gone stale, not at all for a no-op.
+    fn tally(&self, outcome: FenceOutcome, report: &mut BatchReport, applied: impl FnOnce(&mut BatchReport) -> &mut usize, metric: &AtomicU64) {
+        match outcome {
+            FenceOutcome::Applied => {
+                *applied(report) += 1;
+                inc(metric, 1);
+            }
+            FenceOutcome::Fenced => {
+                report.fenced += 1;
+                inc(&self.metrics.fenced, 1);
+            }
+            FenceOutcome::NoOp => {}
+        }
     }
 
     /// One batch, both steps.
