@@ -154,6 +154,19 @@ async fn json_rows(pool: &PgPool, table: &str, sql: &str, event_id: &str) -> Res
     Ok(rows)
 }
 
+/// The receipts of one event in `table` (primary or duplicate), with the
+/// time column `at_column`, in `order_by` order.
+async fn receipts_of(pool: &PgPool, table: &str, at_column: &str, order_by: &str, event_id: &str) -> Result<Vec<ReceiptRecord>, sqlx::Error> {
+    let rows = sqlx::query(&format!(
+        r#"SELECT envelope_generation, attempt_id, cluster_id, topic, partition, "offset", payload_digest, destination_digest, {at_column}
+           FROM {table} WHERE event_id = $1 ORDER BY {order_by}"#
+    ))
+    .bind(event_id)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(|r| receipt(r, at_column)).collect())
+}
+
 fn receipt(r: &PgRow, at: &str) -> ReceiptRecord {
     ReceiptRecord {
         envelope_generation: r.get("envelope_generation"),
@@ -240,26 +253,8 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
     })
     .collect();
 
-    let primary_receipts = sqlx::query(
-        r#"SELECT envelope_generation, attempt_id, cluster_id, topic, partition, "offset", payload_digest, destination_digest, accepted_at_ms
-           FROM outbox_publish_receipts WHERE event_id = $1 ORDER BY envelope_generation"#,
-    )
-    .bind(event_id)
-    .fetch_all(pool)
-    .await?
-    .iter()
-    .map(|r| receipt(r, "accepted_at_ms"))
-    .collect();
-    let duplicate_receipts = sqlx::query(
-        r#"SELECT envelope_generation, attempt_id, cluster_id, topic, partition, "offset", payload_digest, destination_digest, received_at_ms
-           FROM outbox_duplicate_receipts WHERE event_id = $1 ORDER BY id"#,
-    )
-    .bind(event_id)
-    .fetch_all(pool)
-    .await?
-    .iter()
-    .map(|r| receipt(r, "received_at_ms"))
-    .collect();
+    let primary_receipts = receipts_of(pool, "outbox_publish_receipts", "accepted_at_ms", "envelope_generation", event_id).await?;
+    let duplicate_receipts = receipts_of(pool, "outbox_duplicate_receipts", "received_at_ms", "id", event_id).await?;
 
     let quarantine = json_rows(pool, "outbox_quarantine", "SELECT * FROM outbox_quarantine WHERE event_id = $1 ORDER BY id", event_id).await?;
     let audit = json_rows(pool, "outbox_audit", "SELECT * FROM outbox_audit WHERE event_id = $1 ORDER BY id", event_id).await?;
