@@ -111,7 +111,7 @@ impl PgStore {
     /// their protocol version is newer than it understands.
     pub async fn rows_beyond_protocol(&self) -> Result<i64, StoreError> {
         sqlx::query_scalar(
-            "SELECT count(*) FROM outbox_events WHERE state IN ('PENDING', 'RETRY_CLAIMED') AND publisher = 'outbox'
+            "SELECT count(*) FROM outbox_events WHERE phase IN ('PENDING', 'RETRY_CLAIMED') AND publisher = 'outbox'
                AND protocol_version > $1 AND ($2::text IS NULL OR cluster_id = $2)",
         )
         .bind(self.max_protocol_version)
@@ -515,7 +515,7 @@ impl PgStore {
         let mut tx = self.begin().await?;
         let rows = sqlx::query(&format!(
             "WITH c AS (
-                SELECT event_id FROM outbox_events WHERE state = 'DISPATCH_UNKNOWN' AND protocol_version <= $6
+                SELECT event_id FROM outbox_events WHERE phase = 'DISPATCH_UNKNOWN' AND protocol_version <= $6
                   AND (($5::text IS NULL AND next_check_at_ms <= $3) OR event_id = $5)
                 ORDER BY next_check_at_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
              UPDATE outbox_events e SET state = 'RECONCILING', claim_owner = $2, claim_generation = e.claim_generation + 1,
@@ -603,7 +603,7 @@ impl PgStore {
         // send. The earliest-inserted PENDING event, found through the PENDING
         // index in one descent: this runs every sweep, it must not scan the backlog.
         let oldest: Option<i64> =
-            sqlx::query_scalar("SELECT created_at_ms FROM outbox_events WHERE state = 'PENDING' AND publisher = 'outbox' ORDER BY seq LIMIT 1")
+            sqlx::query_scalar("SELECT created_at_ms FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox' ORDER BY seq LIMIT 1")
                 .fetch_optional(&self.pool)
             .await
             .map_err(store_err)?;
@@ -684,18 +684,18 @@ impl OutboxStore for PgStore {
             // Unordered events: every PENDING one, in commit order.
             "WITH RECURSIVE heads AS (
                 (SELECT cluster_id, topic, routing_key, seq, state, event_id FROM outbox_events
-                 WHERE state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox'
+                 WHERE phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox'
                  ORDER BY cluster_id, topic, routing_key, seq LIMIT 1)
                 UNION ALL
                 SELECT n.* FROM heads h CROSS JOIN LATERAL (
                     SELECT e.cluster_id, e.topic, e.routing_key, e.seq, e.state, e.event_id FROM outbox_events e
-                    WHERE e.state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
+                    WHERE e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
                       AND (e.cluster_id, e.topic, e.routing_key) > (h.cluster_id, h.topic, h.routing_key)
                     ORDER BY e.cluster_id, e.topic, e.routing_key, e.seq LIMIT 1) n),
              cand AS (
                 SELECT event_id FROM heads WHERE state = 'PENDING' AND ($5::text IS NULL OR cluster_id = $5)
                 UNION ALL
-                (SELECT event_id FROM outbox_events WHERE state = 'PENDING' AND NOT ordered AND publisher = 'outbox'
+                (SELECT event_id FROM outbox_events WHERE phase = 'PENDING' AND NOT ordered AND publisher = 'outbox'
                    AND ($5::text IS NULL OR cluster_id = $5)
                  ORDER BY seq LIMIT $1)),
              c AS (
@@ -727,7 +727,7 @@ impl OutboxStore for PgStore {
         self.claim_with(
             &format!(
             "WITH c AS (
-                SELECT event_id FROM outbox_events WHERE state = 'RETRY_CLAIMED' AND claim_owner IS NULL
+                SELECT event_id FROM outbox_events WHERE phase = 'RETRY_CLAIMED' AND claim_owner IS NULL
                   AND publisher = 'outbox' AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
                 ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
              UPDATE outbox_events e SET claim_owner = $2, claim_generation = e.claim_generation + 1,

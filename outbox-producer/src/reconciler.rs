@@ -186,7 +186,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         // legacy publisher's to send; the shadow comparison covers them.
         for r in sqlx::query(
             "SELECT event_id, $1 - created_at_ms AS age FROM outbox_events
-             WHERE state = 'PENDING' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3",
+             WHERE phase = 'PENDING' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3",
         )
             .bind(now)
             .bind(self.config.aged_pending_ms)
@@ -214,7 +214,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         for r in sqlx::query(
             "SELECT e.event_id, $1 - e.state_since_ms AS age, coalesce(q.reason, '') AS reason FROM outbox_events e
              LEFT JOIN LATERAL (SELECT reason FROM outbox_quarantine WHERE event_id = e.event_id ORDER BY id DESC LIMIT 1) q ON true
-             WHERE e.state = 'QUARANTINED' ORDER BY e.state_since_ms LIMIT $2",
+             WHERE e.phase = 'QUARANTINED' ORDER BY e.state_since_ms LIMIT $2",
         )
         .bind(now)
         .bind(limit)
@@ -236,7 +236,7 @@ impl<B: Broker + 'static> Reconciler<B> {
             for row in sqlx::query(&format!(
                 "SELECT e.event_id, $1 - e.published_at_ms AS age, r.topic, r.partition, r.\"offset\" FROM outbox_events e
                  JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
-                 WHERE e.state IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 - $2 AND r.topic = ANY($5)
+                 WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 - $2 AND r.topic = ANY($5)
                    AND NOT {passed}
                  ORDER BY e.published_at_ms LIMIT $3"
             ))

@@ -57,7 +57,7 @@ fn purgeable(watermarks: bool) -> String {
         "false"
     };
     format!(
-        "e.state = 'RETAINED' AND e.published_at_ms < $1 - $2
+        "e.phase = 'RETAINED' AND e.published_at_ms < $1 - $2
          AND NOT EXISTS (SELECT 1 FROM outbox_consumers c WHERE c.mandatory AND r.topic = ANY(c.topics) AND NOT {passed})"
     )
 }
@@ -77,15 +77,15 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
     let from = "outbox_events e JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation";
 
     if dry_run {
-        report.retained = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED' AND published_at_ms < $1 - $2")
+        report.retained = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_events WHERE phase = 'PUBLISHED' AND published_at_ms < $1 - $2")
             .bind(now_ms)
             .bind(policy.replay_window_ms)
             .fetch_one(pool)
             .await? as u64;
         // In a dry run, events about to be retained are judged as if they were.
-        let cond_dry = cond.replace("e.state = 'RETAINED'", "e.state IN ('PUBLISHED', 'RETAINED')");
+        let cond_dry = cond.replace("e.phase = 'RETAINED'", "e.phase IN ('PUBLISHED', 'RETAINED')");
         report.purged = sqlx::query_scalar::<_, i64>(&format!("SELECT count(*) FROM {from} WHERE {cond_dry}")).bind(now_ms).bind(policy.replay_window_ms).fetch_one(pool).await? as u64;
-        let due: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE state IN ('PUBLISHED', 'RETAINED') AND published_at_ms < $1 - $2")
+        let due: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE phase IN ('PUBLISHED', 'RETAINED') AND published_at_ms < $1 - $2")
             .bind(now_ms)
             .bind(policy.replay_window_ms)
             .fetch_one(pool)
@@ -96,7 +96,7 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
     }
 
     let retain = "UPDATE outbox_events SET state = 'RETAINED', state_since_ms = $1
-         WHERE event_id IN (SELECT event_id FROM outbox_events WHERE state = 'PUBLISHED' AND published_at_ms < $1 - $2
+         WHERE event_id IN (SELECT event_id FROM outbox_events WHERE phase = 'PUBLISHED' AND published_at_ms < $1 - $2
                             ORDER BY published_at_ms LIMIT $3 FOR UPDATE SKIP LOCKED)"
         .to_owned();
     let purge = format!(
@@ -118,7 +118,7 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
             }
         }
     }
-    report.held_by_consumers = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_events WHERE state = 'RETAINED' AND published_at_ms < $1 - $2")
+    report.held_by_consumers = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_events WHERE phase = 'RETAINED' AND published_at_ms < $1 - $2")
         .bind(now_ms)
         .bind(policy.replay_window_ms)
         .fetch_one(pool)

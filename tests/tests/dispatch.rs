@@ -260,6 +260,56 @@ async fn tampered_envelope_is_quarantined_and_never_sent(pool: PgPool) {
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_attempts WHERE event_id = (SELECT event_id FROM outbox_quarantine)").await, 0);
 }
 
+/// Registering an attempt (CLAIMED -> SENDING) is a heap-only update: no
+/// index of outbox_events reads a column it writes, so PostgreSQL keeps the
+/// new row version on its page and writes no index entry.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn registering_an_attempt_writes_no_index_entry(pool: PgPool) {
+    let indexed: Vec<String> = sqlx::query_scalar(
+        r"SELECT DISTINCT a.attname::text FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum > 0
+          WHERE i.indrelid = 'outbox_events'::regclass
+            AND (a.attnum = ANY (i.indkey::int2[])
+                 OR coalesce(pg_get_expr(i.indpred, i.indrelid), '') ~ ('\m' || a.attname || '\M')
+                 OR coalesce(pg_get_expr(i.indexprs, i.indrelid), '') ~ ('\m' || a.attname || '\M'))",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(indexed.contains(&"phase".to_owned()) && indexed.contains(&"event_id".to_owned()), "{indexed:?}");
+    for written in ["state", "claim_attempt_id", "attempt_generation", "state_since_ms"] {
+        assert!(!indexed.iter().any(|c| c == written), "an index reads {written}, which registration writes: {indexed:?}");
+    }
+
+    // The same, observed: four events claimed (new versions, indexed) and
+    // registered (heap-only), counted once the store's connections exit.
+    setup(&pool, "cluster-a").await;
+    for i in 0..4 {
+        create_order(&pool, &format!("o-{i}"), 10).await;
+    }
+    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let store = PgStore::new(own.clone());
+    let claimed = store.claim_batch("w1", 10, 30_000).await.unwrap();
+    assert_eq!(claimed.len(), 4);
+    let tokens: Vec<_> = claimed.iter().map(|c| c.token.clone()).collect();
+    assert!(store.register_attempts(&tokens).await.unwrap().iter().all(|r| r.is_ok()));
+    own.close().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let (updated, hot): (i64, i64) = sqlx::query_as(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s WHERE relname = 'outbox_events'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if updated >= 8 {
+            assert_eq!((updated, hot), (8, 4), "4 claims with index entries, 4 registrations without");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "statistics never arrived: {updated} updates");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn emit_many(pool: &PgPool, orders: usize, per_key: usize) -> Vec<String> {
     let mut ids = Vec::new();
     for o in 0..orders {
