@@ -678,20 +678,21 @@ impl OutboxStore for PgStore {
         let mut out = self
             .claim_with(
                 &format!(
-            // Ordered events: only the oldest open event of each (cluster, topic,
-            // key) may go, found with one index descent per key (a loose index
-            // scan), so a deep backlog behind claimed heads costs nothing.
+            // Ordered events: only the oldest open event of each ordering chain
+            // (cluster, topic, key: `key_chain`) may go, found with one index
+            // descent per chain (a loose index scan), so a deep backlog behind
+            // claimed heads costs nothing.
             // Unordered events: every PENDING one, in commit order.
             "WITH RECURSIVE heads AS (
-                (SELECT cluster_id, topic, routing_key, seq, state, event_id FROM outbox_events
+                (SELECT key_chain, cluster_id, seq, state, event_id FROM outbox_events
                  WHERE phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox'
-                 ORDER BY cluster_id, topic, routing_key, seq LIMIT 1)
+                 ORDER BY key_chain, seq LIMIT 1)
                 UNION ALL
                 SELECT n.* FROM heads h CROSS JOIN LATERAL (
-                    SELECT e.cluster_id, e.topic, e.routing_key, e.seq, e.state, e.event_id FROM outbox_events e
+                    SELECT e.key_chain, e.cluster_id, e.seq, e.state, e.event_id FROM outbox_events e
                     WHERE e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
-                      AND (e.cluster_id, e.topic, e.routing_key) > (h.cluster_id, h.topic, h.routing_key)
-                    ORDER BY e.cluster_id, e.topic, e.routing_key, e.seq LIMIT 1) n),
+                      AND e.key_chain > h.key_chain
+                    ORDER BY e.key_chain, e.seq LIMIT 1) n),
              cand AS (
                 SELECT event_id FROM heads WHERE state = 'PENDING' AND ($5::text IS NULL OR cluster_id = $5)
                 UNION ALL

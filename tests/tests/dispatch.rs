@@ -310,6 +310,29 @@ async fn registering_an_attempt_writes_no_index_entry(pool: PgPool) {
     }
 }
 
+/// Ordering chains are (cluster, topic, routing key), hashed into
+/// `key_chain`: the same triple is one chain, and triples whose parts only
+/// concatenate alike are not.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn key_chain_tells_cluster_topic_and_key_apart(pool: PgPool) {
+    business_schema(&pool).await;
+    route(&pool, "t.one.v1", "a", "bc", 1).await;
+    route(&pool, "t.two.v1", "ab", "c", 1).await;
+    route(&pool, "t.three.v1", "a", "bc", 1).await;
+    let payload = order_payload("k", 1);
+    let mut tx = pool.begin().await.unwrap();
+    for (n, event_type) in ["t.one.v1", "t.two.v1", "t.three.v1"].into_iter().enumerate() {
+        let key = format!("cmd-{n}");
+        let request = outbox_core::EmitRequest { event_type, aggregate_version: n as i64 + 1, ..order_request(&key, "k", &payload) };
+        outbox_producer::emit(&mut tx, &request, &EmitOptions::default()).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let chains: Vec<(String, i64)> = sqlx::query_as("SELECT event_type, key_chain FROM outbox_events ORDER BY seq").fetch_all(&pool).await.unwrap();
+    assert_eq!(chains.len(), 3);
+    assert_ne!(chains[0].1, chains[1].1, "a/bc/k and ab/c/k are different keys: {chains:?}");
+    assert_eq!(chains[0].1, chains[2].1, "the same cluster, topic and key is one chain: {chains:?}");
+}
+
 async fn emit_many(pool: &PgPool, orders: usize, per_key: usize) -> Vec<String> {
     let mut ids = Vec::new();
     for o in 0..orders {
