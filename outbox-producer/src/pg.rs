@@ -303,7 +303,7 @@ impl PgStore {
         ids.dedup();
         let mut tx = self.begin().await?;
         let rows = sqlx::query(
-            "SELECT e.event_id, e.envelope_generation, e.state, e.payload_digest, e.destination_digest, v.destination_canonical
+            "SELECT e.event_id, e.envelope_generation, e.state, e.payload_digest, e.destination_digest, e.unknown_since_ms, v.destination_canonical
              FROM outbox_events e
              JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
              WHERE e.event_id = ANY($1) ORDER BY e.event_id FOR UPDATE OF e",
@@ -313,9 +313,14 @@ impl PgStore {
         .await
         .map_err(store_err)?;
         let mut events: HashMap<String, LockedEvent> = HashMap::with_capacity(rows.len());
+        // Events that had been UNKNOWN: publishing one records its time to resolution.
+        let mut unknown_since: HashMap<String, i64> = HashMap::new();
         for r in &rows {
             let g = |e: sqlx::Error| store_err(e);
             let id: String = r.try_get("event_id").map_err(g)?;
+            if let Some(since) = r.try_get::<Option<i64>, _>("unknown_since_ms").map_err(g)? {
+                unknown_since.insert(id.clone(), since);
+            }
             events.insert(
                 id.clone(),
                 LockedEvent {
@@ -434,22 +439,29 @@ impl PgStore {
 
         if !accepted.is_empty() {
             let ev_ids: Vec<&str> = accepted.iter().map(|r| r.event_id.as_str()).collect();
-            // An event that had been UNKNOWN records its time to resolution.
             sqlx::query(
-                "WITH old AS (
-                    SELECT event_id, unknown_since_ms FROM outbox_events WHERE event_id = ANY($1) AND unknown_since_ms IS NOT NULL),
-                 upd AS (
-                    UPDATE outbox_events SET state = 'PUBLISHED', claim_owner = NULL, lease_until_ms = NULL, unknown_since_ms = NULL,
-                           published_at_ms = $2, state_since_ms = $2
-                    WHERE event_id = ANY($1) RETURNING event_id)
-                 INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome)
-                 SELECT event_id, unknown_since_ms, $2, 'PUBLISHED' FROM old WHERE EXISTS (SELECT 1 FROM upd)",
+                "UPDATE outbox_events SET state = 'PUBLISHED', claim_owner = NULL, lease_until_ms = NULL, unknown_since_ms = NULL,
+                        published_at_ms = $2, state_since_ms = $2
+                 WHERE event_id = ANY($1)",
             )
             .bind(&ev_ids)
             .bind(now)
             .execute(&mut *tx)
             .await
             .map_err(store_err)?;
+            let (resolved, since): (Vec<&str>, Vec<i64>) = ev_ids.iter().filter_map(|id| unknown_since.get(*id).map(|s| (*id, *s))).unzip();
+            if !resolved.is_empty() {
+                sqlx::query(
+                    "INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome)
+                     SELECT event_id, since, $3, 'PUBLISHED' FROM UNNEST($1::text[], $2::bigint[]) AS t(event_id, since)",
+                )
+                .bind(&resolved)
+                .bind(&since)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_err)?;
+            }
             insert_receipts(&mut tx, "outbox_publish_receipts", "accepted_at_ms", &accepted, now, "").await?;
         }
         if !duplicates.is_empty() {
