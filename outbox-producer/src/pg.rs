@@ -696,25 +696,32 @@ impl OutboxStore for PgStore {
             // claimed heads costs nothing.
             // Unordered events: every PENDING one, in commit order.
             "WITH RECURSIVE heads AS (
-                (SELECT key_chain, cluster_id, seq, state, event_id FROM outbox_events
+                (SELECT key_chain, cluster_id, seq, state, protocol_version, event_id FROM outbox_events
                  WHERE phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox'
                  ORDER BY key_chain, seq LIMIT 1)
                 UNION ALL
                 SELECT n.* FROM heads h CROSS JOIN LATERAL (
-                    SELECT e.key_chain, e.cluster_id, e.seq, e.state, e.event_id FROM outbox_events e
+                    SELECT e.key_chain, e.cluster_id, e.seq, e.state, e.protocol_version, e.event_id FROM outbox_events e
                     WHERE e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
                       AND e.key_chain > h.key_chain
                     ORDER BY e.key_chain, e.seq LIMIT 1) n),
              cand AS (
-                SELECT event_id FROM heads WHERE state = 'PENDING' AND ($5::text IS NULL OR cluster_id = $5)
-                UNION ALL
-                (SELECT event_id FROM outbox_events WHERE phase = 'PENDING' AND NOT ordered AND publisher = 'outbox'
-                   AND ($5::text IS NULL OR cluster_id = $5)
-                 ORDER BY seq LIMIT $1)),
-             c AS (
                 -- A head of a newer protocol is refused here, after the heads
                 -- were found: it still holds its key, so nothing behind it
-                -- overtakes it. The candidates come in as one array (an
+                -- overtakes it.
+                -- The oldest pending heads, twice the batch: the lock below
+                -- re-checks each candidate another instance claimed since
+                -- this statement's snapshot (PostgreSQL's EvalPlanQual, and
+                -- the re-checked row stays locked until this commits), so
+                -- the candidates are bounded, not every head.
+                (SELECT event_id FROM heads WHERE state = 'PENDING' AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
+                 ORDER BY seq LIMIT 2 * $1)
+                UNION ALL
+                (SELECT event_id FROM outbox_events WHERE phase = 'PENDING' AND NOT ordered AND publisher = 'outbox'
+                   AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
+                 ORDER BY seq LIMIT $1)),
+             c AS (
+                -- The candidates come in as one array (an
                 -- init plan, run once), not as a join: when a row changed
                 -- since this statement's snapshot, the lock re-checks that one
                 -- row's conditions instead of re-running a join over every head.

@@ -312,6 +312,27 @@ async fn alias_switch_mid_run_loses_nothing_and_sends_nothing_twice(pool: PgPool
     assert_eq!((c.scanned_messages as i64, c.total()), (total, 0), "{c:?}");
 }
 
+/// Newer-protocol heads, however many and however old, never hide the
+/// older-protocol events a dispatcher can send (its claim looks at a bounded
+/// number of candidates: the refused ones are not among them).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn many_newer_protocol_heads_do_not_starve_the_old_dispatcher(pool: PgPool) {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let broker = cluster.broker(5_000).await;
+    setup(&pool, broker.cluster_id()).await;
+    for i in 0..5 {
+        let e = create_order(&pool, &format!("new-{i}"), 1).await;
+        sqlx::query("UPDATE outbox_events SET protocol_version = 2 WHERE event_id = $1").bind(e.event_id().as_str()).execute(&pool).await.unwrap();
+    }
+    let old_row = create_order(&pool, "old-0", 2).await;
+    let d = Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { batch_size: 1, ..config("old") }).unwrap();
+    let r = d.dispatch_once("w1").await.unwrap();
+    assert_eq!((r.claimed, r.published), (1, 1), "{r:?}");
+    let published: Vec<String> = sqlx::query_scalar("SELECT event_id FROM outbox_publish_receipts").fetch_all(&pool).await.unwrap();
+    assert_eq!(published, vec![old_row.event_id().to_string()]);
+}
+
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn old_protocol_dispatcher_refuses_new_protocol_rows(pool: PgPool) {
     let cluster = TestCluster::start();
