@@ -66,7 +66,10 @@ pub struct DispatcherConfig {
     pub batch_size: usize,
     /// Claim lease, ms; a batch outliving half of it renews it.
     pub lease_ms: i64,
-    /// Fallback poll interval, ms, when LISTEN/NOTIFY is quiet or off.
+    /// Fallback poll interval, ms, when LISTEN/NOTIFY is quiet or off. A
+    /// worker waits (for a notification or this long) only after a claim
+    /// that found nothing or a batch the broker did not take; otherwise it
+    /// claims again at once.
     pub poll_interval_ms: u64,
     /// Lease sweep interval, ms.
     pub sweep_interval_ms: u64,
@@ -593,7 +596,14 @@ impl<B: Broker + 'static> Dispatcher<B> {
                         match me.dispatch_once(&owner).await {
                             Ok(r) => {
                                 add(&mut total, &r);
-                                if r.claimed >= me.config.batch_size {
+                                // A batch that found work and met no broker failure
+                                // looks again at once: under per-key ordering a short
+                                // batch does not mean the backlog is empty, only that
+                                // the other heads were still in flight, and their
+                                // receipts free the next ones. An empty claim, or
+                                // sends the broker did not take (it may be down),
+                                // wait for a wake-up or the poll interval.
+                                if r.claimed > 0 && r.not_sent == 0 && r.unknown == 0 {
                                     continue;
                                 }
                             }

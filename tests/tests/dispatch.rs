@@ -371,6 +371,29 @@ async fn run_two_dispatchers(pool: &PgPool, cluster: &TestCluster, total: i64, c
     }
 }
 
+/// A backlog on fewer keys than the batch size: every claim is short (one
+/// head per key), yet the workers keep claiming without waiting for the
+/// poll interval; only an empty claim waits.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn short_claims_of_a_backlog_do_not_wait_for_the_poll_interval(pool: PgPool) {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let broker = cluster.broker(10_000).await;
+    setup(&pool, broker.cluster_id()).await;
+    emit_many(&pool, 4, 15).await;
+    // 60 events on 4 keys: each claim finds at most 4 heads; nothing wakes
+    // the workers but their own loop (no LISTEN, a 60 s poll).
+    let cfg = DispatcherConfig { workers: 2, batch_size: 100, poll_interval_ms: 60_000, listen: false, ..config("short") };
+    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn(d.clone().run(stop_rx));
+    wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 60, Duration::from_secs(20)).await;
+    stop_tx.send(true).unwrap();
+    let total = run.await.unwrap().unwrap();
+    assert_eq!(total.published, 60, "{total:?}");
+    assert!(d.metrics().batches.load(std::sync::atomic::Ordering::Relaxed) >= 15, "one head per key per claim: at least 15 batches");
+}
+
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn two_dispatcher_instances_publish_every_event_exactly_once(pool: PgPool) {
     let cluster = TestCluster::start();
