@@ -208,6 +208,9 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         }
     }
 
+    // The committed events of the command keys seen, in one query.
+    let mut committed = committed_for_commands(tx, requests.iter().map(|r| r.command_key).filter(|k| existing.contains(*k))).await?;
+
     // Decide each request in order, exactly as one emit after another would.
     enum Answer {
         New(usize),
@@ -226,11 +229,9 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
             continue;
         }
         first_of_key.insert(request.command_key, answers.len());
-        if existing.contains(request.command_key) {
-            if let Some(found) = existing_for_command(tx, request).await? {
-                answers.push(Answer::Existing(Box::new(found)));
-                continue;
-            }
+        if let Some(found) = committed.remove(request.command_key) {
+            answers.push(Answer::Existing(Box::new(same_command(request, found)?)));
+            continue;
         }
         let policy = policies.get(request.event_type).ok_or_else(|| ProducerError::NoRoute { event_type: request.event_type.to_owned() })?;
         let aggregate = (request.tenant, request.aggregate_type, request.aggregate_id);
@@ -320,6 +321,10 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         inserted.extend(ids);
     }
 
+    // Requests not inserted: another transaction committed the same command
+    // key meanwhile; they answer its event.
+    let lost = fresh.iter().filter(|f| !inserted.contains(f.emitted.envelope.event_id.as_str())).map(|f| f.request.command_key);
+    let mut raced = committed_for_commands(tx, lost).await?;
     let mut out = Vec::with_capacity(answers.len());
     for answer in answers {
         match answer {
@@ -330,12 +335,10 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
                     tracing::debug!(event_id = %emitted.envelope.event_id, topic = %emitted.destination.topic, publisher = emitted.publisher.as_str(), "emitted");
                     out.push(emitted.clone());
                 } else {
-                    // Another transaction committed the same command key meanwhile.
-                    out.push(
-                        existing_for_command(tx, request)
-                            .await?
-                            .ok_or_else(|| ProducerError::Config("command key conflict vanished; retry the transaction".into()))?,
-                    );
+                    let found = raced
+                        .remove(request.command_key)
+                        .ok_or_else(|| ProducerError::Config("command key conflict vanished; retry the transaction".into()))?;
+                    out.push(same_command(request, found)?);
                 }
             }
         }
@@ -374,22 +377,31 @@ fn same_command(request: &EmitRequest<'_>, first: Emitted) -> Result<Emitted, Pr
     Ok(first)
 }
 
-async fn existing_for_command(tx: &mut Transaction<'_, Postgres>, request: &EmitRequest<'_>) -> Result<Option<Emitted>, ProducerError> {
-    let row = sqlx::query(
-        "SELECT e.event_id, e.payload_digest, e.event_type, e.tenant, e.aggregate_type, e.aggregate_id,
-                v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
+/// The committed events of `keys`, by command key, as first emitted
+/// (`inserted: false`); one query, none for no keys. Each still has to be
+/// checked against the request that repeats its key ([`same_command`]).
+async fn committed_for_commands<'k>(tx: &mut Transaction<'_, Postgres>, keys: impl Iterator<Item = &'k str>) -> Result<HashMap<String, Emitted>, ProducerError> {
+    let keys: Vec<&str> = keys.collect();
+    if keys.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let rows = sqlx::query(
+        "SELECT c.command_key, v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
          FROM outbox_commands c
          JOIN outbox_events e ON e.event_id = c.event_id
          JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = 1
-         WHERE c.command_key = $1",
+         WHERE c.command_key = ANY($1)",
     )
-    .bind(request.command_key)
-    .fetch_optional(&mut **tx)
+    .bind(&keys)
+    .fetch_all(&mut **tx)
     .await?;
-    let Some(row) = row else { return Ok(None) };
-    let envelope = Envelope::from_canonical(row.try_get::<Vec<u8>, _>("envelope_canonical")?.as_slice())?;
-    let destination = Destination::from_canonical(row.try_get::<Vec<u8>, _>("destination_canonical")?.as_slice())?;
-    let publisher = Publisher::parse(row.try_get("publisher")?)?;
-    let found = Emitted { envelope, destination, destination_digest: row.try_get("destination_digest")?, inserted: false, publisher };
-    same_command(request, found).map(Some)
+    let mut found = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let envelope = Envelope::from_canonical(row.try_get::<&[u8], _>("envelope_canonical")?)?;
+        let destination = Destination::from_canonical(row.try_get::<&[u8], _>("destination_canonical")?)?;
+        let publisher = Publisher::parse(row.try_get("publisher")?)?;
+        let emitted = Emitted { envelope, destination, destination_digest: row.try_get("destination_digest")?, inserted: false, publisher };
+        found.insert(row.try_get("command_key")?, emitted);
+    }
+    Ok(found)
 }

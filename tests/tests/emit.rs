@@ -247,6 +247,13 @@ async fn emit_batch_answers_what_one_emit_after_another_would(pool: PgPool) {
             .unwrap();
         assert_eq!(Envelope::from_canonical(&bytes).unwrap(), e.envelope);
     }
+    // The whole batch retried: every answer is the first one's, nothing is inserted.
+    let mut tx = pool.begin().await.unwrap();
+    let again = emit_batch(&mut tx, &requests, &EmitOptions::default()).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(again.iter().map(|e| e.event_id()).collect::<Vec<_>>(), out.iter().map(|e| e.event_id()).collect::<Vec<_>>());
+    assert!(again.iter().all(|e| !e.inserted));
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 4);
 }
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
@@ -259,18 +266,19 @@ async fn emit_batch_is_all_or_nothing(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     let err = emit_batch(&mut tx, &[v(5, "a", "o-1", &p1), v(4, "b", "o-1", &p1)], &EmitOptions::default()).await.unwrap_err();
     assert!(matches!(err, ProducerError::AggregateVersionBackwards { version: 4, last: 5, .. }), "{err}");
-    drop(tx);
+    tx.commit().await.unwrap();
     // The same command key with another payload inside the batch.
     let mut tx = pool.begin().await.unwrap();
     let err = emit_batch(&mut tx, &[v(1, "k", "o-1", &p1), v(1, "k", "o-1", &other)], &EmitOptions::default()).await.unwrap_err();
     assert!(matches!(err, ProducerError::CommandKeyConflict { what: "payload", .. }), "{err}");
-    drop(tx);
+    tx.commit().await.unwrap();
     // An event type without a route after a valid request.
     let mut tx = pool.begin().await.unwrap();
     let unrouted = EmitRequest { event_type: "order.unrouted.v1", ..order_request("c", "o-2", &p2) };
     let err = emit_batch(&mut tx, &[v(1, "ok", "o-2", &p2), unrouted], &EmitOptions::default()).await.unwrap_err();
     assert!(matches!(err, ProducerError::NoRoute { .. }), "{err}");
     tx.commit().await.unwrap();
+    // Each failed batch's transaction was committed: none of them wrote anything.
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 0, "a failed batch writes nothing");
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_commands").await, 0);
 
