@@ -611,14 +611,7 @@ impl PgStore {
     /// Age in ms of the oldest PENDING event, if any.
     pub async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
         let now = self.now_ms();
-        // Legacy events stay PENDING here: they are the legacy publisher's to
-        // send. The earliest-inserted PENDING event, found through the PENDING
-        // index in one descent: this runs every sweep, it must not scan the backlog.
-        let oldest: Option<i64> =
-            sqlx::query_scalar("SELECT created_at_ms FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox' ORDER BY seq LIMIT 1")
-                .fetch_optional(&self.pool)
-            .await
-            .map_err(store_err)?;
+        let oldest = oldest_pending_created_ms(&self.pool).await.map_err(store_err)?;
         Ok(oldest.map(|o| (now - o).max(0)))
     }
 
@@ -675,6 +668,16 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     .await
     .map_err(store_err)?;
     Ok(())
+}
+
+/// When the oldest PENDING event the outbox sends was created, ms: the
+/// earliest inserted (legacy events stay PENDING here: they are the legacy
+/// publisher's to send). One descent of the PENDING index: the sweeper and
+/// every report ask, and neither may scan the backlog.
+pub(crate) async fn oldest_pending_created_ms(pool: &PgPool) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar("SELECT created_at_ms FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox' ORDER BY seq LIMIT 1")
+        .fetch_optional(pool)
+        .await
 }
 
 /// The end of every claim statement: the UPDATE of `outbox_events e` applies

@@ -138,7 +138,7 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
     let publish_receipts = scalar("SELECT count(*) FROM outbox_publish_receipts").await?;
     let duplicate_receipts = scalar("SELECT count(*) FROM outbox_duplicate_receipts").await?;
     let state_counts: Vec<(String, i64)> = sqlx::query_as("SELECT state, count(*) FROM outbox_events GROUP BY state ORDER BY state").fetch_all(pool).await?;
-    let oldest_pending: Option<i64> = sqlx::query_scalar("SELECT min(created_at_ms) FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox'").fetch_one(pool).await?;
+    let oldest_pending = crate::pg::oldest_pending_created_ms(pool).await?;
 
     let unknown_since: Vec<i64> = sqlx::query_scalar(
         "SELECT unknown_since_ms FROM outbox_events
