@@ -1,8 +1,8 @@
 //! Dispatch benchmark: `cargo run --release --example dispatch_bench`.
 //!
 //! Emitters commit orders (transactions of `--txn-events` events, each
-//! transaction's events through one `emit_batch`) spread round-robin over `--keys` routing keys while the
-//! dispatcher, with per-key ordering on, publishes them to the in-process
+//! through one `emit_batch`) spread round-robin over `--keys` routing keys
+//! while the dispatcher, with per-key ordering on, publishes them to the in-process
 //! Kafka-protocol cluster (or `OUTBOX_KAFKA_BOOTSTRAP`). PostgreSQL commits
 //! are durable (`synchronous_commit = on` on every connection).
 //!

@@ -685,7 +685,6 @@ impl Processor {
         Ok(())
     }
 
-    /// Sleeps, waking early (returning `false`) when `stop` is set.
     /// After a database error: the error back when it is not retryable or
     /// the retries are used up; otherwise counts the retry, backs off and
     /// answers whether to go on (`false`: stopped while waiting).
@@ -699,6 +698,7 @@ impl Processor {
         Ok(self.sleep_unless_stopped(self.retry.backoff(*failures), stop).await)
     }
 
+    /// Sleeps, waking early (returning `false`) when `stop` is set.
     async fn sleep_unless_stopped(&self, d: Duration, stop: &AtomicBool) -> bool {
         let step = Duration::from_millis(50);
         let mut left = d;

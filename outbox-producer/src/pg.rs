@@ -709,14 +709,14 @@ impl OutboxStore for PgStore {
                       AND e.key_chain > h.key_chain
                     ORDER BY e.key_chain, e.seq LIMIT 1) n),
              cand AS (
+                -- The oldest pending heads, at most twice the batch: the lock
+                -- below re-checks each candidate another instance claimed
+                -- since this statement's snapshot (PostgreSQL's EvalPlanQual),
+                -- and the re-checked row stays locked until this commits.
                 -- A head of a newer protocol is refused here, after the heads
-                -- were found: it still holds its key, so nothing behind it
-                -- overtakes it.
-                -- The oldest pending heads, twice the batch: the lock below
-                -- re-checks each candidate another instance claimed since
-                -- this statement's snapshot (PostgreSQL's EvalPlanQual, and
-                -- the re-checked row stays locked until this commits), so
-                -- the candidates are bounded, not every head.
+                -- were found and before the bound: it still holds its key,
+                -- so nothing behind it overtakes it, and it takes no place
+                -- among the candidates.
                 (SELECT event_id FROM heads WHERE state = 'PENDING' AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
                  ORDER BY seq LIMIT 2 * $1)
                 UNION ALL
@@ -724,10 +724,10 @@ impl OutboxStore for PgStore {
                    AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
                  ORDER BY seq LIMIT $1)),
              c AS (
-                -- The candidates come in as one array (an
-                -- init plan, run once), not as a join: when a row changed
-                -- since this statement's snapshot, the lock re-checks that one
-                -- row's conditions instead of re-running a join over every head.
+                -- The candidates come in as one array (an init plan, run
+                -- once), not as a join: when a row changed since this
+                -- statement's snapshot, the lock re-checks that one row's
+                -- conditions instead of re-running a join over every head.
                 SELECT e.event_id FROM outbox_events e
                 WHERE e.event_id = ANY (ARRAY(SELECT event_id FROM cand))
                   AND e.state = 'PENDING' AND e.protocol_version <= $6
