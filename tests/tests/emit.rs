@@ -189,6 +189,20 @@ async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
     assert!(err.to_string().contains("immutable"), "{err}");
     let err = sqlx::query("UPDATE outbox_events SET destination_digest = 'sha256:nothex' WHERE event_id = $1").bind(id).execute(&pool).await.unwrap_err();
     assert!(err.to_string().contains("malformed destination_digest"), "{err}");
+    // Fencing generations never go backwards, whatever the state change.
+    let err = sqlx::query("UPDATE outbox_events SET claim_generation = claim_generation - 1 WHERE event_id = $1").bind(id).execute(&pool).await.unwrap_err();
+    assert!(err.to_string().contains("never go backwards"), "{err}");
+    // A legal change in the same statement as an illegal one is not kept.
+    let other_id = create_order(&pool, "o-2", 1).await.event_id().to_string();
+    let err = sqlx::query("UPDATE outbox_events SET state = CASE WHEN event_id = $1 THEN 'PUBLISHED' ELSE 'QUARANTINED' END WHERE event_id IN ($1, $2)")
+        .bind(id)
+        .bind(&other_id)
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("illegal outbox transition PENDING -> PUBLISHED"), "{err}");
+    let other_state: String = sqlx::query_scalar("SELECT state FROM outbox_events WHERE event_id = $1").bind(&other_id).fetch_one(&pool).await.unwrap();
+    assert_eq!(other_state, "PENDING");
     // One eventId, one command key.
     let dup = sqlx::query("INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
                            SELECT event_id, 'other-key', 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0 FROM outbox_events WHERE event_id = $1")
