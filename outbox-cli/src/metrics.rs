@@ -60,6 +60,8 @@ pub struct DispatchExport {
     batches: IntCounter,
     batch_ms_total: IntCounter,
     batch_ms_max: IntGauge,
+    head_scans: IntCounter,
+    successor_claims: IntCounter,
     oldest_pending: Gauge,
     refused_protocol_rows: IntGauge,
     alias_active: IntGauge,
@@ -83,6 +85,8 @@ impl DispatchExport {
             batches: counter(r, "outbox_dispatch_batches_total", "Batches settled."),
             batch_ms_total: counter(r, "outbox_dispatch_batch_milliseconds_total", "Sum of batch latencies, ms (divide by batches_total for the mean)."),
             batch_ms_max: gauge(r, "outbox_dispatch_batch_max_milliseconds", "Slowest batch since start, ms."),
+            head_scans: counter(r, "outbox_dispatch_head_scans_total", "Claims that visited every ordering key's head."),
+            successor_claims: counter(r, "outbox_dispatch_successor_claims_total", "Claims of the next events of just-published keys (one probe per key)."),
             oldest_pending: fgauge(r, "outbox_oldest_pending_age_seconds", "Age of the oldest PENDING event, seconds (0 when none)."),
             refused_protocol_rows: gauge(r, "outbox_dispatch_refused_protocol_rows", "Waiting rows of a newer protocol version this dispatcher refuses to claim."),
             alias_active: gauge(r, "outbox_dispatch_alias_active", "1 while this dispatcher may claim (no alias, or its alias names its implementation), 0 while it idles."),
@@ -106,6 +110,8 @@ impl DispatchExport {
         follow(&self.batches, g(&m.batches));
         follow(&self.batch_ms_total, g(&m.batch_ms_total));
         self.batch_ms_max.set(g(&m.batch_ms_max) as i64);
+        follow(&self.head_scans, g(&m.head_scans));
+        follow(&self.successor_claims, g(&m.successor_claims));
         self.oldest_pending.set(g(&m.oldest_pending_age_ms) as f64 / 1000.0);
         self.refused_protocol_rows.set(g(&m.refused_protocol_rows) as i64);
         self.alias_active.set(g(&m.alias_active) as i64);

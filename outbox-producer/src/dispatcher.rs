@@ -50,6 +50,14 @@ pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 30_000;
 pub const PROTOCOL_GAUGE_EVERY: Duration = Duration::from_secs(30);
 /// Most workers one dispatcher runs.
 pub const MAX_WORKERS: usize = 64;
+/// A worker claims the successors of the events it has just published
+/// ([`PgStore::claim_successors`], one probe per key) and scans every
+/// ordering chain's head ([`OutboxStore::claim_batch`]) instead on its
+/// first claim, whenever `FULL_CLAIM_EVERY - 1` claims went by without a
+/// scan, and whenever no successor was ready. A key no worker has in hand
+/// therefore waits at most `FULL_CLAIM_EVERY - 1` more batches of a worker
+/// than under a scan on every claim.
+pub const FULL_CLAIM_EVERY: u32 = 4;
 /// This build's implementation name, the default of [`DispatcherConfig::implementation`].
 pub const IMPLEMENTATION: &str = concat!("outbox-rs/", env!("CARGO_PKG_VERSION"));
 
@@ -192,6 +200,10 @@ pub struct DispatchMetrics {
     pub batch_ms_total: AtomicU64,
     /// Slowest batch, ms.
     pub batch_ms_max: AtomicU64,
+    /// Claims that scanned every ordering chain's head.
+    pub head_scans: AtomicU64,
+    /// Claims of the successors of just-published events.
+    pub successor_claims: AtomicU64,
     /// Age of the oldest PENDING event at the last sweep, ms.
     pub oldest_pending_age_ms: AtomicU64,
     /// Rows waiting for a dispatcher that this one refuses because their
@@ -250,6 +262,22 @@ impl InFlightBatch {
     /// The attempts in flight.
     pub fn attempts(&self) -> impl Iterator<Item = &AttemptRecord> {
         self.sends.iter().map(|(_, a, _)| a)
+    }
+}
+
+/// Where a worker's next claim looks: the events its last batch published
+/// (their keys' next events come first) and how many claims ago it last
+/// scanned every key's head. See [`FULL_CLAIM_EVERY`].
+#[derive(Debug, Clone, Default)]
+pub struct ClaimCursor {
+    published: Vec<outbox_core::EventId>,
+    since_scan: u32,
+}
+
+impl ClaimCursor {
+    /// The events the last batch published, in receipt order.
+    pub fn last_published(&self) -> &[outbox_core::EventId] {
+        &self.published
     }
 }
 
@@ -329,12 +357,16 @@ impl<B: Broker + 'static> Dispatcher<B> {
     /// Step 1: claim a batch as `owner`, verify, register attempts and start
     /// the sends. Claims nothing while [`Dispatcher::alias_active`] is false.
     pub async fn claim_and_send(&self, owner: &str) -> Result<InFlightBatch, ProducerError> {
+        self.claim_and_send_from(owner, &mut ClaimCursor::default()).await
+    }
+
+    async fn claim_and_send_from(&self, owner: &str, cursor: &mut ClaimCursor) -> Result<InFlightBatch, ProducerError> {
         let mut report = BatchReport::default();
         let started = Instant::now();
         if !self.alias_active().await? {
             return Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends: Vec::new() });
         }
-        let claimed = self.claim(owner).await?;
+        let claimed = self.claim(owner, cursor).await?;
         report.claimed = claimed.len();
         inc(&self.metrics.claimed, claimed.len() as u64);
 
@@ -395,22 +427,45 @@ impl<B: Broker + 'static> Dispatcher<B> {
         Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends })
     }
 
-    /// Claims up to a batch, retries first. One claim statement at a time
+    /// Claims up to a batch: retries first, then the successors of what the
+    /// cursor's last batch published, then (on a full claim, see
+    /// [`FULL_CLAIM_EVERY`]) every key's head. One claim statement at a time
     /// per instance: two claims running together would scan the same key
     /// heads, and each would keep the rows the other had just claimed locked
     /// until it commits, stalling their registration.
-    async fn claim(&self, owner: &str) -> Result<Vec<ClaimedEvent>, ProducerError> {
+    async fn claim(&self, owner: &str, cursor: &mut ClaimCursor) -> Result<Vec<ClaimedEvent>, ProducerError> {
         let (batch, lease) = (self.config.batch_size, self.config.lease_ms);
+        let after = std::mem::take(&mut cursor.published);
+        let scan_due = after.is_empty() || cursor.since_scan.saturating_add(1) >= FULL_CLAIM_EVERY;
         let _turn = self.claim_turn.lock().await;
         let mut claimed = self.store.claim_retries(owner, batch, lease).await?;
         if claimed.len() < batch {
-            claimed.extend(self.store.claim_batch(owner, batch - claimed.len(), lease).await?);
+            let mut scan = scan_due;
+            if !scan {
+                let found = self.store.claim_successors(owner, &after, batch - claimed.len(), lease).await?;
+                inc(&self.metrics.successor_claims, 1);
+                // No successor ready: look at every key now rather than wait.
+                scan = found.is_empty();
+                claimed.extend(found);
+            }
+            if scan {
+                claimed.extend(self.store.claim_batch(owner, batch - claimed.len(), lease).await?);
+                inc(&self.metrics.head_scans, 1);
+                cursor.since_scan = 0;
+                return Ok(claimed);
+            }
         }
+        cursor.since_scan = cursor.since_scan.saturating_add(1);
         Ok(claimed)
     }
 
     /// Step 2: wait for every answer of the batch and record it.
     pub async fn settle(&self, batch: InFlightBatch) -> Result<BatchReport, ProducerError> {
+        self.settle_into(batch, &mut ClaimCursor::default()).await
+    }
+
+    /// [`Dispatcher::settle`], noting in `cursor` the events it published.
+    async fn settle_into(&self, batch: InFlightBatch, cursor: &mut ClaimCursor) -> Result<BatchReport, ProducerError> {
         let InFlightBatch { owner, started, mut report, sends } = batch;
         let renew_every = Duration::from_millis((self.config.lease_ms / 2).max(1) as u64);
         let mut tokens: Vec<Option<outbox_core::ClaimToken>> = sends.iter().map(|(ev, ..)| Some(ev.token.clone())).collect();
@@ -473,9 +528,11 @@ impl<B: Broker + 'static> Dispatcher<B> {
                 }
             }
         }
-        for outcome in self.store.accept_dispatch_receipts(&receipts).await? {
+        cursor.published.clear();
+        for (outcome, receipt) in self.store.accept_dispatch_receipts(&receipts).await?.into_iter().zip(&receipts) {
             match outcome.decision {
                 ReceiptDecision::Accept { .. } => {
+                    cursor.published.push(receipt.event_id.clone());
                     report.published += 1;
                     inc(&self.metrics.published, 1);
                 }
@@ -516,10 +573,18 @@ impl<B: Broker + 'static> Dispatcher<B> {
         }
     }
 
-    /// One batch, both steps.
+    /// One batch, both steps, with a full claim (every key's head).
     pub async fn dispatch_once(&self, owner: &str) -> Result<BatchReport, ProducerError> {
-        let batch = self.claim_and_send(owner).await?;
-        self.settle(batch).await
+        self.dispatch_next(owner, &mut ClaimCursor::default()).await
+    }
+
+    /// One batch, both steps, as a worker runs them: the claim starts from
+    /// `cursor` (the successors of the events the previous batch published,
+    /// and a scan of every key's head when one is due), and the cursor
+    /// then holds the events this batch published.
+    pub async fn dispatch_next(&self, owner: &str, cursor: &mut ClaimCursor) -> Result<BatchReport, ProducerError> {
+        let batch = self.claim_and_send_from(owner, cursor).await?;
+        self.settle_into(batch, cursor).await
     }
 
     /// Runs the workers, the lease sweeper and the LISTEN wake-up until
@@ -591,9 +656,10 @@ impl<B: Broker + 'static> Dispatcher<B> {
             tasks.push(tokio::spawn(
                 async move {
                     let mut total = BatchReport::default();
+                    let mut cursor = ClaimCursor::default();
                     let poll = Duration::from_millis(me.config.poll_interval_ms);
                     while !*stop.borrow() {
-                        match me.dispatch_once(&owner).await {
+                        match me.dispatch_next(&owner, &mut cursor).await {
                             Ok(r) => {
                                 add(&mut total, &r);
                                 // A batch that found work and met no broker failure

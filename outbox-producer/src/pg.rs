@@ -590,22 +590,38 @@ impl PgStore {
     }
 
     /// Runs a claim statement: `$1` limit, `$2` owner, `$3` now, `$4` lease,
-    /// `$5` cluster scope, `$6` highest protocol understood; it returns
-    /// [`CLAIM_FROM_C`] rows.
-    async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState) -> Result<Vec<ClaimedEvent>, StoreError> {
+    /// `$5` cluster scope, `$6` highest protocol understood, `$7` (when
+    /// given) event ids; it returns [`CLAIM_FROM_C`] rows.
+    async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
         validate_lease_ms(lease_ms)?;
         outbox_core::id::validate_identifier("owner", owner)?;
-        let rows = sqlx::query(sql)
+        let mut q = sqlx::query(sql)
             .bind(limit.min(MAX_CLAIM_BATCH) as i64)
             .bind(owner)
             .bind(self.now_ms())
             .bind(lease_ms)
             .bind(self.cluster_scope.as_deref())
-            .bind(self.max_protocol_version)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(store_err)?;
+            .bind(self.max_protocol_version);
+        if let Some(events) = events {
+            q = q.bind(events);
+        }
+        let rows = q.fetch_all(&self.pool).await.map_err(store_err)?;
         Self::claimed_rows(rows, from)
+    }
+
+    /// Claims, as `owner`, up to `limit` PENDING events: the current heads
+    /// of the ordering chains of `events` (given the events an owner has
+    /// just published, their successors) and unordered events, oldest
+    /// first. It finds them with one probe per chain named, where
+    /// [`OutboxStore::claim_batch`] visits every chain's head; it never
+    /// finds a chain not named, so a dispatcher must also claim with
+    /// `claim_batch` (see [`crate::dispatcher::FULL_CLAIM_EVERY`]). At most
+    /// [`MAX_CLAIM_BATCH`] events are read.
+    pub async fn claim_successors(&self, owner: &str, events: &[EventId], limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let ids: Vec<&str> = events.iter().take(MAX_CLAIM_BATCH).map(EventId::as_str).collect();
+        let mut out = self.claim_with(&claim_heads_sql(HEADS_OF_CHAINS_OF), owner, limit, lease_ms, EventState::Pending, Some(&ids)).await?;
+        out.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
+        Ok(out)
     }
 
     /// Age in ms of the oldest PENDING event, if any.
@@ -687,18 +703,11 @@ const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
              RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
-#[async_trait]
-impl OutboxStore for PgStore {
-    async fn claim_batch(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let mut out = self
-            .claim_with(
-                &format!(
-            // Ordered events: only the oldest open event of each ordering chain
-            // (cluster, topic, key: `key_chain`) may go, found with one index
-            // descent per chain (a loose index scan), so a deep backlog behind
-            // claimed heads costs nothing.
-            // Unordered events: every PENDING one, in commit order.
-            "WITH RECURSIVE heads AS (
+/// Every ordering chain's head: the oldest open event of each chain
+/// (cluster, topic, key: `key_chain`), found with one index descent per
+/// chain (a loose index scan), so a deep backlog behind the heads costs
+/// nothing.
+const EVERY_HEAD: &str = "
                 (SELECT key_chain, cluster_id, seq, state, protocol_version, event_id FROM outbox_events
                  WHERE phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox'
                  ORDER BY key_chain, seq LIMIT 1)
@@ -707,7 +716,24 @@ impl OutboxStore for PgStore {
                     SELECT e.key_chain, e.cluster_id, e.seq, e.state, e.protocol_version, e.event_id FROM outbox_events e
                     WHERE e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
                       AND e.key_chain > h.key_chain
-                    ORDER BY e.key_chain, e.seq LIMIT 1) n),
+                    ORDER BY e.key_chain, e.seq LIMIT 1) n";
+
+/// The heads of the chains of the events `$7`: one primary-key probe and
+/// one descent per chain, whatever the number of chains in the table.
+const HEADS_OF_CHAINS_OF: &str = "
+                SELECT n.* FROM (SELECT DISTINCT key_chain FROM outbox_events WHERE event_id = ANY($7::text[]) AND ordered) k
+                CROSS JOIN LATERAL (
+                    SELECT e.key_chain, e.cluster_id, e.seq, e.state, e.protocol_version, e.event_id FROM outbox_events e
+                    WHERE e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
+                      AND e.key_chain = k.key_chain
+                    ORDER BY e.seq LIMIT 1) n";
+
+/// The claim of PENDING events: ordered ones only where they head their
+/// chain (`heads`, a CTE of key_chain, cluster_id, seq, state,
+/// protocol_version, event_id), unordered ones in commit order.
+fn claim_heads_sql(heads: &str) -> String {
+    format!(
+        "WITH RECURSIVE heads AS ({heads}),
              cand AS (
                 -- The oldest pending heads, at most twice the batch: the lock
                 -- below re-checks each candidate another instance claimed
@@ -735,13 +761,13 @@ impl OutboxStore for PgStore {
              UPDATE outbox_events e SET state = 'CLAIMED', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
              {CLAIM_FROM_C}"
-                ),
-                owner,
-                limit,
-                lease_ms,
-                EventState::Pending,
-            )
-            .await?;
+    )
+}
+
+#[async_trait]
+impl OutboxStore for PgStore {
+    async fn claim_batch(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let mut out = self.claim_with(&claim_heads_sql(EVERY_HEAD), owner, limit, lease_ms, EventState::Pending, None).await?;
         out.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
         Ok(out)
     }
@@ -761,6 +787,7 @@ impl OutboxStore for PgStore {
             limit,
             lease_ms,
             EventState::RetryClaimed,
+            None,
         )
         .await
     }

@@ -394,6 +394,82 @@ async fn short_claims_of_a_backlog_do_not_wait_for_the_poll_interval(pool: PgPoo
     assert!(d.metrics().batches.load(std::sync::atomic::Ordering::Relaxed) >= 15, "one head per key per claim: at least 15 batches");
 }
 
+/// A claim of successors looks only at the keys of the events named, and
+/// only where their head is PENDING.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn successor_claims_follow_only_the_named_keys(pool: PgPool) {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let broker = cluster.broker(10_000).await;
+    setup(&pool, broker.cluster_id()).await;
+    // Keys o-0, o-1, o-2, two events each: a0 a1 b0 b1 c0 c1.
+    let ids = emit_many(&pool, 3, 2).await;
+    let (a0, a1, b1, c1) = (&ids[0], &ids[1], &ids[3], &ids[5]);
+    let d = Dispatcher::new(PgStore::new(pool.clone()), broker, config("succ")).unwrap();
+    assert_eq!(d.dispatch_once("w1").await.unwrap().published, 3, "the three heads");
+
+    let store = PgStore::new(pool.clone());
+    let event = |id: &String| id.parse::<outbox_core::EventId>().unwrap();
+    let got: Vec<String> = store.claim_successors("w1", &[event(a0)], 10, 30_000).await.unwrap().iter().map(|c| c.envelope.event_id.to_string()).collect();
+    assert_eq!(&got, &[a1.clone()], "only the named key's next event");
+    // Its head is now in flight: nothing more on that key.
+    assert!(store.claim_successors("w1", &[event(a0)], 10, 30_000).await.unwrap().is_empty());
+    assert!(store.claim_successors("w1", &[], 10, 30_000).await.unwrap().is_empty());
+    // The full claim finds the other keys' heads, and not o-0's (in flight).
+    let mut rest: Vec<String> = store.claim_batch("w1", 10, 30_000).await.unwrap().iter().map(|c| c.envelope.event_id.to_string()).collect();
+    rest.sort();
+    let mut want = vec![b1.clone(), c1.clone()];
+    want.sort();
+    assert_eq!(rest, want);
+}
+
+/// A worker claims its keys' successors first, yet scans every key's head
+/// at least every FULL_CLAIM_EVERY claims: an older event of another key
+/// waits a few batches, never until the busy key drains.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn successors_go_first_and_every_key_is_scanned_within_a_few_claims(pool: PgPool) {
+    use outbox_producer::dispatcher::FULL_CLAIM_EVERY;
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let broker = cluster.broker(10_000).await;
+    setup(&pool, broker.cluster_id()).await;
+    // Commit order: A0 A1 A2 B0 A3 .. A9, one transaction each.
+    let mut order = Vec::new();
+    let mut a_version = 0;
+    for n in 0..11 {
+        let (id, version) = if n == 3 {
+            ("b", 0)
+        } else {
+            a_version += 1;
+            ("a", a_version)
+        };
+        let payload = order_payload(id, n);
+        let command = format!("cmd-{n}");
+        let req = outbox_core::EmitRequest { aggregate_version: version, ..order_request(&command, id, &payload) };
+        let mut tx = pool.begin().await.unwrap();
+        order.push(outbox_producer::emit(&mut tx, &req, &EmitOptions::default()).await.unwrap().event_id().to_string());
+        tx.commit().await.unwrap();
+    }
+    let b0 = order[3].clone();
+    let d = Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { batch_size: 1, ..config("fair") }).unwrap();
+    let mut cursor = outbox_producer::ClaimCursor::default();
+    let mut sent = Vec::new();
+    for _ in 0..order.len() {
+        assert_eq!(d.dispatch_next("w1", &mut cursor).await.unwrap().published, 1);
+        sent.push(cursor.last_published()[0].to_string());
+    }
+    let at = sent.iter().position(|id| *id == b0).unwrap();
+    // Oldest-first on every claim would send B0 fourth (index 3).
+    assert!(at > 3, "A's successors went first: {at}");
+    assert!(at <= FULL_CLAIM_EVERY as usize, "B0 waited at most {FULL_CLAIM_EVERY} claims: {at}");
+    let a_sent: Vec<&String> = sent.iter().filter(|id| **id != b0).collect();
+    let a_committed: Vec<&String> = order.iter().filter(|id| **id != b0).collect();
+    assert_eq!(a_sent, a_committed, "key A in commit order");
+    let m = d.metrics();
+    let scans = m.head_scans.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(scans < order.len() as u64, "{scans} head scans for {} claims", order.len());
+}
+
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn two_dispatcher_instances_publish_every_event_exactly_once(pool: PgPool) {
     let cluster = TestCluster::start();
