@@ -215,6 +215,11 @@ pub struct DispatchArgs {
     /// Interval of the expired-lease sweep [default: 1000].
     #[arg(long, value_name = "MS")]
     pub sweep_interval_ms: Option<u64>,
+    /// Scan every ordering key's head at least every N claims of a worker;
+    /// between scans it claims the next events of the keys it just
+    /// published. 1 scans on every claim (strict oldest-first) [default: 4].
+    #[arg(long, value_name = "N")]
+    pub head_scan_every: Option<u32>,
     /// How long shutdown waits for outstanding broker answers [default: 30000].
     #[arg(long, value_name = "MS")]
     pub shutdown_grace_ms: Option<u64>,

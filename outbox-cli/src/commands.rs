@@ -269,6 +269,7 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
         lease_ms: a.lease_ms,
         poll_interval_ms: a.poll_interval_ms,
         sweep_interval_ms: a.sweep_interval_ms,
+        head_scan_every: a.head_scan_every,
         shutdown_grace_ms: a.shutdown_grace_ms,
         no_listen: a.no_listen,
     };
@@ -277,13 +278,14 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
     if a.print_config {
         print!(
-            "dispatch.name = {}\ndispatch.workers = {}\ndispatch.batch_size = {}\ndispatch.lease_ms = {}\ndispatch.poll_interval_ms = {}\ndispatch.sweep_interval_ms = {}\ndispatch.shutdown_grace_ms = {}\ndispatch.listen = {}\n{}metrics.addr = {}\n",
+            "dispatch.name = {}\ndispatch.workers = {}\ndispatch.batch_size = {}\ndispatch.lease_ms = {}\ndispatch.poll_interval_ms = {}\ndispatch.sweep_interval_ms = {}\ndispatch.head_scan_every = {}\ndispatch.shutdown_grace_ms = {}\ndispatch.listen = {}\n{}metrics.addr = {}\n",
             cfg.name,
             cfg.workers,
             cfg.batch_size,
             cfg.lease_ms,
             cfg.poll_interval_ms,
             cfg.sweep_interval_ms,
+            cfg.head_scan_every,
             cfg.shutdown_grace_ms,
             cfg.listen,
             describe_kafka(&kafka),

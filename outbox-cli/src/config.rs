@@ -246,6 +246,8 @@ pub struct DispatchFlags {
     pub poll_interval_ms: Option<u64>,
     /// Sweep interval, ms.
     pub sweep_interval_ms: Option<u64>,
+    /// Claims between head scans.
+    pub head_scan_every: Option<u32>,
     /// Shutdown grace, ms.
     pub shutdown_grace_ms: Option<u64>,
     /// Disable LISTEN.
@@ -272,6 +274,9 @@ pub fn dispatcher_config(flags: &DispatchFlags, file: &FileConfig) -> anyhow::Re
     }
     if let Some(v) = flags.sweep_interval_ms {
         c.sweep_interval_ms = v;
+    }
+    if let Some(v) = flags.head_scan_every {
+        c.head_scan_every = v;
     }
     if let Some(v) = flags.shutdown_grace_ms {
         c.shutdown_grace_ms = v;
@@ -343,5 +348,7 @@ mod tests {
         let c = dispatcher_config(&DispatchFlags { workers: Some(5), no_listen: true, ..Default::default() }, &f).unwrap();
         assert_eq!((c.workers, c.batch_size, c.listen), (5, 50, false));
         assert!(dispatcher_config(&DispatchFlags { workers: Some(0), ..Default::default() }, &f).is_err());
+        assert!(dispatcher_config(&DispatchFlags { head_scan_every: Some(0), ..Default::default() }, &f).is_err());
+        assert_eq!(dispatcher_config(&DispatchFlags { head_scan_every: Some(1), ..Default::default() }, &f).unwrap().head_scan_every, 1);
     }
 }

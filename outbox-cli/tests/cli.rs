@@ -77,7 +77,7 @@ async fn config_precedence_is_flags_then_environment_then_file() {
     let dir = std::env::temp_dir().join(format!("outbox-cli-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("outbox.toml");
-    std::fs::write(&file, "[kafka]\nbootstrap = \"file:9092\"\nmessage_timeout_ms = 1111\n[dispatch]\nworkers = 3\nbatch_size = 33\nlease_ms = 20000\n[metrics]\naddr = \"127.0.0.1:1\"\n").unwrap();
+    std::fs::write(&file, "[kafka]\nbootstrap = \"file:9092\"\nmessage_timeout_ms = 1111\n[dispatch]\nworkers = 3\nbatch_size = 33\nlease_ms = 20000\nhead_scan_every = 2\n[metrics]\naddr = \"127.0.0.1:1\"\n").unwrap();
     let cfg = |envs: &[(&str, &str)], flags: &[&str]| {
         let mut c = outbox_bin();
         c.args(["dispatch", "--print-config", "--config"]).arg(&file).args(flags);
@@ -92,6 +92,9 @@ async fn config_precedence_is_flags_then_environment_then_file() {
     assert!(from_file.contains("dispatch.workers = 3") && from_file.contains("dispatch.batch_size = 33"), "{from_file}");
     assert!(from_file.contains("kafka.bootstrap = file:9092") && from_file.contains("kafka.message_timeout_ms = 1111"), "{from_file}");
     assert!(from_file.contains("dispatch.poll_interval_ms = 1000"), "defaults fill the rest: {from_file}");
+    assert!(from_file.contains("dispatch.head_scan_every = 2"), "{from_file}");
+    assert!(cfg(&[("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", "3")], &[]).contains("dispatch.head_scan_every = 3"));
+    assert!(cfg(&[("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", "3")], &["--head-scan-every", "1"]).contains("dispatch.head_scan_every = 1"));
     let env = cfg(&[("OUTBOX_DISPATCH_WORKERS", "5"), ("OUTBOX_KAFKA_BOOTSTRAP", "env:9092"), ("OUTBOX_METRICS_ADDR", "127.0.0.1:2")], &[]);
     assert!(env.contains("dispatch.workers = 5") && env.contains("dispatch.batch_size = 33"), "{env}");
     assert!(env.contains("kafka.bootstrap = env:9092") && env.contains("metrics.addr = 127.0.0.1:2"), "{env}");

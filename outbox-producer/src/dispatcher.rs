@@ -50,14 +50,10 @@ pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 30_000;
 pub const PROTOCOL_GAUGE_EVERY: Duration = Duration::from_secs(30);
 /// Most workers one dispatcher runs.
 pub const MAX_WORKERS: usize = 64;
-/// A worker claims the successors of the events it has just published
-/// ([`PgStore::claim_successors`], one probe per key) and scans every
-/// ordering chain's head ([`OutboxStore::claim_batch`]) instead on its
-/// first claim, whenever `FULL_CLAIM_EVERY - 1` claims went by without a
-/// scan, and whenever no successor was ready. A key no worker has in hand
-/// therefore waits at most `FULL_CLAIM_EVERY - 1` more batches of a worker
-/// than under a scan on every claim.
-pub const FULL_CLAIM_EVERY: u32 = 4;
+/// Default of [`DispatcherConfig::head_scan_every`].
+pub const DEFAULT_HEAD_SCAN_EVERY: u32 = 4;
+/// Largest [`DispatcherConfig::head_scan_every`].
+pub const MAX_HEAD_SCAN_EVERY: u32 = 64;
 /// This build's implementation name, the default of [`DispatcherConfig::implementation`].
 pub const IMPLEMENTATION: &str = concat!("outbox-rs/", env!("CARGO_PKG_VERSION"));
 
@@ -81,6 +77,15 @@ pub struct DispatcherConfig {
     pub poll_interval_ms: u64,
     /// Lease sweep interval, ms.
     pub sweep_interval_ms: u64,
+    /// A worker claims the next events of the keys it has just published
+    /// ([`PgStore::claim_successors`], one index probe per key) and scans
+    /// every ordering key's head ([`OutboxStore::claim_batch`]) instead on
+    /// its first claim, whenever `head_scan_every - 1` claims went by
+    /// without a scan, and whenever no successor was ready. A key no
+    /// worker has in hand waits at most `head_scan_every - 1` more batches
+    /// of a worker than it would under a scan on every claim (`1`: scan on
+    /// every claim, strict oldest-first across keys). 1..=64.
+    pub head_scan_every: u32,
     /// How long shutdown waits for outstanding answers, ms.
     pub shutdown_grace_ms: u64,
     /// Wake on `NOTIFY outbox_pending` (sent by `emit`).
@@ -103,6 +108,7 @@ impl Default for DispatcherConfig {
             lease_ms: DEFAULT_LEASE_MS,
             poll_interval_ms: DEFAULT_POLL_INTERVAL_MS,
             sweep_interval_ms: DEFAULT_SWEEP_INTERVAL_MS,
+            head_scan_every: DEFAULT_HEAD_SCAN_EVERY,
             shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
             listen: true,
             alias: None,
@@ -128,8 +134,8 @@ impl DispatcherConfig {
     }
 
     /// Applies `OUTBOX_DISPATCH_NAME`, `_WORKERS`, `_BATCH_SIZE`, `_LEASE_MS`,
-    /// `_POLL_INTERVAL_MS`, `_SWEEP_INTERVAL_MS`, `_SHUTDOWN_GRACE_MS`, `_LISTEN`,
-    /// `_ALIAS`, `_IMPLEMENTATION`.
+    /// `_POLL_INTERVAL_MS`, `_SWEEP_INTERVAL_MS`, `_HEAD_SCAN_EVERY`,
+    /// `_SHUTDOWN_GRACE_MS`, `_LISTEN`, `_ALIAS`, `_IMPLEMENTATION`.
     pub fn with_env(mut self) -> Result<Self, ProducerError> {
         env_parse("OUTBOX_DISPATCH_NAME", &mut self.name)?;
         env_parse("OUTBOX_DISPATCH_WORKERS", &mut self.workers)?;
@@ -137,6 +143,7 @@ impl DispatcherConfig {
         env_parse("OUTBOX_DISPATCH_LEASE_MS", &mut self.lease_ms)?;
         env_parse("OUTBOX_DISPATCH_POLL_INTERVAL_MS", &mut self.poll_interval_ms)?;
         env_parse("OUTBOX_DISPATCH_SWEEP_INTERVAL_MS", &mut self.sweep_interval_ms)?;
+        env_parse("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", &mut self.head_scan_every)?;
         env_parse("OUTBOX_DISPATCH_SHUTDOWN_GRACE_MS", &mut self.shutdown_grace_ms)?;
         env_parse("OUTBOX_DISPATCH_LISTEN", &mut self.listen)?;
         if let Ok(a) = std::env::var("OUTBOX_DISPATCH_ALIAS") {
@@ -163,6 +170,9 @@ impl DispatcherConfig {
         }
         if !(MIN_LEASE_MS..=MAX_LEASE_MS).contains(&self.lease_ms) {
             return bad(format!("lease_ms = {} ({MIN_LEASE_MS}..={MAX_LEASE_MS})", self.lease_ms));
+        }
+        if !(1..=MAX_HEAD_SCAN_EVERY).contains(&self.head_scan_every) {
+            return bad(format!("head_scan_every = {} (1..={MAX_HEAD_SCAN_EVERY})", self.head_scan_every));
         }
         if !(10..=600_000).contains(&self.poll_interval_ms) || !(10..=600_000).contains(&self.sweep_interval_ms) {
             return bad("poll_interval_ms and sweep_interval_ms must be within 10..=600000".into());
@@ -267,7 +277,7 @@ impl InFlightBatch {
 
 /// Where a worker's next claim looks: the events its last batch published
 /// (their keys' next events come first) and how many claims ago it last
-/// scanned every key's head. See [`FULL_CLAIM_EVERY`].
+/// scanned every key's head. See [`DispatcherConfig::head_scan_every`].
 #[derive(Debug, Clone, Default)]
 pub struct ClaimCursor {
     published: Vec<outbox_core::EventId>,
@@ -429,14 +439,14 @@ impl<B: Broker + 'static> Dispatcher<B> {
 
     /// Claims up to a batch: retries first, then the successors of what the
     /// cursor's last batch published, then (on a full claim, see
-    /// [`FULL_CLAIM_EVERY`]) every key's head. One claim statement at a time
+    /// [`DispatcherConfig::head_scan_every`]) every key's head. One claim statement at a time
     /// per instance: two claims running together would scan the same key
     /// heads, and each would keep the rows the other had just claimed locked
     /// until it commits, stalling their registration.
     async fn claim(&self, owner: &str, cursor: &mut ClaimCursor) -> Result<Vec<ClaimedEvent>, ProducerError> {
         let (batch, lease) = (self.config.batch_size, self.config.lease_ms);
         let after = std::mem::take(&mut cursor.published);
-        let scan_due = after.is_empty() || cursor.since_scan.saturating_add(1) >= FULL_CLAIM_EVERY;
+        let scan_due = after.is_empty() || cursor.since_scan.saturating_add(1) >= self.config.head_scan_every;
         let _turn = self.claim_turn.lock().await;
         let mut claimed = self.store.claim_retries(owner, batch, lease).await?;
         if claimed.len() < batch {

@@ -615,7 +615,7 @@ impl PgStore {
     /// first. It finds them with one probe per chain named, where
     /// [`OutboxStore::claim_batch`] visits every chain's head; it never
     /// finds a chain not named, so a dispatcher must also claim with
-    /// `claim_batch` (see [`crate::dispatcher::FULL_CLAIM_EVERY`]). At most
+    /// `claim_batch` (see [`crate::DispatcherConfig::head_scan_every`]). At most
     /// [`MAX_CLAIM_BATCH`] events are read.
     pub async fn claim_successors(&self, owner: &str, events: &[EventId], limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
         let ids: Vec<&str> = events.iter().take(MAX_CLAIM_BATCH).map(EventId::as_str).collect();

@@ -423,51 +423,59 @@ async fn successor_claims_follow_only_the_named_keys(pool: PgPool) {
     assert_eq!(rest, want);
 }
 
-/// A worker claims its keys' successors first, yet scans every key's head
-/// at least every FULL_CLAIM_EVERY claims: an older event of another key
-/// waits a few batches, never until the busy key drains.
-#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
-async fn successors_go_first_and_every_key_is_scanned_within_a_few_claims(pool: PgPool) {
-    use outbox_producer::dispatcher::FULL_CLAIM_EVERY;
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(10_000).await;
-    setup(&pool, broker.cluster_id()).await;
-    // Commit order: A0 A1 A2 B0 A3 .. A9, one transaction each.
+/// Emits A0 A1 A2 B0 A3 .. A9 (keys `<tag>-a`, `<tag>-b`, one transaction
+/// each), dispatches them one per batch under `head_scan_every = every`, and
+/// returns where B0 went in the send order (A's order is checked).
+async fn send_position_of_the_other_key(pool: &PgPool, broker: Arc<outbox_producer::kafka::KafkaBroker>, tag: &str, every: u32) -> usize {
     let mut order = Vec::new();
     let mut a_version = 0;
     for n in 0..11 {
         let (id, version) = if n == 3 {
-            ("b", 0)
+            (format!("{tag}-b"), 0)
         } else {
             a_version += 1;
-            ("a", a_version)
+            (format!("{tag}-a"), a_version)
         };
-        let payload = order_payload(id, n);
-        let command = format!("cmd-{n}");
-        let req = outbox_core::EmitRequest { aggregate_version: version, ..order_request(&command, id, &payload) };
+        let payload = order_payload(&id, n);
+        let command = format!("{tag}-cmd-{n}");
+        let req = outbox_core::EmitRequest { aggregate_version: version, ..order_request(&command, &id, &payload) };
         let mut tx = pool.begin().await.unwrap();
         order.push(outbox_producer::emit(&mut tx, &req, &EmitOptions::default()).await.unwrap().event_id().to_string());
         tx.commit().await.unwrap();
     }
     let b0 = order[3].clone();
-    let d = Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { batch_size: 1, ..config("fair") }).unwrap();
+    let d = Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { batch_size: 1, head_scan_every: every, ..config(tag) }).unwrap();
     let mut cursor = outbox_producer::ClaimCursor::default();
     let mut sent = Vec::new();
     for _ in 0..order.len() {
         assert_eq!(d.dispatch_next("w1", &mut cursor).await.unwrap().published, 1);
         sent.push(cursor.last_published()[0].to_string());
     }
-    let at = sent.iter().position(|id| *id == b0).unwrap();
-    // Oldest-first on every claim would send B0 fourth (index 3).
-    assert!(at > 3, "A's successors went first: {at}");
-    assert!(at <= FULL_CLAIM_EVERY as usize, "B0 waited at most {FULL_CLAIM_EVERY} claims: {at}");
     let a_sent: Vec<&String> = sent.iter().filter(|id| **id != b0).collect();
     let a_committed: Vec<&String> = order.iter().filter(|id| **id != b0).collect();
     assert_eq!(a_sent, a_committed, "key A in commit order");
-    let m = d.metrics();
-    let scans = m.head_scans.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(scans < order.len() as u64, "{scans} head scans for {} claims", order.len());
+    let scans = d.metrics().head_scans.load(std::sync::atomic::Ordering::Relaxed);
+    if every > 1 {
+        assert!(scans < order.len() as u64, "{scans} head scans for {} claims", order.len());
+    }
+    sent.iter().position(|id| *id == b0).unwrap()
+}
+
+/// A worker claims its keys' successors first, yet scans every key's head
+/// at least every `head_scan_every` claims: an older event of another key
+/// waits a few batches, never until the busy key drains. With
+/// `head_scan_every = 1` every claim is oldest-first across keys.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn successors_go_first_and_every_key_is_scanned_within_a_few_claims(pool: PgPool) {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let broker = cluster.broker(10_000).await;
+    setup(&pool, broker.cluster_id()).await;
+    let at = send_position_of_the_other_key(&pool, broker.clone(), "four", 4).await;
+    // Oldest-first on every claim would send B0 fourth (index 3).
+    assert!(at > 3, "A's successors went first: {at}");
+    assert!(at <= 4, "B0 waited at most 4 claims: {at}");
+    assert_eq!(send_position_of_the_other_key(&pool, broker, "one", 1).await, 3, "a scan on every claim is oldest-first");
 }
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
