@@ -221,6 +221,28 @@ async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("outbox_events_command_fkey"), "{err}");
+    // Malformed identifiers and digests are refused at insert, even from a
+    // writer that brings its own command row.
+    let fresh = outbox_core::EventId::generate(2).to_string();
+    for (event_id, digest, expected) in [("evt-not-an-id", outbox_core::sha256_digest(b"p"), "malformed event_id"), (fresh.as_str(), "sha256:XYZ".to_owned(), "malformed payload_digest")] {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("INSERT INTO outbox_commands (command_key, event_id, tenant, aggregate_type, aggregate_id, aggregate_version) VALUES ($1, $2, 't', 'order', 'o-9', 1)")
+            .bind(format!("raw-{event_id}"))
+            .bind(event_id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let err = sqlx::query("INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
+                               SELECT $2, $3, 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, $4, destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0 FROM outbox_events WHERE event_id = $1")
+            .bind(id)
+            .bind(event_id)
+            .bind(format!("raw-{event_id}"))
+            .bind(&digest)
+            .execute(&mut *tx)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(expected), "{err}");
+    }
     let state: String = sqlx::query_scalar("SELECT state FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(&pool).await.unwrap();
     assert_eq!(EventState::parse(&state).unwrap(), EventState::Pending);
 }
