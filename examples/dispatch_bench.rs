@@ -13,7 +13,7 @@
 //! (`published_at_ms - created_at_ms` of each event).
 //!
 //! Options: `--events N` (100000), `--keys K` (1000), `--emitters E` (2),
-//! `--txn-events T` (100), `--workers W` (3), `--batch B` (400),
+//! `--txn-events T` (100), `--workers W` (4), `--batch B` (300),
 //! `--partitions P` (12).
 
 use std::sync::Arc;
@@ -37,7 +37,7 @@ struct Args {
 }
 
 fn parse_args() -> anyhow::Result<Args> {
-    let mut a = Args { events: 100_000, keys: 1_000, emitters: 2, txn_events: 100, workers: 3, batch: 400, partitions: 12, preload: false, keep_db: false };
+    let mut a = Args { events: 100_000, keys: 1_000, emitters: 2, txn_events: 100, workers: 4, batch: 300, partitions: 12, preload: false, keep_db: false };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--preload" {
