@@ -30,7 +30,14 @@ pub const ENCODING_VERSION: &str = "canonical.v1";
 
 /// A `sha256:<hex>` digest.
 pub fn sha256_digest(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(7 + 64);
+    out.push_str("sha256:");
+    for b in Sha256::digest(bytes) {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 0x0f)]));
+    }
+    out
 }
 
 /// Whether `s` has the form of a digest this crate produces.
@@ -58,7 +65,8 @@ impl CanonicalWriter {
         let value = value.as_ref();
         self.buf.extend_from_slice(name.as_bytes());
         self.buf.push(b'=');
-        self.buf.extend_from_slice(value.len().to_string().as_bytes());
+        // Writing into a Vec cannot fail.
+        let _ = std::io::Write::write_fmt(&mut self.buf, format_args!("{}", value.len()));
         self.buf.push(b':');
         self.buf.extend_from_slice(value.as_bytes());
         self.buf.push(b'\n');
@@ -80,9 +88,9 @@ pub struct CanonicalReader<'a> {
 impl<'a> CanonicalReader<'a> {
     /// Opens `bytes`, which must start with `schema`.
     pub fn new(bytes: &'a [u8], schema: &str) -> Result<Self, CoreError> {
-        let head = format!("{schema}\n");
         let rest = bytes
-            .strip_prefix(head.as_bytes())
+            .strip_prefix(schema.as_bytes())
+            .and_then(|r| r.strip_prefix(b"\n"))
             .ok_or_else(|| CoreError::InvalidEncoding(format!("expected schema {schema}")))?;
         Ok(CanonicalReader { rest })
     }
@@ -90,8 +98,7 @@ impl<'a> CanonicalReader<'a> {
     /// Reads the next field, which must be called `name`.
     pub fn field(&mut self, name: &str) -> Result<&'a str, CoreError> {
         let bad = |why: &str| CoreError::InvalidEncoding(format!("field {name}: {why}"));
-        let prefix = format!("{name}=");
-        let after = self.rest.strip_prefix(prefix.as_bytes()).ok_or_else(|| bad("missing or out of order"))?;
+        let after = self.rest.strip_prefix(name.as_bytes()).and_then(|r| r.strip_prefix(b"=")).ok_or_else(|| bad("missing or out of order"))?;
         let colon = after.iter().take(12).position(|&b| b == b':').ok_or_else(|| bad("no length"))?;
         let len: usize = std::str::from_utf8(&after[..colon])
             .ok()
