@@ -102,7 +102,9 @@ pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
         }
     }
     let total_events = state_counts.iter().map(|(_, n)| n).sum();
-    let oldest_pending: Option<i64> = sqlx::query_scalar("SELECT min(created_at_ms) FROM outbox_events WHERE phase = 'PENDING'").fetch_one(pool).await?;
+    // The same figure as the dispatcher's gauge and the report: the outbox's
+    // own events (a legacy publisher's stay PENDING here), one index descent.
+    let oldest_pending = outbox_producer::pg::oldest_pending_created_ms(pool).await?;
     let (unknown_open, oldest_unknown_age_ms) = unknown_open(pool, now_ms).await?;
     let open_findings: Vec<(String, i64)> = if exists(pool, "outbox_findings").await? {
         sqlx::query_as("SELECT kind, count(*) FROM outbox_findings WHERE resolved_at_ms IS NULL GROUP BY kind ORDER BY kind").fetch_all(pool).await?

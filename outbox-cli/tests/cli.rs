@@ -118,6 +118,30 @@ impl Handler for Fulfil {
 }
 
 
+/// `outbox status` reports the oldest PENDING event the outbox sends, as the
+/// dispatcher's gauge and the report do: a legacy publisher's events stay
+/// PENDING in the table and do not count.
+#[tokio::test]
+async fn status_oldest_pending_leaves_out_the_legacy_publishers_events() {
+    let env = Env::new("cli_status_legacy").await;
+    env.ok(&["migrate"]);
+    route(env.pool(), "cluster-x", "orders", 3).await;
+    outbox_producer::set_takeover(env.pool(), &["*"], 0).await.unwrap();
+    let legacy = create_order(env.pool(), "o-legacy").await;
+    assert_eq!(legacy.publisher.as_str(), "legacy");
+    // The legacy event is an hour old; the outbox's own one is new.
+    sqlx::query("UPDATE outbox_events SET created_at_ms = created_at_ms - 3600000 WHERE event_id = $1")
+        .bind(legacy.event_id().as_str())
+        .execute(env.pool())
+        .await
+        .unwrap();
+    outbox_producer::set_takeover(env.pool(), &["*"], 10_000).await.unwrap();
+    assert_eq!(create_order(env.pool(), "o-outbox").await.publisher.as_str(), "outbox");
+    let json: Value = serde_json::from_str(&env.ok(&["status", "--json"])).unwrap();
+    let age = json["oldestPendingAgeMs"].as_i64().unwrap();
+    assert!(age < 600_000, "the outbox's own PENDING event is seconds old, not the legacy one's hour: {age} ms");
+}
+
 #[tokio::test]
 async fn trace_shows_envelope_attempt_receipt_and_consumer() {
     let env = Env::new("cli_trace").await;

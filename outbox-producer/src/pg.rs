@@ -690,7 +690,7 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
 /// earliest inserted (legacy events stay PENDING here: they are the legacy
 /// publisher's to send). One descent of the PENDING index: the sweeper and
 /// every report ask, and neither may scan the backlog.
-pub(crate) async fn oldest_pending_created_ms(pool: &PgPool) -> Result<Option<i64>, sqlx::Error> {
+pub async fn oldest_pending_created_ms(pool: &PgPool) -> Result<Option<i64>, sqlx::Error> {
     sqlx::query_scalar("SELECT created_at_ms FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox' ORDER BY seq LIMIT 1")
         .fetch_optional(pool)
         .await
