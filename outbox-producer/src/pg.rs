@@ -3,7 +3,7 @@
 //! decision is outbox-core's.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use async_trait::async_trait;
 use outbox_core::claim::{check_fence, validate_lease_ms, Claim, FencedWrite, MAX_CLAIM_BATCH};
@@ -401,18 +401,17 @@ impl PgStore {
                     if *move_event {
                         ev.state = ev.state.transition(EventState::Quarantined)?;
                         sqlx::query(
-                            "WITH old AS (SELECT event_id, unknown_since_ms FROM outbox_events WHERE event_id = $1 AND unknown_since_ms IS NOT NULL),
-                             upd AS (
-                                UPDATE outbox_events SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL, unknown_since_ms = NULL,
-                                       claim_generation = claim_generation + 1, state_since_ms = $2 WHERE event_id = $1 RETURNING event_id)
-                             INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome)
-                             SELECT event_id, unknown_since_ms, $2, 'QUARANTINED' FROM old WHERE EXISTS (SELECT 1 FROM upd)",
+                            "UPDATE outbox_events SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL, unknown_since_ms = NULL,
+                                    claim_generation = claim_generation + 1, state_since_ms = $2 WHERE event_id = $1",
                         )
                         .bind(receipt.event_id.as_str())
                         .bind(now)
                         .execute(&mut *tx)
                         .await
                         .map_err(store_err)?;
+                        if let Some(since) = unknown_since.remove(receipt.event_id.as_str()) {
+                            record_resolutions(&mut tx, &[(receipt.event_id.as_str(), since)], "QUARANTINED", now).await?;
+                        }
                     }
                     sqlx::query(
                         "INSERT INTO outbox_quarantine (event_id, envelope_generation, attempt_id, reason, evidence, created_at_ms)
@@ -449,19 +448,8 @@ impl PgStore {
             .execute(&mut *tx)
             .await
             .map_err(store_err)?;
-            let (resolved, since): (Vec<&str>, Vec<i64>) = ev_ids.iter().filter_map(|id| unknown_since.get(*id).map(|s| (*id, *s))).unzip();
-            if !resolved.is_empty() {
-                sqlx::query(
-                    "INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome)
-                     SELECT event_id, since, $3, 'PUBLISHED' FROM UNNEST($1::text[], $2::bigint[]) AS t(event_id, since)",
-                )
-                .bind(&resolved)
-                .bind(&since)
-                .bind(now)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_err)?;
-            }
+            let resolved: Vec<(&str, i64)> = ev_ids.iter().filter_map(|id| unknown_since.get(*id).map(|s| (*id, *s))).collect();
+            record_resolutions(&mut tx, &resolved, "PUBLISHED", now).await?;
             insert_receipts(&mut tx, "outbox_publish_receipts", "accepted_at_ms", &accepted, now, "").await?;
         }
         if !duplicates.is_empty() {
@@ -619,7 +607,12 @@ impl PgStore {
     /// [`MAX_CLAIM_BATCH`] events are read.
     pub async fn claim_successors(&self, owner: &str, events: &[EventId], limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
         let ids: Vec<&str> = events.iter().take(MAX_CLAIM_BATCH).map(EventId::as_str).collect();
-        let mut out = self.claim_with(&claim_heads_sql(HEADS_OF_CHAINS_OF), owner, limit, lease_ms, EventState::Pending, Some(&ids)).await?;
+        self.claim_pending(&CLAIM_SUCCESSORS, owner, limit, lease_ms, Some(&ids)).await
+    }
+
+    /// A claim of PENDING events, in event-id order.
+    async fn claim_pending(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let mut out = self.claim_with(sql, owner, limit, lease_ms, EventState::Pending, events).await?;
         out.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
         Ok(out)
     }
@@ -653,6 +646,28 @@ impl PgStore {
         tx.commit().await.map_err(store_err)?;
         Ok(out)
     }
+}
+
+/// Records, for events that had been DISPATCH_UNKNOWN (`(event id, unknown
+/// since)`), how and when their unknown outcome was resolved; nothing for
+/// none.
+async fn record_resolutions(tx: &mut Transaction<'_, Postgres>, resolved: &[(&str, i64)], outcome: &str, now: i64) -> Result<(), StoreError> {
+    if resolved.is_empty() {
+        return Ok(());
+    }
+    let (ids, since): (Vec<&str>, Vec<i64>) = resolved.iter().copied().unzip();
+    sqlx::query(
+        "INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome)
+         SELECT event_id, since, $3, $4 FROM UNNEST($1::text[], $2::bigint[]) AS t(event_id, since)",
+    )
+    .bind(&ids)
+    .bind(&since)
+    .bind(now)
+    .bind(outcome)
+    .execute(&mut **tx)
+    .await
+    .map_err(store_err)?;
+    Ok(())
 }
 
 async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_column: &str, receipts: &[&BrokerReceipt], now: i64, conflict: &str) -> Result<(), StoreError> {
@@ -703,34 +718,37 @@ const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
              RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
-/// Every ordering chain's head: the oldest open event of each chain
-/// (cluster, topic, key: `key_chain`), found with one index descent per
-/// chain (a loose index scan), so a deep backlog behind the heads costs
-/// nothing.
-const EVERY_HEAD: &str = "
-                (SELECT key_chain, cluster_id, seq, state, protocol_version, event_id FROM outbox_events
-                 WHERE phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox'
-                 ORDER BY key_chain, seq LIMIT 1)
+/// The columns of a chain head, and the rows that can head a chain: open,
+/// ordered, the outbox's own. Both head searches below read them.
+const HEAD_COLUMNS: &str = "e.key_chain, e.cluster_id, e.seq, e.state, e.protocol_version, e.event_id";
+const OPEN_ORDERED: &str = "e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'";
+
+/// The claim over every ordering chain's head: the oldest open event of
+/// each chain (cluster, topic, key: `key_chain`), found with one index
+/// descent per chain (a loose index scan), so a deep backlog behind the
+/// heads costs nothing.
+static CLAIM_EVERY_HEAD: LazyLock<String> = LazyLock::new(|| {
+    claim_heads_sql(&format!(
+        "(SELECT {HEAD_COLUMNS} FROM outbox_events e WHERE {OPEN_ORDERED} ORDER BY e.key_chain, e.seq LIMIT 1)
                 UNION ALL
                 SELECT n.* FROM heads h CROSS JOIN LATERAL (
-                    SELECT e.key_chain, e.cluster_id, e.seq, e.state, e.protocol_version, e.event_id FROM outbox_events e
-                    WHERE e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
-                      AND e.key_chain > h.key_chain
-                    ORDER BY e.key_chain, e.seq LIMIT 1) n";
+                    SELECT {HEAD_COLUMNS} FROM outbox_events e WHERE {OPEN_ORDERED} AND e.key_chain > h.key_chain
+                    ORDER BY e.key_chain, e.seq LIMIT 1) n"
+    ))
+});
 
-/// The heads of the chains of the events `$7`: one primary-key probe and
-/// one descent per chain, whatever the number of chains in the table.
-const HEADS_OF_CHAINS_OF: &str = "
-                SELECT n.* FROM (SELECT DISTINCT key_chain FROM outbox_events WHERE event_id = ANY($7::text[]) AND ordered) k
+/// The claim over the heads of the chains of the events `$7`: one
+/// primary-key probe and one descent per chain, whatever the number of
+/// chains in the table.
+static CLAIM_SUCCESSORS: LazyLock<String> = LazyLock::new(|| {
+    claim_heads_sql(&format!(
+        "SELECT n.* FROM (SELECT DISTINCT key_chain FROM outbox_events WHERE event_id = ANY($7::text[]) AND ordered) k
                 CROSS JOIN LATERAL (
-                    SELECT e.key_chain, e.cluster_id, e.seq, e.state, e.protocol_version, e.event_id FROM outbox_events e
-                    WHERE e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
-                      AND e.key_chain = k.key_chain
-                    ORDER BY e.seq LIMIT 1) n";
+                    SELECT {HEAD_COLUMNS} FROM outbox_events e WHERE {OPEN_ORDERED} AND e.key_chain = k.key_chain
+                    ORDER BY e.seq LIMIT 1) n"
+    ))
+});
 
-/// The claim of PENDING events: ordered ones only where they head their
-/// chain (`heads`, a CTE of key_chain, cluster_id, seq, state,
-/// protocol_version, event_id), unordered ones in commit order.
 fn claim_heads_sql(heads: &str) -> String {
     format!(
         "WITH RECURSIVE heads AS ({heads}),
@@ -767,9 +785,7 @@ fn claim_heads_sql(heads: &str) -> String {
 #[async_trait]
 impl OutboxStore for PgStore {
     async fn claim_batch(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let mut out = self.claim_with(&claim_heads_sql(EVERY_HEAD), owner, limit, lease_ms, EventState::Pending, None).await?;
-        out.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
-        Ok(out)
+        self.claim_pending(&CLAIM_EVERY_HEAD, owner, limit, lease_ms, None).await
     }
 
     async fn claim_retries(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {

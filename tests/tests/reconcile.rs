@@ -102,6 +102,36 @@ async fn written_but_unacked_message_is_found_by_the_scan_and_published(pool: Pg
     assert_eq!(f.log_of(TOPIC, e.event_id().as_str()), 1, "found, not re-sent");
 }
 
+/// A receipt whose payload diverges from the frozen envelope quarantines an
+/// UNKNOWN event, and the unknown outcome is recorded as resolved by
+/// quarantine, since the time it became unknown.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn divergent_receipt_for_an_unknown_event_quarantines_it_and_records_the_resolution(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = f.unknown_never_sent("o-1").await;
+    let id = e.event_id().as_str();
+    let since: i64 = sqlx::query_scalar("SELECT unknown_since_ms FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(&f.pool).await.unwrap();
+    let attempt: String = sqlx::query_scalar("SELECT attempt_id FROM outbox_attempts WHERE event_id = $1").bind(id).fetch_one(&f.pool).await.unwrap();
+    let tampered = outbox_core::BrokerReceipt {
+        event_id: e.event_id().clone(),
+        envelope_generation: 1,
+        attempt_id: attempt.parse().unwrap(),
+        payload_digest: outbox_core::sha256_digest(b"not what was frozen"),
+        destination_digest: e.destination_digest.clone(),
+        cluster_id: f.broker.cluster_id().into(),
+        topic: TOPIC.into(),
+        partition: e.destination.partition,
+        offset: 0,
+    };
+    let out = f.store.accept_dispatch_receipt(&tampered).await.unwrap();
+    assert!(matches!(out.decision, outbox_core::ReceiptDecision::Quarantine { move_event: true, .. }), "{out:?}");
+    assert_eq!(f.state(id).await, EventState::Quarantined);
+    let resolutions: Vec<(String, i64, String)> =
+        sqlx::query_as("SELECT event_id, unknown_since_ms, outcome FROM outbox_unknown_resolutions").fetch_all(&f.pool).await.unwrap();
+    assert_eq!(resolutions, vec![(id.to_owned(), since, "QUARANTINED".to_owned())]);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_publish_receipts").await, 0);
+}
+
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn proven_absent_gives_exactly_one_retry_to_the_same_destination(pool: PgPool) {
     let f = fixture(pool).await;
