@@ -23,6 +23,16 @@ async fn setup(pool: &PgPool, cluster_id: &str) {
     route(pool, ORDER_CREATED, cluster_id, TOPIC, PARTITIONS as u32).await;
 }
 
+/// A fresh in-process cluster with the topic, a broker client whose
+/// messages time out after `message_timeout_ms`, and the route to it.
+async fn started(pool: &PgPool, message_timeout_ms: u64) -> (TestCluster, Arc<outbox_producer::kafka::KafkaBroker>) {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let broker = cluster.broker(message_timeout_ms).await;
+    setup(pool, broker.cluster_id()).await;
+    (cluster, broker)
+}
+
 async fn state_of(pool: &PgPool, id: &str) -> EventState {
     let s: String = sqlx::query_scalar("SELECT state FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(pool).await.unwrap();
     EventState::parse(&s).unwrap()
@@ -30,10 +40,7 @@ async fn state_of(pool: &PgPool, id: &str) -> EventState {
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn ack_publishes_with_a_receipt_matching_the_log(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 5_000).await;
     let e = create_order(&pool, "o-1", 10).await;
     let d = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), config("d")).unwrap();
     let r = d.dispatch_once("w1").await.unwrap();
@@ -54,10 +61,7 @@ async fn ack_publishes_with_a_receipt_matching_the_log(pool: PgPool) {
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn traceparent_recorded_at_emit_travels_as_a_header(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 5_000).await;
     let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let payload = order_payload("o-1", 1);
     let mut tx = pool.begin().await.unwrap();
@@ -71,10 +75,7 @@ async fn traceparent_recorded_at_emit_travels_as_a_header(pool: PgPool) {
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn round_trip_longer_than_message_timeout_is_unknown_never_published(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(1_500).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 1_500).await;
     let d = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), config("d")).unwrap();
     // Warm the connection and metadata, so the next Produce request really goes out.
     create_order(&pool, "o-0", 1).await;
@@ -108,10 +109,7 @@ async fn round_trip_longer_than_message_timeout_is_unknown_never_published(pool:
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn broker_down_is_not_persisted_and_the_event_is_eligible_again(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(1_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 1_000).await;
     let e = create_order(&pool, "o-1", 10).await;
     let id = e.event_id().as_str();
     let mock = cluster.mock.as_ref().expect("this fault needs the mock cluster");
@@ -148,10 +146,7 @@ async fn broker_down_is_not_persisted_and_the_event_is_eligible_again(pool: PgPo
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn stalled_worker_late_ack_becomes_a_duplicate_transport_receipt(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 5_000).await;
     let e = create_order(&pool, "o-1", 10).await;
     let id = e.event_id().as_str();
     let clock = ManualClock::new(sqlx::query_scalar::<_, i64>("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap());
@@ -237,10 +232,7 @@ async fn stale_worker_changes_no_row_and_is_audited(pool: PgPool) {
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn tampered_envelope_is_quarantined_and_never_sent(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 5_000).await;
     let e = create_order(&pool, "o-1", 10).await;
     let ok = create_order(&pool, "o-2", 20).await;
     sqlx::query("UPDATE outbox_events SET payload = convert_to('{\"order\":\"o-1\",\"totalCents\":1}', 'UTF8') WHERE event_id = $1")
@@ -376,10 +368,7 @@ async fn run_two_dispatchers(pool: &PgPool, cluster: &TestCluster, total: i64, c
 /// poll interval; only an empty claim waits.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn short_claims_of_a_backlog_do_not_wait_for_the_poll_interval(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(10_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (_cluster, broker) = started(&pool, 10_000).await;
     emit_many(&pool, 4, 15).await;
     // 60 events on 4 keys: each claim finds at most 4 heads; nothing wakes
     // the workers but their own loop (no LISTEN, a 60 s poll).
@@ -398,10 +387,7 @@ async fn short_claims_of_a_backlog_do_not_wait_for_the_poll_interval(pool: PgPoo
 /// only where their head is PENDING.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn successor_claims_follow_only_the_named_keys(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(10_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (_cluster, broker) = started(&pool, 10_000).await;
     // Keys o-0, o-1, o-2, two events each: a0 a1 b0 b1 c0 c1.
     let ids = emit_many(&pool, 3, 2).await;
     let (a0, a1, b1, c1) = (&ids[0], &ids[1], &ids[3], &ids[5]);
@@ -467,10 +453,7 @@ async fn send_position_of_the_other_key(pool: &PgPool, broker: Arc<outbox_produc
 /// `head_scan_every = 1` every claim is oldest-first across keys.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn successors_go_first_and_every_key_is_scanned_within_a_few_claims(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(10_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (_cluster, broker) = started(&pool, 10_000).await;
     let at = send_position_of_the_other_key(&pool, broker.clone(), "four", 4).await;
     // Oldest-first on every claim would send B0 fourth (index 3).
     assert!(at > 3, "A's successors went first: {at}");
@@ -480,10 +463,7 @@ async fn successors_go_first_and_every_key_is_scanned_within_a_few_claims(pool: 
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn two_dispatcher_instances_publish_every_event_exactly_once(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let probe = cluster.broker(5_000).await;
-    setup(&pool, probe.cluster_id()).await;
+    let (cluster, _probe) = started(&pool, 5_000).await;
     let ids = emit_many(&pool, 3_000, 1).await;
     run_two_dispatchers(&pool, &cluster, 3_000, config("d")).await;
 
@@ -508,10 +488,7 @@ async fn two_dispatcher_instances_publish_every_event_exactly_once(pool: PgPool)
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn parallel_workers_keep_each_keys_commit_order_in_the_log(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let probe = cluster.broker(5_000).await;
-    setup(&pool, probe.cluster_id()).await;
+    let (cluster, _probe) = started(&pool, 5_000).await;
     let ids = emit_many(&pool, 20, 25).await;
     let cfg = DispatcherConfig { workers: 3, batch_size: 7, ..config("d") };
     run_two_dispatchers(&pool, &cluster, ids.len() as i64, cfg).await;
@@ -534,10 +511,7 @@ async fn parallel_workers_keep_each_keys_commit_order_in_the_log(pool: PgPool) {
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn graceful_shutdown_stops_claiming_and_settles_every_started_send(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(10_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (_cluster, broker) = started(&pool, 10_000).await;
     emit_many(&pool, 2_000, 1).await;
     let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { batch_size: 50, ..config("d") }).unwrap());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -168,6 +168,28 @@ async fn database_transition_table_is_the_core_table(pool: PgPool) {
     }
 }
 
+/// A writer that bypasses `emit`: inserts a PENDING copy of event `of` as
+/// `event_id`, under `command_key` and with `payload_digest` (the
+/// original's where `None`).
+async fn insert_copy<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    of: &str,
+    event_id: &str,
+    command_key: Option<&str>,
+    payload_digest: Option<&str>,
+) -> Result<sqlx::postgres::PgQueryResult, sqlx::Error> {
+    sqlx::query("INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
+                 SELECT $2, coalesce($3, command_key), 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload,
+                        coalesce($4, payload_digest), destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0
+                 FROM outbox_events WHERE event_id = $1")
+        .bind(of)
+        .bind(event_id)
+        .bind(command_key)
+        .bind(payload_digest)
+        .execute(db)
+        .await
+}
+
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
     setup(&pool).await;
@@ -204,22 +226,12 @@ async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
     let other_state: String = sqlx::query_scalar("SELECT state FROM outbox_events WHERE event_id = $1").bind(&other_id).fetch_one(&pool).await.unwrap();
     assert_eq!(other_state, "PENDING");
     // One eventId, one command key.
-    let dup = sqlx::query("INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
-                           SELECT event_id, 'other-key', 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0 FROM outbox_events WHERE event_id = $1")
-        .bind(id)
-        .execute(&pool)
-        .await;
-    assert!(dup.is_err());
+    let err = insert_copy(&pool, id, id, Some("other-key"), None).await.unwrap_err();
+    assert!(err.to_string().contains("outbox_events_pkey"), "{err}");
     // One event per command key, even for a writer that bypasses emit: a new
     // event id under a used command key has no command row of its own.
     let other = outbox_core::EventId::generate(1).to_string();
-    let err = sqlx::query("INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
-                           SELECT $2, command_key, 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0 FROM outbox_events WHERE event_id = $1")
-        .bind(id)
-        .bind(&other)
-        .execute(&pool)
-        .await
-        .unwrap_err();
+    let err = insert_copy(&pool, id, &other, None, None).await.unwrap_err();
     assert!(err.to_string().contains("outbox_events_command_fkey"), "{err}");
     // Malformed identifiers and digests are refused at insert, even from a
     // writer that brings its own command row.
@@ -232,15 +244,7 @@ async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
             .execute(&mut *tx)
             .await
             .unwrap();
-        let err = sqlx::query("INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
-                               SELECT $2, $3, 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, $4, destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0 FROM outbox_events WHERE event_id = $1")
-            .bind(id)
-            .bind(event_id)
-            .bind(format!("raw-{event_id}"))
-            .bind(&digest)
-            .execute(&mut *tx)
-            .await
-            .unwrap_err();
+        let err = insert_copy(&mut *tx, id, event_id, Some(&format!("raw-{event_id}")), Some(&digest)).await.unwrap_err();
         assert!(err.to_string().contains(expected), "{err}");
     }
     let state: String = sqlx::query_scalar("SELECT state FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(&pool).await.unwrap();
