@@ -32,6 +32,16 @@ async fn setup(pool: &PgPool, cluster_id: &str) {
     route(pool, PAYMENT_CAPTURED, cluster_id, TOPIC, PARTITIONS as u32).await;
 }
 
+/// A fresh in-process cluster with the topic, a broker client whose
+/// messages time out after `message_timeout_ms`, and the routes to it.
+async fn started(pool: &PgPool, message_timeout_ms: u64) -> (TestCluster, Arc<outbox_producer::kafka::KafkaBroker>) {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let broker = cluster.broker(message_timeout_ms).await;
+    setup(pool, broker.cluster_id()).await;
+    (cluster, broker)
+}
+
 async fn emit_typed(pool: &PgPool, event_type: &str, id: &str) -> Emitted {
     let payload = order_payload(id, 1);
     let key = format!("{event_type}-{id}");
@@ -111,10 +121,7 @@ async fn shadow_all(pool: &PgPool) -> usize {
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn shadow_run_finds_exactly_the_dropped_and_the_altered_events(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 5_000).await;
     // Shadow: the outbox owns nothing.
     let policy = set_takeover(&pool, &[], 0).await.unwrap();
     assert_eq!(policy.generation, 1);
@@ -157,10 +164,7 @@ async fn shadow_run_finds_exactly_the_dropped_and_the_altered_events(pool: PgPoo
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn shadow_reports_wrong_partitions_second_messages_and_strangers(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 5_000).await;
     set_takeover(&pool, &[], 0).await.unwrap();
     let emitted = emit_orders(&pool, "o", 4).await;
     let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", &cluster.bootstrap).create().unwrap();
@@ -205,10 +209,7 @@ async fn shadow_reports_wrong_partitions_second_messages_and_strangers(pool: PgP
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn five_percent_takeover_sends_only_selected_events_each_once(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 5_000).await;
     set_takeover(&pool, &[ORDER_CREATED], 500).await.unwrap();
     let orders = emit_orders(&pool, "o", 2_000).await;
     let mut payments = Vec::new();
@@ -251,10 +252,7 @@ async fn five_percent_takeover_sends_only_selected_events_each_once(pool: PgPool
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn alias_switch_mid_run_loses_nothing_and_sends_nothing_twice(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let probe = cluster.broker(5_000).await;
-    setup(&pool, probe.cluster_id()).await;
+    let (cluster, probe) = started(&pool, 5_000).await;
     const ALIAS: &str = "orders-dispatch";
     switch_alias(&pool, ALIAS, "outbox-rs/old", 1).await.unwrap();
 
@@ -317,10 +315,7 @@ async fn alias_switch_mid_run_loses_nothing_and_sends_nothing_twice(pool: PgPool
 /// number of candidates: the refused ones are not among them).
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn many_newer_protocol_heads_do_not_starve_the_old_dispatcher(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (_cluster, broker) = started(&pool, 5_000).await;
     for i in 0..5 {
         let e = create_order(&pool, &format!("new-{i}"), 1).await;
         sqlx::query("UPDATE outbox_events SET protocol_version = 2 WHERE event_id = $1").bind(e.event_id().as_str()).execute(&pool).await.unwrap();
@@ -335,10 +330,7 @@ async fn many_newer_protocol_heads_do_not_starve_the_old_dispatcher(pool: PgPool
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn old_protocol_dispatcher_refuses_new_protocol_rows(pool: PgPool) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(5_000).await;
-    setup(&pool, broker.cluster_id()).await;
+    let (cluster, broker) = started(&pool, 5_000).await;
     // o-1 v1 is written by a newer protocol; o-1 v2 queues behind it on the same key.
     let newer = create_order(&pool, "o-1", 1).await;
     let payload = order_payload("o-1", 2);
