@@ -123,6 +123,20 @@ pub mod kafka {
         }
     }
 
+    /// A fresh cluster with `topic`, a broker client whose messages time out
+    /// after `message_timeout_ms`, the business schema, and a route from
+    /// each of `event_types` to the topic on that cluster.
+    pub async fn started(pool: &sqlx::PgPool, topic: &str, partitions: i32, message_timeout_ms: u64, event_types: &[&str]) -> (TestCluster, Arc<KafkaBroker>) {
+        let cluster = TestCluster::start();
+        cluster.topic(topic, partitions);
+        let broker = cluster.broker(message_timeout_ms).await;
+        crate::business_schema(pool).await;
+        for t in event_types {
+            crate::route(pool, t, broker.cluster_id(), topic, partitions as u32).await;
+        }
+        (cluster, broker)
+    }
+
     /// One message read back from the log.
     #[derive(Debug, Clone)]
     pub struct LogMessage {

@@ -23,14 +23,9 @@ async fn setup(pool: &PgPool, cluster_id: &str) {
     route(pool, ORDER_CREATED, cluster_id, TOPIC, PARTITIONS as u32).await;
 }
 
-/// A fresh in-process cluster with the topic, a broker client whose
-/// messages time out after `message_timeout_ms`, and the route to it.
+/// A fresh cluster with the topic and the route(s) to it.
 async fn started(pool: &PgPool, message_timeout_ms: u64) -> (TestCluster, Arc<outbox_producer::kafka::KafkaBroker>) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(message_timeout_ms).await;
-    setup(pool, broker.cluster_id()).await;
-    (cluster, broker)
+    outbox_tests::kafka::started(pool, TOPIC, PARTITIONS, message_timeout_ms, &[ORDER_CREATED]).await
 }
 
 async fn state_of(pool: &PgPool, id: &str) -> EventState {

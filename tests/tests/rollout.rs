@@ -26,20 +26,9 @@ fn config(name: &str) -> DispatcherConfig {
     DispatcherConfig { name: name.into(), workers: 2, batch_size: 100, poll_interval_ms: 50, sweep_interval_ms: 100, shutdown_grace_ms: 20_000, ..Default::default() }
 }
 
-async fn setup(pool: &PgPool, cluster_id: &str) {
-    business_schema(pool).await;
-    route(pool, ORDER_CREATED, cluster_id, TOPIC, PARTITIONS as u32).await;
-    route(pool, PAYMENT_CAPTURED, cluster_id, TOPIC, PARTITIONS as u32).await;
-}
-
-/// A fresh in-process cluster with the topic, a broker client whose
-/// messages time out after `message_timeout_ms`, and the routes to it.
+/// A fresh cluster with the topic and the route(s) to it.
 async fn started(pool: &PgPool, message_timeout_ms: u64) -> (TestCluster, Arc<outbox_producer::kafka::KafkaBroker>) {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let broker = cluster.broker(message_timeout_ms).await;
-    setup(pool, broker.cluster_id()).await;
-    (cluster, broker)
+    outbox_tests::kafka::started(pool, TOPIC, PARTITIONS, message_timeout_ms, &[ORDER_CREATED, PAYMENT_CAPTURED]).await
 }
 
 async fn emit_typed(pool: &PgPool, event_type: &str, id: &str) -> Emitted {
