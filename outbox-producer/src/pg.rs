@@ -346,11 +346,15 @@ impl PgStore {
         let slots = if filled.is_empty() {
             Vec::new()
         } else {
-            sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = ANY($1)"))
-                .bind(&filled)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(store_err)?
+            // One probe per event, as for attempts below.
+            sqlx::query(&format!(
+                "SELECT r.* FROM UNNEST($1::text[]) AS k(event_id)
+                 CROSS JOIN LATERAL (SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = k.event_id) r"
+            ))
+            .bind(&filled)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_err)?
         };
         for r in slots {
             let rec = receipt_from_row(&r)?;
@@ -361,11 +365,17 @@ impl PgStore {
             }
         }
         let mut attempts: HashMap<String, Vec<AttemptRecord>> = HashMap::new();
-        for r in sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = ANY($1) ORDER BY attempt_generation"))
-            .bind(&ids)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_err)?
+        // One index probe per event, whatever the statistics say: with none
+        // (a new or never-analyzed table), `event_id = ANY ($1)` over a few
+        // hundred ids is estimated as the whole table and read sequentially.
+        for r in sqlx::query(&format!(
+            "SELECT a.* FROM UNNEST($1::text[]) AS k(event_id)
+             CROSS JOIN LATERAL (SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = k.event_id ORDER BY attempt_generation) a"
+        ))
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_err)?
         {
             let a = attempt_from_row(&r)?;
             attempts.entry(a.event_id.to_string()).or_default().push(a);

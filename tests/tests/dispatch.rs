@@ -525,3 +525,85 @@ async fn graceful_shutdown_stops_claiming_and_settles_every_started_send(pool: P
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await, published);
 }
+
+/// A table's statistics arrive once its backends flush them; waits until
+/// `outbox_attempts` shows at least `inserted` inserts and `updated`
+/// updates, and returns its sequential-scan count.
+async fn attempts_seq_scans_once(pool: &PgPool, inserted: i64, updated: i64) -> i64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (ins, upd, seq): (i64, i64, i64) = sqlx::query_as(
+            "SELECT n_tup_ins, n_tup_upd, seq_scan FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s WHERE relname = 'outbox_attempts'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if ins >= inserted && upd >= updated {
+            return seq;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "statistics never arrived: {ins} inserts, {upd} updates");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The receipt transaction looks attempts up by event id one index probe
+/// per event, even where the table has never been analyzed (a new
+/// deployment, autovacuum behind, just after `pg_upgrade`): without
+/// statistics, "event_id = ANY (a few hundred ids)" is estimated as the
+/// whole table, and a sequential scan per batch would grow with every
+/// attempt ever made.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn receipt_batches_find_attempts_by_index_without_statistics(pool: PgPool) {
+    // 200 ids: past 1 / 0.005 (PostgreSQL's default equality selectivity),
+    // the unanalyzed estimate is the whole table. 50,000 rows: enough that a
+    // correctly estimated primary-key lookup of 200 rows is an index scan.
+    const EVENTS: usize = 200;
+    const EARLIER_PER_EVENT: i64 = 250;
+    setup(&pool, "cluster-a").await;
+    emit_many(&pool, EVENTS, 1).await;
+    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let store = PgStore::new(own.clone());
+    let claimed = store.claim_batch("w1", EVENTS, 30_000).await.unwrap();
+    assert_eq!(claimed.len(), EVENTS);
+    let tokens: Vec<_> = claimed.iter().map(|c| c.token.clone()).collect();
+    let attempts: Vec<_> = store.register_attempts(&tokens).await.unwrap().into_iter().map(Result::unwrap).collect();
+    // Earlier attempts of the same events (closed, not sent), so the
+    // table holds many rows per event looked up.
+    sqlx::query(
+        "INSERT INTO outbox_attempts (attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state,
+                                      destination_digest, started_at_ms)
+         SELECT 'att-7' || lpad((row_number() OVER ())::text, 25, '0'), a.event_id, a.envelope_generation, 100 + g, 1, 'w0', 'NOT_SENT',
+                a.destination_digest, 0
+         FROM outbox_attempts a, generate_series(1, $1) g",
+    )
+    .bind(EARLIER_PER_EVENT)
+    .execute(&own)
+    .await
+    .unwrap();
+    own.close().await;
+    let rows = EVENTS as i64 * (1 + EARLIER_PER_EVENT);
+    let before = attempts_seq_scans_once(&pool, rows, 0).await;
+
+    let receipts: Vec<outbox_core::BrokerReceipt> = claimed
+        .iter()
+        .zip(&attempts)
+        .enumerate()
+        .map(|(n, (c, a))| outbox_core::BrokerReceipt {
+            event_id: c.envelope.event_id.clone(),
+            envelope_generation: c.envelope.envelope_generation,
+            attempt_id: a.attempt_id.clone(),
+            payload_digest: c.envelope.payload_digest.clone(),
+            destination_digest: c.destination_digest.clone(),
+            cluster_id: "cluster-a".into(),
+            topic: TOPIC.into(),
+            partition: c.destination.partition,
+            offset: n as i64,
+        })
+        .collect();
+    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let outcomes = PgStore::new(own.clone()).accept_dispatch_receipts(&receipts).await.unwrap();
+    assert!(outcomes.iter().all(|o| o.state == EventState::Published), "{:?}", outcomes.iter().find(|o| o.state != EventState::Published));
+    own.close().await;
+    let after = attempts_seq_scans_once(&pool, rows, EVENTS as i64).await;
+    assert_eq!(after, before, "the receipt transaction scanned outbox_attempts sequentially");
+}
