@@ -383,6 +383,12 @@ async fn unregistered_attempt_is_rejected<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     let genuine = receipt(&ce, &a, c.offset(2));
     let stranger = BrokerReceipt { attempt_id: AttemptId::generate(c.h.now_ms().max(0) as u64), offset: c.offset(1), ..genuine.clone() };
     eq("unregistered attempt", c.accept(&stranger).await?, ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt })?;
+    // A registered attempt, but another event's, is not this event's.
+    let other = c.emit(2, "b").await;
+    let other_ce = c.claim_some("w1", &other).await?;
+    let other_attempt = c.register(&other_ce.token).await?;
+    let borrowed = BrokerReceipt { attempt_id: other_attempt.attempt_id.clone(), offset: c.offset(3), ..genuine.clone() };
+    eq("another event's attempt", c.accept(&borrowed).await?, ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt })?;
     c.expect_state(&id, EventState::Sending).await?;
     eq("registered attempt", c.accept(&genuine).await?, ReceiptDecision::Accept { from: EventState::Sending })
 }

@@ -546,12 +546,11 @@ async fn attempts_seq_scans_once(pool: &PgPool, inserted: i64, updated: i64) -> 
     }
 }
 
-/// The receipt transaction looks attempts up by event id one index probe
-/// per event, even where the table has never been analyzed (a new
-/// deployment, autovacuum behind, just after `pg_upgrade`): without
-/// statistics, "event_id = ANY (a few hundred ids)" is estimated as the
-/// whole table, and a sequential scan per batch would grow with every
-/// attempt ever made.
+/// The receipt transaction finds its attempts through an index even where
+/// the table has never been analyzed (a new deployment, autovacuum behind,
+/// just after `pg_upgrade`): without statistics, "event_id = ANY (a few
+/// hundred ids)" is estimated as the whole table, and a sequential scan per
+/// batch would grow with every attempt ever made.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn receipt_batches_find_attempts_by_index_without_statistics(pool: PgPool) {
     // 200 ids: past 1 / 0.005 (PostgreSQL's default equality selectivity),
