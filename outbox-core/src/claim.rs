@@ -15,6 +15,21 @@ pub const MIN_LEASE_MS: i64 = 100;
 pub const MAX_LEASE_MS: i64 = 10 * 60 * 1000;
 /// Largest batch one claim call may take.
 pub const MAX_CLAIM_BATCH: usize = 10_000;
+/// Backoff after the first send the broker refused outright (not persisted).
+pub const NOT_SENT_BACKOFF_BASE_MS: i64 = 100;
+/// Longest backoff after a refused send.
+pub const NOT_SENT_BACKOFF_MAX_MS: i64 = 10_000;
+
+/// How long an event whose send was refused outright (not persisted) waits,
+/// PENDING, before it may be claimed again: [`NOT_SENT_BACKOFF_BASE_MS`]
+/// after its first attempt, doubling with each attempt, at most
+/// [`NOT_SENT_BACKOFF_MAX_MS`]. A message the broker can never take (larger
+/// than its size limit, a topic it refuses) is retried a few times a minute,
+/// not in a loop; it stays PENDING, never lost, and still holds its key.
+pub fn not_sent_backoff_ms(attempt_generation: u32) -> i64 {
+    let doublings = attempt_generation.saturating_sub(1).min(20);
+    (NOT_SENT_BACKOFF_BASE_MS << doublings).min(NOT_SENT_BACKOFF_MAX_MS)
+}
 
 /// The claim columns of an event row.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,6 +104,12 @@ pub fn grant(previous: &Claim, owner: &str, now_ms: i64, lease_ms: i64) -> Claim
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn not_sent_backoff_doubles_per_attempt_up_to_its_bound() {
+        let got: Vec<i64> = [0, 1, 2, 3, 7, 8, 9, 40, u32::MAX].into_iter().map(not_sent_backoff_ms).collect();
+        assert_eq!(got, vec![100, 100, 200, 400, 6_400, 10_000, 10_000, 10_000, 10_000]);
+    }
 
     fn token(gen: u64) -> ClaimToken {
         ClaimToken { event_id: EventId::from_parts(1, 1), owner: "w1".into(), claim_generation: gen, lease_until_ms: 2_000 }

@@ -416,6 +416,11 @@ async fn not_sent_is_pending_again<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     eq("not sent", c.s().report_not_sent(&ce1.token, &a1.attempt_id, "broker refused").await.map_err(err("report_not_sent"))?, FenceOutcome::Applied)?;
     c.expect_state(&id, EventState::Pending).await?;
     eq("attempt 1 state", c.attempts(&id).await?.first().map(|a| a.state), Some(AttemptState::NotSent))?;
+    // Eligible again after a backoff, not at once: a send the broker always
+    // refuses is not retried in a loop.
+    let early = c.claim("w2", &id).await?;
+    ensure(early.is_none(), || "claimable again before its backoff".into())?;
+    c.h.advance_ms(crate::claim::not_sent_backoff_ms(a1.attempt_generation));
     let ce2 = c.claim_some("w2", &id).await?;
     eq("destination digest", &ce2.destination_digest, &ce1.destination_digest)?;
     eq("destination", &ce2.destination, &ce1.destination)?;

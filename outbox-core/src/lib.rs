@@ -49,7 +49,7 @@ pub mod store;
 pub mod takeover;
 
 pub use canonical::{is_digest, sha256_digest};
-pub use claim::{check_fence, Claim, ClaimToken, Clock, FencedWrite, ManualClock, SystemClock};
+pub use claim::{check_fence, not_sent_backoff_ms, Claim, ClaimToken, Clock, FencedWrite, ManualClock, SystemClock};
 pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, RoutePolicy, DEFAULT_MAX_PAYLOAD_BYTES};
 pub use error::CoreError;
 pub use id::{AttemptId, EventId};

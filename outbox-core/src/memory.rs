@@ -432,7 +432,7 @@ impl OutboxStore for MemoryStore {
         let now = self.now_ms();
         let mut st = self.lock();
         let mut candidates: Vec<(u64, EventId)> =
-            st.events.values().filter(|e| e.state == EventState::Pending).map(|e| (e.seq, e.envelope.event_id.clone())).collect();
+            st.events.values().filter(|e| e.state == EventState::Pending && e.next_check_at_ms <= now).map(|e| (e.seq, e.envelope.event_id.clone())).collect();
         candidates.sort();
         let mut out = Vec::new();
         for (_, id) in candidates {
@@ -577,6 +577,9 @@ impl OutboxStore for MemoryStore {
             // late genuine ACK acceptable (PENDING -> PUBLISHED is illegal).
             let earlier_open = st.attempts.get(&token.event_id).is_some_and(|v| v.iter().any(|a| &a.attempt_id != attempt_id && a.state.possibly_in_flight()));
             Self::transition(ev, if earlier_open { EventState::DispatchUnknown } else { EventState::Pending }, now)?;
+            if !earlier_open {
+                ev.next_check_at_ms = now + crate::claim::not_sent_backoff_ms(ev.attempt_generation);
+            }
             ev.claim.owner = None;
             ev.claim.lease_until_ms = None;
             ev.claim.attempt_id = None;

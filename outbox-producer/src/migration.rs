@@ -156,7 +156,7 @@ pub async fn migrate_destination<B: Broker>(
     sqlx::query(
         "UPDATE outbox_events SET state = 'PENDING', envelope_generation = $2, destination_digest = $3, cluster_id = $4, topic = $5,
                 partition = $6, routing_key = $7, ordered = $8, claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL,
-                unknown_since_ms = NULL, state_since_ms = $9
+                unknown_since_ms = NULL, next_check_at_ms = 0, state_since_ms = $9
          WHERE event_id = $1",
     )
     .bind(event_id.as_str())

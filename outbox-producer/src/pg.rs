@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
 
 use async_trait::async_trait;
-use outbox_core::claim::{check_fence, validate_lease_ms, Claim, FencedWrite, MAX_CLAIM_BATCH};
+use outbox_core::claim::{check_fence, validate_lease_ms, Claim, FencedWrite, MAX_CLAIM_BATCH, NOT_SENT_BACKOFF_BASE_MS, NOT_SENT_BACKOFF_MAX_MS};
 use outbox_core::{
     decide_receipt, AttemptId, AttemptRecord, AttemptState, BrokerReceipt, ClaimToken, ClaimedEvent, Clock, CoreError, Destination, Envelope,
     EventId, EventState, FenceOutcome, LockedEvent, OutboxStore, ReceiptDecision, ReceiptOutcome, ReconcileDecision, ReconcileTask, StoreError,
@@ -731,7 +731,7 @@ const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
 
 /// The columns of a chain head, and the rows that can head a chain: open,
 /// ordered, the outbox's own. Both head searches below read them.
-const HEAD_COLUMNS: &str = "e.key_chain, e.cluster_id, e.seq, e.state, e.protocol_version, e.event_id";
+const HEAD_COLUMNS: &str = "e.key_chain, e.cluster_id, e.seq, e.state, e.next_check_at_ms, e.protocol_version, e.event_id";
 const OPEN_ORDERED: &str = "e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'";
 
 /// The claim over every ordering chain's head: the oldest open event of
@@ -771,12 +771,14 @@ fn claim_heads_sql(heads: &str) -> String {
                 -- A head of a newer protocol is refused here, after the heads
                 -- were found and before the bound: it still holds its key,
                 -- so nothing behind it overtakes it, and it takes no place
-                -- among the candidates.
-                (SELECT event_id FROM heads WHERE state = 'PENDING' AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
+                -- among the candidates. So does a head waiting out its
+                -- backoff after a refused send (next_check_at_ms).
+                (SELECT event_id FROM heads WHERE state = 'PENDING' AND next_check_at_ms <= $3 AND protocol_version <= $6
+                   AND ($5::text IS NULL OR cluster_id = $5)
                  ORDER BY seq LIMIT 2 * $1)
                 UNION ALL
                 (SELECT event_id FROM outbox_events WHERE phase = 'PENDING' AND NOT ordered AND publisher = 'outbox'
-                   AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
+                   AND next_check_at_ms <= $3 AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
                  ORDER BY seq LIMIT $1)),
              c AS (
                 -- The candidates come in as one array (an init plan, run
@@ -785,7 +787,7 @@ fn claim_heads_sql(heads: &str) -> String {
                 -- conditions instead of re-running a join over every head.
                 SELECT e.event_id FROM outbox_events e
                 WHERE e.event_id = ANY (ARRAY(SELECT event_id FROM cand))
-                  AND e.state = 'PENDING' AND e.protocol_version <= $6
+                  AND e.state = 'PENDING' AND e.next_check_at_ms <= $3 AND e.protocol_version <= $6
                 ORDER BY e.seq LIMIT $1 FOR UPDATE OF e SKIP LOCKED)
              UPDATE outbox_events e SET state = 'CLAIMED', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
@@ -852,7 +854,7 @@ impl OutboxStore for PgStore {
                 RETURNING event_id)
              UPDATE outbox_attempts SET state = 'UNKNOWN', detail = $6, finished_at_ms = $4
              WHERE attempt_id = $5 AND state = 'SENDING' AND EXISTS (SELECT 1 FROM ev)",
-            |q| q.bind(attempt_id.as_str()).bind(detail),
+            |q| q.bind(attempt_id.as_str()).bind(detail).bind(NOT_SENT_BACKOFF_BASE_MS).bind(NOT_SENT_BACKOFF_MAX_MS),
         )
         .await
     }
@@ -861,22 +863,26 @@ impl OutboxStore for PgStore {
         self.fenced_update(
             token,
             "report_not_sent",
-            // PENDING again, unless an earlier attempt may still be in the
-            // log (a blind retry left it UNKNOWN): then its late ACK must
-            // still find the event accepting, so the event waits in
-            // DISPATCH_UNKNOWN for the reconciler.
+            // PENDING again, claimable after outbox_core's
+            // not_sent_backoff_ms($7 doubled per attempt, at most $8),
+            // unless an earlier attempt may still be in the log (a blind
+            // retry left it UNKNOWN): then its late ACK must still find the
+            // event accepting, so the event waits in DISPATCH_UNKNOWN for the
+            // reconciler.
             "WITH other AS (
                 SELECT 1 FROM outbox_attempts WHERE event_id = $1 AND attempt_id <> $5 AND state IN ('SENDING', 'UNKNOWN') LIMIT 1),
              ev AS (
                 UPDATE outbox_events SET
                        state = CASE WHEN EXISTS (SELECT 1 FROM other) THEN 'DISPATCH_UNKNOWN' ELSE 'PENDING' END,
                        unknown_since_ms = CASE WHEN EXISTS (SELECT 1 FROM other) THEN coalesce(unknown_since_ms, $4) ELSE unknown_since_ms END,
-                       claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL, next_check_at_ms = $4, state_since_ms = $4
+                       next_check_at_ms = CASE WHEN EXISTS (SELECT 1 FROM other) THEN $4
+                                          ELSE $4 + LEAST($8::bigint, $7::bigint << LEAST(GREATEST(attempt_generation - 1, 0), 20)) END,
+                       claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL, state_since_ms = $4
                 WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'SENDING' AND claim_attempt_id = $5
                 RETURNING event_id)
              UPDATE outbox_attempts SET state = 'NOT_SENT', detail = $6, finished_at_ms = $4
              WHERE attempt_id = $5 AND state = 'SENDING' AND EXISTS (SELECT 1 FROM ev)",
-            |q| q.bind(attempt_id.as_str()).bind(detail),
+            |q| q.bind(attempt_id.as_str()).bind(detail).bind(NOT_SENT_BACKOFF_BASE_MS).bind(NOT_SENT_BACKOFF_MAX_MS),
         )
         .await
     }

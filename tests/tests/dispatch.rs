@@ -117,15 +117,17 @@ async fn broker_down_is_not_persisted_and_the_event_is_eligible_again(pool: PgPo
     let first: (String, String) = sqlx::query_as("SELECT state, destination_digest FROM outbox_attempts").fetch_one(&pool).await.unwrap();
     assert_eq!(first, ("NOT_SENT".to_owned(), e.destination_digest.clone()));
 
-    // Once the broker is back (the client may need a reconnect or two), the
-    // event goes out to the same destination and is published once.
+    // Once the broker is back (the client may need a reconnect or two) and
+    // the event's backoff has passed, it goes out to the same destination
+    // and is published once.
     mock.broker_up(1).unwrap();
     let mut published = 0;
-    for _ in 0..10 {
+    for _ in 0..60 {
         published += d.dispatch_once("w1").await.unwrap().published;
         if published > 0 {
             break;
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(published, 1);
     let attempts: Vec<(i32, String, String)> =
@@ -605,4 +607,40 @@ async fn receipt_batches_find_attempts_by_index_without_statistics(pool: PgPool)
     own.close().await;
     let after = attempts_seq_scans_once(&pool, rows, EVENTS as i64).await;
     assert_eq!(after, before, "the receipt transaction scanned outbox_attempts sequentially");
+}
+
+/// A message the broker never takes (here larger than the client's
+/// `message.max.bytes`) is refused outright each time. Its event is
+/// retried with a doubling backoff, not in a loop: over two seconds it
+/// gathers a handful of NOT_SENT attempts, not hundreds; it stays PENDING
+/// (never lost, never PUBLISHED by guess) and still holds its key, so the
+/// next event of the same order is not sent ahead of it.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_message_the_broker_always_refuses_backs_off_and_holds_its_key(pool: PgPool) {
+    let (cluster, _) = started(&pool, 5_000).await;
+    let mut cfg = outbox_producer::kafka::KafkaConfig::new(cluster.bootstrap.clone());
+    cfg.extra.push(("message.max.bytes".into(), "1000".into()));
+    let broker = Arc::new(outbox_producer::kafka::KafkaBroker::connect(cfg).await.unwrap());
+    let big = format!(r#"{{"order":"o-1","totalCents":10,"note":"{}"}}"#, "x".repeat(2_000)).into_bytes();
+    let small = order_payload("o-1", 20);
+    let mut tx = pool.begin().await.unwrap();
+    let stuck = outbox_producer::emit(&mut tx, &order_request("c-1", "o-1", &big), &EmitOptions::default()).await.unwrap();
+    let next = outbox_producer::emit(&mut tx, &outbox_core::EmitRequest { aggregate_version: 2, ..order_request("c-2", "o-1", &small) }, &EmitOptions::default()).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, config("d")).unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn(d.clone().run(stop_rx));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_tx.send(true).unwrap();
+    run.await.unwrap().unwrap();
+
+    let states: Vec<String> = sqlx::query_scalar("SELECT state FROM outbox_attempts WHERE event_id = $1").bind(stuck.event_id().as_str()).fetch_all(&pool).await.unwrap();
+    // 100 + 200 + 400 + 800 ms of backoff fit in two seconds: about five.
+    assert!((2..=8).contains(&states.len()), "{} attempts in two seconds", states.len());
+    assert!(states.iter().all(|s| s == "NOT_SENT"), "{states:?}");
+    assert_eq!(state_of(&pool, stuck.event_id().as_str()).await, EventState::Pending);
+    assert_eq!(state_of(&pool, next.event_id().as_str()).await, EventState::Pending, "sent ahead of its key's head");
+    assert_eq!(count(&pool, &format!("SELECT count(*) FROM outbox_attempts WHERE event_id = '{}'", next.event_id())).await, 0);
+    assert!(read_topic(&cluster.bootstrap, TOPIC, PARTITIONS).is_empty());
 }
