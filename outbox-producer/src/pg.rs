@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
 
 use async_trait::async_trait;
-use outbox_core::claim::{check_fence, validate_lease_ms, Claim, FencedWrite, MAX_CLAIM_BATCH, NOT_SENT_BACKOFF_BASE_MS, NOT_SENT_BACKOFF_MAX_MS};
+use outbox_core::claim::{check_fence, not_sent_backoff_ms, validate_lease_ms, Claim, FencedWrite, MAX_CLAIM_BATCH, NOT_SENT_BACKOFF_MAX_MS};
 use outbox_core::{
     decide_receipt, AttemptId, AttemptRecord, AttemptState, BrokerReceipt, ClaimToken, ClaimedEvent, Clock, CoreError, Destination, Envelope,
     EventId, EventState, FenceOutcome, LockedEvent, OutboxStore, ReceiptDecision, ReceiptOutcome, ReconcileDecision, ReconcileTask, StoreError,
@@ -729,6 +729,22 @@ const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
              RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
+/// outbox_core's `not_sent_backoff_ms` for attempt generations 1, 2, ...
+/// up to the first at its bound, which holds for every later generation:
+/// report_not_sent looks its row's generation up here, so the rule is
+/// stated once, in outbox-core.
+static NOT_SENT_BACKOFFS: LazyLock<Vec<i64>> = LazyLock::new(|| {
+    let mut schedule = Vec::new();
+    for generation in 1..=64 {
+        let backoff = not_sent_backoff_ms(generation);
+        schedule.push(backoff);
+        if backoff >= NOT_SENT_BACKOFF_MAX_MS {
+            break;
+        }
+    }
+    schedule
+});
+
 /// The columns of a chain head, and the rows that can head a chain: open,
 /// ordered, the outbox's own. Both head searches below read them.
 const HEAD_COLUMNS: &str = "e.key_chain, e.cluster_id, e.seq, e.state, e.next_check_at_ms, e.protocol_version, e.event_id";
@@ -854,7 +870,7 @@ impl OutboxStore for PgStore {
                 RETURNING event_id)
              UPDATE outbox_attempts SET state = 'UNKNOWN', detail = $6, finished_at_ms = $4
              WHERE attempt_id = $5 AND state = 'SENDING' AND EXISTS (SELECT 1 FROM ev)",
-            |q| q.bind(attempt_id.as_str()).bind(detail).bind(NOT_SENT_BACKOFF_BASE_MS).bind(NOT_SENT_BACKOFF_MAX_MS),
+            |q| q.bind(attempt_id.as_str()).bind(detail),
         )
         .await
     }
@@ -863,9 +879,9 @@ impl OutboxStore for PgStore {
         self.fenced_update(
             token,
             "report_not_sent",
-            // PENDING again, claimable after outbox_core's
-            // not_sent_backoff_ms($7 doubled per attempt, at most $8),
-            // unless an earlier attempt may still be in the log (a blind
+            // PENDING again, claimable after the backoff of its attempt
+            // generation ($7: NOT_SENT_BACKOFFS), unless an earlier attempt
+            // may still be in the log (a blind
             // retry left it UNKNOWN): then its late ACK must still find the
             // event accepting, so the event waits in DISPATCH_UNKNOWN for the
             // reconciler.
@@ -876,13 +892,13 @@ impl OutboxStore for PgStore {
                        state = CASE WHEN EXISTS (SELECT 1 FROM other) THEN 'DISPATCH_UNKNOWN' ELSE 'PENDING' END,
                        unknown_since_ms = CASE WHEN EXISTS (SELECT 1 FROM other) THEN coalesce(unknown_since_ms, $4) ELSE unknown_since_ms END,
                        next_check_at_ms = CASE WHEN EXISTS (SELECT 1 FROM other) THEN $4
-                                          ELSE $4 + LEAST($8::bigint, $7::bigint << LEAST(GREATEST(attempt_generation - 1, 0), 20)) END,
+                                          ELSE $4 + ($7::bigint[])[LEAST(GREATEST(attempt_generation, 1), cardinality($7::bigint[]))] END,
                        claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL, state_since_ms = $4
                 WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'SENDING' AND claim_attempt_id = $5
                 RETURNING event_id)
              UPDATE outbox_attempts SET state = 'NOT_SENT', detail = $6, finished_at_ms = $4
              WHERE attempt_id = $5 AND state = 'SENDING' AND EXISTS (SELECT 1 FROM ev)",
-            |q| q.bind(attempt_id.as_str()).bind(detail).bind(NOT_SENT_BACKOFF_BASE_MS).bind(NOT_SENT_BACKOFF_MAX_MS),
+            |q| q.bind(attempt_id.as_str()).bind(detail).bind(NOT_SENT_BACKOFFS.as_slice()),
         )
         .await
     }

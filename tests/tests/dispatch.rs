@@ -640,6 +640,13 @@ async fn a_message_the_broker_always_refuses_backs_off_and_holds_its_key(pool: P
     assert!((2..=8).contains(&states.len()), "{} attempts in two seconds", states.len());
     assert!(states.iter().all(|s| s == "NOT_SENT"), "{states:?}");
     assert_eq!(state_of(&pool, stuck.event_id().as_str()).await, EventState::Pending);
+    // The wait the store set is outbox-core's rule for the event's attempt count.
+    let (wait, generation): (i64, i32) = sqlx::query_as("SELECT next_check_at_ms - state_since_ms, attempt_generation FROM outbox_events WHERE event_id = $1")
+        .bind(stuck.event_id().as_str())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!((wait, generation as usize), (outbox_core::not_sent_backoff_ms(generation as u32), states.len()));
     assert_eq!(state_of(&pool, next.event_id().as_str()).await, EventState::Pending, "sent ahead of its key's head");
     assert_eq!(count(&pool, &format!("SELECT count(*) FROM outbox_attempts WHERE event_id = '{}'", next.event_id())).await, 0);
     assert!(read_topic(&cluster.bootstrap, TOPIC, PARTITIONS).is_empty());
