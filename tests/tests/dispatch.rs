@@ -275,28 +275,15 @@ async fn registering_an_attempt_writes_no_index_entry(pool: PgPool) {
     for i in 0..4 {
         create_order(&pool, &format!("o-{i}"), 10).await;
     }
-    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let own = single_connection(&pool).await;
     let store = PgStore::new(own.clone());
     let claimed = store.claim_batch("w1", 10, 30_000).await.unwrap();
     assert_eq!(claimed.len(), 4);
     let tokens: Vec<_> = claimed.iter().map(|c| c.token.clone()).collect();
     assert!(store.register_attempts(&tokens).await.unwrap().iter().all(|r| r.is_ok()));
     own.close().await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let (updated, hot): (i64, i64) = sqlx::query_as(
-            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s WHERE relname = 'outbox_events'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        if updated >= 8 {
-            assert_eq!((updated, hot), (8, 4), "4 claims with index entries, 4 registrations without");
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "statistics never arrived: {updated} updates");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let stats = table_stats_once(&pool, "outbox_events", |t| t.n_tup_upd >= 8).await;
+    assert_eq!((stats.n_tup_upd, stats.n_tup_hot_upd), (8, 4), "4 claims with index entries, 4 registrations without");
 }
 
 /// Ordering chains are (cluster, topic, routing key), hashed into
@@ -528,22 +515,37 @@ async fn graceful_shutdown_stops_claiming_and_settles_every_started_send(pool: P
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await, published);
 }
 
-/// A table's statistics arrive once its backends flush them; waits until
-/// `outbox_attempts` shows at least `inserted` inserts and `updated`
-/// updates, and returns its sequential-scan count.
-async fn attempts_seq_scans_once(pool: &PgPool, inserted: i64, updated: i64) -> i64 {
+/// A pool of one connection: the statistics of what it did reach
+/// `pg_stat_user_tables` when it is closed (its backend exits).
+async fn single_connection(pool: &PgPool) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap()
+}
+
+/// One table's counters in `pg_stat_user_tables`.
+#[derive(Debug, sqlx::FromRow)]
+struct TableStats {
+    n_tup_ins: i64,
+    n_tup_upd: i64,
+    n_tup_hot_upd: i64,
+    seq_scan: i64,
+}
+
+/// `table`'s counters once `arrived` says the expected writes have been
+/// flushed (statistics reach the view when a backend reports them).
+async fn table_stats_once(pool: &PgPool, table: &str, arrived: impl Fn(&TableStats) -> bool) -> TableStats {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let (ins, upd, seq): (i64, i64, i64) = sqlx::query_as(
-            "SELECT n_tup_ins, n_tup_upd, seq_scan FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s WHERE relname = 'outbox_attempts'",
+        let stats: TableStats = sqlx::query_as(
+            "SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, seq_scan FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s WHERE relname = $1",
         )
+        .bind(table)
         .fetch_one(pool)
         .await
         .unwrap();
-        if ins >= inserted && upd >= updated {
-            return seq;
+        if arrived(&stats) {
+            return stats;
         }
-        assert!(tokio::time::Instant::now() < deadline, "statistics never arrived: {ins} inserts, {upd} updates");
+        assert!(tokio::time::Instant::now() < deadline, "statistics of {table} never arrived: {stats:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -562,7 +564,7 @@ async fn receipt_batches_find_attempts_by_index_without_statistics(pool: PgPool)
     const EARLIER_PER_EVENT: i64 = 250;
     setup(&pool, "cluster-a").await;
     emit_many(&pool, EVENTS, 1).await;
-    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let own = single_connection(&pool).await;
     let store = PgStore::new(own.clone());
     let claimed = store.claim_batch("w1", EVENTS, 30_000).await.unwrap();
     assert_eq!(claimed.len(), EVENTS);
@@ -583,7 +585,7 @@ async fn receipt_batches_find_attempts_by_index_without_statistics(pool: PgPool)
     .unwrap();
     own.close().await;
     let rows = EVENTS as i64 * (1 + EARLIER_PER_EVENT);
-    let before = attempts_seq_scans_once(&pool, rows, 0).await;
+    let before = table_stats_once(&pool, "outbox_attempts", |t| t.n_tup_ins >= rows).await.seq_scan;
 
     let receipts: Vec<outbox_core::BrokerReceipt> = claimed
         .iter()
@@ -601,11 +603,11 @@ async fn receipt_batches_find_attempts_by_index_without_statistics(pool: PgPool)
             offset: n as i64,
         })
         .collect();
-    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let own = single_connection(&pool).await;
     let outcomes = PgStore::new(own.clone()).accept_dispatch_receipts(&receipts).await.unwrap();
     assert!(outcomes.iter().all(|o| o.state == EventState::Published), "{:?}", outcomes.iter().find(|o| o.state != EventState::Published));
     own.close().await;
-    let after = attempts_seq_scans_once(&pool, rows, EVENTS as i64).await;
+    let after = table_stats_once(&pool, "outbox_attempts", |t| t.n_tup_upd >= EVENTS as i64).await.seq_scan;
     assert_eq!(after, before, "the receipt transaction scanned outbox_attempts sequentially");
 }
 
