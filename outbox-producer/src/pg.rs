@@ -338,28 +338,25 @@ impl PgStore {
         // only RETAINED and PURGED follow: other events have an empty slot.
         // (Were that ever violated, filling the slot again would fail on its
         // primary key, not overwrite it.)
-        let filled: Vec<&str> = events
+        let (filled, generations): (Vec<&str>, Vec<i32>) = events
             .values()
             .filter(|e| matches!(e.state, EventState::Published | EventState::Retained | EventState::Purged))
-            .map(|e| e.event_id.as_str())
-            .collect();
-        let slots = if filled.is_empty() {
-            Vec::new()
-        } else {
-            // One probe per event, as for attempts below.
-            sqlx::query(&format!(
-                "SELECT r.* FROM UNNEST($1::text[]) AS k(event_id)
-                 CROSS JOIN LATERAL (SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = k.event_id) r"
+            .map(|e| (e.event_id.as_str(), e.envelope_generation as i32))
+            .unzip();
+        if !filled.is_empty() {
+            // By primary key, the current generation's slot of each.
+            let slots = sqlx::query(&format!(
+                "SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts
+                 WHERE (event_id, envelope_generation) IN (SELECT * FROM UNNEST($1::text[], $2::int[]))"
             ))
             .bind(&filled)
+            .bind(&generations)
             .fetch_all(&mut *tx)
             .await
-            .map_err(store_err)?
-        };
-        for r in slots {
-            let rec = receipt_from_row(&r)?;
-            if let Some(ev) = events.get_mut(rec.event_id.as_str()) {
-                if ev.envelope_generation == rec.envelope_generation {
+            .map_err(store_err)?;
+            for r in slots {
+                let rec = receipt_from_row(&r)?;
+                if let Some(ev) = events.get_mut(rec.event_id.as_str()) {
                     ev.slot = Some(rec);
                 }
             }
