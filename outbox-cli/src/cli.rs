@@ -223,6 +223,10 @@ pub struct DispatchArgs {
     /// How long shutdown waits for outstanding broker answers [default: 30000].
     #[arg(long, value_name = "MS")]
     pub shutdown_grace_ms: Option<u64>,
+    /// How long a batch keeps recording broker answers through retryable
+    /// database errors (lost connection, failover), 0..=600000 [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub record_retry_ms: Option<u64>,
     /// Do not LISTEN for `outbox_pending` notifications; poll only.
     #[arg(long)]
     pub no_listen: bool,

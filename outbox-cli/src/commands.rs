@@ -271,6 +271,7 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
         sweep_interval_ms: a.sweep_interval_ms,
         head_scan_every: a.head_scan_every,
         shutdown_grace_ms: a.shutdown_grace_ms,
+        record_retry_ms: a.record_retry_ms,
         no_listen: a.no_listen,
     };
     let cfg: DispatcherConfig = config::dispatcher_config(&flags, file)?;
@@ -278,7 +279,7 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
     if a.print_config {
         print!(
-            "dispatch.name = {}\ndispatch.workers = {}\ndispatch.batch_size = {}\ndispatch.lease_ms = {}\ndispatch.poll_interval_ms = {}\ndispatch.sweep_interval_ms = {}\ndispatch.head_scan_every = {}\ndispatch.shutdown_grace_ms = {}\ndispatch.listen = {}\n{}metrics.addr = {}\n",
+            "dispatch.name = {}\ndispatch.workers = {}\ndispatch.batch_size = {}\ndispatch.lease_ms = {}\ndispatch.poll_interval_ms = {}\ndispatch.sweep_interval_ms = {}\ndispatch.head_scan_every = {}\ndispatch.shutdown_grace_ms = {}\ndispatch.record_retry_ms = {}\ndispatch.listen = {}\n{}metrics.addr = {}\n",
             cfg.name,
             cfg.workers,
             cfg.batch_size,
@@ -287,6 +288,7 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
             cfg.sweep_interval_ms,
             cfg.head_scan_every,
             cfg.shutdown_grace_ms,
+            cfg.record_retry_ms,
             cfg.listen,
             describe_kafka(&kafka),
             metrics_addr.as_deref().unwrap_or("off")

@@ -250,6 +250,8 @@ pub struct DispatchFlags {
     pub head_scan_every: Option<u32>,
     /// Shutdown grace, ms.
     pub shutdown_grace_ms: Option<u64>,
+    /// Retry bound for recording broker answers, ms.
+    pub record_retry_ms: Option<u64>,
     /// Disable LISTEN.
     pub no_listen: bool,
 }
@@ -280,6 +282,9 @@ pub fn dispatcher_config(flags: &DispatchFlags, file: &FileConfig) -> anyhow::Re
     }
     if let Some(v) = flags.shutdown_grace_ms {
         c.shutdown_grace_ms = v;
+    }
+    if let Some(v) = flags.record_retry_ms {
+        c.record_retry_ms = v;
     }
     if flags.no_listen {
         c.listen = false;
@@ -350,5 +355,7 @@ mod tests {
         assert!(dispatcher_config(&DispatchFlags { workers: Some(0), ..Default::default() }, &f).is_err());
         assert!(dispatcher_config(&DispatchFlags { head_scan_every: Some(0), ..Default::default() }, &f).is_err());
         assert_eq!(dispatcher_config(&DispatchFlags { head_scan_every: Some(1), ..Default::default() }, &f).unwrap().head_scan_every, 1);
+        assert_eq!(dispatcher_config(&DispatchFlags { record_retry_ms: Some(0), ..Default::default() }, &f).unwrap().record_retry_ms, 0);
+        assert!(dispatcher_config(&DispatchFlags { record_retry_ms: Some(600_001), ..Default::default() }, &f).is_err());
     }
 }

@@ -57,6 +57,7 @@ pub struct DispatchExport {
     not_sent: IntCounter,
     quarantined: IntCounter,
     fenced: IntCounter,
+    store_retries: IntCounter,
     batches: IntCounter,
     batch_ms_total: IntCounter,
     batch_ms_max: IntGauge,
@@ -82,6 +83,7 @@ impl DispatchExport {
             not_sent: counter(r, "outbox_dispatch_not_sent_total", "Attempts the broker definitely did not persist (event eligible again)."),
             quarantined: counter(r, "outbox_dispatch_quarantined_total", "Events or receipts quarantined (divergent payload or destination)."),
             fenced: counter(r, "outbox_dispatch_fenced_total", "Writes refused because the claim was taken over (stale worker)."),
+            store_retries: counter(r, "outbox_dispatch_store_retries_total", "Retryable database errors a settling batch rode out (answers recorded again, lease renewals skipped)."),
             batches: counter(r, "outbox_dispatch_batches_total", "Batches settled."),
             batch_ms_total: counter(r, "outbox_dispatch_batch_milliseconds_total", "Sum of batch latencies, ms (divide by batches_total for the mean)."),
             batch_ms_max: gauge(r, "outbox_dispatch_batch_max_milliseconds", "Slowest batch since start, ms."),
@@ -107,6 +109,7 @@ impl DispatchExport {
         follow(&self.not_sent, g(&m.not_sent));
         follow(&self.quarantined, g(&m.quarantined));
         follow(&self.fenced, g(&m.fenced));
+        follow(&self.store_retries, g(&m.store_retries));
         follow(&self.batches, g(&m.batches));
         follow(&self.batch_ms_total, g(&m.batch_ms_total));
         self.batch_ms_max.set(g(&m.batch_ms_max) as i64);

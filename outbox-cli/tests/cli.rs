@@ -95,6 +95,9 @@ async fn config_precedence_is_flags_then_environment_then_file() {
     assert!(from_file.contains("dispatch.head_scan_every = 2"), "{from_file}");
     assert!(cfg(&[("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", "3")], &[]).contains("dispatch.head_scan_every = 3"));
     assert!(cfg(&[("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", "3")], &["--head-scan-every", "1"]).contains("dispatch.head_scan_every = 1"));
+    assert!(from_file.contains("dispatch.record_retry_ms = 30000"), "{from_file}");
+    assert!(cfg(&[("OUTBOX_DISPATCH_RECORD_RETRY_MS", "5000")], &[]).contains("dispatch.record_retry_ms = 5000"));
+    assert!(cfg(&[("OUTBOX_DISPATCH_RECORD_RETRY_MS", "5000")], &["--record-retry-ms", "0"]).contains("dispatch.record_retry_ms = 0"));
     let env = cfg(&[("OUTBOX_DISPATCH_WORKERS", "5"), ("OUTBOX_KAFKA_BOOTSTRAP", "env:9092"), ("OUTBOX_METRICS_ADDR", "127.0.0.1:2")], &[]);
     assert!(env.contains("dispatch.workers = 5") && env.contains("dispatch.batch_size = 33"), "{env}");
     assert!(env.contains("kafka.bootstrap = env:9092") && env.contains("metrics.addr = 127.0.0.1:2"), "{env}");

@@ -12,7 +12,9 @@
 //! 2. [`Dispatcher::settle`]: wait for the answers (renewing the leases of a
 //!    long batch), then: ACK -> `accept_dispatch_receipts`; definitely not
 //!    persisted -> attempt NOT_SENT, event PENDING; anything else -> attempt
-//!    UNKNOWN, event DISPATCH_UNKNOWN. A worker whose claim was taken over
+//!    UNKNOWN, event DISPATCH_UNKNOWN. These writes ride out retryable
+//!    database errors (a lost connection, a failover) for up to
+//!    [`DispatcherConfig::record_retry_ms`]. A worker whose claim was taken over
 //!    meanwhile writes nothing but audit records, yet its ACKs still go
 //!    through the receipt transaction.
 
@@ -24,7 +26,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use outbox_core::claim::{MAX_CLAIM_BATCH, MAX_LEASE_MS, MIN_LEASE_MS};
 use outbox_core::{
     headers, sha256_digest, AttemptRecord, Broker, BrokerReceipt, ClaimedEvent, FenceOutcome, OutboxStore, OutgoingMessage, ReceiptDecision,
-    SendOutcome,
+    SendOutcome, StoreError,
 };
 use serde::Deserialize;
 use tokio::sync::{watch, Notify};
@@ -46,6 +48,14 @@ pub const DEFAULT_POLL_INTERVAL_MS: u64 = 1_000;
 pub const DEFAULT_SWEEP_INTERVAL_MS: u64 = 1_000;
 /// Default time shutdown waits for outstanding broker answers, ms.
 pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 30_000;
+/// Default of [`DispatcherConfig::record_retry_ms`].
+pub const DEFAULT_RECORD_RETRY_MS: u64 = 30_000;
+/// Largest [`DispatcherConfig::record_retry_ms`].
+pub const MAX_RECORD_RETRY_MS: u64 = 600_000;
+/// First wait before recording a broker answer again; it doubles up to
+/// [`RECORD_RETRY_MAX_WAIT`].
+const RECORD_RETRY_FIRST_WAIT: Duration = Duration::from_millis(50);
+const RECORD_RETRY_MAX_WAIT: Duration = Duration::from_secs(2);
 /// How often the sweeper recounts rows of a newer protocol version.
 pub const PROTOCOL_GAUGE_EVERY: Duration = Duration::from_secs(30);
 /// Most workers one dispatcher runs.
@@ -88,6 +98,14 @@ pub struct DispatcherConfig {
     pub head_scan_every: u32,
     /// How long shutdown waits for outstanding answers, ms.
     pub shutdown_grace_ms: u64,
+    /// How long a batch keeps trying to record the broker's answers (the
+    /// receipt transaction, not-sent and unknown reports) while PostgreSQL
+    /// fails with a retryable error: a lost connection, a restart or
+    /// failover, a serialization failure or deadlock. Waits 50 ms, doubling
+    /// to 2 s, between tries. Past it the batch fails and its events are
+    /// left to their leases (DISPATCH_UNKNOWN, then the reconciler).
+    /// 0..=600000; 0 tries once.
+    pub record_retry_ms: u64,
     /// Wake on `NOTIFY outbox_pending` (sent by `emit`).
     pub listen: bool,
     /// The dispatcher alias this instance runs under (SPEC §11). With an
@@ -110,6 +128,7 @@ impl Default for DispatcherConfig {
             sweep_interval_ms: DEFAULT_SWEEP_INTERVAL_MS,
             head_scan_every: DEFAULT_HEAD_SCAN_EVERY,
             shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
+            record_retry_ms: DEFAULT_RECORD_RETRY_MS,
             listen: true,
             alias: None,
             implementation: IMPLEMENTATION.to_owned(),
@@ -135,7 +154,7 @@ impl DispatcherConfig {
 
     /// Applies `OUTBOX_DISPATCH_NAME`, `_WORKERS`, `_BATCH_SIZE`, `_LEASE_MS`,
     /// `_POLL_INTERVAL_MS`, `_SWEEP_INTERVAL_MS`, `_HEAD_SCAN_EVERY`,
-    /// `_SHUTDOWN_GRACE_MS`, `_LISTEN`, `_ALIAS`, `_IMPLEMENTATION`.
+    /// `_SHUTDOWN_GRACE_MS`, `_RECORD_RETRY_MS`, `_LISTEN`, `_ALIAS`, `_IMPLEMENTATION`.
     pub fn with_env(mut self) -> Result<Self, ProducerError> {
         env_parse("OUTBOX_DISPATCH_NAME", &mut self.name)?;
         env_parse("OUTBOX_DISPATCH_WORKERS", &mut self.workers)?;
@@ -145,6 +164,7 @@ impl DispatcherConfig {
         env_parse("OUTBOX_DISPATCH_SWEEP_INTERVAL_MS", &mut self.sweep_interval_ms)?;
         env_parse("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", &mut self.head_scan_every)?;
         env_parse("OUTBOX_DISPATCH_SHUTDOWN_GRACE_MS", &mut self.shutdown_grace_ms)?;
+        env_parse("OUTBOX_DISPATCH_RECORD_RETRY_MS", &mut self.record_retry_ms)?;
         env_parse("OUTBOX_DISPATCH_LISTEN", &mut self.listen)?;
         if let Ok(a) = std::env::var("OUTBOX_DISPATCH_ALIAS") {
             self.alias = Some(a.trim().to_owned()).filter(|a| !a.is_empty());
@@ -177,6 +197,9 @@ impl DispatcherConfig {
         if !(10..=600_000).contains(&self.poll_interval_ms) || !(10..=600_000).contains(&self.sweep_interval_ms) {
             return bad("poll_interval_ms and sweep_interval_ms must be within 10..=600000".into());
         }
+        if self.record_retry_ms > MAX_RECORD_RETRY_MS {
+            return bad(format!("record_retry_ms = {} (0..={MAX_RECORD_RETRY_MS})", self.record_retry_ms));
+        }
         Ok(())
     }
 
@@ -204,6 +227,9 @@ pub struct DispatchMetrics {
     pub quarantined: AtomicU64,
     /// Writes refused because the claim was taken over.
     pub fenced: AtomicU64,
+    /// Retryable database errors a settling batch rode out: a recording of
+    /// broker answers tried again, or a lease renewal skipped.
+    pub store_retries: AtomicU64,
     /// Batches settled.
     pub batches: AtomicU64,
     /// Sum of batch latencies, ms (with `batches`, the mean).
@@ -501,18 +527,33 @@ impl<B: Broker + 'static> Dispatcher<B> {
                 _ = tokio::time::sleep_until(next_renewal) => {
                     // A long batch keeps its claims alive while answers are outstanding.
                     let outstanding: Vec<_> = tokens.iter().flatten().cloned().collect();
-                    let renewed = self.store.renew_leases(&outstanding, self.config.lease_ms).await?;
-                    let lost = renewed.iter().filter(|r| r.is_none()).count();
-                    if lost > 0 {
-                        tracing::warn!(owner = %owner, lost, "claims lost while sends were outstanding; their answers still go through acceptDispatchReceipt");
+                    match self.store.renew_leases(&outstanding, self.config.lease_ms).await {
+                        Ok(renewed) => {
+                            let lost = renewed.iter().filter(|r| r.is_none()).count();
+                            if lost > 0 {
+                                tracing::warn!(owner = %owner, lost, "claims lost while sends were outstanding; their answers still go through acceptDispatchReceipt");
+                            }
+                            next_renewal = tokio::time::Instant::now() + renew_every;
+                        }
+                        // The sends are out: their answers must still be
+                        // recorded, whatever becomes of the leases. A lease
+                        // that runs out turns its event DISPATCH_UNKNOWN
+                        // (the sweeper), and an ACK of this batch still
+                        // publishes it through acceptDispatchReceipt.
+                        Err(e) => {
+                            inc(&self.metrics.store_retries, 1);
+                            tracing::warn!(owner = %owner, error = %e, "lease renewal failed while sends were outstanding; trying again soon");
+                            // An eighth of the lease, at most 2 s.
+                            next_renewal = tokio::time::Instant::now() + (renew_every / 4).min(RECORD_RETRY_MAX_WAIT);
+                        }
                     }
-                    next_renewal = tokio::time::Instant::now() + renew_every;
                 }
             }
         }
 
         let cluster_id = self.broker.cluster_id().to_owned();
         let mut receipts: Vec<BrokerReceipt> = Vec::new();
+        let mut reports = Vec::new();
         for (_, ev, attempt, outcome) in &results {
             match outcome {
                 SendOutcome::Acked { partition, offset } => receipts.push(BrokerReceipt {
@@ -527,35 +568,60 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     partition: *partition,
                     offset: *offset,
                 }),
-                SendOutcome::NotPersisted(why) => {
-                    let outcome = self.store.report_not_sent(&ev.token, &attempt.attempt_id, why).await?;
-                    self.tally(outcome, &mut report, |r| &mut r.not_sent, &self.metrics.not_sent);
+                SendOutcome::NotPersisted(why) => reports.push((ev, attempt, false, why)),
+                SendOutcome::Unknown(why) => reports.push((ev, attempt, true, why)),
+            }
+        }
+
+        // Every answer is recorded even when another one fails: the first
+        // failure is returned after the rest were tried.
+        let mut failed: Option<StoreError> = None;
+        cursor.published.clear();
+        match self.recorded("accept_dispatch_receipts", || self.store.accept_dispatch_receipts(&receipts)).await {
+            Ok(outcomes) => {
+                for (outcome, receipt) in outcomes.into_iter().zip(&receipts) {
+                    match outcome.decision {
+                        ReceiptDecision::Accept { .. } => {
+                            cursor.published.push(receipt.event_id.clone());
+                            report.published += 1;
+                            inc(&self.metrics.published, 1);
+                        }
+                        ReceiptDecision::AlreadyAccepted | ReceiptDecision::Duplicate => {
+                            report.duplicates += 1;
+                            inc(&self.metrics.duplicates, 1);
+                        }
+                        ReceiptDecision::Quarantine { .. } => {
+                            report.quarantined += 1;
+                            inc(&self.metrics.quarantined, 1);
+                        }
+                        ReceiptDecision::Reject { reason } => tracing::error!(?reason, "own receipt rejected by acceptDispatchReceipt"),
+                    }
                 }
-                SendOutcome::Unknown(why) => {
-                    tracing::warn!(event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id, reason = %why, "dispatch outcome unknown");
-                    let outcome = self.store.report_unknown(&ev.token, &attempt.attempt_id, why).await?;
-                    self.tally(outcome, &mut report, |r| &mut r.unknown, &self.metrics.unknown);
+            }
+            Err(e) => {
+                tracing::error!(owner = %owner, receipts = receipts.len(), error = %e,
+                    "receipts not recorded; their events wait for their leases to expire (DISPATCH_UNKNOWN) and the reconciler");
+                failed = Some(e);
+            }
+        }
+        for (ev, attempt, unknown, why) in reports {
+            let recorded = if unknown {
+                tracing::warn!(event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id, reason = %why, "dispatch outcome unknown");
+                self.recorded("report_unknown", || self.store.report_unknown(&ev.token, &attempt.attempt_id, why)).await
+            } else {
+                self.recorded("report_not_sent", || self.store.report_not_sent(&ev.token, &attempt.attempt_id, why)).await
+            };
+            match recorded {
+                Ok(outcome) if unknown => self.tally(outcome, &mut report, |r| &mut r.unknown, &self.metrics.unknown),
+                Ok(outcome) => self.tally(outcome, &mut report, |r| &mut r.not_sent, &self.metrics.not_sent),
+                Err(e) => {
+                    tracing::error!(event_id = %ev.envelope.event_id, error = %e, "outcome not recorded; the event waits for its lease to expire");
+                    failed.get_or_insert(e);
                 }
             }
         }
-        cursor.published.clear();
-        for (outcome, receipt) in self.store.accept_dispatch_receipts(&receipts).await?.into_iter().zip(&receipts) {
-            match outcome.decision {
-                ReceiptDecision::Accept { .. } => {
-                    cursor.published.push(receipt.event_id.clone());
-                    report.published += 1;
-                    inc(&self.metrics.published, 1);
-                }
-                ReceiptDecision::AlreadyAccepted | ReceiptDecision::Duplicate => {
-                    report.duplicates += 1;
-                    inc(&self.metrics.duplicates, 1);
-                }
-                ReceiptDecision::Quarantine { .. } => {
-                    report.quarantined += 1;
-                    inc(&self.metrics.quarantined, 1);
-                }
-                ReceiptDecision::Reject { reason } => tracing::error!(?reason, "own receipt rejected by acceptDispatchReceipt"),
-            }
+        if let Some(e) = failed {
+            return Err(e.into());
         }
         let ms = started.elapsed().as_millis() as u64;
         inc(&self.metrics.batches, 1);
@@ -565,6 +631,34 @@ impl<B: Broker + 'static> Dispatcher<B> {
             tracing::debug!(owner = %owner, ?report, batch_ms = ms, "batch settled");
         }
         Ok(report)
+    }
+
+    /// `call` again after a retryable database error (lost connection,
+    /// restart, serialization failure, deadlock), waiting 50 ms doubling to
+    /// 2 s, for at most [`DispatcherConfig::record_retry_ms`]: answers the
+    /// broker already gave are not dropped because PostgreSQL blinked. Each
+    /// call is safe to repeat when its first commit went through unseen (the
+    /// connection broke before the answer): the receipt is then already
+    /// accepted (counted as a duplicate), and the report finds its claim
+    /// released and changes nothing (counted, and audited, as fenced).
+    async fn recorded<T, F, Fut>(&self, what: &'static str, mut call: F) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let deadline = Instant::now() + Duration::from_millis(self.config.record_retry_ms);
+        let mut wait = RECORD_RETRY_FIRST_WAIT;
+        loop {
+            match call().await {
+                Err(e @ StoreError::Backend { retryable: true, .. }) if Instant::now() + wait <= deadline => {
+                    inc(&self.metrics.store_retries, 1);
+                    tracing::warn!(what, error = %e, retry_in_ms = wait.as_millis() as u64, "recording broker answers failed; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(RECORD_RETRY_MAX_WAIT);
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Counts one fenced report: under `applied` when it changed the row, as

@@ -653,3 +653,121 @@ async fn a_message_the_broker_always_refuses_backs_off_and_holds_its_key(pool: P
     assert_eq!(count(&pool, &format!("SELECT count(*) FROM outbox_attempts WHERE event_id = '{}'", next.event_id())).await, 0);
     assert!(read_topic(&cluster.bootstrap, TOPIC, PARTITIONS).is_empty());
 }
+
+/// A session of its own, in a transaction that holds the lock `lock_sql`
+/// takes, and its backend pid.
+async fn holding(pool: &PgPool, lock_sql: &str) -> (sqlx::Transaction<'static, sqlx::Postgres>, i32) {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(lock_sql).execute(&mut *tx).await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await.unwrap();
+    (tx, pid)
+}
+
+/// Terminates the backend that waits for `blocker`'s lock, once one does,
+/// as a lost connection, a restart or a failover would cut it off; its
+/// statement is returned.
+async fn kill_the_session_waiting_for(pool: &PgPool, blocker: i32) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: Option<(i32, String)> = sqlx::query_as("SELECT pid, query FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))")
+            .bind(blocker)
+            .fetch_optional(pool)
+            .await
+            .unwrap();
+        if let Some((pid, query)) = waiting {
+            let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)").bind(pid).fetch_one(pool).await.unwrap();
+            assert!(killed, "backend {pid} could not be terminated");
+            return query;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no session ever waited for backend {blocker}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Every event PUBLISHED by the one attempt it was sent with, with one
+/// primary receipt, and in the log exactly once.
+async fn published_once_each(pool: &PgPool, cluster: &TestCluster, ids: &[String]) {
+    let n = ids.len() as i64;
+    assert_eq!(count(pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await, n);
+    assert_eq!(count(pool, "SELECT count(*) FROM outbox_attempts WHERE state = 'ACKED'").await, n);
+    assert_eq!(count(pool, "SELECT count(*) FROM outbox_attempts").await, n, "an event was sent twice");
+    assert_eq!(count(pool, "SELECT count(DISTINCT event_id) FROM outbox_publish_receipts").await, n);
+    let log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
+    let mut in_log: Vec<String> = log.iter().filter_map(|m| m.header(headers::EVENT_ID)).collect();
+    in_log.sort();
+    let mut want = ids.to_vec();
+    want.sort();
+    assert_eq!(in_log, want);
+}
+
+/// The receipt transaction's connection is cut off (its backend
+/// terminated, as by a restart or failover) after the broker ACKed the
+/// batch: the batch records the ACKs again on a new connection instead
+/// of dropping them, so no event is left for its lease to turn
+/// DISPATCH_UNKNOWN and nothing is sent twice.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn receipts_cut_off_by_a_lost_connection_are_recorded_on_a_new_one(pool: PgPool) {
+    let (cluster, broker) = started(&pool, 5_000).await;
+    let ids = emit_many(&pool, 20, 1).await;
+    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, config("d")).unwrap());
+    // Receipts wait to be inserted while this session holds the table.
+    let (blocker, blocker_pid) = holding(&pool, "LOCK TABLE outbox_publish_receipts IN SHARE MODE").await;
+    let batch = tokio::spawn({
+        let d = d.clone();
+        async move { d.dispatch_once("w1").await }
+    });
+    let killed = kill_the_session_waiting_for(&pool, blocker_pid).await;
+    assert!(killed.contains("outbox_publish_receipts"), "not the receipt transaction: {killed}");
+    // The next try waits for the lock again; then PostgreSQL is back.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    blocker.rollback().await.unwrap();
+
+    let r = batch.await.unwrap().expect("the batch records its ACKs after losing its connection");
+    assert_eq!((r.sent, r.published, r.unknown), (20, 20, 0), "{r:?}");
+    assert!(d.metrics().store_retries.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    published_once_each(&pool, &cluster, &ids).await;
+}
+
+/// A lease renewal cut off while the batch's sends are outstanding does not
+/// abandon the batch: the broker's ACKs, arriving after it, are recorded.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_lease_renewal_cut_off_mid_batch_still_records_the_acks(pool: PgPool) {
+    let (cluster, broker) = started(&pool, 10_000).await;
+    // Lease 1 s: the batch renews every 500 ms while the ACKs take 2 s.
+    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { lease_ms: 1_000, ..config("d") }).unwrap());
+    // Warm the connection and metadata, so the next Produce request really goes out.
+    let mut ids = emit_many(&pool, 1, 1).await;
+    assert_eq!(d.dispatch_once("w0").await.unwrap().published, 1);
+    let batch_ids: Vec<String> = {
+        let mut tx = pool.begin().await.unwrap();
+        let mut out = Vec::new();
+        for o in 0..10 {
+            let (id, key) = (format!("r-{o}"), format!("r-c-{o}"));
+            let payload = order_payload(&id, 1);
+            out.push(outbox_producer::emit(&mut tx, &order_request(&key, &id, &payload), &EmitOptions::default()).await.unwrap().event_id().to_string());
+        }
+        tx.commit().await.unwrap();
+        out
+    };
+    ids.extend(batch_ids.iter().cloned());
+    cluster.mock.as_ref().expect("this fault needs the mock cluster").broker_round_trip_time(1, Duration::from_millis(2_000)).unwrap();
+
+    let batch = tokio::spawn({
+        let d = d.clone();
+        async move { d.dispatch_once("w1").await }
+    });
+    // Once the attempts are registered (the sends are out), hold the rows
+    // the renewal updates.
+    wait_count(&pool, "SELECT count(*) FROM outbox_attempts WHERE state = 'SENDING'", 10, Duration::from_secs(10)).await;
+    let lock = format!("SELECT 1 FROM outbox_events WHERE event_id IN ('{}') FOR UPDATE", batch_ids.join("','"));
+    let (blocker, blocker_pid) = holding(&pool, &lock).await;
+    let killed = kill_the_session_waiting_for(&pool, blocker_pid).await;
+    assert!(killed.contains("lease_until_ms"), "not the lease renewal: {killed}");
+    blocker.rollback().await.unwrap();
+
+    let r = batch.await.unwrap().expect("the batch outlives a failed lease renewal");
+    assert_eq!((r.sent, r.published, r.unknown), (10, 10, 0), "{r:?}");
+    assert!(d.metrics().store_retries.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    cluster.mock.as_ref().unwrap().broker_round_trip_time(1, Duration::ZERO).unwrap();
+    published_once_each(&pool, &cluster, &ids).await;
+}
