@@ -344,8 +344,11 @@ impl MemoryStore {
             ev.published_at_ms.get_or_insert(now_ms);
         }
         match to {
+            // Due for the reconciler at once, as in PostgreSQL; a recheck
+            // sets its own time after this transition.
             EventState::DispatchUnknown => {
                 ev.unknown_since_ms.get_or_insert(now_ms);
+                ev.next_check_at_ms = now_ms;
             }
             EventState::Published | EventState::Quarantined | EventState::Pending => ev.unknown_since_ms = None,
             _ => {}

@@ -22,3 +22,33 @@ fn the_suite_can_run_twice_on_one_store() {
         }
     }
 }
+
+/// Entering DISPATCH_UNKNOWN makes an event due for the reconciler at once,
+/// as PostgreSQL's store does, even when a recheck had been scheduled
+/// later: here an operator took the event (as a migration does) and let
+/// the lease expire.
+#[test]
+fn an_expired_reconcile_lease_makes_the_event_due_at_once() {
+    use outbox_core::conformance::Harness;
+    use outbox_core::{EventState, OutboxStore, ReconcileDecision, RecheckReason};
+    let h = MemoryHarness::new();
+    let s = h.store();
+    now(async {
+        let id = h.emit("due-1", "o-due", b"{}").await;
+        let claimed = s.claim_batch("w", 10, 1_000).await.unwrap().pop().expect("claimed");
+        let attempt = s.register_attempt(&claimed.token).await.unwrap();
+        s.report_unknown(&claimed.token, &attempt.attempt_id, "timeout").await.unwrap();
+        let task = s.begin_reconcile("r", 10, 1_000).await.unwrap().pop().expect("due after the report");
+        let later = h.now_ms() + 60_000;
+        let recheck = ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: later };
+        s.finish_reconcile(&task.token, &recheck).await.unwrap();
+        assert!(s.begin_reconcile("r", 10, 1_000).await.unwrap().is_empty(), "not due before its recheck");
+
+        s.begin_reconcile_event("operator", &id, 1_000).unwrap().expect("taken by the operator");
+        h.advance_ms(2_000);
+        s.expire_leases().await.unwrap();
+        assert_eq!(s.event_state(&id).await.unwrap().0, EventState::DispatchUnknown);
+        let due = s.begin_reconcile("r", 10, 1_000).await.unwrap();
+        assert_eq!(due.len(), 1, "an expired lease leaves the event due now, not at the old recheck");
+    });
+}
