@@ -66,6 +66,7 @@ pub struct DispatchExport {
     oldest_pending: Gauge,
     refused_protocol_rows: IntGauge,
     alias_active: IntGauge,
+    clock_skew: IntGauge,
     in_flight: IntGauge,
     in_flight_source: Option<Arc<dyn Fn() -> usize + Send + Sync>>,
 }
@@ -92,6 +93,7 @@ impl DispatchExport {
             oldest_pending: fgauge(r, "outbox_oldest_pending_age_seconds", "Age of the oldest PENDING event, seconds (0 when none)."),
             refused_protocol_rows: gauge(r, "outbox_dispatch_refused_protocol_rows", "Waiting rows of a newer protocol version this dispatcher refuses to claim."),
             alias_active: gauge(r, "outbox_dispatch_alias_active", "1 while this dispatcher may claim (no alias, or its alias names its implementation), 0 while it idles."),
+            clock_skew: gauge(r, "outbox_dispatch_clock_skew_milliseconds", "How far this dispatcher's clock is ahead of PostgreSQL's, ms (negative: behind), checked every 30 s."),
             in_flight: gauge(r, "outbox_kafka_in_flight_messages", "Messages handed to the Kafka client and not yet reported on."),
             in_flight_source: in_flight,
         }
@@ -118,6 +120,7 @@ impl DispatchExport {
         self.oldest_pending.set(g(&m.oldest_pending_age_ms) as f64 / 1000.0);
         self.refused_protocol_rows.set(g(&m.refused_protocol_rows) as i64);
         self.alias_active.set(g(&m.alias_active) as i64);
+        self.clock_skew.set(m.clock_skew_ms.load(Ordering::Relaxed));
         if let Some(f) = &self.in_flight_source {
             self.in_flight.set(f() as i64);
         }

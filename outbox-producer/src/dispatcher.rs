@@ -18,7 +18,7 @@
 //!    meanwhile writes nothing but audit records, yet its ACKs still go
 //!    through the receipt transaction.
 
-use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -56,8 +56,14 @@ pub const MAX_RECORD_RETRY_MS: u64 = 600_000;
 /// [`RECORD_RETRY_MAX_WAIT`].
 const RECORD_RETRY_FIRST_WAIT: Duration = Duration::from_millis(50);
 const RECORD_RETRY_MAX_WAIT: Duration = Duration::from_secs(2);
-/// How often the sweeper recounts rows of a newer protocol version.
+/// How often the sweeper recounts rows of a newer protocol version and
+/// compares this host's clock with PostgreSQL's.
 pub const PROTOCOL_GAUGE_EVERY: Duration = Duration::from_secs(30);
+/// A clock skew is logged as a warning from this fraction of `lease_ms`
+/// (and at least [`CLOCK_SKEW_WARN_MIN_MS`]).
+pub const CLOCK_SKEW_WARN_LEASE_FRACTION: i64 = 10;
+/// The smallest clock skew logged as a warning, ms.
+pub const CLOCK_SKEW_WARN_MIN_MS: i64 = 500;
 /// Most workers one dispatcher runs.
 pub const MAX_WORKERS: usize = 64;
 /// Default of [`DispatcherConfig::head_scan_every`].
@@ -248,6 +254,9 @@ pub struct DispatchMetrics {
     /// 1 while this dispatcher may claim (no alias, or its alias names its
     /// implementation), 0 while it idles.
     pub alias_active: AtomicU64,
+    /// How far this dispatcher's clock is ahead of PostgreSQL's, ms
+    /// (negative: behind), at the last check ([`PgStore::clock_skew_ms`]).
+    pub clock_skew_ms: AtomicI64,
 }
 
 fn inc(c: &AtomicU64, n: u64) {
@@ -736,6 +745,14 @@ impl<B: Broker + 'static> Dispatcher<B> {
                         me.metrics.oldest_pending_age_ms.store(age.unwrap_or(0) as u64, AtomicOrdering::Relaxed);
                     }
                     if protocol_checked.is_none_or(|at| at.elapsed() >= PROTOCOL_GAUGE_EVERY) {
+                        if let Ok(skew) = me.store.clock_skew_ms().await {
+                            me.metrics.clock_skew_ms.store(skew, AtomicOrdering::Relaxed);
+                            let bound = (me.config.lease_ms / CLOCK_SKEW_WARN_LEASE_FRACTION).max(CLOCK_SKEW_WARN_MIN_MS);
+                            if skew.abs() > bound {
+                                tracing::warn!(skew_ms = skew, lease_ms = me.config.lease_ms,
+                                    "this host's clock differs from PostgreSQL's: leases held or swept here are cut short or stretched by that much (synchronise the clocks, NTP)");
+                            }
+                        }
                         if let Ok(refused) = me.store.rows_beyond_protocol().await {
                             protocol_checked = Some(Instant::now());
                             let before = me.metrics.refused_protocol_rows.swap(refused.max(0) as u64, AtomicOrdering::Relaxed);

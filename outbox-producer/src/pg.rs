@@ -625,6 +625,23 @@ impl PgStore {
         Ok(out)
     }
 
+    /// How far this store's clock is ahead of PostgreSQL's, ms (negative:
+    /// behind), read around one round trip (the database's reading is set
+    /// against the midpoint of the two local ones). Leases are written with
+    /// the clock of the worker that holds them and expired with the clock of
+    /// the sweeper that finds them, so a skew between hosts shortens or
+    /// stretches every lease by that much. Fencing keeps that safe, not
+    /// cheap: a lease cut short turns sends in flight DISPATCH_UNKNOWN.
+    pub async fn clock_skew_ms(&self) -> Result<i64, StoreError> {
+        let before = self.now_ms();
+        let db: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_err)?;
+        let after = self.now_ms();
+        Ok(before + (after - before) / 2 - db)
+    }
+
     /// Age in ms of the oldest PENDING event, if any.
     pub async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
         let now = self.now_ms();

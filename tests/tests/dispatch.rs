@@ -771,3 +771,40 @@ async fn a_lease_renewal_cut_off_mid_batch_still_records_the_acks(pool: PgPool) 
     cluster.mock.as_ref().unwrap().broker_round_trip_time(1, Duration::ZERO).unwrap();
     published_once_each(&pool, &cluster, &ids).await;
 }
+
+/// The system clock moved by a fixed amount: a host whose clock is off.
+#[derive(Debug)]
+struct ShiftedClock(i64);
+
+impl outbox_core::Clock for ShiftedClock {
+    fn now_ms(&self) -> i64 {
+        outbox_core::SystemClock.now_ms() + self.0
+    }
+}
+
+/// A dispatcher on a host whose clock is ahead of or behind PostgreSQL's
+/// reports by how much, with its sign, in its skew gauge.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_host_clock_off_from_the_database_shows_in_the_skew_gauge(pool: PgPool) {
+    let (_cluster, broker) = started(&pool, 5_000).await;
+    for shift in [120_000i64, -45_000, 0] {
+        let store = PgStore::with_clock(pool.clone(), Arc::new(ShiftedClock(shift)));
+        let d = Arc::new(Dispatcher::new(store, broker.clone(), config("skew")).unwrap());
+        let gauge = d.metrics();
+        gauge.clock_skew_ms.store(i64::MIN, std::sync::atomic::Ordering::Relaxed);
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let run = tokio::spawn(d.clone().run(stop_rx));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let skew = loop {
+            let skew = gauge.clock_skew_ms.load(std::sync::atomic::Ordering::Relaxed);
+            if skew != i64::MIN {
+                break skew;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the skew was never measured");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        stop_tx.send(true).unwrap();
+        run.await.unwrap().unwrap();
+        assert!((skew - shift).abs() < 2_000, "clock shifted by {shift} ms, measured {skew} ms");
+    }
+}
