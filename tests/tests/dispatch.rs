@@ -381,7 +381,7 @@ async fn successor_claims_follow_only_the_named_keys(pool: PgPool) {
     let store = PgStore::new(pool.clone());
     let event = |id: &String| id.parse::<outbox_core::EventId>().unwrap();
     let got: Vec<String> = store.claim_successors("w1", &[event(a0)], 10, 30_000).await.unwrap().iter().map(|c| c.envelope.event_id.to_string()).collect();
-    assert_eq!(&got, &[a1.clone()], "only the named key's next event");
+    assert_eq!(got.as_slice(), std::slice::from_ref(a1), "only the named key's next event");
     // Its head is now in flight: nothing more on that key.
     assert!(store.claim_successors("w1", &[event(a0)], 10, 30_000).await.unwrap().is_empty());
     assert!(store.claim_successors("w1", &[], 10, 30_000).await.unwrap().is_empty());
