@@ -904,3 +904,40 @@ async fn dispatchers_whose_connections_are_killed_at_random_lose_and_duplicate_n
     let unknowns = count(&pool, "SELECT count(*) FROM outbox_unknown_resolutions").await;
     eprintln!("{kills} sessions killed; {unknowns} events went DISPATCH_UNKNOWN and were resolved by the reconciler");
 }
+
+/// The session that LISTENs for `outbox_pending` is killed (as a restart or
+/// failover kills it): the dispatcher listens again on a new one, and a
+/// later commit still wakes it at once, not after the poll interval.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_killed_listen_session_is_replaced_and_commits_still_wake_the_dispatcher(pool: PgPool) {
+    let (_cluster, broker) = started(&pool, 5_000).await;
+    // Only a notification can wake the workers within the test: a 10 min poll.
+    let cfg = DispatcherConfig { workers: 1, poll_interval_ms: 600_000, listen: true, ..config("listen") };
+    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn(d.clone().run(stop_rx));
+    let listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()";
+    wait_count(&pool, listening, 1, Duration::from_secs(10)).await;
+    let first = create_order(&pool, "o-1", 1).await;
+    wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 1, Duration::from_secs(10)).await;
+
+    let old: i32 = sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()").fetch_one(&pool).await.unwrap();
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)").bind(old).fetch_one(&pool).await.unwrap();
+    assert!(killed);
+    // Another session listens again.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let pids: Vec<i32> = sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()").fetch_all(&pool).await.unwrap();
+        if pids.iter().any(|p| *p != old) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "nobody LISTENs again after the session was killed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let second = create_order(&pool, "o-2", 2).await;
+    wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 2, Duration::from_secs(15)).await;
+    stop_tx.send(true).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(state_of(&pool, first.event_id().as_str()).await, EventState::Published);
+    assert_eq!(state_of(&pool, second.event_id().as_str()).await, EventState::Published);
+}
