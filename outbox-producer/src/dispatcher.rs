@@ -720,9 +720,24 @@ impl<B: Broker + 'static> Dispatcher<B> {
                 }
                 loop {
                     tokio::select! {
-                        n = listener.recv() => match n {
-                            Ok(_) => wake.notify_waiters(),
-                            Err(e) => { tracing::warn!(error = %e, "LISTEN connection lost; polling until it returns"); tokio::time::sleep(Duration::from_secs(1)).await; }
+                        n = listener.try_recv() => match n {
+                            Ok(Some(_)) => wake.notify_waiters(),
+                            // The session was lost (a restart, a failover, a
+                            // killed backend) and another one listens now.
+                            // What was notified meanwhile went to the lost
+                            // session: the workers look once.
+                            Ok(None) => {
+                                tracing::warn!("LISTEN session lost and replaced; looking for work committed meanwhile");
+                                wake.notify_waiters();
+                            }
+                            // Not even replaced yet: the next try_recv
+                            // connects again; meanwhile the workers look
+                            // once a second.
+                            Err(e) => {
+                                tracing::warn!(error = %e, "LISTEN session lost; polling until it is back");
+                                tokio::time::sleep(Duration::from_secs(1)).await;
+                                wake.notify_waiters();
+                            }
                         },
                         _ = stop.changed() => return Ok(BatchReport::default()),
                     }

@@ -941,3 +941,32 @@ async fn a_killed_listen_session_is_replaced_and_commits_still_wake_the_dispatch
     assert_eq!(state_of(&pool, first.event_id().as_str()).await, EventState::Published);
     assert_eq!(state_of(&pool, second.event_id().as_str()).await, EventState::Published);
 }
+
+/// An event committed while the LISTEN session is being replaced (its
+/// notification goes to a session that is gone) is still dispatched at
+/// once: after listening again, the dispatcher looks for work it may not
+/// have been told about.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn an_event_committed_while_listen_is_replaced_is_not_left_to_the_poll(pool: PgPool) {
+    let (_cluster, broker) = started(&pool, 5_000).await;
+    let cfg = DispatcherConfig { workers: 1, poll_interval_ms: 600_000, listen: true, ..config("listen") };
+    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn(d.clone().run(stop_rx));
+    let listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()";
+    wait_count(&pool, listening, 1, Duration::from_secs(10)).await;
+    // Let the workers' first (empty) claim pass: from here only a wake-up moves them.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // The commit lands while the listening session is being terminated.
+    let mut tx = pool.begin().await.unwrap();
+    let payload = order_payload("o-gap", 1);
+    let e = outbox_producer::emit(&mut tx, &order_request("c-gap", "o-gap", &payload), &EmitOptions::default()).await.unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()").execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+
+    wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 1, Duration::from_secs(15)).await;
+    stop_tx.send(true).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(state_of(&pool, e.event_id().as_str()).await, EventState::Published);
+}
