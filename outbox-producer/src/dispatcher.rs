@@ -19,14 +19,15 @@
 //!    through the receipt transaction.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use outbox_core::claim::{MAX_CLAIM_BATCH, MAX_LEASE_MS, MIN_LEASE_MS};
 use outbox_core::{
-    headers, sha256_digest, AttemptRecord, Broker, BrokerReceipt, ClaimedEvent, FenceOutcome, OutboxStore, OutgoingMessage, ReceiptDecision,
-    SendOutcome, StoreError,
+    headers, sha256_digest, AttemptRecord, Broker, BrokerReceipt, ClaimToken, ClaimedEvent, EventId, FenceOutcome, OutboxStore, OutgoingMessage,
+    ReceiptDecision, SendOutcome, StoreError,
 };
 use serde::Deserialize;
 use tokio::sync::{watch, Notify};
@@ -438,16 +439,19 @@ impl<B: Broker + 'static> Dispatcher<B> {
         let tokens: Vec<_> = verified.iter().map(|e| e.token.clone()).collect();
         let registered = match self.store.register_attempts(&tokens).await {
             Ok(r) => r,
-            Err(e) => {
-                // Nothing was sent: give the claims back rather than leave
-                // them to their leases (best effort; the sweeper is the backstop).
-                for t in &tokens {
-                    if let Err(re) = self.store.release(t).await {
-                        tracing::debug!(event_id = %t.event_id, error = %re, "release after a failed registration");
+            Err(e) => match self.registered_after_all(&tokens, &e).await {
+                Some(r) => r,
+                None => {
+                    // Nothing was sent: give the claims back rather than leave
+                    // them to their leases (best effort; the sweeper is the backstop).
+                    for t in &tokens {
+                        if let Err(re) = self.store.release(t).await {
+                            tracing::debug!(event_id = %t.event_id, error = %re, "release after a failed registration");
+                        }
                     }
+                    return Err(e.into());
                 }
-                return Err(e.into());
-            }
+            },
         };
         let mut sends = Vec::with_capacity(verified.len());
         for (ev, reg) in verified.into_iter().zip(registered) {
@@ -464,12 +468,47 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     inc(&self.metrics.fenced, 1);
                     tracing::info!(event_id = %ev.envelope.event_id, "claim lost before sending: not sent");
                 }
-                Err(e) => return Err(e.into()),
+                // Sends of this batch may have started: their answers must
+                // still be settled, so an unexpected refusal only skips
+                // its own event (its claim runs out with its lease).
+                Err(e) => tracing::error!(event_id = %ev.envelope.event_id, error = %e, "attempt not registered: not sent"),
             }
         }
         report.sent = sends.len();
         inc(&self.metrics.sent, sends.len() as u64);
         Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends })
+    }
+
+    /// After the registration of `tokens` failed with `error`: where the
+    /// connection broke, the commit may have gone through before its answer
+    /// was lost. One transaction registers the whole batch, so either every
+    /// attempt it could make is there (`Some`: those are sent; the other
+    /// tokens were refused by it) or none is (`None`: nothing was registered).
+    async fn registered_after_all(&self, tokens: &[ClaimToken], error: &StoreError) -> Option<Vec<Result<AttemptRecord, StoreError>>> {
+        if !matches!(error, StoreError::Backend { retryable: true, .. }) {
+            return None;
+        }
+        let found = match self.recorded("registered_attempts", || self.store.registered_attempts(tokens)).await {
+            Ok(found) if !found.is_empty() => found,
+            Ok(_) => return None,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not learn whether a failed registration committed; its claims run out with their leases");
+                return None;
+            }
+        };
+        tracing::warn!(registered = found.len(), error = %error, "registration committed although its answer was lost; sending its attempts");
+        let mut by_event: HashMap<EventId, AttemptRecord> = found.into_iter().map(|a| (a.event_id.clone(), a)).collect();
+        Some(
+            tokens
+                .iter()
+                .map(|t| {
+                    by_event.remove(&t.event_id).ok_or_else(|| StoreError::Backend {
+                        message: format!("the registration that committed refused {}", t.event_id),
+                        retryable: false,
+                    })
+                })
+                .collect(),
+        )
     }
 
     /// Claims up to a batch: retries first, then the successors of what the

@@ -625,6 +625,37 @@ impl PgStore {
         Ok(out)
     }
 
+    /// The attempts a registration of `tokens` made, where it committed: for
+    /// each token, the SENDING attempt its own claim (owner and generation)
+    /// registered and the event still names, under a lease that has not run
+    /// out (as registration itself requires). A dispatcher asks after its
+    /// registration failed with a broken connection: the commit may have
+    /// gone through before the answer was lost, and then those attempts
+    /// are registered and theirs to send.
+    pub async fn registered_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<AttemptRecord>, StoreError> {
+        if tokens.is_empty() {
+            return Ok(vec![]);
+        }
+        let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
+        let gens: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect();
+        let owners: Vec<&str> = tokens.iter().map(|t| t.owner.as_str()).collect();
+        let columns = ATTEMPT_COLUMNS.split(", ").map(|c| format!("a.{c}")).collect::<Vec<_>>().join(", ");
+        let rows = sqlx::query(&format!(
+            "SELECT {columns} FROM UNNEST($1::text[], $2::bigint[], $3::text[]) AS t(event_id, gen, owner)
+             JOIN outbox_events e ON e.event_id = t.event_id AND e.claim_generation = t.gen AND e.claim_owner = t.owner AND e.state = 'SENDING'
+                                   AND e.lease_until_ms > $4
+             JOIN outbox_attempts a ON a.attempt_id = e.claim_attempt_id AND a.claim_generation = t.gen AND a.owner = t.owner AND a.state = 'SENDING'"
+        ))
+        .bind(&ids)
+        .bind(&gens)
+        .bind(&owners)
+        .bind(self.now_ms())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_err)?;
+        rows.iter().map(attempt_from_row).collect()
+    }
+
     /// How far this store's clock is ahead of PostgreSQL's, ms (negative:
     /// behind), read around one round trip (the database's reading is set
     /// against the midpoint of the two local ones). Leases are written with
