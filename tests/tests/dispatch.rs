@@ -905,19 +905,25 @@ async fn dispatchers_whose_connections_are_killed_at_random_lose_and_duplicate_n
     eprintln!("{kills} sessions killed; {unknowns} events went DISPATCH_UNKNOWN and were resolved by the reconciler");
 }
 
+/// A running one-worker dispatcher that only a notification can wake
+/// within a test (a 10 min poll), once its LISTEN session is up.
+async fn listening_dispatcher(pool: &PgPool) -> (TestCluster, tokio::sync::watch::Sender<bool>, tokio::task::JoinHandle<Result<outbox_producer::BatchReport, outbox_producer::ProducerError>>) {
+    let (cluster, broker) = started(pool, 5_000).await;
+    let cfg = DispatcherConfig { workers: 1, poll_interval_ms: 600_000, listen: true, ..config("listen") };
+    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn(d.run(stop_rx));
+    let listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()";
+    wait_count(pool, listening, 1, Duration::from_secs(10)).await;
+    (cluster, stop_tx, run)
+}
+
 /// The session that LISTENs for `outbox_pending` is killed (as a restart or
 /// failover kills it): the dispatcher listens again on a new one, and a
 /// later commit still wakes it at once, not after the poll interval.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn a_killed_listen_session_is_replaced_and_commits_still_wake_the_dispatcher(pool: PgPool) {
-    let (_cluster, broker) = started(&pool, 5_000).await;
-    // Only a notification can wake the workers within the test: a 10 min poll.
-    let cfg = DispatcherConfig { workers: 1, poll_interval_ms: 600_000, listen: true, ..config("listen") };
-    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let run = tokio::spawn(d.clone().run(stop_rx));
-    let listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()";
-    wait_count(&pool, listening, 1, Duration::from_secs(10)).await;
+    let (_cluster, stop_tx, run) = listening_dispatcher(&pool).await;
     let first = create_order(&pool, "o-1", 1).await;
     wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 1, Duration::from_secs(10)).await;
 
@@ -948,13 +954,7 @@ async fn a_killed_listen_session_is_replaced_and_commits_still_wake_the_dispatch
 /// have been told about.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn an_event_committed_while_listen_is_replaced_is_not_left_to_the_poll(pool: PgPool) {
-    let (_cluster, broker) = started(&pool, 5_000).await;
-    let cfg = DispatcherConfig { workers: 1, poll_interval_ms: 600_000, listen: true, ..config("listen") };
-    let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let run = tokio::spawn(d.clone().run(stop_rx));
-    let listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()";
-    wait_count(&pool, listening, 1, Duration::from_secs(10)).await;
+    let (_cluster, stop_tx, run) = listening_dispatcher(&pool).await;
     // Let the workers' first (empty) claim pass: from here only a wake-up moves them.
     tokio::time::sleep(Duration::from_millis(300)).await;
 
@@ -1083,20 +1083,28 @@ async fn pool_through(pool: &PgPool, cutter: &CommitAnswerCutter) -> PgPool {
     sqlx::postgres::PgPoolOptions::new().max_connections(8).connect_with(options).await.unwrap()
 }
 
+/// One batch over 20 events (one per key) by a dispatcher whose session
+/// loses the answer to the COMMIT after a statement containing `fragment`:
+/// its report, the cluster, and the events.
+async fn one_batch_losing_the_commit_answer_after(pool: &PgPool, fragment: &str) -> (outbox_producer::BatchReport, TestCluster, Vec<String>) {
+    let (cluster, broker) = started(pool, 5_000).await;
+    let ids = emit_many(pool, 20, 1).await;
+    let cutter = CommitAnswerCutter::start().await;
+    let through = pool_through(pool, &cutter).await;
+    let d = Dispatcher::new(PgStore::new(through), broker, config("d")).unwrap();
+    cutter.arm(fragment);
+    let r = d.dispatch_once("w1").await.expect("the batch goes on after losing a COMMIT's answer");
+    assert_eq!(cutter.cuts(), 1, "the COMMIT's answer was not cut");
+    (r, cluster, ids)
+}
+
 /// The receipt transaction commits, but its answer is lost with the
 /// connection: the batch records the same receipts again, finds them
 /// already accepted, and every event stays PUBLISHED once by its single
 /// attempt, with one primary receipt.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn receipts_committed_whose_answer_was_lost_are_found_already_accepted(pool: PgPool) {
-    let (cluster, broker) = started(&pool, 5_000).await;
-    let ids = emit_many(&pool, 20, 1).await;
-    let cutter = CommitAnswerCutter::start().await;
-    let through = pool_through(&pool, &cutter).await;
-    let d = Dispatcher::new(PgStore::new(through), broker, config("d")).unwrap();
-    cutter.arm("INSERT INTO outbox_publish_receipts");
-    let r = d.dispatch_once("w1").await.expect("the batch records its receipts again after losing the answer");
-    assert_eq!(cutter.cuts(), 1, "the COMMIT's answer was not cut");
+    let (r, cluster, ids) = one_batch_losing_the_commit_answer_after(&pool, "INSERT INTO outbox_publish_receipts").await;
     assert_eq!((r.sent, r.published, r.duplicates, r.unknown), (20, 0, 20, 0), "{r:?}");
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_publish_receipts").await, 20);
     published_once_each(&pool, &cluster, &ids).await;
@@ -1107,14 +1115,7 @@ async fn receipts_committed_whose_answer_was_lost_are_found_already_accepted(poo
 /// leaving the events SENDING, unsent, for their leases and the reconciler.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn a_registration_committed_whose_answer_was_lost_is_sent(pool: PgPool) {
-    let (cluster, broker) = started(&pool, 5_000).await;
-    let ids = emit_many(&pool, 20, 1).await;
-    let cutter = CommitAnswerCutter::start().await;
-    let through = pool_through(&pool, &cutter).await;
-    let d = Dispatcher::new(PgStore::new(through), broker, config("d")).unwrap();
-    cutter.arm("INSERT INTO outbox_attempts");
-    let r = d.dispatch_once("w1").await.expect("the batch sends the attempts its lost registration made");
-    assert_eq!(cutter.cuts(), 1, "the COMMIT's answer was not cut");
+    let (r, cluster, ids) = one_batch_losing_the_commit_answer_after(&pool, "INSERT INTO outbox_attempts").await;
     assert_eq!((r.claimed, r.sent, r.published, r.unknown), (20, 20, 20, 0), "{r:?}");
     published_once_each(&pool, &cluster, &ids).await;
 }
