@@ -260,6 +260,12 @@ pub struct DispatchMetrics {
     pub clock_skew_ms: AtomicI64,
 }
 
+/// A database failure the same call may get past (a lost connection, a
+/// restart, a serialization failure); not a protocol refusal.
+fn is_retryable_backend(e: &StoreError) -> bool {
+    matches!(e, StoreError::Backend { retryable: true, .. })
+}
+
 fn inc(c: &AtomicU64, n: u64) {
     c.fetch_add(n, AtomicOrdering::Relaxed);
 }
@@ -485,10 +491,10 @@ impl<B: Broker + 'static> Dispatcher<B> {
     /// attempt it could make is there (`Some`: those are sent; the other
     /// tokens were refused by it) or none is (`None`: nothing was registered).
     async fn registered_after_all(&self, tokens: &[ClaimToken], error: &StoreError) -> Option<Vec<Result<AttemptRecord, StoreError>>> {
-        if !matches!(error, StoreError::Backend { retryable: true, .. }) {
+        if !is_retryable_backend(error) {
             return None;
         }
-        let found = match self.recorded("registered_attempts", || self.store.registered_attempts(tokens)).await {
+        let found = match self.through_db_errors("registered_attempts", || self.store.registered_attempts(tokens)).await {
             Ok(found) if !found.is_empty() => found,
             Ok(_) => return None,
             Err(e) => {
@@ -625,7 +631,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
         // failure is returned after the rest were tried.
         let mut failed: Option<StoreError> = None;
         cursor.published.clear();
-        match self.recorded("accept_dispatch_receipts", || self.store.accept_dispatch_receipts(&receipts)).await {
+        match self.through_db_errors("accept_dispatch_receipts", || self.store.accept_dispatch_receipts(&receipts)).await {
             Ok(outcomes) => {
                 for (outcome, receipt) in outcomes.into_iter().zip(&receipts) {
                     match outcome.decision {
@@ -655,9 +661,9 @@ impl<B: Broker + 'static> Dispatcher<B> {
         for (ev, attempt, unknown, why) in reports {
             let recorded = if unknown {
                 tracing::warn!(event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id, reason = %why, "dispatch outcome unknown");
-                self.recorded("report_unknown", || self.store.report_unknown(&ev.token, &attempt.attempt_id, why)).await
+                self.through_db_errors("report_unknown", || self.store.report_unknown(&ev.token, &attempt.attempt_id, why)).await
             } else {
-                self.recorded("report_not_sent", || self.store.report_not_sent(&ev.token, &attempt.attempt_id, why)).await
+                self.through_db_errors("report_not_sent", || self.store.report_not_sent(&ev.token, &attempt.attempt_id, why)).await
             };
             match recorded {
                 Ok(outcome) if unknown => self.tally(outcome, &mut report, |r| &mut r.unknown, &self.metrics.unknown),
@@ -681,15 +687,16 @@ impl<B: Broker + 'static> Dispatcher<B> {
         Ok(report)
     }
 
-    /// `call` again after a retryable database error (lost connection,
-    /// restart, serialization failure, deadlock), waiting 50 ms doubling to
-    /// 2 s, for at most [`DispatcherConfig::record_retry_ms`]: answers the
-    /// broker already gave are not dropped because PostgreSQL blinked. Each
-    /// call is safe to repeat when its first commit went through unseen (the
+    /// Runs `call`, and again after each retryable database error (lost
+    /// connection, restart, serialization failure, deadlock), waiting 50 ms
+    /// doubling to 2 s, for at most [`DispatcherConfig::record_retry_ms`]:
+    /// answers the broker already gave are not dropped because PostgreSQL
+    /// blinked. Each call made through it is a read or safe to repeat when
+    /// its first commit went through unseen (the
     /// connection broke before the answer): the receipt is then already
     /// accepted (counted as a duplicate), and the report finds its claim
     /// released and changes nothing (counted, and audited, as fenced).
-    async fn recorded<T, F, Fut>(&self, what: &'static str, mut call: F) -> Result<T, StoreError>
+    async fn through_db_errors<T, F, Fut>(&self, what: &'static str, mut call: F) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, StoreError>>,
@@ -698,9 +705,9 @@ impl<B: Broker + 'static> Dispatcher<B> {
         let mut wait = RECORD_RETRY_FIRST_WAIT;
         loop {
             match call().await {
-                Err(e @ StoreError::Backend { retryable: true, .. }) if Instant::now() + wait <= deadline => {
+                Err(e) if is_retryable_backend(&e) && Instant::now() + wait <= deadline => {
                     inc(&self.metrics.store_retries, 1);
-                    tracing::warn!(what, error = %e, retry_in_ms = wait.as_millis() as u64, "recording broker answers failed; trying again");
+                    tracing::warn!(what, error = %e, retry_in_ms = wait.as_millis() as u64, "database call failed; trying again");
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(RECORD_RETRY_MAX_WAIT);
                 }

@@ -639,12 +639,12 @@ impl PgStore {
         let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
         let gens: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect();
         let owners: Vec<&str> = tokens.iter().map(|t| t.owner.as_str()).collect();
-        let columns = ATTEMPT_COLUMNS.split(", ").map(|c| format!("a.{c}")).collect::<Vec<_>>().join(", ");
         let rows = sqlx::query(&format!(
-            "SELECT {columns} FROM UNNEST($1::text[], $2::bigint[], $3::text[]) AS t(event_id, gen, owner)
-             JOIN outbox_events e ON e.event_id = t.event_id AND e.claim_generation = t.gen AND e.claim_owner = t.owner AND e.state = 'SENDING'
-                                   AND e.lease_until_ms > $4
-             JOIN outbox_attempts a ON a.attempt_id = e.claim_attempt_id AND a.claim_generation = t.gen AND a.owner = t.owner AND a.state = 'SENDING'"
+            "SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts
+             WHERE state = 'SENDING' AND (attempt_id, claim_generation, owner) IN (
+                 SELECT e.claim_attempt_id, t.gen, t.owner FROM UNNEST($1::text[], $2::bigint[], $3::text[]) AS t(event_id, gen, owner)
+                 JOIN outbox_events e ON e.event_id = t.event_id AND e.claim_generation = t.gen AND e.claim_owner = t.owner
+                                       AND e.state = 'SENDING' AND e.lease_until_ms > $4)"
         ))
         .bind(&ids)
         .bind(&gens)
