@@ -1,7 +1,7 @@
 //! The dispatcher on real PostgreSQL and librdkafka's in-process Kafka
 //! cluster, each test injecting the real fault.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -462,12 +462,8 @@ async fn two_dispatcher_instances_publish_every_event_exactly_once(pool: PgPool)
     // (With the stall, the starved instance got one or two batches of 100;
     // shared fairly, each gets about half.)
     assert!(owners.iter().all(|(_, n)| *n >= 300), "each instance sent at least a tenth of the events: {owners:?}");
-    let log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
-    let in_log: Vec<String> = log.iter().filter_map(|m| m.header(headers::EVENT_ID)).collect();
-    assert_eq!(in_log.len(), 3_000, "each event exactly once in the log");
-    let set: HashSet<&String> = in_log.iter().collect();
-    assert_eq!(set.len(), 3_000);
-    assert!(ids.iter().all(|i| set.contains(i)));
+    assert_eq!(ids.len(), 3_000);
+    each_once_in_log(&cluster, &ids);
 }
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
@@ -477,20 +473,25 @@ async fn parallel_workers_keep_each_keys_commit_order_in_the_log(pool: PgPool) {
     let cfg = DispatcherConfig { workers: 3, batch_size: 7, ..config("d") };
     run_two_dispatchers(&pool, &cluster, ids.len() as i64, cfg).await;
 
-    // Commit order per key, from the database.
-    let rows: Vec<(String, String)> = sqlx::query_as("SELECT routing_key, event_id FROM outbox_events ORDER BY seq").fetch_all(&pool).await.unwrap();
+    assert_eq!(keys_in_commit_order(&pool, &cluster).await, 20);
+}
+
+/// Asserts that each routing key's events are in the log in the order
+/// they were committed (and nothing else is there); the number of keys.
+async fn keys_in_commit_order(pool: &PgPool, cluster: &TestCluster) -> usize {
+    let rows: Vec<(String, String)> = sqlx::query_as("SELECT routing_key, event_id FROM outbox_events ORDER BY seq").fetch_all(pool).await.unwrap();
     let mut committed: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (k, id) in rows {
         committed.entry(k).or_default().push(id);
     }
-    let mut logged: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
     log.sort_by_key(|m| (m.partition, m.offset));
+    let mut logged: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for m in &log {
         logged.entry(String::from_utf8(m.key.clone()).unwrap()).or_default().push(m.header(headers::EVENT_ID).unwrap());
     }
-    assert_eq!(committed.len(), 20);
-    assert_eq!(logged, committed, "a key's events left the outbox out of commit order");
+    assert_eq!(logged, committed, "a key's events reached the log out of commit order");
+    committed.len()
 }
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
@@ -692,12 +693,16 @@ async fn published_once_each(pool: &PgPool, cluster: &TestCluster, ids: &[String
     assert_eq!(count(pool, "SELECT count(*) FROM outbox_attempts WHERE state = 'ACKED'").await, n);
     assert_eq!(count(pool, "SELECT count(*) FROM outbox_attempts").await, n, "an event was sent twice");
     assert_eq!(count(pool, "SELECT count(DISTINCT event_id) FROM outbox_publish_receipts").await, n);
-    let log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
-    let mut in_log: Vec<String> = log.iter().filter_map(|m| m.header(headers::EVENT_ID)).collect();
+    each_once_in_log(cluster, ids);
+}
+
+/// Asserts that the log holds exactly `ids`, each once.
+fn each_once_in_log(cluster: &TestCluster, ids: &[String]) {
+    let mut in_log: Vec<String> = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS).iter().filter_map(|m| m.header(headers::EVENT_ID)).collect();
     in_log.sort();
     let mut want = ids.to_vec();
     want.sort();
-    assert_eq!(in_log, want);
+    assert_eq!(in_log, want, "the log must hold every event exactly once");
 }
 
 /// The receipt transaction's connection is cut off (its backend
@@ -738,17 +743,10 @@ async fn a_lease_renewal_cut_off_mid_batch_still_records_the_acks(pool: PgPool) 
     // Warm the connection and metadata, so the next Produce request really goes out.
     let mut ids = emit_many(&pool, 1, 1).await;
     assert_eq!(d.dispatch_once("w0").await.unwrap().published, 1);
-    let batch_ids: Vec<String> = {
-        let mut tx = pool.begin().await.unwrap();
-        let mut out = Vec::new();
-        for o in 0..10 {
-            let (id, key) = (format!("r-{o}"), format!("r-c-{o}"));
-            let payload = order_payload(&id, 1);
-            out.push(outbox_producer::emit(&mut tx, &order_request(&key, &id, &payload), &EmitOptions::default()).await.unwrap().event_id().to_string());
-        }
-        tx.commit().await.unwrap();
-        out
-    };
+    let mut batch_ids = Vec::new();
+    for o in 0..10 {
+        batch_ids.push(create_order(&pool, &format!("r-{o}"), 1).await.event_id().to_string());
+    }
     ids.extend(batch_ids.iter().cloned());
     cluster.mock.as_ref().expect("this fault needs the mock cluster").broker_round_trip_time(1, Duration::from_millis(2_000)).unwrap();
 
@@ -885,22 +883,8 @@ async fn dispatchers_whose_connections_are_killed_at_random_lose_and_duplicate_n
 
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_publish_receipts").await, total, "one primary receipt per event");
     assert_eq!(count(&pool, "SELECT count(DISTINCT event_id) FROM outbox_publish_receipts").await, total);
-    let mut log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
-    log.sort_by_key(|m| (m.partition, m.offset));
-    let in_log: Vec<String> = log.iter().filter_map(|m| m.header(headers::EVENT_ID)).collect();
-    let distinct: HashSet<&String> = in_log.iter().collect();
-    assert_eq!((in_log.len(), distinct.len()), (ids.len(), ids.len()), "each event exactly once in the log ({kills} kills)");
-    assert!(ids.iter().all(|i| distinct.contains(i)));
-    let rows: Vec<(String, String)> = sqlx::query_as("SELECT routing_key, event_id FROM outbox_events ORDER BY seq").fetch_all(&pool).await.unwrap();
-    let mut committed: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (k, id) in rows {
-        committed.entry(k).or_default().push(id);
-    }
-    let mut logged: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for m in &log {
-        logged.entry(String::from_utf8(m.key.clone()).unwrap()).or_default().push(m.header(headers::EVENT_ID).unwrap());
-    }
-    assert_eq!(logged, committed, "a key's events reached the log out of commit order");
+    each_once_in_log(&cluster, &ids);
+    assert_eq!(keys_in_commit_order(&pool, &cluster).await, 200);
     let unknowns = count(&pool, "SELECT count(*) FROM outbox_unknown_resolutions").await;
     eprintln!("{kills} sessions killed; {unknowns} events went DISPATCH_UNKNOWN and were resolved by the reconciler");
 }
