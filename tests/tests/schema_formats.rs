@@ -117,7 +117,9 @@ async fn insert_format_checks_admit_exactly_what_the_counted_patterns_admit(pool
     let traceparents: Vec<String> = (0..4u64).map(traceparent).collect();
     let (e, d, t) = (event_ids[0].as_str(), digests[0].as_str(), traceparents[0].as_str());
 
-    let cases: [(&str, &Vec<String>, Vec<(&str, &str)>, &str); 4] = [
+    // (column, valid values, the other columns' values, counted pattern)
+    type Case<'a> = (&'a str, &'a Vec<String>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: [Case; 4] = [
         ("event_id", &event_ids, vec![("payload_digest", d), ("destination_digest", d), ("traceparent", t)], EVENT_ID),
         ("payload_digest", &digests, vec![("event_id", e), ("destination_digest", d), ("traceparent", t)], DIGEST),
         ("destination_digest", &digests, vec![("event_id", e), ("payload_digest", d), ("traceparent", t)], DIGEST),

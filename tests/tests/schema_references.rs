@@ -13,9 +13,17 @@ use outbox_producer::PgStore;
 use outbox_tests::*;
 use sqlx::PgPool;
 
-async fn setup(pool: &PgPool) {
+/// One order emitted, claimed and its attempt registered: the event id
+/// and the attempt id.
+async fn one_registered_attempt(pool: &PgPool) -> (String, String) {
     business_schema(pool).await;
     route(pool, ORDER_CREATED, "cluster-a", "orders", 6).await;
+    let event = create_order(pool, "o-1", 10).await.event_id().to_string();
+    let store = PgStore::new(pool.clone());
+    let claimed = store.claim_batch("w1", 10, 30_000).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    let attempt = store.register_attempts(&[claimed[0].token.clone()]).await.unwrap().pop().unwrap().unwrap();
+    (event, attempt.attempt_id.to_string())
 }
 
 /// Asserts `result` is a foreign-key refusal naming `constraint`.
@@ -35,13 +43,7 @@ const INSERT_RECEIPT: &str = "INSERT INTO outbox_publish_receipts (event_id, env
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn a_missing_reference_fails_the_whole_statement_as_a_foreign_key_did(pool: PgPool) {
-    setup(&pool).await;
-    let e = create_order(&pool, "o-1", 10).await;
-    let event = e.event_id().to_string();
-    let store = PgStore::new(pool.clone());
-    let claimed = store.claim_batch("w1", 10, 30_000).await.unwrap();
-    assert_eq!(claimed.len(), 1);
-    let attempt = store.register_attempts(&[claimed[0].token.clone()]).await.unwrap().pop().unwrap().unwrap();
+    let (event, attempt) = one_registered_attempt(&pool).await;
     let new_attempt = || AttemptId::generate(1_700_000_000_000).to_string();
 
     // event -> command: a second row of a good statement names no command row.
@@ -92,7 +94,7 @@ async fn a_missing_reference_fails_the_whole_statement_as_a_foreign_key_did(pool
     // receipt -> attempt, receipt -> envelope.
     refused_by(sqlx::query(INSERT_RECEIPT).bind(&event).bind(1).bind(&a1).execute(&pool).await, "outbox_publish_receipts_attempt_id_fkey");
     refused_by(
-        sqlx::query(INSERT_RECEIPT).bind(&event).bind(2).bind(attempt.attempt_id.as_str()).execute(&pool).await,
+        sqlx::query(INSERT_RECEIPT).bind(&event).bind(2).bind(&attempt).execute(&pool).await,
         "outbox_publish_receipts_event_id_envelope_generation_fkey",
     );
 
@@ -109,13 +111,7 @@ async fn a_missing_reference_fails_the_whole_statement_as_a_foreign_key_did(pool
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn referenced_rows_are_never_deleted_and_keep_their_keys(pool: PgPool) {
-    setup(&pool).await;
-    let e = create_order(&pool, "o-1", 10).await;
-    let event = e.event_id().to_string();
-    let store = PgStore::new(pool.clone());
-    let claimed = store.claim_batch("w1", 10, 30_000).await.unwrap();
-    let attempt = store.register_attempts(&[claimed[0].token.clone()]).await.unwrap().pop().unwrap().unwrap();
-    let attempt = attempt.attempt_id.to_string();
+    let (event, attempt) = one_registered_attempt(&pool).await;
 
     for (sql, what) in [
         ("DELETE FROM outbox_events WHERE event_id = $1", "never deleted"),
