@@ -36,7 +36,7 @@ fn refused_by<T: std::fmt::Debug>(result: Result<T, sqlx::Error>, constraint: &s
 }
 
 const INSERT_ATTEMPT: &str = "INSERT INTO outbox_attempts (attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms)
-     SELECT a, $2, g, 50 + n, 1, 'w0', 'NOT_SENT', 'sha256:0', 0 FROM unnest($1::text[], $3::int[]) WITH ORDINALITY AS t(a, g, n)";
+     SELECT a, $2, g, 50 + 10 * g + n, 1, 'w0', 'NOT_SENT', 'sha256:0', 0 FROM unnest($1::text[], $3::int[]) WITH ORDINALITY AS t(a, g, n)";
 
 const INSERT_RECEIPT: &str = "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, cluster_id, topic, partition, \"offset\", payload_digest, destination_digest, accepted_at_ms)
      VALUES ($1, $2, $3, 'cluster-a', 'orders', 0, 7, 'sha256:0', 'sha256:0', 0)";
@@ -213,4 +213,35 @@ async fn checks_planned_on_tiny_tables_stay_index_probes(pool: PgPool) {
     // per check.
     assert!(after - before < 10, "writing 6,000 rows per table started {} sequential scans of referenced tables", after - before);
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_publish_receipts").await, 6_060);
+}
+
+/// The checks look up the tables of the schema the migrations ran in,
+/// whatever the inserting session's search_path: with none (as pg_dump's
+/// scripts set it) a good row is taken, and a table of the same name in a
+/// schema placed ahead does not satisfy a missing reference.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn checks_read_the_outbox_schema_whatever_the_search_path(pool: PgPool) {
+    let (event, _) = one_registered_attempt(&pool).await;
+    let schema: String = sqlx::query_scalar("SELECT current_schema()").fetch_one(&pool).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET search_path = ''").execute(&mut *conn).await.unwrap();
+    let qualified = INSERT_ATTEMPT.replace("INSERT INTO outbox_attempts", &format!("INSERT INTO {schema}.outbox_attempts"));
+    let a1 = AttemptId::generate(1_700_000_000_000).to_string();
+    sqlx::query(&qualified).bind(vec![a1]).bind(&event).bind(vec![1]).execute(&mut *conn).await.expect("a good row with an empty search_path");
+
+    // A look-alike envelope table ahead of the outbox's on the path.
+    sqlx::query("CREATE SCHEMA lookalike").execute(&mut *conn).await.unwrap();
+    sqlx::query(&format!("CREATE TABLE lookalike.outbox_envelopes (LIKE {schema}.outbox_envelopes)")).execute(&mut *conn).await.unwrap();
+    sqlx::query("INSERT INTO lookalike.outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest, destination_canonical, destination_digest, payload_digest, created_txid, created_at_ms)
+                 VALUES ($1, 2, '\\x00', 'd', '\\x00', 'd', 'd', 0, 0)")
+        .bind(&event)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query(&format!("SET search_path = lookalike, {schema}")).execute(&mut *conn).await.unwrap();
+    let a2 = AttemptId::generate(1_700_000_000_000).to_string();
+    refused_by(
+        sqlx::query(&qualified).bind(vec![a2]).bind(&event).bind(vec![2]).execute(&mut *conn).await,
+        "outbox_attempts_event_id_envelope_generation_fkey",
+    );
 }
