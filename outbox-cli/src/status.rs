@@ -73,11 +73,6 @@ async fn exists(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL").bind(table).fetch_one(pool).await
 }
 
-/// The database's clock, ms since the epoch.
-pub async fn db_now_ms(pool: &PgPool) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetch_one(pool).await
-}
-
 /// Oldest open UNKNOWN: (count, age ms).
 pub async fn unknown_open(pool: &PgPool, now_ms: i64) -> Result<(i64, Option<i64>), sqlx::Error> {
     let row = sqlx::query(
@@ -92,7 +87,7 @@ pub async fn unknown_open(pool: &PgPool, now_ms: i64) -> Result<(i64, Option<i64
 
 /// Reads the status.
 pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
-    let now_ms = db_now_ms(pool).await?;
+    let now_ms = outbox_producer::pg::db_now_ms(pool).await?;
     let counts: Vec<(String, i64)> = sqlx::query_as("SELECT state, count(*) FROM outbox_events GROUP BY state").fetch_all(pool).await?;
     let mut state_counts: Vec<(String, i64)> =
         ALL_STATES.iter().map(|s| (s.to_string(), counts.iter().find(|(n, _)| *n == s.to_string()).map(|(_, c)| *c).unwrap_or(0))).collect();

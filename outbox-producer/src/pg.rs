@@ -665,10 +665,7 @@ impl PgStore {
     /// cheap: a lease cut short turns sends in flight DISPATCH_UNKNOWN.
     pub async fn clock_skew_ms(&self) -> Result<i64, StoreError> {
         let before = self.now_ms();
-        let db: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_err)?;
+        let db = db_now_ms(&self.pool).await.map_err(store_err)?;
         let after = self.now_ms();
         Ok(before + (after - before) / 2 - db)
     }
@@ -755,6 +752,11 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     .await
     .map_err(store_err)?;
     Ok(())
+}
+
+/// The database's clock, ms since the epoch.
+pub async fn db_now_ms(pool: &PgPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetch_one(pool).await
 }
 
 /// When the oldest PENDING event the outbox sends was created, ms: the

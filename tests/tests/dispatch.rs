@@ -889,6 +889,9 @@ async fn dispatchers_whose_connections_are_killed_at_random_lose_and_duplicate_n
     eprintln!("{kills} sessions killed; {unknowns} events went DISPATCH_UNKNOWN and were resolved by the reconciler");
 }
 
+/// The sessions of this test's database that LISTEN (a `FROM ... WHERE` clause).
+const LISTENING: &str = "FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()";
+
 /// A running one-worker dispatcher that only a notification can wake
 /// within a test (a 10 min poll), once its LISTEN session is up.
 async fn listening_dispatcher(pool: &PgPool) -> (TestCluster, tokio::sync::watch::Sender<bool>, tokio::task::JoinHandle<Result<outbox_producer::BatchReport, outbox_producer::ProducerError>>) {
@@ -897,8 +900,7 @@ async fn listening_dispatcher(pool: &PgPool) -> (TestCluster, tokio::sync::watch
     let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let run = tokio::spawn(d.run(stop_rx));
-    let listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()";
-    wait_count(pool, listening, 1, Duration::from_secs(10)).await;
+    wait_count(pool, &format!("SELECT count(*) {LISTENING}"), 1, Duration::from_secs(10)).await;
     (cluster, stop_tx, run)
 }
 
@@ -911,13 +913,13 @@ async fn a_killed_listen_session_is_replaced_and_commits_still_wake_the_dispatch
     let first = create_order(&pool, "o-1", 1).await;
     wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 1, Duration::from_secs(10)).await;
 
-    let old: i32 = sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()").fetch_one(&pool).await.unwrap();
+    let old: i32 = sqlx::query_scalar(&format!("SELECT pid {LISTENING}")).fetch_one(&pool).await.unwrap();
     let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)").bind(old).fetch_one(&pool).await.unwrap();
     assert!(killed);
     // Another session listens again.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
-        let pids: Vec<i32> = sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()").fetch_all(&pool).await.unwrap();
+        let pids: Vec<i32> = sqlx::query_scalar(&format!("SELECT pid {LISTENING}")).fetch_all(&pool).await.unwrap();
         if pids.iter().any(|p| *p != old) {
             break;
         }
@@ -946,7 +948,7 @@ async fn an_event_committed_while_listen_is_replaced_is_not_left_to_the_poll(poo
     let mut tx = pool.begin().await.unwrap();
     let payload = order_payload("o-gap", 1);
     let e = outbox_producer::emit(&mut tx, &order_request("c-gap", "o-gap", &payload), &EmitOptions::default()).await.unwrap();
-    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()").execute(&mut *tx).await.unwrap();
+    sqlx::query(&format!("SELECT pg_terminate_backend(pid) {LISTENING}")).execute(&mut *tx).await.unwrap();
     tx.commit().await.unwrap();
 
     wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 1, Duration::from_secs(15)).await;
