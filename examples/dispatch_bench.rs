@@ -10,7 +10,11 @@
 //! `dispatch events=<n> events_per_s=<x> p50_ms=<a> p99_ms=<b>`
 //! where `events_per_s` is events over the wall time from the first commit
 //! to the last PUBLISHED, and the latencies are commit -> PUBLISHED
-//! (`published_at_ms - created_at_ms` of each event).
+//! (`published_at_ms - created_at_ms` of each event). Comment lines on
+//! stderr (`# ...`) add the emitters' rate, the drain rate and, on Linux,
+//! the CPU the whole machine spent over the run and per event: machines of
+//! one kind differ in speed, and CPU per event travels between them where
+//! events/s does not.
 //!
 //! Options: `--events N` (100000), `--keys K` (1000), `--emitters E` (2),
 //! `--txn-events T` (100), `--workers W` (4), `--batch B` (300),
@@ -96,6 +100,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut run = if args.preload { None } else { Some(tokio::spawn(dispatcher.clone().run(stop_rx.clone()))) };
 
+    let cpu_at_start = machine_cpu_s();
     let started = Instant::now();
     // Emitter e owns the keys k with k % emitters == e, so each key's
     // versions are committed in order by one emitter.
@@ -152,6 +157,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     }
     let wall_s = started.elapsed().as_secs_f64();
     let drain_s = drain_started.elapsed().as_secs_f64();
+    let cpu_s = cpu_at_start.zip(machine_cpu_s()).map(|(a, b)| b - a);
     stop_tx.send(true)?;
     if let Some(run) = run {
         run.await??;
@@ -178,8 +184,24 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
         args.workers,
         args.batch
     );
+    if let Some(cpu_s) = cpu_s {
+        // The whole machine's CPU (PostgreSQL, emitters, dispatcher and the
+        // in-process cluster): comparable across machines of different
+        // speed where events/s alone is not.
+        eprintln!("# machine cpu {cpu_s:.1} s over the run ; {:.0} us of cpu per event", cpu_s * 1e6 / args.events as f64);
+    }
     println!("dispatch events={} events_per_s={:.0} p50_ms={:.0} p99_ms={:.0}", args.events, args.events as f64 / span_s, p50, p99);
     Ok(())
+}
+
+/// CPU seconds the whole machine has spent busy since boot (user, nice,
+/// system, irq, softirq, steal), from Linux's `/proc/stat`, whose unit is
+/// USER_HZ (100 per second); `None` elsewhere.
+fn machine_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<f64> = stat.lines().next()?.strip_prefix("cpu ")?.split_whitespace().map(|f| f.parse().unwrap_or(0.0)).collect();
+    let busy: f64 = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| fields.get(i)).sum();
+    Some(busy / 100.0)
 }
 
 fn broker_cluster(b: &outbox_producer::kafka::KafkaBroker) -> &str {
