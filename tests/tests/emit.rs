@@ -329,3 +329,54 @@ async fn emit_batch_is_all_or_nothing(pool: PgPool) {
     assert!(matches!(err, ProducerError::BatchTooLarge { .. }), "{err}");
     assert!(emit_batch(&mut tx, &[], &EmitOptions::default()).await.unwrap().is_empty());
 }
+
+/// A transaction at `level` with its snapshot already taken (a business
+/// read), as a service running its transactions at that level would be
+/// when it emits.
+async fn begin_at<'c>(pool: &PgPool, level: &str) -> sqlx::Transaction<'c, sqlx::Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {level}")).execute(&mut *tx).await.unwrap();
+    sqlx::query("SELECT count(*) FROM orders").execute(&mut *tx).await.unwrap();
+    tx
+}
+
+/// Services that run their business transactions at REPEATABLE READ or
+/// SERIALIZABLE emit there too. The events commit, their references checked
+/// against the transaction's own rows; and a command key that another
+/// transaction committed after this one's snapshot is a retryable error,
+/// never a second event, and the retry answers the committed event.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn emit_under_repeatable_read_and_serializable(pool: PgPool) {
+    setup(&pool).await;
+    for (n, level) in ["REPEATABLE READ", "SERIALIZABLE"].into_iter().enumerate() {
+        let ids: Vec<String> = (0..3).map(|i| format!("o-{n}-{i}")).collect();
+        let payloads: Vec<Vec<u8>> = ids.iter().map(|id| order_payload(id, 10)).collect();
+        let keys: Vec<String> = ids.iter().map(|id| format!("create-{id}")).collect();
+        let requests: Vec<EmitRequest> = (0..3).map(|i| order_request(&keys[i], &ids[i], &payloads[i])).collect();
+        let mut tx = begin_at(&pool, level).await;
+        for id in &ids {
+            sqlx::query("INSERT INTO orders (id, total_cents) VALUES ($1, 10)").bind(id).execute(&mut *tx).await.unwrap();
+        }
+        let out = emit_batch(&mut tx, &requests, &EmitOptions::default()).await.unwrap_or_else(|e| panic!("{level}: {e}"));
+        tx.commit().await.unwrap_or_else(|e| panic!("{level}: {e}"));
+        assert!(out.iter().all(|e| e.inserted), "{level}");
+
+        // Another transaction commits the key after this one's snapshot.
+        let id = format!("o-{n}-raced");
+        let payload = order_payload(&id, 10);
+        let key = format!("create-{id}");
+        let mut late = begin_at(&pool, level).await;
+        let committed = create_order(&pool, &id, 10).await;
+        let err = emit(&mut late, &order_request(&key, &id, &payload), &EmitOptions::default()).await.expect_err("a key committed after the snapshot");
+        assert!(err.is_retryable(), "{level}: {err}");
+        late.rollback().await.unwrap();
+        let mut retry = begin_at(&pool, level).await;
+        let again = emit(&mut retry, &order_request(&key, &id, &payload), &EmitOptions::default()).await.unwrap();
+        retry.commit().await.unwrap();
+        assert_eq!(again.event_id(), committed.event_id(), "{level}");
+        assert!(!again.inserted, "{level}");
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PENDING'").await, 8);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_envelopes").await, 8);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_commands").await, 8);
+}
