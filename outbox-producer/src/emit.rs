@@ -153,20 +153,13 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     event_types.sort_unstable();
     event_types.dedup();
     let rows = sqlx::query(&format!(
-        "WITH lv AS (
-            SELECT array_agg(m.v ORDER BY a.ord) AS last_versions
-            FROM UNNEST($2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS a(tenant, aggregate_type, aggregate_id, ord)
-            CROSS JOIN LATERAL (SELECT max(c.aggregate_version) AS v FROM outbox_commands c
-                                WHERE c.tenant = a.tenant AND c.aggregate_type = a.aggregate_type AND c.aggregate_id = a.aggregate_id) m),
-         ctx AS (
+        "WITH ctx AS (
             SELECT pg_current_xact_id()::text::bigint AS txid,
                    (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
-                   -- One primary-key probe per key: a plan cached while the
-                   -- table was small must not turn this into a scan of it.
-                   ARRAY(SELECT k.key FROM UNNEST($1::text[]) AS k(key)
-                         CROSS JOIN LATERAL (SELECT 1 FROM outbox_commands c WHERE c.command_key = k.key LIMIT 1) hit) AS existing,
-                   lv.last_versions, t.*
-            FROM lv
+                   -- Index probes whatever the statistics were when this
+                   -- session planned them (migration 20261129000014).
+                   l.existing, l.last_versions, t.*
+            FROM outbox_emit_lookup($1::text[], $2::text[], $3::text[], $4::text[]) l
             LEFT JOIN LATERAL (SELECT generation AS takeover_generation, event_types AS takeover_event_types,
                                       percent_bp AS takeover_percent_bp
                                FROM outbox_takeover_policies ORDER BY generation DESC LIMIT 1) t ON true)
@@ -385,13 +378,8 @@ async fn committed_for_commands<'k>(tx: &mut Transaction<'_, Postgres>, keys: im
     if keys.is_empty() {
         return Ok(HashMap::new());
     }
-    let rows = sqlx::query(
-        "SELECT c.command_key, v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
-         FROM outbox_commands c
-         JOIN outbox_events e ON e.event_id = c.event_id
-         JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = 1
-         WHERE c.command_key = ANY($1)",
-    )
+    // Primary-key probes whatever the statistics (migration 20261129000014).
+    let rows = sqlx::query("SELECT * FROM outbox_emit_committed($1)")
     .bind(&keys)
     .fetch_all(&mut **tx)
     .await?;
