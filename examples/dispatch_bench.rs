@@ -18,7 +18,8 @@
 //!
 //! Options: `--events N` (100000), `--keys K` (1000), `--emitters E` (2),
 //! `--txn-events T` (100), `--workers W` (4), `--batch B` (300),
-//! `--partitions P` (12).
+//! `--partitions P` (12); `--preload` (emit everything, then start the
+//! dispatcher), `--no-wake` (emit with `wake_dispatcher` off), `--keep-db`.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,10 +39,11 @@ struct Args {
     partitions: i32,
     preload: bool,
     keep_db: bool,
+    no_wake: bool,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
-    let mut a = Args { events: 100_000, keys: 1_000, emitters: 2, txn_events: 100, workers: 4, batch: 300, partitions: 12, preload: false, keep_db: false };
+    let mut a = Args { events: 100_000, keys: 1_000, emitters: 2, txn_events: 100, workers: 4, batch: 300, partitions: 12, preload: false, keep_db: false, no_wake: false };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--preload" {
@@ -50,6 +52,10 @@ fn parse_args() -> anyhow::Result<Args> {
         }
         if flag == "--keep-db" {
             a.keep_db = true;
+            continue;
+        }
+        if flag == "--no-wake" {
+            a.no_wake = true;
             continue;
         }
         let v: usize = it.next().with_context(|| format!("{flag} needs a value"))?.parse().with_context(|| format!("{flag} takes a number"))?;
@@ -108,6 +114,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     for e in 0..args.emitters {
         let pool = pool.clone();
         let (keys, txn_events, total, nemit) = (args.keys, args.txn_events, args.events, args.emitters);
+        let options = EmitOptions { wake_dispatcher: !args.no_wake, ..EmitOptions::default() };
         emitters.push(tokio::spawn(async move {
             let payload = br#"{"order":"bench","totalCents":1999,"items":[{"sku":"sku-1","qty":1}]}"#;
             let mine: Vec<usize> = (0..total).filter(|n| (n % keys) % nemit == e).collect();
@@ -128,7 +135,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
                     })
                     .collect();
                 let mut tx = pool.begin().await?;
-                emit_batch(&mut tx, &requests, &EmitOptions::default()).await?;
+                emit_batch(&mut tx, &requests, &options).await?;
                 tx.commit().await?;
             }
             anyhow::Ok(())

@@ -450,3 +450,31 @@ async fn emit_planned_on_a_tiny_table_stays_index_probes(pool: PgPool) {
     assert!(after - before < 5, "emitting 6,000 events and 4,000 retries started {} sequential scans", after - before);
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 6_018);
 }
+
+/// A commit that emitted wakes the sessions listening on `outbox_pending`
+/// unless `wake_dispatcher` is off; then nothing is sent, and the events
+/// are committed all the same.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn wake_dispatcher_decides_whether_the_commit_notifies(pool: PgPool) {
+    setup(&pool).await;
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await.unwrap();
+    listener.listen("outbox_pending").await.unwrap();
+    let quiet = EmitOptions { wake_dispatcher: false, ..Default::default() };
+    for (n, (options, wakes)) in [(quiet.clone(), false), (EmitOptions::default(), true), (quiet, false)].into_iter().enumerate() {
+        let id = format!("o-{n}");
+        let payload = order_payload(&id, 1);
+        let key = format!("create-{id}");
+        let mut tx = pool.begin().await.unwrap();
+        emit(&mut tx, &order_request(&key, &id, &payload), &options).await.unwrap();
+        tx.commit().await.unwrap();
+        let heard = tokio::time::timeout(std::time::Duration::from_millis(500), listener.recv()).await;
+        match heard {
+            Ok(notification) => {
+                assert!(wakes, "emit {n} with wake_dispatcher off notified");
+                assert_eq!(notification.unwrap().channel(), "outbox_pending");
+            }
+            Err(_) => assert!(!wakes, "emit {n} committed without a notification"),
+        }
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PENDING'").await, 3);
+}
