@@ -343,3 +343,59 @@ async fn purge_never_overtakes_the_watermark(pool: PgPool) {
     let left: Vec<i64> = sqlx::query_scalar("SELECT \"offset\" FROM outbox_consumer_receipts WHERE consumer_id = 'billing' ORDER BY 1").fetch_all(&pool).await.unwrap();
     assert_eq!(left, vec![3, 4]);
 }
+
+/// Sequential scans so far of the receipts table.
+async fn receipt_scans(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s WHERE relname = 'outbox_consumer_receipts'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A batch's receipt statements probe the receipts' primary key whatever the
+/// statistics said when the session planned them: a session that planned
+/// them against a handful of analyzed receipts (as autovacuum leaves a
+/// young table) goes on consuming thousands of events without reading the
+/// receipts table, which only grows until purge, once per batch.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn batches_planned_on_a_tiny_receipts_table_stay_index_probes(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let h = TestHandler::default();
+    let p = processor(&own, &h);
+    let all: Vec<RawMessage> = (0..6_018).map(|i| fixture(TOPIC, 1, &format!("o-{i}")).raw(i)).collect();
+    let before = receipt_scans(&pool).await;
+    // Planned more than five times (PostgreSQL may settle on a generic plan
+    // after five), then again with statistics of a tiny table.
+    for batch in all[..18].chunks(3) {
+        assert!(p.process_batch(batch).await.unwrap().iter().all(|o| o.kind() == "applied"));
+    }
+    sqlx::query("ANALYZE outbox_consumer_receipts").execute(&pool).await.unwrap();
+    for batch in all[18..].chunks(200) {
+        assert!(p.process_batch(batch).await.unwrap().iter().all(|o| o.kind() == "applied"));
+    }
+    // Redelivered: 20 batches of events already applied answer their
+    // receipts.
+    for batch in all[18..4_018].chunks(200) {
+        assert!(p.process_batch(batch).await.unwrap().iter().all(|o| o.kind() == "duplicate"));
+    }
+    // One scan known to happen, so the test sees the session's statistics
+    // arrive (they reach the view when the session ends).
+    let marker: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_receipts WHERE event_id || '' = ''").fetch_one(&own).await.unwrap();
+    assert_eq!(marker, 0);
+    drop(p);
+    own.close().await;
+    let mut after = receipt_scans(&pool).await;
+    for _ in 0..100 {
+        if after > before {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        after = receipt_scans(&pool).await;
+    }
+    assert!(after > before, "the session's statistics never arrived");
+    // One scan is the marker's; a statement that scanned would start one
+    // per batch.
+    assert!(after - before < 5, "consuming 6,018 events and 4,000 redeliveries started {} sequential scans of the receipts", after - before);
+    assert_eq!(effects(&pool).await, (6_018, 6_018));
+}
