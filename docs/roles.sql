@@ -5,7 +5,7 @@
 --
 --     psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -f docs/roles.sql
 --
--- It is idempotent (run it again after every upgrade: new tables get their
+-- It is idempotent (run it again after every upgrade: new tables and functions get their
 -- grants) and works in the outbox database, in a consumer's own database, or
 -- in one shared database: a grant on a table that does not exist there is
 -- skipped. The roles are NOLOGIN groups; give each service a login role of
@@ -164,5 +164,21 @@ SELECT pg_temp.outbox_grant('outbox_consumer_retention', 'SELECT', 'outbox_consu
 
 -- outbox_watermark_publisher: outbox_consumer::publish_watermarks into the outbox database.
 SELECT pg_temp.outbox_grant('outbox_watermark_publisher', 'SELECT, INSERT, UPDATE', 'outbox_consumer_watermarks');
+
+-- Functions. The outbox's functions (emit's and the consumer's lookups,
+-- the checks its triggers and constraints call) run with the caller's
+-- rights, none SECURITY DEFINER: executing one gives nothing the caller's
+-- table grants do not. PostgreSQL lets PUBLIC execute new functions; a
+-- database hardened against that (REVOKE EXECUTE ... FROM PUBLIC, or
+-- default privileges) still needs every role to execute them.
+DO $$
+DECLARE f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+             WHERE p.pronamespace = current_schema()::regnamespace AND p.proname LIKE 'outbox\_%' AND NOT p.prosecdef LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
+                        outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', f);
+    END LOOP;
+END $$;
 
 DROP FUNCTION pg_temp.outbox_grant(text, text, text);

@@ -79,6 +79,18 @@ async fn every_service_works_under_its_role_and_nothing_more() {
     let owner = env.pool().clone();
     outbox_producer::migrate(&owner).await.unwrap();
     outbox_consumer::migrate(&owner).await.unwrap();
+    // A hardened database: nobody executes the outbox's functions unless
+    // granted (PostgreSQL lets PUBLIC execute new functions by default).
+    sqlx::raw_sql(
+        "DO $$ DECLARE f regprocedure; BEGIN
+             FOR f IN SELECT p.oid::regprocedure FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace AND p.proname LIKE 'outbox%' LOOP
+                 EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+             END LOOP;
+         END $$",
+    )
+    .execute(&owner)
+    .await
+    .unwrap();
     sqlx::raw_sql(ROLES_SQL).execute(&owner).await.expect("roles.sql applies");
     sqlx::raw_sql(ROLES_SQL).execute(&owner).await.expect("roles.sql is idempotent");
 
