@@ -197,7 +197,7 @@ pub struct DispatchArgs {
     /// Kafka connection.
     #[command(flatten)]
     pub kafka: KafkaArgs,
-    /// Owner prefix of the claims; worker i claims as NAME-i [default: dispatcher-<pid>].
+    /// Owner prefix of the claims; worker i claims as NAME-i [default: dispatcher-PID].
     #[arg(long, value_name = "NAME")]
     pub name: Option<String>,
     /// Concurrent workers, 1..=64 [default: 2].
@@ -250,7 +250,7 @@ pub struct ReconcileArgs {
     /// Pause between rounds in the loop [default: 10000].
     #[arg(long, value_name = "MS")]
     pub interval_ms: Option<u64>,
-    /// Claim owner name of the reconciler [default: reconciler-<pid>].
+    /// Claim owner name of the reconciler [default: reconciler-PID].
     #[arg(long, value_name = "NAME")]
     pub owner: Option<String>,
     /// UNKNOWN events resolved per round [default: 100].

@@ -2,14 +2,14 @@
 //!
 //! The producer half of the transactional outbox with verified delivery.
 //!
-//! **Guarantee.** [`emit`] inserts the event's frozen envelope in the caller's
+//! **Guarantee.** [`emit()`] inserts the event's frozen envelope in the caller's
 //! own transaction, so a business change never commits without its event and
 //! a rollback leaves nothing. From there, an event becomes PUBLISHED only
 //! through [`PgStore`]'s `accept_dispatch_receipt`, with a broker receipt
 //! whose payload digest, destination digest and placement match what was
 //! frozen at commit.
 //!
-//! Pieces: [`emit`] and [`routes`] (route policies with generations),
+//! Pieces: [`emit()`] and [`routes`] (route policies with generations),
 //! [`PgStore`] (the PostgreSQL store: claims, attempts, the receipt
 //! transaction, unknown/retry), the dispatcher loop, and the Kafka adapter.
 #![warn(missing_docs)]
