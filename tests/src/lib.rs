@@ -23,6 +23,38 @@ pub async fn wait_count(pool: &PgPool, sql: &str, want: i64, timeout: std::time:
     }
 }
 
+/// Sequential scans of `tables` so far (`pg_stat_user_tables`, read afresh).
+pub async fn seq_scans(pool: &PgPool, tables: &[&str]) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(seq_scan), 0)::bigint FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s
+         WHERE relname = ANY($1)",
+    )
+    .bind(tables)
+    .fetch_one(pool)
+    .await
+    .expect("seq_scan counters")
+}
+
+/// Ends the session of the one-connection pool `own` and returns the
+/// sequential scans of `tables` that it and every other session started
+/// since `before` (a [`seq_scans`] reading). A session's counters reach
+/// the view when it reports them, at the latest when it ends; one scan of
+/// `tables[0]` made here, and counted, shows they have.
+pub async fn seq_scans_since(pool: &PgPool, own: PgPool, tables: &[&str], before: i64) -> i64 {
+    let marker: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {} WHERE ctid::text = ''", tables[0])).fetch_one(&own).await.expect("marker scan");
+    assert_eq!(marker, 0);
+    own.close().await;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let after = seq_scans(pool, tables).await;
+        if after > before {
+            return after - before;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the session's statistics never arrived");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
 /// The event type the tests route.
 pub const ORDER_CREATED: &str = "order.created.v2";
 

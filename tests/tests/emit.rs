@@ -381,16 +381,8 @@ async fn emit_under_repeatable_read_and_serializable(pool: PgPool) {
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_commands").await, 8);
 }
 
-/// Sequential scans so far of the tables emit looks up.
-async fn lookup_scans(pool: &PgPool) -> i64 {
-    sqlx::query_scalar(
-        "SELECT sum(seq_scan)::bigint FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s
-         WHERE relname IN ('outbox_commands', 'outbox_events', 'outbox_envelopes')",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
+/// The tables emit looks up.
+const LOOKED_UP: [&str; 3] = ["outbox_commands", "outbox_events", "outbox_envelopes"];
 
 /// `n` orders from `from` in one transaction, one `emit_batch`, each its own
 /// command key and aggregate.
@@ -415,7 +407,7 @@ async fn emit_orders(own: &PgPool, from: usize, n: usize) {
 async fn emit_planned_on_a_tiny_table_stays_index_probes(pool: PgPool) {
     setup(&pool).await;
     let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
-    let before = lookup_scans(&pool).await;
+    let before = seq_scans(&pool, &LOOKED_UP).await;
     // Planned more than five times (PostgreSQL may settle on a generic plan
     // after five), then again with statistics of a tiny table.
     for round in 0..6 {
@@ -430,24 +422,11 @@ async fn emit_planned_on_a_tiny_table_stays_index_probes(pool: PgPool) {
     for round in 0..20 {
         emit_orders(&own, 1_000 + round * 200, 200).await;
     }
-    // One scan known to happen, so the test sees the session's statistics
-    // arrive (they reach the view when the session ends).
-    let marker: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_commands WHERE command_key || '' = ''").fetch_one(&own).await.unwrap();
-    assert_eq!(marker, 0);
-    own.close().await;
-    let mut after = lookup_scans(&pool).await;
-    for _ in 0..100 {
-        if after > before {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        after = lookup_scans(&pool).await;
-    }
-    assert!(after > before, "the session's statistics never arrived");
+    let scans = seq_scans_since(&pool, own, &LOOKED_UP, before).await;
     // One scan is the marker's. A lookup that scanned would start one scan
     // per key or aggregate (200 per batch); a retry's join that scanned, one
     // of each table per batch.
-    assert!(after - before < 5, "emitting 6,000 events and 4,000 retries started {} sequential scans", after - before);
+    assert!(scans < 5, "emitting 6,000 events and 4,000 retries started {scans} sequential scans");
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 6_018);
 }
 
