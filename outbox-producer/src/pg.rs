@@ -131,8 +131,19 @@ impl PgStore {
         self.clock.now_ms()
     }
 
+    /// Begins one of this store's transactions, planned without sequential
+    /// scans (one round trip: both statements go in one message).
+    ///
+    /// Every statement of the store's transactions is a probe or a range
+    /// of an index. A session caches the plan of a statement it runs often,
+    /// and one planned while the outbox tables held a handful of analyzed
+    /// rows (as autovacuum leaves young tables) would otherwise go on
+    /// reading them from end to end, per batch or per key, after they have
+    /// grown: measured, a claim over 200 keys of a 50,000-event table took
+    /// 4.9 s instead of milliseconds. `SET LOCAL` ends with the transaction,
+    /// so the connection goes back to the pool as it came.
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
-        self.pool.begin().await.map_err(store_err)
+        self.pool.begin_with("BEGIN; SET LOCAL enable_seqscan = off").await.map_err(store_err)
     }
 
     async fn audit(tx: &mut Transaction<'_, Postgres>, event_id: &str, actor: &str, action: &str, detail: serde_json::Value, now: i64) -> Result<(), StoreError> {
@@ -601,7 +612,11 @@ impl PgStore {
         if let Some(events) = events {
             q = q.bind(events);
         }
-        let rows = q.fetch_all(&self.pool).await.map_err(store_err)?;
+        // In a transaction of its own only to plan it without sequential
+        // scans (see `begin`).
+        let mut tx = self.begin().await?;
+        let rows = q.fetch_all(&mut *tx).await.map_err(store_err)?;
+        tx.commit().await.map_err(store_err)?;
         Self::claimed_rows(rows, from)
     }
 
