@@ -551,6 +551,22 @@ async fn table_stats_once(pool: &PgPool, table: &str, arrived: impl Fn(&TableSta
     }
 }
 
+/// The broker's receipt of the registered attempt `a` of the claimed event
+/// `c`, written at `offset` of its frozen partition on cluster-a.
+fn receipt_on_cluster_a(c: &outbox_core::ClaimedEvent, a: &outbox_core::AttemptRecord, offset: i64) -> outbox_core::BrokerReceipt {
+    outbox_core::BrokerReceipt {
+        event_id: c.envelope.event_id.clone(),
+        envelope_generation: c.envelope.envelope_generation,
+        attempt_id: a.attempt_id.clone(),
+        payload_digest: c.envelope.payload_digest.clone(),
+        destination_digest: c.destination_digest.clone(),
+        cluster_id: "cluster-a".into(),
+        topic: TOPIC.into(),
+        partition: c.destination.partition,
+        offset,
+    }
+}
+
 /// The receipt transaction finds its attempts through an index even where
 /// the table has never been analyzed (a new deployment, autovacuum behind,
 /// just after `pg_upgrade`): without statistics, "event_id = ANY (a few
@@ -588,22 +604,7 @@ async fn receipt_batches_find_attempts_by_index_without_statistics(pool: PgPool)
     let rows = EVENTS as i64 * (1 + EARLIER_PER_EVENT);
     let before = table_stats_once(&pool, "outbox_attempts", |t| t.n_tup_ins >= rows).await.seq_scan;
 
-    let receipts: Vec<outbox_core::BrokerReceipt> = claimed
-        .iter()
-        .zip(&attempts)
-        .enumerate()
-        .map(|(n, (c, a))| outbox_core::BrokerReceipt {
-            event_id: c.envelope.event_id.clone(),
-            envelope_generation: c.envelope.envelope_generation,
-            attempt_id: a.attempt_id.clone(),
-            payload_digest: c.envelope.payload_digest.clone(),
-            destination_digest: c.destination_digest.clone(),
-            cluster_id: "cluster-a".into(),
-            topic: TOPIC.into(),
-            partition: c.destination.partition,
-            offset: n as i64,
-        })
-        .collect();
+    let receipts: Vec<_> = claimed.iter().zip(&attempts).enumerate().map(|(n, (c, a))| receipt_on_cluster_a(c, a, n as i64)).collect();
     let own = single_connection(&pool).await;
     let outcomes = PgStore::new(own.clone()).accept_dispatch_receipts(&receipts).await.unwrap();
     assert!(outcomes.iter().all(|o| o.state == EventState::Published), "{:?}", outcomes.iter().find(|o| o.state != EventState::Published));
@@ -1126,22 +1127,12 @@ async fn dispatch_round(emitter: &PgPool, store: &PgStore, round: usize, n: usiz
     assert_eq!(claimed.len(), n, "round {round}");
     let tokens: Vec<_> = claimed.iter().map(|c| c.token.clone()).collect();
     let attempts: Vec<_> = store.register_attempts(&tokens).await.unwrap().into_iter().map(Result::unwrap).collect();
-    let receipts: Vec<outbox_core::BrokerReceipt> = claimed
+    let receipts: Vec<_> = claimed
         .iter()
         .zip(&attempts)
         .map(|(c, a)| {
             offset += 1;
-            outbox_core::BrokerReceipt {
-                event_id: c.envelope.event_id.clone(),
-                envelope_generation: c.envelope.envelope_generation,
-                attempt_id: a.attempt_id.clone(),
-                payload_digest: c.envelope.payload_digest.clone(),
-                destination_digest: c.destination_digest.clone(),
-                cluster_id: "cluster-a".into(),
-                topic: TOPIC.into(),
-                partition: c.destination.partition,
-                offset,
-            }
+            receipt_on_cluster_a(c, a, offset)
         })
         .collect();
     let outcomes = store.accept_dispatch_receipts(&receipts).await.unwrap();
