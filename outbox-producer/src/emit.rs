@@ -393,10 +393,7 @@ async fn committed_for_commands<'k>(tx: &mut Transaction<'_, Postgres>, keys: im
         return Ok(HashMap::new());
     }
     // Primary-key probes whatever the statistics (migration 20261129000014).
-    let rows = sqlx::query("SELECT * FROM outbox_emit_committed($1)")
-    .bind(&keys)
-    .fetch_all(&mut **tx)
-    .await?;
+    let rows = sqlx::query("SELECT * FROM outbox_emit_committed($1)").bind(&keys).fetch_all(&mut **tx).await?;
     let mut found = HashMap::with_capacity(rows.len());
     for row in &rows {
         let envelope = Envelope::from_canonical(row.try_get::<&[u8], _>("envelope_canonical")?)?;
