@@ -517,9 +517,9 @@ impl<B: Broker + 'static> Dispatcher<B> {
         )
     }
 
-    /// Claims up to a batch: retries first, then the successors of what the
-    /// cursor's last batch published, then (on a full claim, see
-    /// [`DispatcherConfig::head_scan_every`]) every key's head. One claim statement at a time
+    /// Claims up to a batch, in one transaction: retries first, then the
+    /// successors of what the cursor's last batch published, then (on a full
+    /// claim, see [`DispatcherConfig::head_scan_every`]) every key's head. One claim at a time
     /// per instance: two claims running together would scan the same key
     /// heads, and each would keep the rows the other had just claimed locked
     /// until it commits, stalling their registration.
@@ -528,25 +528,17 @@ impl<B: Broker + 'static> Dispatcher<B> {
         let after = std::mem::take(&mut cursor.published);
         let scan_due = after.is_empty() || cursor.since_scan.saturating_add(1) >= self.config.head_scan_every;
         let _turn = self.claim_turn.lock().await;
-        let mut claimed = self.store.claim_retries(owner, batch, lease).await?;
-        if claimed.len() < batch {
-            let mut scan = scan_due;
-            if !scan {
-                let found = self.store.claim_successors(owner, &after, batch - claimed.len(), lease).await?;
-                inc(&self.metrics.successor_claims, 1);
-                // No successor ready: look at every key now rather than wait.
-                scan = found.is_empty();
-                claimed.extend(found);
-            }
-            if scan {
-                claimed.extend(self.store.claim_batch(owner, batch - claimed.len(), lease).await?);
-                inc(&self.metrics.head_scans, 1);
-                cursor.since_scan = 0;
-                return Ok(claimed);
-            }
+        let round = self.store.claim_next(owner, &after, scan_due, batch, lease).await?;
+        if round.successor_claim {
+            inc(&self.metrics.successor_claims, 1);
         }
-        cursor.since_scan = cursor.since_scan.saturating_add(1);
-        Ok(claimed)
+        if round.head_scan {
+            inc(&self.metrics.head_scans, 1);
+            cursor.since_scan = 0;
+        } else {
+            cursor.since_scan = cursor.since_scan.saturating_add(1);
+        }
+        Ok(round.claimed)
     }
 
     /// Step 2: wait for every answer of the batch and record it.

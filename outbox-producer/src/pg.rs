@@ -596,10 +596,30 @@ impl PgStore {
         Ok(tasks)
     }
 
-    /// Runs a claim statement: `$1` limit, `$2` owner, `$3` now, `$4` lease,
-    /// `$5` cluster scope, `$6` highest protocol understood, `$7` (when
-    /// given) event ids; it returns [`CLAIM_FROM_C`] rows.
+    /// Runs a claim statement in a transaction of its own (planned without
+    /// sequential scans, see `begin`): `$1` limit, `$2` owner, `$3` now,
+    /// `$4` lease, `$5` cluster scope, `$6` highest protocol understood,
+    /// `$7` (when given) event ids; it returns [`CLAIM_FROM_C`] rows.
     async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let mut tx = self.begin().await?;
+        let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events).await?;
+        tx.commit().await.map_err(store_err)?;
+        Ok(claimed)
+    }
+
+    /// Runs a claim statement (as [`PgStore::claim_with`] describes) in `tx`;
+    /// claims of PENDING events come back in event-id order.
+    #[allow(clippy::too_many_arguments)]
+    async fn claim_in(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        sql: &str,
+        owner: &str,
+        limit: usize,
+        lease_ms: i64,
+        from: EventState,
+        events: Option<&[&str]>,
+    ) -> Result<Vec<ClaimedEvent>, StoreError> {
         validate_lease_ms(lease_ms)?;
         outbox_core::id::validate_identifier("owner", owner)?;
         let mut q = sqlx::query(sql)
@@ -612,12 +632,41 @@ impl PgStore {
         if let Some(events) = events {
             q = q.bind(events);
         }
-        // In a transaction of its own only to plan it without sequential
-        // scans (see `begin`).
+        let rows = q.fetch_all(&mut **tx).await.map_err(store_err)?;
+        let mut claimed = Self::claimed_rows(rows, from)?;
+        if from == EventState::Pending {
+            claimed.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
+        }
+        Ok(claimed)
+    }
+
+    /// A dispatcher's claim of up to `limit` events, in one transaction:
+    /// events waiting for a retry first; then, unless `scan_due`, the
+    /// successors of the events `after` ([`PgStore::claim_successors`]);
+    /// then, when a scan is due or no successor was ready, every key's head
+    /// ([`OutboxStore::claim_batch`]). All of it commits or none of it does,
+    /// and the transaction's round trips are paid once.
+    pub(crate) async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
         let mut tx = self.begin().await?;
-        let rows = q.fetch_all(&mut *tx).await.map_err(store_err)?;
+        let mut round = ClaimRound { claimed: self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None).await?, successor_claim: false, head_scan: false };
+        if round.claimed.len() < limit {
+            let mut scan = scan_due;
+            if !scan {
+                let ids: Vec<&str> = after.iter().take(MAX_CLAIM_BATCH).map(EventId::as_str).collect();
+                let found = self.claim_in(&mut tx, &CLAIM_SUCCESSORS, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, Some(&ids)).await?;
+                round.successor_claim = true;
+                // No successor ready: look at every key now rather than wait.
+                scan = found.is_empty();
+                round.claimed.extend(found);
+            }
+            if scan {
+                let heads = self.claim_in(&mut tx, &CLAIM_EVERY_HEAD, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, None).await?;
+                round.claimed.extend(heads);
+                round.head_scan = true;
+            }
+        }
         tx.commit().await.map_err(store_err)?;
-        Self::claimed_rows(rows, from)
+        Ok(round)
     }
 
     /// Claims, as `owner`, up to `limit` PENDING events: the current heads
@@ -635,9 +684,7 @@ impl PgStore {
 
     /// A claim of PENDING events, in event-id order.
     async fn claim_pending(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let mut out = self.claim_with(sql, owner, limit, lease_ms, EventState::Pending, events).await?;
-        out.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
-        Ok(out)
+        self.claim_with(sql, owner, limit, lease_ms, EventState::Pending, events).await
     }
 
     /// The attempts a registration of `tokens` made, where it committed: for
@@ -812,6 +859,30 @@ static NOT_SENT_BACKOFFS: LazyLock<Vec<i64>> = LazyLock::new(|| {
 const HEAD_COLUMNS: &str = "e.key_chain, e.cluster_id, e.seq, e.state, e.next_check_at_ms, e.protocol_version, e.event_id";
 const OPEN_ORDERED: &str = "e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'";
 
+/// What [`PgStore::claim_next`] claimed, and which claims it ran.
+pub(crate) struct ClaimRound {
+    /// The events, retries first.
+    pub(crate) claimed: Vec<ClaimedEvent>,
+    /// Whether it claimed successors.
+    pub(crate) successor_claim: bool,
+    /// Whether it scanned every key's head.
+    pub(crate) head_scan: bool,
+}
+
+/// The claim of events waiting for a retry (RETRY_CLAIMED, nobody's),
+/// oldest first.
+static CLAIM_RETRIES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH c AS (
+            SELECT event_id FROM outbox_events WHERE phase = 'RETRY_CLAIMED' AND claim_owner IS NULL
+              AND publisher = 'outbox' AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
+            ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
+         UPDATE outbox_events e SET claim_owner = $2, claim_generation = e.claim_generation + 1,
+                lease_until_ms = $3 + $4, claim_attempt_id = NULL
+         {CLAIM_FROM_C}"
+    )
+});
+
 /// The claim over every ordering chain's head: the oldest open event of
 /// each chain (cluster, topic, key: `key_chain`), found with one index
 /// descent per chain (a loose index scan), so a deep backlog behind the
@@ -880,23 +951,7 @@ impl OutboxStore for PgStore {
     }
 
     async fn claim_retries(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        self.claim_with(
-            &format!(
-            "WITH c AS (
-                SELECT event_id FROM outbox_events WHERE phase = 'RETRY_CLAIMED' AND claim_owner IS NULL
-                  AND publisher = 'outbox' AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
-                ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
-             UPDATE outbox_events e SET claim_owner = $2, claim_generation = e.claim_generation + 1,
-                    lease_until_ms = $3 + $4, claim_attempt_id = NULL
-             {CLAIM_FROM_C}"
-            ),
-            owner,
-            limit,
-            lease_ms,
-            EventState::RetryClaimed,
-            None,
-        )
-        .await
+        self.claim_with(&CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None).await
     }
 
     async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError> {
