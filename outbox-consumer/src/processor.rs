@@ -563,9 +563,7 @@ impl Processor {
         if ids.is_empty() {
             return Ok(out);
         }
-        // A primary-key probe per id whatever the statistics (migration
-        // 20261129100003).
-        let sql = format!("SELECT {RECEIPT_COLUMNS} FROM outbox_consumer_receipts_of($1, $2)");
+        let sql = format!("SELECT {RECEIPT_COLUMNS} FROM outbox_consumer_receipts WHERE consumer_id = $1 AND event_id = ANY($2)");
         for row in sqlx::query(&sql).bind(&self.consumer_id).bind(ids).fetch_all(&mut **tx).await? {
             let r = receipt_from_row(&row)?;
             out.insert(r.event_id.as_str().to_owned(), r);
@@ -602,14 +600,16 @@ impl Processor {
         if !results.is_empty() {
             let ids: Vec<&str> = results.iter().map(|(id, _)| id.as_str()).collect();
             let values: Vec<Value> = results.iter().map(|(_, v)| v.clone()).collect();
-            // A primary-key probe per result whatever the statistics
-            // (migration 20261129100003).
-            sqlx::query("SELECT outbox_consumer_store_results($1, $2, $3)")
-                .bind(&self.consumer_id)
-                .bind(&ids)
-                .bind(&values)
-                .execute(&mut **tx)
-                .await?;
+            sqlx::query(
+                "UPDATE outbox_consumer_receipts r SET result = u.result
+                 FROM UNNEST($2::text[], $3::jsonb[]) AS u(event_id, result)
+                 WHERE r.consumer_id = $1 AND r.event_id = u.event_id",
+            )
+            .bind(&self.consumer_id)
+            .bind(&ids)
+            .bind(&values)
+            .execute(&mut **tx)
+            .await?;
         }
         if !quarantine.is_empty() {
             let offsets: Vec<i64> = quarantine.iter().map(|(m, _, _)| m.offset).collect();

@@ -601,14 +601,16 @@ impl PgStore {
     /// `$4` lease, `$5` cluster scope, `$6` highest protocol understood,
     /// `$7` (when given) event ids; it returns [`CLAIM_FROM_C`] rows.
     async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
+        validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
         let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(claimed)
     }
 
-    /// Runs a claim statement (as [`PgStore::claim_with`] describes) in `tx`;
-    /// claims of PENDING events come back in event-id order.
+    /// Runs a claim statement (as [`PgStore::claim_with`] describes) in `tx`,
+    /// its owner and lease already validated; claims of PENDING events come
+    /// back in event-id order.
     #[allow(clippy::too_many_arguments)]
     async fn claim_in(
         &self,
@@ -620,8 +622,6 @@ impl PgStore {
         from: EventState,
         events: Option<&[&str]>,
     ) -> Result<Vec<ClaimedEvent>, StoreError> {
-        validate_lease_ms(lease_ms)?;
-        outbox_core::id::validate_identifier("owner", owner)?;
         let mut q = sqlx::query(sql)
             .bind(limit.min(MAX_CLAIM_BATCH) as i64)
             .bind(owner)
@@ -647,13 +647,13 @@ impl PgStore {
     /// ([`OutboxStore::claim_batch`]). All of it commits or none of it does,
     /// and the transaction's round trips are paid once.
     pub(crate) async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
+        validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
         let mut round = ClaimRound { claimed: self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None).await?, successor_claim: false, head_scan: false };
         if round.claimed.len() < limit {
             let mut scan = scan_due;
             if !scan {
-                let ids: Vec<&str> = after.iter().take(MAX_CLAIM_BATCH).map(EventId::as_str).collect();
-                let found = self.claim_in(&mut tx, &CLAIM_SUCCESSORS, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, Some(&ids)).await?;
+                let found = self.claim_in(&mut tx, &CLAIM_SUCCESSORS, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, Some(&successor_ids(after))).await?;
                 round.successor_claim = true;
                 // No successor ready: look at every key now rather than wait.
                 scan = found.is_empty();
@@ -678,13 +678,7 @@ impl PgStore {
     /// `claim_batch` (see [`crate::DispatcherConfig::head_scan_every`]). At most
     /// [`MAX_CLAIM_BATCH`] events are read.
     pub async fn claim_successors(&self, owner: &str, events: &[EventId], limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let ids: Vec<&str> = events.iter().take(MAX_CLAIM_BATCH).map(EventId::as_str).collect();
-        self.claim_pending(&CLAIM_SUCCESSORS, owner, limit, lease_ms, Some(&ids)).await
-    }
-
-    /// A claim of PENDING events, in event-id order.
-    async fn claim_pending(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
-        self.claim_with(sql, owner, limit, lease_ms, EventState::Pending, events).await
+        self.claim_with(&CLAIM_SUCCESSORS, owner, limit, lease_ms, EventState::Pending, Some(&successor_ids(events))).await
     }
 
     /// The attempts a registration of `tokens` made, where it committed: for
@@ -859,6 +853,19 @@ static NOT_SENT_BACKOFFS: LazyLock<Vec<i64>> = LazyLock::new(|| {
 const HEAD_COLUMNS: &str = "e.key_chain, e.cluster_id, e.seq, e.state, e.next_check_at_ms, e.protocol_version, e.event_id";
 const OPEN_ORDERED: &str = "e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'";
 
+/// A claim's owner and lease, checked before any statement runs.
+fn validate_claim(owner: &str, lease_ms: i64) -> Result<(), StoreError> {
+    validate_lease_ms(lease_ms)?;
+    outbox_core::id::validate_identifier("owner", owner)?;
+    Ok(())
+}
+
+/// The ids of the events whose successors a claim looks for, at most
+/// [`MAX_CLAIM_BATCH`].
+fn successor_ids(events: &[EventId]) -> Vec<&str> {
+    events.iter().take(MAX_CLAIM_BATCH).map(EventId::as_str).collect()
+}
+
 /// What [`PgStore::claim_next`] claimed, and which claims it ran.
 pub(crate) struct ClaimRound {
     /// The events, retries first.
@@ -947,7 +954,7 @@ fn claim_heads_sql(heads: &str) -> String {
 #[async_trait]
 impl OutboxStore for PgStore {
     async fn claim_batch(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        self.claim_pending(&CLAIM_EVERY_HEAD, owner, limit, lease_ms, None).await
+        self.claim_with(&CLAIM_EVERY_HEAD, owner, limit, lease_ms, EventState::Pending, None).await
     }
 
     async fn claim_retries(&self, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
