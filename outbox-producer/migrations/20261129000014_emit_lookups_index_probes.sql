@@ -54,12 +54,16 @@ CREATE FUNCTION outbox_emit_committed(p_keys text[])
 AS $$
 BEGIN
     -- The first envelope and the publisher of each key's event: a
-    -- primary-key probe in each of the three tables per key.
+    -- primary-key probe in each of the three tables per key. Each probe is
+    -- a LATERAL subquery with LIMIT 1, so that none can become a join that
+    -- reads a table's index from end to end (with sequential scans off, a
+    -- plan made on tiny tables merge-joined whole indexes instead).
     RETURN QUERY
-        SELECT c.command_key::text, v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
-        FROM outbox_commands c
-        JOIN outbox_events e ON e.event_id = c.event_id
-        JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = 1
-        WHERE c.command_key = ANY (p_keys);
+        SELECT k.key, v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
+        FROM UNNEST(p_keys) AS k(key)
+        CROSS JOIN LATERAL (SELECT c.event_id FROM outbox_commands c WHERE c.command_key = k.key LIMIT 1) c
+        CROSS JOIN LATERAL (SELECT x.publisher FROM outbox_events x WHERE x.event_id = c.event_id LIMIT 1) e
+        CROSS JOIN LATERAL (SELECT y.envelope_canonical, y.destination_canonical, y.destination_digest FROM outbox_envelopes y
+                            WHERE y.event_id = c.event_id AND y.envelope_generation = 1 LIMIT 1) v;
 END
 $$;

@@ -23,36 +23,44 @@ pub async fn wait_count(pool: &PgPool, sql: &str, want: i64, timeout: std::time:
     }
 }
 
-/// Sequential scans of `tables` so far (`pg_stat_user_tables`, read afresh).
-pub async fn seq_scans(pool: &PgPool, tables: &[&str]) -> i64 {
-    sqlx::query_scalar(
-        "SELECT coalesce(sum(seq_scan), 0)::bigint FROM pg_stat_user_tables, LATERAL (SELECT pg_stat_clear_snapshot()) s
-         WHERE relname = ANY($1)",
+/// What sessions have read from some tables: the sequential scans they
+/// started, and the rows they read (rows read by sequential scans plus
+/// index entries read by index scans, so an index read from end to end
+/// counts as much as the table).
+#[derive(Debug, Clone, Copy, Default, sqlx::FromRow)]
+pub struct Reads {
+    /// Sequential scans started.
+    pub seq_scans: i64,
+    /// Rows and index entries read.
+    pub rows: i64,
+}
+
+impl std::ops::Sub for Reads {
+    type Output = Reads;
+    fn sub(self, before: Reads) -> Reads {
+        Reads { seq_scans: self.seq_scans - before.seq_scans, rows: self.rows - before.rows }
+    }
+}
+
+/// What has been read from `tables` so far, once each of `sessions`
+/// (one-connection pools) has reported its counters: a session reports
+/// pending counters when a transaction ends, and `pg_stat_force_next_flush`
+/// makes the next report unconditional, so they are in the views before
+/// the session answers.
+pub async fn reads(pool: &PgPool, sessions: &[&PgPool], tables: &[&str]) -> Reads {
+    for session in sessions {
+        sqlx::query("SELECT pg_stat_force_next_flush()").execute(*session).await.expect("flush counters");
+    }
+    sqlx::query_as(
+        "SELECT coalesce(sum(t.seq_scan), 0)::bigint AS seq_scans,
+                (coalesce(sum(t.seq_tup_read), 0)
+                 + (SELECT coalesce(sum(i.idx_tup_read), 0) FROM pg_stat_user_indexes i WHERE i.relname = ANY($1)))::bigint AS rows
+         FROM pg_stat_user_tables t WHERE t.relname = ANY($1)",
     )
     .bind(tables)
     .fetch_one(pool)
     .await
-    .expect("seq_scan counters")
-}
-
-/// Ends the session of the one-connection pool `own` and returns the
-/// sequential scans of `tables` that it and every other session started
-/// since `before` (a [`seq_scans`] reading). A session's counters reach
-/// the view when it reports them, at the latest when it ends; one scan of
-/// `tables[0]` made here, and counted, shows they have.
-pub async fn seq_scans_since(pool: &PgPool, own: PgPool, tables: &[&str], before: i64) -> i64 {
-    let marker: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {} WHERE ctid::text = ''", tables[0])).fetch_one(&own).await.expect("marker scan");
-    assert_eq!(marker, 0);
-    own.close().await;
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let after = seq_scans(pool, tables).await;
-        if after > before {
-            return after - before;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "the session's statistics never arrived");
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    .expect("table and index counters")
 }
 
 /// The event type the tests route.
