@@ -115,6 +115,7 @@ fn order_created(order: &str) -> anyhow::Result<RawMessage> {
         key: Some(destination.routing_key.into_bytes()),
         payload: Some(payload),
         headers: hs,
+        non_utf8_header_names: Vec::new(),
     })
 }
 

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 /// One message as read from the broker, before any check. Build it yourself
 /// to drive a [`Processor`](crate::Processor) without Kafka.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RawMessage {
     /// Topic the message was read from.
     pub topic: String,
@@ -20,18 +20,23 @@ pub struct RawMessage {
     pub key: Option<Vec<u8>>,
     /// Message value; `None` for a tombstone.
     pub payload: Option<Vec<u8>>,
-    /// Headers in wire order (a repeated name: the last one wins).
+    /// Headers in wire order (a repeated name: the last one wins). A name
+    /// that is not UTF-8 is kept with its invalid bytes replaced by U+FFFD,
+    /// and its position is in `non_utf8_header_names`.
     pub headers: Vec<(String, Vec<u8>)>,
+    /// Positions (in `headers`) of header names that were not UTF-8 on the
+    /// wire. Verification refuses such a message (it is quarantined, never
+    /// handled): no outbox dispatcher writes one.
+    pub non_utf8_header_names: Vec<usize>,
 }
 
 impl RawMessage {
-    /// Copies a message out of the Kafka client.
-    pub fn from_kafka<M: rdkafka::Message>(m: &M) -> Self {
-        use rdkafka::message::Headers as _;
-        let headers = m
-            .headers()
-            .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec).unwrap_or_default())).collect())
-            .unwrap_or_default();
+    /// Copies a message out of the Kafka client. Never panics, whatever the
+    /// headers hold (rdkafka's own header accessors panic on a name that is
+    /// not UTF-8).
+    pub fn from_kafka(m: &rdkafka::message::BorrowedMessage<'_>) -> Self {
+        use rdkafka::Message as _;
+        let (headers, non_utf8_header_names) = m.headers().map(read_headers).unwrap_or_default();
         RawMessage {
             topic: m.topic().to_owned(),
             partition: m.partition(),
@@ -39,6 +44,7 @@ impl RawMessage {
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec),
             headers,
+            non_utf8_header_names,
         }
     }
 
@@ -240,4 +246,45 @@ mod tests {
         let h = vec![("a".to_owned(), b"text".to_vec()), ("b".to_owned(), vec![0xff, 0x00])];
         assert_eq!(headers_from_json(&headers_json(&h, 100)), Some(h));
     }
+}
+
+/// Reads every header of a message without panicking: names that are not
+/// UTF-8 are decoded lossily and their positions returned.
+pub fn read_headers(h: &rdkafka::message::BorrowedHeaders) -> (Vec<(String, Vec<u8>)>, Vec<usize>) {
+    use rdkafka::message::Headers as _;
+    let count = h.count();
+    let mut out = Vec::with_capacity(count);
+    let mut bad = Vec::new();
+    for idx in 0..count {
+        let mut name: *const std::os::raw::c_char = std::ptr::null();
+        let mut value: *const std::os::raw::c_void = std::ptr::null();
+        let mut size: usize = 0;
+        // SAFETY: `h` is a live header list; librdkafka writes borrowed
+        // pointers into it that stay valid while `h` does, and we copy them
+        // out before returning.
+        // `BorrowedHeaders` is a zero-sized view whose address is librdkafka's
+        // header list (rdkafka casts it the same way).
+        let native = h as *const rdkafka::message::BorrowedHeaders as *const rdkafka::bindings::rd_kafka_headers_t;
+        let err = unsafe { rdkafka::bindings::rd_kafka_header_get_all(native, idx, &mut name, &mut value, &mut size) };
+        if err != rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+            continue;
+        }
+        // SAFETY: librdkafka header names are NUL-terminated.
+        let name_bytes = unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes();
+        let value = if value.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: `value` points at `size` bytes owned by the header list.
+            unsafe { std::slice::from_raw_parts(value as *const u8, size) }.to_vec()
+        };
+        let name = match std::str::from_utf8(name_bytes) {
+            Ok(s) => s.to_owned(),
+            Err(_) => {
+                bad.push(out.len());
+                String::from_utf8_lossy(name_bytes).into_owned()
+            }
+        };
+        out.push((name, value));
+    }
+    (out, bad)
 }

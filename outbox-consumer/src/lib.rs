@@ -106,7 +106,7 @@ pub use event::{effect_key, ConsumedEvent, RawMessage, DEFAULT_EFFECT_PURPOSE, E
 pub use handler::Handler;
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
-pub use processor::{purge_receipts_before, receipt, Processor, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
+pub use processor::{purge_receipts_before, receipt, verify_message, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
 
 /// The consumer's migrations (`migrations/`, versions `20261129100001` and

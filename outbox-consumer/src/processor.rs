@@ -103,6 +103,54 @@ fn position(msg: &RawMessage) -> Position {
     Position { topic: msg.topic.clone(), partition: msg.partition, offset: msg.offset }
 }
 
+/// Why verification refused a message: the quarantine record and the
+/// evidence stored with it.
+#[derive(Debug, Clone)]
+pub struct Rejection {
+    /// The quarantine record (position, eventId if readable, reason, digest).
+    pub quarantined: Quarantined,
+    /// Bounded evidence: the error, the headers, the key, sizes.
+    pub evidence: Value,
+}
+
+/// Verifies one message against its own headers, before any database work:
+/// the checks every message passes before a handler may see it. Pure and
+/// total: it answers for any bytes, never panics, and bounds the evidence it
+/// keeps. The [`Processor`] calls exactly this.
+pub fn verify_message(consumer_id: &str, msg: &RawMessage) -> Result<ConsumedEvent, Rejection> {
+    let payload = msg.payload_bytes();
+    let verified = match msg.non_utf8_header_names.first() {
+        Some(&index) => Err(VerifyError::HeaderName { index }),
+        None => headers::verify(&msg.headers, payload, &msg.topic, msg.partition, msg.key.as_deref()),
+    };
+    match verified {
+        Ok(claims) => Ok(ConsumedEvent::new(consumer_id, claims, msg)),
+        Err(e) => {
+            let event_id = msg
+                .headers
+                .iter()
+                .rev()
+                .find(|(k, _)| k == headers::EVENT_ID)
+                .and_then(|(_, v)| std::str::from_utf8(v).ok())
+                .map(|s| s.chars().take(100).collect::<String>());
+            let evidence = json!({
+                "error": e.to_string(),
+                "headers": headers_json(&msg.headers, MAX_EVIDENCE_HEADER_BYTES),
+                "key": bytes_json(msg.key.as_deref()),
+                "payloadBytes": payload.len(),
+                "tombstone": msg.payload.is_none(),
+            });
+            let quarantined = Quarantined {
+                position: position(msg),
+                event_id,
+                reason: QuarantineReason::Verification { code: verify_code(&e).to_owned(), detail: e.to_string() },
+                payload_digest: sha256_digest(payload),
+            };
+            Err(Rejection { quarantined, evidence })
+        }
+    }
+}
+
 fn verify_code(e: &VerifyError) -> &'static str {
     match e {
         VerifyError::MissingHeader(_) => "missing_header",
@@ -110,6 +158,7 @@ fn verify_code(e: &VerifyError) -> &'static str {
         VerifyError::PayloadDigest { .. } => "payload_digest",
         VerifyError::DestinationDigest => "destination_digest",
         VerifyError::Placement(_) => "placement",
+        VerifyError::HeaderName { .. } => "header_name",
         _ => "other",
     }
 }
@@ -346,32 +395,9 @@ impl Processor {
 
     /// Verifies one message.
     fn prepare<'a>(&self, msg: &'a RawMessage) -> Prepared<'a> {
-        let payload = msg.payload_bytes();
-        match headers::verify(&msg.headers, payload, &msg.topic, msg.partition, msg.key.as_deref()) {
-            Ok(claims) => Prepared::Event { msg, event: ConsumedEvent::new(&self.consumer_id, claims, msg) },
-            Err(e) => {
-                let event_id = msg
-                    .headers
-                    .iter()
-                    .rev()
-                    .find(|(k, _)| k == headers::EVENT_ID)
-                    .and_then(|(_, v)| std::str::from_utf8(v).ok())
-                    .map(|s| s.chars().take(100).collect::<String>());
-                let evidence = json!({
-                    "error": e.to_string(),
-                    "headers": headers_json(&msg.headers, MAX_EVIDENCE_HEADER_BYTES),
-                    "key": bytes_json(msg.key.as_deref()),
-                    "payloadBytes": payload.len(),
-                    "tombstone": msg.payload.is_none(),
-                });
-                let quarantined = Quarantined {
-                    position: position(msg),
-                    event_id,
-                    reason: QuarantineReason::Verification { code: verify_code(&e).to_owned(), detail: e.to_string() },
-                    payload_digest: sha256_digest(payload),
-                };
-                Prepared::Bad { msg, quarantined, evidence }
-            }
+        match verify_message(&self.consumer_id, msg) {
+            Ok(event) => Prepared::Event { msg, event },
+            Err(Rejection { quarantined, evidence }) => Prepared::Bad { msg, quarantined, evidence },
         }
     }
 
@@ -838,6 +864,7 @@ impl Processor {
             key: row.try_get("message_key")?,
             payload: Some(row.try_get("payload")?),
             headers: headers_from_json(&headers_value).ok_or_else(|| ConsumerError::CorruptRow(format!("dead letter headers of {event_id}")))?,
+            non_utf8_header_names: Vec::new(),
         };
         let p = self.prepare(&msg);
         if let Prepared::Bad { quarantined, .. } = &p {

@@ -186,6 +186,33 @@ async fn tampered_messages_are_quarantined_and_later_messages_processed(pool: Pg
     assert_eq!(committed_offset(&kafka, "fulfilment", "orders", 0), Some(last + 1));
 }
 
+/// A header name that is not UTF-8 (rdkafka's own accessor panics on it):
+/// the message is quarantined with its reason, nothing panics, and the next
+/// valid message of the partition is applied once.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn non_utf8_header_name_is_quarantined_and_the_partition_moves_on(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let kafka = Kafka::new("orders", 2);
+    let poisoned = fixture_on("orders", 2, 0, "p");
+    let next = fixture_on("orders", 2, 0, "n");
+    // The genuine event's headers and bytes, plus one header whose name is not UTF-8.
+    let mut raw: Vec<(Vec<u8>, Vec<u8>)> = poisoned.headers.iter().map(|(k, v)| (k.clone().into_bytes(), v.clone())).collect();
+    raw.push((vec![b'x', 0xff, 0xfe, b'y'], b"v".to_vec()));
+    let bad = kafka.send_raw_names("orders", 0, poisoned.destination.routing_key.as_bytes(), &poisoned.payload, &raw).await;
+    let last = kafka.send(&next).await;
+    let h = TestHandler::default();
+    let r = Running::start(IdempotentConsumer::new(config(&kafka, "fulfilment", "orders"), pool.clone(), h.clone()).unwrap());
+    r.wait_decided(2).await;
+    let outs = r.stop().await;
+    let codes: Vec<String> = outs.iter().filter_map(|o| if let Outcome::Quarantined(q) = o { Some(q.reason.code()) } else { None }).collect();
+    assert_eq!(codes, ["verify:header_name"]);
+    assert_eq!(h.calls(), 1, "only the valid message ran its handler");
+    assert_eq!(effects(&pool).await, (1, 1));
+    let rows: Vec<(i64, String)> = sqlx::query_as(r#"SELECT "offset", reason FROM outbox_consumer_quarantine"#).fetch_all(&pool).await.unwrap();
+    assert_eq!(rows, [(bad, "verify:header_name".to_owned())]);
+    assert_eq!(committed_offset(&kafka, "fulfilment", "orders", 0), Some(last + 1));
+}
+
 /// A handler failing twice then succeeding: applied once, in order with the
 /// events around it.
 #[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]

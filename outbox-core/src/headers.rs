@@ -101,6 +101,14 @@ pub enum VerifyError {
     /// The message is not where its destination says (topic, partition or key).
     #[error("message placement {0} differs from its frozen destination")]
     Placement(String),
+    /// A header name is not UTF-8 (Kafka's protocol says header keys are
+    /// UTF-8 strings): the message was not written by an outbox dispatcher,
+    /// or was altered on the way.
+    #[error("header name at position {index} is not UTF-8")]
+    HeaderName {
+        /// Position of the first such header in wire order.
+        index: usize,
+    },
 }
 
 fn header<'a>(headers: &'a [(String, Vec<u8>)], name: &'static str) -> Result<&'a str, VerifyError> {

@@ -710,9 +710,7 @@ impl Broker for KafkaBroker {
             let _permit = permit;
             let mut messages = Vec::new();
             let next_offset = scan_range(&config, &req, Some(req.max_messages), |msg| {
-                let event_id = msg
-                    .headers()
-                    .and_then(|h| h.iter().filter(|x| x.key == headers::EVENT_ID).last().and_then(|x| x.value.map(|v| String::from_utf8_lossy(v).into_owned())));
+                let event_id = message_headers(msg).into_iter().rev().find(|(k, _)| k == headers::EVENT_ID).map(|(_, v)| String::from_utf8_lossy(&v).into_owned());
                 messages.push(ScannedMessage {
                     offset: msg.offset(),
                     event_id,
@@ -857,14 +855,44 @@ fn position_of(consumer: &BaseConsumer<LookupContext>, topic: &str, partition: i
     }
 }
 
+/// Every header of a message, read without panicking whatever it holds
+/// (rdkafka's own accessors panic on a name that is not UTF-8): such a name
+/// is decoded lossily, so it can never equal an outbox header name, and the
+/// message is read, reported and passed like any other.
+pub fn message_headers(msg: &BorrowedMessage<'_>) -> Vec<(String, Vec<u8>)> {
+    let Some(h) = msg.headers() else {
+        return Vec::new();
+    };
+    let count = h.count();
+    let mut out = Vec::with_capacity(count);
+    for idx in 0..count {
+        let mut name: *const std::os::raw::c_char = std::ptr::null();
+        let mut value: *const std::os::raw::c_void = std::ptr::null();
+        let mut size: usize = 0;
+        // `BorrowedHeaders` is a zero-sized view whose address is librdkafka's
+        // header list (rdkafka casts it the same way).
+        let native = h as *const rdkafka::message::BorrowedHeaders as *const rdkafka_sys::rd_kafka_headers_t;
+        // SAFETY: the list lives as long as `msg`; the pointers written are
+        // borrowed from it and copied out below.
+        let err = unsafe { rdkafka_sys::rd_kafka_header_get_all(native, idx, &mut name, &mut value, &mut size) };
+        if err != rdkafka_sys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+            continue;
+        }
+        // SAFETY: header names are NUL-terminated; `value` spans `size` bytes.
+        let name = String::from_utf8_lossy(unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes()).into_owned();
+        let value = if value.is_null() { Vec::new() } else { unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) }.to_vec() };
+        out.push((name, value));
+    }
+    out
+}
+
 /// The receipt of `msg` if its last eventId header is `event_id`.
 fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>) -> Option<BrokerReceipt> {
-    let borrowed = msg.headers()?;
-    let hit = borrowed.iter().filter(|h| h.key == headers::EVENT_ID).last()?;
-    if hit.value != Some(event_id.as_str().as_bytes()) {
+    let owned = message_headers(msg);
+    let hit = owned.iter().rev().find(|(k, _)| k == headers::EVENT_ID)?;
+    if hit.1 != event_id.as_str().as_bytes() {
         return None;
     }
-    let owned: Vec<(String, Vec<u8>)> = borrowed.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec).unwrap_or_default())).collect();
     let payload = msg.payload().unwrap_or_default();
     let (topic, partition, offset) = (msg.topic(), msg.partition(), msg.offset());
     Some(match headers::parse(&owned) {

@@ -224,10 +224,7 @@ pub mod kafka {
                         continue;
                     }
                     next = m.offset() + 1;
-                    let headers = m
-                        .headers()
-                        .map(|h| h.iter().map(|x| (x.key.to_owned(), x.value.map(|v| v.to_vec()).unwrap_or_default())).collect())
-                        .unwrap_or_default();
+                    let headers = outbox_producer::kafka::message_headers(&m);
                     out.push(LogMessage {
                         partition: p,
                         offset: m.offset(),

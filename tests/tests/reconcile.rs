@@ -220,6 +220,35 @@ async fn bypass_publish_is_detected_and_a_healthy_run_has_no_findings(pool: PgPo
     assert_eq!(rec.report().await.unwrap().findings.len(), 2);
 }
 
+/// A message on an outbox topic with a header name that is not UTF-8
+/// (rdkafka's own header accessor panics on it): the bypass scan reports it,
+/// reads past it, and the next round starts after it.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn bypass_scan_reports_a_non_utf8_header_name_and_moves_on(pool: PgPool) {
+    let f = fixture(pool).await;
+    create_order(&f.pool, "o-1", 1).await;
+    assert_eq!(f.dispatcher().dispatch_once("w").await.unwrap().published, 1);
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", &f.cluster.bootstrap).create().unwrap();
+    let forged = outbox_core::EventId::generate(1);
+    let hdrs = rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header { key: headers::EVENT_ID, value: Some(forged.as_str()) });
+    let native = hdrs.as_borrowed() as *const rdkafka::message::BorrowedHeaders as *mut rdkafka::bindings::rd_kafka_headers_t;
+    let name = [b'x', 0xff, 0xfe];
+    // SAFETY: `hdrs` owns the list; librdkafka copies name and value.
+    let err = unsafe { rdkafka::bindings::rd_kafka_header_add(native, name.as_ptr().cast(), name.len() as isize, b"v".as_ptr().cast(), 1) };
+    assert_eq!(err, rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR);
+    producer.send(FutureRecord::to(TOPIC).partition(0).key("k").payload("{}").headers(hdrs), Duration::from_secs(5)).await.unwrap();
+    create_order(&f.pool, "o-2", 2).await;
+    assert_eq!(f.dispatcher().dispatch_once("w").await.unwrap().published, 1);
+
+    let rec = f.reconciler();
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!((c.bypass_publish, c.scanned_messages), (1, 3), "{c:?}");
+    let report = rec.report().await.unwrap();
+    assert!(report.findings.iter().any(|x| x.kind == "bypass_publish" && x.event_id == forged.as_str()), "{:?}", report.findings);
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!((c.bypass_publish, c.scanned_messages), (0, 0), "the cursor moved past the message");
+}
+
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn aged_pending_and_unknown_past_slo_are_findings(pool: PgPool) {
     let f = fixture(pool).await;

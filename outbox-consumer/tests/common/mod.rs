@@ -48,6 +48,7 @@ impl Fixture {
             key: Some(self.destination.routing_key.as_bytes().to_vec()),
             payload: Some(self.payload.clone()),
             headers: self.headers.clone(),
+            non_utf8_header_names: Vec::new(),
         }
     }
 }
@@ -214,6 +215,22 @@ impl Kafka {
     /// Sends a fixture where its destination says; returns the offset.
     pub async fn send(&self, f: &Fixture) -> i64 {
         self.send_raw(&f.destination.topic, f.partition(), f.destination.routing_key.as_bytes(), &f.payload, &f.headers).await
+    }
+
+    /// Sends a message whose headers are given as raw bytes, names included
+    /// (a name need not be UTF-8: librdkafka takes any bytes); returns the offset.
+    pub async fn send_raw_names(&self, topic: &str, partition: i32, key: &[u8], payload: &[u8], hs: &[(Vec<u8>, Vec<u8>)]) -> i64 {
+        let h = OwnedHeaders::new_with_capacity(hs.len());
+        for (k, v) in hs {
+            // `as_borrowed` is a view whose address is librdkafka's header list.
+            let native = h.as_borrowed() as *const rdkafka::message::BorrowedHeaders as *mut rdkafka::bindings::rd_kafka_headers_t;
+            // SAFETY: the list is owned by `h`, alive here; librdkafka copies name and value.
+            let err = unsafe { rdkafka::bindings::rd_kafka_header_add(native, k.as_ptr().cast(), k.len() as isize, v.as_ptr().cast(), v.len() as isize) };
+            assert_eq!(err, rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR);
+        }
+        let rec = FutureRecord::to(topic).partition(partition).key(key).payload(payload).headers(h);
+        let d = self.producer.send(rec, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("send");
+        d.offset
     }
 
     /// Sends arbitrary bytes (for tampering); returns the offset.
