@@ -457,7 +457,7 @@ mod tests {
             unknown_resolved: 3,
             unknown_p99_resolution_ms: Some(120_000),
             unknown_slo_ms: 900_000,
-            consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), topic: "orders".into(), partition: 0, committed_offset: 5, published_end_offset: 7, lag_events: 2 }],
+            consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 0, committed_offset: 5, published_end_offset: 7, lag_events: 2 }],
             history: vec![
                 StateSnapshot { at_ms: 1_700_000_000_000 - 60_000, counts: vec![("PENDING".into(), 5), ("PUBLISHED".into(), 2)] },
                 StateSnapshot { at_ms: 1_700_000_000_000, counts: vec![("PENDING".into(), 2), ("PUBLISHED".into(), 7), ("DISPATCH_UNKNOWN".into(), 1)] },

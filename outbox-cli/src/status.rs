@@ -13,6 +13,8 @@ use crate::fmt::{age, ts};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PartitionLag {
+    /// Broker cluster of the log.
+    pub cluster_id: String,
     /// Topic.
     pub topic: String,
     /// Partition.
@@ -121,22 +123,23 @@ pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
         if critical {
             // Every partition of its topics that has published events, and every watermark it published.
             let wm = if watermarks_table {
-                "SELECT topic, partition, committed_offset, (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
+                "SELECT cluster_id, topic, partition, committed_offset, (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
                  FROM outbox_consumer_watermarks WHERE consumer_id = $1"
             } else {
-                "SELECT NULL::text AS topic, NULL::int AS partition, NULL::bigint AS committed_offset, NULL::bigint AS updated_ms WHERE false"
+                "SELECT NULL::text AS cluster_id, NULL::text AS topic, NULL::int AS partition, NULL::bigint AS committed_offset, NULL::bigint AS updated_ms WHERE false"
             };
             let rows = sqlx::query(&format!(
                 "WITH wm AS ({wm}),
-                      pub AS (SELECT topic, partition, max(\"offset\") + 1 AS end_offset FROM outbox_publish_receipts
-                              WHERE topic = ANY($2) GROUP BY topic, partition),
-                      parts AS (SELECT topic, partition FROM pub UNION SELECT topic, partition FROM wm)
-                 SELECT p.topic, p.partition, coalesce(wm.committed_offset, 0) AS committed, coalesce(pub.end_offset, 0) AS end_offset,
+                      pub AS (SELECT cluster_id, topic, partition, max(\"offset\") + 1 AS end_offset FROM outbox_publish_receipts
+                              WHERE topic = ANY($2) GROUP BY cluster_id, topic, partition),
+                      parts AS (SELECT cluster_id, topic, partition FROM pub UNION SELECT cluster_id, topic, partition FROM wm)
+                 SELECT p.cluster_id, p.topic, p.partition, coalesce(wm.committed_offset, 0) AS committed, coalesce(pub.end_offset, 0) AS end_offset,
                         wm.updated_ms,
                         (SELECT count(*) FROM outbox_publish_receipts r
-                          WHERE r.topic = p.topic AND r.partition = p.partition AND r.\"offset\" >= coalesce(wm.committed_offset, 0)) AS lag
-                 FROM parts p LEFT JOIN wm USING (topic, partition) LEFT JOIN pub USING (topic, partition)
-                 ORDER BY p.topic, p.partition"
+                          WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.partition = p.partition
+                            AND r.\"offset\" >= coalesce(wm.committed_offset, 0)) AS lag
+                 FROM parts p LEFT JOIN wm USING (cluster_id, topic, partition) LEFT JOIN pub USING (cluster_id, topic, partition)
+                 ORDER BY p.cluster_id, p.topic, p.partition"
             ))
             .bind(&consumer_id)
             .bind(&topics)
@@ -144,6 +147,7 @@ pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
             .await?;
             for r in rows {
                 partitions.push(PartitionLag {
+                    cluster_id: r.get("cluster_id"),
                     topic: r.get("topic"),
                     partition: r.get("partition"),
                     committed_offset: r.get("committed"),
@@ -204,8 +208,8 @@ impl Status {
                 let seen = p.watermark_updated_at_ms.map(|t| format!("watermark moved {} ago", age((self.now_ms - t).max(0)))).unwrap_or_else(|| "no watermark".into());
                 let _ = writeln!(
                     o,
-                    "  {}/{}: committed {} of {} ({} behind; {seen})",
-                    p.topic, p.partition, p.committed_offset, p.published_end_offset, p.lag_events
+                    "  {}/{}/{}: committed {} of {} ({} behind; {seen})",
+                    p.cluster_id, p.topic, p.partition, p.committed_offset, p.published_end_offset, p.lag_events
                 );
             }
         }

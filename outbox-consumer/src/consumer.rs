@@ -244,8 +244,10 @@ impl IdempotentConsumer {
         let context = Context { registry: registry.clone(), metrics: metrics.clone() };
         let client: Arc<Client> = Arc::new(self.client_config().create_with_context(context)?);
         let topics: Vec<&str> = self.config.topics.iter().map(String::as_str).collect();
+        let cluster_id = fetch_cluster_id(&client).await?;
+        let cluster_id = self.processor.set_cluster_id_if_unset(cluster_id).to_owned();
         client.subscribe(&topics)?;
-        info!(consumer = %self.config.consumer_id, group = %self.config.group_id, ?topics, "consumer started");
+        info!(consumer = %self.config.consumer_id, group = %self.config.group_id, cluster = %cluster_id, ?topics, "consumer started");
 
         let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
@@ -527,5 +529,24 @@ async fn worker(
             // Stopped in the middle of the batch.
             return;
         }
+    }
+}
+
+/// Most time spent asking the broker for its cluster id at start.
+const CLUSTER_ID_TIMEOUT_MS: u64 = 30_000;
+
+/// The broker's cluster id, which names this consumer's receipts and
+/// watermarks. Asked with a bounded wait: a consumer that cannot learn which
+/// cluster it reads does not start (its watermarks would be unattributable).
+async fn fetch_cluster_id(client: &Arc<Client>) -> Result<String, ConsumerError> {
+    let c = client.clone();
+    let got = tokio::task::spawn_blocking(move || c.client().fetch_cluster_id(rdkafka::util::Timeout::After(Duration::from_millis(CLUSTER_ID_TIMEOUT_MS))))
+        .await
+        .map_err(|e| ConsumerError::Config(format!("cluster id lookup task failed: {e}")))?;
+    match got {
+        Some(id) if !id.is_empty() => Ok(id),
+        _ => Err(ConsumerError::Config(format!(
+            "the broker did not tell its cluster id within {CLUSTER_ID_TIMEOUT_MS} ms (is bootstrap.servers reachable, and the broker Kafka 0.10.1 or later?)"
+        ))),
     }
 }

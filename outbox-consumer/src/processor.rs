@@ -47,6 +47,10 @@ const IN_FAILED_TRANSACTION: &str = "25P02";
 /// ([`IdempotentConsumer`](crate::IdempotentConsumer)) calls the same code.
 pub struct Processor {
     consumer_id: String,
+    /// Broker cluster of the log this processor decides about; set once
+    /// (by [`with_cluster_id`](Processor::with_cluster_id) or by the Kafka
+    /// runner from the broker's metadata), `''` until then.
+    cluster_id: std::sync::OnceLock<String>,
     pool: PgPool,
     handler: Arc<dyn Handler>,
     retry: RetryPolicy,
@@ -240,7 +244,7 @@ pub async fn purge_receipts_before(pool: &PgPool, consumer_id: &str, received_be
              SELECT r.event_id FROM outbox_consumer_receipts r
              WHERE r.consumer_id = $1 AND r.received_at < $2
                AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w
-                           WHERE w.consumer_id = r.consumer_id AND w.topic = r.topic AND w.partition = r.partition
+                           WHERE w.consumer_id = r.consumer_id AND w.cluster_id = r.cluster_id AND w.topic = r.topic AND w.partition = r.partition
                              AND w.committed_offset > r.\"offset\")
              ORDER BY r.received_at LIMIT $3)",
     )
@@ -261,6 +265,7 @@ impl Processor {
         validate_identifier("consumerId", consumer_id).map_err(|e| ConsumerError::Config(e.to_string()))?;
         Ok(Processor {
             consumer_id: consumer_id.to_owned(),
+            cluster_id: std::sync::OnceLock::new(),
             pool,
             handler: Arc::new(handler),
             retry: RetryPolicy::default(),
@@ -291,6 +296,27 @@ impl Processor {
     /// The consumer id.
     pub fn consumer_id(&self) -> &str {
         &self.consumer_id
+    }
+
+    /// Names the broker cluster whose log this processor reads (the Kafka
+    /// cluster id, as the outbox's routes and receipts name it). Receipts
+    /// and watermarks carry it, so retention and reconciliation match a
+    /// watermark only to events of that cluster. The Kafka runner sets it
+    /// from the broker; set it yourself when driving a processor without
+    /// Kafka. The first value set stays.
+    pub fn with_cluster_id(self, cluster_id: impl Into<String>) -> Self {
+        let _ = self.cluster_id.set(cluster_id.into());
+        self
+    }
+
+    /// Sets the cluster if none is set yet; answers the cluster in force.
+    pub(crate) fn set_cluster_id_if_unset(&self, cluster_id: String) -> &str {
+        self.cluster_id.get_or_init(|| cluster_id)
+    }
+
+    /// The broker cluster this processor reads (`''` when not set).
+    pub fn cluster_id(&self) -> &str {
+        self.cluster_id.get().map_or("", String::as_str)
     }
 
     /// The counters.
@@ -554,8 +580,8 @@ impl Processor {
                    SELECT d.event_id FROM outbox_consumer_dead_letters d
                    WHERE d.consumer_id = $1 AND d.event_id IN (SELECT event_id FROM input)
                ), claimed AS (
-                   INSERT INTO outbox_consumer_receipts AS r (consumer_id, event_id, envelope_generation, event_type, topic, partition, "offset", payload_digest)
-                   SELECT $1, i.event_id, i.envelope_generation, i.event_type, i.topic, i.partition, i."offset", i.payload_digest
+                   INSERT INTO outbox_consumer_receipts AS r (consumer_id, event_id, envelope_generation, event_type, cluster_id, topic, partition, "offset", payload_digest)
+                   SELECT $1, i.event_id, i.envelope_generation, i.event_type, $9, i.topic, i.partition, i."offset", i.payload_digest
                    FROM input i WHERE i.event_id NOT IN (SELECT event_id FROM dead)
                    ORDER BY i.ord
                    ON CONFLICT (consumer_id, event_id) DO NOTHING
@@ -573,6 +599,7 @@ impl Processor {
         .bind(&partitions)
         .bind(&offsets)
         .bind(&digests)
+        .bind(self.cluster_id())
         .fetch_all(&mut **tx)
         .await?;
         for row in rows {
@@ -686,9 +713,9 @@ impl Processor {
     async fn advance_watermark(&self, tx: &mut Transaction<'static, Postgres>, last: &RawMessage, c: &Counts) -> Result<(), ConsumerError> {
         sqlx::query(
             "INSERT INTO outbox_consumer_watermarks AS w
-                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())
-             ON CONFLICT (consumer_id, topic, partition) DO UPDATE SET
+                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, cluster_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now(), $10)
+             ON CONFLICT (consumer_id, cluster_id, topic, partition) DO UPDATE SET
                  committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
                  applied_count = w.applied_count + EXCLUDED.applied_count,
                  duplicate_count = w.duplicate_count + EXCLUDED.duplicate_count,
@@ -706,6 +733,7 @@ impl Processor {
         .bind(c.quarantined)
         .bind(c.dead_lettered)
         .bind(c.last_event_id.as_deref())
+        .bind(self.cluster_id())
         .execute(&mut **tx)
         .await?;
         Ok(())

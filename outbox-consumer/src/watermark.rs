@@ -11,6 +11,9 @@ use crate::error::ConsumerError;
 pub struct Watermark {
     /// The consumer.
     pub consumer_id: String,
+    /// Broker cluster identity of the log read (`''` for rows written
+    /// before watermarks named their cluster: such a row passes nothing).
+    pub cluster_id: String,
     /// Topic.
     pub topic: String,
     /// Partition.
@@ -31,7 +34,7 @@ pub struct Watermark {
     pub updated_at: DateTime<Utc>,
 }
 
-const COLUMNS: &str = "consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at";
+const COLUMNS: &str = "consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at";
 
 /// Most watermark rows read or published per call.
 pub const MAX_WATERMARK_ROWS: i64 = 100_000;
@@ -39,6 +42,7 @@ pub const MAX_WATERMARK_ROWS: i64 = 100_000;
 fn from_row(row: &sqlx::postgres::PgRow) -> Result<Watermark, sqlx::Error> {
     Ok(Watermark {
         consumer_id: row.try_get("consumer_id")?,
+        cluster_id: row.try_get("cluster_id")?,
         topic: row.try_get("topic")?,
         partition: row.try_get("partition")?,
         committed_offset: row.try_get("committed_offset")?,
@@ -51,9 +55,9 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<Watermark, sqlx::Error> {
     })
 }
 
-/// The watermarks of `consumer_id`, ordered by topic and partition.
+/// The watermarks of `consumer_id`, ordered by cluster, topic and partition.
 pub async fn watermarks(pool: &PgPool, consumer_id: &str) -> Result<Vec<Watermark>, ConsumerError> {
-    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 ORDER BY topic, partition LIMIT $2");
+    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 ORDER BY cluster_id, topic, partition LIMIT $2");
     let rows = sqlx::query(&sql).bind(consumer_id).bind(MAX_WATERMARK_ROWS).fetch_all(pool).await?;
     Ok(rows.iter().map(from_row).collect::<Result<_, _>>()?)
 }
@@ -74,6 +78,7 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     if rows.is_empty() {
         return Ok(0);
     }
+    let clusters: Vec<&str> = rows.iter().map(|w| w.cluster_id.as_str()).collect();
     let topics: Vec<&str> = rows.iter().map(|w| w.topic.as_str()).collect();
     let partitions: Vec<i32> = rows.iter().map(|w| w.partition).collect();
     let offsets: Vec<i64> = rows.iter().map(|w| w.committed_offset).collect();
@@ -85,11 +90,11 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     let updated: Vec<DateTime<Utc>> = rows.iter().map(|w| w.updated_at).collect();
     let n = sqlx::query(
         "INSERT INTO outbox_consumer_watermarks AS w
-             (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
-         SELECT $1, u.topic, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at
-         FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[])
-             AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at)
-         ON CONFLICT (consumer_id, topic, partition) DO UPDATE SET
+             (consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
+         SELECT $1, u.cluster_id, u.topic, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at
+         FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[])
+             AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id)
+         ON CONFLICT (consumer_id, cluster_id, topic, partition) DO UPDATE SET
              committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
              applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
              duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
@@ -109,6 +114,7 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     .bind(&dead)
     .bind(&last)
     .bind(&updated)
+    .bind(&clusters)
     .execute(to)
     .await?
     .rows_affected();

@@ -183,6 +183,11 @@ async fn tampered_messages_are_quarantined_and_later_messages_processed(pool: Pg
     let w = outbox_consumer::watermarks(&pool, "fulfilment").await.unwrap();
     let w0 = w.iter().find(|w| w.partition == 0).unwrap();
     assert_eq!((w0.committed_offset, w0.applied_count, w0.quarantined_count), (last + 1, 2, 1));
+    let probe: BaseConsumer = ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).create().unwrap();
+    let cluster = probe.client().fetch_cluster_id(Duration::from_secs(10)).expect("cluster id");
+    assert!(w.iter().all(|w| w.cluster_id == cluster), "watermarks name the cluster read: {w:?}");
+    let in_receipts: Vec<String> = sqlx::query_scalar("SELECT DISTINCT cluster_id FROM outbox_consumer_receipts").fetch_all(&pool).await.unwrap();
+    assert_eq!(in_receipts, [cluster]);
     assert_eq!(committed_offset(&kafka, "fulfilment", "orders", 0), Some(last + 1));
 }
 

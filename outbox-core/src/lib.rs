@@ -55,7 +55,7 @@ pub use error::CoreError;
 pub use id::{AttemptId, EventId};
 pub use memory::MemoryStore;
 pub use reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
-pub use retention::{decide_migration, may_purge, may_retain, HoldReason, MigrationDecision, MigrationProof, MigrationRefusal};
+pub use retention::{decide_migration, may_purge, may_retain, HoldReason, LogPosition, MigrationDecision, MigrationProof, MigrationRefusal, WatermarkRef};
 pub use receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
 pub use takeover::{decide_publisher, takeover_bucket, Publisher, TakeoverPolicy, TAKEOVER_BUCKETS};

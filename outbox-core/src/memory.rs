@@ -16,7 +16,7 @@ use crate::id::{AttemptId, EventId};
 use crate::receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
 use crate::state::{AttemptState, EventState};
 use crate::reconcile::ReconcileDecision;
-use crate::retention::{decide_migration, may_purge, may_retain, MigrationDecision, MigrationProof};
+use crate::retention::{decide_migration, may_purge, may_retain, LogPosition, MigrationDecision, MigrationProof, WatermarkRef};
 use crate::store::{ClaimedEvent, FenceOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
 
 /// One event row.
@@ -194,13 +194,6 @@ impl MemoryStore {
         Ok(id)
     }
 
-    /// The topic name retention uses for a log: `cluster/topic`. Two clusters
-    /// may carry the same topic name (a route revision to another cluster)
-    /// with unrelated offsets, so watermarks name the cluster too.
-    pub fn log_name(cluster_id: &str, topic: &str) -> String {
-        format!("{cluster_id}/{topic}")
-    }
-
     /// Takes one DISPATCH_UNKNOWN event (due or not) for a fenced reconcile,
     /// as an operator's migration does before asking the old target.
     pub fn begin_reconcile_event(&self, owner: &str, event_id: &EventId, lease_ms: i64) -> Result<Option<ReconcileTask>, StoreError> {
@@ -303,12 +296,16 @@ impl MemoryStore {
     /// the command key stay, so late duplicates and retried commands are
     /// still recognised.
     ///
-    /// `watermarks`: `(consumer_id, topic, partition, committed_offset)` with
-    /// topics named by [`MemoryStore::log_name`]; `mandatory`: each mandatory
-    /// consumer with the topics it reads (same naming).
-    pub fn retain_and_purge(&self, replay_window_ms: i64, watermarks: &[(String, String, i32, i64)], mandatory: &[(String, Vec<String>)]) -> MemoryPurgeOutcome {
+    /// `watermarks`: `(consumer_id, cluster_id, topic, partition,
+    /// committed_offset)`; `mandatory`: each mandatory consumer with the
+    /// topic names it reads (on any cluster: a consumer that reads a topic
+    /// name holds it on every cluster until it has a watermark there).
+    pub fn retain_and_purge(&self, replay_window_ms: i64, watermarks: &[(String, String, String, i32, i64)], mandatory: &[(String, Vec<String>)]) -> MemoryPurgeOutcome {
         let now = self.now_ms();
-        let wms: Vec<(&str, &str, i32, i64)> = watermarks.iter().map(|(c, t, p, o)| (c.as_str(), t.as_str(), *p, *o)).collect();
+        let wms: Vec<WatermarkRef<'_>> = watermarks
+            .iter()
+            .map(|(c, k, t, p, o)| WatermarkRef { consumer_id: c, cluster_id: k, topic: t, partition: *p, committed_offset: *o })
+            .collect();
         let mut st = self.lock();
         let mut out = MemoryPurgeOutcome::default();
         for ev in st.events.values_mut() {
@@ -320,9 +317,9 @@ impl MemoryStore {
                 continue;
             }
             let Some(slot) = ev.slot.as_ref() else { continue };
-            let topic = Self::log_name(&slot.cluster_id, &slot.topic);
-            let on_topic: Vec<&str> = mandatory.iter().filter(|(_, topics)| topics.contains(&topic)).map(|(c, _)| c.as_str()).collect();
-            match may_purge(ev.state, published_at, now, replay_window_ms, (&topic, slot.partition, slot.offset), &wms, &on_topic) {
+            let on_topic: Vec<&str> = mandatory.iter().filter(|(_, topics)| topics.contains(&slot.topic)).map(|(c, _)| c.as_str()).collect();
+            let at = LogPosition { cluster_id: &slot.cluster_id, topic: &slot.topic, partition: slot.partition, offset: slot.offset };
+            match may_purge(ev.state, published_at, now, replay_window_ms, at, &wms, &on_topic) {
                 Ok(()) => {
                     if Self::transition(ev, EventState::Purged, now).is_ok() {
                         ev.payload = Vec::new();

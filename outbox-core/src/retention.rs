@@ -57,22 +57,60 @@ pub fn may_retain(published_at_ms: i64, now_ms: i64, replay_window_ms: i64) -> b
     published_at_ms < now_ms.saturating_sub(replay_window_ms.max(0))
 }
 
+/// A position in a broker's log: the cluster is part of it, since two
+/// clusters may carry a topic of the same name with unrelated offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogPosition<'a> {
+    /// Broker cluster identity.
+    pub cluster_id: &'a str,
+    /// Topic.
+    pub topic: &'a str,
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
+}
+
+/// One consumer's watermark on one partition of one cluster's topic: every
+/// message below `committed_offset` has a committed decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatermarkRef<'a> {
+    /// The consumer.
+    pub consumer_id: &'a str,
+    /// Broker cluster identity of the log the consumer read.
+    pub cluster_id: &'a str,
+    /// Topic.
+    pub topic: &'a str,
+    /// Partition.
+    pub partition: i32,
+    /// The next offset the consumer reads.
+    pub committed_offset: i64,
+}
+
+impl WatermarkRef<'_> {
+    /// Whether this watermark is of `consumer_id` on the log of `at`.
+    pub fn covers_log_of(&self, consumer_id: &str, at: &LogPosition<'_>) -> bool {
+        self.consumer_id == consumer_id && self.cluster_id == at.cluster_id && self.topic == at.topic && self.partition == at.partition
+    }
+}
+
 /// Whether a RETAINED event may be purged (RETAINED -> PURGED).
 ///
-/// `placement` is the primary receipt's `(topic, partition, offset)`;
-/// `mandatory_watermarks` holds `(consumer_id, topic, partition,
-/// committed_offset)` rows (the committed offset is the next offset the
-/// consumer reads, so it has passed `offset` when `committed_offset >
-/// offset`); `mandatory_consumers_on_topic` lists every mandatory consumer
-/// reading the event's topic. A mandatory consumer without a watermark row
-/// for the partition holds the event.
+/// `placement` is the primary receipt's log position; `mandatory_watermarks`
+/// holds the watermarks of mandatory consumers (the committed offset is the
+/// next offset the consumer reads, so it has passed `offset` when
+/// `committed_offset > offset`); `mandatory_consumers_on_topic` lists every
+/// mandatory consumer reading the event's topic. A mandatory consumer
+/// without a watermark on that very log (same cluster, topic and partition)
+/// holds the event: a watermark on another cluster's topic of the same name
+/// says nothing about this one.
 pub fn may_purge(
     state: EventState,
     published_at_ms: i64,
     now_ms: i64,
     replay_window_ms: i64,
-    placement: (&str, i32, i64),
-    mandatory_watermarks: &[(&str, &str, i32, i64)],
+    placement: LogPosition<'_>,
+    mandatory_watermarks: &[WatermarkRef<'_>],
     mandatory_consumers_on_topic: &[&str],
 ) -> Result<(), HoldReason> {
     if state != EventState::Retained {
@@ -81,12 +119,11 @@ pub fn may_purge(
     if !may_retain(published_at_ms, now_ms, replay_window_ms) {
         return Err(HoldReason::WithinReplayWindow);
     }
-    let (topic, partition, offset) = placement;
     for &consumer in mandatory_consumers_on_topic {
-        let committed = mandatory_watermarks.iter().find(|(c, t, p, _)| *c == consumer && *t == topic && *p == partition).map(|w| w.3);
+        let committed = mandatory_watermarks.iter().find(|w| w.covers_log_of(consumer, &placement)).map(|w| w.committed_offset);
         match committed {
             None => return Err(HoldReason::NoWatermark { consumer_id: consumer.to_owned() }),
-            Some(committed_offset) if committed_offset <= offset => {
+            Some(committed_offset) if committed_offset <= placement.offset => {
                 return Err(HoldReason::WatermarkBehind { consumer_id: consumer.to_owned(), committed_offset })
             }
             Some(_) => {}
@@ -230,8 +267,21 @@ mod tests {
 
     const W: i64 = 1_000;
 
+    /// Watermarks as `(consumer, topic, partition, committed)` on cluster `k-a`,
+    /// the event's cluster.
     fn purge(state: EventState, published: i64, wms: &[(&str, &str, i32, i64)], mandatory: &[&str]) -> Result<(), HoldReason> {
-        may_purge(state, published, 10_000, W, ("orders", 2, 7), wms, mandatory)
+        let wms: Vec<WatermarkRef<'_>> =
+            wms.iter().map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, cluster_id: "k-a", topic, partition, committed_offset }).collect();
+        may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", partition: 2, offset: 7 }, &wms, mandatory)
+    }
+
+    #[test]
+    fn a_watermark_on_another_cluster_holds_nothing_up() {
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", partition: 2, offset: 7 };
+        let far_on_b = [WatermarkRef { consumer_id: "c1", cluster_id: "k-b", topic: "orders", partition: 2, committed_offset: 1_000 }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &far_on_b, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
+        let past_on_a = [WatermarkRef { cluster_id: "k-a", ..far_on_b[0] }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past_on_a, &["c1"]), Ok(()));
     }
 
     #[test]

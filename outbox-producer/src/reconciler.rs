@@ -228,7 +228,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         let critical: Vec<(String, Vec<String>)> = sqlx::query_as("SELECT consumer_id, topics FROM outbox_consumers WHERE critical").fetch_all(pool).await?;
         for (consumer_id, topics) in &critical {
             let passed = if watermarks {
-                "EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.topic = r.topic
+                "EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
                          AND w.partition = r.partition AND w.committed_offset > r.\"offset\")"
             } else {
                 "false"

@@ -27,6 +27,8 @@ pub struct Finding {
 pub struct ConsumerLag {
     /// Consumer.
     pub consumer_id: String,
+    /// Broker cluster of the log.
+    pub cluster_id: String,
     /// Topic.
     pub topic: String,
     /// Partition.
@@ -168,17 +170,17 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
     let critical: Vec<(String, Vec<String>)> = sqlx::query_as("SELECT consumer_id, topics FROM outbox_consumers WHERE critical ORDER BY consumer_id").fetch_all(pool).await?;
     for (consumer_id, topics) in &critical {
         let wm_join = if watermarks {
-            "LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = $1 AND w.topic = r.topic AND w.partition = r.partition"
+            "LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = $1 AND w.cluster_id = r.cluster_id AND w.topic = r.topic AND w.partition = r.partition"
         } else {
-            "LEFT JOIN (SELECT NULL::text AS topic, NULL::int AS partition, NULL::bigint AS committed_offset) w ON false"
+            "LEFT JOIN (SELECT NULL::text AS cluster_id, NULL::text AS topic, NULL::int AS partition, NULL::bigint AS committed_offset) w ON false"
         };
         let rows = sqlx::query(&format!(
-            "SELECT r.topic, r.partition, coalesce(max(w.committed_offset), 0) AS committed, max(r.\"offset\") + 1 AS end_offset,
+            "SELECT r.cluster_id, r.topic, r.partition, coalesce(max(w.committed_offset), 0) AS committed, max(r.\"offset\") + 1 AS end_offset,
                     count(*) FILTER (WHERE r.\"offset\" >= coalesce(w.committed_offset, 0)) AS lag,
                     count(*) FILTER (WHERE r.\"offset\" < coalesce(w.committed_offset, 0)) AS consumed
              FROM outbox_publish_receipts r {wm_join}
              WHERE r.topic = ANY($2)
-             GROUP BY r.topic, r.partition ORDER BY r.topic, r.partition"
+             GROUP BY r.cluster_id, r.topic, r.partition ORDER BY r.cluster_id, r.topic, r.partition"
         ))
         .bind(consumer_id)
         .bind(topics)
@@ -189,6 +191,7 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
             consumed += r.try_get::<i64, _>("consumed")?;
             consumer_lag.push(ConsumerLag {
                 consumer_id: consumer_id.clone(),
+                cluster_id: r.try_get("cluster_id")?,
                 topic: r.try_get("topic")?,
                 partition: r.try_get("partition")?,
                 committed_offset: r.try_get("committed")?,
@@ -292,7 +295,7 @@ impl Report {
             if self.unknown_slo_met() { "met" } else { "MISSED" }
         );
         for l in &self.consumer_lag {
-            let _ = writeln!(out, "  lag {} {}/{}: committed {} of {} ({} behind)", l.consumer_id, l.topic, l.partition, l.committed_offset, l.published_end_offset, l.lag_events);
+            let _ = writeln!(out, "  lag {} {}/{}/{}: committed {} of {} ({} behind)", l.consumer_id, l.cluster_id, l.topic, l.partition, l.committed_offset, l.published_end_offset, l.lag_events);
         }
         if self.findings.is_empty() {
             let _ = writeln!(out, "  findings                  none");

@@ -806,9 +806,12 @@ impl Sim {
 
     fn run_purge(&mut self) {
         let Some(plan) = self.cfg.retention.clone() else { return };
-        let names: Vec<String> = self.logs.iter().map(|l| MemoryStore::log_name(&l.cluster, &l.topic)).collect();
-        let wms: Vec<(String, String, i32, i64)> = self.watermarks.iter().map(|(&(c, l), &o)| (self.cons[c].w.name.clone(), names[l].clone(), self.logs[l].partition, o)).collect();
-        let mut topics = names.clone();
+        let wms: Vec<(String, String, String, i32, i64)> = self
+            .watermarks
+            .iter()
+            .map(|(&(c, l), &o)| (self.cons[c].w.name.clone(), self.logs[l].cluster.clone(), self.logs[l].topic.clone(), self.logs[l].partition, o))
+            .collect();
+        let mut topics: Vec<String> = self.logs.iter().map(|l| l.topic.clone()).collect();
         topics.sort();
         topics.dedup();
         let mandatory: Vec<(String, Vec<String>)> = if self.mutation == Some(Mutation::PurgeIgnoresWatermarks) {

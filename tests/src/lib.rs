@@ -121,7 +121,7 @@ pub mod kafka {
     use outbox_core::{Broker, Destination, EventId, LookupOutcome, OutgoingMessage, SendOutcome};
     use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
     use rdkafka::consumer::{BaseConsumer, Consumer};
-    use rdkafka::message::{Headers, Message};
+    use rdkafka::message::Message;
     use rdkafka::mocking::MockCluster;
     use rdkafka::producer::DefaultProducerContext;
     use rdkafka::{ClientConfig, Offset, TopicPartitionList};

@@ -278,9 +278,10 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
     register_consumer(&f.pool, "fulfilment", &[TOPIC], true, true).await.unwrap();
     // The consumer has passed everything on partition 0 only.
     let end0: i64 = f.count("SELECT coalesce(max(\"offset\") + 1, 0) FROM outbox_publish_receipts WHERE partition = 0").await;
-    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, topic, partition, committed_offset) VALUES ('fulfilment', $1, 0, $2)")
+    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, partition, committed_offset) VALUES ('fulfilment', $3, $1, 0, $2)")
         .bind(TOPIC)
         .bind(end0)
+        .bind(f.broker.cluster_id())
         .execute(&f.pool)
         .await
         .unwrap();
@@ -300,9 +301,23 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
     assert!(r.batches > 2, "bounded batches");
     assert_eq!(f.count("SELECT count(*) FROM outbox_events WHERE state = 'PURGED' AND partition <> 0").await, 0);
 
-    // The consumer catches up: the rest goes.
-    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, topic, partition, committed_offset) VALUES ('fulfilment', $1, 1, 1000), ('fulfilment', $1, 2, 1000)")
+    // The consumer is far along a topic of the same name on another
+    // cluster: that says nothing about this cluster's log, nothing more goes.
+    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, partition, committed_offset) VALUES ('fulfilment', 'kafka-b', $1, 1, 1000), ('fulfilment', 'kafka-b', $1, 2, 1000)")
         .bind(TOPIC)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let r = purge(&f.pool, later, &policy, false, |_| {}).await.unwrap();
+    assert_eq!((r.purged, r.held_by_consumers), (0, 6 - on_p0), "a watermark on another cluster held nothing back: {r:?}");
+    let report = f.reconciler().report().await.unwrap();
+    assert!(report.consumer_lag.iter().all(|l| l.cluster_id == f.broker.cluster_id()), "lag is of this cluster's logs: {:?}", report.consumer_lag);
+    assert_eq!(report.consumer_lag.iter().map(|l| l.lag_events).sum::<i64>(), 6 - on_p0 as i64);
+
+    // The consumer catches up on this cluster: the rest goes.
+    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, partition, committed_offset) VALUES ('fulfilment', $2, $1, 1, 1000), ('fulfilment', $2, $1, 2, 1000)")
+        .bind(TOPIC)
+        .bind(f.broker.cluster_id())
         .execute(&f.pool)
         .await
         .unwrap();
