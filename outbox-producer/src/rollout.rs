@@ -117,9 +117,12 @@ impl ShadowDispatcher {
                 payload: r.try_get::<Option<Vec<u8>>, _>("payload")?.unwrap_or_default(),
                 claimed_from: EventState::Pending,
                 traceparent: r.try_get("traceparent")?,
+                cloudevents: None,
                 envelope,
                 destination,
             };
+            let mut event = event;
+            self.store.attach_cloudevents(std::slice::from_mut(&mut event)).await?;
             let attempt = AttemptRecord {
                 attempt_id: AttemptId::from_parts(now.max(0) as u64, 0),
                 event_id: event.envelope.event_id.clone(),
