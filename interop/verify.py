@@ -13,7 +13,11 @@ Needs confluent-kafka.
 """
 
 import argparse
+import datetime
+import hashlib
 import json
+import os
+import re
 import sys
 import time
 
@@ -52,8 +56,59 @@ def self_test() -> int:
             failures += 1
         except wire.WireError:
             pass
-    print(f"self-test: {len(MURMUR2_REFERENCE) + 6 - failures} passed, {failures} failed")
+    checks, bad = example_checks(WIRE_MD)
+    failures += bad
+    print(f"self-test: {len(MURMUR2_REFERENCE) + 6 + checks - failures} passed, {failures} failed")
     return 1 if failures else 0
+
+
+WIRE_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "WIRE.md")
+
+
+def example_checks(path: str):
+    """Recomputes every value of WIRE.md's worked example (its `json wire-example` block) from its inputs."""
+    text = open(path, encoding="utf-8").read()
+    m = re.search(r"```json wire-example\n(.*?)\n```", text, re.S)
+    if not m:
+        print(f"{path}: no json wire-example block")
+        return 1, 1
+    ex = json.loads(m.group(1))
+    payload = bytes.fromhex(ex["payloadHex"])
+    dest_bytes = bytes.fromhex(ex["destinationHex"])
+    env_bytes = bytes.fromhex(ex["envelopeHex"])
+    d = wire.decode_canonical(dest_bytes, wire.DESTINATION_SCHEMA, wire.DESTINATION_FIELDS)
+    e = wire.decode_canonical(env_bytes, wire.ENVELOPE_SCHEMA, wire.ENVELOPE_FIELDS)
+    ms = int(e["occurredAtMs"])
+    ce_time = datetime.datetime.fromtimestamp(ms // 1000, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S") + f".{ms % 1000:03d}Z"
+    digest8 = hashlib.sha256(ex["eventId"].encode()).digest()[:8]
+    eff = ex["effectKey"]
+    eff_bytes = wire.encode_canonical("outboxEffectKey.v1", [("consumerId", eff["consumerId"]), ("eventId", ex["eventId"]), ("purpose", eff["purpose"])])
+    headers = [(k, bytes.fromhex(v)) for k, v in ex["headers"]]
+    message = wire.check_message(d["topic"], int(d["partition"]), d["routingKey"].encode(), payload, headers)
+    checks = [
+        ("payloadDigest", wire.sha256_digest(payload), ex["payloadDigest"]),
+        ("payloadSchema", wire.sha256_digest(ex["payloadSchemaText"].encode()), ex["payloadSchema"]),
+        ("murmur2", wire.murmur2(ex["routingKey"].encode()), ex["murmur2"]),
+        ("partition", wire.partition_of(ex["routingKey"].encode(), ex["partitions"]), ex["partition"]),
+        ("destination fields", (d["routingKey"], d["partitions"], d["partition"]), (ex["routingKey"], str(ex["partitions"]), str(ex["partition"]))),
+        ("destination re-encoded", wire.encode_canonical(wire.DESTINATION_SCHEMA, d.items()), dest_bytes),
+        ("destinationDigest", wire.sha256_digest(dest_bytes), ex["destinationDigest"]),
+        ("envelope re-encoded", wire.encode_canonical(wire.ENVELOPE_SCHEMA, e.items()), env_bytes),
+        ("envelopeDigest", wire.sha256_digest(env_bytes), ex["envelopeDigest"]),
+        ("envelope fields", (e["eventId"], e["payloadDigest"], e["payloadSchema"], ms), (ex["eventId"], ex["payloadDigest"], ex["payloadSchema"], ex["occurredAtMs"])),
+        ("eventId time", wire.id_millis(ex["eventId"]), ex["eventIdMs"]),
+        ("ce_time", ce_time, ex["ceTime"]),
+        ("takeoverBucket", int.from_bytes(digest8, "big") % 10000, ex["takeoverBucket"]),
+        ("effectKey", "ek1-" + hashlib.sha256(eff_bytes).hexdigest(), eff["key"]),
+        ("example message verifies", message["errors"], []),
+        ("example message has CloudEvents", message["cloudevents"], True),
+    ]
+    failures = 0
+    for name, got, want in checks:
+        if got != want:
+            print(f"WIRE.md example, {name}: computed {got!r}, the document says {want!r}")
+            failures += 1
+    return len(checks), failures
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float):
