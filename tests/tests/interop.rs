@@ -36,7 +36,7 @@ fn python() -> PathBuf {
 
 /// Runs `interop/<script>` with `args`: (exit code, stdout lines, stderr).
 fn run_python(script: &str, args: &[&str]) -> (i32, Vec<String>, String) {
-    let out = Command::new(python()).current_dir(repo_root().join("interop")).arg(script).args(args).output().expect("run python");
+    let out = Command::new(python()).current_dir(repo_root().join("interop")).env("PYTHONDONTWRITEBYTECODE", "1").arg(script).args(args).output().expect("run python");
     let stdout = String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect();
     (out.status.code().unwrap_or(-1), stdout, String::from_utf8_lossy(&out.stderr).into_owned())
 }
