@@ -3,7 +3,7 @@
 binary mode) and prints each message's CloudEvent as one JSON line:
 its attributes and its data.
 
-    cloudevents_read.py --bootstrap HOST:PORT --topic TOPIC [--timeout-s S]
+    cloudevents_read.py --bootstrap HOST:PORT --topic TOPIC [--expect N] [--timeout-s S]
 
 Data is decoded as JSON when content-type says JSON, else given as text.
 Exit 0 after the topic is read to its end; 2 when it cannot be read or a
@@ -24,9 +24,10 @@ def main() -> int:
     ap.add_argument("--bootstrap", required=True)
     ap.add_argument("--topic", required=True)
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--expect", type=int, default=0, help="read on (until idle) while fewer messages than this came")
     a = ap.parse_args()
     try:
-        for m in verify.read_topic(a.bootstrap, a.topic, a.timeout_s):
+        for m in verify.read_topic(a.bootstrap, a.topic, a.timeout_s, want=a.expect):
             headers = {k: (v or b"") for k, v in (m.headers() or [])}
             ct = headers.get("content-type", b"").decode()
             json_data = ct.split(";")[0].strip().endswith("json")

@@ -111,7 +111,14 @@ def example_checks(path: str):
     return len(checks), failures
 
 
-def read_topic(bootstrap: str, topic: str, timeout_s: float):
+def read_topic(bootstrap: str, topic: str, timeout_s: float, want: int = 0, idle_s: float = 3.0):
+    """Yields every message of every partition of `topic` from its first offset.
+
+    Stops once each partition was read to the end its broker reported when
+    the read began and at least `want` messages came; short of `want`, it
+    goes on until `idle_s` pass without a message (some brokers report a
+    high watermark below their last record), or fails at `timeout_s`.
+    """
     from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
     consumer = Consumer({
@@ -120,6 +127,8 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float):
         "enable.auto.commit": False,
         "enable.partition.eof": True,
         "auto.offset.reset": "earliest",
+        # The outbox writes no transactions; read every record there is.
+        "isolation.level": "read_uncommitted",
     })
     try:
         deadline = time.monotonic() + timeout_s
@@ -127,17 +136,22 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float):
         t = meta.topics.get(topic)
         if t is None or t.error is not None or not t.partitions:
             raise RuntimeError(f"topic {topic!r} not found: {t.error if t else 'no metadata'}")
+        parts = sorted(t.partitions)
         ends = {}
-        for p in sorted(t.partitions):
+        for p in parts:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
-            if high > low:
-                ends[p] = (low, high)
+            ends[p] = (low, high)
         consumer.assign([TopicPartition(topic, p, low) for p, (low, _) in ends.items()])
-        pending = {p: high for p, (_, high) in ends.items()}
-        while pending:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out; partitions not read to their end: {sorted(pending)}")
-            m = consumer.poll(0.5)
+        pending = {p: high for p, (low, high) in ends.items() if high > low}
+        count = 0
+        last = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if not pending and (count >= want or now - last >= idle_s):
+                return
+            if now > deadline:
+                raise RuntimeError(f"timed out after {count} message(s); partitions not read to their end: {sorted(pending)}")
+            m = consumer.poll(0.2)
             if m is None:
                 continue
             if m.error():
@@ -146,6 +160,8 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float):
                 raise KafkaException(m.error())
             if m.offset() + 1 >= pending.get(m.partition(), 0):
                 pending.pop(m.partition(), None)
+            count += 1
+            last = time.monotonic()
             yield m
     finally:
         consumer.close()
@@ -165,7 +181,7 @@ def main() -> int:
         ap.error("--bootstrap and --topic are required")
     passed = failed = 0
     try:
-        for m in read_topic(a.bootstrap, a.topic, a.timeout_s):
+        for m in read_topic(a.bootstrap, a.topic, a.timeout_s, want=a.expect):
             r = wire.check_message(m.topic(), m.partition(), m.key(), m.value(), m.headers())
             r.update({"topic": m.topic(), "partition": m.partition(), "offset": m.offset(), "ok": not r["errors"]})
             print(json.dumps(r, sort_keys=True), flush=True)

@@ -3,6 +3,10 @@
 //! independent verifier under `interop/`, which checks every message's
 //! digests, destination and partition from docs/WIRE.md alone.
 //!
+//! They run on librdkafka's in-process cluster (its loopback bootstrap
+//! address is reachable from the Python process) or on the cluster named by
+//! `OUTBOX_TEST_KAFKA_BOOTSTRAP` (each test makes its own topics there).
+//!
 //! The Python packages are installed by `scripts/setup.d/60-interop.sh`
 //! into `target/interop-venv` (or set `OUTBOX_INTEROP_PYTHON`). Without
 //! them these tests fail, naming the script: they are never skipped.
@@ -13,16 +17,35 @@ use std::time::Duration;
 
 use outbox_core::{headers, RoutePolicy};
 use outbox_producer::{Dispatcher, DispatcherConfig, EmitOptions, Emitted, PgStore};
-use outbox_tests::kafka::{read_topic, TestCluster};
+use outbox_tests::kafka::{LogMessage, TestCluster};
 use outbox_tests::*;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::ClientConfig;
 use serde_json::Value;
 use sqlx::PgPool;
 
-const TOPIC: &str = "orders";
 const PARTITIONS: i32 = 4;
+
+/// A topic of its own for one test, so the Python readers see only its
+/// messages on an external cluster too (`OUTBOX_TEST_KAFKA_BOOTSTRAP`),
+/// created there through the admin API.
+async fn fresh_topic(cluster: &TestCluster, prefix: &str, partitions: i32) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let name = format!("{prefix}-{}-{nanos}", std::process::id());
+    if cluster.mock.is_some() {
+        cluster.topic(&name, partitions);
+        return name;
+    }
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new().set("bootstrap.servers", &cluster.bootstrap).create().unwrap();
+    let topic = NewTopic::new(&name, partitions, TopicReplication::Fixed(1));
+    for r in admin.create_topics([&topic], &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)))).await.unwrap() {
+        r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
+    }
+    name
+}
 
 fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -67,10 +90,11 @@ async fn emit_one(pool: &PgPool, event_type: &str, id: &str) -> Emitted {
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn the_cloudevents_sdk_of_python_reads_the_dispatched_messages(pool: PgPool) {
     let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    cluster.topic("orders-plain", 1);
+    let topic = fresh_topic(&cluster, "interop-ce", PARTITIONS).await;
+    let plain_topic = fresh_topic(&cluster, "interop-plain", 1).await;
+    let (topic, plain_topic) = (topic.as_str(), plain_topic.as_str());
     let broker = cluster.broker(5_000).await;
-    let json_route = RoutePolicy { content_type: "application/json".into(), ..RoutePolicy::new(ORDER_CREATED, broker.cluster_id(), TOPIC, PARTITIONS as u32) };
+    let json_route = RoutePolicy { content_type: "application/json".into(), ..RoutePolicy::new(ORDER_CREATED, broker.cluster_id(), topic, PARTITIONS as u32) };
     outbox_producer::routes::revise(&pool, &json_route).await.unwrap();
     let mut emitted = Vec::new();
     for i in 0..6 {
@@ -79,7 +103,7 @@ async fn the_cloudevents_sdk_of_python_reads_the_dispatched_messages(pool: PgPoo
     // The switch is the route generation's, frozen at commit: an event
     // emitted under a generation with CloudEvents on keeps them after a
     // revision turns them off; one emitted after the revision has none.
-    let plain = RoutePolicy::new("order.cancelled.v1", broker.cluster_id(), "orders-plain", 1);
+    let plain = RoutePolicy::new("order.cancelled.v1", broker.cluster_id(), plain_topic, 1);
     outbox_producer::routes::revise(&pool, &plain).await.unwrap();
     let before = emit_one(&pool, "order.cancelled.v1", "o-1").await;
     outbox_producer::routes::revise(&pool, &RoutePolicy { cloudevents: false, ..plain }).await.unwrap();
@@ -90,7 +114,7 @@ async fn the_cloudevents_sdk_of_python_reads_the_dispatched_messages(pool: PgPoo
 
     let source: String = sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_one(&pool).await.unwrap();
     assert!(source.starts_with("urn:uuid:"), "{source}");
-    let (code, lines, stderr) = run_python("cloudevents_read.py", &["--bootstrap", &cluster.bootstrap, "--topic", TOPIC, "--timeout-s", "60"]);
+    let (code, lines, stderr) = run_python("cloudevents_read.py", &["--bootstrap", &cluster.bootstrap, "--topic", topic, "--expect", &emitted.len().to_string()]);
     assert_eq!(code, 0, "cloudevents_read.py: {stderr}\n{lines:?}");
     assert_eq!(lines.len(), emitted.len(), "{lines:?}");
     for line in &lines {
@@ -110,7 +134,7 @@ async fn the_cloudevents_sdk_of_python_reads_the_dispatched_messages(pool: PgPoo
         assert!(a.get("outbox-event-id").is_none());
     }
 
-    let log = read_topic(&cluster.bootstrap, "orders-plain", 1);
+    let log = read_n(&cluster.bootstrap, plain_topic, 2);
     assert_eq!(log.len(), 2);
     let of = |e: &Emitted| log.iter().find(|m| m.header(headers::EVENT_ID).as_deref() == Some(e.event_id().as_str())).unwrap();
     assert_eq!(of(&before).header(headers::CE_ID).as_deref(), Some(before.event_id().as_str()));
@@ -118,8 +142,34 @@ async fn the_cloudevents_sdk_of_python_reads_the_dispatched_messages(pool: PgPoo
     assert!(of(&after).headers.iter().all(|(k, _)| !k.starts_with("ce_") && k != headers::CONTENT_TYPE), "{:?}", of(&after).headers);
     // Either way the outbox headers verify.
     for m in &log {
-        headers::verify(&m.headers, &m.payload, "orders-plain", m.partition, Some(&m.key)).unwrap();
+        headers::verify(&m.headers, &m.payload, plain_topic, m.partition, Some(&m.key)).unwrap();
     }
+}
+
+/// The first `n` messages of `topic` (every partition), whatever high
+/// watermark the broker reports.
+fn read_n(bootstrap: &str, topic: &str, n: usize) -> Vec<LogMessage> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::{Headers, Message};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", format!("interop-reader-{topic}"))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("isolation.level", "read_uncommitted")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(std::time::Instant::now() < deadline, "read {} of {n} messages of {topic}", out.len());
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+            let headers = m.headers().map(|h| h.iter().map(|x| (x.key.to_owned(), x.value.map(<[u8]>::to_vec).unwrap_or_default())).collect()).unwrap_or_default();
+            out.push(LogMessage { partition: m.partition(), offset: m.offset(), key: m.key().unwrap_or_default().to_vec(), payload: m.payload().unwrap_or_default().to_vec(), headers });
+        }
+    }
+    out
 }
 
 /// Produces `messages` (partition, key, value, headers) to `topic` as they are.
@@ -144,7 +194,12 @@ async fn the_python_verifier_checks_every_dispatched_message_and_catches_tamperi
     let (code, lines, stderr) = run_python("verify.py", &["--self-test"]);
     assert_eq!(code, 0, "{lines:?} {stderr}");
 
-    let (cluster, broker) = outbox_tests::kafka::started(&pool, TOPIC, PARTITIONS, 5_000, &[ORDER_CREATED]).await;
+    let cluster = TestCluster::start();
+    let topic = fresh_topic(&cluster, "interop-verify", PARTITIONS).await;
+    let topic = topic.as_str();
+    let broker = cluster.broker(5_000).await;
+    business_schema(&pool).await;
+    route(&pool, ORDER_CREATED, broker.cluster_id(), topic, PARTITIONS as u32).await;
     let mut ids = Vec::new();
     for i in 0..40 {
         // Keys of every length modulo 4, so murmur2's tail cases all occur.
@@ -152,7 +207,7 @@ async fn the_python_verifier_checks_every_dispatched_message_and_catches_tamperi
     }
     dispatch_all(&pool, broker, 40).await;
 
-    let (code, lines, stderr) = run_python("verify.py", &["--bootstrap", &cluster.bootstrap, "--topic", TOPIC, "--expect", "40"]);
+    let (code, lines, stderr) = run_python("verify.py", &["--bootstrap", &cluster.bootstrap, "--topic", topic, "--expect", "40"]);
     assert_eq!(code, 0, "verify.py: {stderr}\n{}", lines.join("\n"));
     assert_eq!(lines.last().map(String::as_str), Some("verified: 40 passed, 0 failed"));
     let mut seen: Vec<String> = lines[..lines.len() - 1]
@@ -169,7 +224,7 @@ async fn the_python_verifier_checks_every_dispatched_message_and_catches_tamperi
 
     // The same messages altered as a faulty or hostile producer would: the
     // verifier must name each fault.
-    let log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
+    let log = read_n(&cluster.bootstrap, topic, 1);
     let m = &log[0];
     let good = (m.partition, m.key.clone(), m.payload.clone(), m.headers.clone());
     let mut cases: Vec<(&str, (i32, Vec<u8>, Vec<u8>, Vec<(String, Vec<u8>)>))> = Vec::new();
@@ -194,8 +249,8 @@ async fn the_python_verifier_checks_every_dispatched_message_and_catches_tamperi
     c.3.retain(|(k, _)| k != headers::ATTEMPT_ID);
     cases.push(("header outbox-attempt-id missing", c));
     // Appended to the same topic (placement is part of what is checked).
-    produce_raw(&cluster.bootstrap, TOPIC, &cases.iter().map(|(_, m)| m.clone()).collect::<Vec<_>>());
-    let (code, lines, stderr) = run_python("verify.py", &["--bootstrap", &cluster.bootstrap, "--topic", TOPIC, "--expect", "47"]);
+    produce_raw(&cluster.bootstrap, topic, &cases.iter().map(|(_, m)| m.clone()).collect::<Vec<_>>());
+    let (code, lines, stderr) = run_python("verify.py", &["--bootstrap", &cluster.bootstrap, "--topic", topic, "--expect", "47"]);
     assert_eq!(code, 1, "verify.py must fail: {stderr}\n{}", lines.join("\n"));
     assert_eq!(lines.last().map(String::as_str), Some("verified: 41 passed, 6 failed"));
     let results: Vec<Value> = lines[..lines.len() - 1].iter().map(|l| serde_json::from_str(l).unwrap()).collect();
