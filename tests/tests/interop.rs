@@ -108,6 +108,16 @@ async fn the_cloudevents_sdk_of_python_reads_the_dispatched_messages(pool: PgPoo
     let before = emit_one(&pool, "order.cancelled.v1", "o-1").await;
     outbox_producer::routes::revise(&pool, &RoutePolicy { cloudevents: false, ..plain }).await.unwrap();
     let after = emit_one(&pool, "order.cancelled.v1", "o-2").await;
+    // A content type that is no media type is a typed error, and the database refuses it too.
+    let bad = RoutePolicy { content_type: "json".into(), ..RoutePolicy::new("order.bad.v1", broker.cluster_id(), plain_topic, 1) };
+    let err = outbox_producer::routes::revise(&pool, &bad).await.unwrap_err();
+    assert!(err.to_string().contains("contentType"), "{err}");
+    let err = sqlx::query("INSERT INTO outbox_route_policies (event_type, generation, cluster_id, topic, partitions, partitioner, key_template, serializer, durability, required_acks, ordering, content_type)
+                           VALUES ('order.bad.v1', 1, 'c', 't', 1, 'murmur2', '{tenant}', 'bytes', 'durable', 'all', 'key', 'application/json x')")
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("check constraint"), "{err}");
     let refused = sqlx::query("UPDATE outbox_route_policies SET cloudevents = true").execute(&pool).await.unwrap_err();
     assert!(refused.to_string().contains("append-only"), "{refused}");
     dispatch_all(&pool, broker, 8).await;
