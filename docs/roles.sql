@@ -69,7 +69,7 @@ BEGIN
                              'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                              'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                              'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
-                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history'] LOOP
+                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_identity'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -108,6 +108,10 @@ SELECT pg_temp.outbox_grant('outbox_dispatcher', 'INSERT', 'outbox_unknown_resol
 -- the messages it would have sent (and sends nothing).
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_dispatcher_aliases');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_shadow_attempts');
+-- CloudEvents headers: the outbox's source identity and the frozen route
+-- generation's switch and content type.
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_identity');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_route_policies');
 
 -- outbox_reconciler: the dispatcher's rights (it resolves UNKNOWNs through
 -- the same receipt transaction), plus the three-set comparison and report.
@@ -147,7 +151,7 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                   'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
-                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history']) t;
+                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_identity']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes

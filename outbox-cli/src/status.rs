@@ -53,6 +53,9 @@ pub struct ConsumerStatus {
 pub struct Status {
     /// The database's clock, ms since the epoch.
     pub now_ms: i64,
+    /// The outbox's source identity (the CloudEvents `ce_source` of its
+    /// messages); None on a schema migrated before it existed.
+    pub source: Option<String>,
     /// Every state with its count (zeros included), in SPEC order.
     pub state_counts: Vec<(String, i64)>,
     /// Total events.
@@ -90,6 +93,8 @@ pub async fn unknown_open(pool: &PgPool, now_ms: i64) -> Result<(i64, Option<i64
 /// Reads the status.
 pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
     let now_ms = outbox_producer::pg::db_now_ms(pool).await?;
+    let source: Option<String> =
+        if exists(pool, "outbox_identity").await? { sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_optional(pool).await? } else { None };
     let counts: Vec<(String, i64)> = sqlx::query_as("SELECT state, count(*) FROM outbox_events GROUP BY state").fetch_all(pool).await?;
     let mut state_counts: Vec<(String, i64)> =
         ALL_STATES.iter().map(|s| (s.to_string(), counts.iter().find(|(n, _)| *n == s.to_string()).map(|(_, c)| *c).unwrap_or(0))).collect();
@@ -162,6 +167,7 @@ pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
     }
     Ok(Status {
         now_ms,
+        source,
         state_counts,
         total_events,
         oldest_pending_age_ms: oldest_pending.map(|o| (now_ms - o).max(0)),
@@ -178,6 +184,7 @@ impl Status {
     pub fn to_text(&self) -> String {
         let mut o = String::new();
         let _ = writeln!(o, "outbox status at {}", ts(self.now_ms));
+        let _ = writeln!(o, "source:          {}", self.source.as_deref().unwrap_or("none (run outbox migrate)"));
         let _ = writeln!(o, "events: {}", self.total_events);
         for (s, n) in &self.state_counts {
             let _ = writeln!(o, "  {s:<17} {n:>10}");

@@ -66,6 +66,13 @@ async fn migrate_then_status_on_an_empty_outbox() {
     let json: Value = serde_json::from_str(&env.ok(&["status", "--json"])).unwrap();
     assert_eq!(json["totalEvents"], 0);
     assert_eq!(json["stateCounts"].as_array().unwrap().len(), 10);
+    // The source identity made at migrate time (the CloudEvents ce_source), shown and frozen.
+    let source: String = sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_one(env.pool()).await.unwrap();
+    assert!(source.starts_with("urn:uuid:") && source.len() == 45, "{source}");
+    assert!(status.contains(&format!("source:          {source}")), "{status}");
+    assert_eq!(json["source"], source.as_str());
+    let refused = sqlx::query("UPDATE outbox_identity SET source = 'urn:x'").execute(env.pool()).await.unwrap_err();
+    assert!(refused.to_string().contains("append-only"), "{refused}");
 
     // No database configured at all: one clear line.
     let out = outbox_bin().arg("status").output().unwrap();

@@ -306,11 +306,33 @@ pub struct RoutePolicy {
     pub required_acks: String,
     /// Per-key ordering.
     pub ordering: Ordering,
+    /// Whether messages of this route carry the CloudEvents headers (Kafka
+    /// protocol binding, binary mode) beside the outbox headers. On by
+    /// default. Like every field, it is fixed per generation: an event sends
+    /// what the generation frozen in its destination says.
+    #[serde(default = "default_cloudevents")]
+    pub cloudevents: bool,
+    /// Media type of the payload, sent as `content-type` with the
+    /// CloudEvents headers (default `application/octet-stream`).
+    #[serde(default = "default_content_type")]
+    pub content_type: String,
+}
+
+/// The media type of a route that names none: opaque bytes.
+pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
+
+fn default_cloudevents() -> bool {
+    true
+}
+
+fn default_content_type() -> String {
+    DEFAULT_CONTENT_TYPE.to_owned()
 }
 
 impl RoutePolicy {
     /// A policy with the defaults users want most of the time: murmur2,
-    /// key `{tenant}.{aggregate_type}.{aggregate_id}`, acks `all`, ordered.
+    /// key `{tenant}.{aggregate_type}.{aggregate_id}`, acks `all`, ordered,
+    /// CloudEvents headers on with content type `application/octet-stream`.
     pub fn new(event_type: &str, cluster_id: &str, topic: &str, partitions: u32) -> Self {
         RoutePolicy {
             event_type: event_type.to_owned(),
@@ -324,6 +346,8 @@ impl RoutePolicy {
             durability: "durable".to_owned(),
             required_acks: "all".to_owned(),
             ordering: Ordering::Key,
+            cloudevents: true,
+            content_type: DEFAULT_CONTENT_TYPE.to_owned(),
         }
     }
 
@@ -338,6 +362,7 @@ impl RoutePolicy {
         if self.required_acks != "all" && self.required_acks != "1" {
             return Err(CoreError::InvalidDestination(format!("required acks {:?} (all or 1)", self.required_acks)));
         }
+        crate::headers::validate_content_type(&self.content_type)?;
         Ok(())
     }
 

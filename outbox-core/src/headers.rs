@@ -25,6 +25,23 @@ pub const AGGREGATE: &str = "outbox-aggregate";
 /// W3C trace context, when a trace is active.
 pub const TRACEPARENT: &str = "traceparent";
 
+/// CloudEvents Kafka protocol binding, binary mode: `specversion`, always [`CE_SPECVERSION_VALUE`].
+pub const CE_SPECVERSION: &str = "ce_specversion";
+/// CloudEvents `id`: the eventId (unique within `ce_source`, the same on every attempt).
+pub const CE_ID: &str = "ce_id";
+/// CloudEvents `source`: the outbox's source identity (one per outbox database).
+pub const CE_SOURCE: &str = "ce_source";
+/// CloudEvents `type`: the event type.
+pub const CE_TYPE: &str = "ce_type";
+/// CloudEvents `time`: when the command was accepted (`occurredAtMs`), RFC 3339 UTC with milliseconds.
+pub const CE_TIME: &str = "ce_time";
+/// CloudEvents `datacontenttype` (binary mode): the route's media type of the value.
+pub const CONTENT_TYPE: &str = "content-type";
+/// The CloudEvents specification version written.
+pub const CE_SPECVERSION_VALUE: &str = "1.0";
+/// Longest source identity and content type accepted, bytes.
+pub const MAX_CLOUDEVENTS_ATTRIBUTE_BYTES: usize = 200;
+
 use crate::canonical::sha256_digest;
 use crate::envelope::{Destination, Envelope, ENVELOPE_SCHEMA};
 use crate::error::CoreError;
@@ -49,6 +66,91 @@ pub fn build(envelope: &Envelope, destination: &Destination, destination_digest:
         h.push((TRACEPARENT.into(), tp.as_bytes().to_vec()));
     }
     h
+}
+
+/// The CloudEvents attributes one message carries beyond its envelope: the
+/// outbox's source identity and the route's content type. `None` in
+/// [`crate::ClaimedEvent::cloudevents`] means the route sends no CloudEvents headers.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CloudEventsBinding {
+    /// `ce_source`: a URI-reference naming the outbox (e.g. `urn:uuid:...`).
+    pub source: String,
+    /// `content-type`: the media type of the message value.
+    pub content_type: String,
+}
+
+impl CloudEventsBinding {
+    /// Checks both attributes: non-empty, at most
+    /// [`MAX_CLOUDEVENTS_ATTRIBUTE_BYTES`], printable ASCII without spaces in
+    /// the source, and a `type/subtype` media type.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        validate_source(&self.source)?;
+        validate_content_type(&self.content_type)
+    }
+}
+
+/// A CloudEvents `source`: 1..=200 bytes of printable ASCII, no spaces.
+pub fn validate_source(source: &str) -> Result<(), CoreError> {
+    if source.is_empty() || source.len() > MAX_CLOUDEVENTS_ATTRIBUTE_BYTES || !source.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(CoreError::MalformedIdentifier { field: "source", reason: format!("{source:?}: 1..=200 bytes of printable ASCII without spaces") });
+    }
+    Ok(())
+}
+
+/// A media type `type/subtype[;parameters]` of at most 200 bytes of printable ASCII.
+pub fn validate_content_type(content_type: &str) -> Result<(), CoreError> {
+    let token = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$&^_.+-".contains(&b));
+    let essence = content_type.split(';').next().unwrap_or("");
+    let ok = content_type.len() <= MAX_CLOUDEVENTS_ATTRIBUTE_BYTES
+        && content_type.bytes().all(|b| b == b' ' || b.is_ascii_graphic())
+        && essence.split_once('/').is_some_and(|(t, s)| token(t) && token(s.trim_end()));
+    if !ok {
+        return Err(CoreError::MalformedIdentifier { field: "contentType", reason: format!("{content_type:?}: a media type type/subtype[;parameters] of at most 200 bytes") });
+    }
+    Ok(())
+}
+
+/// The CloudEvents headers (Kafka protocol binding, binary mode) of one
+/// event: `ce_specversion`, `ce_id` (the eventId), `ce_source`, `ce_type`
+/// (the event type), `ce_time` (`occurredAtMs`) and `content-type`. They
+/// are written beside the outbox headers, never instead of them, and are
+/// the same on every attempt of the event.
+pub fn cloudevents(envelope: &Envelope, binding: &CloudEventsBinding) -> Vec<(String, Vec<u8>)> {
+    vec![
+        (CE_SPECVERSION.into(), CE_SPECVERSION_VALUE.as_bytes().to_vec()),
+        (CE_ID.into(), envelope.event_id.as_str().as_bytes().to_vec()),
+        (CE_SOURCE.into(), binding.source.as_bytes().to_vec()),
+        (CE_TYPE.into(), envelope.event_type.as_bytes().to_vec()),
+        (CE_TIME.into(), rfc3339_ms(envelope.occurred_at_ms).into_bytes()),
+        (CONTENT_TYPE.into(), binding.content_type.as_bytes().to_vec()),
+    ]
+}
+
+/// `ms` since the Unix epoch as RFC 3339 UTC with milliseconds,
+/// `YYYY-MM-DDTHH:MM:SS.mmmZ` (proleptic Gregorian; years 0000..=9999, clamped).
+pub fn rfc3339_ms(ms: i64) -> String {
+    // 0000-01-01T00:00:00.000Z and 9999-12-31T23:59:59.999Z.
+    let ms = ms.clamp(-62_167_219_200_000, 253_402_300_799_999);
+    let days = ms.div_euclid(86_400_000);
+    let in_day = ms.rem_euclid(86_400_000);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        in_day / 3_600_000,
+        in_day / 60_000 % 60,
+        in_day / 1000 % 60,
+        in_day % 1000
+    )
 }
 
 /// What a message's headers claim, parsed and checked for form.
@@ -222,5 +324,45 @@ mod tests {
             }
         }
         assert_eq!(verify(&bad, &p, "orders", d.partition, Some(d.routing_key.as_bytes())), Err(VerifyError::DestinationDigest));
+    }
+
+    #[test]
+    fn rfc3339_matches_known_instants() {
+        assert_eq!(rfc3339_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_ms(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+        assert_eq!(rfc3339_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339_ms(4_107_542_399_999), "2100-02-28T23:59:59.999Z");
+        assert_eq!(rfc3339_ms(-1), "1969-12-31T23:59:59.999Z");
+        assert_eq!(rfc3339_ms(i64::MAX), "9999-12-31T23:59:59.999Z");
+        assert_eq!(rfc3339_ms(i64::MIN), "0000-01-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn cloudevents_headers_name_the_event() {
+        let (e, _, _) = sample();
+        let b = CloudEventsBinding { source: "urn:uuid:6b1c1e0e-0c59-4c1e-9d0e-3c1b9f1b8a11".into(), content_type: "application/json".into() };
+        b.validate().unwrap();
+        let h = cloudevents(&e, &b);
+        let get = |n: &str| h.iter().find(|(k, _)| k == n).map(|(_, v)| String::from_utf8(v.clone()).unwrap());
+        assert_eq!(get(CE_SPECVERSION).as_deref(), Some("1.0"));
+        assert_eq!(get(CE_ID).as_deref(), Some(e.event_id.as_str()));
+        assert_eq!(get(CE_SOURCE), Some(b.source.clone()));
+        assert_eq!(get(CE_TYPE), Some(e.event_type.clone()));
+        assert_eq!(get(CE_TIME), Some(rfc3339_ms(e.occurred_at_ms)));
+        assert_eq!(get(CONTENT_TYPE).as_deref(), Some("application/json"));
+    }
+
+    #[test]
+    fn bad_cloudevents_attributes_are_refused() {
+        for ct in ["", "json", "/json", "application/", "application/json x", "text/plain;\ncharset=utf-8", &"a/".repeat(150)] {
+            assert!(validate_content_type(ct).is_err(), "{ct:?}");
+        }
+        for ct in ["application/json", "application/cloudevents+json", "text/plain; charset=utf-8", "application/vnd.acme.order-v2+avro"] {
+            validate_content_type(ct).unwrap();
+        }
+        for s in ["", "has space", "tab\t", &"x".repeat(201)] {
+            assert!(validate_source(s).is_err(), "{s:?}");
+        }
+        validate_source("/orders/service").unwrap();
     }
 }

@@ -50,8 +50,9 @@ pub mod takeover;
 
 pub use canonical::{is_digest, sha256_digest};
 pub use claim::{check_fence, not_sent_backoff_ms, Claim, ClaimToken, Clock, FencedWrite, ManualClock, SystemClock};
-pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, RoutePolicy, DEFAULT_MAX_PAYLOAD_BYTES};
+pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, RoutePolicy, DEFAULT_CONTENT_TYPE, DEFAULT_MAX_PAYLOAD_BYTES};
 pub use error::CoreError;
+pub use headers::CloudEventsBinding;
 pub use id::{AttemptId, EventId};
 pub use memory::MemoryStore;
 pub use reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};

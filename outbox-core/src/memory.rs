@@ -384,6 +384,8 @@ impl MemoryStore {
             payload: ev.payload.clone(),
             claimed_from: from,
             traceparent: None,
+            // The in-memory store has no source identity: no CloudEvents headers.
+            cloudevents: None,
         }
     }
 

@@ -65,6 +65,9 @@ pub struct ClaimedEvent {
     pub claimed_from: EventState,
     /// W3C trace context recorded at emit, if any.
     pub traceparent: Option<String>,
+    /// The CloudEvents attributes of the route generation frozen in the
+    /// destination; `None` when that route sends no CloudEvents headers.
+    pub cloudevents: Option<crate::headers::CloudEventsBinding>,
 }
 
 /// The answer of a fenced write.

@@ -346,14 +346,19 @@ pub struct Dispatcher<B: Broker + 'static> {
     claim_turn: tokio::sync::Mutex<()>,
 }
 
-/// Builds the message for one attempt of one claimed event.
+/// Builds the message for one attempt of one claimed event: the outbox
+/// headers, then the CloudEvents headers when its route generation has them on.
 pub fn outgoing_message(event: &ClaimedEvent, attempt: &AttemptRecord) -> OutgoingMessage {
+    let mut headers = headers::build(&event.envelope, &event.destination, &event.destination_digest, &attempt.attempt_id, event.traceparent.as_deref());
+    if let Some(binding) = &event.cloudevents {
+        headers.extend(headers::cloudevents(&event.envelope, binding));
+    }
     OutgoingMessage {
         topic: event.destination.topic.clone(),
         partition: event.destination.partition,
         key: event.destination.routing_key.as_bytes().to_vec(),
         payload: event.payload.clone(),
-        headers: headers::build(&event.envelope, &event.destination, &event.destination_digest, &attempt.attempt_id, event.traceparent.as_deref()),
+        headers,
     }
 }
 

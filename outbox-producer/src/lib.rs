@@ -14,6 +14,7 @@
 //! transaction, unknown/retry), the dispatcher loop, and the Kafka adapter.
 #![warn(missing_docs)]
 
+pub mod cloudevents;
 pub mod dispatcher;
 pub mod emit;
 pub mod error;

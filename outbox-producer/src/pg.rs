@@ -15,6 +15,7 @@ use outbox_core::{
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
+use crate::cloudevents::CloudEventsCache;
 use crate::error::store_err;
 
 type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
@@ -29,6 +30,8 @@ pub struct PgStore {
     clock: Arc<dyn Clock>,
     cluster_scope: Option<String>,
     max_protocol_version: i32,
+    /// The source identity and route generations read for CloudEvents headers.
+    cloudevents: Arc<CloudEventsCache>,
 }
 
 /// The protocol version of [`crate::PROTOCOL_VERSION`], as a number.
@@ -78,12 +81,22 @@ const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payloa
 impl PgStore {
     /// A store on `pool` using the system clock.
     pub fn new(pool: PgPool) -> Self {
-        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version() }
+        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default() }
     }
 
     /// A store whose leases and timestamps follow `clock` (tests, simulations).
     pub fn with_clock(pool: PgPool, clock: Arc<dyn Clock>) -> Self {
-        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version() }
+        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default() }
+    }
+
+    /// Fills [`ClaimedEvent::cloudevents`] of events read outside a claim
+    /// (the shadow dispatcher), as a claim does.
+    pub async fn attach_cloudevents(&self, events: &mut [ClaimedEvent]) -> Result<(), StoreError> {
+        if self.cloudevents.fill_from_known(events) {
+            return Ok(());
+        }
+        let mut conn = self.pool.acquire().await.map_err(store_err)?;
+        self.cloudevents.attach(&mut conn, events).await
     }
 
     /// Restricts claims to events frozen for `cluster_id`: a dispatcher
@@ -219,6 +232,7 @@ impl PgStore {
                     payload: r.try_get::<Option<Vec<u8>>, _>("payload").map_err(g)?.unwrap_or_default(),
                     claimed_from: from,
                     traceparent: r.try_get("traceparent").map_err(g)?,
+                    cloudevents: None,
                 })
             })
             .collect()
@@ -634,6 +648,7 @@ impl PgStore {
         }
         let rows = q.fetch_all(&mut **tx).await.map_err(store_err)?;
         let mut claimed = Self::claimed_rows(rows, from)?;
+        self.cloudevents.attach(&mut **tx, &mut claimed).await?;
         if from == EventState::Pending {
             claimed.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
         }

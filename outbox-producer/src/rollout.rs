@@ -111,15 +111,18 @@ impl ShadowDispatcher {
             // Exactly the message the dispatcher would build for an attempt
             // of this event; only the attempt id is a placeholder (and left
             // out of the headers digest).
-            let event = ClaimedEvent {
+            let mut event = ClaimedEvent {
                 token: ClaimToken { event_id: envelope.event_id.clone(), owner: "shadow".into(), claim_generation: 0, lease_until_ms: 0 },
                 destination_digest: destination_digest.clone(),
                 payload: r.try_get::<Option<Vec<u8>>, _>("payload")?.unwrap_or_default(),
                 claimed_from: EventState::Pending,
                 traceparent: r.try_get("traceparent")?,
+                cloudevents: None,
                 envelope,
                 destination,
             };
+            // The CloudEvents headers too, as the dispatcher would add them.
+            self.store.attach_cloudevents(std::slice::from_mut(&mut event)).await?;
             let attempt = AttemptRecord {
                 attempt_id: AttemptId::from_parts(now.max(0) as u64, 0),
                 event_id: event.envelope.event_id.clone(),

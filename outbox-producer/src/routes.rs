@@ -1,5 +1,8 @@
 //! Route policies with generations. A revision is a new generation; events
-//! already emitted keep the destination they froze.
+//! already emitted keep the destination they froze. Generations are
+//! append-only (the database refuses UPDATE and DELETE), so everything a
+//! generation says, its CloudEvents switch and content type included, is
+//! fixed for the events whose destination names it.
 
 use outbox_core::{Ordering, Partitioner, RoutePolicy};
 use sqlx::postgres::PgRow;
@@ -10,9 +13,7 @@ use crate::error::ProducerError;
 /// The current (highest) generation of the route of `event_type`.
 pub async fn current<'e>(db: impl PgExecutor<'e>, event_type: &str) -> Result<Option<RoutePolicy>, ProducerError> {
     let row = sqlx::query(
-        "SELECT event_type, generation, cluster_id, topic, partitions, partitioner, key_template, serializer,
-                durability, required_acks, ordering
-         FROM outbox_route_policies WHERE event_type = $1 ORDER BY generation DESC LIMIT 1",
+        &format!("SELECT {POLICY_COLUMNS} FROM outbox_route_policies WHERE event_type = $1 ORDER BY generation DESC LIMIT 1"),
     )
     .bind(event_type)
     .fetch_optional(db)
@@ -22,7 +23,8 @@ pub async fn current<'e>(db: impl PgExecutor<'e>, event_type: &str) -> Result<Op
 
 /// The columns [`from_row`] reads, for queries that join the current policy.
 pub(crate) const POLICY_COLUMNS: &str =
-    "event_type, generation, cluster_id, topic, partitions, partitioner, key_template, serializer, durability, required_acks, ordering";
+    "event_type, generation, cluster_id, topic, partitions, partitioner, key_template, serializer, durability, required_acks, ordering,
+     cloudevents, content_type";
 
 /// Reads a policy from a row carrying [`POLICY_COLUMNS`]; `None` when they are NULL (no route).
 pub(crate) fn from_row_opt(r: &PgRow) -> Result<Option<RoutePolicy>, ProducerError> {
@@ -45,6 +47,8 @@ fn from_row(r: &PgRow) -> Result<RoutePolicy, ProducerError> {
         durability: r.try_get("durability")?,
         required_acks: r.try_get("required_acks")?,
         ordering: Ordering::parse(r.try_get("ordering")?)?,
+        cloudevents: r.try_get("cloudevents")?,
+        content_type: r.try_get("content_type")?,
     })
 }
 
@@ -55,8 +59,8 @@ pub async fn revise<'e>(db: impl PgExecutor<'e>, policy: &RoutePolicy) -> Result
     policy.validate()?;
     let generation: i32 = sqlx::query_scalar(
         "INSERT INTO outbox_route_policies (event_type, generation, cluster_id, topic, partitions, partitioner,
-             key_template, serializer, durability, required_acks, ordering)
-         SELECT $1, coalesce(max(generation), 0) + 1, $2, $3, $4, $5, $6, $7, $8, $9, $10
+             key_template, serializer, durability, required_acks, ordering, cloudevents, content_type)
+         SELECT $1, coalesce(max(generation), 0) + 1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12
          FROM outbox_route_policies WHERE event_type = $1
          RETURNING generation",
     )
@@ -70,6 +74,8 @@ pub async fn revise<'e>(db: impl PgExecutor<'e>, policy: &RoutePolicy) -> Result
     .bind(&policy.durability)
     .bind(&policy.required_acks)
     .bind(policy.ordering.as_str())
+    .bind(policy.cloudevents)
+    .bind(&policy.content_type)
     .fetch_one(db)
     .await?;
     Ok(RoutePolicy { generation: generation as u32, ..policy.clone() })
