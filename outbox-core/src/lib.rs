@@ -54,9 +54,9 @@ pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, Ro
 pub use error::CoreError;
 pub use id::{AttemptId, EventId};
 pub use memory::MemoryStore;
-pub use reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
+pub use reconcile::{check_in_flight_bound, decide_after_submit, decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
 pub use retention::{decide_migration, may_purge, may_retain, HoldReason, MigrationDecision, MigrationProof, MigrationRefusal};
-pub use receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
+pub use receipt::{decide_receipt, is_unregistered_message, refutes_absence, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
 pub use takeover::{decide_publisher, takeover_bucket, Publisher, TakeoverPolicy, TAKEOVER_BUCKETS};
 pub use store::{Broker, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

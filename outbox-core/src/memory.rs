@@ -490,6 +490,7 @@ impl OutboxStore for MemoryStore {
                 state: AttemptState::Sending,
                 destination_digest: ev.destination_digest.clone(),
                 started_at_ms: now,
+                send_deadline_ms: Some(token.lease_until_ms),
                 scan_from_offset: st
                     .partition_high
                     .get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.partition))
@@ -511,6 +512,12 @@ impl OutboxStore for MemoryStore {
         let locked = Self::locked(ev);
         let attempts = st.attempts.entry(receipt.event_id.clone()).or_default();
         let decision = decide_receipt(&locked, attempts, receipt);
+        if crate::receipt::refutes_absence(attempts, receipt, &decision) {
+            st.audit.push(AuditRecord { event_id: receipt.event_id.clone(), action: "absence_proof_refuted".into(), detail: format!("{} @{}", receipt.attempt_id, receipt.offset) });
+        }
+        if crate::receipt::is_unregistered_message(&decision) {
+            st.audit.push(AuditRecord { event_id: receipt.event_id.clone(), action: "unregistered_message".into(), detail: format!("{} @{}", receipt.attempt_id, receipt.offset) });
+        }
         let mark_acked = |attempts: &mut Vec<AttemptRecord>| {
             attempts.iter_mut().filter(|a| a.attempt_id == receipt.attempt_id).for_each(|a| a.state = AttemptState::Acked)
         };

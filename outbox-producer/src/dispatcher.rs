@@ -346,6 +346,20 @@ pub struct Dispatcher<B: Broker + 'static> {
     claim_turn: tokio::sync::Mutex<()>,
 }
 
+/// Hands `message` to the broker client only while `deadline` (the claim's
+/// lease, measured locally) has not passed; past it, the message is not
+/// sent at all: a stalled worker whose lease ran out (its registration's
+/// answer came late, the process was paused) never sends, so an absence
+/// proof made after the lease plus the in-flight bound holds.
+async fn send_before<B: Broker + ?Sized>(broker: Arc<B>, message: OutgoingMessage, deadline: Instant) -> SendOutcome {
+    let now = Instant::now();
+    if now >= deadline {
+        tracing::warn!(late_ms = now.duration_since(deadline).as_millis() as u64, "lease ran out before the send: not sent");
+        return SendOutcome::NotPersisted("the claim's lease ran out before the message was handed to the client".into());
+    }
+    broker.send(message).await
+}
+
 /// Builds the message for one attempt of one claimed event.
 pub fn outgoing_message(event: &ClaimedEvent, attempt: &AttemptRecord) -> OutgoingMessage {
     OutgoingMessage {
@@ -418,6 +432,10 @@ impl<B: Broker + 'static> Dispatcher<B> {
         if !self.alias_active().await? {
             return Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends: Vec::new() });
         }
+        // The claims this call gets run out no earlier than lease_ms after
+        // this instant (the store computes their lease end later than now):
+        // a local, monotonic deadline for handing messages to the client.
+        let send_deadline = Instant::now() + Duration::from_millis(self.config.lease_ms.max(0) as u64);
         let claimed = self.claim(owner, cursor).await?;
         report.claimed = claimed.len();
         inc(&self.metrics.claimed, claimed.len() as u64);
@@ -466,7 +484,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     let message = outgoing_message(&ev, &attempt);
                     let broker = self.broker.clone();
                     let span = tracing::debug_span!("send", event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id);
-                    let handle = tokio::spawn(async move { broker.send(message).await }.instrument(span));
+                    let handle = tokio::spawn(send_before(broker, message, send_deadline).instrument(span));
                     sends.push((ev, attempt, handle));
                 }
                 Err(e) if e.is_fenced() => {

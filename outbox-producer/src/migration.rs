@@ -52,14 +52,8 @@ pub async fn migrate_destination<B: Broker>(
 ) -> Result<MigrationOutcome, ProducerError> {
     outbox_core::id::validate_identifier("operator", operator)?;
     new_route.validate()?;
-    if let Some(max) = old_broker.max_in_flight_ms() {
-        if (retry.in_flight_bound_ms.max(0) as u64) < max {
-            return Err(ProducerError::Config(format!(
-                "in_flight_bound_ms = {} is shorter than the {max} ms a message of the old target's adapter may stay in flight",
-                retry.in_flight_bound_ms
-            )));
-        }
-    }
+    outbox_core::check_in_flight_bound(retry.in_flight_bound_ms, old_broker.max_in_flight_ms(), outbox_core::reconcile::DEFAULT_CLOCK_SKEW_ALLOWANCE_MS)
+        .map_err(ProducerError::Config)?;
     let refused = |reason: String| Ok(MigrationOutcome::Refused { reason });
     let (state, _) = store.event_state(event_id).await?;
     let attempts = store.attempts(event_id).await?;

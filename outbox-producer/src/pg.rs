@@ -29,6 +29,10 @@ pub struct PgStore {
     clock: Arc<dyn Clock>,
     cluster_scope: Option<String>,
     max_protocol_version: i32,
+    /// Whether reconcile tasks measure attempt ages with the database's
+    /// clock (on for [`PgStore::new`]; a store on a test clock measures
+    /// with that clock only).
+    database_clock: bool,
 }
 
 /// The protocol version of [`crate::PROTOCOL_VERSION`], as a number.
@@ -52,6 +56,7 @@ fn attempt_from_row(r: &PgRow) -> Result<AttemptRecord, StoreError> {
         state: AttemptState::parse(r.try_get("state").map_err(g)?)?,
         destination_digest: r.try_get("destination_digest").map_err(g)?,
         started_at_ms: r.try_get("started_at_ms").map_err(g)?,
+        send_deadline_ms: r.try_get("send_deadline_ms").map_err(g)?,
         scan_from_offset: r.try_get("scan_from_offset").map_err(g)?,
     })
 }
@@ -72,18 +77,18 @@ fn receipt_from_row(r: &PgRow) -> Result<BrokerReceipt, StoreError> {
 }
 
 const ATTEMPT_COLUMNS: &str =
-    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset";
+    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms";
 const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, partition, \"offset\"";
 
 impl PgStore {
     /// A store on `pool` using the system clock.
     pub fn new(pool: PgPool) -> Self {
-        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version() }
+        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version(), database_clock: true }
     }
 
     /// A store whose leases and timestamps follow `clock` (tests, simulations).
     pub fn with_clock(pool: PgPool, clock: Arc<dyn Clock>) -> Self {
-        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version() }
+        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version(), database_clock: false }
     }
 
     /// Restricts claims to events frozen for `cluster_id`: a dispatcher
@@ -245,7 +250,7 @@ impl PgStore {
                 WHERE e.event_id = i.event_id AND e.claim_generation = i.gen AND e.claim_owner = i.owner
                   AND e.lease_until_ms > $5 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED') AND e.claim_attempt_id IS NULL
                 RETURNING e.event_id, e.envelope_generation, e.attempt_generation, e.destination_digest, e.cluster_id, e.topic,
-                          e.partition, i.attempt_id, i.gen, i.owner),
+                          e.partition, e.lease_until_ms, i.attempt_id, i.gen, i.owner),
              -- Where a scan for the message would start: past the highest
              -- receipted offset of its partition, looked up once per partition.
              floors AS MATERIALIZED (
@@ -255,7 +260,7 @@ impl PgStore {
                 FROM (SELECT DISTINCT cluster_id, topic, partition FROM upd) p)
              INSERT INTO outbox_attempts ({ATTEMPT_COLUMNS})
              SELECT u.attempt_id, u.event_id, u.envelope_generation, u.attempt_generation, u.gen, u.owner, 'SENDING',
-                    u.destination_digest, $5, f.scan_from
+                    u.destination_digest, $5, f.scan_from, u.lease_until_ms
              FROM upd u JOIN floors f USING (cluster_id, topic, partition)
              RETURNING {ATTEMPT_COLUMNS}"
         ))
@@ -391,6 +396,7 @@ impl PgStore {
         }
 
         let mut accepted: Vec<&BrokerReceipt> = Vec::new();
+        let mut findings: Vec<(&'static str, String, String)> = Vec::new();
         let mut duplicates: Vec<&BrokerReceipt> = Vec::new();
         let mut acked_attempts: Vec<&str> = Vec::new();
         let mut outcomes = Vec::with_capacity(receipts.len());
@@ -402,6 +408,28 @@ impl PgStore {
             };
             let list = attempts.entry(receipt.event_id.to_string()).or_default();
             let decision = decide_receipt(ev, list, receipt);
+            if outbox_core::refutes_absence(list, receipt, &decision) {
+                tracing::warn!(event_id = %receipt.event_id, attempt_id = %receipt.attempt_id, offset = receipt.offset, "a message of an attempt proven absent is in the log: the proof was wrong");
+                findings.push((
+                    "absence_proof_refuted",
+                    receipt.event_id.to_string(),
+                    format!(
+                        "attempt {} was closed ABSENT, yet its message is at {}/{}@{} ({})",
+                        receipt.attempt_id,
+                        receipt.topic,
+                        receipt.partition,
+                        receipt.offset,
+                        if matches!(decision, ReceiptDecision::Accept { .. }) { "now the primary receipt" } else { "kept as a duplicate transport receipt" }
+                    ),
+                ));
+            }
+            if outbox_core::is_unregistered_message(&decision) {
+                findings.push((
+                    "unregistered_message",
+                    receipt.event_id.to_string(),
+                    format!("a message carrying the eventId at {}/{}@{} names attempt {}, which this event never registered (a mirror, a replay, a bypass)", receipt.topic, receipt.partition, receipt.offset, receipt.attempt_id),
+                ));
+            }
             match &decision {
                 ReceiptDecision::Accept { from } => {
                     ev.state = from.transition(EventState::Published)?;
@@ -482,6 +510,7 @@ impl PgStore {
             )
             .await?;
         }
+        record_findings(&mut tx, &findings, now).await?;
         if !acked_attempts.is_empty() {
             sqlx::query("UPDATE outbox_attempts SET state = 'ACKED', finished_at_ms = $2 WHERE attempt_id = ANY($1) AND state <> 'ACKED'")
                 .bind(&acked_attempts)
@@ -556,14 +585,23 @@ impl PgStore {
             let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
             let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
             let id = envelope.event_id.to_string();
-            let attempts = sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
-                .bind(&id)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(store_err)?
-                .iter()
-                .map(attempt_from_row)
-                .collect::<Result<Vec<_>, _>>()?;
+            let mut attempts = Vec::new();
+            for a in sqlx::query(&format!(
+                "SELECT {ATTEMPT_COLUMNS}, (extract(epoch FROM clock_timestamp()) * 1000)::bigint - registered_db_ms AS db_age_ms
+                 FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"
+            ))
+            .bind(&id)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_err)?
+            {
+                let mut attempt = attempt_from_row(&a)?;
+                if self.database_clock {
+                    let db_age_ms: Option<i64> = a.try_get("db_age_ms").map_err(g)?;
+                    measure_with_database_clock(&mut attempt, db_age_ms, now);
+                }
+                attempts.push(attempt);
+            }
             let slot = sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = $1 AND envelope_generation = $2"))
                 .bind(&id)
                 .bind(envelope.envelope_generation as i32)
@@ -803,6 +841,50 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     .bind(&tp)
     .bind(&pa)
     .bind(&of)
+    .bind(now)
+    .execute(&mut **tx)
+    .await
+    .map_err(store_err)?;
+    Ok(())
+}
+
+/// Moves `attempt`'s registration time (and with it the end of its lease,
+/// by the remaining lease its own dispatcher measured) to when the
+/// database's clock says it was registered, `db_age_ms` before `now`,
+/// when that is later: a dispatcher host whose clock is behind cannot make
+/// an attempt look older than it is.
+fn measure_with_database_clock(attempt: &mut AttemptRecord, db_age_ms: Option<i64>, now: i64) {
+    let Some(age) = db_age_ms else { return };
+    let registered = now.saturating_sub(age.max(0));
+    if registered > attempt.started_at_ms {
+        let remaining_lease = attempt.send_deadline_ms.map(|d| d.saturating_sub(attempt.started_at_ms).max(0));
+        attempt.started_at_ms = registered;
+        attempt.send_deadline_ms = remaining_lease.map(|r| registered.saturating_add(r));
+    }
+}
+
+/// Findings that are evidence, not conditions: opened (or seen again) by
+/// the statement that found them and left open until an operator resolves
+/// them; a comparison round never resolves them.
+pub const EVIDENCE_FINDINGS: &[&str] = &["bypass_publish", "absence_proof_refuted", "unregistered_message", "receipt_position_lost", "log_unavailable"];
+
+/// Opens findings `(kind, event_id, detail)` in `tx`, or marks open ones seen again.
+pub(crate) async fn record_findings(tx: &mut Transaction<'_, Postgres>, findings: &[(&'static str, String, String)], now: i64) -> Result<(), StoreError> {
+    if findings.is_empty() {
+        return Ok(());
+    }
+    let kinds: Vec<&str> = findings.iter().map(|f| f.0).collect();
+    let ids: Vec<&str> = findings.iter().map(|f| f.1.as_str()).collect();
+    let details: Vec<&str> = findings.iter().map(|f| f.2.as_str()).collect();
+    sqlx::query(
+        "INSERT INTO outbox_findings (kind, event_id, consumer_id, age_ms, detail, first_seen_ms, last_seen_ms)
+         SELECT DISTINCT ON (k, e) k, e, '', 0, d, $4, $4 FROM UNNEST($1::text[], $2::text[], $3::text[]) AS t(k, e, d)
+         ON CONFLICT (kind, event_id, consumer_id) WHERE resolved_at_ms IS NULL
+         DO UPDATE SET detail = EXCLUDED.detail, last_seen_ms = EXCLUDED.last_seen_ms",
+    )
+    .bind(&kinds)
+    .bind(&ids)
+    .bind(&details)
     .bind(now)
     .execute(&mut **tx)
     .await

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use outbox_core::{decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, OutboxStore, RecheckReason, ReconcileDecision, RetryPolicy};
+use outbox_core::{decide_after_submit, decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, OutboxStore, ReconcileDecision, RetryPolicy};
 use sqlx::Row;
 
 use crate::error::ProducerError;
@@ -34,6 +34,10 @@ pub struct ReconcilerConfig {
     pub unconsumed_after_ms: i64,
     /// An UNKNOWN older than this is a finding (page someone).
     pub unknown_slo_ms: i64,
+    /// How far the clocks that measured a lease and a registration may be
+    /// apart, ms; `retry.in_flight_bound_ms` must cover the adapter's
+    /// in-flight time plus this (at least 1000).
+    pub clock_skew_allowance_ms: i64,
     /// Most messages the bypass check reads per partition per round.
     pub bypass_scan_max_messages: u64,
     /// Most findings of one kind recorded per round.
@@ -52,6 +56,7 @@ impl Default for ReconcilerConfig {
             aged_pending_ms: 60_000,
             unconsumed_after_ms: 5 * 60_000,
             unknown_slo_ms: crate::report::DEFAULT_UNKNOWN_SLO_MS,
+            clock_skew_allowance_ms: outbox_core::reconcile::DEFAULT_CLOCK_SKEW_ALLOWANCE_MS,
             bypass_scan_max_messages: 10_000,
             max_findings_per_kind: 1_000,
             history_keep_ms: 7 * 24 * 3_600_000,
@@ -111,15 +116,8 @@ impl<B: Broker + 'static> Reconciler<B> {
     pub fn new(store: PgStore, broker: Arc<B>, config: ReconcilerConfig) -> Result<Self, ProducerError> {
         outbox_core::id::validate_identifier("reconciler owner", &config.owner)?;
         outbox_core::claim::validate_lease_ms(config.lease_ms)?;
-        if let Some(max) = broker.max_in_flight_ms() {
-            if (config.retry.in_flight_bound_ms.max(0) as u64) < max {
-                return Err(ProducerError::Config(format!(
-                    "retry.in_flight_bound_ms = {} is shorter than the {max} ms a message of this broker adapter may stay in flight; \
-                     an absence proof could miss a message still on its way",
-                    config.retry.in_flight_bound_ms
-                )));
-            }
-        }
+        outbox_core::check_in_flight_bound(config.retry.in_flight_bound_ms, broker.max_in_flight_ms(), config.clock_skew_allowance_ms)
+            .map_err(|e| ProducerError::Config(format!("retry.{e}")))?;
         Ok(Reconciler { store, broker, config })
     }
 
@@ -153,9 +151,17 @@ impl<B: Broker + 'static> Reconciler<B> {
                         Some(EventState::Published) => report.published += 1,
                         Some(EventState::Quarantined) => report.quarantined += 1,
                         _ => {
-                            let recheck = ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: now + self.config.retry.recheck_ms };
-                            self.store.finish_reconcile(&task.token, &recheck).await?;
-                            report.rechecks += 1;
+                            // Every message found refused (none from a
+                            // registered attempt): the absence logic decides,
+                            // instead of looking again and again.
+                            let decisions: Vec<_> = outcomes.iter().map(|o| o.decision.clone()).collect();
+                            let next = decide_after_submit(&decisions, &task.attempts, supports, &self.config.retry, now);
+                            tracing::info!(%event_id, decision = ?next, "every receipt found was refused");
+                            self.store.finish_reconcile(&task.token, &next).await?;
+                            match next {
+                                ReconcileDecision::Retry { .. } => report.retried += 1,
+                                _ => report.rechecks += 1,
+                            }
                         }
                     }
                 }
@@ -294,8 +300,9 @@ impl<B: Broker + 'static> Reconciler<B> {
         .execute(&mut *tx)
         .await?;
         // Conditions that no longer hold are resolved; bypass evidence stays until an operator closes it.
-        sqlx::query("UPDATE outbox_findings SET resolved_at_ms = $1 WHERE resolved_at_ms IS NULL AND last_seen_ms < $1 AND kind <> 'bypass_publish'")
+        sqlx::query("UPDATE outbox_findings SET resolved_at_ms = $1 WHERE resolved_at_ms IS NULL AND last_seen_ms < $1 AND kind <> ALL($2)")
             .bind(now)
+            .bind(crate::pg::EVIDENCE_FINDINGS)
             .execute(&mut *tx)
             .await?;
         sqlx::query("INSERT INTO outbox_state_snapshots (at_ms, state, count) SELECT $1, state, count(*) FROM outbox_events GROUP BY state ON CONFLICT DO NOTHING")

@@ -130,6 +130,7 @@ impl ShadowDispatcher {
                 state: AttemptState::Sending,
                 destination_digest: destination_digest.clone(),
                 started_at_ms: now,
+                send_deadline_ms: None,
                 scan_from_offset: 0,
             };
             let message = outgoing_message(&event, &attempt);

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 
 use outbox_core::memory::MemoryStore;
 use outbox_core::{
-    decide_migration, MigrationDecision, MigrationProof, MigrationRefusal, AttemptState, decide_reconcile, scan_lower_bound, sha256_digest, AttemptId, AttemptRecord, BrokerReceipt, ClaimToken, ClaimedEvent, Destination, EmitRequest,
+    decide_migration, MigrationDecision, MigrationProof, MigrationRefusal, AttemptState, decide_after_submit, decide_reconcile, scan_lower_bound, sha256_digest, AttemptId, AttemptRecord, BrokerReceipt, ClaimToken, ClaimedEvent, Destination, EmitRequest,
     EventId, EventState, FenceOutcome, LookupOutcome, OutboxStore, ReceiptDecision, ReceiptOutcome, RecheckReason, ReconcileDecision, ReconcileTask,
     RetryPolicy, RoutePolicy,
 };
@@ -1730,10 +1730,16 @@ impl Sim {
         let decision = t.decision.expect("decided");
         match &decision {
             ReconcileDecision::Submit(receipts) => {
+                // Decisions of every receipt that was decided; a rolled-back
+                // transaction decided nothing, so the absence logic may not
+                // take over (the empty list keeps it a recheck).
+                let mut decisions = Vec::new();
+                let mut rolled_back = false;
                 for rc in receipts {
                     let genuine = self.genuine(ev, rc);
                     if self.faults && self.rng.chance(self.cfg.faults.receipt_rollback) {
                         self.figures.receipt_rollbacks += 1;
+                        rolled_back = true;
                         slog!(self, "{name}: receipt transaction for E{ev} @{} ROLLED BACK", rc.offset);
                         continue;
                     }
@@ -1741,11 +1747,15 @@ impl Sim {
                         self.record_receipt(ev, genuine, None, &out.decision);
                         let a = self.an(ev, &rc.attempt_id);
                         slog!(self, "{name}: acceptDispatchReceipt({a} @{}) -> {:?}, event {}", rc.offset, out.decision, out.state);
+                        decisions.push(out.decision);
                     }
+                }
+                if rolled_back {
+                    decisions.clear();
                 }
                 match now(self.store.event_state(&t.task.token.event_id)) {
                     Ok((EventState::Reconciling, _)) => {
-                        let d = ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: self.now + RETRY_POLICY.recheck_ms };
+                        let d = decide_after_submit(&decisions, &t.task.attempts, self.cfg.lookup_supported, &RETRY_POLICY, self.now);
                         self.finish(r, ev, &t.task.token, &d);
                     }
                     Ok(_) => {}

@@ -1,0 +1,286 @@
+//! Sound absence proofs and acceptance: stalls, late ACKs of attempts proven
+//! absent, stray messages, unreadable destinations, unfenced migrations,
+//! truncated or recreated logs, receipts losing their positions, PUBLISHED
+//! without a receipt, and the per-key order. Real PostgreSQL and librdkafka's
+//! in-process Kafka cluster; each test is named after the defect it covers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{headers, AttemptState, Broker, ClaimedEvent, EventState, ManualClock, OutboxStore, RetryPolicy, SendOutcome};
+use outbox_producer::dispatcher::outgoing_message;
+use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
+use outbox_producer::{Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig};
+use outbox_tests::kafka::{read_topic, TestCluster};
+use outbox_tests::*;
+use sqlx::PgPool;
+
+const TOPIC: &str = "orders";
+const PARTITIONS: i32 = 3;
+
+struct Fixture {
+    pool: PgPool,
+    cluster: TestCluster,
+    broker: Arc<KafkaBroker>,
+    clock: ManualClock,
+    store: PgStore,
+}
+
+async fn fixture(pool: PgPool) -> Fixture {
+    let cluster = TestCluster::start();
+    cluster.topic(TOPIC, PARTITIONS);
+    let mut cfg = KafkaConfig::new(cluster.bootstrap.clone());
+    cfg.message_timeout_ms = 5_000;
+    cfg.lookup_timeout_ms = 3_000;
+    cfg.extra.push(("reconnect.backoff.max.ms".into(), "500".into()));
+    let broker = Arc::new(KafkaBroker::connect(cfg).await.unwrap());
+    business_schema(&pool).await;
+    route(&pool, ORDER_CREATED, broker.cluster_id(), TOPIC, PARTITIONS as u32).await;
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap();
+    let clock = ManualClock::new(now);
+    let store = PgStore::with_clock(pool.clone(), Arc::new(clock.clone()));
+    Fixture { pool, cluster, broker, clock, store }
+}
+
+const BOUND_MS: i64 = 30_000;
+
+impl Fixture {
+    fn reconciler(&self) -> Reconciler<KafkaBroker> {
+        let cfg = ReconcilerConfig { owner: "r".into(), retry: RetryPolicy { in_flight_bound_ms: BOUND_MS, ..RetryPolicy::default() }, ..Default::default() };
+        Reconciler::new(self.store.clone(), self.broker.clone(), cfg).unwrap()
+    }
+
+    fn dispatcher(&self, store: &PgStore, lease_ms: i64) -> Dispatcher<KafkaBroker> {
+        let cfg = DispatcherConfig { name: "d".into(), lease_ms, ..Default::default() };
+        Dispatcher::new(store.clone(), self.broker.clone(), cfg).unwrap()
+    }
+
+    /// Emits order `order`, claims it with `lease_ms` and registers an
+    /// attempt, nothing sent yet.
+    async fn registered(&self, order: &str, lease_ms: i64) -> (ClaimedEvent, outbox_core::AttemptRecord) {
+        let e = create_order(&self.pool, order, 1).await;
+        let claimed = self.store.claim_batch("w", 10, lease_ms).await.unwrap();
+        let mine = claimed.into_iter().find(|c| &c.envelope.event_id == e.event_id()).unwrap();
+        let a = self.store.register_attempt(&mine.token).await.unwrap();
+        (mine, a)
+    }
+
+    /// The attempt's genuine message, sent now: its receipt.
+    async fn send_late(&self, ev: &ClaimedEvent, a: &outbox_core::AttemptRecord) -> outbox_core::BrokerReceipt {
+        let SendOutcome::Acked { partition, offset } = self.broker.send(outgoing_message(ev, a)).await else { panic!("send failed") };
+        outbox_core::BrokerReceipt {
+            event_id: ev.envelope.event_id.clone(),
+            envelope_generation: ev.envelope.envelope_generation,
+            attempt_id: a.attempt_id.clone(),
+            payload_digest: ev.envelope.payload_digest.clone(),
+            destination_digest: ev.destination_digest.clone(),
+            cluster_id: self.broker.cluster_id().to_owned(),
+            topic: TOPIC.into(),
+            partition,
+            offset,
+        }
+    }
+
+    async fn state(&self, id: &str) -> EventState {
+        EventState::parse(&sqlx::query_scalar::<_, String>("SELECT state FROM outbox_events WHERE event_id = $1").bind(id).fetch_one(&self.pool).await.unwrap())
+            .unwrap()
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        count(&self.pool, sql).await
+    }
+
+    fn log_of(&self, id: &str) -> usize {
+        read_topic(&self.cluster.bootstrap, TOPIC, PARTITIONS).iter().filter(|m| m.header(headers::EVENT_ID).as_deref() == Some(id)).count()
+    }
+
+    async fn findings(&self, kind: &str, id: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM outbox_findings WHERE kind = $1 AND event_id = $2 AND resolved_at_ms IS NULL")
+            .bind(kind)
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+}
+
+// ---------------------------------------------------------------- item 1
+
+/// Issue 19 item 1: the registration's answer comes back after the lease
+/// (here: it waits on a lock for longer than the lease). The send must not
+/// start: the attempt is NOT_SENT and nothing is in the log.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item1_no_send_after_the_lease_when_the_registration_answer_comes_late(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = create_order(&f.pool, "o-1", 1).await;
+    let id = e.event_id().as_str().to_owned();
+    // A store on the real clock: the stall is real time.
+    let store = PgStore::new(f.pool.clone());
+    let d = Arc::new(f.dispatcher(&store, 1_000));
+    let mut blocker = f.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox_attempts IN SHARE MODE").execute(&mut *blocker).await.unwrap();
+    let task = {
+        let d = d.clone();
+        tokio::spawn(async move {
+            let batch = d.claim_and_send("w").await.unwrap();
+            d.settle(batch).await.unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    blocker.commit().await.unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(30), task).await.unwrap().unwrap();
+    assert_eq!(report.claimed, 1, "{report:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(f.log_of(&id), 0, "a message was handed to the client after its lease had run out ({report:?})");
+    let state: String = sqlx::query_scalar("SELECT state FROM outbox_attempts WHERE event_id = $1").bind(&id).fetch_one(&f.pool).await.unwrap();
+    assert_eq!(state, "NOT_SENT");
+}
+
+/// Issue 19 item 1: an attempt may be handed to the client until its lease
+/// ends and then sit there for the adapter's longest in-flight time: the
+/// in-flight bound counts from the later of registration and lease end.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item1_in_flight_bound_counts_from_the_end_of_the_lease(pool: PgPool) {
+    let f = fixture(pool).await;
+    let (ev, _a) = f.registered("o-1", 30_000).await;
+    let id = ev.envelope.event_id.as_str().to_owned();
+    f.clock.advance(30_001);
+    assert_eq!(f.store.expire_leases().await.unwrap().unknown, 1);
+    // Past the bound from registration, within it from the lease's end.
+    f.clock.advance(15_000);
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!((r.retried, r.rechecks), (0, 1), "an attempt that could still be sent until {} ms ago was proven absent: {r:?}", 15_000);
+    assert_eq!(f.state(&id).await, EventState::DispatchUnknown);
+    f.clock.advance(BOUND_MS);
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!(r.retried, 1, "{r:?}");
+}
+
+/// Issue 19 item 1: the registration time is measured with the database's
+/// clock. A dispatcher host whose clock is ten minutes behind registers an
+/// attempt; a reconciler on a correct clock must not take it for old.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item1_in_flight_is_measured_with_the_database_clock(pool: PgPool) {
+    let f = fixture(pool).await;
+    let real: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetch_one(&f.pool).await.unwrap();
+    let behind = ManualClock::new(real - 600_000);
+    let skewed = PgStore::with_clock(f.pool.clone(), Arc::new(behind.clone()));
+    create_order(&f.pool, "o-1", 1).await;
+    let claimed = skewed.claim_batch("w", 10, 1_000).await.unwrap();
+    let a = skewed.register_attempt(&claimed[0].token).await.unwrap();
+    skewed.report_unknown(&claimed[0].token, &a.attempt_id, "timed out").await.unwrap();
+    let cfg = ReconcilerConfig { owner: "r".into(), retry: RetryPolicy { in_flight_bound_ms: BOUND_MS, ..RetryPolicy::default() }, ..Default::default() };
+    let rec = Reconciler::new(PgStore::new(f.pool.clone()), f.broker.clone(), cfg).unwrap();
+    let r = rec.resolve_unknown_once().await.unwrap();
+    assert_eq!((r.examined, r.retried, r.rechecks), (1, 0, 1), "an attempt registered a moment ago was taken for settled: {r:?}");
+}
+
+/// Issue 19 item 1: a bound that does not cover the adapter's in-flight time
+/// plus a clock skew allowance is refused.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item1_a_bound_without_a_skew_allowance_is_refused(pool: PgPool) {
+    let f = fixture(pool).await;
+    let max = f.broker.max_in_flight_ms().unwrap() as i64;
+    let cfg = ReconcilerConfig { retry: RetryPolicy { in_flight_bound_ms: max, ..RetryPolicy::default() }, ..Default::default() };
+    let err = Reconciler::new(f.store.clone(), f.broker.clone(), cfg).expect_err("a bound equal to the client's time leaves no room for clock skew");
+    assert!(err.to_string().contains("skew"), "{err}");
+}
+
+// ---------------------------------------------------------------- item 2
+
+/// Issue 19 item 2: A1 was proven absent (its message had not landed yet),
+/// then its genuine ACK arrives: it fills the empty slot, and the refuted
+/// proof is a finding.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item2_late_ack_of_an_absent_attempt_fills_the_slot_and_is_a_finding(pool: PgPool) {
+    let f = fixture(pool).await;
+    let (ev, a1) = f.registered("o-1", 1_000).await;
+    let id = ev.envelope.event_id.as_str().to_owned();
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    assert_eq!(f.reconciler().resolve_unknown_once().await.unwrap().retried, 1);
+    assert_eq!(f.store.attempts(&ev.envelope.event_id).await.unwrap()[0].state, AttemptState::Absent);
+    let r = f.send_late(&ev, &a1).await;
+    let out = f.store.accept_dispatch_receipt(&r).await.unwrap();
+    assert!(out.decision.is_primary(), "the genuine ACK of an attempt proven absent was thrown away: {out:?}");
+    assert_eq!(f.state(&id).await, EventState::Published);
+    assert_eq!(f.findings("absence_proof_refuted", &id).await, 1);
+    // The retry claim finds nothing to send any more.
+    assert_eq!(f.dispatcher(&f.store, 1_000).dispatch_once("w2").await.unwrap().sent, 0);
+    assert_eq!(f.log_of(&id), 1);
+}
+
+/// Issue 19 item 2: the retry A2 published first; A1's genuine late ACK is
+/// kept as a duplicate transport receipt (and a finding), not dropped.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item2_late_ack_of_an_absent_attempt_after_the_retry_is_a_duplicate_receipt(pool: PgPool) {
+    let f = fixture(pool).await;
+    let (ev, a1) = f.registered("o-1", 1_000).await;
+    let id = ev.envelope.event_id.as_str().to_owned();
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    assert_eq!(f.reconciler().resolve_unknown_once().await.unwrap().retried, 1);
+    assert_eq!(f.dispatcher(&f.store, 1_000).dispatch_once("w2").await.unwrap().published, 1);
+    let r = f.send_late(&ev, &a1).await;
+    let out = f.store.accept_dispatch_receipt(&r).await.unwrap();
+    assert_eq!(out.decision, outbox_core::ReceiptDecision::Duplicate, "{out:?}");
+    assert_eq!(f.count("SELECT count(*) FROM outbox_duplicate_receipts").await, 1);
+    assert_eq!(f.findings("absence_proof_refuted", &id).await, 1);
+}
+
+/// Issue 19 item 2: the reconciler finds A1's message (A1 proven absent
+/// earlier) while A2 is UNKNOWN: the message converges instead of the event
+/// looping recheck -> UNKNOWN -> refused.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item2_reconciler_finding_a_message_of_an_absent_attempt_publishes(pool: PgPool) {
+    let f = fixture(pool).await;
+    let (ev, a1) = f.registered("o-1", 1_000).await;
+    let id = ev.envelope.event_id.as_str().to_owned();
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    assert_eq!(f.reconciler().resolve_unknown_once().await.unwrap().retried, 1);
+    // A2 registered and lost; A1's message lands meanwhile.
+    let retry = f.store.claim_retries("w2", 10, 1_000).await.unwrap();
+    f.store.register_attempt(&retry[0].token).await.unwrap();
+    f.send_late(&ev, &a1).await;
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!(r.published, 1, "{r:?}");
+    assert_eq!(f.state(&id).await, EventState::Published);
+    assert_eq!(f.findings("absence_proof_refuted", &id).await, 1);
+    assert_eq!(f.log_of(&id), 1);
+}
+
+// ---------------------------------------------------------------- item 9
+
+/// Issue 19 item 9: a mirror or replay tool copies only the eventId header.
+/// Its message is evidence (a finding), not a reason to quarantine the
+/// event; when nothing else was found, the absence logic goes on.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item9_stray_message_with_the_event_id_does_not_quarantine_the_event(pool: PgPool) {
+    let f = fixture(pool).await;
+    let (ev, _a1) = f.registered("o-1", 1_000).await;
+    let id = ev.envelope.event_id.as_str().to_owned();
+    let stray = outbox_core::OutgoingMessage {
+        topic: TOPIC.into(),
+        partition: ev.destination.partition,
+        key: ev.destination.routing_key.as_bytes().to_vec(),
+        payload: b"mirrored copy".to_vec(),
+        headers: vec![(headers::EVENT_ID.to_owned(), id.as_bytes().to_vec()), (headers::ENVELOPE_GENERATION.to_owned(), b"1".to_vec())],
+    };
+    assert!(matches!(f.broker.send(stray).await, SendOutcome::Acked { .. }));
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!(r.quarantined, 0, "{r:?}");
+    assert_ne!(f.state(&id).await, EventState::Quarantined);
+    assert_eq!(r.retried, 1, "no message of a registered attempt was found: the absence logic decides: {r:?}");
+    assert_eq!(f.findings("unregistered_message", &id).await, 1);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_quarantine").await, 0);
+}
