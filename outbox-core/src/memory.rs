@@ -385,6 +385,7 @@ impl MemoryStore {
             destination: ev.destination.clone(),
             destination_digest: ev.destination_digest.clone(),
             payload: ev.payload.clone(),
+            event_payload_digest: ev.envelope.payload_digest.clone(),
             claimed_from: from,
             traceparent: None,
         }

@@ -205,28 +205,75 @@ impl PgStore {
         }
     }
 
-    fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<Vec<ClaimedEvent>, StoreError> {
-        rows.iter()
-            .map(|r| {
-                let g = |e: sqlx::Error| store_err(e);
-                let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
-                let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
-                Ok(ClaimedEvent {
-                    token: ClaimToken {
-                        event_id: envelope.event_id.clone(),
-                        owner: r.try_get("claim_owner").map_err(g)?,
-                        claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
-                        lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
-                    },
-                    envelope,
-                    destination,
-                    destination_digest: r.try_get("destination_digest").map_err(g)?,
-                    payload: r.try_get::<Option<Vec<u8>>, _>("payload").map_err(g)?.unwrap_or_default(),
-                    claimed_from: from,
-                    traceparent: r.try_get("traceparent").map_err(g)?,
-                })
-            })
-            .collect()
+    /// The claimed rows as events to send, and the rows whose frozen
+    /// envelope or destination cannot be read: `(event id, envelope
+    /// generation, why)`.
+    fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<(Vec<ClaimedEvent>, Vec<(String, i32, String)>), StoreError> {
+        let mut claimed = Vec::with_capacity(rows.len());
+        let mut unreadable = Vec::new();
+        for r in &rows {
+            let g = |e: sqlx::Error| store_err(e);
+            let parsed = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)
+                .and_then(|env| Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(|e| CoreError::InvalidEncoding(e.to_string()))?).map(|d| (env, d)));
+            let (envelope, destination) = match parsed {
+                Ok(p) => p,
+                Err(e) => {
+                    unreadable.push((r.try_get("event_id").map_err(g)?, r.try_get("envelope_generation").map_err(g)?, e.to_string()));
+                    continue;
+                }
+            };
+            claimed.push(ClaimedEvent {
+                token: ClaimToken {
+                    event_id: envelope.event_id.clone(),
+                    owner: r.try_get("claim_owner").map_err(g)?,
+                    claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
+                    lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
+                },
+                envelope,
+                destination,
+                destination_digest: r.try_get("destination_digest").map_err(g)?,
+                payload: r.try_get::<Option<Vec<u8>>, _>("payload").map_err(g)?.unwrap_or_default(),
+                event_payload_digest: r.try_get("payload_digest").map_err(g)?,
+                claimed_from: from,
+                traceparent: r.try_get("traceparent").map_err(g)?,
+            });
+        }
+        Ok((claimed, unreadable))
+    }
+
+    /// Quarantines, in the claim's transaction, claimed rows whose frozen
+    /// envelope or destination cannot be read: that event can never be
+    /// sent as frozen, and it must not fail the claim of every other event.
+    async fn quarantine_unreadable(tx: &mut Transaction<'static, Postgres>, owner: &str, unreadable: &[(String, i32, String)], now: i64) -> Result<usize, StoreError> {
+        if unreadable.is_empty() {
+            return Ok(0);
+        }
+        for (id, _, why) in unreadable {
+            tracing::error!(event_id = %id, error = %why, "frozen envelope or destination unreadable: quarantined, not sent");
+        }
+        let ids: Vec<&str> = unreadable.iter().map(|u| u.0.as_str()).collect();
+        let gens: Vec<i32> = unreadable.iter().map(|u| u.1).collect();
+        let whys: Vec<&str> = unreadable.iter().map(|u| u.2.as_str()).collect();
+        let n = sqlx::query(
+            "WITH t AS (SELECT * FROM UNNEST($1::text[], $2::int[], $3::text[]) AS t(event_id, gen, why)),
+             ev AS (
+                UPDATE outbox_events e SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL, state_since_ms = $5,
+                       claim_generation = e.claim_generation + 1
+                FROM t WHERE e.event_id = t.event_id AND e.claim_owner = $4 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED')
+                RETURNING e.event_id, e.envelope_generation, t.why)
+             INSERT INTO outbox_quarantine (event_id, envelope_generation, reason, evidence, created_at_ms)
+             SELECT event_id, envelope_generation, 'frozen_record_unreadable', jsonb_build_object('error', why), $5 FROM ev",
+        )
+        .bind(&ids)
+        .bind(&gens)
+        .bind(&whys)
+        .bind(owner)
+        .bind(now)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_err)?
+        .rows_affected();
+        Ok(n as usize)
     }
 
     /// Registers attempts for many claims in one transaction. Each token is
@@ -641,7 +688,7 @@ impl PgStore {
     async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
         validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
-        let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events).await?;
+        let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events, &mut 0).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(claimed)
     }
@@ -659,6 +706,7 @@ impl PgStore {
         lease_ms: i64,
         from: EventState,
         events: Option<&[&str]>,
+        quarantined: &mut usize,
     ) -> Result<Vec<ClaimedEvent>, StoreError> {
         let mut q = sqlx::query(sql)
             .bind(limit.min(MAX_CLAIM_BATCH) as i64)
@@ -671,7 +719,8 @@ impl PgStore {
             q = q.bind(events);
         }
         let rows = q.fetch_all(&mut **tx).await.map_err(store_err)?;
-        let mut claimed = Self::claimed_rows(rows, from)?;
+        let (mut claimed, unreadable) = Self::claimed_rows(rows, from)?;
+        *quarantined += Self::quarantine_unreadable(tx, owner, &unreadable, self.now_ms()).await?;
         if from == EventState::Pending {
             claimed.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
         }
@@ -687,23 +736,28 @@ impl PgStore {
     pub(crate) async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
         validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
-        let mut round = ClaimRound { claimed: self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None).await?, successor_claim: false, head_scan: false };
+        let mut quarantined = 0;
+        let retries = self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None, &mut quarantined).await?;
+        let mut round = ClaimRound { claimed: retries, successor_claim: false, head_scan: false, quarantined: 0 };
         if round.claimed.len() < limit {
             let mut scan = scan_due;
             if !scan {
-                let found = self.claim_in(&mut tx, &CLAIM_SUCCESSORS, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, Some(&successor_ids(after))).await?;
+                let found = self
+                    .claim_in(&mut tx, &CLAIM_SUCCESSORS, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, Some(&successor_ids(after)), &mut quarantined)
+                    .await?;
                 round.successor_claim = true;
                 // No successor ready: look at every key now rather than wait.
                 scan = found.is_empty();
                 round.claimed.extend(found);
             }
             if scan {
-                let heads = self.claim_in(&mut tx, &CLAIM_EVERY_HEAD, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, None).await?;
+                let heads = self.claim_in(&mut tx, &CLAIM_EVERY_HEAD, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, None, &mut quarantined).await?;
                 round.claimed.extend(heads);
                 round.head_scan = true;
             }
         }
         tx.commit().await.map_err(store_err)?;
+        round.quarantined = quarantined;
         Ok(round)
     }
 
@@ -911,7 +965,7 @@ pub async fn oldest_pending_created_ms(pool: &PgPool) -> Result<Option<i64>, sql
 /// to the rows of the CTE `c` and returns them with their current envelope.
 const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
              WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-             RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
+             RETURNING e.event_id, e.envelope_generation, e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
 /// outbox_core's `not_sent_backoff_ms` for attempt generations 1, 2, ...
@@ -956,6 +1010,9 @@ pub(crate) struct ClaimRound {
     pub(crate) successor_claim: bool,
     /// Whether it scanned every key's head.
     pub(crate) head_scan: bool,
+    /// Claimed rows quarantined because their frozen envelope or destination
+    /// could not be read.
+    pub(crate) quarantined: usize,
 }
 
 /// The claim of events waiting for a retry (RETRY_CLAIMED, nobody's),

@@ -284,3 +284,59 @@ async fn item9_stray_message_with_the_event_id_does_not_quarantine_the_event(poo
     assert_eq!(f.findings("unregistered_message", &id).await, 1);
     assert_eq!(f.count("SELECT count(*) FROM outbox_quarantine").await, 0);
 }
+
+// ---------------------------------------------------------------- item 7
+
+/// Runs `sql` (with `$1` the event id) with the database's triggers off, as
+/// someone with direct access to the tables could: the tampering the
+/// dispatcher must catch before it sends.
+async fn tamper(pool: &PgPool, sql: &str, id: &str, bytes: Option<Vec<u8>>) {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *tx).await.unwrap();
+    let q = sqlx::query(sql).bind(id);
+    let q = match bytes {
+        Some(b) => q.bind(b),
+        None => q,
+    };
+    assert_eq!(q.execute(&mut *tx).await.unwrap().rows_affected(), 1, "{sql}");
+    tx.commit().await.unwrap();
+}
+
+/// Issue 19 item 7: the payload and the envelope's payloadDigest are
+/// rewritten together; the event row's immutable digest still names the
+/// original bytes. The dispatcher must catch it before the send.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item7_payload_and_envelope_digest_rewritten_together_are_quarantined_before_the_send(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = create_order(&f.pool, "o-1", 1).await;
+    let id = e.event_id().as_str().to_owned();
+    let canonical: Vec<u8> = sqlx::query_scalar("SELECT envelope_canonical FROM outbox_envelopes WHERE event_id = $1").bind(&id).fetch_one(&f.pool).await.unwrap();
+    let mut envelope = outbox_core::Envelope::from_canonical(&canonical).unwrap();
+    let evil = b"{\"order\":\"o-1\",\"totalCents\":100000}".to_vec();
+    envelope.payload_digest = outbox_core::sha256_digest(&evil);
+    tamper(&f.pool, "UPDATE outbox_events SET payload = $2 WHERE event_id = $1", &id, Some(evil)).await;
+    tamper(&f.pool, "UPDATE outbox_envelopes SET envelope_canonical = $2 WHERE event_id = $1", &id, Some(envelope.canonical_bytes())).await;
+    let report = f.dispatcher(&f.store, 1_000).dispatch_once("w").await.unwrap();
+    assert_eq!((report.sent, report.quarantined), (0, 1), "{report:?}");
+    assert_eq!(f.log_of(&id), 0, "the rewritten payload was sent");
+    assert_eq!(f.state(&id).await, EventState::Quarantined);
+}
+
+/// Issue 19 item 7: one event's frozen destination cannot be read. That
+/// event is quarantined; every other event of the batch is sent.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item7_one_unreadable_destination_quarantines_that_event_only(pool: PgPool) {
+    let f = fixture(pool).await;
+    let bad = create_order(&f.pool, "o-bad", 1).await;
+    let good = create_order(&f.pool, "o-good", 1).await;
+    tamper(&f.pool, "UPDATE outbox_envelopes SET destination_canonical = $2 WHERE event_id = $1", bad.event_id().as_str(), Some(b"not a destination".to_vec())).await;
+    let d = f.dispatcher(&f.store, 1_000);
+    let report = d.dispatch_once("w").await.expect("one unreadable destination failed the whole claim");
+    assert_eq!((report.published, report.quarantined), (1, 1), "{report:?}");
+    assert_eq!(f.state(good.event_id().as_str()).await, EventState::Published);
+    assert_eq!(f.state(bad.event_id().as_str()).await, EventState::Quarantined);
+    let reason: String = sqlx::query_scalar("SELECT reason FROM outbox_quarantine WHERE event_id = $1").bind(bad.event_id().as_str()).fetch_one(&f.pool).await.unwrap();
+    assert_eq!(reason, "frozen_record_unreadable");
+    // Nothing is left for a second round to fail on.
+    assert_eq!(d.dispatch_once("w").await.unwrap().claimed, 0);
+}
