@@ -238,7 +238,18 @@ impl MemoryStore {
     /// claim under which it looked up the old target); only then are the old
     /// generation's SENDING/UNKNOWN attempts closed ABSENT. The move fences
     /// every earlier claim. `Ok(Err(why))` when refused; nothing changed.
-    pub fn migrate(&self, event_id: &EventId, new_destination: Destination, proof: MigrationProof, operator: &str) -> Result<Result<MigrationRecord, String>, StoreError> {
+    ///
+    /// A proven-absent move commits only under the reconcile claim
+    /// (`claim`) the proof was made under; the attempts are decided again
+    /// here, under the store's lock.
+    pub fn migrate(
+        &self,
+        event_id: &EventId,
+        new_destination: Destination,
+        proof: MigrationProof,
+        operator: &str,
+        claim: Option<&ClaimToken>,
+    ) -> Result<Result<MigrationRecord, String>, StoreError> {
         let now = self.now_ms();
         let mut st = self.lock();
         let st = &mut *st;
@@ -250,7 +261,12 @@ impl MemoryStore {
                     return Ok(Err(r.to_string()));
                 }
             }
-            (MigrationProof::ProvenAbsent { .. }, EventState::Reconciling) => {}
+            (MigrationProof::ProvenAbsent { .. }, EventState::Reconciling) => {
+                let held = claim.is_some_and(|t| ev.claim.claim_generation == t.claim_generation && ev.claim.owner.as_deref() == Some(t.owner.as_str()));
+                if !held {
+                    return Ok(Err("the reconcile claim the absence proof was made under is not held".into()));
+                }
+            }
             (p, s) => return Ok(Err(format!("state {s} cannot move under proof {p:?}"))),
         }
         let to_digest = new_destination.digest();

@@ -570,6 +570,18 @@ impl PgStore {
         outcomes.into_iter().collect()
     }
 
+    /// All attempts of an event, oldest first, read in `tx`.
+    pub(crate) async fn attempts_in(tx: &mut Transaction<'_, Postgres>, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError> {
+        sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
+            .bind(event_id.as_str())
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(store_err)?
+            .iter()
+            .map(attempt_from_row)
+            .collect()
+    }
+
     /// Extends the leases of many live claims; returns, per token, the new
     /// lease end or `None` when the claim is no longer the holder's.
     pub async fn renew_leases(&self, tokens: &[ClaimToken], lease_ms: i64) -> Result<Vec<Option<i64>>, StoreError> {

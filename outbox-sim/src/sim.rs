@@ -686,7 +686,7 @@ impl Sim {
                     Err(e) => return self.unexpected("attempts", &e),
                 };
                 match decide_migration(state, &attempts, None, &RETRY_POLICY, self.now) {
-                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false),
+                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false, None),
                     MigrationDecision::Refuse(r) => {
                         self.figures.migrations_refused += 1;
                         slog!(self, "operator: migration of PENDING E{ev} refused: {r}");
@@ -704,14 +704,14 @@ impl Sim {
                 if self.mutation == Some(Mutation::MigrationWithoutProof) {
                     slog!(self, "MUTATION operator: moves UNKNOWN E{ev} without asking the old target");
                     let proof = MigrationProof::ProvenAbsent { lookup_from_offset: scan_lower_bound(&task.attempts) };
-                    return self.do_migrate(ev, dest, proof, open);
+                    return self.do_migrate(ev, dest, proof, open, Some(&task.token));
                 }
                 let from = scan_lower_bound(&task.attempts);
                 let open_attempts: Vec<AttemptRecord> = task.attempts.iter().filter(|a| a.state.possibly_in_flight()).cloned().collect();
                 let lookup = self.lookup(&task.event.destination, &id, from, &open_attempts, true);
                 let decision = decide_migration(state, &task.attempts, Some(&lookup), &RETRY_POLICY, self.now);
                 match decision {
-                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false),
+                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false, Some(&task.token)),
                     MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }) => {
                         self.figures.migrations_refused += 1;
                         slog!(self, "operator: migration of E{ev} refused: the old target holds it; submitting {} receipt(s)", receipts.len());
@@ -745,11 +745,11 @@ impl Sim {
 
     /// Applies a migration and checks it against the broker's ground truth.
     /// `unproven`: the proof was forged while old attempts were open.
-    fn do_migrate(&mut self, ev: usize, dest: Destination, proof: MigrationProof, unproven: bool) {
+    fn do_migrate(&mut self, ev: usize, dest: Destination, proof: MigrationProof, unproven: bool, claim: Option<&ClaimToken>) {
         let id = self.events[ev].id.clone();
         let from_gen = self.events[ev].gens.len() as u32;
         let held = self.generation_in_broker(ev, from_gen);
-        match self.store.migrate(&id, dest.clone(), proof.clone(), "operator") {
+        match self.store.migrate(&id, dest.clone(), proof.clone(), "operator", claim) {
             Ok(Ok(rec)) => {
                 self.figures.migrations += 1;
                 slog!(self, "operator: MIGRATED E{ev} generation {} -> {} to {}/{}/p{} under {:?} (closed {} attempt(s) ABSENT)", rec.from_generation, rec.to_generation, dest.cluster_id, dest.topic, dest.partition, proof, rec.closed_attempts.len());
