@@ -40,6 +40,8 @@ pub struct ReconcilerConfig {
     pub clock_skew_allowance_ms: i64,
     /// Most messages the bypass check reads per partition per round.
     pub bypass_scan_max_messages: u64,
+    /// Events the sweep for PUBLISHED without a receipt reads per round (by event id).
+    pub published_check_batch: i64,
     /// Most findings of one kind recorded per round.
     pub max_findings_per_kind: i64,
     /// State snapshots older than this are dropped, ms.
@@ -58,6 +60,7 @@ impl Default for ReconcilerConfig {
             unknown_slo_ms: crate::report::DEFAULT_UNKNOWN_SLO_MS,
             clock_skew_allowance_ms: outbox_core::reconcile::DEFAULT_CLOCK_SKEW_ALLOWANCE_MS,
             bypass_scan_max_messages: 10_000,
+            published_check_batch: 10_000,
             max_findings_per_kind: 1_000,
             history_keep_ms: 7 * 24 * 3_600_000,
         }
@@ -77,6 +80,9 @@ pub struct CompareReport {
     pub unknown_past_slo: usize,
     /// Quarantined events.
     pub quarantined: usize,
+    /// PUBLISHED, RETAINED or PURGED events without a primary receipt found
+    /// by this round's part of the sweep.
+    pub published_without_receipt: usize,
     /// Messages read by the bypass check.
     pub scanned_messages: usize,
 }
@@ -84,7 +90,7 @@ pub struct CompareReport {
 impl CompareReport {
     /// Total findings.
     pub fn total(&self) -> usize {
-        self.aged_pending + self.unconsumed_published + self.bypass_publish + self.unknown_past_slo + self.quarantined
+        self.aged_pending + self.unconsumed_published + self.bypass_publish + self.unknown_past_slo + self.quarantined + self.published_without_receipt
     }
 }
 
@@ -267,6 +273,7 @@ impl<B: Broker + 'static> Reconciler<B> {
 
         let (bypass, scanned) = self.scan_for_bypass(now).await?;
         found.extend(bypass);
+        found.extend(self.sweep_published_without_receipt(now).await?);
 
         let mut report = CompareReport { scanned_messages: scanned, ..Default::default() };
         for (kind, ..) in &found {
@@ -275,6 +282,7 @@ impl<B: Broker + 'static> Reconciler<B> {
                 "unconsumed_published" => report.unconsumed_published += 1,
                 "bypass_publish" => report.bypass_publish += 1,
                 "unknown_past_slo" => report.unknown_past_slo += 1,
+                "published_without_receipt" => report.published_without_receipt += 1,
                 _ => report.quarantined += 1,
             }
         }
@@ -315,6 +323,50 @@ impl<B: Broker + 'static> Reconciler<B> {
             tracing::warn!(?report, "reconciler findings");
         }
         Ok(report)
+    }
+
+    /// The next `published_check_batch` events by event id after the
+    /// sweep's cursor (wrapping around at the end): each one PUBLISHED,
+    /// RETAINED or PURGED without a primary receipt is a finding. The
+    /// database refuses such rows since migration 20261201010002; the sweep
+    /// finds older ones and rows written with triggers disabled.
+    async fn sweep_published_without_receipt(&self, now: i64) -> Result<Vec<(&'static str, String, String, i64, String)>, ProducerError> {
+        let pool = self.store.pool();
+        let after: String = sqlx::query_scalar("SELECT after_event_id FROM outbox_check_cursors WHERE check_name = 'published_without_receipt'")
+            .fetch_optional(pool)
+            .await?
+            .unwrap_or_default();
+        let rows = sqlx::query(
+            "WITH page AS (SELECT event_id, state, envelope_generation, state_since_ms FROM outbox_events WHERE event_id > $1 ORDER BY event_id LIMIT $2)
+             SELECT (SELECT max(event_id) FROM page) AS last, (SELECT count(*) FROM page) AS n, p.event_id, p.state, $3 - p.state_since_ms AS age
+             FROM (SELECT 1) one LEFT JOIN page p ON p.state IN ('PUBLISHED', 'RETAINED', 'PURGED')
+               AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = p.event_id AND r.envelope_generation = p.envelope_generation)",
+        )
+        .bind(&after)
+        .bind(self.config.published_check_batch)
+        .bind(now)
+        .fetch_all(pool)
+        .await?;
+        let mut found = Vec::new();
+        let mut next = String::new();
+        for r in &rows {
+            let n: i64 = r.try_get("n")?;
+            if n >= self.config.published_check_batch {
+                next = r.try_get::<Option<String>, _>("last")?.unwrap_or_default();
+            }
+            if let Some(id) = r.try_get::<Option<String>, _>("event_id")? {
+                let state: String = r.try_get("state")?;
+                found.push(("published_without_receipt", id, String::new(), r.try_get::<Option<i64>, _>("age")?.unwrap_or(0), format!("{state} without a primary receipt")));
+            }
+        }
+        sqlx::query(
+            "INSERT INTO outbox_check_cursors (check_name, after_event_id) VALUES ('published_without_receipt', $1)
+             ON CONFLICT (check_name) DO UPDATE SET after_event_id = EXCLUDED.after_event_id",
+        )
+        .bind(&next)
+        .execute(pool)
+        .await?;
+        Ok(found)
     }
 
     /// Reads every routed topic of this broker's cluster from its cursor and

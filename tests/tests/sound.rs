@@ -407,3 +407,61 @@ async fn item5_dry_run_runs_the_same_eligibility_check(pool: PgPool) {
     let out = outbox_producer::migration::migrate_destination_with(&f.store, f.broker.as_ref(), movable.event_id(), &route, "ops-alice", &retry, true).await.unwrap();
     assert!(matches!(out, outbox_producer::MigrationOutcome::Refused { .. }), "a quarantined event passed the dry run: {out:?}");
 }
+
+// ---------------------------------------------------------------- item 6
+
+/// Issue 19 item 6: the database refuses an event inserted in any state but
+/// PENDING, and PUBLISHED (RETAINED, PURGED) without a primary receipt.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item6_the_database_refuses_published_without_a_receipt(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = create_order(&f.pool, "o-1", 1).await;
+    let id = e.event_id().as_str().to_owned();
+    // The application role inserts an already-PUBLISHED event.
+    let copy = outbox_core::EventId::generate(f.store.now_ms() as u64).to_string();
+    sqlx::query("INSERT INTO outbox_commands (command_key, event_id, tenant, aggregate_type, aggregate_id, aggregate_version) VALUES ('raw-copy', $1, 't', 'order', 'o-9', 1)")
+        .bind(&copy)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let err = sqlx::query(
+        "INSERT INTO outbox_events (event_id, command_key, state, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest,
+                                    destination_digest, cluster_id, topic, partition, routing_key, ordered, created_at_ms, state_since_ms)
+         SELECT $2, 'raw-copy', 'PUBLISHED', tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload, payload_digest,
+                destination_digest, cluster_id, topic, partition, routing_key, ordered, 0, 0 FROM outbox_events WHERE event_id = $1",
+    )
+    .bind(&id)
+    .bind(&copy)
+    .execute(&f.pool)
+    .await
+    .expect_err("an event inserted PUBLISHED was accepted");
+    assert!(err.to_string().contains("PENDING"), "{err}");
+    // The dispatcher role walks PENDING -> CLAIMED -> SENDING -> PUBLISHED with no receipt.
+    let mut tx = f.pool.begin().await.unwrap();
+    for sql in [
+        "UPDATE outbox_events SET state = 'CLAIMED', claim_owner = 'w', claim_generation = claim_generation + 1, lease_until_ms = 1 WHERE event_id = $1",
+        "UPDATE outbox_events SET state = 'SENDING' WHERE event_id = $1",
+        "UPDATE outbox_events SET state = 'PUBLISHED', claim_owner = NULL WHERE event_id = $1",
+    ] {
+        sqlx::query(sql).bind(&id).execute(&mut *tx).await.unwrap();
+    }
+    let err = tx.commit().await.expect_err("PUBLISHED without a receipt was committed");
+    assert!(err.to_string().contains("without a primary receipt"), "{err}");
+    assert_eq!(f.state(&id).await, EventState::Pending);
+    // The real path still works: a receipt in the same transaction.
+    assert_eq!(f.dispatcher(&f.store, 1_000).dispatch_once("w").await.unwrap().published, 1);
+}
+
+/// Issue 19 item 6: a PUBLISHED event without a receipt that got in anyway
+/// (written before the rule existed, or with the triggers off) is a finding.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item6_published_without_receipt_is_a_finding(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = create_order(&f.pool, "o-1", 1).await;
+    let good = create_order(&f.pool, "o-2", 1).await;
+    assert_eq!(f.dispatcher(&f.store, 1_000).dispatch_once("w").await.unwrap().published, 2);
+    tamper(&f.pool, "DELETE FROM outbox_publish_receipts WHERE event_id = $1", e.event_id().as_str(), None).await;
+    f.reconciler().compare_once().await.unwrap();
+    assert_eq!(f.findings("published_without_receipt", e.event_id().as_str()).await, 1);
+    assert_eq!(f.findings("published_without_receipt", good.event_id().as_str()).await, 0);
+}
