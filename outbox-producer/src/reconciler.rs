@@ -148,6 +148,14 @@ impl<B: Broker + 'static> Reconciler<B> {
                 self.broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
             };
             let now = self.store.now_ms();
+            if let LookupOutcome::Unavailable(why) = &lookup {
+                if crate::kafka::is_log_incomplete(why) {
+                    tracing::error!(%event_id, reason = %why, "the frozen partition's log cannot prove absence: the event stays unknown");
+                    let mut tx = self.store.pool().begin().await?;
+                    crate::pg::record_findings(&mut tx, &[("log_unavailable", event_id.to_string(), why.clone())], now).await?;
+                    tx.commit().await?;
+                }
+            }
             let decision = decide_reconcile(&task.attempts, &lookup, supports, &self.config.retry, now);
             tracing::info!(%event_id, ?decision, "reconcile decision");
             match &decision {

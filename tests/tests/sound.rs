@@ -519,3 +519,48 @@ async fn item10_per_key_order_is_insert_order_among_committed_events(pool: PgPoo
     let ids = [a, b, c, dd].map(|e| e.to_string());
     assert_eq!(log_order(&f), vec![ids[0].clone(), ids[1].clone(), ids[3].clone(), ids[2].clone()], "serialized: insert order; overlapping: the one committed (and claimed) first");
 }
+
+// ---------------------------------------------------------------- item 3
+
+/// Issue 19 item 3: the topic was recreated (or the cluster replaced): the
+/// scan floor recorded from the old log (past offset 500) lies above the new
+/// log's end. That range proves nothing: the event stays unknown (no second
+/// copy) and the lost log is a finding.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item3_a_floor_above_the_log_end_is_unavailable_not_absent(pool: PgPool) {
+    let f = fixture(pool).await;
+    let d = f.dispatcher(&f.store, 1_000);
+    let mut t = f.pool.begin().await.unwrap();
+    let first = emit_in(&mut t, "cmd-1", 1).await;
+    t.commit().await.unwrap();
+    assert_eq!(d.dispatch_once("w").await.unwrap().published, 1);
+    // The old log had reached offset 500 on this partition.
+    tamper(&f.pool, "UPDATE outbox_publish_receipts SET \"offset\" = 500 WHERE event_id = $1", first.as_str(), None).await;
+    let mut t = f.pool.begin().await.unwrap();
+    let second = emit_in(&mut t, "cmd-2", 2).await;
+    t.commit().await.unwrap();
+    let claimed = f.store.claim_batch("w", 10, 1_000).await.unwrap();
+    let a = f.store.register_attempt(&claimed[0].token).await.unwrap();
+    assert_eq!(a.scan_from_offset, 501);
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!((r.retried, r.rechecks), (0, 1), "a range above the log's end was taken for a proof of absence: {r:?}");
+    assert_eq!(f.state(second.as_str()).await, EventState::DispatchUnknown);
+    assert_eq!(f.findings("log_unavailable", second.as_str()).await, 1);
+}
+
+/// Issue 19 item 3, at the adapter: a lower bound above the high watermark
+/// is Unavailable, the bound at the end is an empty range (Absent).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item3_lookup_of_a_range_past_the_end_of_the_log_is_unavailable(pool: PgPool) {
+    let f = fixture(pool).await;
+    let dest = outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32).resolve("t", "order", "o-1").unwrap();
+    let id = outbox_core::EventId::generate(1);
+    assert_eq!(f.broker.lookup(&dest, &id, 0).await, outbox_core::LookupOutcome::Absent);
+    match f.broker.lookup(&dest, &id, 10).await {
+        outbox_core::LookupOutcome::Unavailable(why) => assert!(outbox_producer::kafka::is_log_incomplete(&why), "{why}"),
+        other => panic!("a lower bound above the log's end answered {other:?}"),
+    }
+}
