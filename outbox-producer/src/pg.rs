@@ -259,7 +259,7 @@ impl PgStore {
              ev AS (
                 UPDATE outbox_events e SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL, state_since_ms = $5,
                        claim_generation = e.claim_generation + 1
-                FROM t WHERE e.event_id = t.event_id AND e.claim_owner = $4 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED')
+                FROM t WHERE e.event_id = t.event_id AND e.claim_owner = $4 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED', 'RECONCILING')
                 RETURNING e.event_id, e.envelope_generation, t.why)
              INSERT INTO outbox_quarantine (event_id, envelope_generation, reason, evidence, created_at_ms)
              SELECT event_id, envelope_generation, 'frozen_record_unreadable', jsonb_build_object('error', why), $5 FROM ev",
@@ -442,6 +442,36 @@ impl PgStore {
             attempts.entry(a.event_id.to_string()).or_default().push(a);
         }
 
+        // Log positions of this batch already held by another event's primary
+        // receipt: the log they were recorded in is gone (the topic was
+        // recreated, the cluster replaced) and a new message sits there now.
+        // Such a receipt cannot fill a slot (one event per position); it is
+        // refused on its own instead of failing the batch, and the old
+        // receipt's lost position is a finding.
+        let mut held: HashMap<(String, String, i32, i64), String> = HashMap::new();
+        {
+            let clusters: Vec<&str> = receipts.iter().map(|r| r.cluster_id.as_str()).collect();
+            let topics: Vec<&str> = receipts.iter().map(|r| r.topic.as_str()).collect();
+            let partitions: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
+            let offsets: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
+            for r in sqlx::query(
+                "SELECT r.cluster_id, r.topic, r.partition, r.\"offset\", r.event_id FROM outbox_publish_receipts r
+                 JOIN UNNEST($1::text[], $2::text[], $3::int[], $4::bigint[]) AS t(c, tp, p, o)
+                   ON r.cluster_id = t.c AND r.topic = t.tp AND r.partition = t.p AND r.\"offset\" = t.o",
+            )
+            .persistent(false)
+            .bind(&clusters)
+            .bind(&topics)
+            .bind(&partitions)
+            .bind(&offsets)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_err)?
+            {
+                let g = |e: sqlx::Error| store_err(e);
+                held.insert((r.try_get("cluster_id").map_err(g)?, r.try_get("topic").map_err(g)?, r.try_get("partition").map_err(g)?, r.try_get("offset").map_err(g)?), r.try_get("event_id").map_err(g)?);
+            }
+        }
         let mut accepted: Vec<&BrokerReceipt> = Vec::new();
         let mut findings: Vec<(&'static str, String, String)> = Vec::new();
         let mut duplicates: Vec<&BrokerReceipt> = Vec::new();
@@ -454,7 +484,26 @@ impl PgStore {
                 continue;
             };
             let list = attempts.entry(receipt.event_id.to_string()).or_default();
-            let decision = decide_receipt(ev, list, receipt);
+            let position = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.partition, receipt.offset);
+            let mut decision = decide_receipt(ev, list, receipt);
+            if let Some(holder) = held.get(&position).filter(|h| h.as_str() != receipt.event_id.as_str()) {
+                if matches!(decision, ReceiptDecision::Accept { .. }) {
+                    tracing::error!(event_id = %receipt.event_id, holder = %holder, topic = %receipt.topic, partition = receipt.partition, offset = receipt.offset,
+                        "a receipt's position is held by another event's receipt from a log that is gone: receipt refused");
+                    findings.push((
+                        "receipt_position_lost",
+                        holder.clone(),
+                        format!(
+                            "its receipt's position {}/{}/{}@{} now holds event {}'s message: the log it was recorded in is gone (topic recreated, cluster replaced)",
+                            receipt.cluster_id, receipt.topic, receipt.partition, receipt.offset, receipt.event_id
+                        ),
+                    ));
+                    decision = ReceiptDecision::Reject { reason: outbox_core::RejectReason::ConflictingPlacement };
+                }
+            }
+            if matches!(decision, ReceiptDecision::Accept { .. }) {
+                held.insert(position, receipt.event_id.to_string());
+            }
             if outbox_core::refutes_absence(list, receipt, &decision) {
                 tracing::warn!(event_id = %receipt.event_id, attempt_id = %receipt.attempt_id, offset = receipt.offset, "a message of an attempt proven absent is in the log: the proof was wrong");
                 findings.push((
@@ -639,10 +688,20 @@ impl PgStore {
         .await
         .map_err(store_err)?;
         let mut tasks = Vec::with_capacity(rows.len());
+        let mut unreadable = Vec::new();
         for r in &rows {
             let g = |e: sqlx::Error| store_err(e);
-            let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
-            let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
+            let parsed = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)
+                .and_then(|env| Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(|e| CoreError::InvalidEncoding(e.to_string()))?).map(|d| (env, d)));
+            let (envelope, destination) = match parsed {
+                Ok(p) => p,
+                // That event cannot be looked up as frozen: quarantined
+                // below, the other events of the round go on.
+                Err(e) => {
+                    unreadable.push((r.try_get("event_id").map_err(g)?, r.try_get("envelope_generation").map_err(g)?, e.to_string()));
+                    continue;
+                }
+            };
             let id = envelope.event_id.to_string();
             let mut attempts = Vec::new();
             for a in sqlx::query(&format!(
@@ -689,6 +748,7 @@ impl PgStore {
                 unknown_since_ms: r.try_get::<Option<i64>, _>("unknown_since_ms").map_err(g)?.unwrap_or(now),
             });
         }
+        Self::quarantine_unreadable(&mut tx, owner, &unreadable, now).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(tasks)
     }

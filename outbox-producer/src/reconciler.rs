@@ -8,6 +8,7 @@
 //! otherwise back to DISPATCH_UNKNOWN with the next check scheduled. Every
 //! attempt stays recorded.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use outbox_core::{decide_after_submit, decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, OutboxStore, ReconcileDecision, RetryPolicy};
@@ -107,6 +108,10 @@ pub struct ResolveReport {
     pub retried: usize,
     /// Still unknown, next check scheduled.
     pub rechecks: usize,
+    /// Failed on their own (logged); looked at again after their lease.
+    pub failed: usize,
+    /// Given back unstarted: the round ran past half of its lease.
+    pub given_back: usize,
 }
 
 /// Resolves unknown dispatch outcomes.
@@ -139,57 +144,80 @@ impl<B: Broker + 'static> Reconciler<B> {
         let mut report = ResolveReport { examined: tasks.len(), ..Default::default() };
         let supports = self.broker.supports_lookup();
         for task in tasks {
-            let event_id = &task.event.event_id;
-            let lookup = if !supports {
-                LookupOutcome::Unavailable("the broker adapter cannot look up events".into())
-            } else if task.event.destination.cluster_id != self.broker.cluster_id() {
-                LookupOutcome::Unavailable(format!("connected to cluster {}, event frozen for {}", self.broker.cluster_id(), task.event.destination.cluster_id))
-            } else {
-                self.broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
-            };
-            let now = self.store.now_ms();
-            if let LookupOutcome::Unavailable(why) = &lookup {
-                if crate::kafka::is_log_incomplete(why) {
-                    tracing::error!(%event_id, reason = %why, "the frozen partition's log cannot prove absence: the event stays unknown");
-                    let mut tx = self.store.pool().begin().await?;
-                    crate::pg::record_findings(&mut tx, &[("log_unavailable", event_id.to_string(), why.clone())], now).await?;
-                    tx.commit().await?;
+            // The round is sized to its lease: a task whose claim has less
+            // than half its lease left is given back (due again at once)
+            // rather than started, so that a long round never works on
+            // claims another reconciler has taken over.
+            if self.store.now_ms() >= task.token.lease_until_ms.saturating_sub(self.config.lease_ms / 2) {
+                let back = ReconcileDecision::Recheck { reason: outbox_core::RecheckReason::BrokerUnavailable, next_check_at_ms: self.store.now_ms() };
+                if let Err(e) = self.store.finish_reconcile(&task.token, &back).await {
+                    tracing::warn!(event_id = %task.event.event_id, error = %e, "could not give back a reconcile claim; it runs out with its lease");
                 }
+                report.given_back += 1;
+                continue;
             }
-            let decision = decide_reconcile(&task.attempts, &lookup, supports, &self.config.retry, now);
-            tracing::info!(%event_id, ?decision, "reconcile decision");
-            match &decision {
-                ReconcileDecision::Submit(receipts) => {
-                    let outcomes = self.store.accept_dispatch_receipts(receipts).await?;
-                    match outcomes.last().map(|o| o.state) {
-                        Some(EventState::Published) => report.published += 1,
-                        Some(EventState::Quarantined) => report.quarantined += 1,
-                        _ => {
-                            // Every message found refused (none from a
-                            // registered attempt): the absence logic decides,
-                            // instead of looking again and again.
-                            let decisions: Vec<_> = outcomes.iter().map(|o| o.decision.clone()).collect();
-                            let next = decide_after_submit(&decisions, &task.attempts, supports, &self.config.retry, now);
-                            tracing::info!(%event_id, decision = ?next, "every receipt found was refused");
-                            self.store.finish_reconcile(&task.token, &next).await?;
-                            match next {
-                                ReconcileDecision::Retry { .. } => report.retried += 1,
-                                _ => report.rechecks += 1,
-                            }
-                        }
-                    }
-                }
-                ReconcileDecision::Retry { .. } => {
-                    self.store.finish_reconcile(&task.token, &decision).await?;
-                    report.retried += 1;
-                }
-                ReconcileDecision::Recheck { .. } => {
-                    self.store.finish_reconcile(&task.token, &decision).await?;
-                    report.rechecks += 1;
-                }
+            // One event's failure (a database error on its receipts, a
+            // refused write) is logged and counted; its claim runs out with
+            // its lease and the round goes on with the others.
+            if let Err(e) = self.resolve_one(&task, supports, &mut report).await {
+                tracing::error!(event_id = %task.event.event_id, error = %e, "reconciling this event failed; it is looked at again after its lease");
+                report.failed += 1;
             }
         }
         Ok(report)
+    }
+
+    async fn resolve_one(&self, task: &outbox_core::ReconcileTask, supports: bool, report: &mut ResolveReport) -> Result<(), ProducerError> {
+        let event_id = &task.event.event_id;
+        let lookup = if !supports {
+            LookupOutcome::Unavailable("the broker adapter cannot look up events".into())
+        } else if task.event.destination.cluster_id != self.broker.cluster_id() {
+            LookupOutcome::Unavailable(format!("connected to cluster {}, event frozen for {}", self.broker.cluster_id(), task.event.destination.cluster_id))
+        } else {
+            self.broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
+        };
+        let now = self.store.now_ms();
+        if let LookupOutcome::Unavailable(why) = &lookup {
+            if crate::kafka::is_log_incomplete(why) {
+                tracing::error!(%event_id, reason = %why, "the frozen partition's log cannot prove absence: the event stays unknown");
+                let mut tx = self.store.pool().begin().await?;
+                crate::pg::record_findings(&mut tx, &[("log_unavailable", event_id.to_string(), why.clone())], now).await?;
+                tx.commit().await?;
+            }
+        }
+        let decision = decide_reconcile(&task.attempts, &lookup, supports, &self.config.retry, now);
+        tracing::info!(%event_id, ?decision, "reconcile decision");
+        match &decision {
+            ReconcileDecision::Submit(receipts) => {
+                let outcomes = self.store.accept_dispatch_receipts(receipts).await?;
+                match outcomes.last().map(|o| o.state) {
+                    Some(EventState::Published) => report.published += 1,
+                    Some(EventState::Quarantined) => report.quarantined += 1,
+                    _ => {
+                        // Every message found refused (none from a
+                        // registered attempt): the absence logic decides,
+                        // instead of looking again and again.
+                        let decisions: Vec<_> = outcomes.iter().map(|o| o.decision.clone()).collect();
+                        let next = decide_after_submit(&decisions, &task.attempts, supports, &self.config.retry, now);
+                        tracing::info!(%event_id, decision = ?next, "every receipt found was refused");
+                        self.store.finish_reconcile(&task.token, &next).await?;
+                        match next {
+                            ReconcileDecision::Retry { .. } => report.retried += 1,
+                            _ => report.rechecks += 1,
+                        }
+                    }
+                }
+            }
+            ReconcileDecision::Retry { .. } => {
+                self.store.finish_reconcile(&task.token, &decision).await?;
+                report.retried += 1;
+            }
+            ReconcileDecision::Recheck { .. } => {
+                self.store.finish_reconcile(&task.token, &decision).await?;
+                report.rechecks += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Compares the three sets — committed outbox, publish receipts and the
@@ -385,6 +413,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         let cluster = self.broker.cluster_id().to_owned();
         let topics = crate::topic_scan::routed_topics(pool, &cluster).await?;
         let mut found = Vec::new();
+        let mut lost: Vec<(&'static str, String, String)> = Vec::new();
         let mut scanned = 0;
         for (topic, partitions) in topics {
             for partition in 0..partitions {
@@ -421,9 +450,41 @@ impl<B: Broker + 'static> Reconciler<B> {
                     let why = if m.event_id.is_some() { "eventId in the topic that the outbox never committed" } else { "message without an outbox eventId" };
                     found.push(("bypass_publish", label, String::new(), 0, format!("{why} at {topic}/{partition}@{}", m.offset)));
                 }
+                // Receipts whose position now holds another message (or one
+                // without an eventId): the log they were recorded in is gone.
+                let offsets: Vec<i64> = scan.messages.iter().map(|m| m.offset).collect();
+                let at: HashMap<i64, Option<&str>> = scan.messages.iter().map(|m| (m.offset, m.event_id.as_deref())).collect();
+                for r in sqlx::query(
+                    "SELECT event_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
+                )
+                .bind(&cluster)
+                .bind(&topic)
+                .bind(partition)
+                .bind(&offsets)
+                .fetch_all(&mut *tx)
+                .await?
+                {
+                    let (holder, offset): (String, i64) = (r.try_get("event_id")?, r.try_get("offset")?);
+                    let there = at.get(&offset).copied().flatten();
+                    if there != Some(holder.as_str()) {
+                        lost.push((
+                            "receipt_position_lost",
+                            holder,
+                            format!(
+                                "its receipt's position {cluster}/{topic}/{partition}@{offset} now holds {}: the log it was recorded in is gone (topic recreated, cluster replaced)",
+                                there.map_or("a message without an eventId".to_owned(), |e| format!("event {e}'s message"))
+                            ),
+                        ));
+                    }
+                }
                 Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, scan.next_offset).await?;
                 tx.commit().await?;
             }
+        }
+        if !lost.is_empty() {
+            let mut tx = pool.begin().await?;
+            crate::pg::record_findings(&mut tx, &lost, now).await?;
+            tx.commit().await?;
         }
         Ok((found, scanned))
     }

@@ -564,3 +564,83 @@ async fn item3_lookup_of_a_range_past_the_end_of_the_log_is_unavailable(pool: Pg
         other => panic!("a lower bound above the log's end answered {other:?}"),
     }
 }
+
+// ---------------------------------------------------------------- item 4
+
+/// An order id whose events go to `partition`, different from `not`.
+fn order_on(f: &Fixture, partition: i32, not: &[&str]) -> String {
+    let policy = outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32);
+    (0..1_000)
+        .map(|i| format!("o-{i}"))
+        .find(|id| !not.contains(&id.as_str()) && policy.resolve("tenant-7", "order", id).unwrap().partition == partition)
+        .unwrap()
+}
+
+/// Issue 19 item 4: after the log was replaced, a fresh ACK lands at a
+/// position an old receipt (of another event) still claims. That one
+/// receipt is refused and the old receipt's lost position is a finding;
+/// the other receipts of the batch are recorded.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item4_a_receipt_colliding_with_a_lost_position_does_not_drop_its_batch(pool: PgPool) {
+    let f = fixture(pool).await;
+    let d = f.dispatcher(&f.store, 5_000);
+    let old_id = order_on(&f, 0, &[]);
+    let old = create_order(&f.pool, &old_id, 1).await;
+    assert_eq!(d.dispatch_once("w").await.unwrap().published, 1);
+    // The old log's receipt claims offset 1 of partition 0, where the next message will land.
+    tamper(&f.pool, "UPDATE outbox_publish_receipts SET \"offset\" = 1 WHERE event_id = $1", old.event_id().as_str(), None).await;
+    let colliding_id = order_on(&f, 0, &[&old_id]);
+    let other_id = order_on(&f, 1, &[]);
+    let colliding = create_order(&f.pool, &colliding_id, 1).await;
+    let other = create_order(&f.pool, &other_id, 1).await;
+    let report = d.dispatch_once("w").await.expect("one colliding receipt failed the whole batch");
+    assert_eq!(report.published, 1, "{report:?}");
+    assert_eq!(f.state(other.event_id().as_str()).await, EventState::Published);
+    assert_ne!(f.state(colliding.event_id().as_str()).await, EventState::Published);
+    assert_eq!(f.findings("receipt_position_lost", old.event_id().as_str()).await, 1);
+}
+
+/// Issue 19 item 4: one event the reconciler cannot handle (its frozen
+/// destination is unreadable) does not abort the round: it is quarantined,
+/// the other event is resolved.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item4_one_bad_event_does_not_abort_the_reconcile_round(pool: PgPool) {
+    let f = fixture(pool).await;
+    let (bad, _) = f.registered("o-bad", 1_000).await;
+    let claimed = f.store.claim_batch("w", 10, 1_000).await.unwrap();
+    let good = claimed.into_iter().next().map(|c| c.envelope.event_id);
+    let good = match good {
+        Some(g) => g,
+        None => {
+            let (g, _) = f.registered("o-good", 1_000).await;
+            g.envelope.event_id
+        }
+    };
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    tamper(&f.pool, "UPDATE outbox_envelopes SET destination_canonical = 'garbage' WHERE event_id = $1", bad.envelope.event_id.as_str(), None).await;
+    let r = f.reconciler().resolve_unknown_once().await.expect("one unreadable event aborted the round");
+    assert_eq!(r.retried, 1, "{r:?}");
+    assert_eq!(f.state(good.as_str()).await, EventState::RetryClaimed);
+    assert_eq!(f.state(bad.envelope.event_id.as_str()).await, EventState::Quarantined);
+}
+
+/// Issue 19 item 4: the bypass scan finds a receipt whose position now holds
+/// another message (the log was replaced): a finding, named after the event
+/// whose receipt lost its position.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item4_the_bypass_scan_reports_a_receipt_whose_position_was_lost(pool: PgPool) {
+    let f = fixture(pool).await;
+    let id = order_on(&f, 0, &[]);
+    let e = create_order(&f.pool, &id, 1).await;
+    assert_eq!(f.dispatcher(&f.store, 5_000).dispatch_once("w").await.unwrap().published, 1);
+    let rec = f.reconciler();
+    assert_eq!(rec.compare_once().await.unwrap().total(), 0);
+    // The receipt says offset 1; a message without an eventId lands there.
+    tamper(&f.pool, "UPDATE outbox_publish_receipts SET \"offset\" = 1 WHERE event_id = $1", e.event_id().as_str(), None).await;
+    let stray = outbox_core::OutgoingMessage { topic: TOPIC.into(), partition: 0, key: b"k".to_vec(), payload: b"{}".to_vec(), headers: vec![] };
+    assert!(matches!(f.broker.send(stray).await, SendOutcome::Acked { offset: 1, .. }));
+    rec.compare_once().await.unwrap();
+    assert_eq!(f.findings("receipt_position_lost", e.event_id().as_str()).await, 1);
+}
