@@ -66,7 +66,7 @@ BEGIN
                              'outbox_envelopes', 'outbox_attempts', 'outbox_publish_receipts', 'outbox_duplicate_receipts',
                              'outbox_quarantine', 'outbox_audit', 'outbox_consumers', 'outbox_unknown_resolutions',
                              'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots',
-                             'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
+                             'outbox_check_cursors', 'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                              'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                              'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
                              'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_identity'] LOOP
@@ -104,6 +104,9 @@ SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_dupli
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_quarantine');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'INSERT', 'outbox_audit');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'INSERT', 'outbox_unknown_resolutions');
+-- The receipt transaction records evidence findings (absence_proof_refuted,
+-- unregistered_message, receipt_position_lost) as it decides: an upsert.
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE', 'outbox_findings');
 -- Rollout: a dispatcher under an alias reads it; the shadow dispatcher records
 -- the messages it would have sent (and sends nothing).
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_dispatcher_aliases');
@@ -121,6 +124,8 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_consumers', 'outbox_consumer_
                   'outbox_audit', 'outbox_migration_receipts']) t;
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_findings');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_scan_cursors');
+-- The sweep for published events without a primary receipt.
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_check_cursors');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT', 'outbox_bypass_messages');
 -- The shadow comparison: marks where each shadowed event was seen, its cursors, its mismatches.
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_attempts');
@@ -147,7 +152,7 @@ SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_dispatc
 SELECT pg_temp.outbox_grant('outbox_reader', 'SELECT', t)
 FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', 'outbox_envelopes', 'outbox_attempts', 'outbox_publish_receipts',
                   'outbox_duplicate_receipts', 'outbox_quarantine', 'outbox_audit', 'outbox_consumers', 'outbox_unknown_resolutions',
-                  'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots',
+                  'outbox_findings', 'outbox_scan_cursors', 'outbox_bypass_messages', 'outbox_state_snapshots', 'outbox_check_cursors',
                   'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                   'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',

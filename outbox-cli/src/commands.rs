@@ -10,7 +10,7 @@ use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
 use outbox_producer::report::{build_report, ReportOptions};
 use outbox_producer::retention::{purge, RetentionPolicy};
 use outbox_producer::rollout;
-use outbox_producer::{migrate_destination, Dispatcher, DispatcherConfig, MigrationOutcome, PgStore, Reconciler, ReconcilerConfig};
+use outbox_producer::{Dispatcher, DispatcherConfig, MigrationOutcome, PgStore, Reconciler, ReconcilerConfig};
 use prometheus::Registry;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
@@ -540,15 +540,17 @@ async fn migrate_destination_cmd(url: &str, file: &FileConfig, a: &MigrateDestin
         route.generation,
         destination.digest()
     );
-    if a.dry_run {
-        println!("dry run: nothing changed");
-        return Ok(0);
-    }
     let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
     let broker = connect_kafka(kafka).await?;
     let retry = RetryPolicy { in_flight_bound_ms: a.in_flight_bound_ms.unwrap_or(RetryPolicy::default().in_flight_bound_ms), ..RetryPolicy::default() };
     let store = PgStore::new(pool.clone());
-    match migrate_destination(&store, broker.as_ref(), &id, &route, &a.operator, &retry).await? {
+    // A dry run runs the same eligibility check (reads, lookup, decision
+    // under the row lock) and changes nothing.
+    match outbox_producer::migration::migrate_destination_with(&store, broker.as_ref(), &id, &route, &a.operator, &retry, a.dry_run).await? {
+        MigrationOutcome::WouldMigrate { from_generation, to_destination_digest, proof } => {
+            println!("dry run: nothing changed; it would migrate envelope generation {from_generation} -> {}, destination {to_destination_digest}, proof {proof}", from_generation + 1);
+            Ok(0)
+        }
         MigrationOutcome::Migrated { from_generation, to_generation, to_destination_digest } => {
             println!("migrated: envelope generation {from_generation} -> {to_generation}, destination {to_destination_digest}; the event is PENDING for its new destination");
             Ok(0)

@@ -84,6 +84,8 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("reconcile_absent_retries_same_destination", reconcile_absent_retries_same_destination(&ctx("retry")).await),
         ("reconcile_found_publishes_through_the_slot", reconcile_found_publishes(&ctx("found")).await),
         ("tampered_payload_is_quarantined_unsent", tampered_payload_is_quarantined(&ctx("tamper")).await),
+        ("late_ack_of_an_absent_attempt_converges", late_ack_of_an_absent_attempt_converges(&ctx("refuted")).await),
+        ("stray_divergent_message_is_evidence_not_a_quarantine", stray_divergent_message_is_evidence(&ctx("stray")).await),
     ]
 }
 
@@ -391,6 +393,43 @@ async fn unregistered_attempt_is_rejected<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     eq("another event's attempt", c.accept(&borrowed).await?, ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt })?;
     c.expect_state(&id, EventState::Sending).await?;
     eq("registered attempt", c.accept(&genuine).await?, ReceiptDecision::Accept { from: EventState::Sending })
+}
+
+async fn late_ack_of_an_absent_attempt_converges<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce1 = c.claim_some("w1", &id).await?;
+    let a1 = c.register(&ce1.token).await?;
+    c.expire().await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let task = c.reconcile("r1", &id).await?;
+    let d = decide_reconcile(&task.attempts, &LookupOutcome::Absent, true, &POLICY, c.h.now_ms());
+    eq("proof", &d, &ReconcileDecision::Retry { proven_absent: true })?;
+    c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?;
+    eq("attempt 1 closed", c.attempts(&id).await?.first().map(|a| a.state), Some(AttemptState::Absent))?;
+    // A1's genuine message lands after all: it fills the empty slot.
+    let r1 = receipt(&ce1, &a1, c.offset(1));
+    eq("late ACK of the absent attempt", c.accept(&r1).await?, ReceiptDecision::Accept { from: EventState::RetryClaimed })?;
+    c.expect_state(&id, EventState::Published).await?;
+    eq("again", c.accept(&r1).await?, ReceiptDecision::AlreadyAccepted)
+}
+
+async fn stray_divergent_message_is_evidence<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    let a = c.register(&ce.token).await?;
+    c.s().report_unknown(&ce.token, &a.attempt_id, "timed out").await.map_err(err("report_unknown"))?;
+    // A mirror's copy: other bytes, no destination digest, no registered attempt.
+    let genuine = receipt(&ce, &a, c.offset(2));
+    let stray = BrokerReceipt {
+        attempt_id: AttemptId::from_parts(0, 0),
+        payload_digest: sha256_digest(b"mirrored"),
+        destination_digest: String::new(),
+        offset: c.offset(1),
+        ..genuine.clone()
+    };
+    eq("stray", c.accept(&stray).await?, ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt })?;
+    c.expect_state(&id, EventState::DispatchUnknown).await?;
+    eq("genuine", c.accept(&genuine).await?, ReceiptDecision::Accept { from: EventState::DispatchUnknown })
 }
 
 async fn same_receipt_twice_same_answer<H: Harness>(c: &Ctx<'_, H>) -> Verdict {

@@ -231,7 +231,18 @@ impl MemoryStore {
     /// claim under which it looked up the old target); only then are the old
     /// generation's SENDING/UNKNOWN attempts closed ABSENT. The move fences
     /// every earlier claim. `Ok(Err(why))` when refused; nothing changed.
-    pub fn migrate(&self, event_id: &EventId, new_destination: Destination, proof: MigrationProof, operator: &str) -> Result<Result<MigrationRecord, String>, StoreError> {
+    ///
+    /// A proven-absent move commits only under the reconcile claim
+    /// (`claim`) the proof was made under; the attempts are decided again
+    /// here, under the store's lock.
+    pub fn migrate(
+        &self,
+        event_id: &EventId,
+        new_destination: Destination,
+        proof: MigrationProof,
+        operator: &str,
+        claim: Option<&ClaimToken>,
+    ) -> Result<Result<MigrationRecord, String>, StoreError> {
         let now = self.now_ms();
         let mut st = self.lock();
         let st = &mut *st;
@@ -243,7 +254,12 @@ impl MemoryStore {
                     return Ok(Err(r.to_string()));
                 }
             }
-            (MigrationProof::ProvenAbsent { .. }, EventState::Reconciling) => {}
+            (MigrationProof::ProvenAbsent { .. }, EventState::Reconciling) => {
+                let held = claim.is_some_and(|t| ev.claim.claim_generation == t.claim_generation && ev.claim.owner.as_deref() == Some(t.owner.as_str()));
+                if !held {
+                    return Ok(Err("the reconcile claim the absence proof was made under is not held".into()));
+                }
+            }
             (p, s) => return Ok(Err(format!("state {s} cannot move under proof {p:?}"))),
         }
         let to_digest = new_destination.digest();
@@ -382,6 +398,7 @@ impl MemoryStore {
             destination: ev.destination.clone(),
             destination_digest: ev.destination_digest.clone(),
             payload: ev.payload.clone(),
+            event_payload_digest: ev.envelope.payload_digest.clone(),
             claimed_from: from,
             traceparent: None,
             // The in-memory store has no source identity: no CloudEvents headers.
@@ -489,6 +506,7 @@ impl OutboxStore for MemoryStore {
                 state: AttemptState::Sending,
                 destination_digest: ev.destination_digest.clone(),
                 started_at_ms: now,
+                send_deadline_ms: Some(token.lease_until_ms),
                 scan_from_offset: st
                     .partition_high
                     .get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.partition))
@@ -510,6 +528,12 @@ impl OutboxStore for MemoryStore {
         let locked = Self::locked(ev);
         let attempts = st.attempts.entry(receipt.event_id.clone()).or_default();
         let decision = decide_receipt(&locked, attempts, receipt);
+        if crate::receipt::refutes_absence(attempts, receipt, &decision) {
+            st.audit.push(AuditRecord { event_id: receipt.event_id.clone(), action: "absence_proof_refuted".into(), detail: format!("{} @{}", receipt.attempt_id, receipt.offset) });
+        }
+        if crate::receipt::is_unregistered_message(&decision) {
+            st.audit.push(AuditRecord { event_id: receipt.event_id.clone(), action: "unregistered_message".into(), detail: format!("{} @{}", receipt.attempt_id, receipt.offset) });
+        }
         let mark_acked = |attempts: &mut Vec<AttemptRecord>| {
             attempts.iter_mut().filter(|a| a.attempt_id == receipt.attempt_id).for_each(|a| a.state = AttemptState::Acked)
         };

@@ -36,6 +36,14 @@ pub struct BrokerReceipt {
     pub offset: i64,
 }
 
+impl AttemptRecord {
+    /// From when the in-flight bound counts: the later of registration and
+    /// the end of the lease the attempt was sent under.
+    pub fn in_flight_from_ms(&self) -> i64 {
+        self.send_deadline_ms.map_or(self.started_at_ms, |d| d.max(self.started_at_ms))
+    }
+}
+
 impl BrokerReceipt {
     /// Whether two receipts name the same log position.
     pub fn same_placement(&self, other: &BrokerReceipt) -> bool {
@@ -84,6 +92,14 @@ pub struct AttemptRecord {
     pub destination_digest: String,
     /// When the attempt was registered, ms since the epoch.
     pub started_at_ms: i64,
+    /// The end of the lease it was registered under, in the same clock as
+    /// `started_at_ms`: a dispatcher hands its message to the client only
+    /// before it, so the message may reach the log until this plus the
+    /// longest time a message sits in the client. `None` for attempts
+    /// recorded before this was kept (the bound then counts from
+    /// registration).
+    #[serde(default)]
+    pub send_deadline_ms: Option<i64>,
     /// A sound lower bound for a scan: the highest offset already
     /// acknowledged on the frozen partition when the attempt was registered
     /// (the log is append-only, so this attempt's message lies above it), or 0.
@@ -160,9 +176,15 @@ impl ReceiptDecision {
 
 /// Decides what `acceptDispatchReceipt` does with `receipt`.
 ///
-/// Order of the rules: identity (event, envelope generation), divergence
-/// (payload digest, destination digest, placement against the frozen routing)
-/// which quarantines, the offset, the registered attempt, then the slot.
+/// Order of the rules: identity (event, envelope generation) and the offset;
+/// then the registered attempt: a message that no registered attempt of
+/// this event and generation sent (a mirror or replay tool, a bypass
+/// publish, headers that do not parse) is refused as evidence and never
+/// quarantines or moves the event; then divergence of a registered
+/// attempt's message (payload digest, destination digest, placement against
+/// the frozen routing), which quarantines; then the slot. A genuine message
+/// of an attempt that was proven ABSENT refutes that proof: it competes for
+/// the slot like any other (see [`refutes_absence`]).
 pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: &BrokerReceipt) -> ReceiptDecision {
     use ReceiptDecision::*;
     if receipt.event_id != event.event_id {
@@ -171,26 +193,21 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
     if receipt.envelope_generation != event.envelope_generation {
         return Reject { reason: RejectReason::EnvelopeGenerationMismatch };
     }
+    if receipt.offset < 0 {
+        return Reject { reason: RejectReason::InvalidOffset };
+    }
+    let Some(attempt) = registered_attempt(event, attempts, receipt) else {
+        return Reject { reason: RejectReason::UnregisteredAttempt };
+    };
     let quarantine = |reason| Quarantine { reason, move_event: event.state.can_transition_to(EventState::Quarantined) };
     if receipt.payload_digest != event.payload_digest {
         return quarantine(QuarantineReason::PayloadDigestMismatch);
     }
-    if receipt.destination_digest != event.destination_digest {
+    if receipt.destination_digest != event.destination_digest || attempt.destination_digest != event.destination_digest {
         return quarantine(QuarantineReason::DestinationDigestMismatch);
     }
     if !event.destination.admits(&receipt.cluster_id, &receipt.topic, receipt.partition) {
         return quarantine(QuarantineReason::PlacementMismatch);
-    }
-    if receipt.offset < 0 {
-        return Reject { reason: RejectReason::InvalidOffset };
-    }
-    let Some(attempt) = attempts.iter().find(|a| {
-        a.attempt_id == receipt.attempt_id && a.event_id == event.event_id && a.envelope_generation == event.envelope_generation
-    }) else {
-        return Reject { reason: RejectReason::UnregisteredAttempt };
-    };
-    if attempt.destination_digest != event.destination_digest {
-        return quarantine(QuarantineReason::DestinationDigestMismatch);
     }
     match &event.slot {
         Some(primary) if primary.same_placement(receipt) => {
@@ -201,20 +218,44 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
             }
         }
         Some(_) => match attempt.state {
-            AttemptState::Sending | AttemptState::Unknown | AttemptState::Acked => Duplicate,
-            AttemptState::NotSent | AttemptState::Absent => Reject { reason: RejectReason::AttemptClosed },
+            AttemptState::Sending | AttemptState::Unknown | AttemptState::Acked | AttemptState::Absent => Duplicate,
+            AttemptState::NotSent => Reject { reason: RejectReason::AttemptClosed },
         },
         None => match attempt.state {
-            AttemptState::Sending | AttemptState::Unknown => {
+            AttemptState::Sending | AttemptState::Unknown | AttemptState::Absent => {
                 if event.state.accepts_receipt() {
                     Accept { from: event.state }
                 } else {
                     Reject { reason: RejectReason::EventNotAccepting }
                 }
             }
-            AttemptState::Acked | AttemptState::NotSent | AttemptState::Absent => Reject { reason: RejectReason::AttemptClosed },
+            AttemptState::Acked | AttemptState::NotSent => Reject { reason: RejectReason::AttemptClosed },
         },
     }
+}
+
+/// The registered attempt of this event and envelope generation that
+/// `receipt` names, if any.
+fn registered_attempt<'a>(event: &LockedEvent, attempts: &'a [AttemptRecord], receipt: &BrokerReceipt) -> Option<&'a AttemptRecord> {
+    attempts.iter().find(|a| a.attempt_id == receipt.attempt_id && a.event_id == event.event_id && a.envelope_generation == event.envelope_generation)
+}
+
+/// Whether `decision` about `receipt` refutes an absence proof: the receipt
+/// is a genuine message (it filled the slot or became a duplicate transport
+/// receipt) of an attempt a reconciler had closed as ABSENT. Stores record
+/// it as the finding `absence_proof_refuted`: a proof of absence missed a
+/// message (a stalled sender, a log read short), and an operator should
+/// know which.
+pub fn refutes_absence(attempts: &[AttemptRecord], receipt: &BrokerReceipt, decision: &ReceiptDecision) -> bool {
+    matches!(decision, ReceiptDecision::Accept { .. } | ReceiptDecision::Duplicate)
+        && attempts.iter().any(|a| a.attempt_id == receipt.attempt_id && a.state == AttemptState::Absent)
+}
+
+/// Whether `decision` refused a message no registered attempt sent: stores
+/// record it as the finding `unregistered_message` (evidence; the event is
+/// left alone).
+pub fn is_unregistered_message(decision: &ReceiptDecision) -> bool {
+    matches!(decision, ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt })
 }
 
 /// An attempt of event `evt(1,1)` for unit tests of the decisions.
@@ -230,6 +271,7 @@ pub(crate) fn sample_attempt(state: AttemptState, started_at_ms: i64, scan_from_
         state,
         destination_digest: "d".into(),
         started_at_ms,
+        send_deadline_ms: None,
         scan_from_offset,
     }
 }
@@ -292,6 +334,7 @@ mod tests {
                 state,
                 destination_digest: self.event.destination_digest.clone(),
                 started_at_ms: 0,
+                send_deadline_ms: None,
                 scan_from_offset: 0,
             });
             self
@@ -418,11 +461,42 @@ mod tests {
     }
 
     #[test]
-    fn closed_attempts_cannot_fill_the_slot() {
-        for s in [AttemptState::NotSent, AttemptState::Absent] {
-            let c = Case::new().attempt(1, s).state(EventState::DispatchUnknown);
-            assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::AttemptClosed });
-        }
+    fn a_not_sent_attempt_cannot_fill_the_slot() {
+        let c = Case::new().attempt(1, AttemptState::NotSent).state(EventState::DispatchUnknown);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::AttemptClosed });
+    }
+
+    #[test]
+    fn a_genuine_late_ack_of_an_absent_attempt_competes_for_the_slot_and_refutes_the_proof() {
+        let c = Case::new().attempt(1, AttemptState::Absent).attempt(2, AttemptState::Sending).state(EventState::Sending);
+        let r = c.receipt(1, 5);
+        let d = decide_receipt(&c.event, &c.attempts, &r);
+        assert_eq!(d, ReceiptDecision::Accept { from: EventState::Sending });
+        assert!(refutes_absence(&c.attempts, &r, &d));
+        // After the retry won the slot, it is a duplicate transport receipt.
+        let mut c = Case::new().attempt(1, AttemptState::Absent).attempt(2, AttemptState::Sending);
+        let r2 = c.receipt(2, 9);
+        c.apply(&r2);
+        let d = decide_receipt(&c.event, &c.attempts, &r);
+        assert_eq!(d, ReceiptDecision::Duplicate);
+        assert!(refutes_absence(&c.attempts, &r, &d));
+        assert!(!refutes_absence(&c.attempts, &r2, &ReceiptDecision::AlreadyAccepted));
+    }
+
+    #[test]
+    fn a_message_no_registered_attempt_sent_is_evidence_never_a_quarantine() {
+        // A mirror copy with a made-up or missing attemptId, other bytes and no destination digest.
+        let c = Case::new().attempt(1, AttemptState::Unknown).state(EventState::Reconciling);
+        let mut r = c.receipt(7, 5);
+        r.payload_digest = sha256_digest(b"mirrored");
+        r.destination_digest = String::new();
+        let d = decide_receipt(&c.event, &c.attempts, &r);
+        assert_eq!(d, ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt });
+        assert!(is_unregistered_message(&d));
+        // The same divergence from a registered attempt is quarantined.
+        let mut r = c.receipt(1, 5);
+        r.payload_digest = sha256_digest(b"mirrored");
+        assert!(matches!(decide_receipt(&c.event, &c.attempts, &r), ReceiptDecision::Quarantine { .. }));
     }
 
     #[test]

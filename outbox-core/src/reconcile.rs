@@ -13,8 +13,11 @@ pub struct RetryPolicy {
     pub allow_retry: bool,
     /// At most this many attempts per event; beyond it the event stays UNKNOWN and pages.
     pub max_attempts: u32,
-    /// An attempt younger than this may still be in flight inside the client
-    /// (its `message.timeout.ms` plus a margin): no absence proof covers it yet.
+    /// An attempt may still be in flight inside the client this long after
+    /// the later of its registration and the end of the lease it was sent
+    /// under ([`AttemptRecord::in_flight_from_ms`]): no absence proof covers
+    /// it before. It must cover the client's longest in-flight time plus a
+    /// clock skew allowance ([`check_in_flight_bound`]).
     pub in_flight_bound_ms: i64,
     /// Delay before an unresolved event is looked at again.
     pub recheck_ms: i64,
@@ -22,7 +25,7 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        RetryPolicy { allow_retry: true, max_attempts: 10, in_flight_bound_ms: 60_000, recheck_ms: 30_000 }
+        RetryPolicy { allow_retry: true, max_attempts: 10, in_flight_bound_ms: 65_000, recheck_ms: 30_000 }
     }
 }
 
@@ -67,6 +70,51 @@ pub enum ReconcileDecision {
     },
 }
 
+/// Smallest clock skew allowance a reconciler may be configured with, ms.
+pub const MIN_CLOCK_SKEW_ALLOWANCE_MS: i64 = 1_000;
+/// Default clock skew allowance, ms.
+pub const DEFAULT_CLOCK_SKEW_ALLOWANCE_MS: i64 = 2_000;
+
+/// Checks that `in_flight_bound_ms` covers the longest time a message may
+/// stay in the client after it was handed over (`max_in_flight_ms`, when
+/// the adapter knows it) plus `clock_skew_allowance_ms` (at least
+/// [`MIN_CLOCK_SKEW_ALLOWANCE_MS`]) for the clocks that measured the lease
+/// and the registration. The lease itself is covered by counting from the
+/// later of registration and lease end: a dispatcher hands a message to the
+/// client only before its lease ends.
+pub fn check_in_flight_bound(in_flight_bound_ms: i64, max_in_flight_ms: Option<u64>, clock_skew_allowance_ms: i64) -> Result<(), String> {
+    if clock_skew_allowance_ms < MIN_CLOCK_SKEW_ALLOWANCE_MS {
+        return Err(format!("clock_skew_allowance_ms = {clock_skew_allowance_ms} is below the minimum of {MIN_CLOCK_SKEW_ALLOWANCE_MS} ms"));
+    }
+    let client = max_in_flight_ms.map_or(0, |m| i64::try_from(m).unwrap_or(i64::MAX));
+    let need = client.saturating_add(clock_skew_allowance_ms);
+    if in_flight_bound_ms < need {
+        return Err(format!(
+            "in_flight_bound_ms = {in_flight_bound_ms} is shorter than the {client} ms a message of this broker adapter may stay in the client \
+             plus the clock skew allowance of {clock_skew_allowance_ms} ms ({need} ms); an absence proof could miss a message still on its way"
+        ));
+    }
+    Ok(())
+}
+
+/// What a reconciler does once it has submitted every receipt a lookup found
+/// and the event is still RECONCILING. When each one was refused (messages
+/// no registered attempt sent, refused positions), none of them is a
+/// message of this event's registered attempts: the lookup proved the same
+/// as an empty one, so the absence logic decides. Otherwise look again later.
+pub fn decide_after_submit(
+    decisions: &[crate::receipt::ReceiptDecision],
+    attempts: &[AttemptRecord],
+    broker_supports_lookup: bool,
+    policy: &RetryPolicy,
+    now_ms: i64,
+) -> ReconcileDecision {
+    if !decisions.is_empty() && decisions.iter().all(|d| matches!(d, crate::receipt::ReceiptDecision::Reject { .. })) {
+        return decide_reconcile(attempts, &LookupOutcome::Absent, broker_supports_lookup, policy, now_ms);
+    }
+    ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: now_ms.saturating_add(policy.recheck_ms) }
+}
+
 /// The lowest offset a scan for this event's messages must start from: the
 /// smallest bound among attempts that may have reached the log.
 pub fn scan_lower_bound(attempts: &[AttemptRecord]) -> i64 {
@@ -89,7 +137,7 @@ pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, brok
     if !proven_absent && broker_supports_lookup {
         return recheck(RecheckReason::BrokerUnavailable);
     }
-    let in_flight = attempts.iter().any(|a| a.state.possibly_in_flight() && now_ms.saturating_sub(a.started_at_ms) < policy.in_flight_bound_ms);
+    let in_flight = attempts.iter().any(|a| a.state.possibly_in_flight() && now_ms.saturating_sub(a.in_flight_from_ms()) < policy.in_flight_bound_ms);
     if in_flight {
         return recheck(RecheckReason::AttemptInFlight);
     }
@@ -143,6 +191,35 @@ mod tests {
         assert!(matches!(decide_reconcile(&a, &LookupOutcome::Absent, true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::AttemptsExhausted, .. }));
         let no = RetryPolicy { allow_retry: false, ..P };
         assert!(matches!(decide_reconcile(&a[..1], &LookupOutcome::Absent, true, &no, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::RetryNotAllowed, .. }));
+    }
+
+    #[test]
+    fn in_flight_counts_from_the_later_of_registration_and_lease_end() {
+        let mut a = attempt(AttemptState::Unknown, 0, 0);
+        a.send_deadline_ms = Some(3_000);
+        // 5 s after registration but only 2 s after the lease ended: it may still land.
+        assert!(matches!(decide_reconcile(&[a.clone()], &LookupOutcome::Absent, true, &P, 3_999), ReconcileDecision::Recheck { reason: RecheckReason::AttemptInFlight, .. }));
+        assert_eq!(decide_reconcile(&[a], &LookupOutcome::Absent, true, &P, 4_000), ReconcileDecision::Retry { proven_absent: true });
+    }
+
+    #[test]
+    fn the_bound_must_cover_the_client_and_a_skew_allowance() {
+        assert!(check_in_flight_bound(25_000, Some(25_000), 2_000).is_err());
+        assert!(check_in_flight_bound(27_000, Some(25_000), 2_000).is_ok());
+        assert!(check_in_flight_bound(27_000, Some(25_000), 0).is_err());
+        assert!(check_in_flight_bound(2_000, None, 2_000).is_ok());
+    }
+
+    #[test]
+    fn when_every_found_message_is_refused_the_absence_logic_decides() {
+        use crate::receipt::{ReceiptDecision, RejectReason};
+        let a = [attempt(AttemptState::Unknown, 0, 10)];
+        let refused = [ReceiptDecision::Reject { reason: RejectReason::UnregisteredAttempt }];
+        assert_eq!(decide_after_submit(&refused, &a, true, &P, 5_000), ReconcileDecision::Retry { proven_absent: true });
+        let young = [attempt(AttemptState::Unknown, 4_900, 10)];
+        assert!(matches!(decide_after_submit(&refused, &young, true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::AttemptInFlight, .. }));
+        let mixed = [refused[0].clone(), ReceiptDecision::Duplicate];
+        assert!(matches!(decide_after_submit(&mixed, &a, true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, .. }));
     }
 
     #[test]

@@ -61,6 +61,10 @@ pub struct ClaimedEvent {
     pub destination_digest: String,
     /// The stored payload bytes.
     pub payload: Vec<u8>,
+    /// The event row's own payload digest, frozen at commit and immutable
+    /// (the one `acceptDispatchReceipt` compares with): the bytes, the
+    /// envelope's `payloadDigest` and this must all agree before a send.
+    pub event_payload_digest: String,
     /// The state the claim was granted from (PENDING, or RETRY_CLAIMED for a reconciler's retry).
     pub claimed_from: EventState,
     /// W3C trace context recorded at emit, if any.
@@ -68,6 +72,24 @@ pub struct ClaimedEvent {
     /// The CloudEvents attributes of the route generation frozen in the
     /// destination; `None` when that route sends no CloudEvents headers.
     pub cloudevents: Option<crate::headers::CloudEventsBinding>,
+}
+
+impl ClaimedEvent {
+    /// Checks, before a send, that the stored bytes, the envelope's
+    /// `payloadDigest`, the event row's immutable payload digest, and the
+    /// destination and its stored digest all agree. `Err` carries the
+    /// evidence: such an event is quarantined, never sent.
+    pub fn verify_before_send(&self) -> Result<(), serde_json::Value> {
+        let bytes = crate::canonical::sha256_digest(&self.payload);
+        let destination = self.destination.digest();
+        if bytes == self.envelope.payload_digest && self.envelope.payload_digest == self.event_payload_digest && destination == self.destination_digest {
+            return Ok(());
+        }
+        Err(serde_json::json!({
+            "storedPayloadDigest": bytes, "envelopePayloadDigest": self.envelope.payload_digest, "eventPayloadDigest": self.event_payload_digest,
+            "frozenDestinationDigest": self.destination_digest, "storedDestinationDigest": destination,
+        }))
+    }
 }
 
 /// The answer of a fenced write.

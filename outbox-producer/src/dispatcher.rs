@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use futures::stream::{FuturesUnordered, StreamExt};
 use outbox_core::claim::{MAX_CLAIM_BATCH, MAX_LEASE_MS, MIN_LEASE_MS};
 use outbox_core::{
-    headers, sha256_digest, AttemptRecord, Broker, BrokerReceipt, ClaimToken, ClaimedEvent, EventId, FenceOutcome, OutboxStore, OutgoingMessage,
+    headers, AttemptRecord, Broker, BrokerReceipt, ClaimToken, ClaimedEvent, EventId, FenceOutcome, OutboxStore, OutgoingMessage,
     ReceiptDecision, SendOutcome, StoreError,
 };
 use serde::Deserialize;
@@ -346,6 +346,20 @@ pub struct Dispatcher<B: Broker + 'static> {
     claim_turn: tokio::sync::Mutex<()>,
 }
 
+/// Hands `message` to the broker client only while `deadline` (the claim's
+/// lease, measured locally) has not passed; past it, the message is not
+/// sent at all: a stalled worker whose lease ran out (its registration's
+/// answer came late, the process was paused) never sends, so an absence
+/// proof made after the lease plus the in-flight bound holds.
+async fn send_before<B: Broker + ?Sized>(broker: Arc<B>, message: OutgoingMessage, deadline: Instant) -> SendOutcome {
+    let now = Instant::now();
+    if now >= deadline {
+        tracing::warn!(late_ms = now.duration_since(deadline).as_millis() as u64, "lease ran out before the send: not sent");
+        return SendOutcome::NotPersisted("the claim's lease ran out before the message was handed to the client".into());
+    }
+    broker.send(message).await
+}
+
 /// Builds the message for one attempt of one claimed event: the outbox
 /// headers, then the CloudEvents headers when its route generation has them on.
 pub fn outgoing_message(event: &ClaimedEvent, attempt: &AttemptRecord) -> OutgoingMessage {
@@ -423,21 +437,21 @@ impl<B: Broker + 'static> Dispatcher<B> {
         if !self.alias_active().await? {
             return Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends: Vec::new() });
         }
-        let claimed = self.claim(owner, cursor).await?;
-        report.claimed = claimed.len();
+        // The claims this call gets run out no earlier than lease_ms after
+        // this instant (the store computes their lease end later than now):
+        // a local, monotonic deadline for handing messages to the client.
+        let send_deadline = Instant::now() + Duration::from_millis(self.config.lease_ms.max(0) as u64);
+        let (claimed, unreadable) = self.claim(owner, cursor).await?;
+        report.claimed = claimed.len() + unreadable;
+        report.quarantined += unreadable;
+        inc(&self.metrics.quarantined, unreadable as u64);
         inc(&self.metrics.claimed, claimed.len() as u64);
 
         // Never send bytes or a destination that no longer match what was frozen.
         let mut verified = Vec::with_capacity(claimed.len());
         for ev in claimed {
-            let actual_payload = sha256_digest(&ev.payload);
-            let actual_destination = ev.destination.digest();
-            if actual_payload != ev.envelope.payload_digest || actual_destination != ev.destination_digest {
-                let evidence = serde_json::json!({
-                    "frozenPayloadDigest": ev.envelope.payload_digest, "storedPayloadDigest": actual_payload,
-                    "frozenDestinationDigest": ev.destination_digest, "storedDestinationDigest": actual_destination,
-                });
-                tracing::error!(event_id = %ev.envelope.event_id, "stored event no longer matches its digests: quarantined, not sent");
+            if let Err(evidence) = ev.verify_before_send() {
+                tracing::error!(event_id = %ev.envelope.event_id, %evidence, "stored event no longer matches its digests: quarantined, not sent");
                 if self.store.quarantine_claimed(&ev.token, "stored_payload_or_destination_diverged", evidence).await? == FenceOutcome::Applied {
                     report.quarantined += 1;
                     inc(&self.metrics.quarantined, 1);
@@ -471,7 +485,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     let message = outgoing_message(&ev, &attempt);
                     let broker = self.broker.clone();
                     let span = tracing::debug_span!("send", event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id);
-                    let handle = tokio::spawn(async move { broker.send(message).await }.instrument(span));
+                    let handle = tokio::spawn(send_before(broker, message, send_deadline).instrument(span));
                     sends.push((ev, attempt, handle));
                 }
                 Err(e) if e.is_fenced() => {
@@ -528,7 +542,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
     /// per instance: two claims running together would scan the same key
     /// heads, and each would keep the rows the other had just claimed locked
     /// until it commits, stalling their registration.
-    async fn claim(&self, owner: &str, cursor: &mut ClaimCursor) -> Result<Vec<ClaimedEvent>, ProducerError> {
+    async fn claim(&self, owner: &str, cursor: &mut ClaimCursor) -> Result<(Vec<ClaimedEvent>, usize), ProducerError> {
         let (batch, lease) = (self.config.batch_size, self.config.lease_ms);
         let after = std::mem::take(&mut cursor.published);
         let scan_due = after.is_empty() || cursor.since_scan.saturating_add(1) >= self.config.head_scan_every;
@@ -543,7 +557,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
         } else {
             cursor.since_scan = cursor.since_scan.saturating_add(1);
         }
-        Ok(round.claimed)
+        Ok((round.claimed, round.quarantined))
     }
 
     /// Step 2: wait for every answer of the batch and record it.

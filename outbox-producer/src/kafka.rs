@@ -26,9 +26,15 @@
 //! A fresh consumer (unique `group.id`, `enable.auto.commit=false`, manual
 //! `assign`, `read_uncommitted` since this producer is never transactional)
 //! reads the frozen partition:
-//! - The range is `[max(from_offset, low watermark), high watermark)`, both
-//!   watermarks read first. An empty range is `Absent`; the answer says
-//!   nothing of messages written after the scan began.
+//! - The range is `[from_offset, high watermark)`, both watermarks read
+//!   first. An empty range is `Absent`; the answer says nothing of messages
+//!   written after the scan began.
+//! - A log that starts above `from_offset` (truncated), a `from_offset`
+//!   above the high watermark (the topic was recreated, the cluster
+//!   replaced, the partition truncated) or a range in which some offset
+//!   holds no record (a compacted topic, deleted records, transaction
+//!   markers) is `Unavailable` with a reason starting [`LOG_INCOMPLETE`],
+//!   never `Absent`.
 //! - A range wider than [`KafkaConfig::lookup_max_messages`] offsets, a scan
 //!   longer than [`KafkaConfig::lookup_timeout_ms`], or any broker or consumer
 //!   error is `Unavailable`, never `Absent`. A destination on another cluster
@@ -744,6 +750,18 @@ impl ScanRequest {
 
 static LOOKUP_SEQ: AtomicU64 = AtomicU64::new(0);
 
+/// How the reason of a lookup that found the log incomplete (truncated,
+/// recreated, compacted) begins: see [`is_log_incomplete`].
+pub const LOG_INCOMPLETE: &str = "log incomplete: ";
+
+/// Whether an [`LookupOutcome::Unavailable`] reason says the log itself
+/// cannot prove absence (truncated, recreated, compacted), as opposed to a
+/// broker that could not be asked: the reconciler reports it as the finding
+/// `log_unavailable`.
+pub fn is_log_incomplete(reason: &str) -> bool {
+    reason.starts_with(LOG_INCOMPLETE)
+}
+
 /// Scans one partition with a fresh consumer; see the module documentation.
 ///
 /// - The range is `[max(from_offset, low watermark), high watermark)`, with
@@ -794,6 +812,24 @@ fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut o
     let (low, high) = consumer
         .fetch_watermarks(&req.topic, req.partition, req.remaining())
         .map_err(|e| format!("watermarks of {}/{}: {e}", req.topic, req.partition))?;
+    // A lookup (no limit) is an absence proof: it must read every offset
+    // from the lower bound. A log that starts above the bound was truncated
+    // (retention, deleted records) and a bound above the log's end belongs
+    // to another log (the topic was recreated, the cluster replaced, the
+    // partition truncated): either way messages may be gone unseen.
+    let proof = limit.is_none();
+    if proof && low > req.from_offset {
+        return Err(format!(
+            "{LOG_INCOMPLETE}{}/{} starts at offset {low}, above the lower bound {}: the log was truncated and messages below may be gone",
+            req.topic, req.partition, req.from_offset
+        ));
+    }
+    if proof && req.from_offset > high {
+        return Err(format!(
+            "{LOG_INCOMPLETE}the lower bound {} of {}/{} is above its end {high}: the log was recreated or truncated since it was recorded",
+            req.from_offset, req.topic, req.partition
+        ));
+    }
     let start = req.from_offset.max(low).max(0);
     let high = match limit {
         Some(l) => high.min(start.saturating_add(i64::try_from(l).unwrap_or(i64::MAX))),
@@ -833,6 +869,17 @@ fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut o
                 }
                 if msg.offset() >= high {
                     break;
+                }
+                // A record above the next expected offset: the offsets in
+                // between hold no record (compaction removed them, or
+                // transaction markers): the range cannot prove absence.
+                if proof && msg.offset() > next {
+                    return Err(format!(
+                        "{LOG_INCOMPLETE}offsets [{next}, {}) of {}/{} hold no record (a compacted topic, deleted records or transaction markers)",
+                        msg.offset(),
+                        req.topic,
+                        req.partition
+                    ));
                 }
                 next = msg.offset() + 1;
                 read += 1;

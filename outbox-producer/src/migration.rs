@@ -31,11 +31,31 @@ pub enum MigrationOutcome {
         /// The new frozen destination's digest.
         to_destination_digest: String,
     },
+    /// A dry run: the event would move, with this proof. Nothing changed.
+    WouldMigrate {
+        /// Generation it would leave behind.
+        from_generation: u32,
+        /// The new frozen destination's digest.
+        to_destination_digest: String,
+        /// Why the old target does not hold it.
+        proof: serde_json::Value,
+    },
     /// Not moved, and why. Nothing was sent anywhere.
     Refused {
         /// The reason.
         reason: String,
     },
+}
+
+/// What the proof was made under, checked again under the row lock at the
+/// commit: for a never-sent (PENDING) event, the claim generation it read
+/// (any claim since bumps it); for a proven-absent one, the reconcile claim
+/// the lookup was made under.
+enum Fence {
+    /// PENDING at this claim generation.
+    Generation(u64),
+    /// RECONCILING under this claim, with the lookup's answer.
+    Claim(outbox_core::ClaimToken, LookupOutcome),
 }
 
 /// Moves `event_id` to the destination `new_route` resolves for it.
@@ -50,26 +70,39 @@ pub async fn migrate_destination<B: Broker>(
     operator: &str,
     retry: &RetryPolicy,
 ) -> Result<MigrationOutcome, ProducerError> {
+    migrate_destination_with(store, old_broker, event_id, new_route, operator, retry, false).await
+}
+
+/// [`migrate_destination`], or with `dry_run` the same eligibility check
+/// (the same reads, the same lookup under a reconcile claim, the same
+/// decision under the row lock) ending in [`MigrationOutcome::WouldMigrate`]
+/// or `Refused` without moving anything. A dry run of an UNKNOWN event
+/// gives its reconcile claim back with its next check due at once.
+pub async fn migrate_destination_with<B: Broker>(
+    store: &PgStore,
+    old_broker: &B,
+    event_id: &EventId,
+    new_route: &RoutePolicy,
+    operator: &str,
+    retry: &RetryPolicy,
+    dry_run: bool,
+) -> Result<MigrationOutcome, ProducerError> {
     outbox_core::id::validate_identifier("operator", operator)?;
     new_route.validate()?;
-    if let Some(max) = old_broker.max_in_flight_ms() {
-        if (retry.in_flight_bound_ms.max(0) as u64) < max {
-            return Err(ProducerError::Config(format!(
-                "in_flight_bound_ms = {} is shorter than the {max} ms a message of the old target's adapter may stay in flight",
-                retry.in_flight_bound_ms
-            )));
-        }
-    }
+    outbox_core::check_in_flight_bound(retry.in_flight_bound_ms, old_broker.max_in_flight_ms(), outbox_core::reconcile::DEFAULT_CLOCK_SKEW_ALLOWANCE_MS)
+        .map_err(ProducerError::Config)?;
     let refused = |reason: String| Ok(MigrationOutcome::Refused { reason });
-    let (state, _) = store.event_state(event_id).await?;
+    let Some(read) = sqlx::query("SELECT state, claim_generation FROM outbox_events WHERE event_id = $1").bind(event_id.as_str()).fetch_optional(store.pool()).await? else {
+        return Err(outbox_core::StoreError::NotFound(event_id.clone()).into());
+    };
+    let state = EventState::parse(read.try_get("state")?)?;
+    let read_generation = read.try_get::<i64, _>("claim_generation")? as u64;
     let attempts = store.attempts(event_id).await?;
     // The decision is outbox_core::decide_migration, the same function the
     // in-memory store and the simulator use.
-    let proof = match state {
+    let fence = match state {
         EventState::Pending => match decide_migration(state, &attempts, None, retry, store.now_ms()) {
-            MigrationDecision::Move { .. } => {
-                serde_json::json!({ "kind": "never_persisted", "attempts": attempts.iter().map(|a| (a.attempt_id.to_string(), a.state.as_str())).collect::<Vec<_>>() })
-            }
+            MigrationDecision::Move { .. } => Fence::Generation(read_generation),
             MigrationDecision::Refuse(r) => return refused(r.to_string()),
         },
         EventState::DispatchUnknown => {
@@ -98,7 +131,7 @@ pub async fn migrate_destination<B: Broker>(
                     return refused(r.to_string());
                 }
             }
-            serde_json::json!({ "kind": "proven_absent", "lookup_from_offset": scan_lower_bound(&task.attempts), "claim_generation": task.token.claim_generation })
+            Fence::Claim(task.token, lookup)
         }
         other => match decide_migration(other, &attempts, None, retry, store.now_ms()) {
             MigrationDecision::Refuse(r) => return refused(r.to_string()),
@@ -106,11 +139,37 @@ pub async fn migrate_destination<B: Broker>(
             MigrationDecision::Move { .. } => return refused(format!("state {other}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move")),
         },
     };
+    let outcome = commit_migration(store, event_id, new_route, operator, retry, &fence, dry_run).await;
+    // A dry run, or a commit that refused, gives the reconcile claim back
+    // (fenced: a claim lost meanwhile changes nothing).
+    if let Fence::Claim(token, _) = &fence {
+        if dry_run || !matches!(outcome, Ok(MigrationOutcome::Migrated { .. })) {
+            let next = ReconcileDecision::Recheck { reason: RecheckReason::RetryNotAllowed, next_check_at_ms: store.now_ms() };
+            store.finish_reconcile(token, &next).await?;
+        }
+    }
+    outcome
+}
 
+/// The commit of a migration: under the row lock, checks the fence, reads
+/// the attempts again and re-runs [`decide_migration`] on them; only then
+/// writes the new envelope generation (bumping the claim generation, so
+/// every earlier claim holder is fenced), closes open attempts ABSENT and
+/// writes the migration receipt.
+async fn commit_migration(
+    store: &PgStore,
+    event_id: &EventId,
+    new_route: &RoutePolicy,
+    operator: &str,
+    retry: &RetryPolicy,
+    fence: &Fence,
+    dry_run: bool,
+) -> Result<MigrationOutcome, ProducerError> {
+    let refused = |reason: String| Ok(MigrationOutcome::Refused { reason });
     let now = store.now_ms();
     let mut tx = store.pool().begin().await?;
     let row = sqlx::query(
-        "SELECT e.state, e.envelope_generation, e.destination_digest, e.unknown_since_ms, v.envelope_canonical
+        "SELECT e.state, e.envelope_generation, e.destination_digest, e.unknown_since_ms, e.claim_owner, e.claim_generation, v.envelope_canonical
          FROM outbox_events e JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
          WHERE e.event_id = $1 FOR UPDATE OF e",
     )
@@ -118,15 +177,46 @@ pub async fn migrate_destination<B: Broker>(
     .fetch_one(&mut *tx)
     .await?;
     let locked_state = EventState::parse(row.try_get("state")?)?;
-    if locked_state != EventState::Pending && locked_state != EventState::Reconciling {
-        return refused(format!("state changed to {locked_state} meanwhile"));
-    }
+    let locked_generation = row.try_get::<i64, _>("claim_generation")? as u64;
+    let locked_owner: Option<String> = row.try_get("claim_owner")?;
+    // Read in this transaction, after the row lock: no attempt can be
+    // registered for the event while it is held.
+    let attempts = PgStore::attempts_in(&mut tx, event_id).await?;
+    let decision = match fence {
+        Fence::Generation(read) => {
+            if locked_state != EventState::Pending || locked_generation != *read {
+                return refused(format!("the event changed meanwhile (now {locked_state}, claim generation {locked_generation}, read at {read}): its proof no longer holds"));
+            }
+            decide_migration(EventState::Pending, &attempts, None, retry, now)
+        }
+        Fence::Claim(token, lookup) => {
+            if locked_state != EventState::Reconciling || locked_generation != token.claim_generation || locked_owner.as_deref() != Some(token.owner.as_str()) {
+                return refused(format!("the reconcile claim the absence proof was made under was lost (now {locked_state}, claim generation {locked_generation})"));
+            }
+            decide_migration(EventState::DispatchUnknown, &attempts, Some(lookup), retry, now)
+        }
+    };
+    let proof = match decision {
+        MigrationDecision::Move { proof } => proof,
+        MigrationDecision::Refuse(r) => return refused(r.to_string()),
+    };
+    let proof = match (&proof, fence) {
+        (outbox_core::MigrationProof::NeverPersisted, _) => serde_json::json!({
+            "kind": "never_persisted", "claim_generation": locked_generation,
+            "attempts": attempts.iter().map(|a| (a.attempt_id.to_string(), a.state.as_str())).collect::<Vec<_>>() }),
+        (outbox_core::MigrationProof::ProvenAbsent { lookup_from_offset }, _) => {
+            serde_json::json!({ "kind": "proven_absent", "lookup_from_offset": lookup_from_offset, "claim_generation": locked_generation })
+        }
+    };
     let old: Envelope = Envelope::from_canonical(row.try_get::<&[u8], _>("envelope_canonical")?)?;
     let from_digest: String = row.try_get("destination_digest")?;
     let destination: Destination = new_route.resolve(&old.tenant, &old.aggregate_type, &old.aggregate_id)?;
     let to_digest = destination.digest();
     if to_digest == from_digest {
         return refused("the new route resolves to the same destination".into());
+    }
+    if dry_run {
+        return Ok(MigrationOutcome::WouldMigrate { from_generation: old.envelope_generation, to_destination_digest: to_digest, proof });
     }
     let envelope = Envelope { envelope_generation: old.envelope_generation + 1, ..old.clone() };
     sqlx::query(
@@ -156,6 +246,7 @@ pub async fn migrate_destination<B: Broker>(
     sqlx::query(
         "UPDATE outbox_events SET state = 'PENDING', envelope_generation = $2, destination_digest = $3, cluster_id = $4, topic = $5,
                 partition = $6, routing_key = $7, ordered = $8, claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL,
+                claim_generation = claim_generation + 1,
                 unknown_since_ms = NULL, next_check_at_ms = 0, state_since_ms = $9
          WHERE event_id = $1",
     )

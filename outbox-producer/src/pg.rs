@@ -32,6 +32,10 @@ pub struct PgStore {
     max_protocol_version: i32,
     /// The source identity and route generations read for CloudEvents headers.
     cloudevents: Arc<CloudEventsCache>,
+    /// Whether reconcile tasks measure attempt ages with the database's
+    /// clock (on for [`PgStore::new`]; a store on a test clock measures
+    /// with that clock only).
+    database_clock: bool,
 }
 
 /// The protocol version of [`crate::PROTOCOL_VERSION`], as a number.
@@ -55,6 +59,7 @@ fn attempt_from_row(r: &PgRow) -> Result<AttemptRecord, StoreError> {
         state: AttemptState::parse(r.try_get("state").map_err(g)?)?,
         destination_digest: r.try_get("destination_digest").map_err(g)?,
         started_at_ms: r.try_get("started_at_ms").map_err(g)?,
+        send_deadline_ms: r.try_get("send_deadline_ms").map_err(g)?,
         scan_from_offset: r.try_get("scan_from_offset").map_err(g)?,
     })
 }
@@ -75,18 +80,18 @@ fn receipt_from_row(r: &PgRow) -> Result<BrokerReceipt, StoreError> {
 }
 
 const ATTEMPT_COLUMNS: &str =
-    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset";
+    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms";
 const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, partition, \"offset\"";
 
 impl PgStore {
     /// A store on `pool` using the system clock.
     pub fn new(pool: PgPool) -> Self {
-        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default() }
+        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: true }
     }
 
     /// A store whose leases and timestamps follow `clock` (tests, simulations).
     pub fn with_clock(pool: PgPool, clock: Arc<dyn Clock>) -> Self {
-        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default() }
+        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: false }
     }
 
     /// Fills [`ClaimedEvent::cloudevents`] of events read outside a claim
@@ -213,29 +218,76 @@ impl PgStore {
         }
     }
 
-    fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<Vec<ClaimedEvent>, StoreError> {
-        rows.iter()
-            .map(|r| {
-                let g = |e: sqlx::Error| store_err(e);
-                let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
-                let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
-                Ok(ClaimedEvent {
-                    token: ClaimToken {
-                        event_id: envelope.event_id.clone(),
-                        owner: r.try_get("claim_owner").map_err(g)?,
-                        claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
-                        lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
-                    },
-                    envelope,
-                    destination,
-                    destination_digest: r.try_get("destination_digest").map_err(g)?,
-                    payload: r.try_get::<Option<Vec<u8>>, _>("payload").map_err(g)?.unwrap_or_default(),
-                    claimed_from: from,
-                    traceparent: r.try_get("traceparent").map_err(g)?,
-                    cloudevents: None,
-                })
-            })
-            .collect()
+    /// The claimed rows as events to send, and the rows whose frozen
+    /// envelope or destination cannot be read: `(event id, envelope
+    /// generation, why)`.
+    fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<(Vec<ClaimedEvent>, Vec<(String, i32, String)>), StoreError> {
+        let mut claimed = Vec::with_capacity(rows.len());
+        let mut unreadable = Vec::new();
+        for r in &rows {
+            let g = |e: sqlx::Error| store_err(e);
+            let parsed = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)
+                .and_then(|env| Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(|e| CoreError::InvalidEncoding(e.to_string()))?).map(|d| (env, d)));
+            let (envelope, destination) = match parsed {
+                Ok(p) => p,
+                Err(e) => {
+                    unreadable.push((r.try_get("event_id").map_err(g)?, r.try_get("envelope_generation").map_err(g)?, e.to_string()));
+                    continue;
+                }
+            };
+            claimed.push(ClaimedEvent {
+                token: ClaimToken {
+                    event_id: envelope.event_id.clone(),
+                    owner: r.try_get("claim_owner").map_err(g)?,
+                    claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
+                    lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
+                },
+                envelope,
+                destination,
+                destination_digest: r.try_get("destination_digest").map_err(g)?,
+                payload: r.try_get::<Option<Vec<u8>>, _>("payload").map_err(g)?.unwrap_or_default(),
+                event_payload_digest: r.try_get("payload_digest").map_err(g)?,
+                claimed_from: from,
+                traceparent: r.try_get("traceparent").map_err(g)?,
+                cloudevents: None,
+            });
+        }
+        Ok((claimed, unreadable))
+    }
+
+    /// Quarantines, in the claim's transaction, claimed rows whose frozen
+    /// envelope or destination cannot be read: that event can never be
+    /// sent as frozen, and it must not fail the claim of every other event.
+    async fn quarantine_unreadable(tx: &mut Transaction<'static, Postgres>, owner: &str, unreadable: &[(String, i32, String)], now: i64) -> Result<usize, StoreError> {
+        if unreadable.is_empty() {
+            return Ok(0);
+        }
+        for (id, _, why) in unreadable {
+            tracing::error!(event_id = %id, error = %why, "frozen envelope or destination unreadable: quarantined, not sent");
+        }
+        let ids: Vec<&str> = unreadable.iter().map(|u| u.0.as_str()).collect();
+        let gens: Vec<i32> = unreadable.iter().map(|u| u.1).collect();
+        let whys: Vec<&str> = unreadable.iter().map(|u| u.2.as_str()).collect();
+        let n = sqlx::query(
+            "WITH t AS (SELECT * FROM UNNEST($1::text[], $2::int[], $3::text[]) AS t(event_id, gen, why)),
+             ev AS (
+                UPDATE outbox_events e SET state = 'QUARANTINED', claim_owner = NULL, lease_until_ms = NULL, state_since_ms = $5,
+                       claim_generation = e.claim_generation + 1
+                FROM t WHERE e.event_id = t.event_id AND e.claim_owner = $4 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED', 'RECONCILING')
+                RETURNING e.event_id, e.envelope_generation, t.why)
+             INSERT INTO outbox_quarantine (event_id, envelope_generation, reason, evidence, created_at_ms)
+             SELECT event_id, envelope_generation, 'frozen_record_unreadable', jsonb_build_object('error', why), $5 FROM ev",
+        )
+        .bind(&ids)
+        .bind(&gens)
+        .bind(&whys)
+        .bind(owner)
+        .bind(now)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_err)?
+        .rows_affected();
+        Ok(n as usize)
     }
 
     /// Registers attempts for many claims in one transaction. Each token is
@@ -259,7 +311,7 @@ impl PgStore {
                 WHERE e.event_id = i.event_id AND e.claim_generation = i.gen AND e.claim_owner = i.owner
                   AND e.lease_until_ms > $5 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED') AND e.claim_attempt_id IS NULL
                 RETURNING e.event_id, e.envelope_generation, e.attempt_generation, e.destination_digest, e.cluster_id, e.topic,
-                          e.partition, i.attempt_id, i.gen, i.owner),
+                          e.partition, e.lease_until_ms, i.attempt_id, i.gen, i.owner),
              -- Where a scan for the message would start: past the highest
              -- receipted offset of its partition, looked up once per partition.
              floors AS MATERIALIZED (
@@ -269,7 +321,7 @@ impl PgStore {
                 FROM (SELECT DISTINCT cluster_id, topic, partition FROM upd) p)
              INSERT INTO outbox_attempts ({ATTEMPT_COLUMNS})
              SELECT u.attempt_id, u.event_id, u.envelope_generation, u.attempt_generation, u.gen, u.owner, 'SENDING',
-                    u.destination_digest, $5, f.scan_from
+                    u.destination_digest, $5, f.scan_from, u.lease_until_ms
              FROM upd u JOIN floors f USING (cluster_id, topic, partition)
              RETURNING {ATTEMPT_COLUMNS}"
         ))
@@ -404,7 +456,38 @@ impl PgStore {
             attempts.entry(a.event_id.to_string()).or_default().push(a);
         }
 
+        // Log positions of this batch already held by another event's primary
+        // receipt: the log they were recorded in is gone (the topic was
+        // recreated, the cluster replaced) and a new message sits there now.
+        // Such a receipt cannot fill a slot (one event per position); it is
+        // refused on its own instead of failing the batch, and the old
+        // receipt's lost position is a finding.
+        let mut held: HashMap<(String, String, i32, i64), String> = HashMap::new();
+        {
+            let clusters: Vec<&str> = receipts.iter().map(|r| r.cluster_id.as_str()).collect();
+            let topics: Vec<&str> = receipts.iter().map(|r| r.topic.as_str()).collect();
+            let partitions: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
+            let offsets: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
+            for r in sqlx::query(
+                "SELECT r.cluster_id, r.topic, r.partition, r.\"offset\", r.event_id FROM outbox_publish_receipts r
+                 JOIN UNNEST($1::text[], $2::text[], $3::int[], $4::bigint[]) AS t(c, tp, p, o)
+                   ON r.cluster_id = t.c AND r.topic = t.tp AND r.partition = t.p AND r.\"offset\" = t.o",
+            )
+            .persistent(false)
+            .bind(&clusters)
+            .bind(&topics)
+            .bind(&partitions)
+            .bind(&offsets)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_err)?
+            {
+                let g = |e: sqlx::Error| store_err(e);
+                held.insert((r.try_get("cluster_id").map_err(g)?, r.try_get("topic").map_err(g)?, r.try_get("partition").map_err(g)?, r.try_get("offset").map_err(g)?), r.try_get("event_id").map_err(g)?);
+            }
+        }
         let mut accepted: Vec<&BrokerReceipt> = Vec::new();
+        let mut findings: Vec<(&'static str, String, String)> = Vec::new();
         let mut duplicates: Vec<&BrokerReceipt> = Vec::new();
         let mut acked_attempts: Vec<&str> = Vec::new();
         let mut outcomes = Vec::with_capacity(receipts.len());
@@ -415,7 +498,48 @@ impl PgStore {
                 continue;
             };
             let list = attempts.entry(receipt.event_id.to_string()).or_default();
-            let decision = decide_receipt(ev, list, receipt);
+            let position = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.partition, receipt.offset);
+            let mut decision = decide_receipt(ev, list, receipt);
+            if let Some(holder) = held.get(&position).filter(|h| h.as_str() != receipt.event_id.as_str()) {
+                if matches!(decision, ReceiptDecision::Accept { .. }) {
+                    tracing::error!(event_id = %receipt.event_id, holder = %holder, topic = %receipt.topic, partition = receipt.partition, offset = receipt.offset,
+                        "a receipt's position is held by another event's receipt from a log that is gone: receipt refused");
+                    findings.push((
+                        "receipt_position_lost",
+                        holder.clone(),
+                        format!(
+                            "its receipt's position {}/{}/{}@{} now holds event {}'s message: the log it was recorded in is gone (topic recreated, cluster replaced)",
+                            receipt.cluster_id, receipt.topic, receipt.partition, receipt.offset, receipt.event_id
+                        ),
+                    ));
+                    decision = ReceiptDecision::Reject { reason: outbox_core::RejectReason::ConflictingPlacement };
+                }
+            }
+            if matches!(decision, ReceiptDecision::Accept { .. }) {
+                held.insert(position, receipt.event_id.to_string());
+            }
+            if outbox_core::refutes_absence(list, receipt, &decision) {
+                tracing::warn!(event_id = %receipt.event_id, attempt_id = %receipt.attempt_id, offset = receipt.offset, "a message of an attempt proven absent is in the log: the proof was wrong");
+                findings.push((
+                    "absence_proof_refuted",
+                    receipt.event_id.to_string(),
+                    format!(
+                        "attempt {} was closed ABSENT, yet its message is at {}/{}@{} ({})",
+                        receipt.attempt_id,
+                        receipt.topic,
+                        receipt.partition,
+                        receipt.offset,
+                        if matches!(decision, ReceiptDecision::Accept { .. }) { "now the primary receipt" } else { "kept as a duplicate transport receipt" }
+                    ),
+                ));
+            }
+            if outbox_core::is_unregistered_message(&decision) {
+                findings.push((
+                    "unregistered_message",
+                    receipt.event_id.to_string(),
+                    format!("a message carrying the eventId at {}/{}@{} names attempt {}, which this event never registered (a mirror, a replay, a bypass)", receipt.topic, receipt.partition, receipt.offset, receipt.attempt_id),
+                ));
+            }
             match &decision {
                 ReceiptDecision::Accept { from } => {
                     ev.state = from.transition(EventState::Published)?;
@@ -496,6 +620,7 @@ impl PgStore {
             )
             .await?;
         }
+        record_findings(&mut tx, &findings, now).await?;
         if !acked_attempts.is_empty() {
             sqlx::query("UPDATE outbox_attempts SET state = 'ACKED', finished_at_ms = $2 WHERE attempt_id = ANY($1) AND state <> 'ACKED'")
                 .bind(&acked_attempts)
@@ -506,6 +631,18 @@ impl PgStore {
         }
         tx.commit().await.map_err(store_err)?;
         outcomes.into_iter().collect()
+    }
+
+    /// All attempts of an event, oldest first, read in `tx`.
+    pub(crate) async fn attempts_in(tx: &mut Transaction<'_, Postgres>, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError> {
+        sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
+            .bind(event_id.as_str())
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(store_err)?
+            .iter()
+            .map(attempt_from_row)
+            .collect()
     }
 
     /// Extends the leases of many live claims; returns, per token, the new
@@ -565,19 +702,38 @@ impl PgStore {
         .await
         .map_err(store_err)?;
         let mut tasks = Vec::with_capacity(rows.len());
+        let mut unreadable = Vec::new();
         for r in &rows {
             let g = |e: sqlx::Error| store_err(e);
-            let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
-            let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
+            let parsed = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)
+                .and_then(|env| Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(|e| CoreError::InvalidEncoding(e.to_string()))?).map(|d| (env, d)));
+            let (envelope, destination) = match parsed {
+                Ok(p) => p,
+                // That event cannot be looked up as frozen: quarantined
+                // below, the other events of the round go on.
+                Err(e) => {
+                    unreadable.push((r.try_get("event_id").map_err(g)?, r.try_get("envelope_generation").map_err(g)?, e.to_string()));
+                    continue;
+                }
+            };
             let id = envelope.event_id.to_string();
-            let attempts = sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
-                .bind(&id)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(store_err)?
-                .iter()
-                .map(attempt_from_row)
-                .collect::<Result<Vec<_>, _>>()?;
+            let mut attempts = Vec::new();
+            for a in sqlx::query(&format!(
+                "SELECT {ATTEMPT_COLUMNS}, (extract(epoch FROM clock_timestamp()) * 1000)::bigint - registered_db_ms AS db_age_ms
+                 FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"
+            ))
+            .bind(&id)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_err)?
+            {
+                let mut attempt = attempt_from_row(&a)?;
+                if self.database_clock {
+                    let db_age_ms: Option<i64> = a.try_get("db_age_ms").map_err(g)?;
+                    measure_with_database_clock(&mut attempt, db_age_ms, now);
+                }
+                attempts.push(attempt);
+            }
             let slot = sqlx::query(&format!("SELECT {RECEIPT_COLUMNS} FROM outbox_publish_receipts WHERE event_id = $1 AND envelope_generation = $2"))
                 .bind(&id)
                 .bind(envelope.envelope_generation as i32)
@@ -606,6 +762,7 @@ impl PgStore {
                 unknown_since_ms: r.try_get::<Option<i64>, _>("unknown_since_ms").map_err(g)?.unwrap_or(now),
             });
         }
+        Self::quarantine_unreadable(&mut tx, owner, &unreadable, now).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(tasks)
     }
@@ -617,7 +774,7 @@ impl PgStore {
     async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
         validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
-        let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events).await?;
+        let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events, &mut 0).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(claimed)
     }
@@ -635,6 +792,7 @@ impl PgStore {
         lease_ms: i64,
         from: EventState,
         events: Option<&[&str]>,
+        quarantined: &mut usize,
     ) -> Result<Vec<ClaimedEvent>, StoreError> {
         let mut q = sqlx::query(sql)
             .bind(limit.min(MAX_CLAIM_BATCH) as i64)
@@ -647,7 +805,8 @@ impl PgStore {
             q = q.bind(events);
         }
         let rows = q.fetch_all(&mut **tx).await.map_err(store_err)?;
-        let mut claimed = Self::claimed_rows(rows, from)?;
+        let (mut claimed, unreadable) = Self::claimed_rows(rows, from)?;
+        *quarantined += Self::quarantine_unreadable(tx, owner, &unreadable, self.now_ms()).await?;
         self.cloudevents.attach(&mut **tx, &mut claimed).await?;
         if from == EventState::Pending {
             claimed.sort_by(|a, b| a.envelope.event_id.cmp(&b.envelope.event_id));
@@ -664,23 +823,28 @@ impl PgStore {
     pub(crate) async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
         validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
-        let mut round = ClaimRound { claimed: self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None).await?, successor_claim: false, head_scan: false };
+        let mut quarantined = 0;
+        let retries = self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None, &mut quarantined).await?;
+        let mut round = ClaimRound { claimed: retries, successor_claim: false, head_scan: false, quarantined: 0 };
         if round.claimed.len() < limit {
             let mut scan = scan_due;
             if !scan {
-                let found = self.claim_in(&mut tx, &CLAIM_SUCCESSORS, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, Some(&successor_ids(after))).await?;
+                let found = self
+                    .claim_in(&mut tx, &CLAIM_SUCCESSORS, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, Some(&successor_ids(after)), &mut quarantined)
+                    .await?;
                 round.successor_claim = true;
                 // No successor ready: look at every key now rather than wait.
                 scan = found.is_empty();
                 round.claimed.extend(found);
             }
             if scan {
-                let heads = self.claim_in(&mut tx, &CLAIM_EVERY_HEAD, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, None).await?;
+                let heads = self.claim_in(&mut tx, &CLAIM_EVERY_HEAD, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, None, &mut quarantined).await?;
                 round.claimed.extend(heads);
                 round.head_scan = true;
             }
         }
         tx.commit().await.map_err(store_err)?;
+        round.quarantined = quarantined;
         Ok(round)
     }
 
@@ -825,6 +989,51 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     Ok(())
 }
 
+/// Moves `attempt`'s registration time (and with it the end of its lease,
+/// by the remaining lease its own dispatcher measured) to when the
+/// database's clock says it was registered, `db_age_ms` before `now`,
+/// when that is later: a dispatcher host whose clock is behind cannot make
+/// an attempt look older than it is.
+fn measure_with_database_clock(attempt: &mut AttemptRecord, db_age_ms: Option<i64>, now: i64) {
+    let Some(age) = db_age_ms else { return };
+    let registered = now.saturating_sub(age.max(0));
+    if registered > attempt.started_at_ms {
+        let remaining_lease = attempt.send_deadline_ms.map(|d| d.saturating_sub(attempt.started_at_ms).max(0));
+        attempt.started_at_ms = registered;
+        attempt.send_deadline_ms = remaining_lease.map(|r| registered.saturating_add(r));
+    }
+}
+
+/// Findings that are evidence, not conditions: opened (or seen again) by
+/// the statement that found them and left open until an operator resolves
+/// them; a comparison round never resolves them.
+pub const EVIDENCE_FINDINGS: &[&str] =
+    &["bypass_publish", "absence_proof_refuted", "unregistered_message", "receipt_position_lost", "log_unavailable", "published_without_receipt"];
+
+/// Opens findings `(kind, event_id, detail)` in `tx`, or marks open ones seen again.
+pub(crate) async fn record_findings(tx: &mut Transaction<'_, Postgres>, findings: &[(&'static str, String, String)], now: i64) -> Result<(), StoreError> {
+    if findings.is_empty() {
+        return Ok(());
+    }
+    let kinds: Vec<&str> = findings.iter().map(|f| f.0).collect();
+    let ids: Vec<&str> = findings.iter().map(|f| f.1.as_str()).collect();
+    let details: Vec<&str> = findings.iter().map(|f| f.2.as_str()).collect();
+    sqlx::query(
+        "INSERT INTO outbox_findings (kind, event_id, consumer_id, age_ms, detail, first_seen_ms, last_seen_ms)
+         SELECT DISTINCT ON (k, e) k, e, '', 0, d, $4, $4 FROM UNNEST($1::text[], $2::text[], $3::text[]) AS t(k, e, d)
+         ON CONFLICT (kind, event_id, consumer_id) WHERE resolved_at_ms IS NULL
+         DO UPDATE SET detail = EXCLUDED.detail, last_seen_ms = EXCLUDED.last_seen_ms",
+    )
+    .bind(&kinds)
+    .bind(&ids)
+    .bind(&details)
+    .bind(now)
+    .execute(&mut **tx)
+    .await
+    .map_err(store_err)?;
+    Ok(())
+}
+
 /// The database's clock, ms since the epoch.
 pub async fn db_now_ms(pool: &PgPool) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetch_one(pool).await
@@ -844,7 +1053,7 @@ pub async fn oldest_pending_created_ms(pool: &PgPool) -> Result<Option<i64>, sql
 /// to the rows of the CTE `c` and returns them with their current envelope.
 const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
              WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-             RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
+             RETURNING e.event_id, e.envelope_generation, e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
 /// outbox_core's `not_sent_backoff_ms` for attempt generations 1, 2, ...
@@ -889,6 +1098,9 @@ pub(crate) struct ClaimRound {
     pub(crate) successor_claim: bool,
     /// Whether it scanned every key's head.
     pub(crate) head_scan: bool,
+    /// Claimed rows quarantined because their frozen envelope or destination
+    /// could not be read.
+    pub(crate) quarantined: usize,
 }
 
 /// The claim of events waiting for a retry (RETRY_CLAIMED, nobody's),

@@ -8,9 +8,10 @@
 //! otherwise back to DISPATCH_UNKNOWN with the next check scheduled. Every
 //! attempt stays recorded.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use outbox_core::{decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, OutboxStore, RecheckReason, ReconcileDecision, RetryPolicy};
+use outbox_core::{decide_after_submit, decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, OutboxStore, ReconcileDecision, RetryPolicy};
 use sqlx::Row;
 
 use crate::error::ProducerError;
@@ -34,8 +35,14 @@ pub struct ReconcilerConfig {
     pub unconsumed_after_ms: i64,
     /// An UNKNOWN older than this is a finding (page someone).
     pub unknown_slo_ms: i64,
+    /// How far the clocks that measured a lease and a registration may be
+    /// apart, ms; `retry.in_flight_bound_ms` must cover the adapter's
+    /// in-flight time plus this (at least 1000).
+    pub clock_skew_allowance_ms: i64,
     /// Most messages the bypass check reads per partition per round.
     pub bypass_scan_max_messages: u64,
+    /// Events the sweep for PUBLISHED without a receipt reads per round (by event id).
+    pub published_check_batch: i64,
     /// Most findings of one kind recorded per round.
     pub max_findings_per_kind: i64,
     /// State snapshots older than this are dropped, ms.
@@ -52,7 +59,9 @@ impl Default for ReconcilerConfig {
             aged_pending_ms: 60_000,
             unconsumed_after_ms: 5 * 60_000,
             unknown_slo_ms: crate::report::DEFAULT_UNKNOWN_SLO_MS,
+            clock_skew_allowance_ms: outbox_core::reconcile::DEFAULT_CLOCK_SKEW_ALLOWANCE_MS,
             bypass_scan_max_messages: 10_000,
+            published_check_batch: 10_000,
             max_findings_per_kind: 1_000,
             history_keep_ms: 7 * 24 * 3_600_000,
         }
@@ -72,6 +81,9 @@ pub struct CompareReport {
     pub unknown_past_slo: usize,
     /// Quarantined events.
     pub quarantined: usize,
+    /// PUBLISHED, RETAINED or PURGED events without a primary receipt found
+    /// by this round's part of the sweep.
+    pub published_without_receipt: usize,
     /// Messages read by the bypass check.
     pub scanned_messages: usize,
 }
@@ -79,7 +91,7 @@ pub struct CompareReport {
 impl CompareReport {
     /// Total findings.
     pub fn total(&self) -> usize {
-        self.aged_pending + self.unconsumed_published + self.bypass_publish + self.unknown_past_slo + self.quarantined
+        self.aged_pending + self.unconsumed_published + self.bypass_publish + self.unknown_past_slo + self.quarantined + self.published_without_receipt
     }
 }
 
@@ -96,6 +108,10 @@ pub struct ResolveReport {
     pub retried: usize,
     /// Still unknown, next check scheduled.
     pub rechecks: usize,
+    /// Failed on their own (logged); looked at again after their lease.
+    pub failed: usize,
+    /// Given back unstarted: the round ran past half of its lease.
+    pub given_back: usize,
 }
 
 /// Resolves unknown dispatch outcomes.
@@ -111,15 +127,8 @@ impl<B: Broker + 'static> Reconciler<B> {
     pub fn new(store: PgStore, broker: Arc<B>, config: ReconcilerConfig) -> Result<Self, ProducerError> {
         outbox_core::id::validate_identifier("reconciler owner", &config.owner)?;
         outbox_core::claim::validate_lease_ms(config.lease_ms)?;
-        if let Some(max) = broker.max_in_flight_ms() {
-            if (config.retry.in_flight_bound_ms.max(0) as u64) < max {
-                return Err(ProducerError::Config(format!(
-                    "retry.in_flight_bound_ms = {} is shorter than the {max} ms a message of this broker adapter may stay in flight; \
-                     an absence proof could miss a message still on its way",
-                    config.retry.in_flight_bound_ms
-                )));
-            }
-        }
+        outbox_core::check_in_flight_bound(config.retry.in_flight_bound_ms, broker.max_in_flight_ms(), config.clock_skew_allowance_ms)
+            .map_err(|e| ProducerError::Config(format!("retry.{e}")))?;
         Ok(Reconciler { store, broker, config })
     }
 
@@ -135,41 +144,80 @@ impl<B: Broker + 'static> Reconciler<B> {
         let mut report = ResolveReport { examined: tasks.len(), ..Default::default() };
         let supports = self.broker.supports_lookup();
         for task in tasks {
-            let event_id = &task.event.event_id;
-            let lookup = if !supports {
-                LookupOutcome::Unavailable("the broker adapter cannot look up events".into())
-            } else if task.event.destination.cluster_id != self.broker.cluster_id() {
-                LookupOutcome::Unavailable(format!("connected to cluster {}, event frozen for {}", self.broker.cluster_id(), task.event.destination.cluster_id))
-            } else {
-                self.broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
-            };
-            let now = self.store.now_ms();
-            let decision = decide_reconcile(&task.attempts, &lookup, supports, &self.config.retry, now);
-            tracing::info!(%event_id, ?decision, "reconcile decision");
-            match &decision {
-                ReconcileDecision::Submit(receipts) => {
-                    let outcomes = self.store.accept_dispatch_receipts(receipts).await?;
-                    match outcomes.last().map(|o| o.state) {
-                        Some(EventState::Published) => report.published += 1,
-                        Some(EventState::Quarantined) => report.quarantined += 1,
-                        _ => {
-                            let recheck = ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: now + self.config.retry.recheck_ms };
-                            self.store.finish_reconcile(&task.token, &recheck).await?;
-                            report.rechecks += 1;
-                        }
-                    }
+            // The round is sized to its lease: a task whose claim has less
+            // than half its lease left is given back (due again at once)
+            // rather than started, so that a long round never works on
+            // claims another reconciler has taken over.
+            if self.store.now_ms() >= task.token.lease_until_ms.saturating_sub(self.config.lease_ms / 2) {
+                let back = ReconcileDecision::Recheck { reason: outbox_core::RecheckReason::BrokerUnavailable, next_check_at_ms: self.store.now_ms() };
+                if let Err(e) = self.store.finish_reconcile(&task.token, &back).await {
+                    tracing::warn!(event_id = %task.event.event_id, error = %e, "could not give back a reconcile claim; it runs out with its lease");
                 }
-                ReconcileDecision::Retry { .. } => {
-                    self.store.finish_reconcile(&task.token, &decision).await?;
-                    report.retried += 1;
-                }
-                ReconcileDecision::Recheck { .. } => {
-                    self.store.finish_reconcile(&task.token, &decision).await?;
-                    report.rechecks += 1;
-                }
+                report.given_back += 1;
+                continue;
+            }
+            // One event's failure (a database error on its receipts, a
+            // refused write) is logged and counted; its claim runs out with
+            // its lease and the round goes on with the others.
+            if let Err(e) = self.resolve_one(&task, supports, &mut report).await {
+                tracing::error!(event_id = %task.event.event_id, error = %e, "reconciling this event failed; it is looked at again after its lease");
+                report.failed += 1;
             }
         }
         Ok(report)
+    }
+
+    async fn resolve_one(&self, task: &outbox_core::ReconcileTask, supports: bool, report: &mut ResolveReport) -> Result<(), ProducerError> {
+        let event_id = &task.event.event_id;
+        let lookup = if !supports {
+            LookupOutcome::Unavailable("the broker adapter cannot look up events".into())
+        } else if task.event.destination.cluster_id != self.broker.cluster_id() {
+            LookupOutcome::Unavailable(format!("connected to cluster {}, event frozen for {}", self.broker.cluster_id(), task.event.destination.cluster_id))
+        } else {
+            self.broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
+        };
+        let now = self.store.now_ms();
+        if let LookupOutcome::Unavailable(why) = &lookup {
+            if crate::kafka::is_log_incomplete(why) {
+                tracing::error!(%event_id, reason = %why, "the frozen partition's log cannot prove absence: the event stays unknown");
+                let mut tx = self.store.pool().begin().await?;
+                crate::pg::record_findings(&mut tx, &[("log_unavailable", event_id.to_string(), why.clone())], now).await?;
+                tx.commit().await?;
+            }
+        }
+        let decision = decide_reconcile(&task.attempts, &lookup, supports, &self.config.retry, now);
+        tracing::info!(%event_id, ?decision, "reconcile decision");
+        match &decision {
+            ReconcileDecision::Submit(receipts) => {
+                let outcomes = self.store.accept_dispatch_receipts(receipts).await?;
+                match outcomes.last().map(|o| o.state) {
+                    Some(EventState::Published) => report.published += 1,
+                    Some(EventState::Quarantined) => report.quarantined += 1,
+                    _ => {
+                        // Every message found refused (none from a
+                        // registered attempt): the absence logic decides,
+                        // instead of looking again and again.
+                        let decisions: Vec<_> = outcomes.iter().map(|o| o.decision.clone()).collect();
+                        let next = decide_after_submit(&decisions, &task.attempts, supports, &self.config.retry, now);
+                        tracing::info!(%event_id, decision = ?next, "every receipt found was refused");
+                        self.store.finish_reconcile(&task.token, &next).await?;
+                        match next {
+                            ReconcileDecision::Retry { .. } => report.retried += 1,
+                            _ => report.rechecks += 1,
+                        }
+                    }
+                }
+            }
+            ReconcileDecision::Retry { .. } => {
+                self.store.finish_reconcile(&task.token, &decision).await?;
+                report.retried += 1;
+            }
+            ReconcileDecision::Recheck { .. } => {
+                self.store.finish_reconcile(&task.token, &decision).await?;
+                report.rechecks += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Compares the three sets — committed outbox, publish receipts and the
@@ -261,6 +309,7 @@ impl<B: Broker + 'static> Reconciler<B> {
 
         let (bypass, scanned) = self.scan_for_bypass(now).await?;
         found.extend(bypass);
+        found.extend(self.sweep_published_without_receipt(now).await?);
 
         let mut report = CompareReport { scanned_messages: scanned, ..Default::default() };
         for (kind, ..) in &found {
@@ -269,6 +318,7 @@ impl<B: Broker + 'static> Reconciler<B> {
                 "unconsumed_published" => report.unconsumed_published += 1,
                 "bypass_publish" => report.bypass_publish += 1,
                 "unknown_past_slo" => report.unknown_past_slo += 1,
+                "published_without_receipt" => report.published_without_receipt += 1,
                 _ => report.quarantined += 1,
             }
         }
@@ -294,8 +344,9 @@ impl<B: Broker + 'static> Reconciler<B> {
         .execute(&mut *tx)
         .await?;
         // Conditions that no longer hold are resolved; bypass evidence stays until an operator closes it.
-        sqlx::query("UPDATE outbox_findings SET resolved_at_ms = $1 WHERE resolved_at_ms IS NULL AND last_seen_ms < $1 AND kind <> 'bypass_publish'")
+        sqlx::query("UPDATE outbox_findings SET resolved_at_ms = $1 WHERE resolved_at_ms IS NULL AND last_seen_ms < $1 AND kind <> ALL($2)")
             .bind(now)
+            .bind(crate::pg::EVIDENCE_FINDINGS)
             .execute(&mut *tx)
             .await?;
         sqlx::query("INSERT INTO outbox_state_snapshots (at_ms, state, count) SELECT $1, state, count(*) FROM outbox_events GROUP BY state ON CONFLICT DO NOTHING")
@@ -310,6 +361,50 @@ impl<B: Broker + 'static> Reconciler<B> {
         Ok(report)
     }
 
+    /// The next `published_check_batch` events by event id after the
+    /// sweep's cursor (wrapping around at the end): each one PUBLISHED,
+    /// RETAINED or PURGED without a primary receipt is a finding. The
+    /// database refuses such rows since migration 20261201010002; the sweep
+    /// finds older ones and rows written with triggers disabled.
+    async fn sweep_published_without_receipt(&self, now: i64) -> Result<Vec<(&'static str, String, String, i64, String)>, ProducerError> {
+        let pool = self.store.pool();
+        let after: String = sqlx::query_scalar("SELECT after_event_id FROM outbox_check_cursors WHERE check_name = 'published_without_receipt'")
+            .fetch_optional(pool)
+            .await?
+            .unwrap_or_default();
+        let rows = sqlx::query(
+            "WITH page AS (SELECT event_id, state, envelope_generation, state_since_ms FROM outbox_events WHERE event_id > $1 ORDER BY event_id LIMIT $2)
+             SELECT (SELECT max(event_id) FROM page) AS last, (SELECT count(*) FROM page) AS n, p.event_id, p.state, $3 - p.state_since_ms AS age
+             FROM (SELECT 1) one LEFT JOIN page p ON p.state IN ('PUBLISHED', 'RETAINED', 'PURGED')
+               AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = p.event_id AND r.envelope_generation = p.envelope_generation)",
+        )
+        .bind(&after)
+        .bind(self.config.published_check_batch)
+        .bind(now)
+        .fetch_all(pool)
+        .await?;
+        let mut found = Vec::new();
+        let mut next = String::new();
+        for r in &rows {
+            let n: i64 = r.try_get("n")?;
+            if n >= self.config.published_check_batch {
+                next = r.try_get::<Option<String>, _>("last")?.unwrap_or_default();
+            }
+            if let Some(id) = r.try_get::<Option<String>, _>("event_id")? {
+                let state: String = r.try_get("state")?;
+                found.push(("published_without_receipt", id, String::new(), r.try_get::<Option<i64>, _>("age")?.unwrap_or(0), format!("{state} without a primary receipt")));
+            }
+        }
+        sqlx::query(
+            "INSERT INTO outbox_check_cursors (check_name, after_event_id) VALUES ('published_without_receipt', $1)
+             ON CONFLICT (check_name) DO UPDATE SET after_event_id = EXCLUDED.after_event_id",
+        )
+        .bind(&next)
+        .execute(pool)
+        .await?;
+        Ok(found)
+    }
+
     /// Reads every routed topic of this broker's cluster from its cursor and
     /// reports messages whose eventId the outbox never committed, or that
     /// carry none.
@@ -318,6 +413,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         let cluster = self.broker.cluster_id().to_owned();
         let topics = crate::topic_scan::routed_topics(pool, &cluster).await?;
         let mut found = Vec::new();
+        let mut lost: Vec<(&'static str, String, String)> = Vec::new();
         let mut scanned = 0;
         for (topic, partitions) in topics {
             for partition in 0..partitions {
@@ -354,9 +450,41 @@ impl<B: Broker + 'static> Reconciler<B> {
                     let why = if m.event_id.is_some() { "eventId in the topic that the outbox never committed" } else { "message without an outbox eventId" };
                     found.push(("bypass_publish", label, String::new(), 0, format!("{why} at {topic}/{partition}@{}", m.offset)));
                 }
+                // Receipts whose position now holds another message (or one
+                // without an eventId): the log they were recorded in is gone.
+                let offsets: Vec<i64> = scan.messages.iter().map(|m| m.offset).collect();
+                let at: HashMap<i64, Option<&str>> = scan.messages.iter().map(|m| (m.offset, m.event_id.as_deref())).collect();
+                for r in sqlx::query(
+                    "SELECT event_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
+                )
+                .bind(&cluster)
+                .bind(&topic)
+                .bind(partition)
+                .bind(&offsets)
+                .fetch_all(&mut *tx)
+                .await?
+                {
+                    let (holder, offset): (String, i64) = (r.try_get("event_id")?, r.try_get("offset")?);
+                    let there = at.get(&offset).copied().flatten();
+                    if there != Some(holder.as_str()) {
+                        lost.push((
+                            "receipt_position_lost",
+                            holder,
+                            format!(
+                                "its receipt's position {cluster}/{topic}/{partition}@{offset} now holds {}: the log it was recorded in is gone (topic recreated, cluster replaced)",
+                                there.map_or("a message without an eventId".to_owned(), |e| format!("event {e}'s message"))
+                            ),
+                        ));
+                    }
+                }
                 Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, scan.next_offset).await?;
                 tx.commit().await?;
             }
+        }
+        if !lost.is_empty() {
+            let mut tx = pool.begin().await?;
+            crate::pg::record_findings(&mut tx, &lost, now).await?;
+            tx.commit().await?;
         }
         Ok((found, scanned))
     }

@@ -115,6 +115,7 @@ impl ShadowDispatcher {
                 token: ClaimToken { event_id: envelope.event_id.clone(), owner: "shadow".into(), claim_generation: 0, lease_until_ms: 0 },
                 destination_digest: destination_digest.clone(),
                 payload: r.try_get::<Option<Vec<u8>>, _>("payload")?.unwrap_or_default(),
+                event_payload_digest: envelope.payload_digest.clone(),
                 claimed_from: EventState::Pending,
                 traceparent: r.try_get("traceparent")?,
                 cloudevents: None,
@@ -133,6 +134,7 @@ impl ShadowDispatcher {
                 state: AttemptState::Sending,
                 destination_digest: destination_digest.clone(),
                 started_at_ms: now,
+                send_deadline_ms: None,
                 scan_from_offset: 0,
             };
             let message = outgoing_message(&event, &attempt);

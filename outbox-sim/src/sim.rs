@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 
 use outbox_core::memory::MemoryStore;
 use outbox_core::{
-    decide_migration, MigrationDecision, MigrationProof, MigrationRefusal, AttemptState, decide_reconcile, scan_lower_bound, sha256_digest, AttemptId, AttemptRecord, BrokerReceipt, ClaimToken, ClaimedEvent, Destination, EmitRequest,
+    decide_migration, MigrationDecision, MigrationProof, MigrationRefusal, AttemptState, decide_after_submit, decide_reconcile, scan_lower_bound, sha256_digest, AttemptId, AttemptRecord, BrokerReceipt, ClaimToken, ClaimedEvent, Destination, EmitRequest,
     EventId, EventState, FenceOutcome, LookupOutcome, OutboxStore, ReceiptDecision, ReceiptOutcome, RecheckReason, ReconcileDecision, ReconcileTask,
     RetryPolicy, RoutePolicy,
 };
@@ -686,7 +686,7 @@ impl Sim {
                     Err(e) => return self.unexpected("attempts", &e),
                 };
                 match decide_migration(state, &attempts, None, &RETRY_POLICY, self.now) {
-                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false),
+                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false, None),
                     MigrationDecision::Refuse(r) => {
                         self.figures.migrations_refused += 1;
                         slog!(self, "operator: migration of PENDING E{ev} refused: {r}");
@@ -704,14 +704,14 @@ impl Sim {
                 if self.mutation == Some(Mutation::MigrationWithoutProof) {
                     slog!(self, "MUTATION operator: moves UNKNOWN E{ev} without asking the old target");
                     let proof = MigrationProof::ProvenAbsent { lookup_from_offset: scan_lower_bound(&task.attempts) };
-                    return self.do_migrate(ev, dest, proof, open);
+                    return self.do_migrate(ev, dest, proof, open, Some(&task.token));
                 }
                 let from = scan_lower_bound(&task.attempts);
                 let open_attempts: Vec<AttemptRecord> = task.attempts.iter().filter(|a| a.state.possibly_in_flight()).cloned().collect();
                 let lookup = self.lookup(&task.event.destination, &id, from, &open_attempts, true);
                 let decision = decide_migration(state, &task.attempts, Some(&lookup), &RETRY_POLICY, self.now);
                 match decision {
-                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false),
+                    MigrationDecision::Move { proof } => self.do_migrate(ev, dest, proof, false, Some(&task.token)),
                     MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }) => {
                         self.figures.migrations_refused += 1;
                         slog!(self, "operator: migration of E{ev} refused: the old target holds it; submitting {} receipt(s)", receipts.len());
@@ -745,11 +745,11 @@ impl Sim {
 
     /// Applies a migration and checks it against the broker's ground truth.
     /// `unproven`: the proof was forged while old attempts were open.
-    fn do_migrate(&mut self, ev: usize, dest: Destination, proof: MigrationProof, unproven: bool) {
+    fn do_migrate(&mut self, ev: usize, dest: Destination, proof: MigrationProof, unproven: bool, claim: Option<&ClaimToken>) {
         let id = self.events[ev].id.clone();
         let from_gen = self.events[ev].gens.len() as u32;
         let held = self.generation_in_broker(ev, from_gen);
-        match self.store.migrate(&id, dest.clone(), proof.clone(), "operator") {
+        match self.store.migrate(&id, dest.clone(), proof.clone(), "operator", claim) {
             Ok(Ok(rec)) => {
                 self.figures.migrations += 1;
                 slog!(self, "operator: MIGRATED E{ev} generation {} -> {} to {}/{}/p{} under {:?} (closed {} attempt(s) ABSENT)", rec.from_generation, rec.to_generation, dest.cluster_id, dest.topic, dest.partition, proof, rec.closed_attempts.len());
@@ -1733,10 +1733,16 @@ impl Sim {
         let decision = t.decision.expect("decided");
         match &decision {
             ReconcileDecision::Submit(receipts) => {
+                // Decisions of every receipt that was decided; a rolled-back
+                // transaction decided nothing, so the absence logic may not
+                // take over (the empty list keeps it a recheck).
+                let mut decisions = Vec::new();
+                let mut rolled_back = false;
                 for rc in receipts {
                     let genuine = self.genuine(ev, rc);
                     if self.faults && self.rng.chance(self.cfg.faults.receipt_rollback) {
                         self.figures.receipt_rollbacks += 1;
+                        rolled_back = true;
                         slog!(self, "{name}: receipt transaction for E{ev} @{} ROLLED BACK", rc.offset);
                         continue;
                     }
@@ -1744,11 +1750,15 @@ impl Sim {
                         self.record_receipt(ev, genuine, None, &out.decision);
                         let a = self.an(ev, &rc.attempt_id);
                         slog!(self, "{name}: acceptDispatchReceipt({a} @{}) -> {:?}, event {}", rc.offset, out.decision, out.state);
+                        decisions.push(out.decision);
                     }
+                }
+                if rolled_back {
+                    decisions.clear();
                 }
                 match now(self.store.event_state(&t.task.token.event_id)) {
                     Ok((EventState::Reconciling, _)) => {
-                        let d = ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: self.now + RETRY_POLICY.recheck_ms };
+                        let d = decide_after_submit(&decisions, &t.task.attempts, self.cfg.lookup_supported, &RETRY_POLICY, self.now);
                         self.finish(r, ev, &t.task.token, &d);
                     }
                     Ok(_) => {}

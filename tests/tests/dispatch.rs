@@ -861,7 +861,7 @@ async fn dispatchers_whose_connections_are_killed_at_random_lose_and_duplicate_n
         let (pool, broker, mut stop) = (pool.clone(), broker.clone(), stop_rx.clone());
         async move {
             // No sooner than the adapter allows: a message may stay in the client that long.
-            let bound = broker.max_in_flight_ms().expect("the Kafka adapter bounds its in-flight time") as i64;
+            let bound = broker.max_in_flight_ms().expect("the Kafka adapter bounds its in-flight time") as i64 + outbox_core::reconcile::DEFAULT_CLOCK_SKEW_ALLOWANCE_MS;
             let retry = RetryPolicy { in_flight_bound_ms: bound, recheck_ms: 300, ..RetryPolicy::default() };
             let rec = Reconciler::new(PgStore::new(pool), broker, ReconcilerConfig { lease_ms: 5_000, retry, ..ReconcilerConfig::default() }).unwrap();
             while !*stop.borrow() {
