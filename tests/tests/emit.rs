@@ -461,3 +461,29 @@ async fn wake_dispatcher_decides_whether_the_commit_notifies(pool: PgPool) {
     }
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PENDING'").await, 3);
 }
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_traceparent_the_w3c_forbids_is_refused(pool: PgPool) {
+    setup(&pool).await;
+    let payload = order_payload("o-1", 5);
+    for (i, tp) in [
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", // version ff
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01", // all-zero trace id
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01", // all-zero parent id
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut tx = pool.begin().await.unwrap();
+        let key = format!("create-o-1-{i}");
+        let r = emit(&mut tx, &order_request(&key, "o-1", &payload), &EmitOptions { traceparent: Some(tp.into()), ..Default::default() }).await;
+        assert!(r.is_err(), "{tp} was accepted");
+        let text = r.unwrap_err().to_string();
+        assert!(text.contains("traceparent"), "{text}");
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 0);
+    let mut tx = pool.begin().await.unwrap();
+    let ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    emit(&mut tx, &order_request("create-o-1", "o-1", &payload), &EmitOptions { traceparent: Some(ok.into()), ..Default::default() }).await.unwrap();
+    tx.commit().await.unwrap();
+}
