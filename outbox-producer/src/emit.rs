@@ -15,7 +15,11 @@ pub struct EmitOptions {
     pub max_payload_bytes: usize,
     /// The W3C `traceparent` of the request that committed the business
     /// change; the dispatcher sends it as a header so the trace continues
-    /// through the broker.
+    /// through the broker. Validated per W3C Trace Context (version `ff`,
+    /// all-zero ids and upper-case hex are refused). When `None` (the
+    /// default), `emit` takes the current tracing span's OpenTelemetry
+    /// context, if there is one (feature `otel`, with a
+    /// `tracing_opentelemetry` layer installed).
     pub traceparent: Option<String>,
     /// Whether the transaction wakes listening dispatchers when it commits
     /// (`NOTIFY outbox_pending`; default `true`). Without it, dispatchers
@@ -38,11 +42,24 @@ impl Default for EmitOptions {
     }
 }
 
-/// Whether `s` has the W3C `traceparent` form `vv-<32 hex>-<16 hex>-ff`.
+/// Whether `s` is a valid W3C `traceparent`: `vv-<32 hex>-<16 hex>-<2 hex>`,
+/// lower-case, version not `ff`, trace id and parent id not all zero
+/// ([`outbox_core::trace_context::TraceParent::parse`]).
 pub fn is_traceparent(s: &str) -> bool {
-    let parts: Vec<&str> = s.split('-').collect();
-    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    parts.len() == 4 && hex(parts[0], 2) && hex(parts[1], 32) && hex(parts[2], 16) && hex(parts[3], 2)
+    outbox_core::trace_context::is_traceparent(s)
+}
+
+/// The trace context the events of one emit carry: the caller's
+/// `traceparent` when given (validated), else the current tracing span's
+/// OpenTelemetry context when there is one (feature `otel`).
+fn trace_context(options: &EmitOptions) -> Result<Option<String>, ProducerError> {
+    if let Some(tp) = options.traceparent.as_deref() {
+        return match outbox_core::trace_context::TraceParent::parse(tp) {
+            Ok(_) => Ok(Some(tp.to_owned())),
+            Err(e) => Err(outbox_core::CoreError::MalformedIdentifier { field: "traceparent", reason: format!("{tp:?}: {e}") }.into()),
+        };
+    }
+    Ok(crate::otel::current_traceparent())
 }
 
 /// What [`emit`] froze (or found frozen by the first try of the command).
@@ -151,9 +168,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     for request in requests {
         request.validate(options.max_payload_bytes)?;
     }
-    if let Some(tp) = options.traceparent.as_deref().filter(|tp| !is_traceparent(tp)) {
-        return Err(outbox_core::CoreError::MalformedIdentifier { field: "traceparent", reason: format!("{tp:?} is not a W3C traceparent") }.into());
-    }
+    let traceparent = trace_context(options)?;
 
     // One round trip for everything the freeze needs: the transaction id and
     // clock, which command keys exist, the last version of each aggregate,
@@ -320,7 +335,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         .bind(col(f, |x| x.emitted.publisher.as_str()))
         .bind(col(f, |_| takeover.as_ref().map(|t| t.generation as i32)))
         .bind(now_ms)
-        .bind(options.traceparent.as_deref())
+        .bind(traceparent.as_deref())
         .bind(txid)
         .bind(options.wake_dispatcher)
         .fetch_all(&mut **tx)
