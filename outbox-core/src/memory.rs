@@ -387,6 +387,7 @@ impl MemoryStore {
             payload: ev.payload.clone(),
             claimed_from: from,
             traceparent: None,
+            tracestate: None,
         }
     }
 

@@ -65,6 +65,8 @@ pub struct ClaimedEvent {
     pub claimed_from: EventState,
     /// W3C trace context recorded at emit, if any.
     pub traceparent: Option<String>,
+    /// W3C `tracestate` recorded at emit with the `traceparent`, if any.
+    pub tracestate: Option<String>,
 }
 
 /// The answer of a fenced write.

@@ -349,14 +349,21 @@ pub struct Dispatcher<B: Broker + 'static> {
     claim_turn: tokio::sync::Mutex<()>,
 }
 
+/// The W3C `tracestate` header, sent with `traceparent` when one was recorded at emit.
+pub const TRACESTATE_HEADER: &str = "tracestate";
+
 /// Builds the message for one attempt of one claimed event.
 pub fn outgoing_message(event: &ClaimedEvent, attempt: &AttemptRecord) -> OutgoingMessage {
+    let mut headers = headers::build(&event.envelope, &event.destination, &event.destination_digest, &attempt.attempt_id, event.traceparent.as_deref());
+    if let (Some(_), Some(ts)) = (&event.traceparent, &event.tracestate) {
+        headers.push((TRACESTATE_HEADER.into(), ts.as_bytes().to_vec()));
+    }
     OutgoingMessage {
         topic: event.destination.topic.clone(),
         partition: event.destination.partition,
         key: event.destination.routing_key.as_bytes().to_vec(),
         payload: event.payload.clone(),
-        headers: headers::build(&event.envelope, &event.destination, &event.destination_digest, &attempt.attempt_id, event.traceparent.as_deref()),
+        headers,
     }
 }
 
@@ -471,7 +478,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     let span = tracing::info_span!("outbox_send", event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id,
                         topic = %ev.destination.topic, partition = ev.destination.partition);
                     // The send belongs to the trace that emitted the event.
-                    crate::otel::follow_traceparent(&span, ev.traceparent.as_deref());
+                    crate::otel::follow_traceparent(&span, ev.traceparent.as_deref(), ev.tracestate.as_deref());
                     let metrics = self.metrics.clone();
                     let (topic, event_type) = (ev.destination.topic.clone(), ev.envelope.event_type.clone());
                     let handle = tokio::spawn(

@@ -21,6 +21,11 @@ pub struct EmitOptions {
     /// context, if there is one (feature `otel`, with a
     /// `tracing_opentelemetry` layer installed).
     pub traceparent: Option<String>,
+    /// The W3C `tracestate` that goes with `traceparent` (only with it; at
+    /// most 512 bytes and 32 members, validated). Sent as the `tracestate`
+    /// header. When `traceparent` is `None`, the current span's trace state
+    /// is taken with its context.
+    pub tracestate: Option<String>,
     /// Whether the transaction wakes listening dispatchers when it commits
     /// (`NOTIFY outbox_pending`; default `true`). Without it, dispatchers
     /// find the events at their next claim: at once while they are busy,
@@ -38,7 +43,7 @@ pub struct EmitOptions {
 
 impl Default for EmitOptions {
     fn default() -> Self {
-        EmitOptions { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES, traceparent: None, wake_dispatcher: true }
+        EmitOptions { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES, traceparent: None, tracestate: None, wake_dispatcher: true }
     }
 }
 
@@ -52,14 +57,22 @@ pub fn is_traceparent(s: &str) -> bool {
 /// The trace context the events of one emit carry: the caller's
 /// `traceparent` when given (validated), else the current tracing span's
 /// OpenTelemetry context when there is one (feature `otel`).
-fn trace_context(options: &EmitOptions) -> Result<Option<String>, ProducerError> {
-    if let Some(tp) = options.traceparent.as_deref() {
-        return match outbox_core::trace_context::TraceParent::parse(tp) {
-            Ok(_) => Ok(Some(tp.to_owned())),
-            Err(e) => Err(outbox_core::CoreError::MalformedIdentifier { field: "traceparent", reason: format!("{tp:?}: {e}") }.into()),
-        };
+fn trace_context(options: &EmitOptions) -> Result<(Option<String>, Option<String>), ProducerError> {
+    let bad = |field: &'static str, value: &str, e: outbox_core::trace_context::TraceContextError| -> ProducerError {
+        let shown: String = value.chars().take(100).collect();
+        outbox_core::CoreError::MalformedIdentifier { field, reason: format!("{shown:?}: {e}") }.into()
+    };
+    if let Some(ts) = options.tracestate.as_deref() {
+        if options.traceparent.is_none() {
+            return Err(outbox_core::CoreError::MalformedIdentifier { field: "tracestate", reason: "a tracestate needs a traceparent".into() }.into());
+        }
+        outbox_core::trace_context::validate_tracestate(ts).map_err(|e| bad("tracestate", ts, e))?;
     }
-    Ok(crate::otel::current_traceparent())
+    if let Some(tp) = options.traceparent.as_deref() {
+        outbox_core::trace_context::TraceParent::parse(tp).map_err(|e| bad("traceparent", tp, e))?;
+        return Ok((Some(tp.to_owned()), options.tracestate.clone()));
+    }
+    Ok(crate::otel::current_trace_context().map_or((None, None), |(tp, ts)| (Some(tp), ts)))
 }
 
 /// What [`emit`] froze (or found frozen by the first try of the command).
@@ -168,7 +181,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     for request in requests {
         request.validate(options.max_payload_bytes)?;
     }
-    let traceparent = trace_context(options)?;
+    let (traceparent, tracestate) = trace_context(options)?;
 
     // One round trip for everything the freeze needs: the transaction id and
     // clock, which command keys exist, the last version of each aggregate,
@@ -298,10 +311,10 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
              ins AS (
                 INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
                      aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
-                     routing_key, ordered, created_at_ms, state_since_ms, traceparent, publisher, takeover_generation)
+                     routing_key, ordered, created_at_ms, state_since_ms, traceparent, tracestate, publisher, takeover_generation)
                 SELECT i.event_id, i.command_key, 1, 'PENDING', i.tenant, i.aggregate_type, i.aggregate_id, i.aggregate_version,
                        i.event_type, i.payload, i.payload_digest, i.destination_digest, i.cluster_id, i.topic, i.partition,
-                       i.routing_key, i.ordered, $21, $21, $22, i.publisher, i.takeover_generation
+                       i.routing_key, i.ordered, $21, $21, $22, $25, i.publisher, i.takeover_generation
                 FROM input i JOIN cmd USING (event_id) ORDER BY i.ord
                 RETURNING event_id),
              env AS (
@@ -338,6 +351,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         .bind(traceparent.as_deref())
         .bind(txid)
         .bind(options.wake_dispatcher)
+        .bind(tracestate.as_deref())
         .fetch_all(&mut **tx)
         .await?;
         inserted.extend(ids);

@@ -219,6 +219,7 @@ impl PgStore {
                     payload: r.try_get::<Option<Vec<u8>>, _>("payload").map_err(g)?.unwrap_or_default(),
                     claimed_from: from,
                     traceparent: r.try_get("traceparent").map_err(g)?,
+                    tracestate: r.try_get("tracestate").map_err(g)?,
                 })
             })
             .collect()
@@ -829,7 +830,7 @@ pub async fn oldest_pending_created_ms(pool: &PgPool) -> Result<Option<i64>, sql
 /// to the rows of the CTE `c` and returns them with their current envelope.
 const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
              WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-             RETURNING e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
+             RETURNING e.traceparent, e.tracestate, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
 /// outbox_core's `not_sent_backoff_ms` for attempt generations 1, 2, ...

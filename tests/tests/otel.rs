@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use opentelemetry::trace::{SpanId, TraceContextExt as _, TraceId, TracerProvider as _};
+use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use outbox_consumer::{async_trait, ConsumedEvent, ConsumerConfig, HandlerError, IdempotentConsumer};
 use outbox_core::headers;
@@ -38,14 +38,15 @@ fn exporter() -> &'static InMemorySpanExporter {
 /// Records the trace id of the span the handler runs in.
 #[derive(Default)]
 struct Recorder {
-    seen: Mutex<Vec<(String, TraceId)>>,
+    seen: Mutex<Vec<(String, TraceId, String)>>,
 }
 
 #[async_trait]
 impl outbox_consumer::Handler for Recorder {
     async fn handle(&self, _tx: &mut Transaction<'_, Postgres>, event: &ConsumedEvent) -> Result<Value, HandlerError> {
-        let trace_id = tracing::Span::current().context().span().span_context().trace_id();
-        self.seen.lock().unwrap().push((event.event_id.as_str().to_owned(), trace_id));
+        let cx = tracing::Span::current().context();
+        let sc = cx.span().span_context().clone();
+        self.seen.lock().unwrap().push((event.event_id.as_str().to_owned(), sc.trace_id(), sc.trace_state().header()));
         Ok(serde_json::json!({}))
     }
 }
@@ -56,17 +57,30 @@ async fn one_trace_id_from_emit_to_the_consumers_handler_span(pool: PgPool) {
     outbox_consumer::migrate(&pool).await.unwrap();
     let (cluster, broker) = started(&pool, TOPIC, 3, 5_000, &[ORDER_CREATED]).await;
 
-    // The service's request span; emit takes its context (no traceparent passed).
+    // The service's request span, continuing a caller's trace that carries a
+    // tracestate; emit takes its context (no traceparent passed).
+    let caller = SpanContext::new(
+        TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap(),
+        SpanId::from_hex("b7ad6b7169203331").unwrap(),
+        TraceFlags::SAMPLED,
+        true,
+        "vendor=t61rcWkgMzE,other=1".parse::<TraceState>().unwrap(),
+    );
     let request = tracing::info_span!("place_order");
+    request.set_parent(opentelemetry::Context::new().with_remote_span_context(caller)).unwrap();
     let emitted = create_order(&pool, "o-1", 100).instrument(request.clone()).await;
     let request_cx = request.context().span().span_context().clone();
     assert!(request_cx.is_valid(), "the subscriber gives spans an OpenTelemetry context");
     let trace_id = request_cx.trace_id();
+    assert_eq!(trace_id, TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap());
     drop(request);
     let stored: Option<String> =
         sqlx::query_scalar("SELECT traceparent FROM outbox_events WHERE event_id = $1").bind(emitted.event_id().as_str()).fetch_one(&pool).await.unwrap();
     let expected = format!("00-{}-{}-01", trace_id, request_cx.span_id());
     assert_eq!(stored.as_deref(), Some(expected.as_str()));
+    let stored: Option<String> =
+        sqlx::query_scalar("SELECT tracestate FROM outbox_events WHERE event_id = $1").bind(emitted.event_id().as_str()).fetch_one(&pool).await.unwrap();
+    assert_eq!(stored.as_deref(), Some("vendor=t61rcWkgMzE,other=1"));
 
     // A traceparent the caller passes wins over the span's.
     let given = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -90,6 +104,7 @@ async fn one_trace_id_from_emit_to_the_consumers_handler_span(pool: PgPool) {
     let log = read_topic(&cluster.bootstrap, TOPIC, 3);
     let msg = log.iter().find(|m| m.header(headers::EVENT_ID).as_deref() == Some(emitted.event_id().as_str())).unwrap();
     assert_eq!(msg.header(headers::TRACEPARENT).as_deref(), Some(expected.as_str()));
+    assert_eq!(msg.header("tracestate").as_deref(), Some("vendor=t61rcWkgMzE,other=1"));
 
     // Consume.
     let recorder = Arc::new(Recorder::default());
@@ -109,10 +124,11 @@ async fn one_trace_id_from_emit_to_the_consumers_handler_span(pool: PgPool) {
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(30), task).await.unwrap().unwrap().unwrap();
     let seen = recorder.seen.lock().unwrap().clone();
-    let in_handler = seen.iter().find(|(id, _)| id == emitted.event_id().as_str()).unwrap().1;
-    assert_eq!(in_handler, trace_id, "the handler runs in the emitting request's trace");
+    let in_handler = seen.iter().find(|(id, ..)| id == emitted.event_id().as_str()).unwrap();
+    assert_eq!(in_handler.1, trace_id, "the handler runs in the emitting request's trace");
+    assert_eq!(in_handler.2, "vendor=t61rcWkgMzE,other=1", "with its tracestate");
     let given_trace = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
-    assert_eq!(seen.iter().find(|(id, _)| id == other.event_id().as_str()).unwrap().1, given_trace);
+    assert_eq!(seen.iter().find(|(id, ..)| id == other.event_id().as_str()).unwrap().1, given_trace);
 
     // The exported spans: emit's request span, the send span and the handler
     // span of the event share one trace id; send and handler are children of
