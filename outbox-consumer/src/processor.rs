@@ -322,7 +322,7 @@ impl Processor {
                         db_failures = 0;
                         Metrics::add(&self.metrics.handler_failures, 1);
                         let p = &prepared[i + index];
-                        warn!(consumer = %self.consumer_id, event_id = p.event_id().unwrap_or("-"), attempt = 1, topic = %p.msg().topic,
+                        warn!(consumer = %self.consumer_id, event_id = %p.event_id().unwrap_or("-"), attempt = 1, topic = %p.msg().topic,
                             partition = p.msg().partition, offset = p.msg().offset, %error, "handler failed");
                         // Commit the events before it (if any), then decide it alone.
                         end = i + index;
@@ -763,7 +763,7 @@ impl Processor {
                         Fail::Handler { error, .. } => error,
                         Fail::Aborted => HandlerError::Transient("the handler ignored a failed query and left the transaction aborted".into()),
                     };
-                    warn!(consumer = %self.consumer_id, event_id = p.event_id().unwrap_or("-"), attempt = attempts, topic = %p.msg().topic,
+                    warn!(consumer = %self.consumer_id, event_id = %p.event_id().unwrap_or("-"), attempt = attempts, topic = %p.msg().topic,
                         partition = p.msg().partition, offset = p.msg().offset, %error, "handler failed");
                     last = Some(error);
                 }
