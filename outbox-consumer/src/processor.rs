@@ -895,6 +895,7 @@ impl Processor {
                 .bind(&error)
                 .fetch_one(&self.pool)
                 .await?;
+                warn!(consumer = %self.consumer_id, event_id = %event_id, attempt = attempts, error = %error, "handler failed on redrive; the event stays dead-lettered");
                 Ok(Some(Outcome::DeadLettered(DeadLettered {
                     event_id: event_id.clone(),
                     position: position(&msg),
