@@ -135,6 +135,7 @@ async fn scrapes_after_real_work_pass_promtool_check_metrics() {
     let (status, scrape) = http_get(&metrics_addr, "/metrics");
     stop(&mut dispatch, libc::SIGTERM);
     assert!(status.contains("200"), "{status}");
+    eprintln!("--- GET /metrics of outbox dispatch ---\n{scrape}");
     let labels = "event_type=\"order.created.v2\",topic=\"orders\"";
     assert!(scrape.contains("# TYPE outbox_commit_to_published_seconds histogram"), "{scrape}");
     assert_eq!(value(&scrape, &format!("outbox_commit_to_published_seconds_count{{{labels}}}")), Some(5.0), "{scrape}");
