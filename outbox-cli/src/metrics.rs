@@ -401,6 +401,28 @@ mod tests {
     }
 
     #[test]
+    fn unknown_ages_are_counted_older_than_each_bound_and_p99_appears_once_resolved() {
+        let r = Registry::new();
+        let rec = ReconcileExport::register(&r);
+        let mut rep = report();
+        let counts = [1, 2, 3, 0, 0, 4];
+        let bounds = [60_000, 300_000, 900_000, 3_600_000, 21_600_000, i64::MAX];
+        rep.unknown_age_histogram = bounds.iter().zip(counts).map(|(&le_ms, count)| Bucket { le_ms, count }).collect();
+        rep.unknown_open = 10;
+        rep.unknown_resolved = 7;
+        rep.unknown_p99_resolution_ms = Some(1_500);
+        rec.report(&rep, Some(30_000_000));
+        let text = encode(&r);
+        for (age, n) in [("60", 9), ("300", 7), ("900", 4), ("3600", 4), ("21600", 4)] {
+            assert!(text.contains(&format!("outbox_unknown_open_older_than{{age_seconds=\"{age}\"}} {n}\n")), "{age}: {text}");
+        }
+        assert!(text.contains("outbox_unknown_resolution_p99_seconds 1.5\n") && text.contains("outbox_unknown_resolutions_total 7\n"), "{text}");
+        rep.unknown_resolved = 5; // a counter never goes back
+        rec.report(&rep, None);
+        assert!(encode(&r).contains("outbox_unknown_resolutions_total 7\n"));
+    }
+
+    #[test]
     fn counters_follow_the_dispatcher() {
         let r = Registry::new();
         let m = Arc::new(DispatchMetrics::default());
