@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use outbox_producer::report::Report;
 use outbox_producer::{CompareReport, DispatchMetrics, ResolveReport};
-use prometheus::{Encoder, Gauge, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Gauge, GaugeVec, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -59,14 +59,12 @@ pub struct DispatchExport {
     fenced: IntCounter,
     store_retries: IntCounter,
     batches: IntCounter,
-    batch_ms_total: IntCounter,
-    batch_ms_max: IntGauge,
     head_scans: IntCounter,
     successor_claims: IntCounter,
     oldest_pending: Gauge,
     refused_protocol_rows: IntGauge,
     alias_active: IntGauge,
-    clock_skew: IntGauge,
+    clock_skew: Gauge,
     in_flight: IntGauge,
     in_flight_source: Option<Arc<dyn Fn() -> usize + Send + Sync>>,
 }
@@ -74,6 +72,7 @@ pub struct DispatchExport {
 impl DispatchExport {
     /// Registers the dispatcher metrics.
     pub fn register(r: &Registry, source: Arc<DispatchMetrics>, in_flight: Option<Arc<dyn Fn() -> usize + Send + Sync>>) -> Self {
+        source.histograms.register(r).expect("unique metric");
         DispatchExport {
             source,
             claimed: counter(r, "outbox_dispatch_claimed_total", "Events claimed by this dispatcher."),
@@ -86,14 +85,12 @@ impl DispatchExport {
             fenced: counter(r, "outbox_dispatch_fenced_total", "Writes refused because the claim was taken over (stale worker)."),
             store_retries: counter(r, "outbox_dispatch_store_retries_total", "Retryable database errors a settling batch rode out (answers recorded again, lease renewals skipped)."),
             batches: counter(r, "outbox_dispatch_batches_total", "Batches settled."),
-            batch_ms_total: counter(r, "outbox_dispatch_batch_milliseconds_total", "Sum of batch latencies, ms (divide by batches_total for the mean)."),
-            batch_ms_max: gauge(r, "outbox_dispatch_batch_max_milliseconds", "Slowest batch since start, ms."),
             head_scans: counter(r, "outbox_dispatch_head_scans_total", "Claims that visited every ordering key's head."),
             successor_claims: counter(r, "outbox_dispatch_successor_claims_total", "Claims of the next events of just-published keys (one probe per key)."),
             oldest_pending: fgauge(r, "outbox_oldest_pending_age_seconds", "Age of the oldest PENDING event, seconds (0 when none)."),
             refused_protocol_rows: gauge(r, "outbox_dispatch_refused_protocol_rows", "Waiting rows of a newer protocol version this dispatcher refuses to claim."),
             alias_active: gauge(r, "outbox_dispatch_alias_active", "1 while this dispatcher may claim (no alias, or its alias names its implementation), 0 while it idles."),
-            clock_skew: gauge(r, "outbox_dispatch_clock_skew_milliseconds", "How far this dispatcher's clock is ahead of PostgreSQL's, ms (negative: behind), checked every 30 s."),
+            clock_skew: fgauge(r, "outbox_dispatch_clock_skew_seconds", "How far this dispatcher's clock is ahead of PostgreSQL's, seconds (negative: behind), checked every 30 s."),
             in_flight: gauge(r, "outbox_kafka_in_flight_messages", "Messages handed to the Kafka client and not yet reported on."),
             in_flight_source: in_flight,
         }
@@ -113,14 +110,12 @@ impl DispatchExport {
         follow(&self.fenced, g(&m.fenced));
         follow(&self.store_retries, g(&m.store_retries));
         follow(&self.batches, g(&m.batches));
-        follow(&self.batch_ms_total, g(&m.batch_ms_total));
-        self.batch_ms_max.set(g(&m.batch_ms_max) as i64);
         follow(&self.head_scans, g(&m.head_scans));
         follow(&self.successor_claims, g(&m.successor_claims));
         self.oldest_pending.set(g(&m.oldest_pending_age_ms) as f64 / 1000.0);
         self.refused_protocol_rows.set(g(&m.refused_protocol_rows) as i64);
         self.alias_active.set(g(&m.alias_active) as i64);
-        self.clock_skew.set(m.clock_skew_ms.load(Ordering::Relaxed));
+        self.clock_skew.set(m.clock_skew_ms.load(Ordering::Relaxed) as f64 / 1000.0);
         if let Some(f) = &self.in_flight_source {
             self.in_flight.set(f() as i64);
         }
@@ -146,9 +141,9 @@ pub struct ReconcileExport {
     oldest_pending: Gauge,
     unknown_open: IntGauge,
     unknown_oldest: Gauge,
-    unknown_by_age: IntGaugeVec,
-    unknown_resolved: IntGauge,
-    unknown_p99: Gauge,
+    unknown_older_than: IntGaugeVec,
+    unknown_resolved: IntCounter,
+    unknown_p99: GaugeVec,
     unknown_slo: Gauge,
     findings: IntGaugeVec,
     consumer_lag: IntGaugeVec,
@@ -178,9 +173,22 @@ impl ReconcileExport {
             oldest_pending: fgauge(r, "outbox_oldest_pending_age_seconds", "Age of the oldest PENDING event, seconds (0 when none)."),
             unknown_open: gauge(r, "outbox_unknown_open", "Events whose dispatch outcome is unknown now."),
             unknown_oldest: fgauge(r, "outbox_unknown_oldest_age_seconds", "Age of the oldest open UNKNOWN, seconds (0 when none)."),
-            unknown_by_age: gauge_vec(r, "outbox_unknown_open_by_age", "Open UNKNOWNs per age bucket (upper bound le, seconds; +Inf last).", &["le"]),
-            unknown_resolved: gauge(r, "outbox_unknown_resolutions", "UNKNOWNs resolved, ever (published, quarantined or migrated)."),
-            unknown_p99: fgauge(r, "outbox_unknown_resolution_p99_seconds", "p99 time from DISPATCH_UNKNOWN to resolution, seconds (-1 when none resolved)."),
+            unknown_older_than: gauge_vec(
+                r,
+                "outbox_unknown_open_older_than",
+                "Open UNKNOWNs older than age_seconds (cumulative from above: each count includes every older one).",
+                &["age_seconds"],
+            ),
+            unknown_resolved: counter(r, "outbox_unknown_resolutions_total", "UNKNOWNs resolved in this outbox database, ever (published, quarantined or migrated)."),
+            unknown_p99: {
+                let g = GaugeVec::new(
+                    Opts::new("outbox_unknown_resolution_p99_seconds", "p99 time from DISPATCH_UNKNOWN to resolution, seconds (absent while none was resolved)."),
+                    &[],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
             unknown_slo: fgauge(r, "outbox_unknown_slo_seconds", "The UNKNOWN resolution SLO the p99 is held to, seconds."),
             findings: gauge_vec(r, "outbox_findings_open", "Open reconciler findings per kind.", &["kind"]),
             consumer_lag: gauge_vec(
@@ -223,13 +231,19 @@ impl ReconcileExport {
         self.oldest_pending.set(report.oldest_pending_age_ms.unwrap_or(0) as f64 / 1000.0);
         self.unknown_open.set(report.unknown_open);
         self.unknown_oldest.set(oldest_unknown_ms.unwrap_or(0) as f64 / 1000.0);
-        self.unknown_by_age.reset();
-        for b in &report.unknown_age_histogram {
-            let le = if b.le_ms == i64::MAX { "+Inf".to_owned() } else { format!("{}", b.le_ms / 1000) };
-            self.unknown_by_age.with_label_values(&[le.as_str()]).set(b.count);
+        // The report's buckets count the ages in (previous bound, bound];
+        // exported as "older than bound", each count taking in every older bucket.
+        self.unknown_older_than.reset();
+        let buckets = &report.unknown_age_histogram;
+        for (i, b) in buckets.iter().enumerate().filter(|(_, b)| b.le_ms != i64::MAX) {
+            let older: i64 = buckets[i + 1..].iter().map(|b| b.count).sum();
+            self.unknown_older_than.with_label_values(&[(b.le_ms / 1000).to_string().as_str()]).set(older);
         }
-        self.unknown_resolved.set(report.unknown_resolved);
-        self.unknown_p99.set(report.unknown_p99_resolution_ms.map(|p| p as f64 / 1000.0).unwrap_or(-1.0));
+        follow(&self.unknown_resolved, report.unknown_resolved.max(0) as u64);
+        self.unknown_p99.reset();
+        if let Some(p) = report.unknown_p99_resolution_ms {
+            self.unknown_p99.with_label_values::<&str>(&[]).set(p as f64 / 1000.0);
+        }
         self.unknown_slo.set(report.unknown_slo_ms as f64 / 1000.0);
         self.findings.reset();
         for k in FINDING_KINDS {
@@ -358,9 +372,21 @@ mod tests {
         let rec = ReconcileExport::register(&r2);
         rec.round(&ResolveReport::default(), &CompareReport::default());
         rec.report(&report(), Some(1_000));
-        let text = format!("{}{}", encode(&r), encode(&r2));
+        // Histograms appear once observed.
+        let m = &d.source.histograms;
+        m.published("orders", "order.created.v2", 1_500);
+        m.sent("orders", "order.created.v2", Duration::from_millis(3));
+        m.claim.observe(0.002);
+        m.receipt_transaction.observe(0.004);
+        m.batch.observe(0.01);
+        let r3 = Registry::new();
+        let consumer = Arc::new(outbox_consumer::Metrics::default());
+        consumer.register(&r3, "billing").unwrap();
+        consumer.histograms.handled("billing", "orders", "order.created.v2", Duration::from_millis(2));
+        consumer.histograms.consumed("billing", "orders", "order.created.v2", 2_000);
+        let text = format!("{}{}{}", encode(&r), encode(&r2), encode(&r3));
         let names: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split_whitespace().next()).collect();
-        assert!(names.len() >= 35, "{names:?}");
+        assert!(names.len() >= 50, "{names:?}");
         for n in names {
             assert!(docs.contains(&format!("`{n}`")), "{n} is not documented in METRICS.md");
         }
@@ -368,8 +394,32 @@ mod tests {
         assert!(text.contains("outbox_events{state=\"PUBLISHED\"} 2") && text.contains("outbox_events{state=\"QUARANTINED\"} 0"), "{text}");
         assert!(text.contains("outbox_findings_open{kind=\"aged_pending\"} 1") && text.contains("outbox_findings_open{kind=\"bypass_publish\"} 0"));
         assert!(text.contains("outbox_consumer_lag_events{consumer_id=\"billing\",partition=\"0\",topic=\"orders\"} 1"), "{text}");
-        assert!(text.contains("outbox_unknown_open_by_age{le=\"+Inf\"} 0") && text.contains("outbox_unknown_resolution_p99_seconds -1"));
+        assert!(text.contains("outbox_unknown_open_older_than{age_seconds=\"60\"} 0"), "{text}");
+        assert!(!text.contains("outbox_unknown_resolution_p99_seconds") || !text.contains("outbox_unknown_resolution_p99_seconds -1"), "{text}");
+        assert!(!text.contains("le=\"") || text.lines().filter(|l| l.contains("le=\"")).all(|l| l.contains("_bucket{")), "le is only for histogram buckets: {text}");
         assert!(text.contains("outbox_oldest_pending_age_seconds 2.5"));
+    }
+
+    #[test]
+    fn unknown_ages_are_counted_older_than_each_bound_and_p99_appears_once_resolved() {
+        let r = Registry::new();
+        let rec = ReconcileExport::register(&r);
+        let mut rep = report();
+        let counts = [1, 2, 3, 0, 0, 4];
+        let bounds = [60_000, 300_000, 900_000, 3_600_000, 21_600_000, i64::MAX];
+        rep.unknown_age_histogram = bounds.iter().zip(counts).map(|(&le_ms, count)| Bucket { le_ms, count }).collect();
+        rep.unknown_open = 10;
+        rep.unknown_resolved = 7;
+        rep.unknown_p99_resolution_ms = Some(1_500);
+        rec.report(&rep, Some(30_000_000));
+        let text = encode(&r);
+        for (age, n) in [("60", 9), ("300", 7), ("900", 4), ("3600", 4), ("21600", 4)] {
+            assert!(text.contains(&format!("outbox_unknown_open_older_than{{age_seconds=\"{age}\"}} {n}\n")), "{age}: {text}");
+        }
+        assert!(text.contains("outbox_unknown_resolution_p99_seconds 1.5\n") && text.contains("outbox_unknown_resolutions_total 7\n"), "{text}");
+        rep.unknown_resolved = 5; // a counter never goes back
+        rec.report(&rep, None);
+        assert!(encode(&r).contains("outbox_unknown_resolutions_total 7\n"));
     }
 
     #[test]

@@ -201,6 +201,14 @@ impl IdempotentConsumer {
         self.processor.metrics().clone()
     }
 
+    /// Registers this consumer's metrics (counters `outbox_consumer_*_total`,
+    /// histograms of handler duration and commit -> consumed, all labelled
+    /// with its consumer id) into `registry`, for the service to serve on
+    /// its `/metrics` (e.g. with `prometheus::TextEncoder`).
+    pub fn register_metrics(&self, registry: &prometheus::Registry) -> prometheus::Result<()> {
+        self.processor.metrics().register(registry, self.processor.consumer_id())
+    }
+
     /// The processor (for [`redrive_dead_letter`](Processor::redrive_dead_letter)).
     pub fn processor(&self) -> &Arc<Processor> {
         &self.processor

@@ -94,6 +94,7 @@ mod error;
 mod event;
 mod handler;
 mod metrics;
+mod otel;
 mod outcome;
 mod processor;
 mod watermark;
@@ -104,7 +105,9 @@ pub use consumer::{AfterCommitHook, CommittedBatch, HookAction, IdempotentConsum
 pub use error::{ConsumerError, HandlerError};
 pub use event::{effect_key, ConsumedEvent, RawMessage, DEFAULT_EFFECT_PURPOSE, EFFECT_KEY_SCHEMA};
 pub use handler::Handler;
-pub use metrics::{Metrics, MetricsSnapshot};
+pub use metrics::{ConsumerHistograms, Metrics, MetricsSnapshot};
+/// The Prometheus client the consumer's metrics are registered with.
+pub use prometheus;
 pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
 pub use processor::{purge_receipts_before, receipt, verify_message, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};

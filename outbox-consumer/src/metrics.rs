@@ -1,6 +1,15 @@
-//! Counters, readable at any time without locks.
+//! Counters, readable at any time without locks, and the consumer's
+//! Prometheus metrics: [`Metrics::register`] puts them into a
+//! [`prometheus::Registry`] the service serves on its own `/metrics`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::labels::BoundedLabels;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{HistogramOpts, HistogramVec, IntCounter, Opts, Registry};
 
 use crate::outcome::Outcome;
 
@@ -28,7 +37,109 @@ pub struct Metrics {
     pub offset_commit_failures: AtomicU64,
     /// Times a partition was paused because its buffer was full.
     pub partitions_paused: AtomicU64,
+    /// Handler duration and commit -> consumed histograms.
+    pub histograms: ConsumerHistograms,
 }
+
+/// Buckets of commit -> consumed, seconds: 5 ms to 1 h.
+pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0];
+/// Buckets of one handler run, seconds: 0.5 ms to 60 s.
+pub const HANDLER_BUCKETS_SECONDS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+/// The consumer's histograms, labelled `consumer_id`, `topic`, `event_type`
+/// (at most [`outbox_core::labels::DEFAULT_MAX_LABEL_SETS`] combinations,
+/// then `_other`: the event type comes from a message header).
+#[derive(Clone)]
+pub struct ConsumerHistograms {
+    /// One handler run (applied or failed), seconds.
+    pub handler: HistogramVec,
+    /// From an applied event's commit (its eventId's time, taken in the
+    /// emitting transaction) to the commit of the transaction that applied it.
+    pub commit_to_consumed: HistogramVec,
+    labels: Arc<BoundedLabels>,
+}
+
+impl std::fmt::Debug for ConsumerHistograms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerHistograms").finish_non_exhaustive()
+    }
+}
+
+impl Default for ConsumerHistograms {
+    fn default() -> Self {
+        let vec = |name: &str, help: &str, buckets: &[f64]| {
+            HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), &["consumer_id", "topic", "event_type"]).expect("valid histogram")
+        };
+        ConsumerHistograms {
+            handler: vec("outbox_consumer_handler_duration_seconds", "Duration of one handler run (applied or failed).", HANDLER_BUCKETS_SECONDS),
+            commit_to_consumed: vec(
+                "outbox_consumer_commit_to_consumed_seconds",
+                "Time from an event's commit in the outbox (its eventId's time) to the commit of the consumer transaction that applied it.",
+                LATENCY_BUCKETS_SECONDS,
+            ),
+            labels: Default::default(),
+        }
+    }
+}
+
+impl ConsumerHistograms {
+    fn labels(&self, consumer_id: &str, topic: &str, event_type: &str) -> Vec<String> {
+        self.labels.admit(&[consumer_id, topic, event_type])
+    }
+
+    /// Observes one handler run.
+    pub fn handled(&self, consumer_id: &str, topic: &str, event_type: &str, took: Duration) {
+        let l = self.labels(consumer_id, topic, event_type);
+        self.handler.with_label_values(&[l[0].as_str(), l[1].as_str(), l[2].as_str()]).observe(took.as_secs_f64());
+    }
+
+    /// Observes one applied event's commit -> consumed latency, ms (negative: clocks apart, counted as 0).
+    pub fn consumed(&self, consumer_id: &str, topic: &str, event_type: &str, latency_ms: i64) {
+        let l = self.labels(consumer_id, topic, event_type);
+        self.commit_to_consumed.with_label_values(&[l[0].as_str(), l[1].as_str(), l[2].as_str()]).observe(latency_ms.max(0) as f64 / 1000.0);
+    }
+}
+
+/// The counters of [`Metrics`] as Prometheus counters, read at each gather.
+struct CounterCollector {
+    source: Arc<Metrics>,
+    counters: Vec<(IntCounter, fn(&MetricsSnapshot) -> u64)>,
+}
+
+impl Collector for CounterCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.counters.iter().flat_map(|(c, _)| c.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let snap = self.source.snapshot();
+        self.counters
+            .iter()
+            .flat_map(|(c, read)| {
+                let (now, value) = (c.get(), read(&snap));
+                if value > now {
+                    c.inc_by(value - now);
+                }
+                c.collect()
+            })
+            .collect()
+    }
+}
+
+/// The counters exported by [`Metrics::register`]: name, help, value.
+type CounterDef = (&'static str, &'static str, fn(&MetricsSnapshot) -> u64);
+const COUNTERS: &[CounterDef] = &[
+    ("outbox_consumer_received_messages_total", "Messages read from the broker.", |s| s.received),
+    ("outbox_consumer_applied_events_total", "Events applied (handler ran, receipt committed).", |s| s.applied),
+    ("outbox_consumer_duplicates_total", "Redeliveries answered with the original receipt (or dead letter).", |s| s.duplicates),
+    ("outbox_consumer_quarantined_messages_total", "Messages quarantined (failed verification, or a known eventId with other bytes).", |s| s.quarantined),
+    ("outbox_consumer_dead_lettered_events_total", "Events dead-lettered after their handler kept failing.", |s| s.dead_lettered),
+    ("outbox_consumer_handler_failures_total", "Handler runs that failed (each retry counts).", |s| s.handler_failures),
+    ("outbox_consumer_transactions_total", "Decision transactions committed.", |s| s.transactions),
+    ("outbox_consumer_db_retries_total", "Database work retried after a retryable error.", |s| s.db_retries),
+    ("outbox_consumer_offset_commit_failures_total", "Offset commits the broker refused or that could not be stored.", |s| s.offset_commit_failures),
+    ("outbox_consumer_partitions_paused_total", "Times a partition was paused because its buffer was full.", |s| s.partitions_paused),
+];
 
 /// A copy of [`Metrics`] at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -78,6 +189,22 @@ impl Metrics {
             offset_commit_failures: r(&self.offset_commit_failures),
             partitions_paused: r(&self.partitions_paused),
         }
+    }
+
+    /// Registers these metrics into `registry`: the counters as
+    /// `outbox_consumer_*_total{consumer_id}` (read at each gather) and the
+    /// histograms. Register each [`Metrics`] once; consumers that share one
+    /// [`Metrics`] (`Processor::with_metrics`) share its counters, and are told
+    /// apart in the histograms by their `consumer_id` label.
+    pub fn register(self: &Arc<Self>, registry: &Registry, consumer_id: &str) -> prometheus::Result<()> {
+        let mut counters = Vec::with_capacity(COUNTERS.len());
+        for (name, help, read) in COUNTERS {
+            counters.push((IntCounter::with_opts(Opts::new(*name, *help).const_label("consumer_id", consumer_id))?, *read));
+        }
+        registry.register(Box::new(CounterCollector { source: self.clone(), counters }))?;
+        registry.register(Box::new(self.histograms.handler.clone()))?;
+        registry.register(Box::new(self.histograms.commit_to_consumed.clone()))?;
+        Ok(())
     }
 
     pub(crate) fn add(counter: &AtomicU64, n: u64) {

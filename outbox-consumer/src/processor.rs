@@ -22,7 +22,7 @@ use outbox_core::id::validate_identifier;
 use outbox_core::{sha256_digest, EventId};
 use serde_json::{json, Value};
 use sqlx::{PgPool, Postgres, Row as _, Transaction};
-use tracing::{debug, info_span, warn, Instrument as _};
+use tracing::{info_span, warn, Instrument as _};
 
 use crate::config::{RetryPolicy, DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES, LIMIT_MAX_BATCH_MESSAGES};
 use crate::error::{ConsumerError, HandlerError};
@@ -74,6 +74,13 @@ impl Prepared<'_> {
     fn msg(&self) -> &RawMessage {
         match self {
             Prepared::Event { msg, .. } | Prepared::Bad { msg, .. } => msg,
+        }
+    }
+
+    fn event_id(&self) -> Option<&str> {
+        match self {
+            Prepared::Event { event, .. } => Some(event.event_id.as_str()),
+            Prepared::Bad { .. } => None,
         }
     }
 }
@@ -389,7 +396,9 @@ impl Processor {
                     Ok(Err(Fail::Handler { index, error })) => {
                         db_failures = 0;
                         Metrics::add(&self.metrics.handler_failures, 1);
-                        debug!(offset = prepared[i + index].msg().offset, %error, "handler failed in batch");
+                        let p = &prepared[i + index];
+                        warn!(consumer = %self.consumer_id, event_id = %p.event_id().unwrap_or("-"), attempt = 1, topic = %p.msg().topic,
+                            partition = p.msg().partition, offset = p.msg().offset, %error, "handler failed");
                         // Commit the events before it (if any), then decide it alone.
                         end = i + index;
                         pending = Some((i + index, error));
@@ -429,13 +438,19 @@ impl Processor {
 
     /// Runs the handler with its time limit, containing panics.
     async fn run_handler(&self, tx: &mut Transaction<'static, Postgres>, event: &ConsumedEvent) -> Result<Value, HandlerError> {
-        let span = info_span!("outbox_handle", event_id = %event.event_id, offset = event.offset, event_type = %event.event_type);
+        let span = info_span!("outbox_handle", consumer = %self.consumer_id, event_id = %event.event_id, topic = %event.topic,
+            partition = event.partition, offset = event.offset, event_type = %event.event_type);
+        // The handler's span continues the trace that emitted the event.
+        crate::otel::follow_traceparent(&span, event.header(headers::TRACEPARENT), event.header(crate::otel::TRACESTATE));
         let call = AssertUnwindSafe(self.handler.handle(tx, event)).catch_unwind().instrument(span);
+        let at = std::time::Instant::now();
         let result = match tokio::time::timeout(Duration::from_millis(self.retry.handler_timeout_ms), call).await {
             Err(_) => Err(HandlerError::Timeout(self.retry.handler_timeout_ms)),
             Ok(Err(panic)) => Err(HandlerError::Panicked(panic_message(panic.as_ref()))),
             Ok(Ok(r)) => r,
-        }?;
+        };
+        self.metrics.histograms.handled(&self.consumer_id, &event.topic, &event.event_type, at.elapsed());
+        let result = result?;
         let size = serde_json::to_vec(&result).map(|v| v.len()).unwrap_or(usize::MAX);
         if size > MAX_RESULT_BYTES {
             return Err(HandlerError::Permanent(format!("handler result is {size} bytes, the limit is {MAX_RESULT_BYTES}")));
@@ -458,7 +473,19 @@ impl Processor {
         tx.commit().await?;
         Metrics::add(&self.metrics.transactions, 1);
         self.metrics.count_outcomes(&outs);
+        self.observe_consumed(&outs);
         Ok(Ok(outs))
+    }
+
+    /// Observes commit -> consumed for the events a committed transaction applied.
+    fn observe_consumed(&self, outs: &[Outcome]) {
+        let now_ms = Utc::now().timestamp_millis();
+        for o in outs {
+            if let Outcome::Applied { receipt } = o {
+                let latency_ms = now_ms - receipt.event_id.unix_ms() as i64;
+                self.metrics.histograms.consumed(&self.consumer_id, &receipt.position.topic, &receipt.event_type, latency_ms);
+            }
+        }
     }
 
     /// The body of a decision transaction, without begin and commit.
@@ -790,7 +817,8 @@ impl Processor {
                         Fail::Handler { error, .. } => error,
                         Fail::Aborted => HandlerError::Transient("the handler ignored a failed query and left the transaction aborted".into()),
                     };
-                    debug!(offset = p.msg().offset, attempt = attempts, %error, "handler failed");
+                    warn!(consumer = %self.consumer_id, event_id = %p.event_id().unwrap_or("-"), attempt = attempts, topic = %p.msg().topic,
+                        partition = p.msg().partition, offset = p.msg().offset, %error, "handler failed");
                     last = Some(error);
                 }
                 Err(e) => {
@@ -922,6 +950,7 @@ impl Processor {
                 .bind(&error)
                 .fetch_one(&self.pool)
                 .await?;
+                warn!(consumer = %self.consumer_id, event_id = %event_id, attempt = attempts, error = %error, "handler failed on redrive; the event stays dead-lettered");
                 Ok(Some(Outcome::DeadLettered(DeadLettered {
                     event_id: event_id.clone(),
                     position: position(&msg),

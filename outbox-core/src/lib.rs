@@ -40,6 +40,7 @@ pub mod envelope;
 pub mod error;
 pub mod headers;
 pub mod id;
+pub mod labels;
 pub mod memory;
 pub mod receipt;
 pub mod reconcile;
@@ -47,6 +48,7 @@ pub mod retention;
 pub mod state;
 pub mod store;
 pub mod takeover;
+pub mod trace_context;
 
 pub use canonical::{is_digest, sha256_digest};
 pub use claim::{check_fence, not_sent_backoff_ms, Claim, ClaimToken, Clock, FencedWrite, ManualClock, SystemClock};

@@ -72,6 +72,8 @@ pub struct ClaimedEvent {
     /// The CloudEvents attributes of the route generation frozen in the
     /// destination; `None` when that route sends no CloudEvents headers.
     pub cloudevents: Option<crate::headers::CloudEventsBinding>,
+    /// W3C `tracestate` recorded at emit with the `traceparent`, if any.
+    pub tracestate: Option<String>,
 }
 
 impl ClaimedEvent {

@@ -258,6 +258,9 @@ pub struct DispatchMetrics {
     /// How far this dispatcher's clock is ahead of PostgreSQL's, ms
     /// (negative: behind), at the last check ([`PgStore::clock_skew_ms`]).
     pub clock_skew_ms: AtomicI64,
+    /// Duration histograms (commit -> PUBLISHED, claim, send, receipt
+    /// transaction, batch), for Prometheus.
+    pub histograms: crate::observe::DispatchHistograms,
 }
 
 /// A database failure the same call may get past (a lost connection, a
@@ -360,12 +363,18 @@ async fn send_before<B: Broker + ?Sized>(broker: Arc<B>, message: OutgoingMessag
     broker.send(message).await
 }
 
+/// The W3C `tracestate` header, sent with `traceparent` when one was recorded at emit.
+pub const TRACESTATE_HEADER: &str = "tracestate";
+
 /// Builds the message for one attempt of one claimed event: the outbox
 /// headers, then the CloudEvents headers when its route generation has them on.
 pub fn outgoing_message(event: &ClaimedEvent, attempt: &AttemptRecord) -> OutgoingMessage {
     let mut headers = headers::build(&event.envelope, &event.destination, &event.destination_digest, &attempt.attempt_id, event.traceparent.as_deref());
     if let Some(binding) = &event.cloudevents {
         headers.extend(headers::cloudevents(&event.envelope, binding));
+    }
+    if let (Some(_), Some(ts)) = (&event.traceparent, &event.tracestate) {
+        headers.push((TRACESTATE_HEADER.into(), ts.as_bytes().to_vec()));
     }
     OutgoingMessage {
         topic: event.destination.topic.clone(),
@@ -484,8 +493,21 @@ impl<B: Broker + 'static> Dispatcher<B> {
                 Ok(attempt) => {
                     let message = outgoing_message(&ev, &attempt);
                     let broker = self.broker.clone();
-                    let span = tracing::debug_span!("send", event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id);
-                    let handle = tokio::spawn(send_before(broker, message, send_deadline).instrument(span));
+                    let span = tracing::info_span!("outbox_send", event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id,
+                        topic = %ev.destination.topic, partition = ev.destination.partition);
+                    // The send belongs to the trace that emitted the event.
+                    crate::otel::follow_traceparent(&span, ev.traceparent.as_deref(), ev.tracestate.as_deref());
+                    let metrics = self.metrics.clone();
+                    let (topic, event_type) = (ev.destination.topic.clone(), ev.envelope.event_type.clone());
+                    let handle = tokio::spawn(
+                        async move {
+                            let at = Instant::now();
+                            let outcome = send_before(broker, message, send_deadline).await;
+                            metrics.histograms.sent(&topic, &event_type, at.elapsed());
+                            outcome
+                        }
+                        .instrument(span),
+                    );
                     sends.push((ev, attempt, handle));
                 }
                 Err(e) if e.is_fenced() => {
@@ -547,7 +569,9 @@ impl<B: Broker + 'static> Dispatcher<B> {
         let after = std::mem::take(&mut cursor.published);
         let scan_due = after.is_empty() || cursor.since_scan.saturating_add(1) >= self.config.head_scan_every;
         let _turn = self.claim_turn.lock().await;
+        let at = Instant::now();
         let round = self.store.claim_next(owner, &after, scan_due, batch, lease).await?;
+        self.metrics.histograms.claim.observe(at.elapsed().as_secs_f64());
         if round.successor_claim {
             inc(&self.metrics.successor_claims, 1);
         }
@@ -618,8 +642,12 @@ impl<B: Broker + 'static> Dispatcher<B> {
 
         let cluster_id = self.broker.cluster_id().to_owned();
         let mut receipts: Vec<BrokerReceipt> = Vec::new();
+        let mut receipt_types: Vec<&str> = Vec::new();
         let mut reports = Vec::new();
         for (_, ev, attempt, outcome) in &results {
+            if matches!(outcome, SendOutcome::Acked { .. }) {
+                receipt_types.push(ev.envelope.event_type.as_str());
+            }
             match outcome {
                 SendOutcome::Acked { partition, offset } => receipts.push(BrokerReceipt {
                     event_id: ev.envelope.event_id.clone(),
@@ -642,11 +670,18 @@ impl<B: Broker + 'static> Dispatcher<B> {
         // failure is returned after the rest were tried.
         let mut failed: Option<StoreError> = None;
         cursor.published.clear();
-        match self.through_db_errors("accept_dispatch_receipts", || self.store.accept_dispatch_receipts(&receipts)).await {
+        let receipts_at = Instant::now();
+        let accepted = self.through_db_errors("accept_dispatch_receipts", || self.store.accept_dispatch_receipts(&receipts)).await;
+        if !receipts.is_empty() {
+            self.metrics.histograms.receipt_transaction.observe(receipts_at.elapsed().as_secs_f64());
+        }
+        let published_at_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+        match accepted {
             Ok(outcomes) => {
-                for (outcome, receipt) in outcomes.into_iter().zip(&receipts) {
+                for ((outcome, receipt), event_type) in outcomes.into_iter().zip(&receipts).zip(&receipt_types) {
                     match outcome.decision {
                         ReceiptDecision::Accept { .. } => {
+                            self.metrics.histograms.published(&receipt.topic, event_type, published_at_ms - receipt.event_id.unix_ms() as i64);
                             cursor.published.push(receipt.event_id.clone());
                             report.published += 1;
                             inc(&self.metrics.published, 1);
@@ -692,6 +727,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
         inc(&self.metrics.batches, 1);
         inc(&self.metrics.batch_ms_total, ms);
         self.metrics.batch_ms_max.fetch_max(ms, AtomicOrdering::Relaxed);
+        self.metrics.histograms.batch.observe(started.elapsed().as_secs_f64());
         if report.claimed > 0 {
             tracing::debug!(owner = %owner, ?report, batch_ms = ms, "batch settled");
         }

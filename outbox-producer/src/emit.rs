@@ -15,8 +15,17 @@ pub struct EmitOptions {
     pub max_payload_bytes: usize,
     /// The W3C `traceparent` of the request that committed the business
     /// change; the dispatcher sends it as a header so the trace continues
-    /// through the broker.
+    /// through the broker. Validated per W3C Trace Context (version `ff`,
+    /// all-zero ids and upper-case hex are refused). When `None` (the
+    /// default), `emit` takes the current tracing span's OpenTelemetry
+    /// context, if there is one (feature `otel`, with a
+    /// `tracing_opentelemetry` layer installed).
     pub traceparent: Option<String>,
+    /// The W3C `tracestate` that goes with `traceparent` (only with it; at
+    /// most 512 bytes and 32 members, validated). Sent as the `tracestate`
+    /// header. When `traceparent` is `None`, the current span's trace state
+    /// is taken with its context.
+    pub tracestate: Option<String>,
     /// Whether the transaction wakes listening dispatchers when it commits
     /// (`NOTIFY outbox_pending`; default `true`). Without it, dispatchers
     /// find the events at their next claim: at once while they are busy,
@@ -34,15 +43,36 @@ pub struct EmitOptions {
 
 impl Default for EmitOptions {
     fn default() -> Self {
-        EmitOptions { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES, traceparent: None, wake_dispatcher: true }
+        EmitOptions { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES, traceparent: None, tracestate: None, wake_dispatcher: true }
     }
 }
 
-/// Whether `s` has the W3C `traceparent` form `vv-<32 hex>-<16 hex>-ff`.
+/// Whether `s` is a valid W3C `traceparent`: `vv-<32 hex>-<16 hex>-<2 hex>`,
+/// lower-case, version not `ff`, trace id and parent id not all zero
+/// ([`outbox_core::trace_context::TraceParent::parse`]).
 pub fn is_traceparent(s: &str) -> bool {
-    let parts: Vec<&str> = s.split('-').collect();
-    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    parts.len() == 4 && hex(parts[0], 2) && hex(parts[1], 32) && hex(parts[2], 16) && hex(parts[3], 2)
+    outbox_core::trace_context::is_traceparent(s)
+}
+
+/// The trace context the events of one emit carry: the caller's
+/// `traceparent` when given (validated), else the current tracing span's
+/// OpenTelemetry context when there is one (feature `otel`).
+fn trace_context(options: &EmitOptions) -> Result<(Option<String>, Option<String>), ProducerError> {
+    let bad = |field: &'static str, value: &str, e: outbox_core::trace_context::TraceContextError| -> ProducerError {
+        let shown: String = value.chars().take(100).collect();
+        outbox_core::CoreError::MalformedIdentifier { field, reason: format!("{shown:?}: {e}") }.into()
+    };
+    if let Some(ts) = options.tracestate.as_deref() {
+        if options.traceparent.is_none() {
+            return Err(outbox_core::CoreError::MalformedIdentifier { field: "tracestate", reason: "a tracestate needs a traceparent".into() }.into());
+        }
+        outbox_core::trace_context::validate_tracestate(ts).map_err(|e| bad("tracestate", ts, e))?;
+    }
+    if let Some(tp) = options.traceparent.as_deref() {
+        outbox_core::trace_context::TraceParent::parse(tp).map_err(|e| bad("traceparent", tp, e))?;
+        return Ok((Some(tp.to_owned()), options.tracestate.clone()));
+    }
+    Ok(crate::otel::current_trace_context().map_or((None, None), |(tp, ts)| (Some(tp), ts)))
 }
 
 /// What [`emit`] froze (or found frozen by the first try of the command).
@@ -151,9 +181,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     for request in requests {
         request.validate(options.max_payload_bytes)?;
     }
-    if let Some(tp) = options.traceparent.as_deref().filter(|tp| !is_traceparent(tp)) {
-        return Err(outbox_core::CoreError::MalformedIdentifier { field: "traceparent", reason: format!("{tp:?} is not a W3C traceparent") }.into());
-    }
+    let (traceparent, tracestate) = trace_context(options)?;
 
     // One round trip for everything the freeze needs: the transaction id and
     // clock, which command keys exist, the last version of each aggregate,
@@ -283,10 +311,10 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
              ins AS (
                 INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
                      aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
-                     routing_key, ordered, created_at_ms, state_since_ms, traceparent, publisher, takeover_generation)
+                     routing_key, ordered, created_at_ms, state_since_ms, traceparent, tracestate, publisher, takeover_generation)
                 SELECT i.event_id, i.command_key, 1, 'PENDING', i.tenant, i.aggregate_type, i.aggregate_id, i.aggregate_version,
                        i.event_type, i.payload, i.payload_digest, i.destination_digest, i.cluster_id, i.topic, i.partition,
-                       i.routing_key, i.ordered, $21, $21, $22, i.publisher, i.takeover_generation
+                       i.routing_key, i.ordered, $21, $21, $22, $25, i.publisher, i.takeover_generation
                 FROM input i JOIN cmd USING (event_id) ORDER BY i.ord
                 RETURNING event_id),
              env AS (
@@ -320,9 +348,10 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         .bind(col(f, |x| x.emitted.publisher.as_str()))
         .bind(col(f, |_| takeover.as_ref().map(|t| t.generation as i32)))
         .bind(now_ms)
-        .bind(options.traceparent.as_deref())
+        .bind(traceparent.as_deref())
         .bind(txid)
         .bind(options.wake_dispatcher)
+        .bind(tracestate.as_deref())
         .fetch_all(&mut **tx)
         .await?;
         inserted.extend(ids);

@@ -20,6 +20,8 @@ pub mod emit;
 pub mod error;
 pub mod kafka;
 pub mod migration;
+pub mod observe;
+pub mod otel;
 pub mod pg;
 pub mod reconciler;
 pub mod report;

@@ -249,6 +249,7 @@ impl PgStore {
                 event_payload_digest: r.try_get("payload_digest").map_err(g)?,
                 claimed_from: from,
                 traceparent: r.try_get("traceparent").map_err(g)?,
+                tracestate: r.try_get("tracestate").map_err(g)?,
                 cloudevents: None,
             });
         }
@@ -1053,7 +1054,7 @@ pub async fn oldest_pending_created_ms(pool: &PgPool) -> Result<Option<i64>, sql
 /// to the rows of the CTE `c` and returns them with their current envelope.
 const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
              WHERE e.event_id = c.event_id AND v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-             RETURNING e.event_id, e.envelope_generation, e.traceparent, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
+             RETURNING e.event_id, e.envelope_generation, e.traceparent, e.tracestate, e.claim_owner, e.claim_generation, e.lease_until_ms, e.payload, e.destination_digest, e.payload_digest,
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
 /// outbox_core's `not_sent_backoff_ms` for attempt generations 1, 2, ...

@@ -93,7 +93,7 @@ impl ShadowDispatcher {
     pub async fn shadow_once(&self, limit: usize) -> Result<usize, ProducerError> {
         let now = self.store.now_ms();
         let rows = sqlx::query(
-            "SELECT e.payload, e.traceparent, e.destination_digest, v.envelope_canonical, v.destination_canonical
+            "SELECT e.payload, e.traceparent, e.tracestate, e.destination_digest, v.envelope_canonical, v.destination_canonical
              FROM outbox_events e JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
              WHERE e.publisher = 'legacy' AND NOT EXISTS (SELECT 1 FROM outbox_shadow_attempts s WHERE s.event_id = e.event_id)
              ORDER BY e.seq LIMIT $1",
@@ -119,6 +119,7 @@ impl ShadowDispatcher {
                 claimed_from: EventState::Pending,
                 traceparent: r.try_get("traceparent")?,
                 cloudevents: None,
+                tracestate: r.try_get("tracestate")?,
                 envelope,
                 destination,
             };

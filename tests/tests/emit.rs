@@ -461,3 +461,51 @@ async fn wake_dispatcher_decides_whether_the_commit_notifies(pool: PgPool) {
     }
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PENDING'").await, 3);
 }
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_traceparent_the_w3c_forbids_is_refused(pool: PgPool) {
+    setup(&pool).await;
+    let payload = order_payload("o-1", 5);
+    for (i, tp) in [
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", // version ff
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01", // all-zero trace id
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01", // all-zero parent id
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut tx = pool.begin().await.unwrap();
+        let key = format!("create-o-1-{i}");
+        let r = emit(&mut tx, &order_request(&key, "o-1", &payload), &EmitOptions { traceparent: Some(tp.into()), ..Default::default() }).await;
+        assert!(r.is_err(), "{tp} was accepted");
+        let text = r.unwrap_err().to_string();
+        assert!(text.contains("traceparent"), "{text}");
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 0);
+    let mut tx = pool.begin().await.unwrap();
+    let ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    emit(&mut tx, &order_request("create-o-1", "o-1", &payload), &EmitOptions { traceparent: Some(ok.into()), ..Default::default() }).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_tracestate_is_validated_and_needs_a_traceparent(pool: PgPool) {
+    setup(&pool).await;
+    let payload = order_payload("o-1", 5);
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let many: Vec<String> = (0..33).map(|i| format!("k{i}=v")).collect();
+    let many = many.join(",");
+    for (traceparent, tracestate) in [(None, "vendor=1"), (Some(tp), "Vendor=1"), (Some(tp), "vendor"), (Some(tp), many.as_str())] {
+        let mut tx = pool.begin().await.unwrap();
+        let opts = EmitOptions { traceparent: traceparent.map(str::to_owned), tracestate: Some(tracestate.to_owned()), ..Default::default() };
+        let r = emit(&mut tx, &order_request("create-o-1", "o-1", &payload), &opts).await;
+        let text = r.expect_err(tracestate).to_string();
+        assert!(text.contains("tracestate"), "{text}");
+    }
+    let mut tx = pool.begin().await.unwrap();
+    let opts = EmitOptions { traceparent: Some(tp.into()), tracestate: Some("vendor=1,other=x".into()), ..Default::default() };
+    let e = emit(&mut tx, &order_request("create-o-1", "o-1", &payload), &opts).await.unwrap();
+    tx.commit().await.unwrap();
+    let stored: Option<String> = sqlx::query_scalar("SELECT tracestate FROM outbox_events WHERE event_id = $1").bind(e.event_id().as_str()).fetch_one(&pool).await.unwrap();
+    assert_eq!(stored.as_deref(), Some("vendor=1,other=x"));
+}
