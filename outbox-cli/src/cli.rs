@@ -262,7 +262,7 @@ pub struct ReconcileArgs {
     /// Never re-send a proven-absent event (it stays DISPATCH_UNKNOWN and pages) [default: re-send to the same frozen destination].
     #[arg(long)]
     pub no_retry: bool,
-    /// Most attempts per event; beyond it the event stays UNKNOWN [default: 10].
+    /// Most attempts per event that may have been delivered (NOT_SENT ones do not count); beyond it the event stays UNKNOWN [default: 10].
     #[arg(long, value_name = "N")]
     pub max_attempts: Option<u32>,
     /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 60000].
