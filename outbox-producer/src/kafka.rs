@@ -400,10 +400,13 @@ pub enum KafkaAdapterError {
         found: String,
     },
     /// The cluster did not tell its id within the connect timeout.
-    #[error("no cluster id from the Kafka cluster within {timeout_ms} ms")]
+    #[error("no cluster id from the Kafka cluster within {timeout_ms} ms{}", last_error.as_deref().map(|e| format!(" (last client error: {e})")).unwrap_or_default())]
     NoClusterId {
         /// The timeout that ran out.
         timeout_ms: u64,
+        /// The client's last error meanwhile (a refused connection, a failed
+        /// TLS handshake, a failed authentication...), secrets masked.
+        last_error: Option<String>,
     },
     /// Topic metadata could not be read or is not usable.
     #[error("kafka metadata: {0}")]
@@ -524,6 +527,8 @@ struct HealthState {
     probe: Mutex<Option<(i64, Option<String>)>>,
     /// Producers built after the first.
     rebuilds: AtomicU64,
+    /// The client's last error (connection, TLS, authentication...).
+    last_client_error: Mutex<Option<String>>,
 }
 
 fn epoch_ms() -> i64 {
@@ -572,6 +577,11 @@ impl<const OAUTH: bool> ClientContext for DeliveryContext<OAUTH> {
             *lock(&self.health.fatal) = Some(format!("{error}: {reason}"));
         } else {
             warn!(%error, reason, "kafka producer error");
+        }
+        // "All broker connections are down" follows the error that says why.
+        let mut last = lock(&self.health.last_client_error);
+        if last.is_none() || !matches!(error.rdkafka_error_code(), Some(RDKafkaErrorCode::AllBrokersDown)) {
+            *last = Some(if reason.is_empty() { error.to_string() } else { reason.to_owned() });
         }
     }
 
@@ -736,10 +746,10 @@ impl Inner {
     ) -> Result<Inner, KafkaAdapterError> {
         let producer = AnyProducer::create(&config, &health, &tokens)?;
         let timeout = Duration::from_millis(config.connect_timeout_ms);
-        let cluster_id = producer
-            .fetch_cluster_id(timeout)
-            .filter(|id| !id.is_empty())
-            .ok_or(KafkaAdapterError::NoClusterId { timeout_ms: config.connect_timeout_ms })?;
+        let cluster_id = producer.fetch_cluster_id(timeout).filter(|id| !id.is_empty()).ok_or_else(|| KafkaAdapterError::NoClusterId {
+            timeout_ms: config.connect_timeout_ms,
+            last_error: lock(&health.last_client_error).clone().map(|e| redact_text(&e, &config.extra)),
+        })?;
         if let Some(expected) = expected.filter(|e| *e != cluster_id) {
             return Err(KafkaAdapterError::ClusterChanged { expected, found: cluster_id });
         }
