@@ -178,3 +178,33 @@ pub fn scratch(name: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Writes `n` filler messages to each partition of `topic` (a plain producer,
+/// one message per request), so that a fresh log's positions start past `n`.
+pub fn fill(bootstrap: &str, topic: &str, partitions: i32, n: usize) {
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    let p: BaseProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("batch.num.messages", "1")
+        .set("enable.idempotence", "false")
+        .create()
+        .expect("filler producer");
+    for partition in 0..partitions {
+        for i in 0..n {
+            let payload = format!("filler-{i}");
+            p.send(BaseRecord::<str, str>::to(topic).partition(partition).payload(&payload)).expect("enqueue filler");
+            p.poll(Duration::from_millis(1));
+        }
+    }
+    p.flush(Duration::from_secs(20)).expect("filler messages delivered");
+}
+
+/// Kills the child process when dropped (a failing test leaves nothing running).
+pub struct Reaper(pub Child);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
