@@ -96,6 +96,7 @@ mod handler;
 mod metrics;
 mod outcome;
 mod processor;
+pub mod readiness;
 mod watermark;
 
 pub use async_trait::async_trait;
@@ -106,6 +107,7 @@ pub use event::{effect_key, ConsumedEvent, RawMessage, DEFAULT_EFFECT_PURPOSE, E
 pub use handler::Handler;
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
+pub use readiness::ConsumerReadiness;
 pub use processor::{purge_receipts_before, receipt, Processor, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
 
