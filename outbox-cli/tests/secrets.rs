@@ -136,5 +136,21 @@ async fn the_edges_fail_clearly() {
         assert!(text.contains("run `outbox migrate` first"), "{args:?}: {text}");
         assert!(!text.contains("does not exist"), "{args:?}: no raw 'function/relation ... does not exist': {text}");
     }
+    // The library's emit says the same.
+    sqlx::query("CREATE TABLE orders (id text PRIMARY KEY)").execute(env.pool()).await.unwrap();
+    let mut tx = env.pool().begin().await.unwrap();
+    let request = outbox_core::EmitRequest {
+        command_key: "c-1",
+        tenant: "t",
+        aggregate_type: "order",
+        aggregate_id: "o-1",
+        aggregate_version: 1,
+        event_type: common::ORDER_CREATED,
+        payload_schema: "s",
+        payload: b"{}",
+    };
+    let err = outbox_producer::emit(&mut tx, &request, &outbox_producer::EmitOptions::default()).await.expect_err("no schema").to_string();
+    assert!(err.contains("run `outbox migrate`"), "{err}");
+    drop(tx);
     env.drop_now().await;
 }
