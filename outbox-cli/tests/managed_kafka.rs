@@ -2,9 +2,11 @@
 //! external broker process (tansu) behind a TLS terminator (stunnel), both on
 //! loopback, with certificates this test makes; a wrong CA refused with a
 //! clear error; SASL and OAUTHBEARER configurations reaching librdkafka.
-//! tansu 0.6.0 serves plain listeners only here, so SASL mechanisms are
-//! checked as configured (they fail clearly against a listener without SASL)
-//! rather than authenticated.
+//! tansu 0.6.0 here cannot authenticate a client (its users cannot be
+//! created once authentication is on, and its storages that outlive a
+//! restart are not built in), so SASL mechanisms are checked as configured:
+//! they fail clearly against a listener without SASL, and SCRAM runs its
+//! exchange against tansu's SCRAM server up to "unknown user".
 
 mod common;
 
@@ -141,6 +143,28 @@ async fn sasl_settings_reach_librdkafka_and_fail_clearly_against_a_listener_with
         assert!(last.contains("connecting to Kafka at") && last.contains("last client error"), "{mechanism}: a clear error: {text}");
         assert!(!text.contains("No provider") && !text.contains("not available at build time"), "{mechanism} is built in: {text}");
         assert!(!text.contains("Planted_Sasl_Pw_9"), "{mechanism}: the password never appears: {text}");
+    }
+    env.drop_now().await;
+}
+
+#[tokio::test]
+async fn scram_runs_its_exchange_against_a_real_scram_server() {
+    let dir = scratch("scram");
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let _tansu = Tansu::start_with(port, &addr, "outbox-scram-cluster", &dir.join("tansu.log"), &["--authentication"]);
+    let env = Env::new("cli_scram").await;
+    env.ok(&["migrate"]);
+    let file = dir.join("scram.toml");
+    for mechanism in ["SCRAM-SHA-256", "SCRAM-SHA-512"] {
+        std::fs::write(&file, format!("[kafka]\nconnect_timeout_ms = 3000\nsettings = {{ \"security.protocol\" = \"SASL_PLAINTEXT\", \"sasl.mechanism\" = \"{mechanism}\", \"sasl.username\" = \"orders\", \"sasl.password\" = \"Planted_Scram_Pw_3\" }}\n")).unwrap();
+        let out = env.outbox().arg("--config").arg(&file).args(["dispatch", "--kafka-bootstrap", &addr]).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.status.code(), Some(1), "{text}");
+        let last = text.lines().last().unwrap_or("");
+        eprintln!("{mechanism}: {last}");
+        assert!(last.contains("SASL SCRAM authentication failed") && last.contains("unknown-user"), "{mechanism}: the SCRAM exchange reached the server: {text}");
+        assert!(!text.contains("Planted_Scram_Pw_3"), "{text}");
     }
     env.drop_now().await;
 }

@@ -44,6 +44,11 @@ impl Tansu {
     /// Starts a broker listening on `port`, advertising `advertised`
     /// (`host:port`, e.g. a TLS terminator in front of it).
     pub fn start(port: u16, advertised: &str, cluster_id: &str, log: &Path) -> Tansu {
+        Tansu::start_with(port, advertised, cluster_id, log, &[])
+    }
+
+    /// [`Tansu::start`] with more broker arguments (e.g. `--authentication`).
+    pub fn start_with(port: u16, advertised: &str, cluster_id: &str, log: &Path, extra: &[&str]) -> Tansu {
         let out = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
         let mut child = Command::new(tansu_bin())
             .args(["broker", "--cluster-id", cluster_id, "--storage-engine", "memory://tansu/"])
@@ -51,6 +56,7 @@ impl Tansu {
             .arg(format!("tcp://127.0.0.1:{port}"))
             .arg("--advertised-listener-url")
             .arg(format!("tcp://{advertised}"))
+            .args(extra)
             .stdout(Stdio::from(out.try_clone().unwrap()))
             .stderr(Stdio::from(out))
             .spawn()
