@@ -291,9 +291,11 @@ impl IdempotentConsumer {
                     // One probe at a time, off the run loop (both calls may block).
                     if probing.as_ref().is_none_or(|h| h.is_finished()) {
                         let (client, pool, readiness) = (client.clone(), self.processor.pool().clone(), readiness.clone());
+                        // One subscribed topic: a cheap request, and one that cannot create a topic.
+                        let topic = self.config.topics.first().cloned();
                         probing = Some(tokio::spawn(async move {
                             let timeout = Duration::from_millis(crate::readiness::PROBE_TIMEOUT_MS);
-                            let k = tokio::task::spawn_blocking(move || client.fetch_metadata(None, timeout).map(|_| ()).map_err(|e| e.to_string())).await;
+                            let k = tokio::task::spawn_blocking(move || client.fetch_metadata(topic.as_deref(), timeout).map(|_| ()).map_err(|e| e.to_string())).await;
                             readiness.kafka(k.unwrap_or_else(|e| Err(format!("probe task: {e}"))));
                             let db = tokio::time::timeout(timeout, sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&pool)).await;
                             readiness.database(match db {

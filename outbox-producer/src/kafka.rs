@@ -672,6 +672,30 @@ impl AnyProducer {
         }
     }
 
+    /// A metadata request for the brokers and the topics this client
+    /// already knows (not every topic of the cluster: a probe every second
+    /// must stay cheap on a cluster with thousands of topics).
+    #[allow(unsafe_code)]
+    fn probe(&self, timeout: Duration) -> Result<(), String> {
+        let rk = match self {
+            AnyProducer::Plain(p) => p.client().native_ptr(),
+            AnyProducer::OAuth(p) => p.client().native_ptr(),
+        };
+        let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        let mut md: *const rdkafka_sys::rd_kafka_metadata = std::ptr::null();
+        // SAFETY: `rk` is the live handle of the client `self` owns, for the
+        // whole call; `md` is written by librdkafka and freed once below.
+        let err = unsafe { rdkafka_sys::rd_kafka_metadata(rk, 0, std::ptr::null_mut(), &mut md, timeout_ms) };
+        if !md.is_null() {
+            // SAFETY: `md` was returned by rd_kafka_metadata and is freed exactly once.
+            unsafe { rdkafka_sys::rd_kafka_metadata_destroy(md) };
+        }
+        match RDKafkaErrorCode::from(err) {
+            RDKafkaErrorCode::NoError => Ok(()),
+            code => Err(format!("metadata request: {code}")),
+        }
+    }
+
     fn flush(&self, timeout: Duration) -> Result<(), KafkaError> {
         match self {
             AnyProducer::Plain(p) => p.flush(timeout),
@@ -1023,7 +1047,7 @@ impl KafkaBroker {
         let inner = self.inner();
         let timeout = Duration::from_millis(inner.config.probe_timeout_ms);
         let probed = inner.clone();
-        let r = tokio::task::spawn_blocking(move || probed.producer.fetch_metadata(None, timeout).map(|_| ()).map_err(|e| describe_kafka_error(&e, &probed.config.extra)))
+        let r = tokio::task::spawn_blocking(move || probed.producer.probe(timeout).map_err(|e| redact_text(&e, &probed.config.extra)))
             .await
             .unwrap_or_else(|e| Err(format!("probe task failed: {e}")));
         *lock(&inner.health.probe) = Some((epoch_ms(), r.clone().err()));
