@@ -34,6 +34,21 @@
 -- Nobody but the owner may DELETE outbox evidence: events, envelopes,
 -- attempts and receipts are never deleted (retention only clears payloads).
 -- The schema (and `outbox migrate`) stays with the owner role.
+--
+-- Enforced by the database, not by the services' good behaviour:
+--   * column-level grants: the dispatcher (and the reconciler) UPDATE only the
+--     dispatch columns of outbox_events (state, claim, lease, clocks), never
+--     the payload, its digests, the publisher or the frozen destination; only
+--     the operator also clears payloads (purge) and moves destinations
+--     (migrate-destination); attempts change only in state, detail and end time;
+--   * row-level security on outbox_events: the application role inserts only
+--     PENDING events that no dispatcher has touched (a new event can never
+--     arrive as PUBLISHED, CLAIMED or QUARANTINED). Every role granted
+--     here reads and updates through permissive policies; a role of your own
+--     that reads outbox_events needs its grants here too (the table owner is
+--     not subject to row-level security).
+-- A forbidden write fails with SQLSTATE 42501: "permission denied for table
+-- ..." or "new row violates row-level security policy".
 
 -- Roles (cluster-wide; created once).
 DO $$
@@ -96,9 +111,13 @@ SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_takeover_policies');
 -- outbox_dispatcher: claim (UPDATE with row locks), register attempts, the
 -- receipt transaction, not-sent / unknown reports, lease sweeps, quarantine
 -- of divergent events, audit of stale writes. No INSERT or DELETE of events.
-SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, UPDATE', 'outbox_events');
+-- Only the dispatch columns: never payload, digests, publisher, destination.
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_events');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'UPDATE (state, state_since_ms, claim_owner, claim_generation, lease_until_ms, claim_attempt_id,
+                                                          attempt_generation, unknown_since_ms, next_check_at_ms, published_at_ms)', 'outbox_events');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_envelopes');
-SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE', 'outbox_attempts');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_attempts');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'UPDATE (state, detail, finished_at_ms)', 'outbox_attempts');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_publish_receipts');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_duplicate_receipts');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_quarantine');
@@ -138,6 +157,10 @@ SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, DELETE', 'outb
 -- payload by UPDATE), destination migration (a new envelope generation and a
 -- migration receipt), route policy revisions, the consumer registry.
 GRANT outbox_reconciler TO outbox_operator;
+-- Purge clears the payload; a destination migration re-points the event at
+-- its new envelope generation's frozen destination.
+SELECT pg_temp.outbox_grant('outbox_operator', 'UPDATE (payload, envelope_generation, destination_digest, cluster_id, topic, partition,
+                                                        routing_key, ordered)', 'outbox_events');
 SELECT pg_temp.outbox_grant('outbox_operator', 'INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_migration_receipts');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_route_policies');
@@ -188,6 +211,34 @@ BEGIN
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                         outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', f);
     END LOOP;
+END $$;
+
+-- Row-level security on outbox_events (see the top of this file): reads and
+-- updates through permissive policies (the grants above decide who may),
+-- inserts only through outbox_app's policy, and only of untouched PENDING events.
+DO $$
+BEGIN
+    IF to_regclass('outbox_events') IS NOT NULL THEN
+        ALTER TABLE outbox_events ENABLE ROW LEVEL SECURITY;
+        DROP POLICY IF EXISTS outbox_events_read ON outbox_events;
+        CREATE POLICY outbox_events_read ON outbox_events FOR SELECT USING (true);
+        DROP POLICY IF EXISTS outbox_events_update ON outbox_events;
+        CREATE POLICY outbox_events_update ON outbox_events FOR UPDATE USING (true) WITH CHECK (true);
+        DROP POLICY IF EXISTS outbox_events_app_inserts_pending ON outbox_events;
+        CREATE POLICY outbox_events_app_inserts_pending ON outbox_events FOR INSERT TO outbox_app
+            WITH CHECK (state = 'PENDING' AND claim_owner IS NULL AND claim_generation = 0 AND lease_until_ms IS NULL
+                        AND claim_attempt_id IS NULL AND attempt_generation = 0 AND envelope_generation = 1
+                        AND unknown_since_ms IS NULL AND published_at_ms IS NULL AND payload IS NOT NULL);
+    END IF;
+END $$;
+
+-- `outbox` commands check that every migration they know is applied.
+DO $$
+BEGIN
+    IF to_regclass('_sqlx_migrations') IS NOT NULL THEN
+        EXECUTE 'GRANT SELECT ON TABLE _sqlx_migrations TO outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
+                 outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention';
+    END IF;
 END $$;
 
 DROP FUNCTION pg_temp.outbox_grant(text, text, text);

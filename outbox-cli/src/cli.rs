@@ -8,8 +8,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 const AFTER_HELP: &str = "\
 CONFIGURATION PRECEDENCE (highest first):
   1. command-line flags
-  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP, OUTBOX_METRICS_ADDR, OUTBOX_LOG_FORMAT,
-     RUST_LOG, and OUTBOX_DISPATCH_NAME/_WORKERS/_BATCH_SIZE/_LEASE_MS/_POLL_INTERVAL_MS/
+  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP, OUTBOX_KAFKA_OIDC_CLIENT_SECRET, OUTBOX_METRICS_ADDR,
+     OUTBOX_LOG_FORMAT, RUST_LOG, and OUTBOX_DISPATCH_NAME/_WORKERS/_BATCH_SIZE/_LEASE_MS/_POLL_INTERVAL_MS/
      _SWEEP_INTERVAL_MS/_SHUTDOWN_GRACE_MS/_LISTEN for the dispatcher
   3. the TOML file given by --config (or OUTBOX_CONFIG): sections [kafka], [dispatch],
      [reconcile], [retention], [report], [metrics]; see outbox-cli/README.md
@@ -17,7 +17,8 @@ CONFIGURATION PRECEDENCE (highest first):
 
 EXIT CODES:
   0 success; 1 error; 2 findings present (reconcile --once / report with --fail-on-findings);
-  3 destination migration refused; 130 interrupted twice (no graceful drain).";
+  3 destination migration refused; 4 the Kafka producer could not deliver (with --exit-on-fatal);
+  130 interrupted twice (no graceful drain).";
 
 /// Operate a transactional outbox on PostgreSQL + Kafka.
 ///
@@ -186,9 +187,27 @@ pub struct KafkaArgs {
     /// Longest one reconciler lookup (partition scan) may take [default: 30000].
     #[arg(long, value_name = "MS")]
     pub kafka_lookup_timeout_ms: Option<u64>,
-    /// Extra librdkafka setting KEY=VALUE (repeatable), e.g. security.protocol=SASL_SSL; settings carrying the guarantees are refused.
+    /// Extra librdkafka setting of the producer, KEY=VALUE (repeatable), e.g. security.protocol=SASL_SSL; connection settings (security.*, ssl.*, sasl.*, socket.*, client.id...) also go to the lookup consumers; settings carrying the guarantees are refused.
     #[arg(long = "kafka-setting", value_name = "KEY=VALUE")]
     pub kafka_settings: Vec<String>,
+    /// Extra librdkafka setting of the lookup consumers only, KEY=VALUE (repeatable), e.g. fetch.max.bytes=1048576.
+    #[arg(long = "kafka-lookup-setting", value_name = "KEY=VALUE")]
+    pub kafka_lookup_settings: Vec<String>,
+    /// A producer with messages to deliver and no acknowledgement for this long cannot deliver: not ready, then rebuilt (or, with --exit-on-fatal, the service exits 4) [default: 60000].
+    #[arg(long, value_name = "MS")]
+    pub kafka_producer_stall_ms: Option<u64>,
+    /// SASL/OAUTHBEARER with OIDC client credentials: the token endpoint (librdkafka fetches and refreshes the tokens; sets sasl.mechanism=OAUTHBEARER, sasl.oauthbearer.method=oidc and, unless set, security.protocol=SASL_SSL).
+    #[arg(long, value_name = "URL")]
+    pub kafka_oidc_token_url: Option<String>,
+    /// OIDC client id (with --kafka-oidc-token-url).
+    #[arg(long, value_name = "ID")]
+    pub kafka_oidc_client_id: Option<String>,
+    /// OIDC client secret (with --kafka-oidc-token-url); prefer the environment variable or the config file to the command line, which other users can read.
+    #[arg(long, env = "OUTBOX_KAFKA_OIDC_CLIENT_SECRET", hide_env_values = true, value_name = "SECRET")]
+    pub kafka_oidc_client_secret: Option<String>,
+    /// OIDC scope (with --kafka-oidc-token-url).
+    #[arg(long, value_name = "SCOPE")]
+    pub kafka_oidc_scope: Option<String>,
 }
 
 /// `outbox dispatch`.
@@ -197,7 +216,7 @@ pub struct DispatchArgs {
     /// Kafka connection.
     #[command(flatten)]
     pub kafka: KafkaArgs,
-    /// Owner prefix of the claims; worker i claims as NAME-i [default: dispatcher-PID].
+    /// Owner prefix of the claims; worker i claims as NAME-i [default: dispatcher-HOSTNAME-PID].
     #[arg(long, value_name = "NAME")]
     pub name: Option<String>,
     /// Concurrent workers, 1..=64 [default: 2].
@@ -230,10 +249,13 @@ pub struct DispatchArgs {
     /// Do not LISTEN for `outbox_pending` notifications; poll only.
     #[arg(long)]
     pub no_listen: bool,
-    /// Serve Prometheus metrics on HOST:PORT at /metrics (see outbox-cli/METRICS.md).
+    /// Serve Prometheus metrics on HOST:PORT at /metrics, and the health checks at /healthz and /readyz (see outbox-cli/METRICS.md).
     #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
-    /// Print the effective configuration (after flags, environment and file) and exit.
+    /// When the Kafka producer cannot deliver (fatal error, or no acknowledgement for --kafka-producer-stall-ms while the cluster answers), stop and exit 4 instead of rebuilding the producer (for supervisors that restart the service).
+    #[arg(long)]
+    pub exit_on_fatal: bool,
+    /// Print the effective configuration (after flags, environment and file) as TOML, secrets masked, and exit.
     #[arg(long)]
     pub print_config: bool,
 }
@@ -250,7 +272,7 @@ pub struct ReconcileArgs {
     /// Pause between rounds in the loop [default: 10000].
     #[arg(long, value_name = "MS")]
     pub interval_ms: Option<u64>,
-    /// Claim owner name of the reconciler [default: reconciler-PID].
+    /// Claim owner name of the reconciler [default: reconciler-HOSTNAME-PID].
     #[arg(long, value_name = "NAME")]
     pub owner: Option<String>,
     /// UNKNOWN events resolved per round [default: 100].
@@ -262,7 +284,7 @@ pub struct ReconcileArgs {
     /// Never re-send a proven-absent event (it stays DISPATCH_UNKNOWN and pages) [default: re-send to the same frozen destination].
     #[arg(long)]
     pub no_retry: bool,
-    /// Most attempts per event; beyond it the event stays UNKNOWN [default: 10].
+    /// Most attempts per event that may have been delivered (NOT_SENT ones do not count); beyond it the event stays UNKNOWN [default: 10].
     #[arg(long, value_name = "N")]
     pub max_attempts: Option<u32>,
     /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 60000].
@@ -283,16 +305,19 @@ pub struct ReconcileArgs {
     /// Most messages the bypass-publish check reads per partition per round [default: 10000].
     #[arg(long, value_name = "N")]
     pub bypass_scan_max_messages: Option<u64>,
-    /// Serve Prometheus metrics on HOST:PORT at /metrics (see outbox-cli/METRICS.md).
+    /// Serve Prometheus metrics on HOST:PORT at /metrics, and the health checks at /healthz and /readyz (see outbox-cli/METRICS.md).
     #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
+    /// When the Kafka producer cannot deliver, stop and exit 4 instead of rebuilding it (see `outbox dispatch --help`).
+    #[arg(long)]
+    pub exit_on_fatal: bool,
     /// With --once: exit 2 when findings are open (for cron jobs and CI).
     #[arg(long)]
     pub fail_on_findings: bool,
     /// With --once: print the report as JSON instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Print the effective configuration and exit.
+    /// Print the effective configuration as TOML, secrets masked, and exit.
     #[arg(long)]
     pub print_config: bool,
 }

@@ -13,7 +13,7 @@ use outbox_producer::rollout;
 use outbox_producer::{Dispatcher, DispatcherConfig, MigrationOutcome, PgStore, Reconciler, ReconcilerConfig};
 use prometheus::Registry;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::{ConnectOptions, Connection as _, PgPool};
 use tokio::sync::watch;
 
 use crate::cli::{
@@ -21,6 +21,7 @@ use crate::cli::{
     TakeoverCommand,
 };
 use crate::config::{self, DispatchFlags, FileConfig, KafkaFlags};
+use crate::health::{Health, EXIT_PRODUCER_FATAL};
 use crate::metrics::{self, DispatchExport, ReconcileExport};
 
 /// Exit code: findings are open.
@@ -63,8 +64,8 @@ pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
         Command::Dispatch(a) => dispatch(&url, &file, a).await,
         Command::Reconcile(a) => reconcile(&url, &file, a).await,
         Command::Status(a) => {
-            let pool = connect(&url()?, 2).await?;
-            let s = crate::status::status(&pool).await.context("reading status (has `outbox migrate` run?)")?;
+            let pool = open(&url()?, 2).await?;
+            let s = crate::status::status(&pool).await?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&s)?);
             } else {
@@ -73,7 +74,7 @@ pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
             Ok(0)
         }
         Command::Trace(a) => {
-            let pool = connect(&url()?, 2).await?;
+            let pool = open(&url()?, 2).await?;
             let id: EventId = a.event_id.parse().with_context(|| format!("{:?} is not an eventId (evt-<26 characters>)", a.event_id))?;
             let Some(t) = crate::trace::trace(&pool, id.as_str()).await? else { bail!("no outbox event {id}") };
             if a.json {
@@ -93,7 +94,7 @@ pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
 }
 
 async fn takeover_cmd(url: &str, c: &TakeoverCommand) -> anyhow::Result<u8> {
-    let pool = connect(url, 2).await?;
+    let pool = open(url, 2).await?;
     if let TakeoverCommand::Set { event_types, percent_bp } = c {
         let types: Vec<&str> = event_types.iter().map(String::as_str).collect();
         rollout::set_takeover(&pool, &types, *percent_bp).await?;
@@ -111,7 +112,7 @@ async fn takeover_cmd(url: &str, c: &TakeoverCommand) -> anyhow::Result<u8> {
 }
 
 async fn alias_cmd(url: &str, c: &AliasCommand) -> anyhow::Result<u8> {
-    let pool = connect(url, 2).await?;
+    let pool = open(url, 2).await?;
     if let AliasCommand::Switch { alias, implementation, protocol_version } = c {
         let before = rollout::current_alias(&pool, alias).await?;
         rollout::switch_alias(&pool, alias, implementation, *protocol_version).await?;
@@ -125,7 +126,7 @@ async fn alias_cmd(url: &str, c: &AliasCommand) -> anyhow::Result<u8> {
 
 async fn shadow_cmd(url: &str, file: &FileConfig, a: &ShadowArgs) -> anyhow::Result<u8> {
     let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
-    let pool = connect(url, 2).await?;
+    let pool = open(url, 2).await?;
     let broker = connect_kafka(kafka).await?;
     let store = PgStore::new(pool.clone());
     let shadow = rollout::ShadowDispatcher::new(store.clone());
@@ -149,16 +150,79 @@ async fn shadow_cmd(url: &str, file: &FileConfig, a: &ShadowArgs) -> anyhow::Res
     Ok(if open.is_empty() { 0 } else { EXIT_FINDINGS })
 }
 
-/// A pool on the outbox database.
+/// Longest the first connection to PostgreSQL may take before a command
+/// gives up with the cause, ms.
+pub const DB_CONNECT_TIMEOUT_MS: u64 = 10_000;
+
+/// A pool on the outbox database. A URL that is not PostgreSQL's is refused;
+/// a server that refuses or does not answer fails within
+/// [`DB_CONNECT_TIMEOUT_MS`] naming the host and the cause.
 pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
-    let opts: PgConnectOptions = url.parse().context("DATABASE_URL is not a PostgreSQL URL")?;
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    if !matches!(scheme.as_deref(), Some("postgres" | "postgresql")) {
+        bail!("the database URL is not a PostgreSQL URL: expected postgres://USER@HOST:PORT/DATABASE (the URL is not shown: it may hold a password)");
+    }
+    let opts: PgConnectOptions = url.parse().map_err(|e: sqlx::Error| anyhow::anyhow!("the database URL cannot be read: {}", first_line(&e.to_string())))?;
     let opts = opts.log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(5)).log_statements(tracing::log::LevelFilter::Trace);
+    let target = format!("{}:{}/{}", opts.get_host(), opts.get_port(), opts.get_database().unwrap_or(""));
+    // One direct connection first: a pool retries until its acquire timeout
+    // and then reports only "pool timed out", losing the cause.
+    match tokio::time::timeout(Duration::from_millis(DB_CONNECT_TIMEOUT_MS), opts.connect()).await {
+        Ok(Ok(c)) => {
+            let _ = c.close().await;
+        }
+        Ok(Err(e)) => bail!("connecting to PostgreSQL at {target}: {}", sqlx_cause(&e)),
+        Err(_) => bail!("connecting to PostgreSQL at {target}: no answer within {} s", DB_CONNECT_TIMEOUT_MS / 1000),
+    }
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(30))
         .connect_with(opts.clone())
         .await
-        .with_context(|| format!("connecting to PostgreSQL at {}:{}/{}", opts.get_host(), opts.get_port(), opts.get_database().unwrap_or("")))
+        .map_err(|e| anyhow::anyhow!("connecting to PostgreSQL at {target}: {}", sqlx_cause(&e)))
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or(s)
+}
+
+/// What went wrong, once: the server's message for a database error, the
+/// I/O error for a refused or broken connection.
+pub fn sqlx_cause(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Database(d) => d.message().to_owned(),
+        sqlx::Error::Io(io) => io.to_string(),
+        sqlx::Error::Tls(t) => format!("TLS: {t}"),
+        sqlx::Error::PoolTimedOut => "no connection within the pool's timeout".to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// [`connect`], then [`require_schema`].
+pub async fn open(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+    let pool = connect(url, max_connections).await?;
+    require_schema(&pool).await?;
+    Ok(pool)
+}
+
+/// Refuses to go on against a database without the outbox schema (or with
+/// part of it), saying to run `outbox migrate`.
+pub async fn require_schema(pool: &PgPool) -> anyhow::Result<()> {
+    let present: bool = sqlx::query_scalar("SELECT to_regclass('outbox_events') IS NOT NULL AND to_regclass('outbox_meta') IS NOT NULL").fetch_one(pool).await?;
+    if !present {
+        bail!("this database has no outbox schema: run `outbox migrate` first");
+    }
+    // Every producer migration this build knows, when the history is readable.
+    let applied: Result<Vec<i64>, sqlx::Error> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success").fetch_all(pool).await;
+    if let Ok(applied) = applied {
+        let missing: Vec<String> =
+            outbox_producer::MIGRATOR.iter().filter(|m| !m.migration_type.is_down_migration() && !applied.contains(&m.version)).map(|m| m.version.to_string()).collect();
+        if !missing.is_empty() {
+            bail!("the outbox schema is older than this build ({} migration(s) missing, e.g. {}): run `outbox migrate` first", missing.len(), missing[0]);
+        }
+    }
+    outbox_producer::check_protocol(pool).await.context("the outbox schema")?;
+    Ok(())
 }
 
 fn now_ms() -> i64 {
@@ -172,33 +236,131 @@ fn kafka_flags(a: &KafkaArgs) -> KafkaFlags {
         request_timeout_ms: a.kafka_request_timeout_ms,
         max_in_flight: a.kafka_max_in_flight,
         lookup_timeout_ms: a.kafka_lookup_timeout_ms,
+        producer_stall_ms: a.kafka_producer_stall_ms,
         settings: a.kafka_settings.clone(),
+        lookup_settings: a.kafka_lookup_settings.clone(),
+        oidc_token_url: a.kafka_oidc_token_url.clone(),
+        oidc_client_id: a.kafka_oidc_client_id.clone(),
+        oidc_client_secret: a.kafka_oidc_client_secret.clone(),
+        oidc_scope: a.kafka_oidc_scope.clone(),
     }
 }
 
-/// The Kafka configuration, printable (secrets redacted).
-fn describe_kafka(k: &KafkaConfig) -> String {
-    let extra: Vec<String> = k
-        .extra
-        .iter()
-        .map(|(key, v)| {
-            let secret = ["password", "secret", "token", "key"].iter().any(|s| key.to_ascii_lowercase().contains(s));
-            format!("{key}={}", if secret { "***" } else { v })
-        })
-        .collect();
-    format!(
-        "kafka.bootstrap = {}\nkafka.message_timeout_ms = {}\nkafka.request_timeout_ms = {}\nkafka.max_in_flight = {}\nkafka.enqueue_timeout_ms = {}\nkafka.connect_timeout_ms = {}\nkafka.lookup_max_messages = {}\nkafka.lookup_timeout_ms = {}\nkafka.max_concurrent_lookups = {}\nkafka.settings = [{}]\n",
-        k.bootstrap_servers,
-        k.message_timeout_ms,
-        k.request_timeout_ms,
-        k.max_in_flight,
-        k.enqueue_timeout_ms,
-        k.connect_timeout_ms,
-        k.lookup_max_messages,
-        k.lookup_timeout_ms,
-        k.max_concurrent_lookups,
-        extra.join(", ")
-    )
+/// `url` with its password (user info or `password=` parameter) replaced by `***`.
+pub fn mask_database_url(url: &str) -> String {
+    let mut out = url.to_owned();
+    if let Some(scheme_end) = out.find("://") {
+        let rest = &out[scheme_end + 3..];
+        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+        if let Some(at) = rest[..authority_end].rfind('@') {
+            if let Some(colon) = rest[..at].find(':') {
+                out = format!("{}{}:***{}", &out[..scheme_end + 3], &rest[..colon], &rest[at..]);
+            }
+        }
+    }
+    if let Some(q) = out.find('?') {
+        let (head, query) = out.split_at(q + 1);
+        let masked: Vec<String> = query
+            .split('&')
+            .map(|kv| match kv.split_once('=') {
+                Some((k, _)) if k.eq_ignore_ascii_case("password") || k.eq_ignore_ascii_case("sslpassword") => format!("{k}=***"),
+                _ => kv.to_owned(),
+            })
+            .collect();
+        out = format!("{head}{}", masked.join("&"));
+    }
+    out
+}
+
+fn int(v: impl TryInto<i64>) -> toml::Value {
+    toml::Value::Integer(v.try_into().unwrap_or(i64::MAX))
+}
+
+/// The `[kafka]` section of the effective configuration, secrets masked.
+fn kafka_table(k: &KafkaConfig) -> toml::Table {
+    use outbox_producer::kafka::redact_setting;
+    let mut t = toml::Table::new();
+    t.insert("bootstrap".into(), toml::Value::String(k.bootstrap_servers.clone()));
+    for (name, v) in [
+        ("message_timeout_ms", k.message_timeout_ms),
+        ("request_timeout_ms", k.request_timeout_ms),
+        ("max_in_flight", k.max_in_flight as u64),
+        ("enqueue_timeout_ms", k.enqueue_timeout_ms),
+        ("connect_timeout_ms", k.connect_timeout_ms),
+        ("lookup_max_messages", k.lookup_max_messages),
+        ("lookup_timeout_ms", k.lookup_timeout_ms),
+        ("max_concurrent_lookups", k.max_concurrent_lookups as u64),
+        ("producer_stall_ms", k.producer_stall_ms),
+        ("probe_timeout_ms", k.probe_timeout_ms),
+    ] {
+        t.insert(name.into(), int(v));
+    }
+    let settings = |v: &[(String, String)]| {
+        let mut s = toml::Table::new();
+        for (key, value) in v {
+            s.insert(key.clone(), toml::Value::String(redact_setting(key, value).to_owned()));
+        }
+        toml::Value::Table(s)
+    };
+    t.insert("settings".into(), settings(&k.extra));
+    t.insert("lookup_settings".into(), settings(&k.lookup_extra));
+    t
+}
+
+/// The effective configuration as a TOML document in the `--config` file's
+/// format; every secret (database password, secret-bearing Kafka settings)
+/// is `***`.
+fn config_toml(database_url: Option<&str>, kafka: &KafkaConfig, metrics_addr: Option<&str>, section: (&str, toml::Table)) -> anyhow::Result<String> {
+    let mut doc = toml::Table::new();
+    if let Some(u) = database_url {
+        doc.insert("database_url".into(), toml::Value::String(mask_database_url(u)));
+    }
+    doc.insert("kafka".into(), toml::Value::Table(kafka_table(kafka)));
+    doc.insert(section.0.into(), toml::Value::Table(section.1));
+    let mut m = toml::Table::new();
+    if let Some(a) = metrics_addr {
+        m.insert("addr".into(), toml::Value::String(a.to_owned()));
+    }
+    doc.insert("metrics".into(), toml::Value::Table(m));
+    Ok(toml::to_string(&doc)?)
+}
+
+fn dispatch_table(c: &DispatcherConfig) -> toml::Table {
+    let mut t = toml::Table::new();
+    t.insert("name".into(), toml::Value::String(c.name.clone()));
+    t.insert("workers".into(), int(c.workers as u64));
+    t.insert("batch_size".into(), int(c.batch_size as u64));
+    t.insert("lease_ms".into(), int(c.lease_ms));
+    t.insert("poll_interval_ms".into(), int(c.poll_interval_ms));
+    t.insert("sweep_interval_ms".into(), int(c.sweep_interval_ms));
+    t.insert("head_scan_every".into(), int(c.head_scan_every));
+    t.insert("shutdown_grace_ms".into(), int(c.shutdown_grace_ms));
+    t.insert("record_retry_ms".into(), int(c.record_retry_ms));
+    t.insert("listen".into(), toml::Value::Boolean(c.listen));
+    if let Some(a) = &c.alias {
+        t.insert("alias".into(), toml::Value::String(a.clone()));
+    }
+    t.insert("implementation".into(), toml::Value::String(c.implementation.clone()));
+    t
+}
+
+fn reconcile_table(c: &ReconcilerConfig, interval_ms: u64) -> toml::Table {
+    let mut t = toml::Table::new();
+    t.insert("interval_ms".into(), int(interval_ms));
+    t.insert("owner".into(), toml::Value::String(c.owner.clone()));
+    t.insert("batch_size".into(), int(c.batch_size as u64));
+    t.insert("lease_ms".into(), int(c.lease_ms));
+    t.insert("allow_retry".into(), toml::Value::Boolean(c.retry.allow_retry));
+    t.insert("max_attempts".into(), int(c.retry.max_attempts));
+    t.insert("in_flight_bound_ms".into(), int(c.retry.in_flight_bound_ms));
+    t.insert("recheck_ms".into(), int(c.retry.recheck_ms));
+    t.insert("aged_pending_ms".into(), int(c.aged_pending_ms));
+    t.insert("unconsumed_after_ms".into(), int(c.unconsumed_after_ms));
+    t.insert("unknown_slo_ms".into(), int(c.unknown_slo_ms));
+    t.insert("bypass_scan_max_messages".into(), int(c.bypass_scan_max_messages));
+    t.insert("max_findings_per_kind".into(), int(c.max_findings_per_kind));
+    t.insert("history_keep_ms".into(), int(c.history_keep_ms));
+    t
 }
 
 async fn connect_kafka(k: KafkaConfig) -> anyhow::Result<Arc<KafkaBroker>> {
@@ -228,9 +390,10 @@ async fn shutdown_signal() -> &'static str {
     which
 }
 
-async fn start_metrics(addr: &str, registry: Registry, refresh: Arc<dyn Fn() + Send + Sync>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let (bound, handle) = metrics::serve(addr, registry, refresh).await?;
-    tracing::info!(addr = %bound, "serving Prometheus metrics at /metrics");
+async fn start_metrics(addr: &str, registry: Registry, refresh: Arc<dyn Fn() + Send + Sync>, health: Option<Arc<Health>>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let routes: Option<metrics::Routes> = health.map(|h| Arc::new(move |path: &str| h.route(path)) as metrics::Routes);
+    let (bound, handle) = metrics::serve_with_routes(addr, registry, refresh, routes).await?;
+    tracing::info!(addr = %bound, "serving Prometheus metrics at /metrics, health at /healthz and /readyz");
     Ok(handle)
 }
 
@@ -278,44 +441,41 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
     let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
     if a.print_config {
-        print!(
-            "dispatch.name = {}\ndispatch.workers = {}\ndispatch.batch_size = {}\ndispatch.lease_ms = {}\ndispatch.poll_interval_ms = {}\ndispatch.sweep_interval_ms = {}\ndispatch.head_scan_every = {}\ndispatch.shutdown_grace_ms = {}\ndispatch.record_retry_ms = {}\ndispatch.listen = {}\n{}metrics.addr = {}\n",
-            cfg.name,
-            cfg.workers,
-            cfg.batch_size,
-            cfg.lease_ms,
-            cfg.poll_interval_ms,
-            cfg.sweep_interval_ms,
-            cfg.head_scan_every,
-            cfg.shutdown_grace_ms,
-            cfg.record_retry_ms,
-            cfg.listen,
-            describe_kafka(&kafka),
-            metrics_addr.as_deref().unwrap_or("off")
-        );
+        print!("{}", config_toml(url().ok().as_deref(), &kafka, metrics_addr.as_deref(), ("dispatch", dispatch_table(&cfg)))?);
         return Ok(0);
     }
     let pool = connect(&url()?, cfg.workers as u32 * 2 + 4).await?;
-    outbox_producer::check_protocol(&pool).await.context("the outbox schema (run `outbox migrate` first)")?;
+    require_schema(&pool).await?;
     let broker = connect_kafka(kafka).await?;
-    let dispatcher = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), cfg.clone())?);
+    let gate = broker.clone();
+    let dispatcher = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), cfg.clone())?.with_claim_gate(Arc::new(move || gate.ready())));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_tx = Arc::new(stop_tx);
+    let progress = dispatcher.metrics();
+    // A worker claims at least every poll interval and renews a long batch's
+    // leases every half lease; recording its answers may take record_retry_ms.
+    let max_silence_ms = (cfg.lease_ms.max(0) as u64) * 2 + cfg.record_retry_ms + cfg.poll_interval_ms;
+    let health = Arc::new(Health::new("dispatch", pool.clone(), broker.clone(), Arc::new(move || progress.last_progress_ms.load(std::sync::atomic::Ordering::Relaxed)), max_silence_ms));
+    let fatal = supervise(&health, a.exit_on_fatal, stop_tx.clone());
     let _metrics = match &metrics_addr {
         Some(addr) => {
             let registry = Registry::new();
             metrics::build_info(&registry, "dispatch");
             let b = broker.clone();
             let export = DispatchExport::register(&registry, dispatcher.metrics(), Some(Arc::new(move || b.in_flight())));
-            Some(start_metrics(addr, registry, Arc::new(move || export.refresh())).await?)
+            Some(start_metrics(addr, registry, Arc::new(move || export.refresh()), Some(health.clone())).await?)
         }
         None => None,
     };
     tracing::info!(name = %cfg.name, workers = cfg.workers, batch_size = cfg.batch_size, lease_ms = cfg.lease_ms, cluster_id = broker.cluster_id(), "dispatcher running");
-    let (stop_tx, stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        let which = shutdown_signal().await;
-        tracing::info!(signal = which, "stopping: no new claims, draining outstanding answers (a second signal exits at once)");
-        let _ = stop_tx.send(true);
-    });
+    {
+        let stop_tx = stop_tx.clone();
+        tokio::spawn(async move {
+            let which = shutdown_signal().await;
+            tracing::info!(signal = which, "stopping: no new claims, draining outstanding answers (a second signal exits at once)");
+            let _ = stop_tx.send(true);
+        });
+    }
     let totals = dispatcher.clone().run(stop_rx).await?;
     let _ = broker.flush(5_000).await;
     tracing::info!(
@@ -330,7 +490,24 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
         "dispatcher stopped"
     );
     pool.close().await;
+    if let Some(cause) = fatal.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        tracing::error!(cause = %cause, exit_code = EXIT_PRODUCER_FATAL, "exiting: the Kafka producer could not deliver (--exit-on-fatal)");
+        return Ok(EXIT_PRODUCER_FATAL);
+    }
     Ok(0)
+}
+
+/// Starts the health loop; with `exit_on_fatal`, a producer that cannot
+/// deliver stops the service (its cause is kept for the exit).
+fn supervise(health: &Arc<Health>, exit_on_fatal: bool, stop: Arc<watch::Sender<bool>>) -> Arc<std::sync::Mutex<Option<String>>> {
+    let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let keep = fatal.clone();
+    health.clone().spawn(exit_on_fatal, move |cause| {
+        tracing::error!(cause = %cause, "the Kafka producer cannot deliver: stopping (--exit-on-fatal)");
+        *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause);
+        let _ = stop.send(true);
+    });
+    fatal
 }
 
 fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
@@ -363,13 +540,13 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
     if a.print_config {
-        print!("reconcile.interval_ms = {interval_ms}\nreconcile = {cfg:#?}\n{}metrics.addr = {}\n", describe_kafka(&kafka), metrics_addr.as_deref().unwrap_or("off"));
+        print!("{}", config_toml(url().ok().as_deref(), &kafka, metrics_addr.as_deref(), ("reconcile", reconcile_table(&cfg, interval_ms)))?);
         return Ok(0);
     }
     let pool = connect(&url()?, 6).await?;
-    outbox_producer::check_protocol(&pool).await.context("the outbox schema (run `outbox migrate` first)")?;
+    require_schema(&pool).await?;
     let broker = connect_kafka(kafka).await?;
-    let reconciler = Reconciler::new(PgStore::new(pool.clone()), broker, cfg.clone())?;
+    let reconciler = Reconciler::new(PgStore::new(pool.clone()), broker.clone(), cfg.clone())?;
 
     if a.once {
         let (resolved, compared) = reconciler.run_once().await?;
@@ -394,8 +571,15 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     let registry = Registry::new();
     metrics::build_info(&registry, "reconcile");
     let export = ReconcileExport::register(&registry);
+    let last_round: Arc<std::sync::atomic::AtomicI64> = Arc::default();
+    let progress = last_round.clone();
+    // A round may take its lease (its claims) and then some lookups.
+    let max_silence_ms = interval_ms * 3 + (cfg.lease_ms.max(0) as u64) * 2;
+    let health = Arc::new(Health::new("reconcile", pool.clone(), broker.clone(), Arc::new(move || progress.load(std::sync::atomic::Ordering::Relaxed)), max_silence_ms));
+    let (fatal_tx, mut fatal_rx) = watch::channel(false);
+    let fatal = supervise(&health, a.exit_on_fatal, Arc::new(fatal_tx));
     let _metrics = match &metrics_addr {
-        Some(addr) => Some(start_metrics(addr, registry.clone(), Arc::new(|| {})).await?),
+        Some(addr) => Some(start_metrics(addr, registry.clone(), Arc::new(|| {}), Some(health.clone())).await?),
         None => None,
     };
     tracing::info!(owner = %cfg.owner, interval_ms, unknown_slo_ms = cfg.unknown_slo_ms, "reconciler running");
@@ -411,6 +595,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
         tokio::select! {
             r = round => match r {
                 Ok((resolved, compared, report, oldest_unknown)) => {
+                    last_round.store(now_ms(), std::sync::atomic::Ordering::Relaxed);
                     export.round(&resolved, &compared);
                     export.report(&report, oldest_unknown);
                     tracing::info!(
@@ -428,6 +613,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                 tracing::info!(signal = which, "reconciler stopping (round abandoned; its claims expire with their lease)");
                 break;
             }
+            _ = fatal_rx.changed() => break,
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(interval_ms)) => {}
@@ -435,20 +621,25 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                 tracing::info!(signal = which, "reconciler stopping");
                 break;
             }
+            _ = fatal_rx.changed() => break,
         }
     }
     pool.close().await;
+    if let Some(cause) = fatal.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        tracing::error!(cause = %cause, exit_code = EXIT_PRODUCER_FATAL, "exiting: the Kafka producer could not deliver (--exit-on-fatal)");
+        return Ok(EXIT_PRODUCER_FATAL);
+    }
     Ok(0)
 }
 
 async fn report(url: &str, file: &FileConfig, a: &ReportArgs) -> anyhow::Result<u8> {
-    let pool = connect(url, 2).await?;
+    let pool = open(url, 2).await?;
     let mut opts = ReportOptions::at(now_ms());
     let f = &file.report;
     opts.unknown_slo_ms = a.unknown_slo_ms.or(f.unknown_slo_ms).or(file.reconcile.unknown_slo_ms).unwrap_or(opts.unknown_slo_ms);
     opts.max_findings = a.max_findings.or(f.max_findings).unwrap_or(opts.max_findings);
     opts.max_history = a.max_history.or(f.max_history).unwrap_or(opts.max_history);
-    let report = build_report(&pool, &opts).await.context("building the report (has `outbox migrate` run?)")?;
+    let report = build_report(&pool, &opts).await?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -462,7 +653,7 @@ async fn report(url: &str, file: &FileConfig, a: &ReportArgs) -> anyhow::Result<
 }
 
 async fn purge_cmd(url: &str, file: &FileConfig, a: &PurgeArgs) -> anyhow::Result<u8> {
-    let pool = connect(url, 2).await?;
+    let pool = open(url, 2).await?;
     let d = RetentionPolicy::default();
     let f = &file.retention;
     let policy = RetentionPolicy {
@@ -498,7 +689,7 @@ async fn purge_cmd(url: &str, file: &FileConfig, a: &PurgeArgs) -> anyhow::Resul
 
 async fn migrate_destination_cmd(url: &str, file: &FileConfig, a: &MigrateDestinationArgs) -> anyhow::Result<u8> {
     let id: EventId = a.event_id.parse().with_context(|| format!("{:?} is not an eventId", a.event_id))?;
-    let pool = connect(url, 4).await?;
+    let pool = open(url, 4).await?;
     let row: Option<(String, String, String, String, String)> = sqlx::query_as(
         "SELECT e.event_type, e.state, e.tenant, e.aggregate_type, e.aggregate_id FROM outbox_events e WHERE e.event_id = $1",
     )
@@ -559,5 +750,41 @@ async fn migrate_destination_cmd(url: &str, file: &FileConfig, a: &MigrateDestin
             println!("refused: {reason}; nothing changed");
             Ok(EXIT_REFUSED)
         }
+    }
+}
+
+/// `e` and its causes on one line, `: `-separated, each text once (sqlx and
+/// librdkafka errors often repeat their source's message in their own).
+pub fn render_error(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if text.is_empty() || out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_say_each_thing_once() {
+        let inner = anyhow::anyhow!("database \"x\" does not exist");
+        let e = inner.context("database \"x\" does not exist").context("connecting to PostgreSQL at h:5432/x");
+        assert_eq!(render_error(&e), "connecting to PostgreSQL at h:5432/x: database \"x\" does not exist");
+    }
+
+    #[test]
+    fn database_passwords_are_masked() {
+        assert_eq!(mask_database_url("postgres://u:Pw_1@h:5432/db"), "postgres://u:***@h:5432/db");
+        assert_eq!(mask_database_url("postgres://u@h/db?sslmode=require&password=Pw_2"), "postgres://u@h/db?sslmode=require&password=***");
+        assert_eq!(mask_database_url("postgres://h/db"), "postgres://h/db");
     }
 }

@@ -85,8 +85,23 @@ pub struct KafkaSection {
     pub lookup_timeout_ms: Option<u64>,
     /// See `KafkaConfig::max_concurrent_lookups`.
     pub max_concurrent_lookups: Option<usize>,
-    /// Raw librdkafka settings (security, client.id...).
+    /// See `KafkaConfig::producer_stall_ms`.
+    pub producer_stall_ms: Option<u64>,
+    /// See `KafkaConfig::probe_timeout_ms`.
+    pub probe_timeout_ms: Option<u64>,
+    /// Raw librdkafka settings of the producer (security, client.id...);
+    /// connection settings also go to the lookup consumers.
     pub settings: BTreeMap<String, String>,
+    /// Raw librdkafka settings of the lookup consumers only.
+    pub lookup_settings: BTreeMap<String, String>,
+    /// OIDC client credentials for SASL/OAUTHBEARER: the token endpoint.
+    pub oidc_token_url: Option<String>,
+    /// OIDC client id.
+    pub oidc_client_id: Option<String>,
+    /// OIDC client secret.
+    pub oidc_client_secret: Option<String>,
+    /// OIDC scope.
+    pub oidc_scope: Option<String>,
 }
 
 /// `[reconcile]`.
@@ -162,9 +177,17 @@ impl FileConfig {
         Self::parse(&text).with_context(|| format!("config file {}", path.display()))
     }
 
-    /// Parses TOML text.
+    /// Parses TOML text. An error names the line and what is wrong, never
+    /// the text of the line (it may hold a secret).
     pub fn parse(text: &str) -> anyhow::Result<Self> {
-        Ok(toml::from_str(text)?)
+        toml::from_str(text).map_err(|e| {
+            let line = e.span().map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            let message = e.message().lines().next().unwrap_or("invalid TOML").to_owned();
+            match line {
+                Some(l) => anyhow::anyhow!("line {l}: {message}"),
+                None => anyhow::anyhow!("{message}"),
+            }
+        })
     }
 }
 
@@ -194,8 +217,28 @@ pub struct KafkaFlags {
     pub max_in_flight: Option<usize>,
     /// Lookup timeout.
     pub lookup_timeout_ms: Option<u64>,
-    /// KEY=VALUE settings.
+    /// Producer stall bound.
+    pub producer_stall_ms: Option<u64>,
+    /// KEY=VALUE settings (producer, connection settings also lookups).
     pub settings: Vec<String>,
+    /// KEY=VALUE settings of the lookup consumers.
+    pub lookup_settings: Vec<String>,
+    /// OIDC token endpoint.
+    pub oidc_token_url: Option<String>,
+    /// OIDC client id.
+    pub oidc_client_id: Option<String>,
+    /// OIDC client secret.
+    pub oidc_client_secret: Option<String>,
+    /// OIDC scope.
+    pub oidc_scope: Option<String>,
+}
+
+/// Splits `KEY=VALUE`; the error never shows the text (it may be a secret).
+fn split_setting(flag: &str, n: usize, kv: &str) -> anyhow::Result<(String, String)> {
+    match kv.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => bail!("{flag} number {n}: expected KEY=VALUE (the value is not shown: it may be a secret)"),
+    }
 }
 
 /// The Kafka adapter configuration: defaults < file < environment < flags.
@@ -221,12 +264,43 @@ pub fn kafka_config(flags: &KafkaFlags, file: &KafkaSection) -> anyhow::Result<K
     if let Some(v) = file.max_concurrent_lookups {
         c.max_concurrent_lookups = v;
     }
-    let mut extra: BTreeMap<String, String> = file.settings.clone();
-    for kv in &flags.settings {
-        let Some((k, v)) = kv.split_once('=') else { bail!("--kafka-setting {kv:?}: expected KEY=VALUE") };
-        extra.insert(k.trim().to_owned(), v.to_owned());
+    set(&mut c.producer_stall_ms, flags.producer_stall_ms, file.producer_stall_ms);
+    set(&mut c.probe_timeout_ms, None, file.probe_timeout_ms);
+    let mut extra: BTreeMap<String, String> = file.settings.iter().map(|(k, v)| (k.trim().to_owned(), v.clone())).collect();
+    for (n, kv) in flags.settings.iter().enumerate() {
+        let (k, v) = split_setting("--kafka-setting", n + 1, kv)?;
+        extra.insert(k, v);
+    }
+    let mut lookup: BTreeMap<String, String> = file.lookup_settings.iter().map(|(k, v)| (k.trim().to_owned(), v.clone())).collect();
+    for (n, kv) in flags.lookup_settings.iter().enumerate() {
+        let (k, v) = split_setting("--kafka-lookup-setting", n + 1, kv)?;
+        lookup.insert(k, v);
+    }
+    // OIDC client credentials: librdkafka fetches and refreshes the tokens.
+    let oidc_url = pick(flags.oidc_token_url.clone(), file.oidc_token_url.clone());
+    let oidc_id = pick(flags.oidc_client_id.clone(), file.oidc_client_id.clone());
+    let oidc_secret = pick(flags.oidc_client_secret.clone(), file.oidc_client_secret.clone());
+    let oidc_scope = pick(flags.oidc_scope.clone(), file.oidc_scope.clone());
+    match (&oidc_url, &oidc_id, &oidc_secret) {
+        (None, None, None) if oidc_scope.is_none() => {}
+        (Some(url), Some(id), Some(secret)) => {
+            if !(url.starts_with("https://") || url.starts_with("http://")) {
+                bail!("--kafka-oidc-token-url must be an http(s) URL");
+            }
+            extra.entry("security.protocol".into()).or_insert_with(|| "SASL_SSL".into());
+            extra.insert("sasl.mechanism".into(), "OAUTHBEARER".into());
+            extra.insert("sasl.oauthbearer.method".into(), "oidc".into());
+            extra.insert("sasl.oauthbearer.token.endpoint.url".into(), url.clone());
+            extra.insert("sasl.oauthbearer.client.id".into(), id.clone());
+            extra.insert("sasl.oauthbearer.client.secret".into(), secret.clone());
+            if let Some(scope) = &oidc_scope {
+                extra.insert("sasl.oauthbearer.scope".into(), scope.clone());
+            }
+        }
+        _ => bail!("OIDC needs all of --kafka-oidc-token-url, --kafka-oidc-client-id and --kafka-oidc-client-secret (or oidc_token_url, oidc_client_id, oidc_client_secret in [kafka])"),
     }
     c.extra = extra.into_iter().collect();
+    c.lookup_extra = lookup.into_iter().collect();
     c.validate()?;
     Ok(c)
 }

@@ -14,6 +14,7 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod fmt;
+pub mod health;
 pub mod html;
 pub mod metrics;
 pub mod status;

@@ -33,7 +33,7 @@ fn main() -> ExitCode {
     match runtime.block_on(commands::run(cli, file)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("outbox: error: {e:#}");
+            eprintln!("outbox: error: {}", commands::render_error(&e));
             ExitCode::from(1)
         }
     }

@@ -280,6 +280,19 @@ pub async fn serve(
     registry: Registry,
     refresh: Arc<dyn Fn() + Send + Sync>,
 ) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    serve_with_routes(addr, registry, refresh, None).await
+}
+
+/// More paths on the metrics listener: `GET path` -> `Some((status line, text body))`.
+pub type Routes = Arc<dyn Fn(&str) -> Option<(&'static str, String)> + Send + Sync>;
+
+/// [`serve`], also answering the paths of `routes` (the health checks).
+pub async fn serve_with_routes(
+    addr: &str,
+    registry: Registry,
+    refresh: Arc<dyn Fn() + Send + Sync>,
+    routes: Option<Routes>,
+) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await.with_context(|| format!("binding the metrics endpoint on {addr}"))?;
     let bound = listener.local_addr()?;
     let handle = tokio::spawn(async move {
@@ -287,6 +300,7 @@ pub async fn serve(
             let Ok((mut sock, _)) = listener.accept().await else { continue };
             let registry = registry.clone();
             let refresh = refresh.clone();
+            let routes = routes.clone();
             tokio::spawn(async move {
                 // One small request per connection; bounded in size and time.
                 let mut buf = vec![0u8; 8192];
@@ -311,7 +325,13 @@ pub async fn serve(
                 let head = String::from_utf8_lossy(&buf[..n]);
                 let mut parts = head.split_whitespace();
                 let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-                let (status, ctype, body) = match (method, path.split('?').next().unwrap_or("")) {
+                let path = path.split('?').next().unwrap_or("");
+                let extra = routes.as_ref().filter(|_| matches!(method, "GET" | "HEAD")).and_then(|r| r(path));
+                let (status, ctype, body) = match (method, path) {
+                    _ if extra.is_some() => {
+                        let (status, body) = extra.unwrap_or_default();
+                        (status, "text/plain; charset=utf-8", body)
+                    }
                     ("GET" | "HEAD", "/metrics") => {
                         refresh();
                         ("200 OK", "text/plain; version=0.0.4; charset=utf-8", encode(&registry))

@@ -95,23 +95,35 @@ async fn config_precedence_is_flags_then_environment_then_file() {
         }
         let out = c.output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8(out.stdout).unwrap()
+        let text = String::from_utf8(out.stdout).unwrap();
+        let doc: toml::Table = toml::from_str(&text).unwrap_or_else(|e| panic!("--print-config is not TOML: {e}\n{text}"));
+        // What it prints is a --config file this build reads back.
+        outbox_cli::config::FileConfig::parse(&text).unwrap_or_else(|e| panic!("--print-config is not a config file: {e}\n{text}"));
+        doc
+    };
+    let get = |doc: &toml::Table, path: &str| -> String {
+        let (section, key) = path.split_once('.').unwrap();
+        match &doc[section][key] {
+            toml::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        }
     };
     let from_file = cfg(&[], &[]);
-    assert!(from_file.contains("dispatch.workers = 3") && from_file.contains("dispatch.batch_size = 33"), "{from_file}");
-    assert!(from_file.contains("kafka.bootstrap = file:9092") && from_file.contains("kafka.message_timeout_ms = 1111"), "{from_file}");
-    assert!(from_file.contains("dispatch.poll_interval_ms = 1000"), "defaults fill the rest: {from_file}");
-    assert!(from_file.contains("dispatch.head_scan_every = 2"), "{from_file}");
-    assert!(cfg(&[("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", "3")], &[]).contains("dispatch.head_scan_every = 3"));
-    assert!(cfg(&[("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", "3")], &["--head-scan-every", "1"]).contains("dispatch.head_scan_every = 1"));
-    assert!(from_file.contains("dispatch.record_retry_ms = 30000"), "{from_file}");
-    assert!(cfg(&[("OUTBOX_DISPATCH_RECORD_RETRY_MS", "5000")], &[]).contains("dispatch.record_retry_ms = 5000"));
-    assert!(cfg(&[("OUTBOX_DISPATCH_RECORD_RETRY_MS", "5000")], &["--record-retry-ms", "0"]).contains("dispatch.record_retry_ms = 0"));
+    assert_eq!((get(&from_file, "dispatch.workers"), get(&from_file, "dispatch.batch_size")), ("3".into(), "33".into()), "{from_file}");
+    assert_eq!((get(&from_file, "kafka.bootstrap"), get(&from_file, "kafka.message_timeout_ms")), ("file:9092".into(), "1111".into()));
+    assert_eq!(get(&from_file, "dispatch.poll_interval_ms"), "1000", "defaults fill the rest");
+    assert_eq!(get(&from_file, "dispatch.head_scan_every"), "2");
+    assert_eq!(get(&cfg(&[("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", "3")], &[]), "dispatch.head_scan_every"), "3");
+    assert_eq!(get(&cfg(&[("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", "3")], &["--head-scan-every", "1"]), "dispatch.head_scan_every"), "1");
+    assert_eq!(get(&from_file, "dispatch.record_retry_ms"), "30000");
+    assert_eq!(get(&cfg(&[("OUTBOX_DISPATCH_RECORD_RETRY_MS", "5000")], &[]), "dispatch.record_retry_ms"), "5000");
+    assert_eq!(get(&cfg(&[("OUTBOX_DISPATCH_RECORD_RETRY_MS", "5000")], &["--record-retry-ms", "0"]), "dispatch.record_retry_ms"), "0");
     let env = cfg(&[("OUTBOX_DISPATCH_WORKERS", "5"), ("OUTBOX_KAFKA_BOOTSTRAP", "env:9092"), ("OUTBOX_METRICS_ADDR", "127.0.0.1:2")], &[]);
-    assert!(env.contains("dispatch.workers = 5") && env.contains("dispatch.batch_size = 33"), "{env}");
-    assert!(env.contains("kafka.bootstrap = env:9092") && env.contains("metrics.addr = 127.0.0.1:2"), "{env}");
+    assert_eq!((get(&env, "dispatch.workers"), get(&env, "dispatch.batch_size")), ("5".into(), "33".into()));
+    assert_eq!((get(&env, "kafka.bootstrap"), get(&env, "metrics.addr")), ("env:9092".into(), "127.0.0.1:2".into()));
     let flags = cfg(&[("OUTBOX_DISPATCH_WORKERS", "5"), ("OUTBOX_KAFKA_BOOTSTRAP", "env:9092")], &["--workers", "7", "--kafka-bootstrap", "flag:9092"]);
-    assert!(flags.contains("dispatch.workers = 7") && flags.contains("kafka.bootstrap = flag:9092"), "{flags}");
+    assert_eq!((get(&flags, "dispatch.workers"), get(&flags, "kafka.bootstrap")), ("7".into(), "flag:9092".into()));
+    assert!(get(&flags, "dispatch.name").starts_with("dispatcher-"), "the default owner carries the host name");
     // A typo in the file is an error naming the file.
     std::fs::write(&file, "[dispatch]\nwokers = 3\n").unwrap();
     let out = outbox_bin().args(["dispatch", "--print-config", "--config"]).arg(&file).output().unwrap();

@@ -178,6 +178,51 @@ async fn every_service_works_under_its_role_and_nothing_more() {
     denied(sqlx::query("UPDATE outbox_events SET tenant = tenant").execute(&consumer).await, "consumer UPDATE outbox_events");
     denied(sqlx::query("SELECT 1 FROM outbox_publish_receipts").execute(&consumer).await, "consumer reads receipts");
     denied(sqlx::query("DELETE FROM outbox_consumer_receipts").execute(&consumer).await, "consumer DELETE receipts");
+    denied(sqlx::query("INSERT INTO outbox_events (event_id) VALUES ('x')").execute(&consumer).await, "consumer INSERT event");
+    denied(sqlx::query("UPDATE outbox_attempts SET state = state").execute(&consumer).await, "consumer UPDATE attempts");
+    denied(sqlx::query("INSERT INTO outbox_publish_receipts (event_id) VALUES ('x')").execute(&consumer).await, "consumer INSERT receipt");
+    denied(sqlx::query("UPDATE outbox_consumers SET topics = topics").execute(&consumer).await, "consumer UPDATE the consumer registry");
+
+    // Column-level grants: the dispatcher (and the reconciler, and the
+    // operator through them) change only dispatch columns.
+    let reconciler = pool("reconciler");
+    for column in ["payload = payload", "payload_digest = payload_digest", "publisher = publisher", "destination_digest = destination_digest",
+                   "cluster_id = cluster_id", "topic = topic", "partition = partition", "routing_key = routing_key", "event_type = event_type",
+                   "tenant = tenant", "command_key = command_key", "envelope_generation = envelope_generation", "traceparent = traceparent", "aggregate_id = aggregate_id"] {
+        let sql = format!("UPDATE outbox_events SET {column} WHERE event_id = $1");
+        denied(sqlx::query(&sql).bind(id).execute(&dispatcher).await, &format!("dispatcher UPDATE {column}"));
+        denied(sqlx::query(&sql).bind(id).execute(&reconciler).await, &format!("reconciler UPDATE {column}"));
+    }
+    for column in ["payload_digest = payload_digest", "publisher = publisher", "event_type = event_type", "tenant = tenant"] {
+        denied(sqlx::query(&format!("UPDATE outbox_events SET {column} WHERE event_id = $1")).bind(id).execute(&pool("operator")).await, &format!("operator UPDATE {column}"));
+    }
+    for column in ["destination_digest = destination_digest", "owner = owner", "event_id = event_id", "started_at_ms = started_at_ms", "scan_from_offset = scan_from_offset"] {
+        denied(sqlx::query(&format!("UPDATE outbox_attempts SET {column}")).execute(&dispatcher).await, &format!("dispatcher UPDATE attempts {column}"));
+    }
+    denied(sqlx::query("UPDATE outbox_publish_receipts SET \"offset\" = \"offset\"").execute(&dispatcher).await, "dispatcher UPDATE receipt");
+    denied(sqlx::query("INSERT INTO outbox_events (event_id) VALUES ('x')").execute(&dispatcher).await, "dispatcher INSERT event");
+    // The dispatch columns it needs stay writable (a no-op update of a row it does not hold).
+    sqlx::query("UPDATE outbox_events SET next_check_at_ms = next_check_at_ms WHERE event_id = 'evt-none'").execute(&dispatcher).await.expect("dispatch columns are writable");
+
+    // Row-level security: the application inserts only untouched PENDING events.
+    let copy = |state: &str, extra: &str| {
+        format!(
+            "INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id, aggregate_version,
+                                        event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered,
+                                        created_at_ms, state_since_ms{})
+             SELECT 'evt-01J00000000000000000000' || $2, command_key || $2, 1, '{state}', tenant, aggregate_type, aggregate_id, aggregate_version,
+                    event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered,
+                    created_at_ms, state_since_ms{}
+             FROM outbox_events WHERE event_id = $1",
+            if extra.is_empty() { String::new() } else { format!(", {}", extra.split('=').next().unwrap()) },
+            if extra.is_empty() { String::new() } else { format!(", {}", extra.split('=').nth(1).unwrap()) },
+        )
+    };
+    // The app may read its events back but not other tables it could copy from: it copies its own PENDING event.
+    for (n, (state, extra)) in [("PUBLISHED", ""), ("CLAIMED", "claim_owner='me'"), ("QUARANTINED", ""), ("DISPATCH_UNKNOWN", ""), ("PENDING", "claim_generation=5"), ("PENDING", "published_at_ms=1")].iter().enumerate() {
+        let r = sqlx::query(&copy(state, extra)).bind(later.as_str()).bind(format!("{n}")).execute(&app).await;
+        denied(r, &format!("app INSERT a {state} event {extra}"));
+    }
 
     // Receipt retention is a separate role; it can do nothing else.
     let retention = pool("consumer_retention");

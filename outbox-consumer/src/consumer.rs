@@ -40,6 +40,7 @@ use crate::handler::Handler;
 use crate::metrics::Metrics;
 use crate::outcome::Outcome;
 use crate::processor::Processor;
+use crate::readiness::ConsumerReadiness;
 
 /// What an `after_db_commit` hook sees: a batch of one partition whose
 /// decisions just committed, before its offset is stored.
@@ -170,6 +171,7 @@ pub struct IdempotentConsumer {
     config: ConsumerConfig,
     processor: Arc<Processor>,
     hook: Option<AfterCommitHook>,
+    readiness: ConsumerReadiness,
 }
 
 impl std::fmt::Debug for IdempotentConsumer {
@@ -185,7 +187,7 @@ impl IdempotentConsumer {
         let processor = Processor::new(&config.consumer_id, pool, handler)?
             .with_retry(config.retry.clone())?
             .with_max_evidence_payload_bytes(config.max_evidence_payload_bytes);
-        Ok(IdempotentConsumer { config, processor: Arc::new(processor), hook: None })
+        Ok(IdempotentConsumer { config, processor: Arc::new(processor), hook: None, readiness: ConsumerReadiness::default() })
     }
 
     /// Installs a callback run after every committed batch and before its
@@ -194,6 +196,12 @@ impl IdempotentConsumer {
     pub fn after_db_commit(mut self, hook: impl Fn(&CommittedBatch<'_>) -> HookAction + Send + Sync + 'static) -> Self {
         self.hook = Some(Arc::new(hook));
         self
+    }
+
+    /// The readiness signal of this instance (see [`ConsumerReadiness`]);
+    /// take it before [`IdempotentConsumer::run`], which consumes `self`.
+    pub fn readiness(&self) -> ConsumerReadiness {
+        self.readiness.clone()
     }
 
     /// The counters of this instance.
@@ -273,6 +281,11 @@ impl IdempotentConsumer {
             retired: HashMap::new(),
             capacity: self.config.max_buffered_per_partition,
         };
+        let readiness = self.readiness.clone();
+        readiness.started();
+        let mut probe = tokio::time::interval(Duration::from_millis(crate::readiness::PROBE_EVERY_MS));
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut probing: Option<JoinHandle<()>> = None;
         let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut shutdown = std::pin::pin!(shutdown);
@@ -284,6 +297,25 @@ impl IdempotentConsumer {
                 // Before `recv`, which is always ready under load: paused
                 // partitions must be drained and resumed on time.
                 _ = tick.tick() => run.housekeeping(),
+                _ = probe.tick() => {
+                    // One probe at a time, off the run loop (both calls may block).
+                    if probing.as_ref().is_none_or(|h| h.is_finished()) {
+                        let (client, pool, readiness) = (client.clone(), self.processor.pool().clone(), readiness.clone());
+                        // One subscribed topic: a cheap request, and one that cannot create a topic.
+                        let topic = self.config.topics.first().cloned();
+                        probing = Some(tokio::spawn(async move {
+                            let timeout = Duration::from_millis(crate::readiness::PROBE_TIMEOUT_MS);
+                            let k = tokio::task::spawn_blocking(move || client.fetch_metadata(topic.as_deref(), timeout).map(|_| ()).map_err(|e| e.to_string())).await;
+                            readiness.kafka(k.unwrap_or_else(|e| Err(format!("probe task: {e}"))));
+                            let db = tokio::time::timeout(timeout, sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&pool)).await;
+                            readiness.database(match db {
+                                Ok(Ok(_)) => Ok(()),
+                                Ok(Err(e)) => Err(e.to_string()),
+                                Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
+                            });
+                        }));
+                    }
+                }
                 m = client.recv() => match m {
                     Ok(m) => {
                         let raw = RawMessage::from_kafka(&m);
@@ -295,6 +327,10 @@ impl IdempotentConsumer {
                 },
             }
         };
+        if let Some(h) = probing.take() {
+            h.abort();
+        }
+        readiness.stopped(outcome.as_ref().err().map(|e| e.to_string()));
         match outcome {
             Ok(()) => {
                 run.stop_gracefully(Duration::from_millis(self.config.shutdown_timeout_ms)).await;

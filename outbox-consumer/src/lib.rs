@@ -97,6 +97,7 @@ mod metrics;
 mod otel;
 mod outcome;
 mod processor;
+pub mod readiness;
 mod watermark;
 
 pub use async_trait::async_trait;
@@ -109,6 +110,7 @@ pub use metrics::{ConsumerHistograms, Metrics, MetricsSnapshot};
 /// The Prometheus client the consumer's metrics are registered with.
 pub use prometheus;
 pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
+pub use readiness::ConsumerReadiness;
 pub use processor::{purge_receipts_before, receipt, verify_message, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
 

@@ -337,3 +337,35 @@ async fn rebalance_between_two_instances_has_no_duplicate_effect(pool: PgPool) {
     let dups = outs_a.iter().chain(&outs_b).filter(|o| o.kind() == "duplicate").count();
     tracing::info!(applied_a, applied_b, dups, "rebalance test");
 }
+
+/// The readiness signal an embedding service exposes: not ready before the
+/// run, ready while it runs and the cluster and database answer, not ready
+/// while the cluster is down, ready again after, not ready once stopped.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn readiness_follows_the_cluster_and_the_run(pool: PgPool) {
+    init_tracing();
+    create_effects_table(&pool).await;
+    let kafka = Kafka::new("orders", 2);
+    let consumer = IdempotentConsumer::new(config(&kafka, "fulfilment", "orders"), pool.clone(), TestHandler::default()).unwrap();
+    let readiness = consumer.readiness();
+    assert_eq!(readiness.check(), Err("not running".into()));
+    let r = Running::start(consumer);
+    let ready = |want: bool, what: &'static str| {
+        let readiness = readiness.clone();
+        async move {
+            wait_until(30, what, || {
+                let readiness = readiness.clone();
+                async move { readiness.is_ready() == want }
+            })
+            .await
+        }
+    };
+    ready(true, "ready while running").await;
+    kafka.cluster.broker_down(1).unwrap();
+    ready(false, "not ready while the cluster is down").await;
+    assert!(readiness.check().unwrap_err().starts_with("kafka"), "{:?}", readiness.check());
+    kafka.cluster.broker_up(1).unwrap();
+    ready(true, "ready again").await;
+    r.stop().await;
+    assert_eq!(readiness.check(), Err("stopped: shut down".into()));
+}

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::receipt::{AttemptRecord, BrokerReceipt};
+use crate::state::AttemptState;
 use crate::store::LookupOutcome;
 
 /// When a reconciler may re-send, and how often it looks again.
@@ -11,7 +12,9 @@ use crate::store::LookupOutcome;
 pub struct RetryPolicy {
     /// Whether a proven-absent event may be re-sent to its frozen destination.
     pub allow_retry: bool,
-    /// At most this many attempts per event; beyond it the event stays UNKNOWN and pages.
+    /// At most this many attempts per event that may have been delivered
+    /// (every attempt but NOT_SENT ones, which the broker definitely did not
+    /// persist); beyond it the event stays UNKNOWN and pages.
     pub max_attempts: u32,
     /// An attempt may still be in flight inside the client this long after
     /// the later of its registration and the end of the lease it was sent
@@ -144,7 +147,11 @@ pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, brok
     if !policy.allow_retry {
         return recheck(RecheckReason::RetryNotAllowed);
     }
-    if attempts.len() as u32 >= policy.max_attempts {
+    // Only attempts that may have reached the log count: one the broker
+    // definitely did not persist (NOT_SENT, e.g. during an outage) spends
+    // nothing of the budget.
+    let may_have_delivered = attempts.iter().filter(|a| a.state != AttemptState::NotSent).count();
+    if may_have_delivered as u32 >= policy.max_attempts {
         return recheck(RecheckReason::AttemptsExhausted);
     }
     ReconcileDecision::Retry { proven_absent }
@@ -153,7 +160,6 @@ pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, brok
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::AttemptState;
 
     fn attempt(state: AttemptState, started_at_ms: i64, scan_from_offset: i64) -> AttemptRecord {
         crate::receipt::sample_attempt(state, started_at_ms, scan_from_offset)
@@ -220,6 +226,17 @@ mod tests {
         assert!(matches!(decide_after_submit(&refused, &young, true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::AttemptInFlight, .. }));
         let mixed = [refused[0].clone(), ReceiptDecision::Duplicate];
         assert!(matches!(decide_after_submit(&mixed, &a, true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, .. }));
+    }
+
+    #[test]
+    fn an_outage_does_not_spend_the_attempt_budget() {
+        // Issue 19 item 8: attempts the broker definitely did not persist
+        // (NOT_SENT, e.g. while it was down) are not deliveries.
+        let mut a: Vec<_> = (0..5).map(|i| attempt(AttemptState::NotSent, i, 0)).collect();
+        a.push(attempt(AttemptState::Unknown, 10, 0));
+        assert_eq!(decide_reconcile(&a, &LookupOutcome::Absent, true, &P, 5_000), ReconcileDecision::Retry { proven_absent: true });
+        a.extend([attempt(AttemptState::Absent, 11, 0), attempt(AttemptState::Absent, 12, 0)]);
+        assert!(matches!(decide_reconcile(&a, &LookupOutcome::Absent, true, &P, 5_000), ReconcileDecision::Recheck { reason: RecheckReason::AttemptsExhausted, .. }));
     }
 
     #[test]

@@ -127,7 +127,7 @@ pub struct DispatcherConfig {
 impl Default for DispatcherConfig {
     fn default() -> Self {
         DispatcherConfig {
-            name: format!("dispatcher-{}", std::process::id()),
+            name: default_owner_name("dispatcher"),
             workers: DEFAULT_WORKERS,
             batch_size: DEFAULT_BATCH_SIZE,
             lease_ms: DEFAULT_LEASE_MS,
@@ -141,6 +141,26 @@ impl Default for DispatcherConfig {
             implementation: IMPLEMENTATION.to_owned(),
         }
     }
+}
+
+/// `<prefix>-<host name>-<pid>`: a claim owner that tells hosts apart (in a
+/// container every process is pid 1, the host name is the pod's). The host
+/// name is reduced to the characters an identifier may hold.
+pub fn default_owner_name(prefix: &str) -> String {
+    let host = host_name().unwrap_or_else(|| "host".to_owned());
+    let host: String = host.chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')).take(100).collect();
+    let host = if host.is_empty() { "host".to_owned() } else { host };
+    format!("{prefix}-{host}-{}", std::process::id())
+}
+
+/// This machine's host name: `HOSTNAME`, else `/proc/sys/kernel/hostname`, else `/etc/hostname`.
+pub fn host_name() -> Option<String> {
+    let clean = |s: String| Some(s.trim().to_owned()).filter(|s| !s.is_empty());
+    std::env::var("HOSTNAME")
+        .ok()
+        .and_then(clean)
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().and_then(clean))
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().and_then(clean))
 }
 
 fn env_parse<T: std::str::FromStr>(key: &str, into: &mut T) -> Result<(), ProducerError> {
@@ -261,6 +281,28 @@ pub struct DispatchMetrics {
     /// Duration histograms (commit -> PUBLISHED, claim, send, receipt
     /// transaction, batch), for Prometheus.
     pub histograms: crate::observe::DispatchHistograms,
+    /// 1 while the claim gate ([`Dispatcher::with_claim_gate`]) holds claims
+    /// back (the producer cannot deliver), 0 otherwise.
+    pub claims_paused: AtomicU64,
+    /// When a worker last completed a claim or renewed its leases, ms since
+    /// the epoch (0: not yet): a readiness check sees a stuck dispatcher.
+    pub last_progress_ms: AtomicI64,
+}
+
+/// A check run before every claim: `Err(why)` holds claims back (see
+/// [`Dispatcher::with_claim_gate`]).
+pub type ClaimGate = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+struct Gate(Option<ClaimGate>);
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Gate(set)" } else { "Gate(none)" })
+    }
+}
+
+fn epoch_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
 /// A database failure the same call may get past (a lost connection, a
@@ -347,6 +389,8 @@ pub struct Dispatcher<B: Broker + 'static> {
     alias_checked: std::sync::Mutex<Option<(Instant, bool)>>,
     /// Held while claiming (see [`Dispatcher::claim`]).
     claim_turn: tokio::sync::Mutex<()>,
+    /// Checked before each claim.
+    gate: Gate,
 }
 
 /// Hands `message` to the broker client only while `deadline` (the claim's
@@ -392,7 +436,37 @@ impl<B: Broker + 'static> Dispatcher<B> {
     pub fn new(store: PgStore, broker: Arc<B>, config: DispatcherConfig) -> Result<Self, ProducerError> {
         config.validate()?;
         let store = store.scoped_to_cluster(broker.cluster_id());
-        Ok(Dispatcher { store, broker, config, metrics: Arc::default(), alias_checked: std::sync::Mutex::new(None), claim_turn: tokio::sync::Mutex::new(()) })
+        Ok(Dispatcher {
+            store,
+            broker,
+            config,
+            metrics: Arc::default(),
+            alias_checked: std::sync::Mutex::new(None),
+            claim_turn: tokio::sync::Mutex::new(()),
+            gate: Gate(None),
+        })
+    }
+
+    /// Holds claims back while `gate` answers `Err(why)`, e.g. while the
+    /// Kafka producer cannot deliver ([`crate::kafka::KafkaBroker::ready`]):
+    /// events stay PENDING instead of spending attempts on a producer that
+    /// is being rebuilt. Sends already started are settled as usual.
+    pub fn with_claim_gate(mut self, gate: ClaimGate) -> Self {
+        self.gate = Gate(Some(gate));
+        self
+    }
+
+    /// Whether the claim gate lets claims through; logs each change.
+    fn gate_open(&self) -> bool {
+        let verdict = self.gate.0.as_ref().map(|g| g()).unwrap_or(Ok(()));
+        let paused = u64::from(verdict.is_err());
+        if self.metrics.claims_paused.swap(paused, AtomicOrdering::Relaxed) != paused {
+            match &verdict {
+                Err(why) => tracing::warn!(reason = %why, "claims paused: the producer cannot deliver"),
+                Ok(()) => tracing::info!("claims resumed"),
+            }
+        }
+        verdict.is_ok()
     }
 
     /// The counters.
@@ -443,7 +517,8 @@ impl<B: Broker + 'static> Dispatcher<B> {
     async fn claim_and_send_from(&self, owner: &str, cursor: &mut ClaimCursor) -> Result<InFlightBatch, ProducerError> {
         let mut report = BatchReport::default();
         let started = Instant::now();
-        if !self.alias_active().await? {
+        if !self.alias_active().await? || !self.gate_open() {
+            self.metrics.last_progress_ms.store(epoch_ms(), AtomicOrdering::Relaxed);
             return Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends: Vec::new() });
         }
         // The claims this call gets run out no earlier than lease_ms after
@@ -451,6 +526,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
         // a local, monotonic deadline for handing messages to the client.
         let send_deadline = Instant::now() + Duration::from_millis(self.config.lease_ms.max(0) as u64);
         let (claimed, unreadable) = self.claim(owner, cursor).await?;
+        self.metrics.last_progress_ms.store(epoch_ms(), AtomicOrdering::Relaxed);
         report.claimed = claimed.len() + unreadable;
         report.quarantined += unreadable;
         inc(&self.metrics.quarantined, unreadable as u64);
@@ -618,6 +694,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     let outstanding: Vec<_> = tokens.iter().flatten().cloned().collect();
                     match self.store.renew_leases(&outstanding, self.config.lease_ms).await {
                         Ok(renewed) => {
+                            self.metrics.last_progress_ms.store(epoch_ms(), AtomicOrdering::Relaxed);
                             let lost = renewed.iter().filter(|r| r.is_none()).count();
                             if lost > 0 {
                                 tracing::warn!(owner = %owner, lost, "claims lost while sends were outstanding; their answers still go through acceptDispatchReceipt");
@@ -945,4 +1022,20 @@ fn add(total: &mut BatchReport, r: &BatchReport) {
     total.not_sent += r.not_sent;
     total.quarantined += r.quarantined;
     total.fenced += r.fenced;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_owner_names_the_host() {
+        let host = host_name().expect("a host name");
+        let name = DispatcherConfig::default().name;
+        let expected_host: String = host.chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')).collect();
+        assert!(name.starts_with(&format!("dispatcher-{expected_host}-")), "{name} should carry the host name {host}");
+        assert!(name.ends_with(&format!("-{}", std::process::id())), "{name}");
+        outbox_core::id::validate_identifier("dispatcher name", &name).expect("a valid identifier");
+        assert!(crate::ReconcilerConfig::default().owner.starts_with(&format!("reconciler-{expected_host}-")));
+    }
 }

@@ -57,13 +57,32 @@ pub enum ProducerError {
     Config(String),
     /// PostgreSQL failed.
     #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+    /// A table or function of the outbox is not there: the schema was never
+    /// migrated, or is older than this build.
+    #[error("the outbox schema is missing or older than this build ({detail}): run `outbox migrate` (or `outbox_producer::migrate`) first")]
+    SchemaMissing {
+        /// PostgreSQL's message, e.g. `relation "outbox_route_policies" does not exist`.
+        detail: String,
+    },
     /// Schema migration failed.
     #[error("migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     /// A store operation failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl From<sqlx::Error> for ProducerError {
+    fn from(e: sqlx::Error) -> Self {
+        if let sqlx::Error::Database(d) = &e {
+            // undefined_table, undefined_function, undefined_column on an outbox object.
+            if matches!(d.code().as_deref(), Some("42P01" | "42883" | "42703")) && d.message().contains("outbox_") {
+                return ProducerError::SchemaMissing { detail: d.message().to_owned() };
+            }
+        }
+        ProducerError::Database(e)
+    }
 }
 
 impl ProducerError {

@@ -58,8 +58,8 @@
 //! caller stops waiting.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -69,6 +69,8 @@ use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::client::OAuthToken;
+use rdkafka::metadata::Metadata;
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use rdkafka_sys::rd_kafka_msg_status_t;
@@ -95,6 +97,10 @@ pub const DEFAULT_LOOKUP_MAX_MESSAGES: u64 = 1_000_000;
 pub const DEFAULT_LOOKUP_TIMEOUT_MS: u64 = 30_000;
 /// Default [`KafkaConfig::max_concurrent_lookups`].
 pub const DEFAULT_MAX_CONCURRENT_LOOKUPS: usize = 4;
+/// Default [`KafkaConfig::producer_stall_ms`].
+pub const DEFAULT_PRODUCER_STALL_MS: u64 = 60_000;
+/// Default [`KafkaConfig::probe_timeout_ms`].
+pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 5_000;
 
 /// Slack added to the longest time librdkafka may take to report on a
 /// message before a send whose report never came is declared
@@ -129,8 +135,63 @@ const PROTECTED_SETTINGS: &[&str] = &[
     "enable.partition.eof",
 ];
 
+/// Whether a librdkafka setting carries a secret (a password, a private
+/// key, a token or a configuration that may hold one). Its value is never
+/// printed, logged or echoed in an error: see [`redact_setting`].
+pub fn is_secret_setting(key: &str) -> bool {
+    let k = key.trim().to_ascii_lowercase();
+    ["password", "secret", "token", "jaas", "oauthbearer.config", "ssl.key.pem", "ssl_key", "keystore", "sasl.oauthbearer.extensions", "credential"]
+        .iter()
+        .any(|s| k.contains(s))
+}
+
+/// The value of `key` as it may be shown: `***` for a secret-bearing key.
+pub fn redact_setting<'a>(key: &str, value: &'a str) -> &'a str {
+    if is_secret_setting(key) {
+        "***"
+    } else {
+        value
+    }
+}
+
+/// Prefixes of the librdkafka settings that describe the connection to the
+/// cluster (security, authentication, sockets, addresses, client identity):
+/// [`KafkaConfig::extra`] settings with one of them are applied to the
+/// lookup consumers as well as to the producer.
+const CONNECTION_SETTING_PREFIXES: &[&str] = &[
+    "security.protocol",
+    "ssl.",
+    "ssl_",
+    "sasl.",
+    "enable.ssl.",
+    "enable.sasl.",
+    "https.",
+    "socket.",
+    "broker.address.",
+    "broker.version.fallback",
+    "client.id",
+    "client.dns.lookup",
+    "client.rack",
+    "connections.max.idle.ms",
+    "reconnect.backoff.",
+    "retry.backoff.",
+    "metadata.max.age.ms",
+    "topic.metadata.refresh.",
+    "api.version.request.timeout.ms",
+    "resolve.",
+    "debug",
+    "log.connection.close",
+    "log_level",
+];
+
+/// Whether `key` describes the connection (see [`KafkaConfig::extra`]).
+pub fn is_connection_setting(key: &str) -> bool {
+    let k = key.trim();
+    CONNECTION_SETTING_PREFIXES.iter().any(|p| k == p.trim_end_matches('.') || k.starts_with(p))
+}
+
 /// Configuration of a [`KafkaBroker`]. Every limit has its unit in its name.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`: `host:port[,host:port...]`.
     pub bootstrap_servers: String,
@@ -160,11 +221,46 @@ pub struct KafkaConfig {
     /// Most lookups scanning at the same time (each uses its own consumer).
     /// Default 4.
     pub max_concurrent_lookups: usize,
-    /// Raw librdkafka settings applied to both the producer and the lookup
-    /// consumers (security, client.id, tuning...). The settings the adapter
-    /// relies on (idempotence, acks, timeouts, consumer group and offset
-    /// settings) are refused here; use the typed fields.
+    /// How long the producer may go without a single acknowledged message
+    /// while it has messages to deliver before it counts as unable to
+    /// deliver (see [`KafkaBroker::supervise_once`]: not ready, then
+    /// rebuilt). Default 60 000.
+    pub producer_stall_ms: u64,
+    /// Longest one health probe (a metadata request) may take. Default 5 000.
+    pub probe_timeout_ms: u64,
+    /// Raw librdkafka settings of the producer (security, client.id,
+    /// tuning such as `linger.ms`...). Those that describe the connection
+    /// (security, SASL, TLS, sockets, client.id: see
+    /// [`is_connection_setting`]) are applied to the lookup consumers too.
+    /// The settings the adapter relies on (idempotence, acks, timeouts,
+    /// consumer group and offset settings) are refused here; use the typed
+    /// fields.
     pub extra: Vec<(String, String)>,
+    /// Raw librdkafka settings of the lookup consumers only (e.g.
+    /// `fetch.max.bytes`), on top of the connection settings of
+    /// [`KafkaConfig::extra`]. The same settings are refused.
+    pub lookup_extra: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown = |v: &[(String, String)]| v.iter().map(|(k, v)| format!("{k}={}", redact_setting(k, v))).collect::<Vec<_>>();
+        f.debug_struct("KafkaConfig")
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("message_timeout_ms", &self.message_timeout_ms)
+            .field("request_timeout_ms", &self.request_timeout_ms)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("enqueue_timeout_ms", &self.enqueue_timeout_ms)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("lookup_max_messages", &self.lookup_max_messages)
+            .field("lookup_timeout_ms", &self.lookup_timeout_ms)
+            .field("max_concurrent_lookups", &self.max_concurrent_lookups)
+            .field("producer_stall_ms", &self.producer_stall_ms)
+            .field("probe_timeout_ms", &self.probe_timeout_ms)
+            .field("extra", &shown(&self.extra))
+            .field("lookup_extra", &shown(&self.lookup_extra))
+            .finish()
+    }
 }
 
 impl KafkaConfig {
@@ -180,7 +276,10 @@ impl KafkaConfig {
             lookup_max_messages: DEFAULT_LOOKUP_MAX_MESSAGES,
             lookup_timeout_ms: DEFAULT_LOOKUP_TIMEOUT_MS,
             max_concurrent_lookups: DEFAULT_MAX_CONCURRENT_LOOKUPS,
+            producer_stall_ms: DEFAULT_PRODUCER_STALL_MS,
+            probe_timeout_ms: DEFAULT_PROBE_TIMEOUT_MS,
             extra: Vec::new(),
+            lookup_extra: Vec::new(),
         }
     }
 
@@ -206,7 +305,9 @@ impl KafkaConfig {
         if self.bootstrap_servers.trim().is_empty() {
             return fail("bootstrap_servers is empty".into());
         }
-        let positive: [(&str, u64); 7] = [
+        let positive: [(&str, u64); 9] = [
+            ("producer_stall_ms", self.producer_stall_ms),
+            ("probe_timeout_ms", self.probe_timeout_ms),
             ("message_timeout_ms", self.message_timeout_ms),
             ("request_timeout_ms", self.request_timeout_ms),
             ("enqueue_timeout_ms", self.enqueue_timeout_ms),
@@ -232,12 +333,21 @@ impl KafkaConfig {
         if self.max_in_flight > Semaphore::MAX_PERMITS {
             return fail(format!("max_in_flight {} is too large", self.max_in_flight));
         }
-        for (k, _) in &self.extra {
+        for (k, _) in self.extra.iter().chain(&self.lookup_extra) {
+            if k.trim().is_empty() {
+                return fail("an extra setting has an empty name".into());
+            }
             if PROTECTED_SETTINGS.contains(&k.trim()) {
                 return fail(format!("extra setting {k:?} is set by the adapter; use the typed field"));
             }
         }
         Ok(())
+    }
+
+    /// The settings the lookup consumers get from [`KafkaConfig::extra`]
+    /// and [`KafkaConfig::lookup_extra`], in the order applied.
+    pub fn lookup_settings(&self) -> Vec<(String, String)> {
+        self.extra.iter().filter(|(k, _)| is_connection_setting(k)).chain(&self.lookup_extra).cloned().collect()
     }
 
     fn producer_config(&self) -> ClientConfig {
@@ -256,7 +366,7 @@ impl KafkaConfig {
 
     fn lookup_config(&self, group_id: &str) -> ClientConfig {
         let mut c = ClientConfig::new();
-        for (k, v) in &self.extra {
+        for (k, v) in self.lookup_settings() {
             c.set(k, v);
         }
         c.set("bootstrap.servers", &self.bootstrap_servers)
@@ -282,14 +392,27 @@ pub enum KafkaAdapterError {
     /// The configuration is invalid (a limit is zero, a protected setting in `extra`...).
     #[error("kafka adapter configuration: {0}")]
     Config(String),
-    /// librdkafka refused to create or use a client.
+    /// librdkafka refused to create or use a client. The text never holds
+    /// the value of a secret-bearing setting (see [`is_secret_setting`]).
     #[error("kafka client: {0}")]
-    Client(#[from] KafkaError),
+    Client(String),
+    /// After a rebuild the bootstrap servers answer for another cluster:
+    /// the events are frozen for the first one, so nothing is sent.
+    #[error("the Kafka cluster changed from {expected} to {found}: not sending to it")]
+    ClusterChanged {
+        /// The cluster id the adapter connected to first.
+        expected: String,
+        /// The cluster id the bootstrap servers report now.
+        found: String,
+    },
     /// The cluster did not tell its id within the connect timeout.
-    #[error("no cluster id from the Kafka cluster within {timeout_ms} ms")]
+    #[error("no cluster id from the Kafka cluster within {timeout_ms} ms{}", last_error.as_deref().map(|e| format!(" (last client error: {e})")).unwrap_or_default())]
     NoClusterId {
         /// The timeout that ran out.
         timeout_ms: u64,
+        /// The client's last error meanwhile (a refused connection, a failed
+        /// TLS handshake, a failed authentication...), secrets masked.
+        last_error: Option<String>,
     },
     /// Topic metadata could not be read or is not usable.
     #[error("kafka metadata: {0}")]
@@ -297,6 +420,38 @@ pub enum KafkaAdapterError {
     /// A blocking task of the adapter failed.
     #[error("kafka adapter task: {0}")]
     Task(String),
+}
+
+impl From<KafkaError> for KafkaAdapterError {
+    fn from(e: KafkaError) -> Self {
+        KafkaAdapterError::Client(describe_kafka_error(&e, &[]))
+    }
+}
+
+/// `e` as text with no secret in it: a configuration error names the
+/// setting and says what is wrong, shows the value only for a setting that
+/// carries no secret, and every value of `settings` whose key is
+/// secret-bearing is replaced by `***` wherever it appears.
+pub fn describe_kafka_error(e: &KafkaError, settings: &[(String, String)]) -> String {
+    let text = match e {
+        KafkaError::ClientConfig(_, desc, key, value) if is_secret_setting(key) => {
+            format!("setting {key}: {}", redact_text(desc, &[(key.clone(), value.clone())]))
+        }
+        KafkaError::ClientConfig(_, desc, key, value) => format!("setting {key} = {value:?}: {desc}"),
+        other => other.to_string(),
+    };
+    redact_text(&text, settings)
+}
+
+/// `text` with the value of every secret-bearing setting of `settings` replaced by `***`.
+pub fn redact_text(text: &str, settings: &[(String, String)]) -> String {
+    let mut out = text.to_owned();
+    for (k, v) in settings {
+        if is_secret_setting(k) && !v.is_empty() {
+            out = out.replace(v.as_str(), "***");
+        }
+    }
+    out
 }
 
 impl KafkaAdapterError {
@@ -314,25 +469,134 @@ struct Pending {
     permit: OwnedSemaphorePermit,
 }
 
-/// The producer context: reads the persistence status of each delivery
-/// report and completes the send's channel; forwards librdkafka logs to tracing.
-struct DeliveryContext;
+/// A source of SASL/OAUTHBEARER tokens, for clusters that authenticate with
+/// short-lived tokens (AWS MSK IAM, an OIDC provider the service talks to
+/// itself...). librdkafka asks for a token when a client starts and again
+/// before the previous one expires; `sasl.oauthbearer.config` is passed
+/// through. Set `security.protocol=SASL_SSL` and
+/// `sasl.mechanism=OAUTHBEARER`, and give the provider to
+/// [`KafkaBroker::connect_with_token_provider`]. For OIDC client
+/// credentials librdkafka can fetch tokens itself instead
+/// (`sasl.oauthbearer.method=oidc`, no provider).
+pub trait OAuthTokenProvider: Send + Sync + 'static {
+    /// A fresh token. An error is reported to librdkafka, which retries.
+    fn token(&self, oauthbearer_config: Option<&str>) -> Result<OAuthBearerToken, String>;
+}
 
-impl ClientContext for DeliveryContext {
+/// One OAUTHBEARER token.
+#[derive(Clone, PartialEq, Eq)]
+pub struct OAuthBearerToken {
+    /// The token (often a JWT).
+    pub token: String,
+    /// The Kafka principal it authenticates.
+    pub principal_name: String,
+    /// When it expires, ms since the Unix epoch.
+    pub lifetime_ms: i64,
+}
+
+impl std::fmt::Debug for OAuthBearerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OAuthBearerToken").field("token", &"***").field("principal_name", &self.principal_name).field("lifetime_ms", &self.lifetime_ms).finish()
+    }
+}
+
+type TokenSource = Option<Arc<dyn OAuthTokenProvider>>;
+
+fn oauth_token(tokens: &TokenSource, config: Option<&str>) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+    let Some(p) = tokens else { return Err("no OAUTHBEARER token provider".into()) };
+    match p.token(config) {
+        Ok(t) => {
+            debug!(principal = %t.principal_name, lifetime_ms = t.lifetime_ms, "OAUTHBEARER token provided");
+            Ok(OAuthToken { token: t.token, principal_name: t.principal_name, lifetime_ms: t.lifetime_ms })
+        }
+        Err(e) => {
+            warn!(error = %e, "OAUTHBEARER token provider failed");
+            Err(e.into())
+        }
+    }
+}
+
+/// What the delivery callbacks tell about the producer's ability to
+/// deliver, shared by every producer the adapter builds.
+#[derive(Debug, Default)]
+struct HealthState {
+    /// When the last message was acknowledged, ms since the epoch (0: never).
+    last_ack_ms: AtomicI64,
+    /// When the oldest send not followed by any acknowledgement started
+    /// (0: every send so far was followed by one).
+    waiting_since_ms: AtomicI64,
+    /// A fatal error of the current producer (idempotence broken, fenced...).
+    fatal: Mutex<Option<String>>,
+    /// The last failed delivery, for the readiness report.
+    last_failure: Mutex<Option<String>>,
+    /// The last probe: when, and its error.
+    probe: Mutex<Option<(i64, Option<String>)>>,
+    /// Producers built after the first.
+    rebuilds: AtomicU64,
+    /// The client's last error (connection, TLS, authentication...).
+    last_client_error: Mutex<Option<String>>,
+}
+
+fn epoch_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl HealthState {
+    fn note_send(&self) {
+        let _ = self.waiting_since_ms.compare_exchange(0, epoch_ms(), AtomicOrdering::AcqRel, AtomicOrdering::Acquire);
+    }
+
+    fn note_outcome(&self, outcome: &SendOutcome) {
+        match outcome {
+            SendOutcome::Acked { .. } => {
+                self.last_ack_ms.store(epoch_ms(), AtomicOrdering::Release);
+                self.waiting_since_ms.store(0, AtomicOrdering::Release);
+            }
+            SendOutcome::NotPersisted(why) | SendOutcome::Unknown(why) => *lock(&self.last_failure) = Some(why.clone()),
+        }
+    }
+}
+
+/// The producer context: reads the persistence status of each delivery
+/// report and completes the send's channel; records fatal errors and
+/// deliveries for [`KafkaBroker::producer_health`]; forwards librdkafka logs
+/// to tracing; with `OAUTH`, asks the token provider for OAUTHBEARER tokens.
+struct DeliveryContext<const OAUTH: bool> {
+    health: Arc<HealthState>,
+    tokens: TokenSource,
+}
+
+impl<const OAUTH: bool> ClientContext for DeliveryContext<OAUTH> {
+    const ENABLE_REFRESH_OAUTH_TOKEN: bool = OAUTH;
+
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
         forward_log(level, fac, log_message);
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
         if matches!(error.rdkafka_error_code(), Some(RDKafkaErrorCode::Fatal)) {
-            error!(%error, reason, "kafka producer fatal error: every further send will fail");
+            error!(%error, reason, "kafka producer fatal error: every further send will fail; the producer is rebuilt by its supervisor");
+            *lock(&self.health.fatal) = Some(format!("{error}: {reason}"));
         } else {
             warn!(%error, reason, "kafka producer error");
         }
+        // "All broker connections are down" follows the error that says why.
+        let mut last = lock(&self.health.last_client_error);
+        if last.is_none() || !matches!(error.rdkafka_error_code(), Some(RDKafkaErrorCode::AllBrokersDown)) {
+            *last = Some(if reason.is_empty() { error.to_string() } else { reason.to_owned() });
+        }
+    }
+
+    fn generate_oauth_token(&self, config: Option<&str>) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+        oauth_token(&self.tokens, config)
     }
 }
 
-impl ProducerContext for DeliveryContext {
+impl<const OAUTH: bool> ProducerContext for DeliveryContext<OAUTH> {
     type DeliveryOpaque = Box<Pending>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, pending: Box<Pending>) {
@@ -343,6 +607,7 @@ impl ProducerContext for DeliveryContext {
             SendOutcome::NotPersisted(reason) => warn!(reason = %reason, "kafka delivery failed, not persisted"),
             SendOutcome::Unknown(reason) => warn!(reason = %reason, "kafka delivery outcome unknown"),
         }
+        self.health.note_outcome(&outcome);
         // The slot is free before anyone can observe the outcome.
         drop(permit);
         if tx.send(outcome).is_err() {
@@ -351,9 +616,13 @@ impl ProducerContext for DeliveryContext {
     }
 }
 
-struct LookupContext;
+struct LookupContext<const OAUTH: bool> {
+    tokens: TokenSource,
+}
 
-impl ClientContext for LookupContext {
+impl<const OAUTH: bool> ClientContext for LookupContext<OAUTH> {
+    const ENABLE_REFRESH_OAUTH_TOKEN: bool = OAUTH;
+
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
         forward_log(level, fac, log_message);
     }
@@ -361,9 +630,85 @@ impl ClientContext for LookupContext {
     fn error(&self, error: KafkaError, reason: &str) {
         debug!(%error, reason, "kafka lookup consumer error");
     }
+
+    fn generate_oauth_token(&self, config: Option<&str>) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+        oauth_token(&self.tokens, config)
+    }
 }
 
-impl rdkafka::consumer::ConsumerContext for LookupContext {}
+impl<const OAUTH: bool> rdkafka::consumer::ConsumerContext for LookupContext<OAUTH> {}
+
+/// The producer, with or without a token provider (librdkafka's refresh
+/// hook is chosen by the context's type).
+enum AnyProducer {
+    Plain(ThreadedProducer<DeliveryContext<false>>),
+    OAuth(ThreadedProducer<DeliveryContext<true>>),
+}
+
+type Record<'a> = BaseRecord<'a, [u8], [u8], Box<Pending>>;
+
+impl AnyProducer {
+    fn create(config: &KafkaConfig, health: &Arc<HealthState>, tokens: &TokenSource) -> Result<AnyProducer, KafkaAdapterError> {
+        let cc = config.producer_config();
+        let secret = |e: KafkaError| KafkaAdapterError::Client(describe_kafka_error(&e, &config.extra));
+        Ok(match tokens {
+            None => AnyProducer::Plain(cc.create_with_context(DeliveryContext::<false> { health: health.clone(), tokens: None }).map_err(secret)?),
+            Some(_) => AnyProducer::OAuth(cc.create_with_context(DeliveryContext::<true> { health: health.clone(), tokens: tokens.clone() }).map_err(secret)?),
+        })
+    }
+
+    fn send<'a>(&self, record: Record<'a>) -> Result<(), (KafkaError, Record<'a>)> {
+        match self {
+            AnyProducer::Plain(p) => p.send(record),
+            AnyProducer::OAuth(p) => p.send(record),
+        }
+    }
+
+    fn fetch_cluster_id(&self, timeout: Duration) -> Option<String> {
+        match self {
+            AnyProducer::Plain(p) => p.client().fetch_cluster_id(timeout),
+            AnyProducer::OAuth(p) => p.client().fetch_cluster_id(timeout),
+        }
+    }
+
+    fn fetch_metadata(&self, topic: Option<&str>, timeout: Duration) -> Result<Metadata, KafkaError> {
+        match self {
+            AnyProducer::Plain(p) => p.client().fetch_metadata(topic, timeout),
+            AnyProducer::OAuth(p) => p.client().fetch_metadata(topic, timeout),
+        }
+    }
+
+    /// A metadata request for the brokers and the topics this client
+    /// already knows (not every topic of the cluster: a probe every second
+    /// must stay cheap on a cluster with thousands of topics).
+    #[allow(unsafe_code)]
+    fn probe(&self, timeout: Duration) -> Result<(), String> {
+        let rk = match self {
+            AnyProducer::Plain(p) => p.client().native_ptr(),
+            AnyProducer::OAuth(p) => p.client().native_ptr(),
+        };
+        let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        let mut md: *const rdkafka_sys::rd_kafka_metadata = std::ptr::null();
+        // SAFETY: `rk` is the live handle of the client `self` owns, for the
+        // whole call; `md` is written by librdkafka and freed once below.
+        let err = unsafe { rdkafka_sys::rd_kafka_metadata(rk, 0, std::ptr::null_mut(), &mut md, timeout_ms) };
+        if !md.is_null() {
+            // SAFETY: `md` was returned by rd_kafka_metadata and is freed exactly once.
+            unsafe { rdkafka_sys::rd_kafka_metadata_destroy(md) };
+        }
+        match RDKafkaErrorCode::from(err) {
+            RDKafkaErrorCode::NoError => Ok(()),
+            code => Err(format!("metadata request: {code}")),
+        }
+    }
+
+    fn flush(&self, timeout: Duration) -> Result<(), KafkaError> {
+        match self {
+            AnyProducer::Plain(p) => p.flush(timeout),
+            AnyProducer::OAuth(p) => p.flush(timeout),
+        }
+    }
+}
 
 fn forward_log(level: RDKafkaLogLevel, fac: &str, message: &str) {
     match level {
@@ -409,14 +754,38 @@ enum Enqueue {
 }
 
 struct Inner {
-    producer: ThreadedProducer<DeliveryContext>,
+    producer: AnyProducer,
     cluster_id: String,
     config: KafkaConfig,
     in_flight: Arc<Semaphore>,
     lookups: Arc<Semaphore>,
+    health: Arc<HealthState>,
+    tokens: TokenSource,
 }
 
 impl Inner {
+    /// A producer for `config`, and the cluster id it reports (which must
+    /// be `expected` when given).
+    fn build(
+        config: KafkaConfig,
+        in_flight: Arc<Semaphore>,
+        lookups: Arc<Semaphore>,
+        health: Arc<HealthState>,
+        tokens: TokenSource,
+        expected: Option<String>,
+    ) -> Result<Inner, KafkaAdapterError> {
+        let producer = AnyProducer::create(&config, &health, &tokens)?;
+        let timeout = Duration::from_millis(config.connect_timeout_ms);
+        let cluster_id = producer.fetch_cluster_id(timeout).filter(|id| !id.is_empty()).ok_or_else(|| KafkaAdapterError::NoClusterId {
+            timeout_ms: config.connect_timeout_ms,
+            last_error: lock(&health.last_client_error).clone().map(|e| redact_text(&e, &config.extra)),
+        })?;
+        if let Some(expected) = expected.filter(|e| *e != cluster_id) {
+            return Err(KafkaAdapterError::ClusterChanged { expected, found: cluster_id });
+        }
+        Ok(Inner { producer, cluster_id, config, in_flight, lookups, health, tokens })
+    }
+
     fn enqueue(&self, m: &OutgoingMessage, permit: OwnedSemaphorePermit) -> Enqueue {
         if m.partition < 0 {
             return Enqueue::Refused(SendOutcome::NotPersisted(format!("invalid partition {}", m.partition)));
@@ -426,13 +795,14 @@ impl Inner {
         for (key, value) in &m.headers {
             hs = hs.insert(Header { key: key.as_str(), value: Some(value.as_slice()) });
         }
-        let record: BaseRecord<'_, [u8], [u8], Box<Pending>> = BaseRecord::with_opaque_to(&m.topic, Box::new(Pending { tx, permit }))
+        let record: Record<'_> = BaseRecord::with_opaque_to(&m.topic, Box::new(Pending { tx, permit }))
             .partition(m.partition)
             .key(m.key.as_slice())
             .payload(m.payload.as_slice())
             .headers(hs);
         match self.producer.send(record) {
             Ok(()) => {
+                self.health.note_send();
                 debug!(topic = %m.topic, partition = m.partition, "kafka message enqueued");
                 Enqueue::Queued(rx)
             }
@@ -525,16 +895,84 @@ async fn await_report(mut rx: oneshot::Receiver<SendOutcome>, backstop: Duration
 /// bounded scans of a partition for an eventId.
 ///
 /// Cheap to clone; clones share the producer and the limits.
+///
+/// **Supervision.** A producer that cannot deliver (a fatal error such as
+/// broken idempotence, or no acknowledgement for
+/// [`KafkaConfig::producer_stall_ms`] while it has messages to deliver, e.g.
+/// after the cluster was replaced and answers `UnknownProducerId`) is
+/// reported by [`KafkaBroker::producer_health`] and
+/// [`KafkaBroker::ready`]; [`KafkaBroker::supervise_once`], called
+/// periodically, rebuilds it once the cluster answers again. Sends already
+/// handed to the old producer keep their delivery reports.
 #[derive(Clone)]
 pub struct KafkaBroker {
-    inner: Arc<Inner>,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    cluster_id: String,
+    config: KafkaConfig,
+    current: RwLock<Arc<Inner>>,
+    rebuilding: tokio::sync::Mutex<()>,
+}
+
+/// What [`KafkaBroker::producer_health`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducerHealth {
+    /// The current producer's fatal error, if any.
+    pub fatal: Option<String>,
+    /// How long the oldest send not followed by any acknowledgement has
+    /// waited, ms (`None`: nothing is waiting).
+    pub waiting_ms: Option<u64>,
+    /// Whether `waiting_ms` exceeds [`KafkaConfig::producer_stall_ms`].
+    pub stalled: bool,
+    /// The last failed delivery.
+    pub last_failure: Option<String>,
+    /// When the last message was acknowledged, ms since the epoch.
+    pub last_ack_ms: Option<i64>,
+    /// The last probe: its age in ms and its error (`None`: never probed).
+    pub last_probe: Option<(u64, Option<String>)>,
+    /// Producers rebuilt since connect.
+    pub rebuilds: u64,
+}
+
+impl ProducerHealth {
+    /// Why the producer cannot deliver, if it cannot.
+    pub fn cannot_deliver(&self) -> Option<String> {
+        if let Some(f) = &self.fatal {
+            return Some(format!("fatal producer error: {f}"));
+        }
+        if self.stalled {
+            let last = self.last_failure.as_deref().map(|f| format!(" (last failure: {f})")).unwrap_or_default();
+            return Some(format!("no delivery acknowledged for {} ms{last}", self.waiting_ms.unwrap_or(0)));
+        }
+        None
+    }
+}
+
+/// What one [`KafkaBroker::supervise_once`] found and did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SupervisionStep {
+    /// The cluster answers and the producer delivers (or has nothing to deliver).
+    Healthy,
+    /// The cluster does not answer (nothing rebuilt: a new producer could not do better).
+    BrokerUnreachable(String),
+    /// The producer could not deliver while the cluster answered; it was rebuilt.
+    Rebuilt {
+        /// Why.
+        cause: String,
+    },
+    /// The producer cannot deliver and was not rebuilt (rebuilding was not
+    /// asked for, or it failed: the reason is appended).
+    CannotDeliver(String),
 }
 
 impl std::fmt::Debug for KafkaBroker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.inner();
         f.debug_struct("KafkaBroker")
-            .field("cluster_id", &self.inner.cluster_id)
-            .field("bootstrap_servers", &self.inner.config.bootstrap_servers)
+            .field("cluster_id", &inner.cluster_id)
+            .field("bootstrap_servers", &inner.config.bootstrap_servers)
             .field("in_flight", &self.in_flight())
             .finish()
     }
@@ -546,39 +984,138 @@ impl KafkaBroker {
     /// [`KafkaAdapterError::NoClusterId`] if the cluster does not tell it
     /// within [`KafkaConfig::connect_timeout_ms`].
     pub async fn connect(config: KafkaConfig) -> Result<KafkaBroker, KafkaAdapterError> {
-        config.validate()?;
-        tokio::task::spawn_blocking(move || KafkaBroker::connect_blocking(config))
-            .await
-            .map_err(|e| KafkaAdapterError::Task(e.to_string()))?
+        KafkaBroker::connect_inner(config, None).await
     }
 
-    fn connect_blocking(config: KafkaConfig) -> Result<KafkaBroker, KafkaAdapterError> {
-        let producer: ThreadedProducer<DeliveryContext> = config.producer_config().create_with_context(DeliveryContext)?;
-        let timeout = Duration::from_millis(config.connect_timeout_ms);
-        let cluster_id = producer
-            .client()
-            .fetch_cluster_id(timeout)
-            .filter(|id| !id.is_empty())
-            .ok_or(KafkaAdapterError::NoClusterId { timeout_ms: config.connect_timeout_ms })?;
-        info!(cluster_id = %cluster_id, bootstrap = %config.bootstrap_servers, "kafka adapter connected");
-        let in_flight = Arc::new(Semaphore::new(config.max_in_flight));
-        let lookups = Arc::new(Semaphore::new(config.max_concurrent_lookups));
-        Ok(KafkaBroker { inner: Arc::new(Inner { producer, cluster_id, config, in_flight, lookups }) })
+    /// [`KafkaBroker::connect`] with a source of SASL/OAUTHBEARER tokens used
+    /// by the producer and the lookup consumers (see [`OAuthTokenProvider`]).
+    pub async fn connect_with_token_provider(config: KafkaConfig, provider: Arc<dyn OAuthTokenProvider>) -> Result<KafkaBroker, KafkaAdapterError> {
+        KafkaBroker::connect_inner(config, Some(provider)).await
+    }
+
+    async fn connect_inner(config: KafkaConfig, tokens: TokenSource) -> Result<KafkaBroker, KafkaAdapterError> {
+        config.validate()?;
+        let inner = tokio::task::spawn_blocking(move || {
+            let in_flight = Arc::new(Semaphore::new(config.max_in_flight));
+            let lookups = Arc::new(Semaphore::new(config.max_concurrent_lookups));
+            Inner::build(config, in_flight, lookups, Arc::default(), tokens, None)
+        })
+        .await
+        .map_err(|e| KafkaAdapterError::Task(e.to_string()))??;
+        info!(cluster_id = %inner.cluster_id, bootstrap = %inner.config.bootstrap_servers, "kafka adapter connected");
+        Ok(KafkaBroker { shared: Arc::new(Shared { cluster_id: inner.cluster_id.clone(), config: inner.config.clone(), current: RwLock::new(Arc::new(inner)), rebuilding: tokio::sync::Mutex::new(()) }) })
+    }
+
+    fn inner(&self) -> Arc<Inner> {
+        self.shared.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The producer's ability to deliver, from its delivery reports and
+    /// errors (no I/O).
+    pub fn producer_health(&self) -> ProducerHealth {
+        let inner = self.inner();
+        let h = &inner.health;
+        let now = epoch_ms();
+        let since = h.waiting_since_ms.load(AtomicOrdering::Acquire);
+        let waiting_ms = (since > 0).then(|| now.saturating_sub(since).max(0) as u64);
+        let last_ack = h.last_ack_ms.load(AtomicOrdering::Acquire);
+        let fatal = lock(&h.fatal).clone();
+        let last_failure = lock(&h.last_failure).clone();
+        let last_probe = lock(&h.probe).as_ref().map(|(at, e)| (now.saturating_sub(*at).max(0) as u64, e.clone()));
+        ProducerHealth {
+            fatal,
+            waiting_ms,
+            stalled: waiting_ms.is_some_and(|w| w > inner.config.producer_stall_ms),
+            last_failure,
+            last_ack_ms: (last_ack > 0).then_some(last_ack),
+            last_probe,
+            rebuilds: h.rebuilds.load(AtomicOrdering::Relaxed),
+        }
+    }
+
+    /// `Ok` while the producer may be trusted with sends: no fatal error, not
+    /// stalled, and the last probe (if any) answered. A dispatcher stops
+    /// claiming while this is an error.
+    pub fn ready(&self) -> Result<(), String> {
+        let h = self.producer_health();
+        if let Some(why) = h.cannot_deliver() {
+            return Err(why);
+        }
+        match h.last_probe {
+            Some((_, Some(e))) => Err(format!("the Kafka cluster does not answer: {e}")),
+            _ => Ok(()),
+        }
+    }
+
+    /// Asks the cluster for its metadata (at most
+    /// [`KafkaConfig::probe_timeout_ms`]) and records the answer.
+    pub async fn probe(&self) -> Result<(), String> {
+        let inner = self.inner();
+        let timeout = Duration::from_millis(inner.config.probe_timeout_ms);
+        let probed = inner.clone();
+        let r = tokio::task::spawn_blocking(move || probed.producer.probe(timeout).map_err(|e| redact_text(&e, &probed.config.extra)))
+            .await
+            .unwrap_or_else(|e| Err(format!("probe task failed: {e}")));
+        *lock(&inner.health.probe) = Some((epoch_ms(), r.clone().err()));
+        r
+    }
+
+    /// Replaces the producer by a new one (same configuration, same
+    /// cluster). Messages handed to the old producer keep their delivery
+    /// reports. Fails with [`KafkaAdapterError::ClusterChanged`] if the
+    /// bootstrap servers now answer for another cluster.
+    pub async fn rebuild(&self, cause: &str) -> Result<(), KafkaAdapterError> {
+        let _one = self.shared.rebuilding.lock().await;
+        let old = self.inner();
+        let (config, in_flight, lookups, health, tokens, cluster) =
+            (old.config.clone(), old.in_flight.clone(), old.lookups.clone(), old.health.clone(), old.tokens.clone(), old.cluster_id.clone());
+        let new = tokio::task::spawn_blocking(move || Inner::build(config, in_flight, lookups, health, tokens, Some(cluster)))
+            .await
+            .map_err(|e| KafkaAdapterError::Task(e.to_string()))??;
+        let h = &new.health;
+        *lock(&h.fatal) = None;
+        h.waiting_since_ms.store(0, AtomicOrdering::Release);
+        let n = h.rebuilds.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+        warn!(cause, rebuilds = n, cluster_id = %new.cluster_id, "kafka producer rebuilt");
+        *self.shared.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
+        Ok(())
+    }
+
+    /// One supervision step: probe the cluster; if the producer cannot
+    /// deliver while the cluster answers, rebuild it (when `rebuild`) and
+    /// say so. Call it every second or so (the CLI does).
+    pub async fn supervise_once(&self, rebuild: bool) -> SupervisionStep {
+        let probe = self.probe().await;
+        let cannot = self.producer_health().cannot_deliver();
+        match (probe, cannot) {
+            (Err(e), _) => SupervisionStep::BrokerUnreachable(e),
+            (Ok(()), None) => SupervisionStep::Healthy,
+            (Ok(()), Some(cause)) if rebuild => match self.rebuild(&cause).await {
+                Ok(()) => SupervisionStep::Rebuilt { cause },
+                Err(e) => {
+                    error!(cause = %cause, error = %e, "kafka producer could not be rebuilt");
+                    SupervisionStep::CannotDeliver(format!("{cause}; rebuild failed: {e}"))
+                }
+            },
+            (Ok(()), Some(cause)) => SupervisionStep::CannotDeliver(cause),
+        }
     }
 
     /// The cluster id the cluster reported at connect.
     pub fn cluster_id(&self) -> &str {
-        &self.inner.cluster_id
+        // Fixed for the adapter's life: a rebuild never changes it.
+        &self.shared.cluster_id
     }
 
     /// The configuration in force.
     pub fn config(&self) -> &KafkaConfig {
-        &self.inner.config
+        &self.shared.config
     }
 
     /// Messages handed to librdkafka and not yet reported on.
     pub fn in_flight(&self) -> usize {
-        self.inner.config.max_in_flight.saturating_sub(self.inner.in_flight.available_permits())
+        let inner = self.inner();
+        inner.config.max_in_flight.saturating_sub(inner.in_flight.available_permits())
     }
 
     /// Sends one message to its explicit topic and partition and returns a
@@ -591,7 +1128,7 @@ impl KafkaBroker {
     /// or not the future is being polled, and a later poll yields it.
     /// Dropping the future does not withdraw the message.
     pub fn send_detached(&self, message: OutgoingMessage) -> impl Future<Output = SendOutcome> + Send + 'static {
-        let inner = Arc::clone(&self.inner);
+        let inner = self.inner();
         let first = Arc::clone(&inner.in_flight).try_acquire_owned().ok().map(|permit| inner.enqueue(&message, permit));
         inner.drive(message, first)
     }
@@ -599,11 +1136,11 @@ impl KafkaBroker {
     /// The partition count of `topic`, from the cluster's metadata (for
     /// checking route policies against the real topic).
     pub async fn partition_count(&self, topic: &str) -> Result<u32, KafkaAdapterError> {
-        let inner = Arc::clone(&self.inner);
+        let inner = self.inner();
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || {
             let timeout = Duration::from_millis(inner.config.connect_timeout_ms);
-            let md = inner.producer.client().fetch_metadata(Some(&topic), timeout)?;
+            let md = inner.producer.fetch_metadata(Some(&topic), timeout)?;
             let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic} not in metadata")))?;
             if let Some(e) = t.error() {
                 return Err(KafkaAdapterError::Metadata(format!("topic {topic}: {}", RDKafkaErrorCode::from(e))));
@@ -620,7 +1157,7 @@ impl KafkaBroker {
     /// Waits (at most `timeout_ms`) until every message handed to librdkafka
     /// has been reported on.
     pub async fn flush(&self, timeout_ms: u64) -> Result<(), KafkaAdapterError> {
-        let inner = Arc::clone(&self.inner);
+        let inner = self.inner();
         tokio::task::spawn_blocking(move || inner.producer.flush(Duration::from_millis(timeout_ms)))
             .await
             .map_err(|e| KafkaAdapterError::Task(e.to_string()))?
@@ -631,7 +1168,7 @@ impl KafkaBroker {
 #[async_trait]
 impl Broker for KafkaBroker {
     fn cluster_id(&self) -> &str {
-        &self.inner.cluster_id
+        &self.shared.cluster_id
     }
 
     /// Hands the message to librdkafka at the first poll (see
@@ -647,8 +1184,8 @@ impl Broker for KafkaBroker {
     /// The enqueue wait plus the delivery-report backstop: past it librdkafka
     /// has given up on the message, so it can no longer be written.
     fn max_in_flight_ms(&self) -> Option<u64> {
-        let backstop = u64::try_from(self.inner.report_backstop().as_millis()).unwrap_or(u64::MAX);
-        Some(self.inner.config.enqueue_timeout_ms.saturating_add(backstop))
+        let backstop = u64::try_from(self.inner().report_backstop().as_millis()).unwrap_or(u64::MAX);
+        Some(self.shared.config.enqueue_timeout_ms.saturating_add(backstop))
     }
 
     /// Scans `destination.topic` / `destination.partition` from
@@ -656,30 +1193,31 @@ impl Broker for KafkaBroker {
     /// at the start, for messages whose `outbox-event-id` header is
     /// `event_id`. See the [module documentation](self) for what a match reports.
     async fn lookup(&self, destination: &Destination, event_id: &EventId, from_offset: i64) -> LookupOutcome {
-        if destination.cluster_id != self.inner.cluster_id {
+        if destination.cluster_id != self.shared.cluster_id {
             return LookupOutcome::Unavailable(format!(
                 "destination is on cluster {}, this adapter is connected to {}",
-                destination.cluster_id, self.inner.cluster_id
+                destination.cluster_id, self.shared.cluster_id
             ));
         }
-        let timeout = Duration::from_millis(self.inner.config.lookup_timeout_ms);
+        let timeout = Duration::from_millis(self.shared.config.lookup_timeout_ms);
         let started = Instant::now();
-        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner.lookups).acquire_owned()).await {
+        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner().lookups).acquire_owned()).await {
             Ok(Ok(p)) => p,
             Ok(Err(_)) => return LookupOutcome::Unavailable("kafka adapter closed".into()),
             Err(_) => return LookupOutcome::Unavailable(format!("no lookup slot within {} ms", timeout.as_millis())),
         };
         let deadline = started + timeout;
         let scan = ScanRequest {
-            cluster_id: self.inner.cluster_id.clone(),
+            tokens: self.inner().tokens.clone(),
+            cluster_id: self.shared.cluster_id.clone(),
             topic: destination.topic.clone(),
             partition: destination.partition,
             event_id: event_id.clone(),
             from_offset,
-            max_messages: self.inner.config.lookup_max_messages,
+            max_messages: self.shared.config.lookup_max_messages,
             deadline,
         };
-        let config = self.inner.config.clone();
+        let config = self.shared.config.clone();
         let outcome = tokio::task::spawn_blocking(move || {
             let _permit = permit;
             scan_partition(&config, &scan)
@@ -697,21 +1235,22 @@ impl Broker for KafkaBroker {
     /// Reads the eventId header of up to `max_messages` messages of
     /// `topic`/`partition` from `from_offset`, for the bypass check.
     async fn scan_event_ids(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<PartitionScan, String> {
-        let timeout = Duration::from_millis(self.inner.config.lookup_timeout_ms);
-        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner.lookups).acquire_owned()).await {
+        let timeout = Duration::from_millis(self.shared.config.lookup_timeout_ms);
+        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner().lookups).acquire_owned()).await {
             Ok(Ok(p)) => p,
             _ => return Err("no lookup slot".into()),
         };
         let req = ScanRequest {
-            cluster_id: self.inner.cluster_id.clone(),
+            tokens: self.inner().tokens.clone(),
+            cluster_id: self.shared.cluster_id.clone(),
             topic: topic.to_owned(),
             partition,
             event_id: EventId::from_parts(0, 0),
             from_offset,
-            max_messages: max_messages.min(self.inner.config.lookup_max_messages),
+            max_messages: max_messages.min(self.shared.config.lookup_max_messages),
             deadline: Instant::now() + timeout,
         };
-        let config = self.inner.config.clone();
+        let config = self.shared.config.clone();
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let mut messages = Vec::new();
@@ -733,6 +1272,7 @@ impl Broker for KafkaBroker {
 
 /// One bounded scan.
 struct ScanRequest {
+    tokens: TokenSource,
     cluster_id: String,
     topic: String,
     partition: i32,
@@ -802,13 +1342,24 @@ fn scan_partition(config: &KafkaConfig, req: &ScanRequest) -> LookupOutcome {
 /// message in order and returns the next offset to read. A range wider than
 /// `max_messages` (with no `limit`), a deadline that runs out or any broker
 /// error is an `Err`.
-fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<i64, String> {
+fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<i64, String> {
     if req.from_offset < 0 {
         return Err(format!("negative lower bound {}", req.from_offset));
     }
+    if req.tokens.is_some() {
+        scan_range_with::<true>(config, req, limit, on_message)
+    } else {
+        scan_range_with::<false>(config, req, limit, on_message)
+    }
+}
+
+fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<i64, String> {
     let seq = LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed);
     let group_id = format!("outbox-lookup-{}-{}-{}", std::process::id(), seq, req.event_id.as_str());
-    let consumer: BaseConsumer<LookupContext> = config.lookup_config(&group_id).create_with_context(LookupContext).map_err(|e| format!("lookup consumer: {e}"))?;
+    let consumer: BaseConsumer<LookupContext<OAUTH>> = config
+        .lookup_config(&group_id)
+        .create_with_context(LookupContext::<OAUTH> { tokens: req.tokens.clone() })
+        .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))?;
     let (low, high) = consumer
         .fetch_watermarks(&req.topic, req.partition, req.remaining())
         .map_err(|e| format!("watermarks of {}/{}: {e}", req.topic, req.partition))?;
@@ -894,7 +1445,7 @@ fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut o
     Ok(next)
 }
 
-fn position_of(consumer: &BaseConsumer<LookupContext>, topic: &str, partition: i32) -> Option<i64> {
+fn position_of<const OAUTH: bool>(consumer: &BaseConsumer<LookupContext<OAUTH>>, topic: &str, partition: i32) -> Option<i64> {
     let tpl = consumer.position().ok()?;
     match tpl.find_partition(topic, partition)?.offset() {
         Offset::Offset(o) => Some(o),
@@ -970,6 +1521,69 @@ fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lookup_consumers_get_connection_settings_and_their_own_only() {
+        let mut c = KafkaConfig::new("b:1")
+            .with_setting("security.protocol", "SASL_SSL")
+            .with_setting("sasl.mechanism", "SCRAM-SHA-512")
+            .with_setting("ssl.ca.location", "/ca.pem")
+            .with_setting("client.id", "orders")
+            .with_setting("linger.ms", "5")
+            .with_setting("compression.type", "lz4")
+            .with_setting("batch.num.messages", "1");
+        c.lookup_extra.push(("fetch.max.bytes".into(), "1048576".into()));
+        let keys: Vec<String> = c.lookup_settings().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, ["security.protocol", "sasl.mechanism", "ssl.ca.location", "client.id", "fetch.max.bytes"]);
+        let lookup = c.lookup_config("g");
+        assert_eq!(lookup.get("linger.ms"), None, "producer-only settings stay off the consumers");
+        assert_eq!(lookup.get("compression.type"), None);
+        assert_eq!(lookup.get("api.version.request"), None, "deprecated setting not set");
+        assert_eq!(lookup.get("security.protocol"), Some("SASL_SSL"));
+        let producer = c.producer_config();
+        assert_eq!(producer.get("linger.ms"), Some("5"));
+        assert_eq!(producer.get("fetch.max.bytes"), None, "lookup settings stay off the producer");
+        c.lookup_extra.push(("group.id".into(), "x".into()));
+        assert!(c.validate().is_err(), "protected settings are refused in lookup_extra too");
+    }
+
+    #[test]
+    fn secrets_never_appear_in_debug_or_errors() {
+        let c = KafkaConfig::new("b:1")
+            .with_setting("sasl.password", "Planted_Pw_1")
+            .with_setting("ssl.key.password", "SslKeyPw_55")
+            .with_setting("sasl.oauthbearer.config", "principal=x secret=Planted_Cfg_2")
+            .with_setting("sasl.oauthbearer.client.secret", "Planted_Client_3")
+            .with_setting("sasl.username", "svc-orders");
+        let debug = format!("{c:?}");
+        for planted in ["Planted_Pw_1", "SslKeyPw_55", "Planted_Cfg_2", "Planted_Client_3"] {
+            assert!(!debug.contains(planted), "{debug}");
+        }
+        assert!(debug.contains("svc-orders"), "non-secret values are shown: {debug}");
+        let e = KafkaError::ClientConfig(rdkafka_sys::types::RDKafkaConfRes::RD_KAFKA_CONF_INVALID, "Invalid value SslKeyPw_55".into(), "ssl.key.password".into(), "SslKeyPw_55".into());
+        assert!(e.to_string().contains("SslKeyPw_55"), "librdkafka's own text echoes the value");
+        let text = describe_kafka_error(&e, &c.extra);
+        assert!(!text.contains("SslKeyPw_55") && text.contains("ssl.key.password"), "{text}");
+        let e = KafkaError::ClientCreation("sasl.password Planted_Pw_1 rejected".into());
+        assert!(!describe_kafka_error(&e, &c.extra).contains("Planted_Pw_1"));
+        let e = KafkaError::ClientConfig(rdkafka_sys::types::RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN, "No such configuration property".into(), "lingr.ms".into(), "5".into());
+        assert!(describe_kafka_error(&e, &[]).contains("lingr.ms = \"5\""), "a non-secret value is shown");
+        assert!(format!("{:?}", OAuthBearerToken { token: "Planted_Tok".into(), principal_name: "p".into(), lifetime_ms: 1 }).contains("***"));
+    }
+
+    #[tokio::test]
+    async fn a_real_client_config_error_does_not_echo_the_secret() {
+        let mut c = KafkaConfig::new("127.0.0.1:1").with_setting("security.protocol", "SSL").with_setting("ssl.key.password", "SslKeyPw_55").with_setting("ssl.key.pem", "SslKeyPem_66");
+        c.connect_timeout_ms = 500;
+        let err = KafkaBroker::connect(c.clone()).await.expect_err("invalid key").to_string();
+        eprintln!("{err}");
+        assert!(!err.contains("SslKeyPw_55") && !err.contains("SslKeyPem_66"), "{err}");
+        c.extra.push(("sasl.mechanism".into(), "SslKeyPw_55".into()));
+        c.extra.push(("security.protocol".into(), "SASL_SSL".into()));
+        let err = KafkaBroker::connect(c).await.expect_err("invalid mechanism").to_string();
+        eprintln!("{err}");
+        assert!(!err.contains("SslKeyPw_55"), "{err}");
+    }
 
     #[tokio::test]
     async fn a_report_already_received_wins_over_the_backstop() {

@@ -52,7 +52,7 @@ pub struct ReconcilerConfig {
 impl Default for ReconcilerConfig {
     fn default() -> Self {
         ReconcilerConfig {
-            owner: format!("reconciler-{}", std::process::id()),
+            owner: crate::dispatcher::default_owner_name("reconciler"),
             batch_size: 100,
             lease_ms: 60_000,
             retry: RetryPolicy::default(),

@@ -5,6 +5,8 @@
 
 use std::process::{Command, Output};
 
+pub mod broker;
+
 use outbox_core::{EmitRequest, RoutePolicy};
 use outbox_producer::{emit, EmitOptions, Emitted};
 use outbox_testkit::{pick_database, PickedDatabase, TestDatabase};
