@@ -69,7 +69,7 @@ BEGIN
                              'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                              'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                              'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
-                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history'] LOOP
+                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -122,6 +122,8 @@ SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT', 'outbox_bypas
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_attempts');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_cursors');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_mismatches');
+-- Each reconciler records its last round (status and report show it; a stale one is a finding).
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_reconciler_rounds');
 -- Snapshots older than history_keep_ms are deleted: the only DELETE granted on the producer side.
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, DELETE', 'outbox_state_snapshots');
 
@@ -133,6 +135,8 @@ SELECT pg_temp.outbox_grant('outbox_operator', 'INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_migration_receipts');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_route_policies');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT, UPDATE', 'outbox_consumers');
+-- `outbox dead-letters requeue` asks the consumer to run a dead letter again (it sets requeue_requested_at_ms).
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, UPDATE', 'outbox_consumer_dead_letters');
 -- Rollout and rollback: takeover policy generations and the dispatcher alias
 -- (its history is append-only).
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_takeover_policies');
@@ -147,7 +151,7 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                   'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
-                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history']) t;
+                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes

@@ -316,7 +316,7 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
         tracing::info!(signal = which, "stopping: no new claims, draining outstanding answers (a second signal exits at once)");
         let _ = stop_tx.send(true);
     });
-    let totals = dispatcher.clone().run(stop_rx).await?;
+    let totals = dispatcher.clone().run(outbox_producer::until_true(stop_rx)).await?;
     let _ = broker.flush(5_000).await;
     tracing::info!(
         claimed = totals.claimed,

@@ -56,6 +56,8 @@ fn report() -> Report {
         unknown_resolved: 240,
         unknown_p99_resolution_ms: Some(1_260_000),
         unknown_slo_ms: 900_000,
+        unknown_slo_verdict: outbox_producer::SloVerdict::Missed,
+        last_reconciler_round: None,
         consumer_lag: vec![
             ConsumerLag { consumer_id: "billing".into(), topic: "orders".into(), partition: 0, committed_offset: 400, published_end_offset: 420, lag_events: 20 },
             ConsumerLag { consumer_id: "billing".into(), topic: "orders".into(), partition: 1, committed_offset: 410, published_end_offset: 415, lag_events: 5 },

@@ -40,6 +40,8 @@ pub struct ReconcilerConfig {
     pub max_findings_per_kind: i64,
     /// State snapshots older than this are dropped, ms.
     pub history_keep_ms: i64,
+    /// Pause between two rounds of [`Reconciler::run`], ms.
+    pub interval_ms: u64,
 }
 
 impl Default for ReconcilerConfig {
@@ -55,6 +57,7 @@ impl Default for ReconcilerConfig {
             bypass_scan_max_messages: 10_000,
             max_findings_per_kind: 1_000,
             history_keep_ms: 7 * 24 * 3_600_000,
+            interval_ms: 10_000,
         }
     }
 }
@@ -184,9 +187,21 @@ impl<B: Broker + 'static> Reconciler<B> {
 
         // Legacy-owned events (a rollout's shadow or partial takeover) are the
         // legacy publisher's to send; the shadow comparison covers them.
+        //
+        // An event not yet delivered is aged while it is PENDING and also
+        // while a dispatcher holds it (CLAIMED, SENDING): a send that the
+        // broker refuses puts it back to PENDING after a backoff, and
+        // counting only PENDING closed and reopened the finding on every
+        // round that caught it in flight. The in-flight half reads the
+        // leased events only (their index), a bounded set.
         for r in sqlx::query(
-            "SELECT event_id, $1 - created_at_ms AS age FROM outbox_events
-             WHERE phase = 'PENDING' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3",
+            "SELECT event_id, age FROM (
+                 (SELECT event_id, seq, $1 - created_at_ms AS age FROM outbox_events
+                  WHERE phase = 'PENDING' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3)
+                 UNION ALL
+                 (SELECT event_id, seq, $1 - created_at_ms AS age FROM outbox_events
+                  WHERE claim_owner IS NOT NULL AND phase = 'INFLIGHT' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3)
+             ) t ORDER BY seq LIMIT $3",
         )
             .bind(now)
             .bind(self.config.aged_pending_ms)
@@ -194,7 +209,7 @@ impl<B: Broker + 'static> Reconciler<B> {
             .fetch_all(pool)
             .await?
         {
-            found.push(("aged_pending", r.try_get("event_id")?, String::new(), r.try_get("age")?, "PENDING past the threshold: is a dispatcher running for its cluster?".into()));
+            found.push(("aged_pending", r.try_get("event_id")?, String::new(), r.try_get("age")?, "not delivered past the threshold (PENDING or being sent): is a dispatcher running for its cluster, does the broker take its sends?".into()));
         }
         for r in sqlx::query(
             "SELECT event_id, state, $1 - unknown_since_ms AS age FROM outbox_events
@@ -361,11 +376,61 @@ impl<B: Broker + 'static> Reconciler<B> {
         Ok((found, scanned))
     }
 
-    /// One full round: resolve due UNKNOWNs, then compare the three sets.
+    /// One full round: resolve due UNKNOWNs, compare the three sets, and
+    /// record the round (`outbox status` and the report show when the
+    /// reconciler last ran, and with which SLO).
     pub async fn run_once(&self) -> Result<(ResolveReport, CompareReport), ProducerError> {
         let resolved = self.resolve_unknown_once().await?;
         let compared = self.compare_once().await?;
+        self.record_round(&resolved, &compared).await?;
         Ok((resolved, compared))
+    }
+
+    async fn record_round(&self, resolved: &ResolveReport, compared: &CompareReport) -> Result<(), ProducerError> {
+        sqlx::query(
+            "INSERT INTO outbox_reconciler_rounds (owner, cluster_id, last_round_at_ms, interval_ms, unknown_slo_ms, examined, open_findings, rounds)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 1)
+             ON CONFLICT (owner) DO UPDATE SET cluster_id = EXCLUDED.cluster_id, last_round_at_ms = EXCLUDED.last_round_at_ms,
+                 interval_ms = EXCLUDED.interval_ms, unknown_slo_ms = EXCLUDED.unknown_slo_ms, examined = EXCLUDED.examined,
+                 open_findings = EXCLUDED.open_findings, rounds = outbox_reconciler_rounds.rounds + 1",
+        )
+        .bind(&self.config.owner)
+        .bind(self.broker.cluster_id())
+        .bind(self.store.now_ms())
+        .bind(i64::try_from(self.config.interval_ms).unwrap_or(i64::MAX))
+        .bind(self.config.unknown_slo_ms.max(1))
+        .bind(i32::try_from(resolved.examined).unwrap_or(i32::MAX))
+        .bind(i32::try_from(compared.total()).unwrap_or(i32::MAX))
+        .execute(self.store.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// Runs a round every `interval_ms` until `shutdown` resolves (the same
+    /// shape as `Dispatcher::run` and `IdempotentConsumer::run`). A round
+    /// that fails is logged and retried at the next interval; a round in
+    /// progress when `shutdown` resolves is abandoned (its claims expire
+    /// with their lease). Returns the number of rounds completed.
+    pub async fn run(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut rounds = 0;
+        loop {
+            tokio::select! {
+                r = self.run_once() => match r {
+                    Ok((resolved, compared)) => {
+                        rounds += 1;
+                        tracing::info!(examined = resolved.examined, published = resolved.published, retried = resolved.retried,
+                            findings = compared.total(), "reconcile round");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "reconcile round failed; retrying next interval"),
+                },
+                () = &mut shutdown => return Ok(rounds),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_millis(self.config.interval_ms.max(1))) => {}
+                () = &mut shutdown => return Ok(rounds),
+            }
+        }
     }
 
     /// The report, with this reconciler's SLO.
