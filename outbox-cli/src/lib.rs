@@ -13,8 +13,10 @@
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod duration;
 pub mod fmt;
 pub mod html;
 pub mod metrics;
+pub mod runbook;
 pub mod status;
 pub mod trace;

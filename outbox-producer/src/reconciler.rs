@@ -139,16 +139,18 @@ impl<B: Broker + 'static> Reconciler<B> {
         let supports = self.broker.supports_lookup();
         for task in tasks {
             let event_id = &task.event.event_id;
+            let from_offset = scan_lower_bound(&task.attempts);
             let lookup = if !supports {
                 LookupOutcome::Unavailable("the broker adapter cannot look up events".into())
             } else if task.event.destination.cluster_id != self.broker.cluster_id() {
                 LookupOutcome::Unavailable(format!("connected to cluster {}, event frozen for {}", self.broker.cluster_id(), task.event.destination.cluster_id))
             } else {
-                self.broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
+                self.broker.lookup(&task.event.destination, event_id, from_offset).await
             };
             let now = self.store.now_ms();
             let decision = decide_reconcile(&task.attempts, &lookup, supports, &self.config.retry, now);
             tracing::info!(%event_id, ?decision, "reconcile decision");
+            self.record_lookup(event_id.as_str(), now, from_offset, &lookup, &decision).await?;
             match &decision {
                 ReconcileDecision::Submit(receipts) => {
                     let outcomes = self.store.accept_dispatch_receipts(receipts).await?;
@@ -384,6 +386,34 @@ impl<B: Broker + 'static> Reconciler<B> {
         let compared = self.compare_once().await?;
         self.record_round(&resolved, &compared).await?;
         Ok((resolved, compared))
+    }
+
+    /// Keeps the lookup and the decision as evidence (`outbox unknown show`).
+    async fn record_lookup(&self, event_id: &str, now: i64, from_offset: i64, lookup: &LookupOutcome, decision: &ReconcileDecision) -> Result<(), ProducerError> {
+        let lookup = match lookup {
+            LookupOutcome::Found(receipts) => {
+                let at: Vec<String> = receipts.iter().map(|r| format!("{}/{}@{}", r.topic, r.partition, r.offset)).collect();
+                format!("found {} message(s) at {}", receipts.len(), at.join(", "))
+            }
+            LookupOutcome::Absent => "absent: the scanned range holds no message of the event".to_owned(),
+            LookupOutcome::Unavailable(why) => format!("unavailable: {why}"),
+        };
+        let decision = match decision {
+            ReconcileDecision::Submit(r) => format!("submit {} receipt(s) through the receipt transaction", r.len()),
+            ReconcileDecision::Retry { proven_absent } => format!("retry to the same destination (proven absent: {proven_absent})"),
+            ReconcileDecision::Recheck { reason, next_check_at_ms } => format!("recheck at {next_check_at_ms} ms ({reason:?})"),
+        };
+        let cut = |s: String| s.chars().take(2000).collect::<String>();
+        sqlx::query("INSERT INTO outbox_unknown_lookups (event_id, owner, at_ms, from_offset, lookup, decision) VALUES ($1, $2, $3, $4, $5, $6)")
+            .bind(event_id)
+            .bind(&self.config.owner)
+            .bind(now)
+            .bind(from_offset)
+            .bind(cut(lookup))
+            .bind(cut(decision))
+            .execute(self.store.pool())
+            .await?;
+        Ok(())
     }
 
     async fn record_round(&self, resolved: &ResolveReport, compared: &CompareReport) -> Result<(), ProducerError> {

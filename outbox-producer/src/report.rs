@@ -5,6 +5,44 @@
 
 use serde::Serialize;
 
+/// Serializes `(name, count)` pairs as objects `{"name": .., "count": ..}`
+/// under the given key names (JSON readers get objects, not positional arrays).
+pub mod pairs {
+    use serde::ser::{SerializeMap, SerializeSeq, Serializer};
+
+    fn pairs<S: Serializer>(v: &[(String, i64)], key: &str, s: S) -> Result<S::Ok, S::Error> {
+        struct Pair<'a>(&'a str, &'a str, i64);
+        impl serde::Serialize for Pair<'_> {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut m = s.serialize_map(Some(2))?;
+                m.serialize_entry(self.0, self.1)?;
+                m.serialize_entry("count", &self.2)?;
+                m.end()
+            }
+        }
+        let mut seq = s.serialize_seq(Some(v.len()))?;
+        for (name, n) in v {
+            seq.serialize_element(&Pair(key, name, *n))?;
+        }
+        seq.end()
+    }
+
+    /// `[{"state": "PENDING", "count": 3}, ...]`.
+    pub fn states<S: Serializer>(v: &[(String, i64)], s: S) -> Result<S::Ok, S::Error> {
+        pairs(v, "state", s)
+    }
+
+    /// `[{"consumerId": "billing", "count": 3}, ...]`.
+    pub fn consumers<S: Serializer>(v: &[(String, i64)], s: S) -> Result<S::Ok, S::Error> {
+        pairs(v, "consumerId", s)
+    }
+
+    /// `[{"kind": "aged_pending", "count": 3}, ...]`.
+    pub fn kinds<S: Serializer>(v: &[(String, i64)], s: S) -> Result<S::Ok, S::Error> {
+        pairs(v, "kind", s)
+    }
+}
+
 /// One finding of the three-set comparison.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -101,6 +139,7 @@ pub struct StateSnapshot {
     /// When, ms since the epoch.
     pub at_ms: i64,
     /// State name -> count.
+    #[serde(serialize_with = "pairs::states")]
     pub counts: Vec<(String, i64)>,
 }
 
@@ -117,8 +156,10 @@ pub struct Report {
     /// Duplicate transport receipts kept as evidence.
     pub duplicate_receipts: i64,
     /// Set 3: per critical consumer, published events its watermark has passed.
+    #[serde(serialize_with = "pairs::consumers")]
     pub consumed_by_critical: Vec<(String, i64)>,
     /// Current counts per state.
+    #[serde(serialize_with = "pairs::states")]
     pub state_counts: Vec<(String, i64)>,
     /// Age of the oldest PENDING event, ms.
     pub oldest_pending_age_ms: Option<i64>,
