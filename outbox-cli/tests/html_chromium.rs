@@ -22,7 +22,7 @@ fn chromium() -> PathBuf {
             return PathBuf::from(c);
         }
     }
-    panic!("Chromium is not installed: `apt-get install -y chromium` (CI installs it from .ci/extra-setup), or set CHROMIUM=/path/to/chromium");
+    panic!("Chromium is not installed: `apt-get install -y chromium` (scripts/test installs it: scripts/setup.d/30-chromium.sh), or set CHROMIUM=/path/to/chromium");
 }
 
 fn report() -> Report {
