@@ -107,6 +107,8 @@ pub struct Reconciler<B: Broker + 'static> {
     store: PgStore,
     broker: Arc<B>,
     config: ReconcilerConfig,
+    /// UNKNOWNs examined by the latest resolve round (recorded with the next comparison).
+    last_examined: std::sync::atomic::AtomicUsize,
 }
 
 impl<B: Broker + 'static> Reconciler<B> {
@@ -123,7 +125,7 @@ impl<B: Broker + 'static> Reconciler<B> {
                 )));
             }
         }
-        Ok(Reconciler { store, broker, config })
+        Ok(Reconciler { store, broker, config, last_examined: std::sync::atomic::AtomicUsize::new(0) })
     }
 
     /// The store.
@@ -136,6 +138,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         self.store.expire_leases().await?;
         let tasks = self.store.begin_reconcile(&self.config.owner, self.config.batch_size, self.config.lease_ms).await?;
         let mut report = ResolveReport { examined: tasks.len(), ..Default::default() };
+        self.last_examined.store(tasks.len(), std::sync::atomic::Ordering::Relaxed);
         let supports = self.broker.supports_lookup();
         for task in tasks {
             let event_id = &task.event.event_id;
@@ -180,7 +183,8 @@ impl<B: Broker + 'static> Reconciler<B> {
     /// Compares the three sets — committed outbox, publish receipts and the
     /// critical consumers' watermarks — plus the topics themselves (bypass
     /// publishes), and records the findings: new ones are opened, ones no
-    /// longer true are resolved (bypass evidence stays open).
+    /// longer true are resolved (bypass evidence stays open). The round is
+    /// recorded in `outbox_reconciler_rounds`.
     pub async fn compare_once(&self) -> Result<CompareReport, ProducerError> {
         let pool = self.store.pool();
         let now = self.store.now_ms();
@@ -324,6 +328,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         if report.total() > 0 {
             tracing::warn!(?report, "reconciler findings");
         }
+        self.record_round(self.last_examined.load(std::sync::atomic::Ordering::Relaxed), &report).await?;
         Ok(report)
     }
 
@@ -378,13 +383,12 @@ impl<B: Broker + 'static> Reconciler<B> {
         Ok((found, scanned))
     }
 
-    /// One full round: resolve due UNKNOWNs, compare the three sets, and
-    /// record the round (`outbox status` and the report show when the
-    /// reconciler last ran, and with which SLO).
+    /// One full round: resolve due UNKNOWNs, then compare the three sets
+    /// (each comparison records the round: `outbox status` and the report
+    /// show when the reconciler last ran, and with which SLO).
     pub async fn run_once(&self) -> Result<(ResolveReport, CompareReport), ProducerError> {
         let resolved = self.resolve_unknown_once().await?;
         let compared = self.compare_once().await?;
-        self.record_round(&resolved, &compared).await?;
         Ok((resolved, compared))
     }
 
@@ -416,7 +420,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         Ok(())
     }
 
-    async fn record_round(&self, resolved: &ResolveReport, compared: &CompareReport) -> Result<(), ProducerError> {
+    async fn record_round(&self, examined: usize, compared: &CompareReport) -> Result<(), ProducerError> {
         sqlx::query(
             "INSERT INTO outbox_reconciler_rounds (owner, cluster_id, last_round_at_ms, interval_ms, unknown_slo_ms, examined, open_findings, rounds)
              VALUES ($1, $2, $3, $4, $5, $6, $7, 1)
@@ -429,7 +433,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         .bind(self.store.now_ms())
         .bind(i64::try_from(self.config.interval_ms).unwrap_or(i64::MAX))
         .bind(self.config.unknown_slo_ms.max(1))
-        .bind(i32::try_from(resolved.examined).unwrap_or(i32::MAX))
+        .bind(i32::try_from(examined).unwrap_or(i32::MAX))
         .bind(i32::try_from(compared.total()).unwrap_or(i32::MAX))
         .execute(self.store.pool())
         .await?;
