@@ -8,8 +8,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 const AFTER_HELP: &str = "\
 CONFIGURATION PRECEDENCE (highest first):
   1. command-line flags
-  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP, OUTBOX_METRICS_ADDR, OUTBOX_LOG_FORMAT,
-     RUST_LOG, and OUTBOX_DISPATCH_NAME/_WORKERS/_BATCH_SIZE/_LEASE_MS/_POLL_INTERVAL_MS/
+  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP (the one Kafka variable of the CLI, the
+     producer and the consumer; tests read OUTBOX_TEST_KAFKA_BOOTSTRAP), OUTBOX_CONSUMER_DATABASE_URL
+     (trace, dead-letters), OUTBOX_METRICS_ADDR, OUTBOX_LOG_FORMAT, RUST_LOG, and OUTBOX_DISPATCH_NAME/_WORKERS/_BATCH_SIZE/_LEASE_MS/_POLL_INTERVAL_MS/
      _SWEEP_INTERVAL_MS/_SHUTDOWN_GRACE_MS/_LISTEN for the dispatcher
   3. the TOML file given by --config (or OUTBOX_CONFIG): sections [kafka], [dispatch],
      [reconcile], [retention], [report], [metrics]; see outbox-cli/README.md

@@ -183,7 +183,7 @@ pub struct Report {
     pub findings: Vec<Finding>,
     /// The most recent reconciler round (None: no reconciler ever ran here).
     pub last_reconciler_round: Option<ReconcilerRound>,
-    /// The UNKNOWN SLO verdict (one source: [`Report::slo_verdict`]).
+    /// The UNKNOWN SLO verdict (one source: [`slo_verdict`], with the SLO the last reconciler round recorded).
     pub unknown_slo_verdict: SloVerdict,
 }
 
