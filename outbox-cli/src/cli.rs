@@ -8,16 +8,16 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 const AFTER_HELP: &str = "\
 CONFIGURATION PRECEDENCE (highest first):
   1. command-line flags
-  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP (the one Kafka variable of the CLI, the
-     producer and the consumer; tests read OUTBOX_TEST_KAFKA_BOOTSTRAP), OUTBOX_CONSUMER_DATABASE_URL
+  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP (one name for the CLI, the producer
+     and the consumer; tests read OUTBOX_TEST_KAFKA_BOOTSTRAP), OUTBOX_CONSUMER_DATABASE_URL
      (trace, dead-letters), OUTBOX_METRICS_ADDR, OUTBOX_LOG_FORMAT, RUST_LOG, and OUTBOX_DISPATCH_NAME/_WORKERS/_BATCH_SIZE/_LEASE_MS/_POLL_INTERVAL_MS/
      _SWEEP_INTERVAL_MS/_SHUTDOWN_GRACE_MS/_LISTEN for the dispatcher
   3. the TOML file given by --config (or OUTBOX_CONFIG): sections [kafka], [dispatch],
      [reconcile], [retention], [report], [metrics]; see outbox-cli/README.md
   4. built-in defaults
 
-DURATIONS: every --*-ms flag takes milliseconds (30000) or a duration with units (30s, 5m, 1h30m, 7d).
-TIMESTAMPS: printed as RFC 3339 UTC (2026-12-01T09:00:00.000Z); --json output is always one object.
+DURATIONS: every --*-ms flag takes milliseconds (30000) or units (30s, 5m, 1h30m, 7d).
+TIMESTAMPS: RFC 3339 UTC (2026-12-01T09:00:00.000Z); --json output is always one object.
 
 EXIT CODES:
   0 success; 1 error; 2 findings present (reconcile --once, status or report with --fail-on-findings);
