@@ -374,6 +374,9 @@ pub fn render(r: &Report) -> String {
     card(&mut o, r.unknown_open.to_string(), "UNKNOWN open", if r.unknown_open > 0 { "bad" } else { "good" });
     card(&mut o, format!("{p99} / {}", age(r.unknown_slo_ms)), &format!("UNKNOWN p99 to resolution vs SLO ({} resolved; {})", r.unknown_resolved, r.unknown_slo_verdict.as_str()), slo_class);
     card(&mut o, r.findings.len().to_string(), "open findings", if r.findings.is_empty() { "good" } else { "bad" });
+    let stale = r.findings.iter().any(|f| f.kind == "reconciler_stale");
+    let last_round = r.last_reconciler_round.as_ref().map(|l| format!("{} ago", age(l.age_ms))).unwrap_or_else(|| "never".into());
+    card(&mut o, last_round, "last reconciler round", if stale { "bad" } else { "" });
     o.push_str("</div>");
 
     o.push_str(r#"<h2>The three sets</h2><table id="sets"><tr><th>set</th><th>count</th></tr>"#);
