@@ -84,7 +84,7 @@ BEGIN
                              'outbox_check_cursors', 'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                              'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                              'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
-                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_identity'] LOOP
+                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -150,6 +150,10 @@ SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT', 'outbox_bypas
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_attempts');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_cursors');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_shadow_mismatches');
+-- Each reconciler records its last round (status and report show it; a stale one is a finding).
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_reconciler_rounds');
+-- Its lookups of UNKNOWN events are kept as evidence (`outbox unknown show`).
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT', 'outbox_unknown_lookups');
 -- Snapshots older than history_keep_ms are deleted: the only DELETE granted on the producer side.
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, DELETE', 'outbox_state_snapshots');
 
@@ -165,6 +169,8 @@ SELECT pg_temp.outbox_grant('outbox_operator', 'INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_migration_receipts');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_route_policies');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT, UPDATE', 'outbox_consumers');
+-- `outbox dead-letters requeue` asks the consumer to run a dead letter again (it sets requeue_requested_at_ms).
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, UPDATE', 'outbox_consumer_dead_letters');
 -- Rollout and rollback: takeover policy generations and the dispatcher alias
 -- (its history is append-only).
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_takeover_policies');
@@ -179,7 +185,7 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                   'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
-                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_identity']) t;
+                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes

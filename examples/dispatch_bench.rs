@@ -104,7 +104,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
         DispatcherConfig { name: "bench".into(), workers: args.workers, batch_size: args.batch, poll_interval_ms: 20, ..Default::default() }.with_env()?,
     )?);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut run = if args.preload { None } else { Some(tokio::spawn(dispatcher.clone().run(stop_rx.clone()))) };
+    let mut run = if args.preload { None } else { Some(tokio::spawn(dispatcher.clone().run(outbox_producer::until_true(stop_rx.clone())))) };
 
     let cpu_at_start = machine_cpu_s();
     let started = Instant::now();
@@ -147,7 +147,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     let emitted_s = started.elapsed().as_secs_f64();
     let drain_started = Instant::now();
     if run.is_none() {
-        run = Some(tokio::spawn(dispatcher.clone().run(stop_rx)));
+        run = Some(tokio::spawn(dispatcher.clone().run(outbox_producer::until_true(stop_rx))));
     }
 
     // Progress comes from the dispatcher's own counter, not from a query:

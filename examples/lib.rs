@@ -2,3 +2,8 @@
 
 pub mod env;
 pub mod fulfilment;
+
+/// The README's snippets, compiled as doctests (`cargo test -p outbox-examples --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

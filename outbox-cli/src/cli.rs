@@ -8,24 +8,31 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 const AFTER_HELP: &str = "\
 CONFIGURATION PRECEDENCE (highest first):
   1. command-line flags
-  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP, OUTBOX_KAFKA_OIDC_CLIENT_SECRET, OUTBOX_METRICS_ADDR,
-     OUTBOX_LOG_FORMAT, RUST_LOG, and OUTBOX_DISPATCH_NAME/_WORKERS/_BATCH_SIZE/_LEASE_MS/_POLL_INTERVAL_MS/
+  2. environment: DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP (one name for the CLI, the producer
+     and the consumer; tests read OUTBOX_TEST_KAFKA_BOOTSTRAP), OUTBOX_CONSUMER_DATABASE_URL
+     (trace, dead-letters), OUTBOX_KAFKA_OIDC_CLIENT_SECRET,
+     OUTBOX_METRICS_ADDR, OUTBOX_LOG_FORMAT, RUST_LOG, and OUTBOX_DISPATCH_NAME/_WORKERS/_BATCH_SIZE/_LEASE_MS/_POLL_INTERVAL_MS/
      _SWEEP_INTERVAL_MS/_SHUTDOWN_GRACE_MS/_LISTEN for the dispatcher
   3. the TOML file given by --config (or OUTBOX_CONFIG): sections [kafka], [dispatch],
      [reconcile], [retention], [report], [metrics]; see outbox-cli/README.md
   4. built-in defaults
 
+DURATIONS: every --*-ms flag takes milliseconds (30000) or units (30s, 5m, 1h30m, 7d).
+TIMESTAMPS: RFC 3339 UTC (2026-12-01T09:00:00.000Z); --json output is always one object.
+
 EXIT CODES:
-  0 success; 1 error; 2 findings present (reconcile --once / report with --fail-on-findings);
+  0 success; 1 error; 2 findings present (reconcile --once, status or report with --fail-on-findings);
   3 destination migration refused; 4 the Kafka producer could not deliver (with --exit-on-fatal);
   130 interrupted twice (no graceful drain).";
 
 /// Operate a transactional outbox on PostgreSQL + Kafka.
 ///
 /// `migrate` installs the schema; `dispatch` and `reconcile` are the
-/// long-running services; `status`, `trace` and `report` inspect; `purge`
-/// applies retention; `migrate-destination` moves an undelivered event to a
-/// new destination with proof that the old one never received it.
+/// long-running services; `status`, `trace` and `report` inspect; `route`
+/// sets where event types go; `dead-letters`, `findings` and `unknown` are
+/// the runbook's steps; `purge` applies retention; `migrate-destination`
+/// moves an undelivered event to a new destination with proof that the old
+/// one never received it.
 #[derive(Debug, Parser)]
 #[command(name = "outbox", version, about, long_about, after_long_help = AFTER_HELP, after_help = "Configuration precedence: flags > environment > --config file > defaults (see --help).")]
 pub struct Cli {
@@ -103,6 +110,181 @@ pub enum Command {
     ///
     /// Exits 2 when mismatches are open. Sends nothing.
     Shadow(ShadowArgs),
+    /// Route policies: where each event type goes (a change is a new generation; only later events are affected).
+    #[command(subcommand)]
+    Route(RouteCommand),
+    /// Consumers' dead letters: list, show, and requeue (the running consumer runs the handler again).
+    #[command(subcommand, name = "dead-letters")]
+    DeadLetters(DeadLettersCommand),
+    /// The reconciler's findings: list, and acknowledge (close) one.
+    #[command(subcommand)]
+    Findings(FindingsCommand),
+    /// Events whose dispatch outcome is unknown, with the evidence: attempts and the reconciler's lookups.
+    #[command(subcommand)]
+    Unknown(UnknownCommand),
+}
+
+/// `outbox route`.
+#[derive(Debug, Subcommand)]
+pub enum RouteCommand {
+    /// Route an event type (idempotent: the current generation when nothing changes, else a new one).
+    ///
+    /// With a Kafka connection, the cluster id defaults to the connected
+    /// cluster's and the topic's partition count is checked against the
+    /// cluster's metadata (a mismatch or a missing topic is refused).
+    Set(RouteSetArgs),
+    /// Print the current route of an event type (with a Kafka connection: the cluster id and a partition check).
+    Show {
+        /// The event type, e.g. order.created.v2.
+        event_type: String,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Kafka connection (optional).
+        #[command(flatten)]
+        kafka: KafkaArgs,
+    },
+    /// Print the current route of every event type.
+    List {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `outbox route set`.
+#[derive(Debug, Args)]
+pub struct RouteSetArgs {
+    /// The event type, e.g. order.created.v2.
+    pub event_type: String,
+    /// The topic.
+    #[arg(long, value_name = "TOPIC")]
+    pub topic: String,
+    /// The topic's partition count.
+    #[arg(long, value_name = "N")]
+    pub partitions: u32,
+    /// The cluster id (what `outbox route show` and the dispatcher log print) [default: the connected cluster's].
+    #[arg(long, value_name = "CLUSTER_ID")]
+    pub cluster_id: Option<String>,
+    /// The routing-key template, e.g. `{tenant}.{aggregate_type}.{aggregate_id}` [default: the SDK's].
+    #[arg(long, value_name = "TEMPLATE")]
+    pub key_template: Option<String>,
+    /// Ordering: `key` (per routing key) or `none` [default: key].
+    #[arg(long, value_name = "ORDERING")]
+    pub ordering: Option<String>,
+    /// Skip the partition-count check (no Kafka connection needed; --cluster-id then required).
+    #[arg(long)]
+    pub no_check: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Kafka connection (for the cluster id and the partition check).
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+}
+
+/// `outbox dead-letters`.
+#[derive(Debug, Subcommand)]
+pub enum DeadLettersCommand {
+    /// List dead letters, oldest first.
+    List {
+        /// Only this consumer's.
+        #[arg(long, value_name = "CONSUMER_ID")]
+        consumer: Option<String>,
+        /// Most rows, 1..=10000 [default: 100].
+        #[arg(long, value_name = "N", default_value_t = 100)]
+        limit: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// The consumer's database, if not the outbox database.
+        #[arg(long, env = "OUTBOX_CONSUMER_DATABASE_URL", hide_env_values = true, value_name = "URL")]
+        consumer_database_url: Option<String>,
+    },
+    /// Show the dead letters of one event (one per consumer).
+    Show {
+        /// The event.
+        event_id: String,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// The consumer's database, if not the outbox database.
+        #[arg(long, env = "OUTBOX_CONSUMER_DATABASE_URL", hide_env_values = true, value_name = "URL")]
+        consumer_database_url: Option<String>,
+    },
+    /// Ask the running consumer to run the handler of a dead letter again (within a second).
+    ///
+    /// Success deletes the dead letter and writes the receipt; another
+    /// failure keeps it, with attempts + 1 and the new error.
+    Requeue {
+        /// The event.
+        event_id: String,
+        /// The consumer whose dead letter it is.
+        #[arg(long, value_name = "CONSUMER_ID")]
+        consumer: String,
+        /// Who asks (recorded), e.g. your login.
+        #[arg(long, value_name = "NAME")]
+        operator: String,
+        /// The consumer's database, if not the outbox database.
+        #[arg(long, env = "OUTBOX_CONSUMER_DATABASE_URL", hide_env_values = true, value_name = "URL")]
+        consumer_database_url: Option<String>,
+    },
+}
+
+/// `outbox findings`.
+#[derive(Debug, Subcommand)]
+pub enum FindingsCommand {
+    /// List open findings (with --all, closed ones too), oldest first.
+    List {
+        /// Include resolved and acknowledged findings.
+        #[arg(long)]
+        all: bool,
+        /// Only this kind (aged_pending, unconsumed_published, bypass_publish, unknown_past_slo, quarantined).
+        #[arg(long, value_name = "KIND")]
+        kind: Option<String>,
+        /// Most rows, 1..=10000 [default: 100].
+        #[arg(long, value_name = "N", default_value_t = 100)]
+        limit: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Acknowledge an open finding: it closes, with who and why (a condition that still holds opens a new one at the next round).
+    Ack {
+        /// The finding's id (first column of `findings list`).
+        id: i64,
+        /// Who acknowledges, e.g. your login.
+        #[arg(long, value_name = "NAME")]
+        operator: String,
+        /// Why (kept with the finding).
+        #[arg(long, value_name = "TEXT")]
+        note: Option<String>,
+    },
+}
+
+/// `outbox unknown`.
+#[derive(Debug, Subcommand)]
+pub enum UnknownCommand {
+    /// List open UNKNOWN events (DISPATCH_UNKNOWN, RECONCILING, RETRY_CLAIMED), oldest first, with attempt and lookup counts.
+    List {
+        /// Most rows, 1..=10000 [default: 100].
+        #[arg(long, value_name = "N", default_value_t = 100)]
+        limit: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One UNKNOWN event's evidence: its attempts and every lookup the reconciler made, with its decision.
+    Show {
+        /// The event.
+        event_id: String,
+        /// Most lookups shown, newest first, 1..=10000 [default: 20].
+        #[arg(long, value_name = "N", default_value_t = 20)]
+        lookups: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `outbox takeover`.
@@ -144,8 +326,8 @@ pub struct ShadowArgs {
     /// Kafka connection (the cluster the legacy publisher writes to); used only to read.
     #[command(flatten)]
     pub kafka: KafkaArgs,
-    /// A shadow attempt with no message after this long is `missing` [default: 60000].
-    #[arg(long, value_name = "MS")]
+    /// A shadow attempt with no message after this long is `missing` [default: 1m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub grace_ms: Option<i64>,
     /// Most messages read per partition in this round [default: 100000].
     #[arg(long, value_name = "N")]
@@ -175,17 +357,17 @@ pub struct KafkaArgs {
     /// Kafka bootstrap servers, host:port[,host:port...].
     #[arg(long, env = "OUTBOX_KAFKA_BOOTSTRAP", value_name = "SERVERS")]
     pub kafka_bootstrap: Option<String>,
-    /// librdkafka message.timeout.ms: how long one message may take to be delivered [default: 30000].
-    #[arg(long, value_name = "MS")]
+    /// librdkafka message.timeout.ms: how long one message may take to be delivered [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms)]
     pub kafka_message_timeout_ms: Option<u64>,
-    /// librdkafka request.timeout.ms: how long one produce request may wait [default: 10000].
-    #[arg(long, value_name = "MS")]
+    /// librdkafka request.timeout.ms: how long one produce request may wait [default: 10s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms)]
     pub kafka_request_timeout_ms: Option<u64>,
     /// Most messages handed to the Kafka client and not yet reported on [default: 1000].
     #[arg(long, value_name = "N")]
     pub kafka_max_in_flight: Option<usize>,
-    /// Longest one reconciler lookup (partition scan) may take [default: 30000].
-    #[arg(long, value_name = "MS")]
+    /// Longest one reconciler lookup (partition scan) may take [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms)]
     pub kafka_lookup_timeout_ms: Option<u64>,
     /// Extra librdkafka setting of the producer, KEY=VALUE (repeatable), e.g. security.protocol=SASL_SSL; connection settings (security.*, ssl.*, sasl.*, socket.*, client.id...) also go to the lookup consumers; settings carrying the guarantees are refused.
     #[arg(long = "kafka-setting", value_name = "KEY=VALUE")]
@@ -225,26 +407,26 @@ pub struct DispatchArgs {
     /// Events per claim, 1..=10000 [default: 500].
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
-    /// Claim lease; a batch outliving half of it renews it [default: 30000].
-    #[arg(long, value_name = "MS")]
+    /// Claim lease; a batch outliving half of it renews it [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub lease_ms: Option<i64>,
-    /// Fallback poll interval when no NOTIFY arrives [default: 1000].
-    #[arg(long, value_name = "MS")]
+    /// Fallback poll interval when no NOTIFY arrives [default: 1s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms)]
     pub poll_interval_ms: Option<u64>,
-    /// Interval of the expired-lease sweep [default: 1000].
-    #[arg(long, value_name = "MS")]
+    /// Interval of the expired-lease sweep [default: 1s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms)]
     pub sweep_interval_ms: Option<u64>,
     /// Scan every ordering key's head at least every N claims of a worker;
     /// between scans it claims the next events of the keys it just
     /// published. 1 scans on every claim (strict oldest-first) [default: 4].
     #[arg(long, value_name = "N")]
     pub head_scan_every: Option<u32>,
-    /// How long shutdown waits for outstanding broker answers [default: 30000].
-    #[arg(long, value_name = "MS")]
+    /// How long shutdown waits for outstanding broker answers [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms)]
     pub shutdown_grace_ms: Option<u64>,
     /// How long a batch keeps recording broker answers through retryable
-    /// database errors (lost connection, failover), 0..=600000 [default: 30000].
-    #[arg(long, value_name = "MS")]
+    /// database errors (lost connection, failover), 0..=10m [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms)]
     pub record_retry_ms: Option<u64>,
     /// Do not LISTEN for `outbox_pending` notifications; poll only.
     #[arg(long)]
@@ -269,8 +451,8 @@ pub struct ReconcileArgs {
     /// Run one round, print the report, and exit.
     #[arg(long)]
     pub once: bool,
-    /// Pause between rounds in the loop [default: 10000].
-    #[arg(long, value_name = "MS")]
+    /// Pause between rounds in the loop [default: 10s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms)]
     pub interval_ms: Option<u64>,
     /// Claim owner name of the reconciler [default: reconciler-HOSTNAME-PID].
     #[arg(long, value_name = "NAME")]
@@ -278,8 +460,8 @@ pub struct ReconcileArgs {
     /// UNKNOWN events resolved per round [default: 100].
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
-    /// Lease of a RECONCILING claim [default: 60000].
-    #[arg(long, value_name = "MS")]
+    /// Lease of a RECONCILING claim [default: 1m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub lease_ms: Option<i64>,
     /// Never re-send a proven-absent event (it stays DISPATCH_UNKNOWN and pages) [default: re-send to the same frozen destination].
     #[arg(long)]
@@ -287,20 +469,20 @@ pub struct ReconcileArgs {
     /// Most attempts per event that may have been delivered (NOT_SENT ones do not count); beyond it the event stays UNKNOWN [default: 10].
     #[arg(long, value_name = "N")]
     pub max_attempts: Option<u32>,
-    /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 60000].
-    #[arg(long, value_name = "MS")]
+    /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 1m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub in_flight_bound_ms: Option<i64>,
-    /// Delay before an unresolved UNKNOWN is looked at again [default: 30000].
-    #[arg(long, value_name = "MS")]
+    /// Delay before an unresolved UNKNOWN is looked at again [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub recheck_ms: Option<i64>,
-    /// A PENDING event older than this is an `aged_pending` finding [default: 60000].
-    #[arg(long, value_name = "MS")]
+    /// A PENDING event older than this is an `aged_pending` finding [default: 1m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub aged_pending_ms: Option<i64>,
-    /// A PUBLISHED event a critical consumer has not passed after this long is `unconsumed_published` [default: 300000].
-    #[arg(long, value_name = "MS")]
+    /// A PUBLISHED event a critical consumer has not passed after this long is `unconsumed_published` [default: 5m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub unconsumed_after_ms: Option<i64>,
-    /// An UNKNOWN older than this is `unknown_past_slo`; also the report's SLO [default: 900000 = 15 min].
-    #[arg(long, value_name = "MS")]
+    /// An UNKNOWN older than this is `unknown_past_slo`; also the report's SLO [default: the SLO the reconciler recorded, else 15m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub unknown_slo_ms: Option<i64>,
     /// Most messages the bypass-publish check reads per partition per round [default: 10000].
     #[arg(long, value_name = "N")]
@@ -328,6 +510,12 @@ pub struct StatusArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// A last reconciler round older than this (or three of its intervals) is a `reconciler_stale` finding [default: 5m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
+    pub reconciler_stale_ms: Option<i64>,
+    /// Exit 2 when findings are open (a stale reconciler included).
+    #[arg(long)]
+    pub fail_on_findings: bool,
 }
 
 /// `outbox trace`.
@@ -339,6 +527,9 @@ pub struct TraceArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// The consumers' database (repeatable), where their receipts live when it is not the outbox database.
+    #[arg(long = "consumer-database-url", env = "OUTBOX_CONSUMER_DATABASE_URL", hide_env_values = true, value_name = "URL", value_delimiter = ' ')]
+    pub consumer_database_urls: Vec<String>,
 }
 
 /// `outbox report`.
@@ -351,7 +542,7 @@ pub struct ReportArgs {
     #[arg(long)]
     pub json: bool,
     /// The UNKNOWN SLO the p99 is held to [default: 900000 = 15 min].
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub unknown_slo_ms: Option<i64>,
     /// Most findings listed [default: 1000].
     #[arg(long, value_name = "N")]
@@ -359,6 +550,9 @@ pub struct ReportArgs {
     /// Most state snapshots in the history chart [default: 200].
     #[arg(long, value_name = "N")]
     pub max_history: Option<i64>,
+    /// A last reconciler round older than this (or three of its intervals) is a `reconciler_stale` finding [default: 5m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
+    pub reconciler_stale_ms: Option<i64>,
     /// Exit 2 when findings are open.
     #[arg(long)]
     pub fail_on_findings: bool,
@@ -370,8 +564,8 @@ pub struct PurgeArgs {
     /// Actually retain and purge; without it, a dry run that writes nothing.
     #[arg(long)]
     pub execute: bool,
-    /// The maximum replay window: nothing published more recently is touched [default: 604800000 = 7 days].
-    #[arg(long, value_name = "MS")]
+    /// The maximum replay window: nothing published more recently is touched [default: 7d].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub replay_window_ms: Option<i64>,
     /// Rows per statement, 1..=10000 [default: 1000].
     #[arg(long, value_name = "N")]
@@ -399,8 +593,8 @@ pub struct MigrateDestinationArgs {
     /// Partition count of the new topic [default: the event type's current route policy].
     #[arg(long, value_name = "N")]
     pub to_partitions: Option<u32>,
-    /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 60000].
-    #[arg(long, value_name = "MS")]
+    /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 1m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub in_flight_bound_ms: Option<i64>,
     /// Print the destination the event would move to and change nothing.
     #[arg(long)]

@@ -65,24 +65,66 @@ pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
         Command::Reconcile(a) => reconcile(&url, &file, a).await,
         Command::Status(a) => {
             let pool = open(&url()?, 2).await?;
-            let s = crate::status::status(&pool).await?;
+            let stale = a.reconciler_stale_ms.or(file.report.reconciler_stale_ms).unwrap_or(outbox_producer::report::DEFAULT_RECONCILER_STALE_MS);
+            let s = crate::status::status(&pool, stale).await.context("reading status (has `outbox migrate` run?)")?;
             if a.json {
-                println!("{}", serde_json::to_string_pretty(&s)?);
+                println!("{}", crate::fmt::json(&s)?);
             } else {
                 print!("{}", s.to_text());
             }
-            Ok(0)
+            Ok(if a.fail_on_findings && s.findings_total() > 0 { EXIT_FINDINGS } else { 0 })
         }
         Command::Trace(a) => {
             let pool = open(&url()?, 2).await?;
             let id: EventId = a.event_id.parse().with_context(|| format!("{:?} is not an eventId (evt-<26 characters>)", a.event_id))?;
-            let Some(t) = crate::trace::trace(&pool, id.as_str()).await? else { bail!("no outbox event {id}") };
+            let Some(mut t) = crate::trace::trace(&pool, id.as_str()).await? else { bail!("no outbox event {id}") };
+            for u in &a.consumer_database_urls {
+                let consumer_pool = connect(u, 1).await.context("--consumer-database-url")?;
+                let source = describe_url(u);
+                t.add_consumer_database(&consumer_pool, &source).await.with_context(|| format!("reading the consumer side in {source}"))?;
+                consumer_pool.close().await;
+            }
             if a.json {
-                println!("{}", serde_json::to_string_pretty(&t)?);
+                println!("{}", crate::fmt::json(&t)?);
             } else {
                 print!("{}", t.to_text());
             }
             Ok(0)
+        }
+        Command::Route(c) => route_cmd(&url()?, &file, c).await,
+        Command::DeadLetters(c) => {
+            use crate::cli::DeadLettersCommand as D;
+            let db = |over: &Option<String>| over.clone().map(Ok).unwrap_or_else(url);
+            match c {
+                D::List { consumer, limit, json, consumer_database_url } => {
+                    let pool = connect(&db(consumer_database_url)?, 2).await?;
+                    crate::runbook::dead_letters_list(&pool, consumer.as_deref(), *limit, *json).await
+                }
+                D::Show { event_id, json, consumer_database_url } => {
+                    let pool = connect(&db(consumer_database_url)?, 2).await?;
+                    crate::runbook::dead_letters_show(&pool, event_id, *json).await
+                }
+                D::Requeue { event_id, consumer, operator, consumer_database_url } => {
+                    let pool = connect(&db(consumer_database_url)?, 2).await?;
+                    crate::runbook::dead_letters_requeue(&pool, event_id, consumer, operator).await
+                }
+            }
+        }
+        Command::Findings(c) => {
+            use crate::cli::FindingsCommand as F;
+            let pool = connect(&url()?, 2).await?;
+            match c {
+                F::List { all, kind, limit, json } => crate::runbook::findings_list(&pool, *all, kind.as_deref(), *limit, *json).await,
+                F::Ack { id, operator, note } => crate::runbook::findings_ack(&pool, *id, operator, note.as_deref()).await,
+            }
+        }
+        Command::Unknown(c) => {
+            use crate::cli::UnknownCommand as U;
+            let pool = connect(&url()?, 2).await?;
+            match c {
+                U::List { limit, json } => crate::runbook::unknown_list(&pool, *limit, *json).await,
+                U::Show { event_id, lookups, json } => crate::runbook::unknown_show(&pool, event_id, *lookups, *json).await,
+            }
         }
         Command::Report(a) => report(&url()?, &file, a).await,
         Command::Purge(a) => purge_cmd(&url()?, &file, a).await,
@@ -90,6 +132,46 @@ pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
         Command::Takeover(c) => takeover_cmd(&url()?, c).await,
         Command::Alias(c) => alias_cmd(&url()?, c).await,
         Command::Shadow(a) => shadow_cmd(&url()?, &file, a).await,
+    }
+}
+
+/// host:port/database of a PostgreSQL URL (no user or password), for messages.
+fn describe_url(url: &str) -> String {
+    match url.parse::<PgConnectOptions>() {
+        Ok(o) => format!("{}:{}/{}", o.get_host(), o.get_port(), o.get_database().unwrap_or("")),
+        Err(_) => "a consumer database".into(),
+    }
+}
+
+async fn route_cmd(url: &str, file: &FileConfig, c: &crate::cli::RouteCommand) -> anyhow::Result<u8> {
+    use crate::cli::RouteCommand as R;
+    let pool = connect(url, 2).await?;
+    let optional_kafka = |k: &KafkaArgs| {
+        let flags = kafka_flags(k);
+        if flags.bootstrap.is_none() && file.kafka.bootstrap.is_none() {
+            Ok(None)
+        } else {
+            config::kafka_config(&flags, &file.kafka).map(Some)
+        }
+    };
+    match c {
+        R::Set(a) => {
+            let broker = if a.no_check { None } else {
+                match optional_kafka(&a.kafka)? {
+                    Some(k) => Some(connect_kafka(k).await?),
+                    None => bail!("checking the partition count needs a Kafka connection (--kafka-bootstrap or OUTBOX_KAFKA_BOOTSTRAP); or pass --no-check with --cluster-id"),
+                }
+            };
+            crate::runbook::route_set(&pool, broker.as_deref(), a).await
+        }
+        R::Show { event_type, json, kafka } => {
+            let broker = match optional_kafka(kafka)? {
+                Some(k) => Some(connect_kafka(k).await?),
+                None => None,
+            };
+            crate::runbook::route_show(&pool, broker.as_deref(), event_type, *json).await
+        }
+        R::List { json } => crate::runbook::route_list(&pool, *json).await,
     }
 }
 
@@ -119,7 +201,7 @@ async fn alias_cmd(url: &str, c: &AliasCommand) -> anyhow::Result<u8> {
         println!("alias {alias}: {} -> {implementation}", before.map(|b| b.implementation).unwrap_or_else(|| "none".into()));
     }
     for a in rollout::aliases(&pool).await? {
-        println!("{}\t{}\tprotocol {}\tswitched at {} ms", a.alias, a.implementation, a.protocol_version, a.switched_at_ms);
+        println!("{}\t{}\tprotocol {}\tswitched at {}", a.alias, a.implementation, a.protocol_version, crate::fmt::ts(a.switched_at_ms));
     }
     Ok(0)
 }
@@ -476,7 +558,7 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
             let _ = stop_tx.send(true);
         });
     }
-    let totals = dispatcher.clone().run(stop_rx).await?;
+    let totals = dispatcher.clone().run(outbox_producer::until_true(stop_rx)).await?;
     let _ = broker.flush(5_000).await;
     tracing::info!(
         claimed = totals.claimed,
@@ -535,8 +617,9 @@ fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
 }
 
 async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a: &ReconcileArgs) -> anyhow::Result<u8> {
-    let cfg = reconciler_config(a, file);
+    let mut cfg = reconciler_config(a, file);
     let interval_ms = a.interval_ms.or(file.reconcile.interval_ms).unwrap_or(10_000).max(100);
+    cfg.interval_ms = interval_ms;
     let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
     if a.print_config {
@@ -552,7 +635,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
         let (resolved, compared) = reconciler.run_once().await?;
         let report = reconciler.report().await?;
         if a.json {
-            println!("{}", serde_json::to_string_pretty(&serde_json::json!({
+            println!("{}", crate::fmt::json(&serde_json::json!({
                 "resolved": { "examined": resolved.examined, "published": resolved.published, "quarantined": resolved.quarantined, "retried": resolved.retried, "rechecks": resolved.rechecks },
                 "compared": { "agedPending": compared.aged_pending, "unconsumedPublished": compared.unconsumed_published, "bypassPublish": compared.bypass_publish,
                               "unknownPastSlo": compared.unknown_past_slo, "quarantined": compared.quarantined, "scannedMessages": compared.scanned_messages },
@@ -639,9 +722,12 @@ async fn report(url: &str, file: &FileConfig, a: &ReportArgs) -> anyhow::Result<
     opts.unknown_slo_ms = a.unknown_slo_ms.or(f.unknown_slo_ms).or(file.reconcile.unknown_slo_ms).unwrap_or(opts.unknown_slo_ms);
     opts.max_findings = a.max_findings.or(f.max_findings).unwrap_or(opts.max_findings);
     opts.max_history = a.max_history.or(f.max_history).unwrap_or(opts.max_history);
-    let report = build_report(&pool, &opts).await?;
+    // One SLO: the reconciler's (recorded with its rounds) unless given here.
+    opts.use_reconciler_slo = a.unknown_slo_ms.is_none() && f.unknown_slo_ms.is_none();
+    opts.reconciler_stale_ms = a.reconciler_stale_ms.or(f.reconciler_stale_ms).unwrap_or(opts.reconciler_stale_ms);
+    let report = build_report(&pool, &opts).await.context("building the report (has `outbox migrate` run?)")?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        println!("{}", crate::fmt::json(&report)?);
     } else {
         print!("{}", report.to_text());
     }

@@ -160,6 +160,8 @@ pub struct ReportSection {
     pub max_findings: Option<i64>,
     /// Most history snapshots.
     pub max_history: Option<i64>,
+    /// A last reconciler round older than this is a `reconciler_stale` finding, ms.
+    pub reconciler_stale_ms: Option<i64>,
 }
 
 /// `[metrics]`.

@@ -357,7 +357,11 @@ pub fn render(r: &Report) -> String {
     );
     let _ = write!(o, r#"<h1>Outbox reconciliation report</h1><div class="muted">generated {} · outbox-cli {}</div>"#, esc(&ts(r.generated_at_ms)), env!("CARGO_PKG_VERSION"));
 
-    let slo_ok = r.unknown_slo_met();
+    let slo_class = match r.unknown_slo_verdict {
+        outbox_producer::SloVerdict::Met => "good",
+        outbox_producer::SloVerdict::Missed => "bad",
+        outbox_producer::SloVerdict::NotApplicable => "",
+    };
     let p99 = r.unknown_p99_resolution_ms.map(age).unwrap_or_else(|| "n/a".into());
     o.push_str(r#"<div class="cards" id="summary">"#);
     let card = |o: &mut String, value: String, label: &str, class: &str| {
@@ -368,8 +372,11 @@ pub fn render(r: &Report) -> String {
     card(&mut o, r.duplicate_receipts.to_string(), "duplicate receipts kept", "");
     card(&mut o, r.oldest_pending_age_ms.map(age).unwrap_or_else(|| "none".into()), "oldest PENDING", "");
     card(&mut o, r.unknown_open.to_string(), "UNKNOWN open", if r.unknown_open > 0 { "bad" } else { "good" });
-    card(&mut o, format!("{p99} / {}", age(r.unknown_slo_ms)), &format!("UNKNOWN p99 to resolution vs SLO ({} resolved)", r.unknown_resolved), if slo_ok { "good" } else { "bad" });
+    card(&mut o, format!("{p99} / {}", age(r.unknown_slo_ms)), &format!("UNKNOWN p99 to resolution vs SLO ({} resolved; {})", r.unknown_resolved, r.unknown_slo_verdict.as_str()), slo_class);
     card(&mut o, r.findings.len().to_string(), "open findings", if r.findings.is_empty() { "good" } else { "bad" });
+    let stale = r.findings.iter().any(|f| f.kind == "reconciler_stale");
+    let last_round = r.last_reconciler_round.as_ref().map(|l| format!("{} ago", age(l.age_ms))).unwrap_or_else(|| "never".into());
+    card(&mut o, last_round, "last reconciler round", if stale { "bad" } else { "" });
     o.push_str("</div>");
 
     o.push_str(r#"<h2>The three sets</h2><table id="sets"><tr><th>set</th><th>count</th></tr>"#);
@@ -398,7 +405,7 @@ pub fn render(r: &Report) -> String {
         esc(&p99),
         r.unknown_resolved,
         esc(&age(r.unknown_slo_ms)),
-        if slo_ok { "met" } else { "MISSED" }
+        r.unknown_slo_verdict.as_str()
     );
     unknown_chart(&mut o, r);
 
@@ -457,6 +464,8 @@ mod tests {
             unknown_resolved: 3,
             unknown_p99_resolution_ms: Some(120_000),
             unknown_slo_ms: 900_000,
+            unknown_slo_verdict: outbox_producer::SloVerdict::Met,
+            last_reconciler_round: None,
             consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 0, committed_offset: 5, published_end_offset: 7, lag_events: 2 }],
             history: vec![
                 StateSnapshot { at_ms: 1_700_000_000_000 - 60_000, counts: vec![("PENDING".into(), 5), ("PUBLISHED".into(), 2)] },

@@ -13,9 +13,11 @@
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod duration;
 pub mod fmt;
 pub mod health;
 pub mod html;
 pub mod metrics;
+pub mod runbook;
 pub mod status;
 pub mod trace;

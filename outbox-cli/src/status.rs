@@ -57,6 +57,7 @@ pub struct Status {
     /// messages); None on a schema migrated before it existed.
     pub source: Option<String>,
     /// Every state with its count (zeros included), in SPEC order.
+    #[serde(serialize_with = "outbox_producer::report::pairs::states")]
     pub state_counts: Vec<(String, i64)>,
     /// Total events.
     pub total_events: i64,
@@ -67,11 +68,16 @@ pub struct Status {
     /// Age of the oldest of them (since it became unknown), ms.
     pub oldest_unknown_age_ms: Option<i64>,
     /// Open reconciler findings by kind (empty if the reconciler never ran).
+    #[serde(serialize_with = "outbox_producer::report::pairs::kinds")]
     pub open_findings: Vec<(String, i64)>,
     /// Registered consumers (critical ones with their lag).
     pub consumers: Vec<ConsumerStatus>,
     /// Whether `outbox_consumer_watermarks` exists in this database.
     pub watermarks_table: bool,
+    /// The most recent reconciler round (None: no reconciler ever ran here).
+    pub last_reconciler_round: Option<outbox_producer::ReconcilerRound>,
+    /// `reconciler_stale` when the last round is missing or too old.
+    pub reconciler_finding: Option<outbox_producer::report::Finding>,
 }
 
 async fn exists(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
@@ -90,8 +96,9 @@ pub async fn unknown_open(pool: &PgPool, now_ms: i64) -> Result<(i64, Option<i64
     Ok((row.get("n"), since.map(|s| (now_ms - s).max(0))))
 }
 
-/// Reads the status.
-pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
+/// Reads the status; a last reconciler round older than `reconciler_stale_ms`
+/// (or three of its intervals) is a finding.
+pub async fn status(pool: &PgPool, reconciler_stale_ms: i64) -> Result<Status, outbox_producer::ProducerError> {
     let now_ms = outbox_producer::pg::db_now_ms(pool).await?;
     let source: Option<String> =
         if exists(pool, "outbox_identity").await? { sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_optional(pool).await? } else { None };
@@ -165,7 +172,11 @@ pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
         let total_lag_events = partitions.iter().map(|p| p.lag_events).sum();
         consumers.push(ConsumerStatus { consumer_id, critical, mandatory, topics, partitions, total_lag_events });
     }
+    let last_reconciler_round = outbox_producer::report::last_reconciler_round(pool, now_ms).await?;
+    let reconciler_finding = outbox_producer::report::stale_reconciler_finding(last_reconciler_round.as_ref(), total_events, reconciler_stale_ms);
     Ok(Status {
+        last_reconciler_round,
+        reconciler_finding,
         now_ms,
         source,
         state_counts,
@@ -180,6 +191,11 @@ pub async fn status(pool: &PgPool) -> Result<Status, sqlx::Error> {
 }
 
 impl Status {
+    /// Open findings in all, the stale-reconciler one included.
+    pub fn findings_total(&self) -> i64 {
+        self.open_findings.iter().map(|(_, n)| n).sum::<i64>() + i64::from(self.reconciler_finding.is_some())
+    }
+
     /// Plain text for a terminal.
     pub fn to_text(&self) -> String {
         let mut o = String::new();
@@ -196,6 +212,17 @@ impl Status {
             self.unknown_open,
             self.oldest_unknown_age_ms.map(age).unwrap_or_else(|| "none".into())
         );
+        match &self.last_reconciler_round {
+            None => {
+                let _ = writeln!(o, "reconciler:      no round recorded");
+            }
+            Some(r) => {
+                let _ = writeln!(o, "reconciler:      last round {} ({} ago) by {}", ts(r.last_round_at_ms), age(r.age_ms), r.owner);
+            }
+        }
+        if let Some(f) = &self.reconciler_finding {
+            let _ = writeln!(o, "STALE:           {}", f.detail);
+        }
         if self.open_findings.is_empty() {
             let _ = writeln!(o, "open findings:   none");
         } else {

@@ -139,6 +139,8 @@ pub struct Trace {
     pub consumer_receipts: Option<Vec<ConsumerReceiptRecord>>,
     /// Consumer-side quarantine and dead letters of this eventId.
     pub consumer_problems: Vec<Value>,
+    /// Where the consumer side was read: the outbox database and each `--consumer-database-url`.
+    pub consumer_sources: Vec<String>,
 }
 
 async fn exists(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
@@ -263,6 +265,30 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
     let migrations = json_rows(pool, "outbox_migration_receipts", "SELECT * FROM outbox_migration_receipts WHERE event_id = $1 ORDER BY id", event_id).await?;
     let findings = json_rows(pool, "outbox_findings", "SELECT * FROM outbox_findings WHERE event_id = $1 ORDER BY id", event_id).await?;
 
+    let (consumer_receipts, consumer_problems) = consumer_side(pool, event_id).await?;
+
+    Ok(Some(Trace {
+        event_id: event_id.to_owned(),
+        event,
+        envelopes,
+        attempts,
+        primary_receipts,
+        duplicate_receipts,
+        quarantine,
+        audit,
+        unknown_resolutions,
+        migrations,
+        findings,
+        consumer_receipts,
+        consumer_problems,
+        consumer_sources: vec!["the outbox database".into()],
+    }))
+}
+
+/// The consumer side of one event in one database: its consumption
+/// receipts (None without the consumer tables) and its consumer quarantine
+/// and dead-letter rows.
+pub async fn consumer_side(pool: &PgPool, event_id: &str) -> Result<(Option<Vec<ConsumerReceiptRecord>>, Vec<Value>), sqlx::Error> {
     let consumer_receipts = if exists(pool, "outbox_consumer_receipts").await? {
         Some(
             sqlx::query(
@@ -304,21 +330,20 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
         .await?,
     );
 
-    Ok(Some(Trace {
-        event_id: event_id.to_owned(),
-        event,
-        envelopes,
-        attempts,
-        primary_receipts,
-        duplicate_receipts,
-        quarantine,
-        audit,
-        unknown_resolutions,
-        migrations,
-        findings,
-        consumer_receipts,
-        consumer_problems,
-    }))
+    Ok((consumer_receipts, consumer_problems))
+}
+
+impl Trace {
+    /// Adds what the consumers' own database `source` holds about this event.
+    pub async fn add_consumer_database(&mut self, pool: &PgPool, source: &str) -> Result<(), sqlx::Error> {
+        let (receipts, problems) = consumer_side(pool, &self.event_id).await?;
+        if let Some(rs) = receipts {
+            self.consumer_receipts.get_or_insert_with(Vec::new).extend(rs);
+        }
+        self.consumer_problems.extend(problems);
+        self.consumer_sources.push(source.to_owned());
+        Ok(())
+    }
 }
 
 fn opt_ts(v: &Value) -> String {
@@ -453,10 +478,14 @@ impl Trace {
         }
         match &self.consumer_receipts {
             None => {
-                let _ = writeln!(o, "consumers: no outbox_consumer_receipts table in this database");
+                let _ = writeln!(
+                    o,
+                    "consumers: no outbox_consumer_receipts table in {} (the receipts live in the consumer's database: pass --consumer-database-url)",
+                    self.consumer_sources.join(", ")
+                );
             }
             Some(rs) if rs.is_empty() => {
-                let _ = writeln!(o, "consumers: no consumption receipt yet");
+                let _ = writeln!(o, "consumers: no consumption receipt yet (looked in {})", self.consumer_sources.join(", "));
             }
             Some(rs) => {
                 let _ = writeln!(o, "consumers: {}", rs.len());

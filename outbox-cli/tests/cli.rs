@@ -15,7 +15,10 @@ use outbox_testkit::{assert_published, KafkaFixture};
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 
-const COMMANDS: [&str; 11] = ["migrate", "dispatch", "reconcile", "status", "trace", "report", "purge", "migrate-destination", "takeover", "alias", "shadow"];
+const COMMANDS: [&str; 15] = [
+    "migrate", "dispatch", "reconcile", "status", "trace", "report", "purge", "migrate-destination", "takeover", "alias", "shadow", "route", "dead-letters",
+    "findings", "unknown",
+];
 
 #[test]
 fn help_lists_every_command_and_documents_every_flag() {

@@ -22,7 +22,7 @@ fn chromium() -> PathBuf {
             return PathBuf::from(c);
         }
     }
-    panic!("Chromium is not installed: `apt-get install -y chromium` (CI installs it from .ci/extra-setup), or set CHROMIUM=/path/to/chromium");
+    panic!("Chromium is not installed: `apt-get install -y chromium` (scripts/test installs it: scripts/setup.d/30-chromium.sh), or set CHROMIUM=/path/to/chromium");
 }
 
 fn report() -> Report {
@@ -56,6 +56,8 @@ fn report() -> Report {
         unknown_resolved: 240,
         unknown_p99_resolution_ms: Some(1_260_000),
         unknown_slo_ms: 900_000,
+        unknown_slo_verdict: outbox_producer::SloVerdict::Missed,
+        last_reconciler_round: None,
         consumer_lag: vec![
             ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 0, committed_offset: 400, published_end_offset: 420, lag_events: 20 },
             ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 1, committed_offset: 410, published_end_offset: 415, lag_events: 5 },

@@ -1,5 +1,11 @@
 //! Configuration, with a named default and a limit for every number.
 
+/// The environment variable naming the Kafka bootstrap servers: one name for
+/// the CLI, the producer (`KafkaConfig::from_env`) and the consumer.
+pub const BOOTSTRAP_ENV: &str = "OUTBOX_KAFKA_BOOTSTRAP";
+/// The consumer's former name for [`BOOTSTRAP_ENV`], still read (with a warning).
+pub const DEPRECATED_BOOTSTRAP_ENV: &str = "OUTBOX_KAFKA_BOOTSTRAP_SERVERS";
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -162,13 +168,15 @@ impl ConsumerConfig {
         }
     }
 
-    /// Reads the configuration from the environment:
+    /// Reads the configuration from the environment (tests read
+    /// `OUTBOX_TEST_KAFKA_BOOTSTRAP` instead, through `outbox-testkit`, never
+    /// these):
     ///
     /// | variable | field | default |
     /// |---|---|---|
     /// | `OUTBOX_CONSUMER_ID` | `consumer_id` | required |
     /// | `OUTBOX_CONSUMER_GROUP_ID` | `group_id` | `consumer_id` |
-    /// | `OUTBOX_KAFKA_BOOTSTRAP_SERVERS` | `bootstrap_servers` | required |
+    /// | `OUTBOX_KAFKA_BOOTSTRAP` (the CLI's and the producer's name; `OUTBOX_KAFKA_BOOTSTRAP_SERVERS` is a deprecated alias, read with a warning) | `bootstrap_servers` | required |
     /// | `OUTBOX_CONSUMER_TOPICS` (comma-separated) | `topics` | required |
     /// | `OUTBOX_CONSUMER_MAX_BATCH_MESSAGES` | `max_batch_messages` | 500 |
     /// | `OUTBOX_CONSUMER_MAX_BATCH_BYTES` | `max_batch_bytes` | 8 MiB |
@@ -188,7 +196,17 @@ impl ConsumerConfig {
         let required = |k: &str| get(k).filter(|v| !v.is_empty()).ok_or_else(|| ConsumerError::Config(format!("{k} is not set")));
         let topics_text = required("OUTBOX_CONSUMER_TOPICS")?;
         let topics: Vec<&str> = topics_text.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
-        let mut c = ConsumerConfig::new(required("OUTBOX_CONSUMER_ID")?, required("OUTBOX_KAFKA_BOOTSTRAP_SERVERS")?, &topics);
+        let bootstrap = match get(BOOTSTRAP_ENV).filter(|v| !v.trim().is_empty()) {
+            Some(b) => b,
+            None => match get(DEPRECATED_BOOTSTRAP_ENV).filter(|v| !v.trim().is_empty()) {
+                Some(b) => {
+                    tracing::warn!("{DEPRECATED_BOOTSTRAP_ENV} is deprecated: set {BOOTSTRAP_ENV} (the name the CLI and the producer read)");
+                    b
+                }
+                None => return Err(ConsumerError::Config(format!("{BOOTSTRAP_ENV} is not set"))),
+            },
+        };
+        let mut c = ConsumerConfig::new(required("OUTBOX_CONSUMER_ID")?, bootstrap.trim(), &topics);
         if let Some(g) = get("OUTBOX_CONSUMER_GROUP_ID") {
             c.group_id = g;
         }
@@ -291,7 +309,7 @@ mod tests {
     fn config_from_env_lookup() {
         let env = [
             ("OUTBOX_CONSUMER_ID", "billing"),
-            ("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "k:9092"),
+            ("OUTBOX_KAFKA_BOOTSTRAP", "k:9092"),
             ("OUTBOX_CONSUMER_TOPICS", "orders, payments"),
             ("OUTBOX_CONSUMER_MAX_ATTEMPTS", "3"),
             ("OUTBOX_CONSUMER_KAFKA_SECURITY_PROTOCOL", "ssl"),
@@ -303,7 +321,19 @@ mod tests {
         assert_eq!(c.group_id, "billing");
         assert_eq!(c.retry.max_attempts, 3);
         assert_eq!(c.kafka.get("security.protocol").map(String::as_str), Some("ssl"));
+        assert_eq!(c.bootstrap_servers, "k:9092");
         let bad = ConsumerConfig::from_lookup(|k| if k == "OUTBOX_CONSUMER_ID" { None } else { get(k) }, std::iter::empty());
         assert!(bad.is_err());
+        // The old name still works (deprecated), and the new one wins over it.
+        let old = |k: &str| match k {
+            "OUTBOX_KAFKA_BOOTSTRAP" => None,
+            "OUTBOX_KAFKA_BOOTSTRAP_SERVERS" => Some("old:9092".to_owned()),
+            _ => get(k),
+        };
+        assert_eq!(ConsumerConfig::from_lookup(old, std::iter::empty()).unwrap().bootstrap_servers, "old:9092");
+        let both = |k: &str| if k == "OUTBOX_KAFKA_BOOTSTRAP_SERVERS" { Some("old:9092".to_owned()) } else { get(k) };
+        assert_eq!(ConsumerConfig::from_lookup(both, std::iter::empty()).unwrap().bootstrap_servers, "k:9092");
+        let none = |k: &str| if k.starts_with("OUTBOX_KAFKA_BOOTSTRAP") { None } else { get(k) };
+        assert!(ConsumerConfig::from_lookup(none, std::iter::empty()).unwrap_err().to_string().contains("OUTBOX_KAFKA_BOOTSTRAP"));
     }
 }

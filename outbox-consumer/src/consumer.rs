@@ -289,11 +289,20 @@ impl IdempotentConsumer {
         let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut shutdown = std::pin::pin!(shutdown);
+        // Requeue requests (`outbox dead-letters requeue`): one redrive task at a time.
+        let mut requeue_tick = tokio::time::interval(Duration::from_millis(crate::dead_letters::REQUEUE_CHECK_MS));
+        requeue_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut requeue_task: Option<JoinHandle<()>> = None;
         let outcome = loop {
             tokio::select! {
                 biased;
                 () = &mut shutdown => break Ok(()),
                 Some(e) = fatal_rx.recv() => break Err(e),
+                _ = requeue_tick.tick() => {
+                    if requeue_task.as_ref().is_none_or(|t| t.is_finished()) {
+                        requeue_task = Some(tokio::spawn(redrive_requested(self.processor.clone())));
+                    }
+                }
                 // Before `recv`, which is always ready under load: paused
                 // partitions must be drained and resumed on time.
                 _ = tick.tick() => run.housekeeping(),
@@ -346,10 +355,42 @@ impl IdempotentConsumer {
                 run.abort().await;
             }
         }
+        if let Some(t) = requeue_task {
+            t.abort();
+        }
         drop(run);
         // Leaves the group (the last reference to the client).
         drop(client);
         outcome
+    }
+}
+
+/// Redrives the dead letters an operator asked to requeue.
+async fn redrive_requested(processor: Arc<Processor>) {
+    let ids = match crate::dead_letters::requested(processor.pool(), processor.consumer_id()).await {
+        Ok(ids) => ids,
+        Err(e) => {
+            debug!(error = %e, "reading requeue requests failed");
+            return;
+        }
+    };
+    for id in ids {
+        let Ok(event_id) = id.parse::<outbox_core::EventId>() else { continue };
+        match processor.redrive_dead_letter(&event_id).await {
+            Ok(Some(outcome)) => info!(event_id = %id, outcome = outcome.kind(), "requeued dead letter redriven"),
+            Ok(None) => {}
+            Err(e) => {
+                // Not retried every second: the request is cleared, the dead letter stays.
+                warn!(event_id = %id, error = %e, "requeued dead letter could not be redriven; request cleared");
+                let _ = sqlx::query(
+                    "UPDATE outbox_consumer_dead_letters SET requeue_requested_at_ms = NULL, requeue_requested_by = NULL WHERE consumer_id = $1 AND event_id = $2",
+                )
+                .bind(processor.consumer_id())
+                .bind(&id)
+                .execute(processor.pool())
+                .await;
+            }
+        }
     }
 }
 

@@ -92,6 +92,7 @@ mod config;
 mod consumer;
 mod error;
 mod event;
+pub mod dead_letters;
 mod handler;
 mod metrics;
 mod otel;
@@ -102,6 +103,7 @@ mod watermark;
 
 pub use async_trait::async_trait;
 pub use config::*;
+pub use dead_letters::{dead_letters_of, list_dead_letters, request_requeue, DeadLetter};
 pub use consumer::{AfterCommitHook, CommittedBatch, HookAction, IdempotentConsumer};
 pub use error::{ConsumerError, HandlerError};
 pub use event::{effect_key, ConsumedEvent, RawMessage, DEFAULT_EFFECT_PURPOSE, EFFECT_KEY_SCHEMA};

@@ -942,7 +942,8 @@ impl Processor {
                 };
                 let error: String = error.chars().take(4000).collect();
                 let attempts: i32 = sqlx::query_scalar(
-                    "UPDATE outbox_consumer_dead_letters SET attempts = attempts + 1, last_error = $3
+                    "UPDATE outbox_consumer_dead_letters SET attempts = attempts + 1, last_error = $3,
+                         requeue_requested_at_ms = NULL, requeue_requested_by = NULL
                      WHERE consumer_id = $1 AND event_id = $2 RETURNING attempts",
                 )
                 .bind(&self.consumer_id)

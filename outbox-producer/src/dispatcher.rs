@@ -871,9 +871,31 @@ impl<B: Broker + 'static> Dispatcher<B> {
     }
 
     /// Runs the workers, the lease sweeper and the LISTEN wake-up until
-    /// `shutdown` becomes true; then stops claiming, drains outstanding
-    /// answers (bounded by `shutdown_grace_ms`) and returns the totals.
-    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) -> Result<BatchReport, ProducerError> {
+    /// `shutdown` resolves (the same shape as `Reconciler::run` and
+    /// `IdempotentConsumer::run`: e.g. `async { let _ = tokio::signal::ctrl_c().await; }`);
+    /// then stops claiming, drains outstanding answers (bounded by
+    /// `shutdown_grace_ms`) and returns the totals. A `watch::Receiver<bool>`
+    /// becomes a shutdown future with [`until_true`].
+    pub async fn run(self: Arc<Self>, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<BatchReport, ProducerError> {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let run = self.run_with(stop_rx);
+        let mut run = std::pin::pin!(run);
+        let mut shutdown = std::pin::pin!(shutdown);
+        tokio::select! {
+            r = &mut run => return r,
+            () = &mut shutdown => {}
+        }
+        let _ = stop_tx.send(true);
+        run.await
+    }
+
+    /// [`Dispatcher::run`] until `shutdown` becomes true.
+    #[deprecated(note = "use `run(shutdown_future)`; `outbox_producer::until_true(rx)` turns a watch::Receiver<bool> into one")]
+    pub async fn run_watch(self: Arc<Self>, shutdown: watch::Receiver<bool>) -> Result<BatchReport, ProducerError> {
+        self.run_with(shutdown).await
+    }
+
+    async fn run_with(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) -> Result<BatchReport, ProducerError> {
         let wake = Arc::new(Notify::new());
         let mut tasks = Vec::new();
         if self.config.listen {
@@ -1011,6 +1033,13 @@ impl<B: Broker + 'static> Dispatcher<B> {
         }
         Ok(total)
     }
+}
+
+/// A shutdown future for [`Dispatcher::run`] (or `Reconciler::run`, or the
+/// consumer's `run`) that resolves once `rx` holds `true` or its sender is
+/// dropped.
+pub async fn until_true(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
 }
 
 fn add(total: &mut BatchReport, r: &BatchReport) {

@@ -47,6 +47,8 @@ pub struct ReconcilerConfig {
     pub max_findings_per_kind: i64,
     /// State snapshots older than this are dropped, ms.
     pub history_keep_ms: i64,
+    /// Pause between two rounds of [`Reconciler::run`], ms.
+    pub interval_ms: u64,
 }
 
 impl Default for ReconcilerConfig {
@@ -64,6 +66,7 @@ impl Default for ReconcilerConfig {
             published_check_batch: 10_000,
             max_findings_per_kind: 1_000,
             history_keep_ms: 7 * 24 * 3_600_000,
+            interval_ms: 10_000,
         }
     }
 }
@@ -120,6 +123,8 @@ pub struct Reconciler<B: Broker + 'static> {
     store: PgStore,
     broker: Arc<B>,
     config: ReconcilerConfig,
+    /// UNKNOWNs examined by the latest resolve round (recorded with the next comparison).
+    last_examined: std::sync::atomic::AtomicUsize,
 }
 
 impl<B: Broker + 'static> Reconciler<B> {
@@ -129,7 +134,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         outbox_core::claim::validate_lease_ms(config.lease_ms)?;
         outbox_core::check_in_flight_bound(config.retry.in_flight_bound_ms, broker.max_in_flight_ms(), config.clock_skew_allowance_ms)
             .map_err(|e| ProducerError::Config(format!("retry.{e}")))?;
-        Ok(Reconciler { store, broker, config })
+        Ok(Reconciler { store, broker, config, last_examined: std::sync::atomic::AtomicUsize::new(0) })
     }
 
     /// The store.
@@ -142,6 +147,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         self.store.expire_leases().await?;
         let tasks = self.store.begin_reconcile(&self.config.owner, self.config.batch_size, self.config.lease_ms).await?;
         let mut report = ResolveReport { examined: tasks.len(), ..Default::default() };
+        self.last_examined.store(tasks.len(), std::sync::atomic::Ordering::Relaxed);
         let supports = self.broker.supports_lookup();
         for task in tasks {
             // The round is sized to its lease: a task whose claim has less
@@ -187,6 +193,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         }
         let decision = decide_reconcile(&task.attempts, &lookup, supports, &self.config.retry, now);
         tracing::info!(%event_id, ?decision, "reconcile decision");
+        self.record_lookup(event_id.as_str(), now, scan_lower_bound(&task.attempts), &lookup, &decision).await?;
         match &decision {
             ReconcileDecision::Submit(receipts) => {
                 let outcomes = self.store.accept_dispatch_receipts(receipts).await?;
@@ -223,7 +230,8 @@ impl<B: Broker + 'static> Reconciler<B> {
     /// Compares the three sets — committed outbox, publish receipts and the
     /// critical consumers' watermarks — plus the topics themselves (bypass
     /// publishes), and records the findings: new ones are opened, ones no
-    /// longer true are resolved (bypass evidence stays open).
+    /// longer true are resolved (bypass evidence stays open). The round is
+    /// recorded in `outbox_reconciler_rounds`.
     pub async fn compare_once(&self) -> Result<CompareReport, ProducerError> {
         let pool = self.store.pool();
         let now = self.store.now_ms();
@@ -232,9 +240,21 @@ impl<B: Broker + 'static> Reconciler<B> {
 
         // Legacy-owned events (a rollout's shadow or partial takeover) are the
         // legacy publisher's to send; the shadow comparison covers them.
+        //
+        // An event not yet delivered is aged while it is PENDING and also
+        // while a dispatcher holds it (CLAIMED, SENDING): a send that the
+        // broker refuses puts it back to PENDING after a backoff, and
+        // counting only PENDING closed and reopened the finding on every
+        // round that caught it in flight. The in-flight half reads the
+        // leased events only (their index), a bounded set.
         for r in sqlx::query(
-            "SELECT event_id, $1 - created_at_ms AS age FROM outbox_events
-             WHERE phase = 'PENDING' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3",
+            "SELECT event_id, age FROM (
+                 (SELECT event_id, seq, $1 - created_at_ms AS age FROM outbox_events
+                  WHERE phase = 'PENDING' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3)
+                 UNION ALL
+                 (SELECT event_id, seq, $1 - created_at_ms AS age FROM outbox_events
+                  WHERE claim_owner IS NOT NULL AND phase = 'INFLIGHT' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3)
+             ) t ORDER BY seq LIMIT $3",
         )
             .bind(now)
             .bind(self.config.aged_pending_ms)
@@ -242,7 +262,7 @@ impl<B: Broker + 'static> Reconciler<B> {
             .fetch_all(pool)
             .await?
         {
-            found.push(("aged_pending", r.try_get("event_id")?, String::new(), r.try_get("age")?, "PENDING past the threshold: is a dispatcher running for its cluster?".into()));
+            found.push(("aged_pending", r.try_get("event_id")?, String::new(), r.try_get("age")?, "not delivered past the threshold (PENDING or being sent): is a dispatcher running for its cluster, does the broker take its sends?".into()));
         }
         for r in sqlx::query(
             "SELECT event_id, state, $1 - unknown_since_ms AS age FROM outbox_events
@@ -358,6 +378,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         if report.total() > 0 {
             tracing::warn!(?report, "reconciler findings");
         }
+        self.record_round(self.last_examined.load(std::sync::atomic::Ordering::Relaxed), &report).await?;
         Ok(report)
     }
 
@@ -489,11 +510,88 @@ impl<B: Broker + 'static> Reconciler<B> {
         Ok((found, scanned))
     }
 
-    /// One full round: resolve due UNKNOWNs, then compare the three sets.
+    /// One full round: resolve due UNKNOWNs, then compare the three sets
+    /// (each comparison records the round: `outbox status` and the report
+    /// show when the reconciler last ran, and with which SLO).
     pub async fn run_once(&self) -> Result<(ResolveReport, CompareReport), ProducerError> {
         let resolved = self.resolve_unknown_once().await?;
         let compared = self.compare_once().await?;
         Ok((resolved, compared))
+    }
+
+    /// Keeps the lookup and the decision as evidence (`outbox unknown show`).
+    async fn record_lookup(&self, event_id: &str, now: i64, from_offset: i64, lookup: &LookupOutcome, decision: &ReconcileDecision) -> Result<(), ProducerError> {
+        let lookup = match lookup {
+            LookupOutcome::Found(receipts) => {
+                let at: Vec<String> = receipts.iter().map(|r| format!("{}/{}@{}", r.topic, r.partition, r.offset)).collect();
+                format!("found {} message(s) at {}", receipts.len(), at.join(", "))
+            }
+            LookupOutcome::Absent => "absent: the scanned range holds no message of the event".to_owned(),
+            LookupOutcome::Unavailable(why) => format!("unavailable: {why}"),
+        };
+        let decision = match decision {
+            ReconcileDecision::Submit(r) => format!("submit {} receipt(s) through the receipt transaction", r.len()),
+            ReconcileDecision::Retry { proven_absent } => format!("retry to the same destination (proven absent: {proven_absent})"),
+            ReconcileDecision::Recheck { reason, next_check_at_ms } => format!("recheck at {next_check_at_ms} ms ({reason:?})"),
+        };
+        let cut = |s: String| s.chars().take(2000).collect::<String>();
+        sqlx::query("INSERT INTO outbox_unknown_lookups (event_id, owner, at_ms, from_offset, lookup, decision) VALUES ($1, $2, $3, $4, $5, $6)")
+            .bind(event_id)
+            .bind(&self.config.owner)
+            .bind(now)
+            .bind(from_offset)
+            .bind(cut(lookup))
+            .bind(cut(decision))
+            .execute(self.store.pool())
+            .await?;
+        Ok(())
+    }
+
+    async fn record_round(&self, examined: usize, compared: &CompareReport) -> Result<(), ProducerError> {
+        sqlx::query(
+            "INSERT INTO outbox_reconciler_rounds (owner, cluster_id, last_round_at_ms, interval_ms, unknown_slo_ms, examined, open_findings, rounds)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 1)
+             ON CONFLICT (owner) DO UPDATE SET cluster_id = EXCLUDED.cluster_id, last_round_at_ms = EXCLUDED.last_round_at_ms,
+                 interval_ms = EXCLUDED.interval_ms, unknown_slo_ms = EXCLUDED.unknown_slo_ms, examined = EXCLUDED.examined,
+                 open_findings = EXCLUDED.open_findings, rounds = outbox_reconciler_rounds.rounds + 1",
+        )
+        .bind(&self.config.owner)
+        .bind(self.broker.cluster_id())
+        .bind(self.store.now_ms())
+        .bind(i64::try_from(self.config.interval_ms).unwrap_or(i64::MAX))
+        .bind(self.config.unknown_slo_ms.max(1))
+        .bind(i32::try_from(examined).unwrap_or(i32::MAX))
+        .bind(i32::try_from(compared.total()).unwrap_or(i32::MAX))
+        .execute(self.store.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// Runs a round every `interval_ms` until `shutdown` resolves (the same
+    /// shape as `Dispatcher::run` and `IdempotentConsumer::run`). A round
+    /// that fails is logged and retried at the next interval; a round in
+    /// progress when `shutdown` resolves is abandoned (its claims expire
+    /// with their lease). Returns the number of rounds completed.
+    pub async fn run(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut rounds = 0;
+        loop {
+            tokio::select! {
+                r = self.run_once() => match r {
+                    Ok((resolved, compared)) => {
+                        rounds += 1;
+                        tracing::info!(examined = resolved.examined, published = resolved.published, retried = resolved.retried,
+                            findings = compared.total(), "reconcile round");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "reconcile round failed; retrying next interval"),
+                },
+                () = &mut shutdown => return Ok(rounds),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_millis(self.config.interval_ms.max(1))) => {}
+                () = &mut shutdown => return Ok(rounds),
+            }
+        }
     }
 
     /// The report, with this reconciler's SLO.

@@ -5,6 +5,44 @@
 
 use serde::Serialize;
 
+/// Serializes `(name, count)` pairs as objects `{"name": .., "count": ..}`
+/// under the given key names (JSON readers get objects, not positional arrays).
+pub mod pairs {
+    use serde::ser::{SerializeMap, SerializeSeq, Serializer};
+
+    fn pairs<S: Serializer>(v: &[(String, i64)], key: &str, s: S) -> Result<S::Ok, S::Error> {
+        struct Pair<'a>(&'a str, &'a str, i64);
+        impl serde::Serialize for Pair<'_> {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut m = s.serialize_map(Some(2))?;
+                m.serialize_entry(self.0, self.1)?;
+                m.serialize_entry("count", &self.2)?;
+                m.end()
+            }
+        }
+        let mut seq = s.serialize_seq(Some(v.len()))?;
+        for (name, n) in v {
+            seq.serialize_element(&Pair(key, name, *n))?;
+        }
+        seq.end()
+    }
+
+    /// `[{"state": "PENDING", "count": 3}, ...]`.
+    pub fn states<S: Serializer>(v: &[(String, i64)], s: S) -> Result<S::Ok, S::Error> {
+        pairs(v, "state", s)
+    }
+
+    /// `[{"consumerId": "billing", "count": 3}, ...]`.
+    pub fn consumers<S: Serializer>(v: &[(String, i64)], s: S) -> Result<S::Ok, S::Error> {
+        pairs(v, "consumerId", s)
+    }
+
+    /// `[{"kind": "aged_pending", "count": 3}, ...]`.
+    pub fn kinds<S: Serializer>(v: &[(String, i64)], s: S) -> Result<S::Ok, S::Error> {
+        pairs(v, "kind", s)
+    }
+}
+
 /// One finding of the three-set comparison.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -51,6 +89,51 @@ pub struct Bucket {
     pub count: i64,
 }
 
+/// The last recorded round of a reconciler.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReconcilerRound {
+    /// The reconciler's owner name.
+    pub owner: String,
+    /// The cluster it was connected to.
+    pub cluster_id: String,
+    /// When its last round finished, ms since the epoch.
+    pub last_round_at_ms: i64,
+    /// How long ago, ms.
+    pub age_ms: i64,
+    /// Its pause between rounds, ms.
+    pub interval_ms: i64,
+    /// The UNKNOWN SLO it holds events to, ms.
+    pub unknown_slo_ms: i64,
+    /// Rounds it has recorded.
+    pub rounds: i64,
+}
+
+/// Whether the UNKNOWN SLO is met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum SloVerdict {
+    /// Resolutions exist, their p99 is within the SLO, and no open UNKNOWN is older than it.
+    #[serde(rename = "met")]
+    Met,
+    /// The p99 of the resolutions exceeds the SLO, or an open UNKNOWN is older than it.
+    #[serde(rename = "missed")]
+    Missed,
+    /// Nothing resolved yet and nothing open past the SLO: no evidence either way.
+    #[serde(rename = "n/a")]
+    NotApplicable,
+}
+
+impl SloVerdict {
+    /// `met`, `MISSED` or `n/a`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SloVerdict::Met => "met",
+            SloVerdict::Missed => "MISSED",
+            SloVerdict::NotApplicable => "n/a",
+        }
+    }
+}
+
 /// Counts per state at one moment, for the "events per state over time" chart.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -58,6 +141,7 @@ pub struct StateSnapshot {
     /// When, ms since the epoch.
     pub at_ms: i64,
     /// State name -> count.
+    #[serde(serialize_with = "pairs::states")]
     pub counts: Vec<(String, i64)>,
 }
 
@@ -74,8 +158,10 @@ pub struct Report {
     /// Duplicate transport receipts kept as evidence.
     pub duplicate_receipts: i64,
     /// Set 3: per critical consumer, published events its watermark has passed.
+    #[serde(serialize_with = "pairs::consumers")]
     pub consumed_by_critical: Vec<(String, i64)>,
     /// Current counts per state.
+    #[serde(serialize_with = "pairs::states")]
     pub state_counts: Vec<(String, i64)>,
     /// Age of the oldest PENDING event, ms.
     pub oldest_pending_age_ms: Option<i64>,
@@ -93,8 +179,14 @@ pub struct Report {
     pub consumer_lag: Vec<ConsumerLag>,
     /// Events per state over time (from the reconciler's snapshots).
     pub history: Vec<StateSnapshot>,
-    /// Findings; empty on a healthy system.
+    /// Findings; empty on a healthy system. Besides the reconciler's own,
+    /// a `reconciler_stale` finding when no reconciler round was recorded
+    /// within `reconciler_stale_ms` (a stopped reconciler records nothing).
     pub findings: Vec<Finding>,
+    /// The most recent reconciler round (None: no reconciler ever ran here).
+    pub last_reconciler_round: Option<ReconcilerRound>,
+    /// The UNKNOWN SLO verdict (one source: [`slo_verdict`], with the SLO the last reconciler round recorded).
+    pub unknown_slo_verdict: SloVerdict,
 }
 
 use sqlx::{PgPool, Row};
@@ -112,17 +204,88 @@ pub struct ReportOptions {
     pub max_findings: i64,
     /// Most history snapshots included.
     pub max_history: i64,
+    /// Take the SLO the last reconciler round recorded, when there is one,
+    /// instead of `unknown_slo_ms` (so the report judges by the reconciler's
+    /// figure). Set it to false when `unknown_slo_ms` was given explicitly.
+    pub use_reconciler_slo: bool,
+    /// A last reconciler round older than this (or three of its intervals,
+    /// whichever is longer) is a `reconciler_stale` finding, ms.
+    pub reconciler_stale_ms: i64,
 }
 
 impl ReportOptions {
     /// Defaults at `now_ms`: SLO 15 minutes, 1 000 findings, 200 snapshots.
     pub fn at(now_ms: i64) -> Self {
-        ReportOptions { now_ms, unknown_slo_ms: DEFAULT_UNKNOWN_SLO_MS, max_findings: 1_000, max_history: 200 }
+        ReportOptions {
+            now_ms,
+            unknown_slo_ms: DEFAULT_UNKNOWN_SLO_MS,
+            max_findings: 1_000,
+            max_history: 200,
+            use_reconciler_slo: true,
+            reconciler_stale_ms: DEFAULT_RECONCILER_STALE_MS,
+        }
     }
 }
 
 /// The UNKNOWN time-to-resolution SLO: 15 minutes (SPEC §10).
 pub const DEFAULT_UNKNOWN_SLO_MS: i64 = 15 * 60 * 1000;
+
+/// A reconciler whose last round is older than this is stale: 5 minutes.
+pub const DEFAULT_RECONCILER_STALE_MS: i64 = 5 * 60 * 1000;
+
+/// The most recent round any reconciler recorded (None if the table is
+/// missing or empty).
+pub async fn last_reconciler_round(pool: &PgPool, now_ms: i64) -> Result<Option<ReconcilerRound>, ProducerError> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('outbox_reconciler_rounds') IS NOT NULL").fetch_one(pool).await?;
+    if !exists {
+        return Ok(None);
+    }
+    let row = sqlx::query(
+        "SELECT owner, cluster_id, last_round_at_ms, interval_ms, unknown_slo_ms, rounds FROM outbox_reconciler_rounds
+         ORDER BY last_round_at_ms DESC, owner LIMIT 1",
+    )
+    .fetch_optional(pool)
+    .await?;
+    row.map(|r| {
+        let at: i64 = r.try_get("last_round_at_ms")?;
+        Ok(ReconcilerRound {
+            owner: r.try_get("owner")?,
+            cluster_id: r.try_get("cluster_id")?,
+            last_round_at_ms: at,
+            age_ms: (now_ms - at).max(0),
+            interval_ms: r.try_get("interval_ms")?,
+            unknown_slo_ms: r.try_get("unknown_slo_ms")?,
+            rounds: r.try_get("rounds")?,
+        })
+    })
+    .transpose()
+    .map_err(|e: sqlx::Error| e.into())
+}
+
+/// The `reconciler_stale` finding for `round` at `now_ms`, if the round is
+/// missing (with events to reconcile) or older than the bound.
+pub fn stale_reconciler_finding(round: Option<&ReconcilerRound>, committed_events: i64, stale_ms: i64) -> Option<Finding> {
+    match round {
+        None if committed_events > 0 => Some(Finding {
+            kind: "reconciler_stale".into(),
+            event_id: String::new(),
+            consumer_id: None,
+            age_ms: 0,
+            detail: "no reconciler round recorded: nothing proves the outbox complete (run `outbox reconcile`)".into(),
+        }),
+        None => None,
+        Some(r) => {
+            let bound = stale_ms.max(r.interval_ms.saturating_mul(3));
+            (r.age_ms > bound).then(|| Finding {
+                kind: "reconciler_stale".into(),
+                event_id: String::new(),
+                consumer_id: None,
+                age_ms: r.age_ms,
+                detail: format!("last reconciler round by {} is older than {} ms: is the reconciler running?", r.owner, bound),
+            })
+        }
+    }
+}
 
 /// Upper bounds of the UNKNOWN age histogram, ms.
 pub const UNKNOWN_AGE_BUCKETS_MS: [i64; 6] = [60_000, 5 * 60_000, 15 * 60_000, 60 * 60_000, 6 * 60 * 60_000, i64::MAX];
@@ -162,6 +325,11 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
     .fetch_one(pool)
     .await?;
     let unknown_resolved: i64 = row.try_get("n")?;
+    let last_reconciler_round = last_reconciler_round(pool, now).await?;
+    let unknown_slo_ms = match &last_reconciler_round {
+        Some(r) if opts.use_reconciler_slo => r.unknown_slo_ms,
+        _ => opts.unknown_slo_ms,
+    };
     let unknown_p99_resolution_ms: Option<i64> = row.try_get("p99")?;
 
     let mut consumed_by_critical = Vec::new();
@@ -217,7 +385,7 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
         }
     }
 
-    let findings = sqlx::query("SELECT kind, event_id, consumer_id, age_ms, detail FROM outbox_findings WHERE resolved_at_ms IS NULL ORDER BY kind, first_seen_ms LIMIT $1")
+    let mut findings = sqlx::query("SELECT kind, event_id, consumer_id, age_ms, detail FROM outbox_findings WHERE resolved_at_ms IS NULL ORDER BY kind, first_seen_ms LIMIT $1")
         .bind(opts.max_findings)
         .fetch_all(pool)
         .await?
@@ -233,8 +401,12 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
             })
         })
         .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    findings.extend(stale_reconciler_finding(last_reconciler_round.as_ref(), committed_events, opts.reconciler_stale_ms));
+    let open_past_slo = unknown_since.iter().filter(|since| now - **since > unknown_slo_ms).count() as i64;
 
     Ok(Report {
+        unknown_slo_verdict: slo_verdict(unknown_p99_resolution_ms, open_past_slo, unknown_slo_ms),
+        last_reconciler_round,
         generated_at_ms: now,
         committed_events,
         publish_receipts,
@@ -246,7 +418,7 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
         unknown_age_histogram,
         unknown_resolved,
         unknown_p99_resolution_ms,
-        unknown_slo_ms: opts.unknown_slo_ms,
+        unknown_slo_ms,
         consumer_lag,
         history,
         findings,
@@ -263,10 +435,23 @@ fn ms(v: i64) -> String {
     }
 }
 
+/// The one SLO verdict: missed when the p99 of the resolutions exceeds the
+/// SLO or any open UNKNOWN is older than it; `n/a` when nothing was resolved
+/// (and nothing is past it); met otherwise.
+pub fn slo_verdict(p99_ms: Option<i64>, open_past_slo: i64, slo_ms: i64) -> SloVerdict {
+    match p99_ms {
+        _ if open_past_slo > 0 => SloVerdict::Missed,
+        Some(p) if p > slo_ms => SloVerdict::Missed,
+        Some(_) => SloVerdict::Met,
+        None => SloVerdict::NotApplicable,
+    }
+}
+
 impl Report {
-    /// Whether the UNKNOWN p99 meets the SLO (vacuously true with no resolutions).
+    /// Whether the UNKNOWN SLO is not missed (true for `met` and `n/a`; see
+    /// [`Report::unknown_slo_verdict`] for the three-way answer).
     pub fn unknown_slo_met(&self) -> bool {
-        self.unknown_p99_resolution_ms.is_none_or(|p| p <= self.unknown_slo_ms)
+        self.unknown_slo_verdict != SloVerdict::Missed
     }
 
     /// The plain-text rendering.
@@ -292,8 +477,16 @@ impl Report {
             self.unknown_p99_resolution_ms.map(ms).unwrap_or_else(|| "n/a".into()),
             self.unknown_resolved,
             ms(self.unknown_slo_ms),
-            if self.unknown_slo_met() { "met" } else { "MISSED" }
+            self.unknown_slo_verdict.as_str()
         );
+        match &self.last_reconciler_round {
+            None => {
+                let _ = writeln!(out, "  last reconciler round     never");
+            }
+            Some(r) => {
+                let _ = writeln!(out, "  last reconciler round     {} ago by {} on cluster {} ({} rounds)", ms(r.age_ms), r.owner, r.cluster_id, r.rounds);
+            }
+        }
         for l in &self.consumer_lag {
             let _ = writeln!(out, "  lag {} {}/{}/{}: committed {} of {} ({} behind)", l.consumer_id, l.cluster_id, l.topic, l.partition, l.committed_offset, l.published_end_offset, l.lag_events);
         }

@@ -80,3 +80,48 @@ pub async fn revise<'e>(db: impl PgExecutor<'e>, policy: &RoutePolicy) -> Result
     .await?;
     Ok(RoutePolicy { generation: generation as u32, ..policy.clone() })
 }
+
+/// What [`ensure`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnsuredRoute {
+    /// The current policy, with its generation.
+    pub policy: RoutePolicy,
+    /// Whether this call published a new generation (false: the current one
+    /// already said the same).
+    pub revised: bool,
+}
+
+/// Whether two policies route the same way (every field but the generation).
+pub fn same_route(a: &RoutePolicy, b: &RoutePolicy) -> bool {
+    RoutePolicy { generation: 0, ..a.clone() } == RoutePolicy { generation: 0, ..b.clone() }
+}
+
+/// Idempotent [`revise`]: returns the current generation when it already
+/// routes as `policy` does (the argument's `generation` is ignored), and
+/// publishes a new generation otherwise. Safe to call at every start-up of
+/// a service; concurrent callers are serialised per event type, so they
+/// never publish two identical generations.
+pub async fn ensure(pool: &sqlx::PgPool, policy: &RoutePolicy) -> Result<EnsuredRoute, ProducerError> {
+    policy.validate()?;
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('outbox_route_policies:' || $1, 0))").bind(&policy.event_type).execute(&mut *tx).await?;
+    if let Some(current) = current(&mut *tx, &policy.event_type).await? {
+        if same_route(&current, policy) {
+            tx.commit().await?;
+            return Ok(EnsuredRoute { policy: current, revised: false });
+        }
+    }
+    let revised = revise(&mut *tx, policy).await?;
+    tx.commit().await?;
+    Ok(EnsuredRoute { policy: revised, revised: true })
+}
+
+/// The current generation of every event type's route, by event type.
+pub async fn list<'e>(db: impl PgExecutor<'e>) -> Result<Vec<RoutePolicy>, ProducerError> {
+    let rows = sqlx::query(&format!(
+        "SELECT DISTINCT ON (event_type) {POLICY_COLUMNS} FROM outbox_route_policies ORDER BY event_type, generation DESC"
+    ))
+    .fetch_all(db)
+    .await?;
+    rows.iter().map(from_row).collect()
+}

@@ -325,13 +325,17 @@ async fn config_is_checked() {
     assert!(KafkaBroker::connect(KafkaConfig::new(" ")).await.is_err());
 }
 
-/// Runs against a real cluster when `OUTBOX_KAFKA_BOOTSTRAP` is set; the
+/// Runs against a real cluster when `OUTBOX_TEST_KAFKA_BOOTSTRAP` is set (the
+/// tests' variable, never the services' `OUTBOX_KAFKA_BOOTSTRAP`); the
 /// topic is `OUTBOX_KAFKA_TEST_TOPIC` (default `outbox-adapter-test`) and must exist.
 #[tokio::test]
 async fn real_cluster_send_and_lookup_when_configured() {
-    let Ok(cfg) = KafkaConfig::from_env() else {
-        eprintln!("OUTBOX_KAFKA_BOOTSTRAP not set: skipped");
-        return;
+    let cfg = match std::env::var("OUTBOX_TEST_KAFKA_BOOTSTRAP") {
+        Ok(b) if !b.trim().is_empty() => KafkaConfig::new(b.trim()),
+        _ => {
+            eprintln!("OUTBOX_TEST_KAFKA_BOOTSTRAP not set: skipped");
+            return;
+        }
     };
     let topic = std::env::var("OUTBOX_KAFKA_TEST_TOPIC").unwrap_or_else(|_| "outbox-adapter-test".into());
     let broker = KafkaBroker::connect(cfg).await.expect("connect");

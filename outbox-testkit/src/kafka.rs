@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_producer::kafka::{KafkaBroker, KafkaConfig, BOOTSTRAP_ENV};
+use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::mocking::MockCluster;
@@ -13,8 +13,14 @@ use rdkafka::ClientConfig;
 
 use crate::TestkitError;
 
+/// The environment variable naming an external Kafka cluster for tests. The
+/// test kit reads only this one, never the services' `OUTBOX_KAFKA_BOOTSTRAP`:
+/// a shell where the production variable is set does not send test events to
+/// production topics.
+pub const TEST_BOOTSTRAP_ENV: &str = "OUTBOX_TEST_KAFKA_BOOTSTRAP";
+
 /// A Kafka-protocol cluster for one test: the external cluster named by
-/// `OUTBOX_KAFKA_BOOTSTRAP`, or librdkafka's in-process mock cluster
+/// `OUTBOX_TEST_KAFKA_BOOTSTRAP`, or librdkafka's in-process mock cluster
 /// (`rdkafka::mocking::MockCluster`: idempotent producer, consumer groups,
 /// offset commits, fetch by offset; listening on real 127.0.0.1 ports, so
 /// other processes can use it too).
@@ -36,9 +42,12 @@ impl std::fmt::Debug for KafkaFixture {
 }
 
 impl KafkaFixture {
-    /// `OUTBOX_KAFKA_BOOTSTRAP` if set, else a 1-broker in-process mock cluster.
+    /// `OUTBOX_TEST_KAFKA_BOOTSTRAP` if set, else a 1-broker in-process mock
+    /// cluster (`OUTBOX_KAFKA_BOOTSTRAP`, the services' variable, is ignored).
+    /// On an external cluster, use [`KafkaFixture::unique_topic`] and
+    /// [`unique_name`](crate::unique_name) for consumer groups.
     pub fn start() -> Result<Self, TestkitError> {
-        match std::env::var(BOOTSTRAP_ENV) {
+        match std::env::var(TEST_BOOTSTRAP_ENV) {
             Ok(b) if !b.trim().is_empty() => Ok(KafkaFixture { mock: None, bootstrap: b.trim().to_owned() }),
             _ => Self::mock(1),
         }
@@ -88,6 +97,14 @@ impl KafkaFixture {
             }
         }
         Ok(())
+    }
+
+    /// Creates a topic of its own for this test, `<prefix>-<pid>-<n>-<nanos>`,
+    /// with `partitions` partitions, and returns its name.
+    pub async fn unique_topic(&self, prefix: &str, partitions: i32) -> Result<String, TestkitError> {
+        let topic = crate::unique_name(prefix);
+        self.create_topic(&topic, partitions).await?;
+        Ok(topic)
     }
 
     /// A connected producer adapter; `configure` adjusts the defaults.

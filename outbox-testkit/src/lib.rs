@@ -11,8 +11,13 @@
 //!   127.0.0.1:5432 if it answers within a second, else a throwaway server.
 //!   [`TestDatabase`] creates a fresh database of its own on whatever was
 //!   picked and drops it afterwards.
-//! * [`KafkaFixture`]: `OUTBOX_KAFKA_BOOTSTRAP` if set, else librdkafka's
-//!   in-process Kafka-protocol mock cluster.
+//! * [`KafkaFixture`]: `OUTBOX_TEST_KAFKA_BOOTSTRAP` if set (the test kit
+//!   never reads the services' `OUTBOX_KAFKA_BOOTSTRAP`), else librdkafka's
+//!   in-process Kafka-protocol mock cluster; [`KafkaFixture::unique_topic`].
+//! * [`OutboxTest`]: a database, a topic and a consumer group of the test's
+//!   own, migrated, with a connected producer adapter; and the helpers
+//!   [`wait_published`], [`wait_consumed`], [`drain`] and
+//!   [`run_consumer_until`], each with a timeout.
 //! * Assertions called in the user's own transaction or pool:
 //!   [`assert_emitted`], [`assert_published`], [`assert_consumed_once`],
 //!   and [`assert_no_findings`] over a reconciliation report.
@@ -40,6 +45,7 @@
 #![warn(missing_docs)]
 
 mod assert;
+mod fixture;
 mod kafka;
 mod postgres;
 
@@ -47,7 +53,8 @@ pub use assert::{
     assert_consumed_once, assert_emitted, assert_no_findings, assert_published, check_consumed_once, check_emitted, check_no_findings,
     check_published, PrimaryReceipt,
 };
-pub use kafka::KafkaFixture;
+pub use fixture::{drain, run_consumer_until, unique_name, wait_consumed, wait_published, OutboxTest, POLL_MS};
+pub use kafka::{KafkaFixture, TEST_BOOTSTRAP_ENV};
 pub use postgres::{
     find_postgres_bindir, pick_database, pick_database_with, DatabaseSource, PickOptions, PickedDatabase, TestDatabase, ThrowawayPostgres,
     DEFAULT_LOCAL_URL, FORCE_THROWAWAY_ENV,

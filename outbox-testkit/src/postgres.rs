@@ -25,7 +25,7 @@ const INSTALL_HINT: &str = "no PostgreSQL server binaries found (initdb, pg_ctl 
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
-fn unique_suffix() -> String {
+pub(crate) fn unique_suffix() -> String {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     format!("{}_{}_{:x}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed), nanos)
 }

@@ -339,7 +339,7 @@ async fn run_two_dispatchers(pool: &PgPool, cluster: &TestCluster, total: i64, c
         let broker = cluster.broker(10_000).await;
         dispatchers.push(Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { name: format!("inst{n}"), ..cfg.clone() }).unwrap()));
     }
-    let runs: Vec<_> = dispatchers.into_iter().map(|d| tokio::spawn(d.run(stop_rx.clone()))).collect();
+    let runs: Vec<_> = dispatchers.into_iter().map(|d| tokio::spawn(d.run(outbox_producer::until_true(stop_rx.clone())))).collect();
     wait_count(pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", total, Duration::from_secs(120)).await;
     stop_tx.send(true).unwrap();
     for r in runs {
@@ -359,7 +359,7 @@ async fn short_claims_of_a_backlog_do_not_wait_for_the_poll_interval(pool: PgPoo
     let cfg = DispatcherConfig { workers: 2, batch_size: 100, poll_interval_ms: 60_000, listen: false, ..config("short") };
     let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let run = tokio::spawn(d.clone().run(stop_rx));
+    let run = tokio::spawn(d.clone().run(outbox_producer::until_true(stop_rx)));
     wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 60, Duration::from_secs(20)).await;
     stop_tx.send(true).unwrap();
     let total = run.await.unwrap().unwrap();
@@ -500,7 +500,7 @@ async fn graceful_shutdown_stops_claiming_and_settles_every_started_send(pool: P
     emit_many(&pool, 2_000, 1).await;
     let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { batch_size: 50, ..config("d") }).unwrap());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let run = tokio::spawn(d.clone().run(stop_rx));
+    let run = tokio::spawn(d.clone().run(outbox_producer::until_true(stop_rx)));
     // Stop in the middle of the backlog.
     wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", 100, Duration::from_secs(60)).await;
     stop_tx.send(true).unwrap();
@@ -634,7 +634,7 @@ async fn a_message_the_broker_always_refuses_backs_off_and_holds_its_key(pool: P
 
     let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, config("d")).unwrap());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let run = tokio::spawn(d.clone().run(stop_rx));
+    let run = tokio::spawn(d.clone().run(outbox_producer::until_true(stop_rx)));
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop_tx.send(true).unwrap();
     run.await.unwrap().unwrap();
@@ -792,7 +792,7 @@ async fn a_host_clock_off_from_the_database_shows_in_the_skew_gauge(pool: PgPool
         let gauge = d.metrics();
         gauge.clock_skew_ms.store(i64::MIN, std::sync::atomic::Ordering::Relaxed);
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let run = tokio::spawn(d.clone().run(stop_rx));
+        let run = tokio::spawn(d.clone().run(outbox_producer::until_true(stop_rx)));
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let skew = loop {
             let skew = gauge.clock_skew_ms.load(std::sync::atomic::Ordering::Relaxed);
@@ -831,7 +831,7 @@ async fn dispatchers_whose_connections_are_killed_at_random_lose_and_duplicate_n
     let mut runs = Vec::new();
     for n in 0..2 {
         let d = Dispatcher::new(PgStore::new(victims.clone()), cluster.broker(3_000).await, DispatcherConfig { name: format!("chaos{n}"), ..cfg.clone() }).unwrap();
-        runs.push(tokio::spawn(Arc::new(d).run(stop_rx.clone())));
+        runs.push(tokio::spawn(Arc::new(d).run(outbox_producer::until_true(stop_rx.clone()))));
     }
     let killer = tokio::spawn({
         let (pool, mut stop) = (pool.clone(), stop_rx.clone());
@@ -900,7 +900,7 @@ async fn listening_dispatcher(pool: &PgPool) -> (TestCluster, tokio::sync::watch
     let cfg = DispatcherConfig { workers: 1, poll_interval_ms: 600_000, listen: true, ..config("listen") };
     let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let run = tokio::spawn(d.run(stop_rx));
+    let run = tokio::spawn(d.run(outbox_producer::until_true(stop_rx)));
     wait_count(pool, &format!("SELECT count(*) {LISTENING}"), 1, Duration::from_secs(10)).await;
     (cluster, stop_tx, run)
 }

@@ -252,7 +252,7 @@ async fn alias_switch_mid_run_loses_nothing_and_sends_nothing_twice(pool: PgPool
         let cfg = DispatcherConfig { alias: Some(ALIAS.into()), implementation: implementation.into(), ..config(name) };
         let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), cluster.broker(10_000).await, cfg).unwrap());
         dispatchers.push(d.clone());
-        runs.push(tokio::spawn(d.run(stop_rx.clone())));
+        runs.push(tokio::spawn(d.run(outbox_producer::until_true(stop_rx.clone()))));
     }
     let (old, new) = (dispatchers[0].metrics(), dispatchers[1].metrics());
 
@@ -347,7 +347,7 @@ async fn old_protocol_dispatcher_refuses_new_protocol_rows(pool: PgPool) {
 
     // Running, the old dispatcher warns and exposes the count.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let run = tokio::spawn(old.clone().run(stop_rx));
+    let run = tokio::spawn(old.clone().run(outbox_producer::until_true(stop_rx)));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while old.metrics().refused_protocol_rows.load(AtomicOrdering::Relaxed) != 1 {
         assert!(tokio::time::Instant::now() < deadline, "refused_protocol_rows never reported");
