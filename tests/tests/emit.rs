@@ -508,6 +508,14 @@ async fn a_tracestate_is_validated_and_needs_a_traceparent(pool: PgPool) {
     tx.commit().await.unwrap();
     let stored: Option<String> = sqlx::query_scalar("SELECT tracestate FROM outbox_events WHERE event_id = $1").bind(e.event_id().as_str()).fetch_one(&pool).await.unwrap();
     assert_eq!(stored.as_deref(), Some("vendor=1,other=x"));
+    // No trace context given and no OpenTelemetry layer: none recorded.
+    let plain = create_order(&pool, "o-2", 5).await;
+    let stored: (Option<String>, Option<String>) = sqlx::query_as("SELECT traceparent, tracestate FROM outbox_events WHERE event_id = $1")
+        .bind(plain.event_id().as_str())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, (None, None));
 }
 
 /// What emit refuses, the schema refuses from any other writer too.
