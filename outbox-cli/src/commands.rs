@@ -669,6 +669,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     let stop = shutdown_signal();
     tokio::pin!(stop);
     loop {
+        let started = std::time::Instant::now();
         let round = async {
             let (resolved, compared) = reconciler.run_once().await?;
             let report = reconciler.report().await?;
@@ -679,7 +680,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
             r = round => match r {
                 Ok((resolved, compared, report, oldest_unknown)) => {
                     last_round.store(now_ms(), std::sync::atomic::Ordering::Relaxed);
-                    export.round(&resolved, &compared);
+                    export.round(&resolved, &compared, started.elapsed());
                     export.report(&report, oldest_unknown);
                     tracing::info!(
                         examined = resolved.examined, published = resolved.published, retried = resolved.retried, rechecks = resolved.rechecks,

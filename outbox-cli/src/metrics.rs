@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use outbox_producer::report::Report;
 use outbox_producer::{CompareReport, DispatchMetrics, ResolveReport};
-use prometheus::{Encoder, Gauge, GaugeVec, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -127,6 +127,7 @@ impl DispatchExport {
 pub struct ReconcileExport {
     rounds: IntCounter,
     round_errors: IntCounter,
+    round_duration: Histogram,
     last_success: Gauge,
     examined: IntCounter,
     resolved_published: IntCounter,
@@ -159,6 +160,13 @@ impl ReconcileExport {
         ReconcileExport {
             rounds: counter(r, "outbox_reconcile_rounds_total", "Reconciler rounds completed."),
             round_errors: counter(r, "outbox_reconcile_round_errors_total", "Reconciler rounds that failed (database or broker error)."),
+            round_duration: {
+                let buckets = vec![0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
+                let h = Histogram::with_opts(HistogramOpts::new("outbox_reconcile_round_duration_seconds", "Duration of one successful reconciler round (resolve, compare, report).").buckets(buckets))
+                    .expect("valid metric");
+                r.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
             last_success: fgauge(r, "outbox_reconcile_last_success_timestamp_seconds", "Unix time of the last successful round."),
             examined: counter(r, "outbox_reconcile_examined_total", "UNKNOWN events taken into RECONCILING."),
             resolved_published: counter(r, "outbox_reconcile_published_total", "UNKNOWN events found in the broker and published."),
@@ -201,9 +209,10 @@ impl ReconcileExport {
         }
     }
 
-    /// Counts one round.
-    pub fn round(&self, resolved: &ResolveReport, compared: &CompareReport) {
+    /// Counts one round that took `took`.
+    pub fn round(&self, resolved: &ResolveReport, compared: &CompareReport, took: Duration) {
         self.rounds.inc();
+        self.round_duration.observe(took.as_secs_f64());
         self.last_success.set(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0));
         self.examined.inc_by(resolved.examined as u64);
         self.resolved_published.inc_by(resolved.published as u64);
@@ -392,7 +401,7 @@ mod tests {
         // Both commands export the oldest PENDING age; a process registers one of the two sets.
         let r2 = Registry::new();
         let rec = ReconcileExport::register(&r2);
-        rec.round(&ResolveReport::default(), &CompareReport::default());
+        rec.round(&ResolveReport::default(), &CompareReport::default(), Duration::from_millis(40));
         rec.report(&report(), Some(1_000));
         // Histograms appear once observed.
         let m = &d.source.histograms;

@@ -199,6 +199,7 @@ async fn scrapes_after_real_work_pass_promtool_check_metrics() {
     };
     stop(&mut reconcile, libc::SIGINT);
     assert!(scrape.contains("outbox_unknown_open_older_than{age_seconds=\"900\"} 0"), "{scrape}");
+    assert!(value(&scrape, "outbox_reconcile_round_duration_seconds_count").unwrap_or(0.0) >= 1.0, "{scrape}");
     assert!(scrape.contains("# TYPE outbox_unknown_resolutions_total counter"), "{scrape}");
     assert!(!scrape.contains("outbox_unknown_resolution_p99_seconds "), "absent while nothing was resolved: {scrape}");
     assert_conventions(&scrape);

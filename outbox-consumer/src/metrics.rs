@@ -48,7 +48,10 @@ pub const HANDLER_BUCKETS_SECONDS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01
 
 /// The consumer's histograms, labelled `consumer_id`, `topic`, `event_type`
 /// (at most [`outbox_core::labels::DEFAULT_MAX_LABEL_SETS`] combinations,
-/// then `_other`: the event type comes from a message header).
+/// then `_other`: the event type comes from a message header). One set per
+/// process, shared by every [`Metrics`] (`Default` hands out the same
+/// histograms), so several consumers of one service register into one
+/// registry and are told apart by `consumer_id`.
 #[derive(Clone)]
 pub struct ConsumerHistograms {
     /// One handler run (applied or failed), seconds.
@@ -65,8 +68,16 @@ impl std::fmt::Debug for ConsumerHistograms {
     }
 }
 
+static PROCESS_HISTOGRAMS: std::sync::LazyLock<ConsumerHistograms> = std::sync::LazyLock::new(ConsumerHistograms::new);
+
 impl Default for ConsumerHistograms {
     fn default() -> Self {
+        PROCESS_HISTOGRAMS.clone()
+    }
+}
+
+impl ConsumerHistograms {
+    fn new() -> Self {
         let vec = |name: &str, help: &str, buckets: &[f64]| {
             HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), &["consumer_id", "topic", "event_type"]).expect("valid histogram")
         };
@@ -80,9 +91,7 @@ impl Default for ConsumerHistograms {
             labels: Default::default(),
         }
     }
-}
 
-impl ConsumerHistograms {
     fn labels(&self, consumer_id: &str, topic: &str, event_type: &str) -> Vec<String> {
         self.labels.admit(&[consumer_id, topic, event_type])
     }
@@ -193,17 +202,22 @@ impl Metrics {
 
     /// Registers these metrics into `registry`: the counters as
     /// `outbox_consumer_*_total{consumer_id}` (read at each gather) and the
-    /// histograms. Register each [`Metrics`] once; consumers that share one
-    /// [`Metrics`] (`Processor::with_metrics`) share its counters, and are told
-    /// apart in the histograms by their `consumer_id` label.
+    /// process's histograms (once per registry; later calls find them
+    /// there). Register each consumer once, under its own consumer id:
+    /// several consumers of one service go into one registry. Consumers that
+    /// share one [`Metrics`] (`Processor::with_metrics`) share its counters.
     pub fn register(self: &Arc<Self>, registry: &Registry, consumer_id: &str) -> prometheus::Result<()> {
         let mut counters = Vec::with_capacity(COUNTERS.len());
         for (name, help, read) in COUNTERS {
             counters.push((IntCounter::with_opts(Opts::new(*name, *help).const_label("consumer_id", consumer_id))?, *read));
         }
         registry.register(Box::new(CounterCollector { source: self.clone(), counters }))?;
-        registry.register(Box::new(self.histograms.handler.clone()))?;
-        registry.register(Box::new(self.histograms.commit_to_consumed.clone()))?;
+        for h in [&self.histograms.handler, &self.histograms.commit_to_consumed] {
+            match registry.register(Box::new(h.clone())) {
+                Ok(()) | Err(prometheus::Error::AlreadyReg) => {}
+                Err(e) => return Err(e),
+            }
+        }
         Ok(())
     }
 

@@ -38,6 +38,9 @@ async fn handler_failures_log_at_warn_with_event_id_and_attempt_and_are_exported
     let p = Processor::new("billing", pool.clone(), h.clone()).unwrap().with_retry(retry).unwrap();
     let registry = Registry::new();
     p.metrics().register(&registry, "billing").unwrap();
+    // A second consumer of the same service goes into the same registry.
+    let shipping = Processor::new("shipping", pool.clone(), h.clone()).unwrap();
+    shipping.metrics().register(&registry, "shipping").unwrap();
     let fs: Vec<_> = (0..3).map(|i| fixture_on("orders", 4, 0, &format!("f{i}"))).collect();
     h.script(fs[1].event_id(), Script::FailTimes(2));
     let msgs: Vec<RawMessage> = fs.iter().enumerate().map(|(i, f)| f.raw(i as i64)).collect();
@@ -58,6 +61,7 @@ async fn handler_failures_log_at_warn_with_event_id_and_attempt_and_are_exported
     let scrape = String::from_utf8(buf).unwrap();
     assert!(scrape.contains("outbox_consumer_handler_failures_total{consumer_id=\"billing\"} 2"), "{scrape}");
     assert!(scrape.contains("outbox_consumer_applied_events_total{consumer_id=\"billing\"} 3"), "{scrape}");
+    assert!(scrape.contains("outbox_consumer_applied_events_total{consumer_id=\"shipping\"} 0"), "{scrape}");
     let event_type = fs[0].envelope.event_type.clone();
     // Six handler runs: f0, f1 (fails: the batch rolls back), f0 again (its
     // events before f1 commit alone), f1 (fails), f1, f2; three applied events.

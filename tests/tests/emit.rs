@@ -508,4 +508,40 @@ async fn a_tracestate_is_validated_and_needs_a_traceparent(pool: PgPool) {
     tx.commit().await.unwrap();
     let stored: Option<String> = sqlx::query_scalar("SELECT tracestate FROM outbox_events WHERE event_id = $1").bind(e.event_id().as_str()).fetch_one(&pool).await.unwrap();
     assert_eq!(stored.as_deref(), Some("vendor=1,other=x"));
+    // No trace context given and no OpenTelemetry layer: none recorded.
+    let plain = create_order(&pool, "o-2", 5).await;
+    let stored: (Option<String>, Option<String>) = sqlx::query_as("SELECT traceparent, tracestate FROM outbox_events WHERE event_id = $1")
+        .bind(plain.event_id().as_str())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, (None, None));
+}
+
+/// What emit refuses, the schema refuses from any other writer too.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_schema_refuses_a_trace_context_the_w3c_forbids_written_by_hand(pool: PgPool) {
+    setup(&pool).await;
+    let e = create_order(&pool, "o-1", 5).await;
+    let id = e.event_id().as_str();
+    let set = |tp: Option<&'static str>, ts: Option<String>| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query("UPDATE outbox_events SET traceparent = $1, tracestate = $2 WHERE event_id = $3").bind(tp).bind(ts).bind(id).execute(&pool).await
+        }
+    };
+    for tp in [
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+    ] {
+        let err = set(Some(tp), None).await.expect_err(tp);
+        assert!(err.to_string().contains("W3C"), "{tp}: {err}");
+    }
+    let ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let err = set(Some(ok), Some("k=v,".repeat(200))).await.expect_err("an 800-byte tracestate");
+    assert!(err.to_string().contains("W3C"), "{err}");
+    let err = set(None, Some("k=v".into())).await.expect_err("a tracestate without traceparent");
+    assert!(err.to_string().contains("W3C"), "{err}");
+    set(Some(ok), Some("k=v".into())).await.unwrap();
 }
