@@ -678,15 +678,35 @@ impl AnyProducer {
         }
     }
 
+    fn native(&self) -> *mut rdkafka_sys::rd_kafka_t {
+        match self {
+            AnyProducer::Plain(p) => p.client().native_ptr(),
+            AnyProducer::OAuth(p) => p.client().native_ptr(),
+        }
+    }
+
+    /// librdkafka's fatal error of this client, if it has one
+    /// (`rd_kafka_fatal_error`): every further send fails.
+    #[allow(unsafe_code)]
+    fn fatal_error(&self) -> Option<String> {
+        let mut buf = [0 as std::os::raw::c_char; 512];
+        // SAFETY: the handle is live for the call; librdkafka writes at most
+        // `buf.len()` bytes, NUL-terminated, into `buf`.
+        let err = unsafe { rdkafka_sys::rd_kafka_fatal_error(self.native(), buf.as_mut_ptr(), buf.len()) };
+        if RDKafkaErrorCode::from(err) == RDKafkaErrorCode::NoError {
+            return None;
+        }
+        // SAFETY: NUL-terminated by librdkafka within `buf`.
+        let text = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
+        Some(format!("{}: {text}", RDKafkaErrorCode::from(err)))
+    }
+
     /// A metadata request for the brokers and the topics this client
     /// already knows (not every topic of the cluster: a probe every second
     /// must stay cheap on a cluster with thousands of topics).
     #[allow(unsafe_code)]
     fn probe(&self, timeout: Duration) -> Result<(), String> {
-        let rk = match self {
-            AnyProducer::Plain(p) => p.client().native_ptr(),
-            AnyProducer::OAuth(p) => p.client().native_ptr(),
-        };
+        let rk = self.native();
         let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
         let mut md: *const rdkafka_sys::rd_kafka_metadata = std::ptr::null();
         // SAFETY: `rk` is the live handle of the client `self` owns, for the
@@ -1019,7 +1039,7 @@ impl KafkaBroker {
         let since = h.waiting_since_ms.load(AtomicOrdering::Acquire);
         let waiting_ms = (since > 0).then(|| now.saturating_sub(since).max(0) as u64);
         let last_ack = h.last_ack_ms.load(AtomicOrdering::Acquire);
-        let fatal = lock(&h.fatal).clone();
+        let fatal = lock(&h.fatal).clone().or_else(|| inner.producer.fatal_error());
         let last_failure = lock(&h.last_failure).clone();
         let last_probe = lock(&h.probe).as_ref().map(|(at, e)| (now.saturating_sub(*at).max(0) as u64, e.clone()));
         ProducerHealth {
@@ -1031,6 +1051,22 @@ impl KafkaBroker {
             last_probe,
             rebuilds: h.rebuilds.load(AtomicOrdering::Relaxed),
         }
+    }
+
+    /// Raises a fatal error inside librdkafka's current producer with
+    /// librdkafka's own test hook (`rd_kafka_test_fatal_error`), as broken
+    /// idempotence would: for tests of supervision. Returns whether it was raised.
+    #[doc(hidden)]
+    #[allow(unsafe_code)]
+    pub fn raise_fatal_error_for_tests(&self, reason: &str) -> bool {
+        let inner = self.inner();
+        let Ok(reason) = std::ffi::CString::new(reason) else { return false };
+        // SAFETY: the handle is live for the call (`inner` holds the
+        // producer); `reason` is NUL-terminated and outlives the call.
+        let err = unsafe {
+            rdkafka_sys::rd_kafka_test_fatal_error(inner.producer.native(), rdkafka_sys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER, reason.as_ptr())
+        };
+        RDKafkaErrorCode::from(err) == RDKafkaErrorCode::NoError
     }
 
     /// `Ok` while the producer may be trusted with sends: no fatal error, not

@@ -436,3 +436,71 @@ async fn full_local_queue_is_waited_out_within_its_bound() {
     assert_eq!(broker.lookup(&refused.destination, &refused.envelope.event_id, 0).await, LookupOutcome::Absent);
     eprintln!("full_local_queue_is_waited_out_within_its_bound: {:?}", started.elapsed());
 }
+
+/// Issue 19 item 8: a producer hit by a fatal error (raised inside
+/// librdkafka with its own test hook, as broken idempotence raises it) is
+/// reported as unable to deliver and not ready, and `supervise_once`
+/// rebuilds it while the cluster answers; the rebuilt producer delivers.
+#[tokio::test]
+async fn a_fatal_producer_is_reported_and_rebuilt() {
+    let cluster = mock("orders");
+    let mut c = config(&cluster, 3_000);
+    c.producer_stall_ms = 60_000;
+    let broker = KafkaBroker::connect(c).await.expect("connect");
+    let first = event(&broker, "orders", "o-1");
+    acked(&broker.send(first.message.clone()).await);
+    assert_eq!(broker.ready(), Ok(()));
+    assert!(broker.raise_fatal_error_for_tests("test: idempotence broken"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while broker.producer_health().fatal.is_none() {
+        assert!(Instant::now() < deadline, "the fatal error is recorded: {:?}", broker.producer_health());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let why = broker.ready().expect_err("not ready after a fatal error");
+    assert!(why.contains("fatal"), "{why}");
+    // Without a rebuild, every further send fails.
+    assert!(!matches!(broker.send(event(&broker, "orders", "o-3").message).await, SendOutcome::Acked { .. }));
+    match broker.supervise_once(true).await {
+        outbox_producer::kafka::SupervisionStep::Rebuilt { cause } => assert!(cause.contains("fatal"), "{cause}"),
+        other => panic!("expected a rebuild, got {other:?}"),
+    }
+    assert_eq!(broker.ready(), Ok(()));
+    assert_eq!(broker.producer_health().rebuilds, 1);
+    acked(&broker.send(event(&broker, "orders", "o-4").message).await);
+}
+
+/// No acknowledgement for `producer_stall_ms` while messages wait: not
+/// ready; while the cluster does not answer, nothing is rebuilt; once it
+/// answers, the producer is rebuilt and delivers.
+#[tokio::test]
+async fn a_stalled_producer_is_not_ready_and_rebuilt_once_the_cluster_answers() {
+    let cluster = mock("orders");
+    let mut c = config(&cluster, 1_000);
+    c.producer_stall_ms = 1_500;
+    c.probe_timeout_ms = 1_000;
+    let broker = KafkaBroker::connect(c).await.expect("connect");
+    acked(&broker.send(event(&broker, "orders", "o-1").message).await);
+    cluster.broker_down(BROKER).expect("down");
+    let outcome = broker.send(event(&broker, "orders", "o-2").message).await;
+    assert!(!matches!(outcome, SendOutcome::Acked { .. }), "{outcome:?}");
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    let h = broker.producer_health();
+    assert!(h.stalled, "{h:?}");
+    assert!(broker.ready().is_err());
+    assert!(matches!(broker.supervise_once(true).await, outbox_producer::kafka::SupervisionStep::BrokerUnreachable(_)));
+    assert_eq!(broker.producer_health().rebuilds, 0, "no rebuild while the cluster does not answer");
+    cluster.broker_up(BROKER).expect("up");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match broker.supervise_once(true).await {
+            outbox_producer::kafka::SupervisionStep::Rebuilt { cause } => {
+                assert!(cause.contains("no delivery acknowledged"), "{cause}");
+                break;
+            }
+            other => assert!(Instant::now() < deadline, "no rebuild: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(broker.ready(), Ok(()));
+    acked(&broker.send(event(&broker, "orders", "o-3").message).await);
+}
