@@ -503,7 +503,12 @@ impl<B: Broker + 'static> Reconciler<B> {
                         ));
                     }
                 }
-                Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, scan.next_offset).await?;
+                if scan.log_end.is_some_and(|end| cursor > end) {
+                    tracing::error!(%topic, partition, cursor, log_end = ?scan.log_end, "the partition's log ends below the bypass scan's cursor: the log was replaced; reading the new one from its start");
+                    Cursors::Bypass.restart(&mut tx, &cluster, &topic, partition).await?;
+                } else {
+                    Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, scan.next_offset).await?;
+                }
                 tx.commit().await?;
             }
         }
