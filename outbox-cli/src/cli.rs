@@ -469,7 +469,7 @@ pub struct ReconcileArgs {
     /// Most attempts per event that may have been delivered (NOT_SENT ones do not count); beyond it the event stays UNKNOWN [default: 10].
     #[arg(long, value_name = "N")]
     pub max_attempts: Option<u32>,
-    /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 1m].
+    /// How long an attempt may still be in flight inside the client, from the later of its registration and its lease's end; no absence proof covers a younger one. At least the adapter's in-flight time + 2000 [default: 65s].
     #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub in_flight_bound_ms: Option<i64>,
     /// Delay before an unresolved UNKNOWN is looked at again [default: 30s].
@@ -593,10 +593,10 @@ pub struct MigrateDestinationArgs {
     /// Partition count of the new topic [default: the event type's current route policy].
     #[arg(long, value_name = "N")]
     pub to_partitions: Option<u32>,
-    /// How long an attempt may still be in flight inside the client; no absence proof covers a younger one [default: 1m].
+    /// How long an attempt may still be in flight inside the client, from the later of its registration and its lease's end; no absence proof covers a younger one. At least the adapter's in-flight time + 2000 [default: 65s].
     #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_ms_i64)]
     pub in_flight_bound_ms: Option<i64>,
-    /// Print the destination the event would move to and change nothing.
+    /// Run the same eligibility check as the move (it asks the old target) and change nothing.
     #[arg(long)]
     pub dry_run: bool,
     /// Kafka connection to the event's current (old) cluster, asked whether it holds the event.

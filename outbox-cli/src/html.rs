@@ -63,6 +63,14 @@ pub fn finding_help(kind: &str) -> (&'static str, &'static str) {
         "bypass_publish" => ("A message in a routed topic whose eventId the outbox never committed.", "Find who writes to the topic outside the outbox; the evidence is in outbox_bypass_messages."),
         "unknown_past_slo" => ("Dispatch outcome unknown for longer than the SLO.", "Page: check the broker, then `outbox trace <eventId>`; the reconciler keeps looking."),
         "quarantined" => ("Payload or destination diverged from what was frozen; nothing was sent.", "Investigate the evidence with `outbox trace <eventId>`; never edit the row to force it through."),
+        "absence_proof_refuted" => (
+            "A genuine message of an attempt proven absent is in the log: the proof was wrong.",
+            "It converged (primary or duplicate receipt); check the dispatcher hosts' pauses and clocks around the attempt (`outbox trace <eventId>`).",
+        ),
+        "unregistered_message" => ("A message with the event's id that no registered attempt sent (a mirror, a replay).", "Evidence only; find the writer, as for bypass_publish."),
+        "receipt_position_lost" => ("The log position of a primary receipt no longer holds its message: the log was replaced.", "Follow the runbook for a recreated topic or a replaced cluster."),
+        "log_unavailable" => ("The frozen partition's log is truncated, recreated or compacted: absence cannot be proven.", "The event stays UNKNOWN; follow the runbook for a recreated topic or a replaced cluster."),
+        "published_without_receipt" => ("PUBLISHED, RETAINED or PURGED without a primary receipt.", "Find what wrote the row (database audit logs); `outbox trace <eventId>`."),
         _ => ("", ""),
     }
 }

@@ -152,7 +152,18 @@ pub struct ReconcileExport {
 }
 
 /// Finding kinds always exported (0 when none open).
-pub const FINDING_KINDS: [&str; 5] = ["aged_pending", "unconsumed_published", "bypass_publish", "unknown_past_slo", "quarantined"];
+pub const FINDING_KINDS: [&str; 10] = [
+    "aged_pending",
+    "unconsumed_published",
+    "bypass_publish",
+    "unknown_past_slo",
+    "quarantined",
+    "absence_proof_refuted",
+    "unregistered_message",
+    "receipt_position_lost",
+    "log_unavailable",
+    "published_without_receipt",
+];
 
 impl ReconcileExport {
     /// Registers the reconciler metrics.

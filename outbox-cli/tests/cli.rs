@@ -329,8 +329,11 @@ async fn reconcile_once_report_purge_and_migrate_destination() {
     assert!(t.contains("state              PURGED") && t.contains("purged:"), "tombstone keeps the receipt: {t}");
 
     // Destination migration: a dry run, a refusal (published), then the move.
-    let dry = env.ok(&["migrate-destination", pending.event_id().as_str(), "--operator", "ops-alice", "--to-topic", "orders-eu", "--dry-run"]);
+    // The dry run runs the same eligibility check as the move: it asks the old target.
+    let dry = env.ok(&["migrate-destination", pending.event_id().as_str(), "--operator", "ops-alice", "--to-topic", "orders-eu", "--dry-run", "--kafka-bootstrap", kafka.bootstrap()]);
     assert!(dry.contains("/orders-eu partition") && dry.contains("dry run: nothing changed"), "{dry}");
+    let dry_refused = env.run(&["migrate-destination", published[1].event_id().as_str(), "--operator", "ops-alice", "--to-topic", "orders-eu", "--dry-run", "--kafka-bootstrap", kafka.bootstrap()]);
+    assert_eq!(dry_refused.status.code(), Some(3), "a dry run of a published event passed the check");
     let refused = env.run(&["migrate-destination", published[1].event_id().as_str(), "--operator", "ops-alice", "--to-topic", "orders-eu", "--kafka-bootstrap", kafka.bootstrap()]);
     assert_eq!(refused.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&refused.stdout).contains("refused:"));

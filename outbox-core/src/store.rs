@@ -317,4 +317,8 @@ pub struct PartitionScan {
     pub messages: Vec<ScannedMessage>,
     /// The next offset to read.
     pub next_offset: i64,
+    /// The partition's end (high watermark) when the scan began, when the
+    /// adapter knows it: a receipt recorded at or above it, accepted before
+    /// the scan, names a position the log no longer has.
+    pub log_end: Option<i64>,
 }

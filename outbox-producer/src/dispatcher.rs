@@ -521,10 +521,6 @@ impl<B: Broker + 'static> Dispatcher<B> {
             self.metrics.last_progress_ms.store(epoch_ms(), AtomicOrdering::Relaxed);
             return Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends: Vec::new() });
         }
-        // The claims this call gets run out no earlier than lease_ms after
-        // this instant (the store computes their lease end later than now):
-        // a local, monotonic deadline for handing messages to the client.
-        let send_deadline = Instant::now() + Duration::from_millis(self.config.lease_ms.max(0) as u64);
         let (claimed, unreadable) = self.claim(owner, cursor).await?;
         self.metrics.last_progress_ms.store(epoch_ms(), AtomicOrdering::Relaxed);
         report.claimed = claimed.len() + unreadable;
@@ -563,10 +559,16 @@ impl<B: Broker + 'static> Dispatcher<B> {
                 }
             },
         };
+        // A local, monotonic deadline per claim for handing its message to
+        // the client: what is left of its lease by the store's clock (the
+        // clock that computed the lease end), from now on. A registration
+        // whose answer came late leaves little or nothing.
+        let (now_ms, now) = (self.store.now_ms(), Instant::now());
         let mut sends = Vec::with_capacity(verified.len());
         for (ev, reg) in verified.into_iter().zip(registered) {
             match reg {
                 Ok(attempt) => {
+                    let send_deadline = now + Duration::from_millis(ev.token.lease_until_ms.saturating_sub(now_ms).max(0) as u64);
                     let message = outgoing_message(&ev, &attempt);
                     let broker = self.broker.clone();
                     let span = tracing::info_span!("outbox_send", event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id,

@@ -1290,7 +1290,7 @@ impl Broker for KafkaBroker {
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let mut messages = Vec::new();
-            let next_offset = scan_range(&config, &req, Some(req.max_messages), |msg| {
+            let (next_offset, log_end) = scan_range(&config, &req, Some(req.max_messages), |msg| {
                 let event_id = message_headers(msg).into_iter().rev().find(|(k, _)| k == headers::EVENT_ID).map(|(_, v)| String::from_utf8_lossy(&v).into_owned());
                 messages.push(ScannedMessage {
                     offset: msg.offset(),
@@ -1299,7 +1299,7 @@ impl Broker for KafkaBroker {
                     payload_digest: sha256_digest(msg.payload().unwrap_or_default()),
                 });
             })?;
-            Ok(PartitionScan { messages, next_offset })
+            Ok(PartitionScan { messages, next_offset, log_end: Some(log_end) })
         })
         .await
         .map_err(|e| format!("scan task failed: {e}"))?
@@ -1375,10 +1375,11 @@ fn scan_partition(config: &KafkaConfig, req: &ScanRequest) -> LookupOutcome {
 /// Reads `[max(from_offset, low), end)` of one partition with a fresh
 /// consumer, where `end` is the high watermark read at the start, or
 /// `from_offset + limit` if that is lower. Calls `on_message` for each
-/// message in order and returns the next offset to read. A range wider than
+/// message in order and returns the next offset to read and the high
+/// watermark read at the start. A range wider than
 /// `max_messages` (with no `limit`), a deadline that runs out or any broker
 /// error is an `Err`.
-fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<i64, String> {
+fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64), String> {
     if req.from_offset < 0 {
         return Err(format!("negative lower bound {}", req.from_offset));
     }
@@ -1389,7 +1390,7 @@ fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, on_me
     }
 }
 
-fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<i64, String> {
+fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64), String> {
     let seq = LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed);
     let group_id = format!("outbox-lookup-{}-{}-{}", std::process::id(), seq, req.event_id.as_str());
     let consumer: BaseConsumer<LookupContext<OAUTH>> = config
@@ -1418,13 +1419,14 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
         ));
     }
     let start = req.from_offset.max(low).max(0);
+    let log_end = high;
     let high = match limit {
         Some(l) => high.min(start.saturating_add(i64::try_from(l).unwrap_or(i64::MAX))),
         None => high,
     };
     if start >= high {
         debug!(topic = %req.topic, partition = req.partition, start, low, high, "kafka scan: empty range");
-        return Ok(start.max(req.from_offset));
+        return Ok((start.max(req.from_offset), log_end));
     }
     let width = u64::try_from(high - start).unwrap_or(u64::MAX);
     if width > req.max_messages {
@@ -1478,7 +1480,7 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
         }
     }
     debug!(topic = %req.topic, partition = req.partition, start, high, read, "kafka scan complete");
-    Ok(next)
+    Ok((next, log_end))
 }
 
 fn position_of<const OAUTH: bool>(consumer: &BaseConsumer<LookupContext<OAUTH>>, topic: &str, partition: i32) -> Option<i64> {

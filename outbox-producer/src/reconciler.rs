@@ -498,7 +498,38 @@ impl<B: Broker + 'static> Reconciler<B> {
                         ));
                     }
                 }
-                Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, scan.next_offset).await?;
+                // Receipts at or beyond the log's end, accepted well before
+                // this round began: their positions are gone (the broker came
+                // back empty, the topic was recreated).
+                if let Some(end) = scan.log_end {
+                    for r in sqlx::query(
+                        "SELECT event_id, \"offset\" FROM outbox_publish_receipts
+                         WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" >= $4 AND accepted_at_ms < $5
+                         ORDER BY \"offset\" LIMIT $6",
+                    )
+                    .bind(&cluster)
+                    .bind(&topic)
+                    .bind(partition)
+                    .bind(end)
+                    .bind(now.saturating_sub(self.config.clock_skew_allowance_ms))
+                    .bind(self.config.max_findings_per_kind)
+                    .fetch_all(&mut *tx)
+                    .await?
+                    {
+                        let (holder, offset): (String, i64) = (r.try_get("event_id")?, r.try_get("offset")?);
+                        lost.push((
+                            "receipt_position_lost",
+                            holder,
+                            format!("its receipt's position {cluster}/{topic}/{partition}@{offset} is beyond the log's end {end}: the log it was recorded in is gone (broker replaced, topic recreated)"),
+                        ));
+                    }
+                }
+                if scan.log_end.is_some_and(|end| cursor > end) {
+                    tracing::error!(%topic, partition, cursor, log_end = ?scan.log_end, "the partition's log ends below the bypass scan's cursor: the log was replaced; reading the new one from its start");
+                    Cursors::Bypass.restart(&mut tx, &cluster, &topic, partition).await?;
+                } else {
+                    Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, scan.next_offset).await?;
+                }
                 tx.commit().await?;
             }
         }

@@ -47,7 +47,8 @@ pub mod pairs {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Finding {
-    /// `aged_pending`, `unconsumed_published`, `bypass_publish`, `unknown_past_slo`, `quarantined`.
+    /// `aged_pending`, `unconsumed_published`, `bypass_publish`, `unknown_past_slo`, `quarantined`,
+    /// `absence_proof_refuted`, `unregistered_message`, `receipt_position_lost`, `log_unavailable`, `published_without_receipt`.
     pub kind: String,
     /// The event concerned (or the eventId found in the topic, for a bypass).
     pub event_id: String,

@@ -49,6 +49,20 @@ impl Cursors {
         .await?;
         Ok(())
     }
+
+    /// Moves the cursor back to the start of the log: only when the log's
+    /// end is below it, which a log that was kept never is (the topic was
+    /// recreated, the broker came back empty): the new log is read from its
+    /// start.
+    pub(crate) async fn restart(self, tx: &mut Transaction<'_, Postgres>, cluster_id: &str, topic: &str, partition: i32) -> Result<(), ProducerError> {
+        sqlx::query(&format!("UPDATE {} SET next_offset = 0 WHERE cluster_id = $1 AND topic = $2 AND partition = $3", self.table()))
+            .bind(cluster_id)
+            .bind(topic)
+            .bind(partition)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
 }
 
 /// Every topic the current route policies send to `cluster_id`, with its partition count.

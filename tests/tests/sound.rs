@@ -644,3 +644,35 @@ async fn item4_the_bypass_scan_reports_a_receipt_whose_position_was_lost(pool: P
     rec.compare_once().await.unwrap();
     assert_eq!(f.findings("receipt_position_lost", e.event_id().as_str()).await, 1);
 }
+
+/// Issue 19 item 4: the broker came back with a shorter log: a receipt
+/// recorded beyond the log's end names a position that is gone: a finding.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item4_a_receipt_beyond_the_log_end_is_a_finding(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = create_order(&f.pool, "o-1", 1).await;
+    assert_eq!(f.dispatcher(&f.store, 5_000).dispatch_once("w").await.unwrap().published, 1);
+    tamper(&f.pool, "UPDATE outbox_publish_receipts SET \"offset\" = 50 WHERE event_id = $1", e.event_id().as_str(), None).await;
+    f.clock.advance(10_000);
+    f.reconciler().compare_once().await.unwrap();
+    assert_eq!(f.findings("receipt_position_lost", e.event_id().as_str()).await, 1);
+}
+
+/// Issue 19 item 4: the bypass scan's cursor from the old log lies beyond
+/// the new log's end; the new log is read from its start rather than never.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item4_the_bypass_scan_reads_a_replaced_log_from_its_start(pool: PgPool) {
+    let f = fixture(pool).await;
+    create_order(&f.pool, "o-1", 1).await;
+    assert_eq!(f.dispatcher(&f.store, 5_000).dispatch_once("w").await.unwrap().published, 1);
+    let rec = f.reconciler();
+    rec.compare_once().await.unwrap();
+    sqlx::query("UPDATE outbox_scan_cursors SET next_offset = 900").execute(&f.pool).await.unwrap();
+    // A bypass publish lands in the new log, below the old cursor.
+    let stray = outbox_core::OutgoingMessage { topic: TOPIC.into(), partition: 0, key: b"k".to_vec(), payload: b"{}".to_vec(), headers: vec![] };
+    assert!(matches!(f.broker.send(stray).await, SendOutcome::Acked { .. }));
+    rec.compare_once().await.unwrap();
+    let c = rec.compare_once().await.unwrap();
+    let bypass = f.count("SELECT count(*) FROM outbox_findings WHERE kind = 'bypass_publish'").await;
+    assert_eq!(bypass, 1, "the bypass publish in the new log was never read: {c:?}");
+}
