@@ -33,7 +33,7 @@ pub fn esc(s: &str) -> String {
     o
 }
 
-/// A fixed color per state (the SPEC's order).
+/// A fixed color per state (the order of PROTOCOL §3).
 pub fn state_color(state: &str) -> &'static str {
     match state {
         "PENDING" => "#f2b134",
@@ -124,7 +124,7 @@ fn states_chart(o: &mut String, r: &Report) {
         no_data(o, "chart-states", w as i32, h as i32, "no state snapshots yet: the reconciler records one per round");
         return;
     }
-    // States present anywhere, in the SPEC's order (unknown names last).
+    // States present anywhere, in the order of PROTOCOL §3 (unknown names last).
     let mut states: Vec<String> = outbox_core::ALL_STATES.iter().map(|s| s.as_str().to_owned()).collect();
     for s in &r.history {
         for (k, _) in &s.counts {

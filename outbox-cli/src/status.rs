@@ -56,7 +56,7 @@ pub struct Status {
     /// The outbox's source identity (the CloudEvents `ce_source` of its
     /// messages); None on a schema migrated before it existed.
     pub source: Option<String>,
-    /// Every state with its count (zeros included), in SPEC order.
+    /// Every state with its count (zeros included), in the order of PROTOCOL §3.
     #[serde(serialize_with = "outbox_producer::report::pairs::states")]
     pub state_counts: Vec<(String, i64)>,
     /// Total events.

@@ -158,7 +158,7 @@ struct Slot {
     next_offset: i64,
 }
 
-/// The idempotent Kafka consumer (SPEC §8).
+/// The idempotent Kafka consumer (PROTOCOL §8).
 ///
 /// For every message, in one PostgreSQL transaction: the `(consumerId,
 /// eventId)` receipt is claimed, the [`Handler`] runs on that transaction, the

@@ -1,6 +1,6 @@
 //! # outbox-consumer
 //!
-//! The idempotent consumer of the transactional outbox (SPEC §8).
+//! The idempotent consumer of the transactional outbox (PROTOCOL §8).
 //!
 //! **Guarantee.** For each consumer (`consumerId`) and each event
 //! (`eventId`), the handler's database effect commits at most once, and

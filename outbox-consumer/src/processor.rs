@@ -240,7 +240,7 @@ pub const LIMIT_PURGE_ROWS: i64 = 100_000;
 /// replay of that event would apply it again. Only purge receipts older than
 /// the longest possible replay window (the topic's retention, plus any
 /// re-publication from the outbox you allow), the same rule as the outbox's
-/// own retention (SPEC §9). Dead letters and quarantine rows are never purged
+/// own retention (PROTOCOL §9). Dead letters and quarantine rows are never purged
 /// here.
 pub async fn purge_receipts_before(pool: &PgPool, consumer_id: &str, received_before: DateTime<Utc>, max_rows: i64) -> Result<u64, ConsumerError> {
     if !(1..=LIMIT_PURGE_ROWS).contains(&max_rows) {

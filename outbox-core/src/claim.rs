@@ -1,4 +1,4 @@
-//! Claims and the fencing rule (SPEC §4).
+//! Claims and the fencing rule (PROTOCOL §4).
 //!
 //! A claim decides who may *try* to send; it never says what happened. It is
 //! granted by a compare-and-set that bumps `claim_generation`, and every later

@@ -2,8 +2,8 @@
 //!
 //! The same scenarios run against the in-memory store (in `outbox-sim`'s
 //! tests) and against the PostgreSQL store, so both are held to the same
-//! protocol: claims and fencing (SPEC §4), the single acceptance point
-//! (SPEC §5), unknown outcomes and reconciliation (SPEC §3, §6) and per-key
+//! protocol: claims and fencing (PROTOCOL §4), the single acceptance point
+//! (PROTOCOL §5), unknown outcomes and reconciliation (PROTOCOL §3, §6) and per-key
 //! ordering.
 //!
 //! A store plugs in through a small [`Harness`]: it emits events (the
@@ -310,11 +310,11 @@ async fn stale_writer_after_lease_expiry<H: Harness>(c: &Ctx<'_, H>) -> Verdict 
     eq("decision", c.accept(&receipt(&new, &a, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })
 }
 
-/// SPEC §5: a late genuine ACK of an old attempt and the ACK of a new attempt
+/// PROTOCOL §5: a late genuine ACK of an old attempt and the ACK of a new attempt
 /// compete for the slot; the loser is kept as a duplicate transport receipt.
 /// The second attempt exists while the first one's outcome is unproven: the
 /// adapter cannot look up, so the reconciler may only retry to the same
-/// frozen destination (SPEC §6).
+/// frozen destination (PROTOCOL §6).
 async fn old_and_new_attempt_acked<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let id = c.emit(1, "a").await;
     let ce1 = c.claim_some("w1", &id).await?;

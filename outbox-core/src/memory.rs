@@ -50,7 +50,7 @@ pub struct MemoryEvent {
     pub published_at_ms: Option<i64>,
 }
 
-/// A migration receipt (SPEC §7): links envelope generation N (kept as it
+/// A migration receipt (PROTOCOL §7): links envelope generation N (kept as it
 /// was, never edited) to N + 1 with its new frozen destination, with the proof.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MigrationRecord {
@@ -221,7 +221,7 @@ impl MemoryStore {
         })
     }
 
-    /// Destination migration (SPEC §7): writes envelope generation + 1 with
+    /// Destination migration (PROTOCOL §7): writes envelope generation + 1 with
     /// `new_destination`, keeps the old envelope in a migration receipt, and
     /// makes the event PENDING for the new destination.
     ///
@@ -306,7 +306,7 @@ impl MemoryStore {
         Ok(Ok(record))
     }
 
-    /// Retention (SPEC §9): PUBLISHED -> RETAINED past the replay window
+    /// Retention (PROTOCOL §9): PUBLISHED -> RETAINED past the replay window
     /// ([`may_retain`]); RETAINED -> PURGED when [`may_purge`] allows. The
     /// purge drops the payload only: slot, digests, envelopes, attempts and
     /// the command key stay, so late duplicates and retried commands are

@@ -1,4 +1,4 @@
-//! The receipt decision of `acceptDispatchReceipt` (SPEC §5), as a pure
+//! The receipt decision of `acceptDispatchReceipt` (PROTOCOL §5), as a pure
 //! function of the locked event, its attempts and one broker receipt.
 //!
 //! Stores lock the event row, load its attempts, call [`decide_receipt`] and

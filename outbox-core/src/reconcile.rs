@@ -1,4 +1,4 @@
-//! Reconcile decisions (SPEC §6): what to do with an event whose dispatch
+//! Reconcile decisions (PROTOCOL §6): what to do with an event whose dispatch
 //! outcome is unknown, given its attempts and what the broker answered.
 
 use serde::{Deserialize, Serialize};

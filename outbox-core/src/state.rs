@@ -1,4 +1,4 @@
-//! The closed state machine of an event (SPEC §3) and of an attempt.
+//! The closed state machine of an event (PROTOCOL §3) and of an attempt.
 
 use std::fmt;
 
@@ -32,7 +32,7 @@ pub enum EventState {
     Quarantined,
 }
 
-/// Every state, in the order of SPEC §3.
+/// Every state, in the order of PROTOCOL §3.
 pub const ALL_STATES: [EventState; 10] = [
     EventState::Pending,
     EventState::Claimed,

@@ -145,7 +145,7 @@ pub trait OutboxStore: Send + Sync {
     /// RETRY_CLAIMED -> SENDING. Fenced on generation and lease.
     async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError>;
 
-    /// The single acceptance point (SPEC §5).
+    /// The single acceptance point (PROTOCOL §5).
     async fn accept_dispatch_receipt(&self, receipt: &BrokerReceipt) -> Result<ReceiptOutcome, StoreError>;
 
     /// Registers attempts for many claims; the answer is per token, in order.

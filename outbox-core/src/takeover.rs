@@ -1,4 +1,4 @@
-//! Partial takeover during a rollout (SPEC §11): which events the outbox
+//! Partial takeover during a rollout (PROTOCOL §11): which events the outbox
 //! dispatcher sends and which stay with the publisher it replaces.
 //!
 //! The choice is made once, at emit, and frozen with the event: a new

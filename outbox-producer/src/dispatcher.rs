@@ -115,7 +115,7 @@ pub struct DispatcherConfig {
     pub record_retry_ms: u64,
     /// Wake on `NOTIFY outbox_pending` (sent by `emit`).
     pub listen: bool,
-    /// The dispatcher alias this instance runs under (SPEC §11). With an
+    /// The dispatcher alias this instance runs under (PROTOCOL §11). With an
     /// alias, it claims only while the alias names its `implementation`
     /// (checked at most every `poll_interval_ms`); otherwise it idles.
     /// Switching the alias is the rollout's only rollback step.

@@ -86,7 +86,7 @@ pub struct Emitted {
     pub destination_digest: String,
     /// `false` when the command key was seen before and nothing was inserted.
     pub inserted: bool,
-    /// Who sends it, frozen at emit by the takeover policy (SPEC §11):
+    /// Who sends it, frozen at emit by the takeover policy (PROTOCOL §11):
     /// [`Publisher::Outbox`] unless a rollout leaves it to the legacy publisher.
     pub publisher: Publisher,
 }

@@ -1,4 +1,4 @@
-//! Destination migration (SPEC §7): move an undelivered event to another
+//! Destination migration (PROTOCOL §7): move an undelivered event to another
 //! cluster or topic only after proving the old target does not hold it.
 //!
 //! The original envelope generation is never edited: the move writes envelope

@@ -1,4 +1,4 @@
-//! The reconciler's first duty: resolve every DISPATCH_UNKNOWN (SPEC §6).
+//! The reconciler's first duty: resolve every DISPATCH_UNKNOWN (PROTOCOL §6).
 //!
 //! For each due event: a fenced CAS DISPATCH_UNKNOWN -> RECONCILING, a lookup
 //! of the frozen partition from a sound lower bound, then outbox-core's

@@ -228,7 +228,7 @@ impl ReportOptions {
     }
 }
 
-/// The UNKNOWN time-to-resolution SLO: 15 minutes (SPEC §10).
+/// The UNKNOWN time-to-resolution SLO: 15 minutes (PROTOCOL §10).
 pub const DEFAULT_UNKNOWN_SLO_MS: i64 = 15 * 60 * 1000;
 
 /// A reconciler whose last round is older than this is stale: 5 minutes.

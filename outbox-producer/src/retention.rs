@@ -1,4 +1,4 @@
-//! Retention (SPEC §9): PUBLISHED -> RETAINED after the replay window;
+//! Retention (PROTOCOL §9): PUBLISHED -> RETAINED after the replay window;
 //! RETAINED -> PURGED only once every mandatory consumer's watermark has
 //! passed the event, in bounded batches.
 //!

@@ -1,4 +1,4 @@
-//! Rollout and rollback (SPEC §11): shadow mode, partial takeover, the
+//! Rollout and rollback (PROTOCOL §11): shadow mode, partial takeover, the
 //! dispatcher alias.
 //!
 //! - **Takeover policy** ([`set_takeover`]): which events the outbox sends.

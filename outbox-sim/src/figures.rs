@@ -1,5 +1,5 @@
 //! The counters every trace produces, their sum over a run, and the release
-//! gate (SPEC §10) over that sum.
+//! gate (PROTOCOL §10) over that sum.
 
 /// Whether a counter must stay zero for the gate to pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +55,7 @@ figures! {
     unknown_without_trail: MustBeZero,
     /// Broker messages whose attempt is not registered for their event.
     untraced_messages: MustBeZero,
-    /// Sends by a holder whose lease had run out or whose claim was superseded (SPEC §4).
+    /// Sends by a holder whose lease had run out or whose claim was superseded (PROTOCOL §4).
     stale_sends: MustBeZero,
     /// Lookups that answered "absent" although a message of an attempt that
     /// may be in flight sits in the frozen partition (an unsound scan bound),
@@ -75,7 +75,7 @@ figures! {
     /// Sends under envelope generation N + 1 to a new destination while the
     /// old target may hold generation N (a message of it is in the old log or
     /// still on its way), or after a move made without an absence proof while
-    /// old attempts were open (SPEC §7: no cross-target re-send while UNKNOWN).
+    /// old attempts were open (PROTOCOL §7: no cross-target re-send while UNKNOWN).
     cross_target_resends_while_unknown: MustBeZero,
     /// Migrations accepted although the old target holds (or will hold) the
     /// old generation, or whose `ProvenAbsent` proof no lookup of the old target backed.
@@ -184,7 +184,7 @@ impl Figures {
     }
 }
 
-/// SPEC §10: UNKNOWN p99 must be reconciled within 15 minutes of simulated time.
+/// PROTOCOL §10: UNKNOWN p99 must be reconciled within 15 minutes of simulated time.
 pub const UNKNOWN_P99_LIMIT_MS: i64 = 15 * 60 * 1000;
 
 /// The p-th percentile (nearest rank) of `values`; 0 when empty. Reorders `values`.

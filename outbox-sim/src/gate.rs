@@ -36,7 +36,7 @@ pub struct GateReport {
 }
 
 impl GateReport {
-    /// SPEC §10: zero violations, 100% of late valid ACKs converged, UNKNOWN p99 within 15 minutes.
+    /// PROTOCOL §10: zero violations, 100% of late valid ACKs converged, UNKNOWN p99 within 15 minutes.
     pub fn pass(&self) -> bool {
         self.figures.clean() && self.figures.late_acks_converged == self.figures.late_acks_total && self.unknown_p99_ms <= UNKNOWN_P99_LIMIT_MS
     }

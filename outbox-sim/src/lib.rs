@@ -1,7 +1,7 @@
 //! # outbox-sim
 //!
 //! A seeded, deterministic simulator of the outbox protocol and the release
-//! gate of SPEC §10.
+//! gate of PROTOCOL §10.
 //!
 //! **Guarantee.** A trace drives the decision code of `outbox-core` — the
 //! state table, claim fencing, `decide_receipt`, `decide_reconcile` — through

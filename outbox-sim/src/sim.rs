@@ -36,7 +36,7 @@ const BATCH: usize = 2;
 const TENANT: &str = "t1";
 const EVENT_TYPE: &str = "order.created";
 
-/// How a route policy revision changes the route (SPEC §7: it affects only
+/// How a route policy revision changes the route (PROTOCOL §7: it affects only
 /// events committed after it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Revision {
@@ -112,14 +112,14 @@ pub struct TraceConfig {
     pub verifies_payload: Vec<bool>,
     /// Fault probabilities.
     pub faults: FaultRates,
-    /// A destination migration mid-trace (SPEC §7).
+    /// A destination migration mid-trace (PROTOCOL §7).
     pub migration: Option<MigrationPlan>,
-    /// Retention racing slow consumers (SPEC §9).
+    /// Retention racing slow consumers (PROTOCOL §9).
     pub retention: Option<RetentionPlan>,
 }
 
 /// A route revision to another cluster or topic, then an operator moving
-/// undelivered events to it (SPEC §7).
+/// undelivered events to it (PROTOCOL §7).
 #[derive(Debug, Clone)]
 pub struct MigrationPlan {
     /// Step of the route revision.
@@ -133,7 +133,7 @@ pub struct MigrationPlan {
 }
 
 /// Retention passes at random points, racing consumers whose published
-/// watermarks lag (SPEC §9).
+/// watermarks lag (PROTOCOL §9).
 #[derive(Debug, Clone)]
 pub struct RetentionPlan {
     /// The maximum replay window, ms.
@@ -615,7 +615,7 @@ impl Sim {
         slog!(self, "TAMPER: stored payload of E{ev} overwritten (its frozen digest stays)");
     }
 
-    /// Destination migration (SPEC §7). At the plan's step the route policy
+    /// Destination migration (PROTOCOL §7). At the plan's step the route policy
     /// is revised to another cluster or topic and the old target becomes
     /// unqueryable for a while; from then on, at random steps, an operator
     /// tries to move one undelivered event (PENDING or DISPATCH_UNKNOWN) to
@@ -778,7 +778,7 @@ impl Sim {
         }
     }
 
-    /// Retention (SPEC §9) at random points, racing consumers whose
+    /// Retention (PROTOCOL §9) at random points, racing consumers whose
     /// published watermarks lag their committed positions (some publish
     /// rarely, all stall and crash). Runs [`MemoryStore::retain_and_purge`]
     /// (`may_retain`, `may_purge`) and checks every purge against ground

@@ -244,7 +244,7 @@ pub mod kafka {
     }
 
     /// A broker adapter that cannot look anything up: the reconciler may then
-    /// only retry to the same frozen destination (SPEC §6).
+    /// only retry to the same frozen destination (PROTOCOL §6).
     pub struct NoLookup<B>(pub Arc<B>);
 
     #[async_trait]

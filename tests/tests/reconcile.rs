@@ -1,5 +1,5 @@
 //! The reconciler on real PostgreSQL and librdkafka's in-process Kafka
-//! cluster: one test per branch of SPEC §6, §7 and §9.
+//! cluster: one test per branch of PROTOCOL §6, §7 and §9.
 
 use std::sync::Arc;
 use std::time::Duration;

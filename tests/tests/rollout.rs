@@ -1,4 +1,4 @@
-//! Rollout and rollback (SPEC §11) on real PostgreSQL and librdkafka's
+//! Rollout and rollback (PROTOCOL §11) on real PostgreSQL and librdkafka's
 //! in-process Kafka cluster: shadow mode against a simulated legacy
 //! publisher, a 5% takeover, an alias switch mid-run, and an old-protocol
 //! dispatcher meeting new-protocol rows.
