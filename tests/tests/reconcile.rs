@@ -351,6 +351,98 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
     assert_eq!(out.state, EventState::Purged);
 }
 
+/// Retention's SQL predicate is `outbox_core::may_purge`: over seeded random
+/// registries and watermarks (several mandatory and optional consumers, rows
+/// on this cluster and on another cluster with the same topic name, offsets
+/// around each event's), every pass purges exactly the events `may_purge`
+/// allows for the rows as they are in the database.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn purge_decides_as_may_purge_does(pool: PgPool) {
+    let f = fixture(pool).await;
+    outbox_consumer::migrate(&f.pool).await.unwrap();
+    for i in 0..36 {
+        create_order(&f.pool, &format!("o-{i}"), i).await;
+    }
+    let mut published = 0;
+    while published < 36 {
+        published += f.dispatcher().dispatch_once("w").await.unwrap().published;
+    }
+    let here = f.broker.cluster_id().to_owned();
+    let policy = RetentionPolicy { replay_window_ms: 60_000, batch_size: 7, max_batches: 1_000 };
+    let later = f.store.now_ms() + 120_000;
+    let mut seed: u64 = 0x5eed_0f_2026;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut purged_total = 0;
+    for round in 0..12 {
+        sqlx::query("DELETE FROM outbox_consumer_watermarks").execute(&f.pool).await.unwrap();
+        sqlx::query("DELETE FROM outbox_consumers").execute(&f.pool).await.unwrap();
+        for c in ["c1", "c2", "c3"] {
+            let topics: &[&str] = if next(4) == 0 { &["other"] } else { &[TOPIC] };
+            register_consumer(&f.pool, c, topics, false, next(3) != 0).await.unwrap();
+            for p in 0..PARTITIONS {
+                for cluster in [here.as_str(), "kafka-b"] {
+                    if next(3) == 0 {
+                        continue;
+                    }
+                    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, partition, committed_offset) VALUES ($1, $2, $3, $4, $5)")
+                        .bind(c)
+                        .bind(cluster)
+                        .bind(TOPIC)
+                        .bind(p)
+                        .bind(next(16) as i64)
+                        .execute(&f.pool)
+                        .await
+                        .unwrap();
+                }
+            }
+        }
+        // What the core decides for the rows as they are now (events due are retained first).
+        let wm_rows: Vec<(String, String, String, i32, i64)> =
+            sqlx::query_as("SELECT consumer_id, cluster_id, topic, partition, committed_offset FROM outbox_consumer_watermarks").fetch_all(&f.pool).await.unwrap();
+        let registry: Vec<(String, bool, Vec<String>)> = sqlx::query_as("SELECT consumer_id, mandatory, topics FROM outbox_consumers").fetch_all(&f.pool).await.unwrap();
+        let events: Vec<(String, String, i64, String, String, i32, i64)> = sqlx::query_as(
+            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.partition, r.\"offset\"
+             FROM outbox_events e JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation",
+        )
+        .fetch_all(&f.pool)
+        .await
+        .unwrap();
+        let watermarks: Vec<outbox_core::WatermarkRef<'_>> = wm_rows
+            .iter()
+            .filter(|w| registry.iter().any(|(c, mandatory, _)| *mandatory && c == &w.0))
+            .map(|w| outbox_core::WatermarkRef { consumer_id: &w.0, cluster_id: &w.1, topic: &w.2, partition: w.3, committed_offset: w.4 })
+            .collect();
+        let mut expected: Vec<String> = events
+            .iter()
+            .filter(|(_, state, published_at, cluster, topic, partition, offset)| {
+                let state = EventState::parse(state).unwrap();
+                let state = if state == EventState::Published && outbox_core::may_retain(*published_at, later, policy.replay_window_ms) { EventState::Retained } else { state };
+                let on_topic: Vec<&str> = registry.iter().filter(|(_, m, topics)| *m && topics.iter().any(|t| t == topic)).map(|(c, _, _)| c.as_str()).collect();
+                let at = outbox_core::LogPosition { cluster_id: cluster, topic, partition: *partition, offset: *offset };
+                outbox_core::may_purge(state, *published_at, later, policy.replay_window_ms, at, &watermarks, &on_topic).is_ok()
+            })
+            .map(|e| e.0.clone())
+            .collect();
+        expected.sort();
+        let before: Vec<String> = sqlx::query_scalar("SELECT event_id FROM outbox_events WHERE state = 'PURGED'").fetch_all(&f.pool).await.unwrap();
+        let r = purge(&f.pool, later, &policy, false, |_| {}).await.unwrap();
+        let mut got: Vec<String> = sqlx::query_scalar("SELECT event_id FROM outbox_events WHERE state = 'PURGED' AND NOT (event_id = ANY($1))")
+            .bind(&before)
+            .fetch_all(&f.pool)
+            .await
+            .unwrap();
+        got.sort();
+        assert_eq!(got, expected, "round {round}: the database purged what may_purge does not allow, or held what it allows ({r:?})");
+        purged_total += got.len();
+    }
+    assert!(purged_total > 0 && purged_total < 36, "the scenarios purge some and hold some back: {purged_total}");
+}
+
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn migration_is_refused_while_unknown_and_accepted_after_proof(pool: PgPool) {
     let f = fixture(pool).await;
