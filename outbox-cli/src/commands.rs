@@ -177,6 +177,14 @@ fn kafka_flags(a: &KafkaArgs) -> KafkaFlags {
 }
 
 /// The Kafka configuration, printable (secrets redacted).
+/// The signing key as `--print-config` shows it: the key id, never the secret.
+pub(crate) fn describe_signing(s: Option<&outbox_producer::SigningConfig>) -> String {
+    match s {
+        None => "off".to_owned(),
+        Some(s) => format!("key_id={} secret_hex=***", s.key_id),
+    }
+}
+
 fn describe_kafka(k: &KafkaConfig) -> String {
     let extra: Vec<String> = k
         .extra
@@ -279,7 +287,7 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
     if a.print_config {
         print!(
-            "dispatch.name = {}\ndispatch.workers = {}\ndispatch.batch_size = {}\ndispatch.lease_ms = {}\ndispatch.poll_interval_ms = {}\ndispatch.sweep_interval_ms = {}\ndispatch.head_scan_every = {}\ndispatch.shutdown_grace_ms = {}\ndispatch.record_retry_ms = {}\ndispatch.listen = {}\n{}metrics.addr = {}\n",
+            "dispatch.name = {}\ndispatch.workers = {}\ndispatch.batch_size = {}\ndispatch.lease_ms = {}\ndispatch.poll_interval_ms = {}\ndispatch.sweep_interval_ms = {}\ndispatch.head_scan_every = {}\ndispatch.shutdown_grace_ms = {}\ndispatch.record_retry_ms = {}\ndispatch.listen = {}\ndispatch.signing = {}\n{}metrics.addr = {}\n",
             cfg.name,
             cfg.workers,
             cfg.batch_size,
@@ -290,6 +298,7 @@ async fn dispatch(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a
             cfg.shutdown_grace_ms,
             cfg.record_retry_ms,
             cfg.listen,
+            describe_signing(cfg.signing.as_ref()),
             describe_kafka(&kafka),
             metrics_addr.as_deref().unwrap_or("off")
         );

@@ -140,6 +140,9 @@ pub struct ConsumerConfig {
     /// `partition.assignment.strategy`, ...). [`RESERVED_KAFKA_PROPERTIES`]
     /// are refused. `auto.offset.reset` defaults to `earliest`.
     pub kafka: BTreeMap<String, String>,
+    /// Accepted sources per topic and verification keys per source. Empty
+    /// (the default): any source is accepted, and the consumer says so at start.
+    pub trust: crate::trust::TrustPolicy,
 }
 
 impl ConsumerConfig {
@@ -159,6 +162,7 @@ impl ConsumerConfig {
             shutdown_timeout_ms: DEFAULT_SHUTDOWN_TIMEOUT_MS,
             max_evidence_payload_bytes: DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES,
             kafka: BTreeMap::new(),
+            trust: crate::trust::TrustPolicy::default(),
         }
     }
 
@@ -250,6 +254,7 @@ impl ConsumerConfig {
         if let Some(k) = self.kafka.keys().find(|k| RESERVED_KAFKA_PROPERTIES.contains(&k.as_str())) {
             return Err(ConsumerError::Config(format!("kafka property {k:?} is set by the consumer itself")));
         }
+        self.trust.validate()?;
         self.retry.validate()
     }
 }

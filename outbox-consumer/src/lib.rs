@@ -96,6 +96,7 @@ mod handler;
 mod metrics;
 mod outcome;
 mod processor;
+mod trust;
 mod watermark;
 
 pub use async_trait::async_trait;
@@ -106,7 +107,8 @@ pub use event::{effect_key, ConsumedEvent, RawMessage, DEFAULT_EFFECT_PURPOSE, E
 pub use handler::Handler;
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
-pub use processor::{purge_receipts_before, receipt, verify_message, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
+pub use processor::{purge_receipts_before, receipt, verify_message, verify_message_with, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
+pub use trust::{TopicTrust, TrustPolicy, LIMIT_TRUST_ENTRIES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
 
 /// The consumer's migrations (`migrations/`, versions `20261129100001` and

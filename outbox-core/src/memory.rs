@@ -403,6 +403,7 @@ impl MemoryStore {
             traceparent: None,
             // The in-memory store has no source identity: no CloudEvents headers.
             cloudevents: None,
+            source: None,
         }
     }
 

@@ -28,7 +28,7 @@ pub mod rollout;
 pub mod routes;
 mod topic_scan;
 
-pub use dispatcher::{BatchReport, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch};
+pub use dispatcher::{BatchReport, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch, SigningConfig};
 pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
 pub use error::ProducerError;
 pub use migration::{migrate_destination, MigrationOutcome};

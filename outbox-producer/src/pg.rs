@@ -250,6 +250,7 @@ impl PgStore {
                 claimed_from: from,
                 traceparent: r.try_get("traceparent").map_err(g)?,
                 cloudevents: None,
+                source: None,
             });
         }
         Ok((claimed, unreadable))

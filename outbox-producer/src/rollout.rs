@@ -119,6 +119,7 @@ impl ShadowDispatcher {
                 claimed_from: EventState::Pending,
                 traceparent: r.try_get("traceparent")?,
                 cloudevents: None,
+                source: None,
                 envelope,
                 destination,
             };
