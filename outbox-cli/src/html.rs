@@ -463,6 +463,7 @@ mod tests {
                 StateSnapshot { at_ms: 1_700_000_000_000, counts: vec![("PENDING".into(), 2), ("PUBLISHED".into(), 7), ("DISPATCH_UNKNOWN".into(), 1)] },
             ],
             findings: vec![Finding { kind: "aged_pending".into(), event_id: "evt-<script>".into(), consumer_id: None, age_ms: 90_000, detail: "a & b".into() }],
+            consumer_decisions: Vec::new(),
         }
     }
 

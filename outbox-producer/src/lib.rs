@@ -34,7 +34,7 @@ pub use error::ProducerError;
 pub use migration::{migrate_destination, MigrationOutcome};
 pub use pg::PgStore;
 pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport};
-pub use report::{build_report, Report, ReportOptions};
+pub use report::{build_report, consumer_decisions, ConsumerDecisions, Report, ReportOptions};
 pub use rollout::{compare_shadow, set_takeover, switch_alias, ShadowDispatcher, ShadowReport};
 pub use retention::{purge, register_consumer, PurgeReport, RetentionPolicy};
 
