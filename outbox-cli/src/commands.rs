@@ -363,6 +363,8 @@ fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
     c.bypass_scan_max_messages = a.bypass_scan_max_messages.or(f.bypass_scan_max_messages).unwrap_or(c.bypass_scan_max_messages);
     c.max_findings_per_kind = f.max_findings_per_kind.unwrap_or(c.max_findings_per_kind);
     c.history_keep_ms = f.history_keep_ms.unwrap_or(c.history_keep_ms);
+    let flag_sources: Vec<String> = a.declared_sources.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
+    c.declared_sources = if flag_sources.is_empty() { f.declared_sources.clone().unwrap_or_default() } else { flag_sources };
     c
 }
 

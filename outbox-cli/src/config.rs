@@ -121,6 +121,8 @@ pub struct ReconcileSection {
     pub max_findings_per_kind: Option<i64>,
     /// State snapshots kept, ms.
     pub history_keep_ms: Option<i64>,
+    /// Source identities of other outboxes declared to write these topics.
+    pub declared_sources: Option<Vec<String>>,
 }
 
 /// `[retention]`.

@@ -77,3 +77,27 @@ fn print_config_masks_the_signing_secret() {
     assert_eq!(bad.status.code(), Some(1));
     assert!(!String::from_utf8_lossy(&bad.stderr).contains("not-hex"), "the secret is not echoed in the error");
 }
+
+#[test]
+fn declared_sources_come_from_flags_environment_or_file() {
+    let dir = std::env::temp_dir().join(format!("outbox-cli-trust-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("outbox.toml");
+    std::fs::write(&file, "[reconcile]\ndeclared_sources = [\"urn:file\"]\n").unwrap();
+    let run = |envs: &[(&str, &str)], flags: &[&str]| {
+        let mut c = outbox_bin();
+        c.args(["reconcile", "--print-config", "--kafka-bootstrap", "b:9092", "--config"]).arg(&file).args(flags);
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert!(run(&[], &[]).contains("\"urn:file\""));
+    let env = run(&[("OUTBOX_RECONCILE_DECLARED_SOURCES", "urn:a,urn:b")], &[]);
+    assert!(env.contains("\"urn:a\"") && env.contains("\"urn:b\"") && !env.contains("urn:file"), "{env}");
+    let flag = run(&[("OUTBOX_RECONCILE_DECLARED_SOURCES", "urn:a")], &["--declared-source", "urn:flag"]);
+    assert!(flag.contains("\"urn:flag\"") && !flag.contains("\"urn:a\""), "{flag}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
