@@ -63,6 +63,12 @@ pub fn finding_help(kind: &str) -> (&'static str, &'static str) {
         "bypass_publish" => ("A message in a routed topic whose eventId the outbox never committed.", "Find who writes to the topic outside the outbox; the evidence is in outbox_bypass_messages."),
         "unknown_past_slo" => ("Dispatch outcome unknown for longer than the SLO.", "Page: check the broker, then `outbox trace <eventId>`; the reconciler keeps looking."),
         "quarantined" => ("Payload or destination diverged from what was frozen; nothing was sent.", "Investigate the evidence with `outbox trace <eventId>`; never edit the row to force it through."),
+        "foreign_source" => (
+            "A message on a routed topic written by another, undeclared outbox (its outbox-source).",
+            "Stop the writer, or declare the source (--declared-source) and accept it on the consumers; check consumer receipts for effects.",
+        ),
+        "unrecorded_copy" => ("A byte-identical copy of a published event at a position no receipt records.", "Find the mirror or replay that wrote it; consumers see a duplicate."),
+        "divergent_copy" => ("A published event's eventId with other bytes at a position no receipt records.", "Incident: find the writer and check which bytes each consumer applied (receipts record the digest)."),
         _ => ("", ""),
     }
 }
