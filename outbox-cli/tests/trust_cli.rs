@@ -101,3 +101,18 @@ fn declared_sources_come_from_flags_environment_or_file() {
     assert!(flag.contains("\"urn:flag\"") && !flag.contains("\"urn:a\""), "{flag}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_file_takes_a_signing_key_and_declared_sources() {
+    let f = outbox_cli::config::FileConfig::parse(
+        "[dispatch.signing]\nkey_id = \"k-2026-12\"\nsecret_hex = \"000102030405060708090a0b0c0d0e0f\"\n[reconcile]\ndeclared_sources = [\"urn:uuid:x\"]\n",
+    )
+    .unwrap();
+    let s = f.dispatch.as_ref().unwrap().signing.as_ref().unwrap();
+    assert_eq!(s.key_id, "k-2026-12");
+    assert!(s.key().is_ok());
+    assert_eq!(f.reconcile.declared_sources.as_deref(), Some(&["urn:uuid:x".to_owned()][..]));
+    assert!(outbox_cli::config::FileConfig::parse("[dispatch.signing]\nkey_id = \"k\"\nsecret = \"x\"\n").is_err(), "unknown keys refused");
+    let short = outbox_cli::config::FileConfig::parse("[dispatch.signing]\nkey_id = \"k\"\nsecret_hex = \"00\"\n").unwrap();
+    assert!(short.dispatch.unwrap().validate().is_err(), "a one-byte secret is refused");
+}

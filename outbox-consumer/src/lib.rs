@@ -17,7 +17,9 @@
 //!    on the topic, partition and key its frozen destination prescribes. A
 //!    message that fails is **quarantined** with its evidence
 //!    (`outbox_consumer_quarantine`), the handler never sees it, and the
-//!    partition moves on.
+//!    partition moves on. Then the trust checks ([`TrustPolicy`],
+//!    [`verify_message_with`]): the claims digest where present, and on
+//!    topics with a policy the accepted sources and signatures.
 //! 2. **Claim** the receipt `(consumerId, eventId)` in
 //!    `outbox_consumer_receipts` (`INSERT .. ON CONFLICT DO NOTHING`). If it
 //!    exists, the outcome is [`Outcome::Duplicate`] with the original receipt
