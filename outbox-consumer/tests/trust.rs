@@ -169,3 +169,35 @@ fn a_policy_that_requires_signatures_needs_keys() {
     let dbg = format!("{:?}", TrustPolicy::default().with_key(GENUINE, key("k", "7d")));
     assert!(!dbg.contains("7d7d"), "no secret in Debug: {dbg}");
 }
+
+/// A consumer with no policy for a topic says so once, at start; one whose
+/// every topic has a policy says nothing.
+#[tokio::test]
+async fn an_open_consumer_warns_once_at_start() {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+    let pool = sqlx::postgres::PgPoolOptions::new().connect_lazy("postgres://root@127.0.0.1:5432/test").unwrap();
+    tracing::subscriber::with_default(subscriber, || {
+        let mut open = outbox_consumer::ConsumerConfig::new("open", "127.0.0.1:9", &["orders", "payments"]);
+        open.trust = TrustPolicy::default().accept("payments", &[GENUINE], false);
+        IdempotentConsumer::new(open, pool.clone(), TestHandler::default()).unwrap();
+        let mut closed = outbox_consumer::ConsumerConfig::new("closed", "127.0.0.1:9", &["orders"]);
+        closed.trust = TrustPolicy::default().accept("orders", &[GENUINE], false);
+        IdempotentConsumer::new(closed, pool.clone(), TestHandler::default()).unwrap();
+    });
+    let log = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(log.matches("messages from any source are accepted").count(), 1, "{log}");
+    assert!(log.contains("consumer_id=open") && log.contains("[\"orders\"]") && !log.contains("payments\"]"), "{log}");
+}
