@@ -411,6 +411,15 @@ pub fn render(r: &Report) -> String {
     o.push_str(r#"<h2>Consumer watermark lag</h2>"#);
     lag_chart(&mut o, r);
 
+    if !r.consumer_decisions.is_empty() {
+        o.push_str(r#"<h2>Consumer quarantines and dead letters</h2><table id="consumer-decisions"><tr><th>consumer</th><th>quarantined</th><th>by reason</th><th>dead-lettered</th></tr>"#);
+        for c in &r.consumer_decisions {
+            let reasons: Vec<String> = c.quarantined_by_reason.iter().map(|(k, n)| format!("{}={n}", esc(k))).collect();
+            let _ = write!(o, "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", esc(&c.consumer_id), c.quarantined, reasons.join(" "), c.dead_lettered);
+        }
+        o.push_str("</table>");
+    }
+
     let _ = write!(o, r#"<h2>Findings ({})</h2>"#, r.findings.len());
     if r.findings.is_empty() {
         o.push_str(r#"<p class="good" id="no-findings">No findings: every committed event is accounted for.</p>"#);
@@ -494,6 +503,20 @@ mod tests {
         let html = render(&r);
         assert!(html.contains("id=\"chart-states\"") && html.contains("no state snapshots yet"));
         assert!(html.contains("id=\"no-findings\""));
+    }
+
+    #[test]
+    fn consumer_decisions_are_listed_when_there_are_some() {
+        let mut r = sample();
+        assert!(!render(&r).contains("id=\"consumer-decisions\""));
+        r.consumer_decisions.push(outbox_producer::ConsumerDecisions {
+            consumer_id: "billing<b>".into(),
+            quarantined: 3,
+            quarantined_by_reason: vec![("verify:source_unknown".into(), 2), ("verify:signature_bad".into(), 1)],
+            dead_lettered: 1,
+        });
+        let html = render(&r);
+        assert!(html.contains("id=\"consumer-decisions\"") && html.contains("billing&lt;b&gt;") && html.contains("verify:source_unknown=2 verify:signature_bad=1"), "{html}");
     }
 
     #[test]
