@@ -63,9 +63,13 @@ pub struct ConsumerDecisions {
 pub const MAX_CONSUMER_DECISIONS: i64 = 1_000;
 
 /// Quarantines and dead letters per consumer, read from the outbox database
-/// (empty where the consumer tables are not there).
+/// (empty where the consumer tables are not there or this role may not read them).
 pub async fn consumer_decisions(pool: &PgPool) -> Result<Vec<ConsumerDecisions>, ProducerError> {
-    let (q, d): (bool, bool) = sqlx::query_as("SELECT to_regclass('outbox_consumer_quarantine') IS NOT NULL, to_regclass('outbox_consumer_dead_letters') IS NOT NULL")
+    // Absent, or not readable by this role: nothing to show (never an error).
+    let (q, d): (bool, bool) = sqlx::query_as(
+        "SELECT coalesce(has_table_privilege(to_regclass('outbox_consumer_quarantine'), 'SELECT'), false),
+                coalesce(has_table_privilege(to_regclass('outbox_consumer_dead_letters'), 'SELECT'), false)",
+    )
         .fetch_one(pool)
         .await?;
     let mut out: std::collections::BTreeMap<String, ConsumerDecisions> = std::collections::BTreeMap::new();
