@@ -187,3 +187,72 @@ async fn copies_of_published_events_at_unrecorded_positions_are_findings(pool: P
     let text = rec.report().await.unwrap().to_text();
     assert!(text.contains("unrecorded_copy") && text.contains("divergent_copy"), "{text}");
 }
+
+struct Ship;
+
+#[outbox_consumer::async_trait]
+impl outbox_consumer::Handler for Ship {
+    async fn handle(&self, tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, e: &outbox_consumer::ConsumedEvent) -> Result<serde_json::Value, outbox_consumer::HandlerError> {
+        sqlx::query("INSERT INTO shipments (event_id) VALUES ($1)").bind(e.event_id.as_str()).execute(&mut **tx).await?;
+        Ok(serde_json::json!({}))
+    }
+}
+
+/// End to end with the real dispatcher and the real consumer: the key is
+/// rotated between two events (dispatchers switched from the old key to the
+/// new), the consumer accepts both keys; a forgery with this outbox's source
+/// but no signature is quarantined and ships nothing.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn signed_events_are_applied_once_across_a_key_rotation_and_a_forgery_ships_nothing(pool: PgPool) {
+    let f = fixture(pool).await;
+    outbox_consumer::migrate(&f.pool).await.unwrap();
+    sqlx::query("CREATE TABLE shipments (id bigserial PRIMARY KEY, event_id text NOT NULL)").execute(&f.pool).await.unwrap();
+    let old = SigningConfig { key_id: "k-2026-11".into(), secret_hex: "11".repeat(32) };
+    let new = SigningConfig { key_id: "k-2026-12".into(), secret_hex: "22".repeat(32) };
+    let a = create_order(&f.pool, "o-old-key", 1).await;
+    assert_eq!(f.dispatcher(Some(old.clone())).dispatch_once("w").await.unwrap().published, 1);
+    let b = create_order(&f.pool, "o-new-key", 2).await;
+    assert_eq!(f.dispatcher(Some(new.clone())).dispatch_once("w").await.unwrap().published, 1);
+    // A forgery: real-looking headers, this outbox's source, a fresh eventId, no key.
+    let real = read_topic(&f.cluster.bootstrap, TOPIC, PARTITIONS).pop().unwrap();
+    let forged_id = outbox_core::EventId::generate(1);
+    let mut hs: Vec<(String, Vec<u8>)> = real.headers.iter().filter(|(k, _)| !k.starts_with("ce_") && k != "content-type").cloned().collect();
+    for (k, v) in hs.iter_mut() {
+        if k == headers::EVENT_ID {
+            *v = forged_id.as_str().as_bytes().to_vec();
+        }
+    }
+    trust::seal(&mut hs, &f.source, None).unwrap();
+    f.produce(real.partition, &real.key, &real.payload, &hs).await;
+
+    let mut cfg = outbox_consumer::ConsumerConfig::new("shipping", f.cluster.bootstrap.clone(), &[TOPIC]);
+    cfg.session_timeout_ms = 6_000;
+    cfg.trust = TrustPolicy::default().accept(TOPIC, &[&f.source], true).with_key(&f.source, old.key().unwrap()).with_key(&f.source, new.key().unwrap());
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s = seen.clone();
+    let consumer = outbox_consumer::IdempotentConsumer::new(cfg, f.pool.clone(), Ship).unwrap().after_db_commit(move |batch| {
+        s.lock().unwrap().extend(batch.outcomes.iter().cloned());
+        outbox_consumer::HookAction::Continue
+    });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run(async move {
+        let _ = stopped.await;
+    }));
+    wait_count(&f.pool, "SELECT (SELECT count(*) FROM outbox_consumer_receipts) + (SELECT count(*) FROM outbox_consumer_quarantine)", 3, Duration::from_secs(60)).await;
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(30), task).await.unwrap().unwrap().unwrap();
+
+    let shipped: Vec<String> = sqlx::query_scalar("SELECT event_id FROM shipments ORDER BY id").fetch_all(&f.pool).await.unwrap();
+    let mut want = vec![a.event_id().to_string(), b.event_id().to_string()];
+    let mut got = shipped.clone();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want, "each genuine event shipped once, old key and new");
+    let q: Vec<(Option<String>, String)> = sqlx::query_as("SELECT event_id, reason FROM outbox_consumer_quarantine").fetch_all(&f.pool).await.unwrap();
+    assert_eq!(q, vec![(Some(forged_id.to_string()), "verify:signature_missing".to_owned())]);
+    assert_eq!(seen.lock().unwrap().len(), 3);
+    // The report shows the consumer's quarantine.
+    let report = f.reconciler(Vec::new()).report().await.unwrap();
+    assert_eq!(report.consumer_decisions.len(), 1);
+    assert_eq!(report.consumer_decisions[0].quarantined_by_reason, vec![("verify:signature_missing".to_owned(), 1)]);
+}
