@@ -156,7 +156,8 @@ pub struct ReconcileExport {
 }
 
 /// Finding kinds always exported (0 when none open).
-pub const FINDING_KINDS: [&str; 5] = ["aged_pending", "unconsumed_published", "bypass_publish", "unknown_past_slo", "quarantined"];
+pub const FINDING_KINDS: [&str; 8] =
+    ["aged_pending", "unconsumed_published", "bypass_publish", "unknown_past_slo", "quarantined", "foreign_source", "unrecorded_copy", "divergent_copy"];
 
 impl ReconcileExport {
     /// Registers the reconciler metrics.
@@ -368,6 +369,7 @@ mod tests {
         assert!(text.contains("outbox_kafka_in_flight_messages 7"));
         assert!(text.contains("outbox_events{state=\"PUBLISHED\"} 2") && text.contains("outbox_events{state=\"QUARANTINED\"} 0"), "{text}");
         assert!(text.contains("outbox_findings_open{kind=\"aged_pending\"} 1") && text.contains("outbox_findings_open{kind=\"bypass_publish\"} 0"));
+        assert!(text.contains("outbox_findings_open{kind=\"foreign_source\"} 0") && text.contains("outbox_findings_open{kind=\"divergent_copy\"} 0"));
         assert!(text.contains("outbox_consumer_lag_events{consumer_id=\"billing\",partition=\"0\",topic=\"orders\"} 1"), "{text}");
         assert!(text.contains("outbox_unknown_open_by_age{le=\"+Inf\"} 0") && text.contains("outbox_unknown_resolution_p99_seconds -1"));
         assert!(text.contains("outbox_oldest_pending_age_seconds 2.5"));
