@@ -135,8 +135,10 @@ impl ConsumedEvent {
         self.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
     }
 
-    /// The aggregate header `type/id@version`, split. Informational: the
-    /// aggregate is not covered by the message digests.
+    /// The aggregate header `type/id@version`, split. Its exact text is
+    /// covered by `outbox-claims-digest` (checked before the handler when
+    /// the message has one), but the split is ambiguous for an aggregate
+    /// type containing `/`.
     pub fn aggregate(&self) -> Option<(&str, &str, i64)> {
         let text = std::str::from_utf8(self.header(outbox_core::headers::AGGREGATE)?).ok()?;
         let (ty, rest) = text.split_once('/')?;
