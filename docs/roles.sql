@@ -140,7 +140,9 @@ SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_route_policie
 GRANT outbox_dispatcher TO outbox_reconciler;
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT', t)
 FROM unnest(ARRAY['outbox_route_policies', 'outbox_consumers', 'outbox_consumer_watermarks', 'outbox_unknown_resolutions',
-                  'outbox_audit', 'outbox_migration_receipts']) t;
+                  'outbox_audit', 'outbox_migration_receipts',
+                  -- the report's quarantines and dead letters per consumer
+                  'outbox_consumer_quarantine', 'outbox_consumer_dead_letters']) t;
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_findings');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_scan_cursors');
 -- The sweep for published events without a primary receipt.

@@ -24,6 +24,15 @@ REQUIRED_HEADERS = (
     "outbox-destination-digest", "outbox-destination", "outbox-event-type", "outbox-tenant", "outbox-aggregate",
 )
 CLOUDEVENTS_HEADERS = ("ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time", "content-type")
+# The message claims record (WIRE.md "Source, claims digest and signature"):
+# (field, header whose exact text is the value), in record order.
+CLAIMS_SCHEMA = "outboxClaims.v1"
+CLAIMS_FIELDS = (
+    ("source", "outbox-source"), ("eventId", "outbox-event-id"), ("envelopeGeneration", "outbox-envelope-generation"),
+    ("attemptId", "outbox-attempt-id"), ("aggregate", "outbox-aggregate"), ("eventType", "outbox-event-type"),
+    ("tenant", "outbox-tenant"), ("payloadDigest", "outbox-payload-digest"), ("destinationDigest", "outbox-destination-digest"),
+)
+_SIGNATURE = re.compile(r"^hmac-sha256:[0-9a-f]{64}$")
 
 _ID = re.compile(r"^(evt|att)-[0-7][0-9A-HJKMNP-TV-Z]{25}$")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -126,7 +135,55 @@ def header_map(headers) -> dict:
     return out
 
 
-def check_message(topic: str, partition: int, key, value: bytes, headers) -> dict:
+def claims_bytes(h: dict) -> bytes:
+    """The outboxClaims.v1 bytes of a message (its header map); WireError when a covered header is missing."""
+    pairs = []
+    for field, name in CLAIMS_FIELDS:
+        if name not in h:
+            raise WireError(f"header {name} missing")
+        try:
+            pairs.append((field, h[name].decode("utf-8")))
+        except UnicodeDecodeError:
+            raise WireError(f"header {name} is not UTF-8")
+    return encode_canonical(CLAIMS_SCHEMA, pairs)
+
+
+def signature_of(secret: bytes, claims: bytes) -> str:
+    """The outbox-signature value: HMAC-SHA256 of the claims bytes under the secret."""
+    import hmac
+    return "hmac-sha256:" + hmac.new(secret, claims, hashlib.sha256).hexdigest()
+
+
+def check_trust(h: dict, keys=None) -> list:
+    """Checks 7 and 8 of "Verifying a message": the claims digest when present, the
+    signature when present and `keys` ({(source, keyId): secret bytes}) has the key."""
+    errors = []
+    if "outbox-claims-digest" not in h:
+        if "outbox-signature" in h:
+            errors.append("outbox-signature without outbox-claims-digest")
+        return errors
+    try:
+        claims = claims_bytes(h)
+    except WireError as e:
+        return [f"claims: {e}"]
+    if sha256_digest(claims).encode() != h["outbox-claims-digest"]:
+        errors.append("claims digest: the covered headers do not hash to outbox-claims-digest")
+    source = h["outbox-source"].decode("utf-8", "replace")
+    if "ce_source" in h and h["ce_source"].decode("utf-8", "replace") != source:
+        errors.append(f"ce_source is not outbox-source {source!r}")
+    if "outbox-signature" in h:
+        sig = h["outbox-signature"].decode("utf-8", "replace")
+        key_id = h.get("outbox-key-id", b"").decode("utf-8", "replace")
+        if not _SIGNATURE.match(sig) or not key_id:
+            errors.append("outbox-signature malformed or outbox-key-id missing")
+        elif keys and (source, key_id) in keys:
+            import hmac
+            if not hmac.compare_digest(signature_of(keys[(source, key_id)], claims), sig):
+                errors.append(f"signature does not verify under key {key_id!r} of {source!r}")
+    return errors
+
+
+def check_message(topic: str, partition: int, key, value: bytes, headers, keys=None) -> dict:
     """Every check of WIRE.md "Verifying a message". Returns {eventId, errors, cloudevents}."""
     h = header_map(headers)
     errors = []
@@ -200,4 +257,5 @@ def check_message(topic: str, partition: int, key, value: bytes, headers) -> dic
                 errors.append(f"ce_source {c['ce_source']!r}")
             if "/" not in c["content-type"]:
                 errors.append(f"content-type {c['content-type']!r}")
+    errors.extend(check_trust(h, keys))
     return {"eventId": event_id, "errors": errors, "cloudevents": bool(ce)}

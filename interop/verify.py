@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reads a Kafka topic and checks every message against docs/WIRE.md.
 
-    verify.py --bootstrap HOST:PORT --topic TOPIC [--expect N] [--timeout-s S]
+    verify.py --bootstrap HOST:PORT --topic TOPIC [--expect N] [--timeout-s S] [--key SOURCE=KEY_ID=HEX ...]
     verify.py --self-test
 
 Reads every partition of TOPIC from its first offset to its end (the high
@@ -84,7 +84,12 @@ def example_checks(path: str):
     eff = ex["effectKey"]
     eff_bytes = wire.encode_canonical("outboxEffectKey.v1", [("consumerId", eff["consumerId"]), ("eventId", ex["eventId"]), ("purpose", eff["purpose"])])
     headers = [(k, bytes.fromhex(v)) for k, v in ex["headers"]]
-    message = wire.check_message(d["topic"], int(d["partition"]), d["routingKey"].encode(), payload, headers)
+    sk = ex["signingKey"]
+    keys = {(sk["source"], sk["keyId"]): bytes.fromhex(sk["secretHex"])}
+    message = wire.check_message(d["topic"], int(d["partition"]), d["routingKey"].encode(), payload, headers, keys)
+    claims = bytes.fromhex(ex["claimsHex"])
+    h = wire.header_map(headers)
+    wrong = {(sk["source"], sk["keyId"]): b"\x00" * 32}
     checks = [
         ("payloadDigest", wire.sha256_digest(payload), ex["payloadDigest"]),
         ("payloadSchema", wire.sha256_digest(ex["payloadSchemaText"].encode()), ex["payloadSchema"]),
@@ -102,6 +107,10 @@ def example_checks(path: str):
         ("effectKey", "ek1-" + hashlib.sha256(eff_bytes).hexdigest(), eff["key"]),
         ("example message verifies", message["errors"], []),
         ("example message has CloudEvents", message["cloudevents"], True),
+        ("claims re-encoded from the headers", wire.claims_bytes(h), claims),
+        ("claimsDigest", wire.sha256_digest(claims), ex["claimsDigest"]),
+        ("signature", wire.signature_of(bytes.fromhex(sk["secretHex"]), claims), ex["signature"]),
+        ("a wrong key is refused", bool(wire.check_message(d["topic"], int(d["partition"]), d["routingKey"].encode(), payload, headers, wrong)["errors"]), True),
     ]
     failures = 0
     for name, got, want in checks:
@@ -174,7 +183,14 @@ def main() -> int:
     ap.add_argument("--expect", type=int, default=1, help="fewest messages that must be read (default 1)")
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--self-test", action="store_true", help="check the encodings against known values, read nothing")
+    ap.add_argument("--key", action="append", default=[], metavar="SOURCE=KEY_ID=HEX", help="a verification key: signatures by it are checked")
     a = ap.parse_args()
+    keys = {}
+    for entry in a.key:
+        parts = entry.rsplit("=", 2)
+        if len(parts) != 3:
+            ap.error(f"--key: expected SOURCE=KEY_ID=HEX")
+        keys[(parts[0], parts[1])] = bytes.fromhex(parts[2])
     if a.self_test:
         return self_test()
     if not a.bootstrap or not a.topic:
@@ -182,7 +198,7 @@ def main() -> int:
     passed = failed = 0
     try:
         for m in read_topic(a.bootstrap, a.topic, a.timeout_s, want=a.expect):
-            r = wire.check_message(m.topic(), m.partition(), m.key(), m.value(), m.headers())
+            r = wire.check_message(m.topic(), m.partition(), m.key(), m.value(), m.headers(), keys)
             r.update({"topic": m.topic(), "partition": m.partition(), "offset": m.offset(), "ok": not r["errors"]})
             print(json.dumps(r, sort_keys=True), flush=True)
             if r["errors"]:

@@ -487,6 +487,11 @@ pub struct ReconcileArgs {
     /// Most messages the bypass-publish check reads per partition per round [default: 10000].
     #[arg(long, value_name = "N")]
     pub bypass_scan_max_messages: Option<u64>,
+    /// Source identity of another outbox declared to write these topics too
+    /// (repeat, or comma-separated in the environment); its messages are not
+    /// `foreign_source` findings [default: none].
+    #[arg(long = "declared-source", env = "OUTBOX_RECONCILE_DECLARED_SOURCES", value_delimiter = ',', value_name = "SOURCE")]
+    pub declared_sources: Vec<String>,
     /// Serve Prometheus metrics on HOST:PORT at /metrics, and the health checks at /healthz and /readyz (see outbox-cli/METRICS.md).
     #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,

@@ -423,6 +423,13 @@ fn dispatch_table(c: &DispatcherConfig) -> toml::Table {
         t.insert("alias".into(), toml::Value::String(a.clone()));
     }
     t.insert("implementation".into(), toml::Value::String(c.implementation.clone()));
+    if let Some(s) = &c.signing {
+        // The key id only: the secret is never printed.
+        let mut sig = toml::Table::new();
+        sig.insert("key_id".into(), toml::Value::String(s.key_id.clone()));
+        sig.insert("secret_hex".into(), toml::Value::String("***".into()));
+        t.insert("signing".into(), toml::Value::Table(sig));
+    }
     t
 }
 
@@ -442,6 +449,7 @@ fn reconcile_table(c: &ReconcilerConfig, interval_ms: u64) -> toml::Table {
     t.insert("bypass_scan_max_messages".into(), int(c.bypass_scan_max_messages));
     t.insert("max_findings_per_kind".into(), int(c.max_findings_per_kind));
     t.insert("history_keep_ms".into(), int(c.history_keep_ms));
+    t.insert("declared_sources".into(), toml::Value::Array(c.declared_sources.iter().cloned().map(toml::Value::String).collect()));
     t
 }
 
@@ -613,6 +621,8 @@ fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
     c.bypass_scan_max_messages = a.bypass_scan_max_messages.or(f.bypass_scan_max_messages).unwrap_or(c.bypass_scan_max_messages);
     c.max_findings_per_kind = f.max_findings_per_kind.unwrap_or(c.max_findings_per_kind);
     c.history_keep_ms = f.history_keep_ms.unwrap_or(c.history_keep_ms);
+    let flag_sources: Vec<String> = a.declared_sources.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
+    c.declared_sources = if flag_sources.is_empty() { f.declared_sources.clone().unwrap_or_default() } else { flag_sources };
     c
 }
 
@@ -638,7 +648,8 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
             println!("{}", crate::fmt::json(&serde_json::json!({
                 "resolved": { "examined": resolved.examined, "published": resolved.published, "quarantined": resolved.quarantined, "retried": resolved.retried, "rechecks": resolved.rechecks },
                 "compared": { "agedPending": compared.aged_pending, "unconsumedPublished": compared.unconsumed_published, "bypassPublish": compared.bypass_publish,
-                              "unknownPastSlo": compared.unknown_past_slo, "quarantined": compared.quarantined, "scannedMessages": compared.scanned_messages },
+                              "unknownPastSlo": compared.unknown_past_slo, "quarantined": compared.quarantined, "scannedMessages": compared.scanned_messages,
+                              "foreignSource": compared.foreign_source, "unrecordedCopy": compared.unrecorded_copy, "divergentCopy": compared.divergent_copy },
                 "report": report,
             }))?);
         } else {

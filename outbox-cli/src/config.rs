@@ -17,9 +17,14 @@
 //! workers = 4
 //! batch_size = 500
 //!
+//! [dispatch.signing]           # optional: HMAC-SHA256 of every message's claims
+//! key_id = "k-2026-12"         # (--print-config shows the key id, never the secret)
+//! secret_hex = "…"             # or OUTBOX_DISPATCH_SIGNING_KEY_ID / _SECRET_HEX
+//!
 //! [reconcile]
 //! interval_ms = 10000
 //! unknown_slo_ms = 900000
+//! declared_sources = []        # other outboxes writing these topics too
 //!
 //! [retention]
 //! replay_window_ms = 604800000
@@ -136,6 +141,8 @@ pub struct ReconcileSection {
     pub max_findings_per_kind: Option<i64>,
     /// State snapshots kept, ms.
     pub history_keep_ms: Option<i64>,
+    /// Source identities of other outboxes declared to write these topics.
+    pub declared_sources: Option<Vec<String>>,
 }
 
 /// `[retention]`.

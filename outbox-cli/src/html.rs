@@ -71,6 +71,12 @@ pub fn finding_help(kind: &str) -> (&'static str, &'static str) {
         "receipt_position_lost" => ("The log position of a primary receipt no longer holds its message: the log was replaced.", "Follow the runbook for a recreated topic or a replaced cluster."),
         "log_unavailable" => ("The frozen partition's log is truncated, recreated or compacted: absence cannot be proven.", "The event stays UNKNOWN; follow the runbook for a recreated topic or a replaced cluster."),
         "published_without_receipt" => ("PUBLISHED, RETAINED or PURGED without a primary receipt.", "Find what wrote the row (database audit logs); `outbox trace <eventId>`."),
+        "foreign_source" => (
+            "A message on a routed topic written by another, undeclared outbox (its outbox-source).",
+            "Stop the writer, or declare the source (--declared-source) and accept it on the consumers; check consumer receipts for effects.",
+        ),
+        "unrecorded_copy" => ("A byte-identical copy of a published event at a position no receipt records.", "Find the mirror or replay that wrote it; consumers see a duplicate."),
+        "divergent_copy" => ("A published event's eventId with other bytes at a position no receipt records.", "Incident: find the writer and check which bytes each consumer applied (receipts record the digest)."),
         _ => ("", ""),
     }
 }
@@ -420,6 +426,15 @@ pub fn render(r: &Report) -> String {
     o.push_str(r#"<h2>Consumer watermark lag</h2>"#);
     lag_chart(&mut o, r);
 
+    if !r.consumer_decisions.is_empty() {
+        o.push_str(r#"<h2>Consumer quarantines and dead letters</h2><table id="consumer-decisions"><tr><th>consumer</th><th>quarantined</th><th>by reason</th><th>dead-lettered</th></tr>"#);
+        for c in &r.consumer_decisions {
+            let reasons: Vec<String> = c.quarantined_by_reason.iter().map(|(k, n)| format!("{}={n}", esc(k))).collect();
+            let _ = write!(o, "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", esc(&c.consumer_id), c.quarantined, reasons.join(" "), c.dead_lettered);
+        }
+        o.push_str("</table>");
+    }
+
     let _ = write!(o, r#"<h2>Findings ({})</h2>"#, r.findings.len());
     if r.findings.is_empty() {
         o.push_str(r#"<p class="good" id="no-findings">No findings: every committed event is accounted for.</p>"#);
@@ -480,6 +495,7 @@ mod tests {
                 StateSnapshot { at_ms: 1_700_000_000_000, counts: vec![("PENDING".into(), 2), ("PUBLISHED".into(), 7), ("DISPATCH_UNKNOWN".into(), 1)] },
             ],
             findings: vec![Finding { kind: "aged_pending".into(), event_id: "evt-<script>".into(), consumer_id: None, age_ms: 90_000, detail: "a & b".into() }],
+            consumer_decisions: Vec::new(),
         }
     }
 
@@ -504,6 +520,20 @@ mod tests {
         let html = render(&r);
         assert!(html.contains("id=\"chart-states\"") && html.contains("no state snapshots yet"));
         assert!(html.contains("id=\"no-findings\""));
+    }
+
+    #[test]
+    fn consumer_decisions_are_listed_when_there_are_some() {
+        let mut r = sample();
+        assert!(!render(&r).contains("id=\"consumer-decisions\""));
+        r.consumer_decisions.push(outbox_producer::ConsumerDecisions {
+            consumer_id: "billing<b>".into(),
+            quarantined: 3,
+            quarantined_by_reason: vec![("verify:source_unknown".into(), 2), ("verify:signature_bad".into(), 1)],
+            dead_lettered: 1,
+        });
+        let html = render(&r);
+        assert!(html.contains("id=\"consumer-decisions\"") && html.contains("billing&lt;b&gt;") && html.contains("verify:source_unknown=2 verify:signature_bad=1"), "{html}");
     }
 
     #[test]

@@ -152,7 +152,7 @@ pub struct ReconcileExport {
 }
 
 /// Finding kinds always exported (0 when none open).
-pub const FINDING_KINDS: [&str; 10] = [
+pub const FINDING_KINDS: [&str; 13] = [
     "aged_pending",
     "unconsumed_published",
     "bypass_publish",
@@ -163,6 +163,9 @@ pub const FINDING_KINDS: [&str; 10] = [
     "receipt_position_lost",
     "log_unavailable",
     "published_without_receipt",
+    "foreign_source",
+    "unrecorded_copy",
+    "divergent_copy",
 ];
 
 impl ReconcileExport {
@@ -401,6 +404,7 @@ mod tests {
             consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 0, committed_offset: 1, published_end_offset: 2, lag_events: 1 }],
             history: vec![],
             findings: vec![Finding { kind: "aged_pending".into(), event_id: "e".into(), consumer_id: None, age_ms: 1, detail: String::new() }],
+            consumer_decisions: Vec::new(),
         }
     }
 
@@ -435,6 +439,7 @@ mod tests {
         assert!(text.contains("outbox_kafka_in_flight_messages 7"));
         assert!(text.contains("outbox_events{state=\"PUBLISHED\"} 2") && text.contains("outbox_events{state=\"QUARANTINED\"} 0"), "{text}");
         assert!(text.contains("outbox_findings_open{kind=\"aged_pending\"} 1") && text.contains("outbox_findings_open{kind=\"bypass_publish\"} 0"));
+        assert!(text.contains("outbox_findings_open{kind=\"foreign_source\"} 0") && text.contains("outbox_findings_open{kind=\"divergent_copy\"} 0"));
         assert!(text.contains("outbox_consumer_lag_events{consumer_id=\"billing\",partition=\"0\",topic=\"orders\"} 1"), "{text}");
         assert!(text.contains("outbox_unknown_open_older_than{age_seconds=\"60\"} 0"), "{text}");
         assert!(!text.contains("outbox_unknown_resolution_p99_seconds") || !text.contains("outbox_unknown_resolution_p99_seconds -1"), "{text}");

@@ -78,6 +78,9 @@ pub struct Status {
     pub last_reconciler_round: Option<outbox_producer::ReconcilerRound>,
     /// `reconciler_stale` when the last round is missing or too old.
     pub reconciler_finding: Option<outbox_producer::report::Finding>,
+    /// Quarantines (by reason) and dead letters per consumer, where the
+    /// consumer tables are in this database.
+    pub consumer_decisions: Vec<outbox_producer::ConsumerDecisions>,
 }
 
 async fn exists(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
@@ -187,6 +190,7 @@ pub async fn status(pool: &PgPool, reconciler_stale_ms: i64) -> Result<Status, o
         open_findings,
         consumers,
         watermarks_table,
+        consumer_decisions: outbox_producer::consumer_decisions(pool).await.map_err(|e| sqlx::Error::Protocol(e.to_string()))?,
     })
 }
 
@@ -238,6 +242,9 @@ impl Status {
             if c.critical && c.partitions.is_empty() {
                 let _ = writeln!(o, "  nothing published on its topics yet{}", if self.watermarks_table { "" } else { " (no watermark table here)" });
             }
+            if let Some(d) = self.consumer_decisions.iter().find(|d| d.consumer_id == c.consumer_id) {
+                let _ = writeln!(o, "  {}", decisions_line(d));
+            }
             for p in &c.partitions {
                 let seen = p.watermark_updated_at_ms.map(|t| format!("watermark moved {} ago", age((self.now_ms - t).max(0)))).unwrap_or_else(|| "no watermark".into());
                 let _ = writeln!(
@@ -247,6 +254,15 @@ impl Status {
                 );
             }
         }
+        // Consumers that quarantined or dead-lettered without being registered.
+        for d in self.consumer_decisions.iter().filter(|d| !self.consumers.iter().any(|c| c.consumer_id == d.consumer_id)) {
+            let _ = writeln!(o, "consumer {} (not registered): {}", d.consumer_id, decisions_line(d));
+        }
         o
     }
+}
+
+fn decisions_line(d: &outbox_producer::ConsumerDecisions) -> String {
+    let reasons: Vec<String> = d.quarantined_by_reason.iter().map(|(r, n)| format!("{r}={n}")).collect();
+    format!("quarantined {}{} dead-lettered {}", d.quarantined, if reasons.is_empty() { String::new() } else { format!(" ({})", reasons.join(" ")) }, d.dead_lettered)
 }

@@ -77,6 +77,7 @@ fn report() -> Report {
             },
             Finding { kind: "quarantined".into(), event_id: "evt-01M8MMVFGW092Y6JQ84Y6FCJ70".into(), consumer_id: None, age_ms: 3_600_000, detail: "stored payload diverged <b>not html</b>".into() },
         ],
+        consumer_decisions: Vec::new(),
     }
 }
 

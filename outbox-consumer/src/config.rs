@@ -146,6 +146,9 @@ pub struct ConsumerConfig {
     /// `partition.assignment.strategy`, ...). [`RESERVED_KAFKA_PROPERTIES`]
     /// are refused. `auto.offset.reset` defaults to `earliest`.
     pub kafka: BTreeMap<String, String>,
+    /// Accepted sources per topic and verification keys per source. Empty
+    /// (the default): any source is accepted, and the consumer says so at start.
+    pub trust: crate::trust::TrustPolicy,
 }
 
 impl ConsumerConfig {
@@ -165,6 +168,7 @@ impl ConsumerConfig {
             shutdown_timeout_ms: DEFAULT_SHUTDOWN_TIMEOUT_MS,
             max_evidence_payload_bytes: DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES,
             kafka: BTreeMap::new(),
+            trust: crate::trust::TrustPolicy::default(),
         }
     }
 
@@ -188,6 +192,9 @@ impl ConsumerConfig {
     /// | `OUTBOX_CONSUMER_SESSION_TIMEOUT_MS` | `session_timeout_ms` | 10000 |
     /// | `OUTBOX_CONSUMER_SHUTDOWN_TIMEOUT_MS` | `shutdown_timeout_ms` | 10000 |
     /// | `OUTBOX_CONSUMER_KAFKA_<PROPERTY>` | `kafka`: `<property>` lower-cased, `_` → `.` | |
+    /// | `OUTBOX_CONSUMER_ACCEPT_SOURCES` (space-separated `TOPIC=SOURCE`) | `trust.topics` | any source |
+    /// | `OUTBOX_CONSUMER_REQUIRE_SIGNATURE` (comma-separated topics) | `trust.topics[..].require_signature` | none |
+    /// | `OUTBOX_CONSUMER_VERIFY_KEYS` (space-separated `SOURCE=KEY_ID=HEX`) | `trust.keys` | none |
     pub fn from_env() -> Result<Self, ConsumerError> {
         Self::from_lookup(|k| std::env::var(k).ok(), std::env::vars())
     }
@@ -225,6 +232,7 @@ impl ConsumerConfig {
         num(&get, "OUTBOX_CONSUMER_HANDLER_TIMEOUT_MS", &mut c.retry.handler_timeout_ms)?;
         num(&get, "OUTBOX_CONSUMER_SESSION_TIMEOUT_MS", &mut c.session_timeout_ms)?;
         num(&get, "OUTBOX_CONSUMER_SHUTDOWN_TIMEOUT_MS", &mut c.shutdown_timeout_ms)?;
+        c.trust = trust_from_lookup(&get)?;
         for (k, v) in all {
             if let Some(prop) = k.strip_prefix("OUTBOX_CONSUMER_KAFKA_") {
                 c.kafka.insert(prop.to_ascii_lowercase().replace('_', "."), v);
@@ -268,8 +276,33 @@ impl ConsumerConfig {
         if let Some(k) = self.kafka.keys().find(|k| RESERVED_KAFKA_PROPERTIES.contains(&k.as_str())) {
             return Err(ConsumerError::Config(format!("kafka property {k:?} is set by the consumer itself")));
         }
+        self.trust.validate()?;
         self.retry.validate()
     }
+}
+
+/// The trust policy from `OUTBOX_CONSUMER_ACCEPT_SOURCES`,
+/// `OUTBOX_CONSUMER_REQUIRE_SIGNATURE` and `OUTBOX_CONSUMER_VERIFY_KEYS`.
+/// Sources and key ids hold no spaces and topics no `=`, so the formats are
+/// unambiguous; an error never repeats a secret.
+fn trust_from_lookup(get: &impl Fn(&str) -> Option<String>) -> Result<crate::trust::TrustPolicy, ConsumerError> {
+    let mut t = crate::trust::TrustPolicy::default();
+    for entry in get("OUTBOX_CONSUMER_ACCEPT_SOURCES").unwrap_or_default().split_whitespace() {
+        let (topic, source) = entry.split_once('=').ok_or_else(|| ConsumerError::Config(format!("OUTBOX_CONSUMER_ACCEPT_SOURCES: {entry:?} is not TOPIC=SOURCE")))?;
+        t = t.accept(topic, &[source], false);
+    }
+    for topic in get("OUTBOX_CONSUMER_REQUIRE_SIGNATURE").unwrap_or_default().split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let rule = t.topics.get_mut(topic).ok_or_else(|| ConsumerError::Config(format!("OUTBOX_CONSUMER_REQUIRE_SIGNATURE: topic {topic} has no accepted source in OUTBOX_CONSUMER_ACCEPT_SOURCES")))?;
+        rule.require_signature = true;
+    }
+    for (i, entry) in get("OUTBOX_CONSUMER_VERIFY_KEYS").unwrap_or_default().split_whitespace().enumerate() {
+        let bad = || ConsumerError::Config(format!("OUTBOX_CONSUMER_VERIFY_KEYS: entry {} is not SOURCE=KEY_ID=HEX", i + 1));
+        let mut parts = entry.rsplitn(3, '=');
+        let (hex, key_id, source) = (parts.next().ok_or_else(bad)?, parts.next().ok_or_else(bad)?, parts.next().ok_or_else(bad)?);
+        let key = outbox_core::trust::SigningKey::from_hex(key_id, hex).map_err(|e| ConsumerError::Config(format!("OUTBOX_CONSUMER_VERIFY_KEYS: entry {}: {e}", i + 1)))?;
+        t = t.with_key(source, key);
+    }
+    Ok(t)
 }
 
 #[cfg(test)]
@@ -335,5 +368,40 @@ mod tests {
         assert_eq!(ConsumerConfig::from_lookup(both, std::iter::empty()).unwrap().bootstrap_servers, "k:9092");
         let none = |k: &str| if k.starts_with("OUTBOX_KAFKA_BOOTSTRAP") { None } else { get(k) };
         assert!(ConsumerConfig::from_lookup(none, std::iter::empty()).unwrap_err().to_string().contains("OUTBOX_KAFKA_BOOTSTRAP"));
+        assert!(c.trust.is_open());
+    }
+
+    #[test]
+    fn trust_from_env_lookup() {
+        let secret = "0b".repeat(32);
+        let keys = format!("urn:uuid:a=k-old={} urn:uuid:a=k-new={secret}", "0a".repeat(32));
+        let env = [
+            ("OUTBOX_CONSUMER_ID", "billing".to_owned()),
+            ("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "k:9092".to_owned()),
+            ("OUTBOX_CONSUMER_TOPICS", "orders,payments".to_owned()),
+            ("OUTBOX_CONSUMER_ACCEPT_SOURCES", "orders=urn:uuid:a orders=urn:uuid:b payments=urn:uuid:a".to_owned()),
+            ("OUTBOX_CONSUMER_REQUIRE_SIGNATURE", "orders".to_owned()),
+            ("OUTBOX_CONSUMER_VERIFY_KEYS", keys),
+        ];
+        let lookup = |env: Vec<(&'static str, String)>| {
+            let get = move |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+            ConsumerConfig::from_lookup(get, std::iter::empty())
+        };
+        // orders requires a signature but urn:uuid:b has no key: refused.
+        let err = lookup(env.to_vec()).unwrap_err().to_string();
+        assert!(err.contains("urn:uuid:b has no verification key"), "{err}");
+        let mut ok = env.to_vec();
+        ok[3].1 = "orders=urn:uuid:a payments=urn:uuid:a".into();
+        let c = lookup(ok.clone()).unwrap();
+        assert!(c.trust.topics["orders"].require_signature && !c.trust.topics["payments"].require_signature);
+        assert_eq!(c.trust.keys["urn:uuid:a"].keys().collect::<Vec<_>>(), vec!["k-new", "k-old"]);
+        assert!(!format!("{c:?}").contains(&secret), "no secret in Debug");
+        let mut bad = ok.clone();
+        bad[5].1 = format!("urn:uuid:a=k-new={}zz", "0b".repeat(31));
+        let err = lookup(bad).unwrap_err().to_string();
+        assert!(err.contains("entry 1") && !err.contains("0b0b"), "{err}");
+        let mut bad = ok;
+        bad[4].1 = "refunds".into();
+        assert!(lookup(bad).is_err());
     }
 }

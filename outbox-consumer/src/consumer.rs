@@ -186,7 +186,16 @@ impl IdempotentConsumer {
         config.validate()?;
         let processor = Processor::new(&config.consumer_id, pool, handler)?
             .with_retry(config.retry.clone())?
-            .with_max_evidence_payload_bytes(config.max_evidence_payload_bytes);
+            .with_max_evidence_payload_bytes(config.max_evidence_payload_bytes)
+            .with_trust(config.trust.clone())?;
+        let open = config.trust.open_topics(&config.topics);
+        if !open.is_empty() {
+            tracing::warn!(
+                consumer_id = %config.consumer_id,
+                topics = ?open,
+                "no trust policy for these topics: messages from any source are accepted (anyone who can produce to them can forge a self-consistent message); configure ConsumerConfig::trust"
+            );
+        }
         Ok(IdempotentConsumer { config, processor: Arc::new(processor), hook: None, readiness: ConsumerReadiness::default() })
     }
 

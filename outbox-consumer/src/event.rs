@@ -90,6 +90,10 @@ pub struct ConsumedEvent {
     pub payload_digest: String,
     /// All headers of the message.
     pub headers: Vec<(String, Vec<u8>)>,
+    /// The `outbox-source` header: which outbox wrote the message. Checked
+    /// against the consumer's [`TrustPolicy`](crate::TrustPolicy) when the
+    /// topic has one; otherwise only what the message says.
+    pub source: Option<String>,
     /// [`effect_key`] of this consumer and event with purpose `"effect"`: the
     /// idempotency key to give an external system for this event's one effect.
     pub effect_key: String,
@@ -99,7 +103,7 @@ pub struct ConsumedEvent {
 pub const DEFAULT_EFFECT_PURPOSE: &str = "effect";
 
 impl ConsumedEvent {
-    pub(crate) fn new(consumer_id: &str, claims: MessageClaims, msg: &RawMessage) -> Self {
+    pub(crate) fn new(consumer_id: &str, claims: MessageClaims, source: Option<String>, msg: &RawMessage) -> Self {
         let payload = msg.payload_bytes().to_vec();
         let effect_key = effect_key(consumer_id, &claims.event_id, DEFAULT_EFFECT_PURPOSE);
         ConsumedEvent {
@@ -115,6 +119,7 @@ impl ConsumedEvent {
             payload,
             payload_digest: claims.payload_digest,
             headers: msg.headers.clone(),
+            source,
             effect_key,
         }
     }
@@ -130,8 +135,10 @@ impl ConsumedEvent {
         self.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
     }
 
-    /// The aggregate header `type/id@version`, split. Informational: the
-    /// aggregate is not covered by the message digests.
+    /// The aggregate header `type/id@version`, split. Its exact text is
+    /// covered by `outbox-claims-digest` (checked before the handler when
+    /// the message has one), but the split is ambiguous for an aggregate
+    /// type containing `/`.
     pub fn aggregate(&self) -> Option<(&str, &str, i64)> {
         let text = std::str::from_utf8(self.header(outbox_core::headers::AGGREGATE)?).ok()?;
         let (ty, rest) = text.split_once('/')?;

@@ -17,7 +17,9 @@
 //!    on the topic, partition and key its frozen destination prescribes. A
 //!    message that fails is **quarantined** with its evidence
 //!    (`outbox_consumer_quarantine`), the handler never sees it, and the
-//!    partition moves on.
+//!    partition moves on. Then the trust checks ([`TrustPolicy`],
+//!    [`verify_message_with`]): the claims digest where present, and on
+//!    topics with a policy the accepted sources and signatures.
 //! 2. **Claim** the receipt `(consumerId, eventId)` in
 //!    `outbox_consumer_receipts` (`INSERT .. ON CONFLICT DO NOTHING`). If it
 //!    exists, the outcome is [`Outcome::Duplicate`] with the original receipt
@@ -99,6 +101,7 @@ mod otel;
 mod outcome;
 mod processor;
 pub mod readiness;
+mod trust;
 mod watermark;
 
 pub use async_trait::async_trait;
@@ -113,7 +116,8 @@ pub use metrics::{ConsumerHistograms, Metrics, MetricsSnapshot};
 pub use prometheus;
 pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
 pub use readiness::ConsumerReadiness;
-pub use processor::{purge_receipts_before, receipt, verify_message, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
+pub use processor::{purge_receipts_before, receipt, verify_message, verify_message_with, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
+pub use trust::{TopicTrust, TrustPolicy, LIMIT_TRUST_ENTRIES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
 
 /// The consumer's migrations (`migrations/`, versions `20261129100001` and

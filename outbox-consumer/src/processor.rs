@@ -30,6 +30,7 @@ use crate::event::{headers_from_json, headers_json, ConsumedEvent, RawMessage, M
 use crate::handler::Handler;
 use crate::metrics::Metrics;
 use crate::outcome::{DeadLettered, Outcome, Position, Quarantined, QuarantineReason, Receipt};
+use crate::trust::TrustPolicy;
 
 /// Largest handler result stored in a receipt, serialized: 1 MiB.
 pub const MAX_RESULT_BYTES: usize = 1024 * 1024;
@@ -56,6 +57,7 @@ pub struct Processor {
     retry: RetryPolicy,
     max_evidence_payload_bytes: usize,
     metrics: Arc<Metrics>,
+    trust: Arc<TrustPolicy>,
 }
 
 impl std::fmt::Debug for Processor {
@@ -128,14 +130,25 @@ pub struct Rejection {
 /// the checks every message passes before a handler may see it. Pure and
 /// total: it answers for any bytes, never panics, and bounds the evidence it
 /// keeps. The [`Processor`] calls exactly this.
+///
+/// This accepts any source (an open [`TrustPolicy`]); the claims digest is
+/// still checked where present. See [`verify_message_with`].
 pub fn verify_message(consumer_id: &str, msg: &RawMessage) -> Result<ConsumedEvent, Rejection> {
+    verify_message_with(consumer_id, msg, &TrustPolicy::default())
+}
+
+/// [`verify_message`] under a trust policy: after the digests and the
+/// placement, the claims digest, the topic's accepted sources and its
+/// signature rules ([`TrustPolicy::check`]).
+pub fn verify_message_with(consumer_id: &str, msg: &RawMessage, trust: &TrustPolicy) -> Result<ConsumedEvent, Rejection> {
     let payload = msg.payload_bytes();
     let verified = match msg.non_utf8_header_names.first() {
         Some(&index) => Err(VerifyError::HeaderName { index }),
-        None => headers::verify(&msg.headers, payload, &msg.topic, msg.partition, msg.key.as_deref()),
+        None => headers::verify(&msg.headers, payload, &msg.topic, msg.partition, msg.key.as_deref())
+            .and_then(|claims| trust.check(&msg.topic, &msg.headers).map(|t| (claims, t.source))),
     };
     match verified {
-        Ok(claims) => Ok(ConsumedEvent::new(consumer_id, claims, msg)),
+        Ok((claims, source)) => Ok(ConsumedEvent::new(consumer_id, claims, source, msg)),
         Err(e) => {
             let event_id = msg
                 .headers
@@ -170,6 +183,12 @@ fn verify_code(e: &VerifyError) -> &'static str {
         VerifyError::DestinationDigest => "destination_digest",
         VerifyError::Placement(_) => "placement",
         VerifyError::HeaderName { .. } => "header_name",
+        VerifyError::ClaimsDigest => "claims_digest",
+        VerifyError::SourceMissing => "source_missing",
+        VerifyError::SourceUnknown(_) => "source_unknown",
+        VerifyError::SignatureMissing => "signature_missing",
+        VerifyError::KeyUnknown(_) => "key_unknown",
+        VerifyError::SignatureBad => "signature_bad",
         _ => "other",
     }
 }
@@ -278,7 +297,21 @@ impl Processor {
             retry: RetryPolicy::default(),
             max_evidence_payload_bytes: DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES,
             metrics: Arc::new(Metrics::default()),
+            trust: Arc::new(TrustPolicy::default()),
         })
+    }
+
+    /// Verifies every message under `trust` (validated): accepted sources
+    /// per topic, signatures and verification keys.
+    pub fn with_trust(mut self, trust: TrustPolicy) -> Result<Self, ConsumerError> {
+        trust.validate()?;
+        self.trust = Arc::new(trust);
+        Ok(self)
+    }
+
+    /// The trust policy in force.
+    pub fn trust(&self) -> &TrustPolicy {
+        &self.trust
     }
 
     /// Replaces the retry policy (validated).
@@ -430,7 +463,7 @@ impl Processor {
 
     /// Verifies one message.
     fn prepare<'a>(&self, msg: &'a RawMessage) -> Prepared<'a> {
-        match verify_message(&self.consumer_id, msg) {
+        match verify_message_with(&self.consumer_id, msg, &self.trust) {
             Ok(event) => Prepared::Event { msg, event },
             Err(Rejection { quarantined, evidence }) => Prepared::Bad { msg, quarantined, evidence },
         }

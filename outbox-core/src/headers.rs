@@ -211,6 +211,25 @@ pub enum VerifyError {
         /// Position of the first such header in wire order.
         index: usize,
     },
+    /// The headers covered by `outboxClaims.v1` do not hash to the
+    /// `outbox-claims-digest` header (see [`crate::trust`]).
+    #[error("the message claims do not hash to outbox-claims-digest")]
+    ClaimsDigest,
+    /// The message names no source (`outbox-source`) where the reader requires one.
+    #[error("no outbox-source header")]
+    SourceMissing,
+    /// The message's source is not one the reader accepts on this topic.
+    #[error("source {0:?} is not accepted on this topic")]
+    SourceUnknown(String),
+    /// The reader requires a signature on this topic and the message has none.
+    #[error("no outbox-signature header where a signature is required")]
+    SignatureMissing,
+    /// The signature names a key id the reader has no key for, for this source.
+    #[error("key id {0:?} is not a verification key of this source")]
+    KeyUnknown(String),
+    /// The signature does not verify under the named key.
+    #[error("the signature does not verify")]
+    SignatureBad,
 }
 
 fn header<'a>(headers: &'a [(String, Vec<u8>)], name: &'static str) -> Result<&'a str, VerifyError> {

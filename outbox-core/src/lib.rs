@@ -49,6 +49,7 @@ pub mod state;
 pub mod store;
 pub mod takeover;
 pub mod trace_context;
+pub mod trust;
 
 pub use canonical::{is_digest, sha256_digest};
 pub use claim::{check_fence, not_sent_backoff_ms, Claim, ClaimToken, Clock, FencedWrite, ManualClock, SystemClock};

@@ -404,6 +404,7 @@ impl MemoryStore {
             // The in-memory store has no source identity: no CloudEvents headers.
             cloudevents: None,
             tracestate: None,
+            source: None,
         }
     }
 

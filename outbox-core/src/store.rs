@@ -74,6 +74,10 @@ pub struct ClaimedEvent {
     pub cloudevents: Option<crate::headers::CloudEventsBinding>,
     /// W3C `tracestate` recorded at emit with the `traceparent`, if any.
     pub tracestate: Option<String>,
+    /// The outbox's source identity, written in `outbox-source` on every
+    /// message (whatever the route's CloudEvents switch); `None` when the
+    /// store has none (the in-memory store).
+    pub source: Option<String>,
 }
 
 impl ClaimedEvent {
@@ -308,6 +312,10 @@ pub struct ScannedMessage {
     pub key: Option<Vec<u8>>,
     /// `sha256:` digest of its value.
     pub payload_digest: String,
+    /// Its `outbox-source` header, if any.
+    pub source: Option<String>,
+    /// Its `outbox-attempt-id` header, if any.
+    pub attempt_id: Option<String>,
 }
 
 /// The answer of [`Broker::scan_event_ids`].

@@ -10,6 +10,9 @@
 //!   append-only, so the choice is fixed at commit: a later revision that
 //!   switches CloudEvents off affects only events emitted after it.
 //!
+//! * `outbox-source` carries the same identity on every message, whatever
+//!   the route's CloudEvents switch ([`outbox_core::trust`]).
+//!
 //! Both are immutable, so a store reads each once and keeps it.
 
 use std::collections::HashMap;
@@ -58,6 +61,7 @@ impl CloudEventsCache {
         }
         for (e, b) in events.iter_mut().zip(bindings) {
             e.cloudevents = b;
+            e.source = Some(source.clone());
         }
         true
     }
@@ -112,6 +116,7 @@ impl CloudEventsCache {
                 None => Some(DEFAULT_CONTENT_TYPE.to_owned()),
             };
             e.cloudevents = content_type.map(|content_type| CloudEventsBinding { source: source.clone(), content_type });
+            e.source = Some(source.clone());
         }
         known.routes.extend(found);
         Ok(())

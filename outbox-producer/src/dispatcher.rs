@@ -122,6 +122,36 @@ pub struct DispatcherConfig {
     pub alias: Option<String>,
     /// This instance's implementation name, e.g. `outbox-rs/0.1.0`.
     pub implementation: String,
+    /// Message authentication: with a key, every message carries
+    /// `outbox-key-id` and `outbox-signature`, an HMAC-SHA256 of its
+    /// `outboxClaims.v1` record ([`outbox_core::trust`]). `None`: unsigned
+    /// (the source and the claims digest are still written).
+    pub signing: Option<SigningConfig>,
+}
+
+/// The dispatcher's signing key (`[dispatch.signing]`, or
+/// `OUTBOX_DISPATCH_SIGNING_KEY_ID` and `OUTBOX_DISPATCH_SIGNING_SECRET_HEX`).
+/// Its `Debug` never shows the secret.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SigningConfig {
+    /// The key id consumers look the verification key up by, e.g. `2026-12`.
+    pub key_id: String,
+    /// The secret, hex (16..=64 bytes: 32..=128 hex digits).
+    pub secret_hex: String,
+}
+
+impl std::fmt::Debug for SigningConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SigningConfig").field("key_id", &self.key_id).field("secret_hex", &"***").finish()
+    }
+}
+
+impl SigningConfig {
+    /// The key, checked.
+    pub fn key(&self) -> Result<outbox_core::trust::SigningKey, ProducerError> {
+        outbox_core::trust::SigningKey::from_hex(&self.key_id, &self.secret_hex).map_err(|e| ProducerError::Config(format!("dispatch.signing: {e}")))
+    }
 }
 
 impl Default for DispatcherConfig {
@@ -139,6 +169,7 @@ impl Default for DispatcherConfig {
             listen: true,
             alias: None,
             implementation: IMPLEMENTATION.to_owned(),
+            signing: None,
         }
     }
 }
@@ -181,7 +212,8 @@ impl DispatcherConfig {
 
     /// Applies `OUTBOX_DISPATCH_NAME`, `_WORKERS`, `_BATCH_SIZE`, `_LEASE_MS`,
     /// `_POLL_INTERVAL_MS`, `_SWEEP_INTERVAL_MS`, `_HEAD_SCAN_EVERY`,
-    /// `_SHUTDOWN_GRACE_MS`, `_RECORD_RETRY_MS`, `_LISTEN`, `_ALIAS`, `_IMPLEMENTATION`.
+    /// `_SHUTDOWN_GRACE_MS`, `_RECORD_RETRY_MS`, `_LISTEN`, `_ALIAS`, `_IMPLEMENTATION`,
+    /// `_SIGNING_KEY_ID` with `_SIGNING_SECRET_HEX` (both or neither).
     pub fn with_env(mut self) -> Result<Self, ProducerError> {
         env_parse("OUTBOX_DISPATCH_NAME", &mut self.name)?;
         env_parse("OUTBOX_DISPATCH_WORKERS", &mut self.workers)?;
@@ -197,6 +229,13 @@ impl DispatcherConfig {
             self.alias = Some(a.trim().to_owned()).filter(|a| !a.is_empty());
         }
         env_parse("OUTBOX_DISPATCH_IMPLEMENTATION", &mut self.implementation)?;
+        let key_id = std::env::var("OUTBOX_DISPATCH_SIGNING_KEY_ID").ok().filter(|v| !v.trim().is_empty());
+        let secret = std::env::var("OUTBOX_DISPATCH_SIGNING_SECRET_HEX").ok().filter(|v| !v.trim().is_empty());
+        match (key_id, secret) {
+            (Some(key_id), Some(secret_hex)) => self.signing = Some(SigningConfig { key_id: key_id.trim().to_owned(), secret_hex }),
+            (None, None) => {}
+            _ => return Err(ProducerError::Config("set both OUTBOX_DISPATCH_SIGNING_KEY_ID and OUTBOX_DISPATCH_SIGNING_SECRET_HEX, or neither".into())),
+        }
         self.validate()?;
         Ok(self)
     }
@@ -226,6 +265,9 @@ impl DispatcherConfig {
         }
         if self.record_retry_ms > MAX_RECORD_RETRY_MS {
             return bad(format!("record_retry_ms = {} (0..={MAX_RECORD_RETRY_MS})", self.record_retry_ms));
+        }
+        if let Some(s) = &self.signing {
+            s.key()?;
         }
         Ok(())
     }
@@ -391,6 +433,8 @@ pub struct Dispatcher<B: Broker + 'static> {
     claim_turn: tokio::sync::Mutex<()>,
     /// Checked before each claim.
     gate: Gate,
+    /// [`DispatcherConfig::signing`], parsed.
+    signer: Option<outbox_core::trust::SigningKey>,
 }
 
 /// Hands `message` to the broker client only while `deadline` (the claim's
@@ -413,7 +457,19 @@ pub const TRACESTATE_HEADER: &str = "tracestate";
 /// Builds the message for one attempt of one claimed event: the outbox
 /// headers, then the CloudEvents headers when its route generation has them on.
 pub fn outgoing_message(event: &ClaimedEvent, attempt: &AttemptRecord) -> OutgoingMessage {
+    outgoing_message_signed(event, attempt, None)
+}
+
+/// [`outgoing_message`], plus the source and claims digest (when the store
+/// knows its source) and, with `key`, the signature ([`outbox_core::trust::seal`]).
+pub fn outgoing_message_signed(event: &ClaimedEvent, attempt: &AttemptRecord, key: Option<&outbox_core::trust::SigningKey>) -> OutgoingMessage {
     let mut headers = headers::build(&event.envelope, &event.destination, &event.destination_digest, &attempt.attempt_id, event.traceparent.as_deref());
+    if let Some(source) = &event.source {
+        if let Err(e) = outbox_core::trust::seal(&mut headers, source, key) {
+            // Unreachable: `build` writes every covered header.
+            tracing::error!(event_id = %event.envelope.event_id, error = %e, "could not seal the message claims");
+        }
+    }
     if let Some(binding) = &event.cloudevents {
         headers.extend(headers::cloudevents(&event.envelope, binding));
     }
@@ -435,6 +491,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
     /// claimed here.
     pub fn new(store: PgStore, broker: Arc<B>, config: DispatcherConfig) -> Result<Self, ProducerError> {
         config.validate()?;
+        let signer = config.signing.as_ref().map(SigningConfig::key).transpose()?;
         let store = store.scoped_to_cluster(broker.cluster_id());
         Ok(Dispatcher {
             store,
@@ -444,6 +501,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
             alias_checked: std::sync::Mutex::new(None),
             claim_turn: tokio::sync::Mutex::new(()),
             gate: Gate(None),
+            signer,
         })
     }
 
@@ -569,7 +627,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
             match reg {
                 Ok(attempt) => {
                     let send_deadline = now + Duration::from_millis(ev.token.lease_until_ms.saturating_sub(now_ms).max(0) as u64);
-                    let message = outgoing_message(&ev, &attempt);
+                    let message = outgoing_message_signed(&ev, &attempt, self.signer.as_ref());
                     let broker = self.broker.clone();
                     let span = tracing::info_span!("outbox_send", event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id,
                         topic = %ev.destination.topic, partition = ev.destination.partition);

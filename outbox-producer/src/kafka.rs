@@ -1291,10 +1291,14 @@ impl Broker for KafkaBroker {
             let _permit = permit;
             let mut messages = Vec::new();
             let (next_offset, log_end) = scan_range(&config, &req, Some(req.max_messages), |msg| {
-                let event_id = message_headers(msg).into_iter().rev().find(|(k, _)| k == headers::EVENT_ID).map(|(_, v)| String::from_utf8_lossy(&v).into_owned());
+                let hs = message_headers(msg);
+                let text = |name: &str| hs.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
+                let (event_id, source, attempt_id) = (text(headers::EVENT_ID), text(outbox_core::trust::SOURCE), text(headers::ATTEMPT_ID));
                 messages.push(ScannedMessage {
                     offset: msg.offset(),
                     event_id,
+                    source,
+                    attempt_id,
                     key: msg.key().map(<[u8]>::to_vec),
                     payload_digest: sha256_digest(msg.payload().unwrap_or_default()),
                 });

@@ -30,14 +30,14 @@ pub mod rollout;
 pub mod routes;
 mod topic_scan;
 
-pub use dispatcher::{until_true, BatchReport, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch};
+pub use dispatcher::{until_true, BatchReport, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch, SigningConfig};
 pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
 pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};
 pub use migration::{migrate_destination, MigrationOutcome};
 pub use pg::PgStore;
 pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport};
-pub use report::{build_report, ReconcilerRound, Report, ReportOptions, SloVerdict};
+pub use report::{build_report, consumer_decisions, ConsumerDecisions, ReconcilerRound, Report, ReportOptions, SloVerdict};
 pub use routes::EnsuredRoute;
 pub use rollout::{compare_shadow, set_takeover, switch_alias, ShadowDispatcher, ShadowReport};
 pub use retention::{purge, register_consumer, PurgeReport, RetentionPolicy};

@@ -49,7 +49,16 @@ pub struct ReconcilerConfig {
     pub history_keep_ms: i64,
     /// Pause between two rounds of [`Reconciler::run`], ms.
     pub interval_ms: u64,
+    /// Source identities of other outboxes declared to write this outbox's
+    /// topics too (two outbox databases writing one topic must be declared):
+    /// the bypass scan leaves their messages alone. A message whose
+    /// `outbox-source` is neither this outbox's nor declared is the finding
+    /// `foreign_source`. At most [`MAX_DECLARED_SOURCES`].
+    pub declared_sources: Vec<String>,
 }
+
+/// Most [`ReconcilerConfig::declared_sources`].
+pub const MAX_DECLARED_SOURCES: usize = 100;
 
 impl Default for ReconcilerConfig {
     fn default() -> Self {
@@ -67,6 +76,7 @@ impl Default for ReconcilerConfig {
             max_findings_per_kind: 1_000,
             history_keep_ms: 7 * 24 * 3_600_000,
             interval_ms: 10_000,
+            declared_sources: Vec::new(),
         }
     }
 }
@@ -89,12 +99,27 @@ pub struct CompareReport {
     pub published_without_receipt: usize,
     /// Messages read by the bypass check.
     pub scanned_messages: usize,
+    /// Messages whose `outbox-source` is another outbox's, not declared (this round).
+    pub foreign_source: usize,
+    /// Copies of a published event, byte-identical, at a position that is
+    /// neither its primary receipt nor a recorded duplicate transport receipt (this round).
+    pub unrecorded_copy: usize,
+    /// Messages with a published event's id whose bytes differ from the event's (this round).
+    pub divergent_copy: usize,
 }
 
 impl CompareReport {
     /// Total findings.
     pub fn total(&self) -> usize {
-        self.aged_pending + self.unconsumed_published + self.bypass_publish + self.unknown_past_slo + self.quarantined + self.published_without_receipt
+        self.aged_pending
+            + self.unconsumed_published
+            + self.bypass_publish
+            + self.unknown_past_slo
+            + self.quarantined
+            + self.published_without_receipt
+            + self.foreign_source
+            + self.unrecorded_copy
+            + self.divergent_copy
     }
 }
 
@@ -134,6 +159,12 @@ impl<B: Broker + 'static> Reconciler<B> {
         outbox_core::claim::validate_lease_ms(config.lease_ms)?;
         outbox_core::check_in_flight_bound(config.retry.in_flight_bound_ms, broker.max_in_flight_ms(), config.clock_skew_allowance_ms)
             .map_err(|e| ProducerError::Config(format!("retry.{e}")))?;
+        if config.declared_sources.len() > MAX_DECLARED_SOURCES {
+            return Err(ProducerError::Config(format!("declared_sources: {} (..={MAX_DECLARED_SOURCES})", config.declared_sources.len())));
+        }
+        for s in &config.declared_sources {
+            outbox_core::headers::validate_source(s).map_err(|e| ProducerError::Config(format!("declared_sources: {e}")))?;
+        }
         Ok(Reconciler { store, broker, config, last_examined: std::sync::atomic::AtomicUsize::new(0) })
     }
 
@@ -339,6 +370,9 @@ impl<B: Broker + 'static> Reconciler<B> {
                 "bypass_publish" => report.bypass_publish += 1,
                 "unknown_past_slo" => report.unknown_past_slo += 1,
                 "published_without_receipt" => report.published_without_receipt += 1,
+                "foreign_source" => report.foreign_source += 1,
+                "unrecorded_copy" => report.unrecorded_copy += 1,
+                "divergent_copy" => report.divergent_copy += 1,
                 _ => report.quarantined += 1,
             }
         }
@@ -428,11 +462,17 @@ impl<B: Broker + 'static> Reconciler<B> {
 
     /// Reads every routed topic of this broker's cluster from its cursor and
     /// reports messages whose eventId the outbox never committed, or that
-    /// carry none.
+    /// carry none (`bypass_publish`); messages another, undeclared outbox
+    /// wrote (`foreign_source`); and copies of published events at a
+    /// position that is neither their primary receipt nor a recorded
+    /// duplicate transport receipt, byte-identical (`unrecorded_copy`) or
+    /// not (`divergent_copy`). A copy whose attempt's answer is not recorded
+    /// yet (SENDING, UNKNOWN) is left to the dispatcher and the lookups.
     async fn scan_for_bypass(&self, now: i64) -> Result<(Vec<(&'static str, String, String, i64, String)>, usize), ProducerError> {
         let pool = self.store.pool();
         let cluster = self.broker.cluster_id().to_owned();
         let topics = crate::topic_scan::routed_topics(pool, &cluster).await?;
+        let own_source = crate::cloudevents::source(pool).await?;
         let mut found = Vec::new();
         let mut lost: Vec<(&'static str, String, String)> = Vec::new();
         let mut scanned = 0;
@@ -450,15 +490,27 @@ impl<B: Broker + 'static> Reconciler<B> {
                 let ids: Vec<String> = scan.messages.iter().filter_map(|m| m.event_id.clone()).collect();
                 let known: std::collections::HashSet<String> =
                     sqlx::query_scalar::<_, String>("SELECT event_id FROM outbox_events WHERE event_id = ANY($1)").bind(&ids).fetch_all(pool).await?.into_iter().collect();
+                let offsets: Vec<i64> = scan.messages.iter().map(|m| m.offset).collect();
+                let copies = self.copies_of_known(&cluster, &topic, partition, &offsets, &known).await?;
                 let mut tx = pool.begin().await?;
                 for m in &scan.messages {
-                    if m.event_id.as_ref().is_some_and(|id| known.contains(id)) {
+                    let foreign = m.source.as_deref().filter(|s| *s != own_source);
+                    if foreign.is_some_and(|s| self.config.declared_sources.iter().any(|d| d == s)) {
                         continue;
+                    }
+                    if foreign.is_none() {
+                        if let Some(id) = m.event_id.as_ref().filter(|id| known.contains(*id)) {
+                            if let Some(kind) = copies.judge(id, m) {
+                                let what = if kind == "unrecorded_copy" { "a byte-identical copy" } else { "a copy with other bytes" };
+                                found.push((kind, id.clone(), String::new(), 0, format!("{what} of the published event at {cluster}/{topic}/{partition}@{}, neither its primary receipt nor a recorded duplicate", m.offset)));
+                            }
+                            continue;
+                        }
                     }
                     let label = m.event_id.clone().unwrap_or_else(|| format!("no-event-id@{topic}/{partition}/{}", m.offset));
                     sqlx::query(
-                        "INSERT INTO outbox_bypass_messages (cluster_id, topic, partition, \"offset\", event_id, seen_at_ms)
-                         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                        "INSERT INTO outbox_bypass_messages (cluster_id, topic, partition, \"offset\", event_id, seen_at_ms, source)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
                     )
                     .bind(&cluster)
                     .bind(&topic)
@@ -466,14 +518,19 @@ impl<B: Broker + 'static> Reconciler<B> {
                     .bind(m.offset)
                     .bind(m.event_id.as_deref())
                     .bind(now)
+                    .bind(m.source.as_deref())
                     .execute(&mut *tx)
                     .await?;
+                    if let Some(s) = foreign {
+                        let s: String = s.chars().take(200).collect();
+                        found.push(("foreign_source", label, String::new(), 0, format!("message of source {s} at {topic}/{partition}@{}: another outbox writes this topic (declare it, or stop it)", m.offset)));
+                        continue;
+                    }
                     let why = if m.event_id.is_some() { "eventId in the topic that the outbox never committed" } else { "message without an outbox eventId" };
                     found.push(("bypass_publish", label, String::new(), 0, format!("{why} at {topic}/{partition}@{}", m.offset)));
                 }
                 // Receipts whose position now holds another message (or one
                 // without an eventId): the log they were recorded in is gone.
-                let offsets: Vec<i64> = scan.messages.iter().map(|m| m.offset).collect();
                 let at: HashMap<i64, Option<&str>> = scan.messages.iter().map(|m| (m.offset, m.event_id.as_deref())).collect();
                 for r in sqlx::query(
                     "SELECT event_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
@@ -539,6 +596,46 @@ impl<B: Broker + 'static> Reconciler<B> {
             tx.commit().await?;
         }
         Ok((found, scanned))
+    }
+
+    /// What the outbox recorded about the known events among scanned
+    /// messages: their receipt positions (primary and duplicate) at
+    /// `offsets`, their payload digests, and their attempts still awaiting an answer.
+    async fn copies_of_known(&self, cluster: &str, topic: &str, partition: i32, offsets: &[i64], known: &std::collections::HashSet<String>) -> Result<Copies, ProducerError> {
+        let pool = self.store.pool();
+        let ids: Vec<&str> = known.iter().map(String::as_str).collect();
+        let mut c = Copies::default();
+        if ids.is_empty() {
+            return Ok(c);
+        }
+        for r in sqlx::query(
+            "SELECT event_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)
+             UNION ALL
+             SELECT event_id, \"offset\" FROM outbox_duplicate_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
+        )
+        .bind(cluster)
+        .bind(topic)
+        .bind(partition)
+        .bind(offsets)
+        .fetch_all(pool)
+        .await?
+        {
+            c.recorded.insert((r.try_get("event_id")?, r.try_get("offset")?));
+        }
+        for r in sqlx::query(
+            "SELECT e.event_id, e.payload_digest FROM outbox_events e WHERE e.event_id = ANY($1)
+               AND EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation)",
+        )
+        .bind(&ids)
+        .fetch_all(pool)
+        .await?
+        {
+            c.published.insert(r.try_get("event_id")?, r.try_get("payload_digest")?);
+        }
+        for r in sqlx::query("SELECT attempt_id FROM outbox_attempts WHERE event_id = ANY($1) AND state IN ('SENDING', 'UNKNOWN')").bind(&ids).fetch_all(pool).await? {
+            c.open_attempts.insert(r.try_get("attempt_id")?);
+        }
+        Ok(c)
     }
 
     /// One full round: resolve due UNKNOWNs, then compare the three sets
@@ -630,5 +727,27 @@ impl<B: Broker + 'static> Reconciler<B> {
         let mut opts = crate::report::ReportOptions::at(self.store.now_ms());
         opts.unknown_slo_ms = self.config.unknown_slo_ms;
         crate::report::build_report(self.store.pool(), &opts).await
+    }
+}
+
+/// See [`Reconciler::copies_of_known`].
+#[derive(Debug, Default)]
+struct Copies {
+    /// (eventId, offset) of every receipt, primary or duplicate, at the scanned offsets.
+    recorded: std::collections::HashSet<(String, i64)>,
+    /// Published events (a primary receipt exists) and their payload digests.
+    published: HashMap<String, String>,
+    /// Attempts whose broker answer is not recorded yet.
+    open_attempts: std::collections::HashSet<String>,
+}
+
+impl Copies {
+    /// The finding a message of known event `id` makes, if any.
+    fn judge(&self, id: &str, m: &outbox_core::ScannedMessage) -> Option<&'static str> {
+        let digest = self.published.get(id)?;
+        if self.recorded.contains(&(id.to_owned(), m.offset)) || m.attempt_id.as_ref().is_some_and(|a| self.open_attempts.contains(a)) {
+            return None;
+        }
+        Some(if *digest == m.payload_digest { "unrecorded_copy" } else { "divergent_copy" })
     }
 }

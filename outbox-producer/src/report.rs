@@ -48,7 +48,8 @@ pub mod pairs {
 #[serde(rename_all = "camelCase")]
 pub struct Finding {
     /// `aged_pending`, `unconsumed_published`, `bypass_publish`, `unknown_past_slo`, `quarantined`,
-    /// `absence_proof_refuted`, `unregistered_message`, `receipt_position_lost`, `log_unavailable`, `published_without_receipt`.
+    /// `absence_proof_refuted`, `unregistered_message`, `receipt_position_lost`, `log_unavailable`, `published_without_receipt`,
+    /// `foreign_source`, `unrecorded_copy`, `divergent_copy`, ... (docs/OPERATIONS.md).
     pub kind: String,
     /// The event concerned (or the eventId found in the topic, for a bypass).
     pub event_id: String,
@@ -78,6 +79,65 @@ pub struct ConsumerLag {
     pub published_end_offset: i64,
     /// Published events at or above the committed offset.
     pub lag_events: i64,
+}
+
+/// What one consumer decided without an effect: its quarantines (by reason)
+/// and dead letters, from `outbox_consumer_quarantine` and
+/// `outbox_consumer_dead_letters` where those tables are in the outbox
+/// database (a consumer sharing it, or one that copies them there).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumerDecisions {
+    /// Consumer.
+    pub consumer_id: String,
+    /// Quarantined messages.
+    pub quarantined: i64,
+    /// Quarantines per reason (`verify:source_unknown`, `divergent_duplicate`, ...).
+    pub quarantined_by_reason: Vec<(String, i64)>,
+    /// Dead-lettered events.
+    pub dead_lettered: i64,
+}
+
+/// Most consumers [`consumer_decisions`] lists.
+pub const MAX_CONSUMER_DECISIONS: i64 = 1_000;
+
+/// Quarantines and dead letters per consumer, read from the outbox database
+/// (empty where the consumer tables are not there or this role may not read them).
+pub async fn consumer_decisions(pool: &PgPool) -> Result<Vec<ConsumerDecisions>, ProducerError> {
+    // Absent, or not readable by this role: nothing to show (never an error).
+    let (q, d): (bool, bool) = sqlx::query_as(
+        "SELECT coalesce(has_table_privilege(to_regclass('outbox_consumer_quarantine'), 'SELECT'), false),
+                coalesce(has_table_privilege(to_regclass('outbox_consumer_dead_letters'), 'SELECT'), false)",
+    )
+        .fetch_one(pool)
+        .await?;
+    let mut out: std::collections::BTreeMap<String, ConsumerDecisions> = std::collections::BTreeMap::new();
+    fn entry<'a>(out: &'a mut std::collections::BTreeMap<String, ConsumerDecisions>, c: String) -> &'a mut ConsumerDecisions {
+        out.entry(c.clone()).or_insert_with(|| ConsumerDecisions { consumer_id: c, quarantined: 0, quarantined_by_reason: Vec::new(), dead_lettered: 0 })
+    }
+    if q {
+        let rows: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT consumer_id, reason, count(*) FROM outbox_consumer_quarantine
+             WHERE consumer_id IN (SELECT DISTINCT consumer_id FROM outbox_consumer_quarantine ORDER BY consumer_id LIMIT $1)
+             GROUP BY consumer_id, reason ORDER BY consumer_id, reason",
+        )
+        .bind(MAX_CONSUMER_DECISIONS)
+        .fetch_all(pool)
+        .await?;
+        for (c, reason, n) in rows {
+            let e = entry(&mut out, c);
+            e.quarantined += n;
+            e.quarantined_by_reason.push((reason, n));
+        }
+    }
+    if d {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT consumer_id, count(*) FROM outbox_consumer_dead_letters GROUP BY consumer_id ORDER BY consumer_id LIMIT $1").bind(MAX_CONSUMER_DECISIONS).fetch_all(pool).await?;
+        for (c, n) in rows {
+            entry(&mut out, c).dead_lettered += n;
+        }
+    }
+    Ok(out.into_values().collect())
 }
 
 /// One bucket of a histogram.
@@ -188,6 +248,9 @@ pub struct Report {
     pub last_reconciler_round: Option<ReconcilerRound>,
     /// The UNKNOWN SLO verdict (one source: [`slo_verdict`], with the SLO the last reconciler round recorded).
     pub unknown_slo_verdict: SloVerdict,
+    /// Quarantines and dead letters per consumer (where the consumer tables
+    /// are in the outbox database).
+    pub consumer_decisions: Vec<ConsumerDecisions>,
 }
 
 use sqlx::{PgPool, Row};
@@ -423,6 +486,7 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
         consumer_lag,
         history,
         findings,
+        consumer_decisions: consumer_decisions(pool).await?,
     })
 }
 
@@ -490,6 +554,10 @@ impl Report {
         }
         for l in &self.consumer_lag {
             let _ = writeln!(out, "  lag {} {}/{}/{}: committed {} of {} ({} behind)", l.consumer_id, l.cluster_id, l.topic, l.partition, l.committed_offset, l.published_end_offset, l.lag_events);
+        }
+        for c in &self.consumer_decisions {
+            let reasons: Vec<String> = c.quarantined_by_reason.iter().map(|(r, n)| format!("{r}={n}")).collect();
+            let _ = writeln!(out, "  consumer {} quarantined {} [{}] dead-lettered {}", c.consumer_id, c.quarantined, reasons.join(" "), c.dead_lettered);
         }
         if self.findings.is_empty() {
             let _ = writeln!(out, "  findings                  none");

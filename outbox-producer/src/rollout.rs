@@ -120,6 +120,7 @@ impl ShadowDispatcher {
                 traceparent: r.try_get("traceparent")?,
                 cloudevents: None,
                 tracestate: r.try_get("tracestate")?,
+                source: None,
                 envelope,
                 destination,
             };

@@ -258,11 +258,15 @@ async fn the_python_verifier_checks_every_dispatched_message_and_catches_tamperi
     let mut c = good.clone();
     c.3.retain(|(k, _)| k != headers::ATTEMPT_ID);
     cases.push(("header outbox-attempt-id missing", c));
+    // Another tenant's name on the real bytes: only the claims digest shows it.
+    let mut c = good.clone();
+    replace_header(&mut c.3, headers::TENANT, b"tenant-other".to_vec());
+    cases.push(("claims digest", c));
     // Appended to the same topic (placement is part of what is checked).
     produce_raw(&cluster.bootstrap, topic, &cases.iter().map(|(_, m)| m.clone()).collect::<Vec<_>>());
-    let (code, lines, stderr) = run_python("verify.py", &["--bootstrap", &cluster.bootstrap, "--topic", topic, "--expect", "47"]);
+    let (code, lines, stderr) = run_python("verify.py", &["--bootstrap", &cluster.bootstrap, "--topic", topic, "--expect", "48"]);
     assert_eq!(code, 1, "verify.py must fail: {stderr}\n{}", lines.join("\n"));
-    assert_eq!(lines.last().map(String::as_str), Some("verified: 41 passed, 6 failed"));
+    assert_eq!(lines.last().map(String::as_str), Some("verified: 41 passed, 7 failed"));
     let results: Vec<Value> = lines[..lines.len() - 1].iter().map(|l| serde_json::from_str(l).unwrap()).collect();
     for (what, _) in &cases[1..] {
         let hits = results.iter().filter(|r| r["errors"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().starts_with(what))).count();

@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use outbox_core::headers::{self, CloudEventsBinding};
+use outbox_core::trust::{self, SigningKey};
 use outbox_core::envelope::murmur2;
 use outbox_core::{takeover_bucket, AttemptId, EmitRequest, EventId, Ordering, Partitioner, RoutePolicy};
 
@@ -61,6 +62,11 @@ fn generated() -> String {
     let destination_bytes = destination.canonical_bytes();
     let envelope_bytes = envelope.canonical_bytes();
     let mut hs = headers::build(&envelope, &destination, &destination.digest(), &attempt_id, None);
+    // An example key (never use a published secret).
+    let secret_hex = "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f";
+    let key = SigningKey::from_hex("k-2026-12", secret_hex).unwrap();
+    trust::seal(&mut hs, &binding.source, Some(&key)).unwrap();
+    let claims = trust::claims_bytes(&hs).unwrap();
     hs.extend(headers::cloudevents(&envelope, &binding));
     let m = murmur2(destination.routing_key.as_bytes());
     let effect = outbox_consumer::effect_key("billing", &event_id, "charge");
@@ -104,6 +110,15 @@ fn generated() -> String {
         text_lines(&envelope_bytes),
         envelope.digest()
     );
+    let _ = writeln!(
+        o,
+        "**`outboxClaims.v1`** ({} bytes; source `{}`, the header texts of the message):\n\n```text\n{}```\n\n`claimsDigest` = `{}`\n\nSigned with the example key `k-2026-12`, secret (hex) `{secret_hex}`: HMAC-SHA256 = `{}`\n",
+        claims.len(),
+        binding.source,
+        text_lines(&claims),
+        outbox_core::sha256_digest(&claims),
+        key.sign(&claims)
+    );
     o.push_str("**Headers** of the message (in this order; the key is the routing key, the value the payload):\n\n| header | value |\n|---|---|\n");
     for (k, v) in &hs {
         let shown = if k == headers::DESTINATION { format!("the {} `destination.v1` bytes above", v.len()) } else { format!("`{}`", String::from_utf8_lossy(v)) };
@@ -134,6 +149,10 @@ fn generated() -> String {
         "ceTime": headers::rfc3339_ms(occurred_at_ms),
         "takeoverBucket": takeover_bucket(&event_id),
         "effectKey": {"consumerId": "billing", "purpose": "charge", "key": effect},
+        "claimsHex": hex::encode(&claims),
+        "claimsDigest": outbox_core::sha256_digest(&claims),
+        "signingKey": {"source": binding.source, "keyId": key.key_id(), "secretHex": secret_hex},
+        "signature": key.sign(&claims),
         "headers": hs.iter().map(|(k, v)| serde_json::json!([k, hex::encode(v)])).collect::<Vec<_>>(),
     });
     let _ = writeln!(o, "The same, for programs (`interop/verify.py --self-test` recomputes every value from the inputs):\n\n```json wire-example\n{}\n```\n", serde_json::to_string_pretty(&json).unwrap());
