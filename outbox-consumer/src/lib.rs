@@ -97,6 +97,7 @@ mod metrics;
 mod outcome;
 mod processor;
 mod watermark;
+mod watermark_publisher;
 
 pub use async_trait::async_trait;
 pub use config::*;
@@ -108,6 +109,7 @@ pub use metrics::{Metrics, MetricsSnapshot};
 pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
 pub use processor::{purge_receipts_before, receipt, verify_message, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
+pub use watermark_publisher::{SHARED_KAFKA_PROPERTY_PREFIXES, WATERMARK_TOPIC_PARTITIONS};
 
 /// The consumer's migrations (`migrations/`, versions `20261129100001` and
 /// up), for `#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]` and tools.
