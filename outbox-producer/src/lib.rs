@@ -27,13 +27,15 @@ pub mod retention;
 pub mod rollout;
 pub mod routes;
 mod topic_scan;
+pub mod watermark_topic;
 
 pub use dispatcher::{BatchReport, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch};
 pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
 pub use error::ProducerError;
 pub use migration::{migrate_destination, MigrationOutcome};
 pub use pg::PgStore;
-pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport};
+pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport, DEFAULT_STALE_WATERMARK_AFTER_MS};
+pub use watermark_topic::{IngestReport, WatermarkTopicConfig, WatermarkTopicReader};
 pub use report::{build_report, Report, ReportOptions};
 pub use rollout::{compare_shadow, set_takeover, switch_alias, ShadowDispatcher, ShadowReport};
 pub use retention::{purge, register_consumer, PurgeReport, RetentionPolicy};

@@ -18,6 +18,10 @@ use crate::error::ProducerError;
 use crate::topic_scan::Cursors;
 use crate::pg::PgStore;
 
+/// Default [`ReconcilerConfig::stale_watermark_after_ms`]: 60 s, twelve of
+/// the consumer's default publication intervals.
+pub const DEFAULT_STALE_WATERMARK_AFTER_MS: i64 = 60_000;
+
 /// Reconciler settings; every threshold has its unit in its name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReconcilerConfig {
@@ -45,6 +49,9 @@ pub struct ReconcilerConfig {
     pub published_check_batch: i64,
     /// Most findings of one kind recorded per round.
     pub max_findings_per_kind: i64,
+    /// A declared consumer that published its watermarks over the broker and
+    /// whose last acceptable record is older than this is `stale_watermark`, ms.
+    pub stale_watermark_after_ms: i64,
     /// State snapshots older than this are dropped, ms.
     pub history_keep_ms: i64,
 }
@@ -63,6 +70,7 @@ impl Default for ReconcilerConfig {
             bypass_scan_max_messages: 10_000,
             published_check_batch: 10_000,
             max_findings_per_kind: 1_000,
+            stale_watermark_after_ms: DEFAULT_STALE_WATERMARK_AFTER_MS,
             history_keep_ms: 7 * 24 * 3_600_000,
         }
     }
@@ -84,6 +92,8 @@ pub struct CompareReport {
     /// PUBLISHED, RETAINED or PURGED events without a primary receipt found
     /// by this round's part of the sweep.
     pub published_without_receipt: usize,
+    /// Declared consumers whose watermark records stopped arriving.
+    pub stale_watermark: usize,
     /// Messages read by the bypass check.
     pub scanned_messages: usize,
 }
@@ -91,7 +101,7 @@ pub struct CompareReport {
 impl CompareReport {
     /// Total findings.
     pub fn total(&self) -> usize {
-        self.aged_pending + self.unconsumed_published + self.bypass_publish + self.unknown_past_slo + self.quarantined + self.published_without_receipt
+        self.aged_pending + self.unconsumed_published + self.bypass_publish + self.unknown_past_slo + self.quarantined + self.published_without_receipt + self.stale_watermark
     }
 }
 
@@ -129,6 +139,9 @@ impl<B: Broker + 'static> Reconciler<B> {
         outbox_core::claim::validate_lease_ms(config.lease_ms)?;
         outbox_core::check_in_flight_bound(config.retry.in_flight_bound_ms, broker.max_in_flight_ms(), config.clock_skew_allowance_ms)
             .map_err(|e| ProducerError::Config(format!("retry.{e}")))?;
+        if config.stale_watermark_after_ms < 1_000 {
+            return Err(ProducerError::Config(format!("stale_watermark_after_ms {} (at least 1000)", config.stale_watermark_after_ms)));
+        }
         Ok(Reconciler { store, broker, config })
     }
 
@@ -310,6 +323,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         let (bypass, scanned) = self.scan_for_bypass(now).await?;
         found.extend(bypass);
         found.extend(self.sweep_published_without_receipt(now).await?);
+        found.extend(crate::watermark_topic::stale_findings(pool, now, self.config.stale_watermark_after_ms, limit).await?);
 
         let mut report = CompareReport { scanned_messages: scanned, ..Default::default() };
         for (kind, ..) in &found {
@@ -319,6 +333,7 @@ impl<B: Broker + 'static> Reconciler<B> {
                 "bypass_publish" => report.bypass_publish += 1,
                 "unknown_past_slo" => report.unknown_past_slo += 1,
                 "published_without_receipt" => report.published_without_receipt += 1,
+                "stale_watermark" => report.stale_watermark += 1,
                 _ => report.quarantined += 1,
             }
         }
