@@ -283,6 +283,15 @@ pub struct ReconcileArgs {
     /// Most messages the bypass-publish check reads per partition per round [default: 10000].
     #[arg(long, value_name = "N")]
     pub bypass_scan_max_messages: Option<u64>,
+    /// The compacted topic consumers publish their watermarks to (on the cluster of --kafka-bootstrap), read and applied each round [default: outbox.watermarks].
+    #[arg(long, value_name = "TOPIC")]
+    pub watermark_topic: Option<String>,
+    /// Do not read the watermark topic (consumers copy their watermarks into the outbox database themselves).
+    #[arg(long)]
+    pub no_watermark_topic: bool,
+    /// A declared consumer whose watermark records stopped arriving this long ago is `stale_watermark` [default: 60000].
+    #[arg(long, value_name = "MS")]
+    pub stale_watermark_after_ms: Option<i64>,
     /// Serve Prometheus metrics on HOST:PORT at /metrics (see outbox-cli/METRICS.md).
     #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,

@@ -352,9 +352,29 @@ fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
     c.unconsumed_after_ms = a.unconsumed_after_ms.or(f.unconsumed_after_ms).unwrap_or(c.unconsumed_after_ms);
     c.unknown_slo_ms = a.unknown_slo_ms.or(f.unknown_slo_ms).unwrap_or(c.unknown_slo_ms);
     c.bypass_scan_max_messages = a.bypass_scan_max_messages.or(f.bypass_scan_max_messages).unwrap_or(c.bypass_scan_max_messages);
+    c.stale_watermark_after_ms = a.stale_watermark_after_ms.or(f.stale_watermark_after_ms).unwrap_or(c.stale_watermark_after_ms);
     c.max_findings_per_kind = f.max_findings_per_kind.unwrap_or(c.max_findings_per_kind);
     c.history_keep_ms = f.history_keep_ms.unwrap_or(c.history_keep_ms);
     c
+}
+
+/// The watermark topic the reconciler reads, unless turned off.
+fn watermark_topic_config(a: &ReconcileArgs, file: &FileConfig, kafka: &KafkaConfig) -> Option<outbox_producer::WatermarkTopicConfig> {
+    if a.no_watermark_topic {
+        return None;
+    }
+    let topic = a.watermark_topic.clone().or(file.reconcile.watermark_topic.clone()).unwrap_or_else(|| outbox_producer::watermark_topic::DEFAULT_TOPIC.to_owned());
+    if topic.trim().is_empty() {
+        return None;
+    }
+    let mut c = outbox_producer::WatermarkTopicConfig::new(kafka.bootstrap_servers.clone());
+    c.topic = topic.trim().to_owned();
+    for (k, v) in &kafka.extra {
+        if outbox_consumer::SHARED_KAFKA_PROPERTY_PREFIXES.iter().any(|p| k.starts_with(p)) {
+            c.kafka.insert(k.clone(), v.clone());
+        }
+    }
+    Some(c)
 }
 
 async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a: &ReconcileArgs) -> anyhow::Result<u8> {
@@ -368,10 +388,34 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     }
     let pool = connect(&url()?, 6).await?;
     outbox_producer::check_protocol(&pool).await.context("the outbox schema (run `outbox migrate` first)")?;
+    let watermark_cfg = watermark_topic_config(a, file, &kafka);
     let broker = connect_kafka(kafka).await?;
     let reconciler = Reconciler::new(PgStore::new(pool.clone()), broker, cfg.clone())?;
+    let watermarks = match watermark_cfg {
+        None => None,
+        Some(wc) => match outbox_producer::WatermarkTopicReader::connect(pool.clone(), wc).await {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "not reading the watermark topic");
+                None
+            }
+        },
+    };
+    let ingest = || async {
+        match &watermarks {
+            None => None,
+            Some(r) => match r.ingest_once().await {
+                Ok(rep) => Some(rep),
+                Err(e) => {
+                    tracing::warn!(error = %e, "watermark topic round failed; reading again next round");
+                    None
+                }
+            },
+        }
+    };
 
     if a.once {
+        let ingested = ingest().await;
         let (resolved, compared) = reconciler.run_once().await?;
         let report = reconciler.report().await?;
         if a.json {
@@ -379,9 +423,18 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                 "resolved": { "examined": resolved.examined, "published": resolved.published, "quarantined": resolved.quarantined, "retried": resolved.retried, "rechecks": resolved.rechecks },
                 "compared": { "agedPending": compared.aged_pending, "unconsumedPublished": compared.unconsumed_published, "bypassPublish": compared.bypass_publish,
                               "unknownPastSlo": compared.unknown_past_slo, "quarantined": compared.quarantined, "scannedMessages": compared.scanned_messages },
+                "watermarkTopic": ingested.map(|w| serde_json::json!({
+                    "read": w.read, "applied": w.applied, "outOfDate": w.out_of_date, "undeclared": w.undeclared,
+                    "movedBack": w.moved_back, "beyondEnd": w.beyond_end, "rejected": w.rejected })),
                 "report": report,
             }))?);
         } else {
+            if let Some(w) = ingested {
+                println!(
+                    "watermark topic: read {} records, applied {}, out of date {}; ignored with a finding: undeclared {}, moved back {}, beyond end {}, rejected {}",
+                    w.read, w.applied, w.out_of_date, w.undeclared, w.moved_back, w.beyond_end, w.rejected
+                );
+            }
             println!(
                 "round: examined {} UNKNOWN (published {}, quarantined {}, retried {}, recheck {}); bypass check read {} messages",
                 resolved.examined, resolved.published, resolved.quarantined, resolved.retried, resolved.rechecks, compared.scanned_messages
@@ -403,6 +456,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     tokio::pin!(stop);
     loop {
         let round = async {
+            ingest().await;
             let (resolved, compared) = reconciler.run_once().await?;
             let report = reconciler.report().await?;
             let (_, oldest_unknown) = crate::status::unknown_open(&pool, now_ms()).await?;
