@@ -349,6 +349,18 @@ mod tests {
         assert_eq!(c.group_id, "billing");
         assert_eq!(c.retry.max_attempts, 3);
         assert_eq!(c.kafka.get("security.protocol").map(String::as_str), Some("ssl"));
+        assert_eq!(c.watermark_topic.as_deref(), Some(outbox_core::watermark_record::DEFAULT_TOPIC));
+        assert_eq!(c.watermark_publish_interval_ms, DEFAULT_WATERMARK_PUBLISH_INTERVAL_MS);
+        let off = ConsumerConfig::from_lookup(
+            |k| match k {
+                "OUTBOX_CONSUMER_WATERMARK_TOPIC" => Some(String::new()),
+                "OUTBOX_CONSUMER_WATERMARK_PUBLISH_INTERVAL_MS" => Some("250".into()),
+                _ => get(k),
+            },
+            std::iter::empty(),
+        )
+        .unwrap();
+        assert_eq!((off.watermark_topic, off.watermark_publish_interval_ms), (None, 250));
         let bad = ConsumerConfig::from_lookup(|k| if k == "OUTBOX_CONSUMER_ID" { None } else { get(k) }, std::iter::empty());
         assert!(bad.is_err());
     }
