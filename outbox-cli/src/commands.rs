@@ -456,7 +456,9 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     tokio::pin!(stop);
     loop {
         let round = async {
-            ingest().await;
+            if let Some(w) = ingest().await {
+                export.watermarks(&w);
+            }
             let (resolved, compared) = reconciler.run_once().await?;
             let report = reconciler.report().await?;
             let (_, oldest_unknown) = crate::status::unknown_open(&pool, now_ms()).await?;
