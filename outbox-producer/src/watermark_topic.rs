@@ -294,7 +294,10 @@ impl WatermarkTopicReader {
             return Ok(report);
         }
 
-        // Decode, and learn the end of every partition the records speak about.
+        // Decode, and learn the end of every partition the records of
+        // registered consumers speak about (only theirs: a record of anybody
+        // else costs no broker request).
+        let declared: Vec<String> = sqlx::query_scalar("SELECT consumer_id FROM outbox_consumers").fetch_all(&self.pool).await?;
         let mut decoded = Vec::with_capacity(messages.len());
         let mut data_ends: HashMap<(String, i32), Result<i64, String>> = HashMap::new();
         for (p, off, key, value) in messages {
@@ -305,7 +308,7 @@ impl WatermarkTopicReader {
                     Err(format!("names cluster {:?} but was read from cluster {:?}", r.cluster_id, self.cluster_id))
                 }
             });
-            if let Ok(r) = &r {
+            if let Some(r) = r.as_ref().ok().filter(|r| declared.contains(&r.consumer_id)) {
                 let k = (r.topic.clone(), r.partition);
                 if !data_ends.contains_key(&k) {
                     let end = self.offsets(&r.topic, r.partition).await.map(|(_, high)| high).map_err(|e| e.to_string());
@@ -317,7 +320,6 @@ impl WatermarkTopicReader {
 
         let now = self.clock.now_ms();
         let mut tx = self.pool.begin().await?;
-        let declared: Vec<String> = sqlx::query_scalar("SELECT consumer_id FROM outbox_consumers").fetch_all(&mut *tx).await?;
         let mut findings: Vec<(&'static str, String, String, String)> = Vec::new();
         for (p, off, r) in decoded {
             let at = format!("{}/{}/{p}@{off}", self.cluster_id, topic);
