@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{create_order, outbox_bin, route, Env};
 use outbox_consumer::{async_trait, ConsumedEvent, ConsumerConfig, Handler, HandlerError, IdempotentConsumer};
-use outbox_core::watermark_record::{WatermarkRecord, DEFAULT_TOPIC, SCHEMA, SCHEMA_HEADER};
+use outbox_core::watermark_record::{WatermarkRecord, SCHEMA, SCHEMA_HEADER};
 use outbox_core::{Clock as _, ManualClock};
 use outbox_producer::kafka::KafkaBroker;
 use outbox_producer::{purge, register_consumer, Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig, RetentionPolicy, WatermarkTopicConfig, WatermarkTopicReader};
@@ -21,7 +21,12 @@ use serde_json::{json, Value};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Postgres, Transaction};
 
-const TOPIC: &str = "orders";
+/// Topics of their own per test, so that the tests also run side by side
+/// against one external cluster (OUTBOX_KAFKA_BOOTSTRAP).
+fn unique(name: &str) -> String {
+    let n = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() % 1_000_000_000_000;
+    format!("{name}-{}-{n}", std::process::id())
+}
 
 /// `postgres://<user>@host:port/<db>` on the server of `server_url` (trust
 /// authentication on the test servers: the role logs in by name).
@@ -95,6 +100,14 @@ impl Handler for Ship {
     }
 }
 
+/// The dispatcher's Kafka settings: one record per produce batch, so that a
+/// broker that reports a partition's end as its last batch's base offset + 1
+/// (tansu 0.6) reports it exactly (see docs/OPERATIONS.md).
+fn one_record_per_batch(c: &mut outbox_producer::kafka::KafkaConfig) {
+    c.message_timeout_ms = 10_000;
+    c.extra.push(("batch.num.messages".into(), "1".into()));
+}
+
 async fn dispatch_all(pool: &PgPool, broker: &Arc<KafkaBroker>, want: i64) {
     let d = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), DispatcherConfig { name: "d".into(), ..Default::default() }).unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
@@ -141,10 +154,11 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     sqlx::query("CREATE TABLE shipments (event_id text PRIMARY KEY)").execute(&shipping).await.unwrap();
 
     let kafka = KafkaFixture::start().unwrap();
-    kafka.create_topic(TOPIC, 2).await.unwrap();
-    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
-    route(&orders, broker.cluster_id(), TOPIC, 2).await;
-    register_consumer(&orders, "shipping", &[TOPIC], true, true).await.unwrap();
+    let (topic, wm_topic) = (unique("orders"), unique("watermarks"));
+    kafka.create_topic(&topic, 2).await.unwrap();
+    let broker = kafka.broker(one_record_per_batch).await.unwrap();
+    route(&orders, broker.cluster_id(), &topic, 2).await;
+    register_consumer(&orders, "shipping", &[&topic], true, true).await.unwrap();
     let mut first = Vec::new();
     for i in 0..6 {
         first.push(create_order(&orders, &format!("o-{i}")).await.event_id().to_string());
@@ -152,8 +166,9 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     dispatch_all(&orders, &broker, 6).await;
 
     // The shipping service: its own database, publishing over the broker.
-    let mut cfg = ConsumerConfig::new("shipping", kafka.bootstrap(), &[TOPIC]);
+    let mut cfg = ConsumerConfig::new("shipping", kafka.bootstrap(), &[&topic]);
     cfg.watermark_publish_interval_ms = 200;
+    cfg.watermark_topic = Some(wm_topic.clone());
     let consumer = IdempotentConsumer::new(cfg, shipping.clone(), Ship).unwrap();
     let metrics = consumer.metrics();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -186,7 +201,7 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     assert_eq!(status.consumers[0].total_lag_events, 6);
 
     // The producer side's reconciler reads the watermark topic and reports the consumer caught up.
-    let out = run_outbox(&orders_url, &["reconcile", "--once", "--json", "--kafka-bootstrap", kafka.bootstrap(), "--unconsumed-after-ms", "0"]);
+    let out = run_outbox(&orders_url, &["reconcile", "--once", "--json", "--kafka-bootstrap", kafka.bootstrap(), "--watermark-topic", &wm_topic, "--unconsumed-after-ms", "0"]);
     let round: Value = serde_json::from_str(&out).unwrap();
     assert!(round["watermarkTopic"]["applied"].as_u64().unwrap() >= 2, "{round}");
     assert_eq!(round["watermarkTopic"]["movedBack"], 0, "{round}");
@@ -198,7 +213,7 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     let status = outbox_cli::status::status(&orders).await.unwrap();
     assert_eq!(status.consumers[0].total_lag_events, 0, "{status:?}");
     let text = run_outbox(&orders_url, &["status"]);
-    assert!(text.contains("consumer shipping [critical,mandatory] topics [\"orders\"]: lag 0 events"), "{text}");
+    assert!(text.contains(&format!("consumer shipping [critical,mandatory] topics [{topic:?}]: lag 0 events")), "{text}");
 
     // Trace: consumption evidence without the consumer's database.
     let trace = run_outbox(&orders_url, &["trace", &first[0]]);
@@ -235,6 +250,8 @@ struct Rig {
     broker: Arc<KafkaBroker>,
     producer: FutureProducer,
     clock: ManualClock,
+    topic: String,
+    wm_topic: String,
 }
 
 async fn rig(prefix: &str) -> Rig {
@@ -242,18 +259,19 @@ async fn rig(prefix: &str) -> Rig {
     outbox_producer::migrate(env.pool()).await.unwrap();
     outbox_consumer::migrate(env.pool()).await.unwrap();
     let kafka = KafkaFixture::start().unwrap();
-    kafka.create_topic(TOPIC, 1).await.unwrap();
-    kafka.create_topic(DEFAULT_TOPIC, 1).await.unwrap();
-    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
-    route(env.pool(), broker.cluster_id(), TOPIC, 1).await;
-    register_consumer(env.pool(), "shipping", &[TOPIC], true, true).await.unwrap();
+    let (topic, wm_topic) = (unique("orders"), unique("watermarks"));
+    kafka.create_topic(&topic, 1).await.unwrap();
+    kafka.create_topic(&wm_topic, 1).await.unwrap();
+    let broker = kafka.broker(one_record_per_batch).await.unwrap();
+    route(env.pool(), broker.cluster_id(), &topic, 1).await;
+    register_consumer(env.pool(), "shipping", &[&topic], true, true).await.unwrap();
     for i in 0..3 {
         create_order(env.pool(), &format!("o-{i}")).await;
     }
     dispatch_all(env.pool(), &broker, 3).await;
     let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).create().unwrap();
     let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(env.pool()).await.unwrap();
-    Rig { env, kafka, broker, producer, clock: ManualClock::new(now) }
+    Rig { env, kafka, broker, producer, clock: ManualClock::new(now), topic, wm_topic }
 }
 
 impl Rig {
@@ -262,7 +280,7 @@ impl Rig {
             consumer_id: consumer.into(),
             group_id: consumer.into(),
             cluster_id: self.broker.cluster_id().into(),
-            topic: TOPIC.into(),
+            topic: self.topic.clone(),
             partition: 0,
             committed_offset: committed,
             applied_count: committed,
@@ -277,7 +295,7 @@ impl Rig {
 
     async fn send_raw(&self, key: &[u8], value: &[u8]) {
         let headers = OwnedHeaders::new().insert(Header { key: SCHEMA_HEADER, value: Some(SCHEMA) });
-        self.producer.send(FutureRecord::to(DEFAULT_TOPIC).key(key).payload(value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+        self.producer.send(FutureRecord::to(&self.wm_topic).key(key).payload(value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
     }
 
     async fn send(&self, r: &WatermarkRecord) {
@@ -285,7 +303,9 @@ impl Rig {
     }
 
     async fn reader(&self) -> WatermarkTopicReader {
-        WatermarkTopicReader::connect(self.env.pool().clone(), WatermarkTopicConfig::new(self.kafka.bootstrap())).await.unwrap().with_clock(Arc::new(self.clock.clone()))
+        let mut cfg = WatermarkTopicConfig::new(self.kafka.bootstrap());
+        cfg.topic = self.wm_topic.clone();
+        WatermarkTopicReader::connect(self.env.pool().clone(), cfg).await.unwrap().with_clock(Arc::new(self.clock.clone()))
     }
 
     fn reconciler(&self, stale_after_ms: i64) -> Reconciler<KafkaBroker> {
@@ -329,7 +349,7 @@ async fn bad_watermark_records_are_ignored_and_reported() {
     );
     assert_eq!(rig.committed("shipping").await, Some(2), "nothing but the first record moved the watermark");
     assert_eq!(rig.committed("intruder").await, None, "an undeclared consumer gets no watermark");
-    let log = format!("{}/{TOPIC}/0", rig.broker.cluster_id());
+    let log = format!("{}/{}/0", rig.broker.cluster_id(), rig.topic);
     assert_eq!(rig.open_findings("watermark_undeclared_consumer").await, vec![(log.clone(), "intruder".to_owned())]);
     assert_eq!(rig.open_findings("watermark_moved_back").await, vec![(log.clone(), "shipping".to_owned())]);
     assert_eq!(rig.open_findings("watermark_beyond_end").await, vec![(log, "shipping".to_owned())]);

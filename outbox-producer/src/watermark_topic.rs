@@ -57,6 +57,9 @@ pub const DEFAULT_MAX_RECORDS_PER_ROUND: usize = 10_000;
 pub const LIMIT_MAX_RECORDS_PER_ROUND: usize = 1_000_000;
 /// Default [`WatermarkTopicConfig::round_timeout_ms`].
 pub const DEFAULT_ROUND_TIMEOUT_MS: u64 = 10_000;
+/// How long a round goes on reading after the reported ends of the
+/// watermark topic's partitions while nothing more arrives, ms.
+pub const READ_PAST_END_IDLE_MS: u64 = 200;
 /// Most findings one round records per kind (the rest are counted only).
 pub const MAX_FINDINGS_PER_ROUND: usize = 1_000;
 /// Finding kinds raised by the reader; evidence, left open until an operator resolves them.
@@ -255,21 +258,22 @@ impl WatermarkTopicReader {
             let (low, high) = self.offsets(&topic, p).await?;
             // Below the log's start (retention or compaction removed them): start there.
             let from = stored.get(&p).copied().unwrap_or(low).max(low);
+            tpl.add_partition_offset(&topic, p, Offset::Offset(from)).map_err(|e| kafka_err("assign", e))?;
+            starts.insert(p, from);
             if from < high {
-                tpl.add_partition_offset(&topic, p, Offset::Offset(from)).map_err(|e| kafka_err("assign", e))?;
                 ends.insert(p, high);
-                starts.insert(p, from);
             }
-        }
-        if ends.is_empty() {
-            return Ok(report);
         }
         self.client.assign(&tpl).map_err(|e| kafka_err("assign", e))?;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(self.config.round_timeout_ms);
         let mut messages: Vec<(i32, i64, Option<Vec<u8>>, Option<Vec<u8>>)> = Vec::new();
         let mut next: HashMap<i32, i64> = HashMap::new();
-        while !ends.is_empty() && messages.len() < self.config.max_records_per_round {
-            let m = match tokio::time::timeout_at(deadline, self.client.recv()).await {
+        let mut last_read = tokio::time::Instant::now();
+        while messages.len() < self.config.max_records_per_round {
+            // Up to the reported ends, then on while records keep coming: a
+            // broker may report a high watermark below its last record.
+            let until = if ends.is_empty() { deadline.min(last_read + Duration::from_millis(READ_PAST_END_IDLE_MS)) } else { deadline };
+            let m = match tokio::time::timeout_at(until, self.client.recv()).await {
                 Err(_) => break,
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "watermark topic read error");
@@ -283,6 +287,7 @@ impl WatermarkTopicReader {
                 continue;
             }
             next.insert(p, off + 1);
+            last_read = tokio::time::Instant::now();
             if ends.get(&p).is_some_and(|&end| off + 1 >= end) {
                 ends.remove(&p);
             }
