@@ -266,7 +266,7 @@ impl WatermarkTopicReader {
         }
         self.client.assign(&tpl).map_err(|e| kafka_err("assign", e))?;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(self.config.round_timeout_ms);
-        let mut messages: Vec<(i32, i64, Option<Vec<u8>>, Option<Vec<u8>>)> = Vec::new();
+        let mut messages: Vec<ReadRecord> = Vec::new();
         let mut next: HashMap<i32, i64> = HashMap::new();
         let mut last_read = tokio::time::Instant::now();
         while messages.len() < self.config.max_records_per_round {
@@ -314,10 +314,8 @@ impl WatermarkTopicReader {
                 }
             });
             if let Some(r) = r.as_ref().ok().filter(|r| declared.contains(&r.consumer_id)) {
-                let k = (r.topic.clone(), r.partition);
-                if !data_ends.contains_key(&k) {
-                    let end = self.offsets(&r.topic, r.partition).await.map(|(_, high)| high).map_err(|e| e.to_string());
-                    data_ends.insert(k, end);
+                if let std::collections::hash_map::Entry::Vacant(slot) = data_ends.entry((r.topic.clone(), r.partition)) {
+                    slot.insert(self.offsets(&r.topic, r.partition).await.map(|(_, high)| high).map_err(|e| e.to_string()));
                 }
             }
             decoded.push((p, off, r));
@@ -392,6 +390,9 @@ impl WatermarkTopicReader {
         Ok(report)
     }
 }
+
+/// A record read from the watermark topic: partition, offset, key, value.
+type ReadRecord = (i32, i64, Option<Vec<u8>>, Option<Vec<u8>>);
 
 enum Applied {
     Yes,
