@@ -382,13 +382,14 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     let interval_ms = a.interval_ms.or(file.reconcile.interval_ms).unwrap_or(10_000).max(100);
     let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
+    let watermark_cfg = watermark_topic_config(a, file, &kafka);
     if a.print_config {
         print!("reconcile.interval_ms = {interval_ms}\nreconcile = {cfg:#?}\n{}metrics.addr = {}\n", describe_kafka(&kafka), metrics_addr.as_deref().unwrap_or("off"));
+        println!("reconcile.watermark_topic = {}", watermark_cfg.as_ref().map(|w| w.topic.as_str()).unwrap_or("off"));
         return Ok(0);
     }
     let pool = connect(&url()?, 6).await?;
     outbox_producer::check_protocol(&pool).await.context("the outbox schema (run `outbox migrate` first)")?;
-    let watermark_cfg = watermark_topic_config(a, file, &kafka);
     let broker = connect_kafka(kafka).await?;
     let reconciler = Reconciler::new(PgStore::new(pool.clone()), broker, cfg.clone())?;
     let watermarks = match watermark_cfg {
