@@ -17,7 +17,8 @@
 --   outbox_app          the service that emits events in its own transactions
 --   outbox_dispatcher   `outbox dispatch`: claims, attempts, the receipt transaction
 --   outbox_reconciler   `outbox reconcile`: the dispatcher's rights for UNKNOWNs,
---                       plus findings, snapshots, bypass scan cursors
+--                       plus findings, snapshots, bypass scan cursors, and
+--                       applying watermarks published over the broker
 --   outbox_operator     `outbox purge`, `outbox migrate-destination`, route
 --                       policies and the consumer registry; reads everything
 --   outbox_reader       `outbox status`, `trace`, `report`: read-only
@@ -84,7 +85,8 @@ BEGIN
                              'outbox_check_cursors', 'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                              'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                              'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
-                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity'] LOOP
+                             'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
+                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -145,6 +147,10 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_consumers', 'outbox_consumer_
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters']) t;
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_findings');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_scan_cursors');
+-- Watermarks published over the broker: the reconciler applies them.
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_consumer_watermarks');
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_watermark_topic_cursors');
+SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_watermark_publishers');
 -- The sweep for published events without a primary receipt.
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, UPDATE', 'outbox_check_cursors');
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT', 'outbox_bypass_messages');
@@ -187,7 +193,8 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_migration_receipts', 'outbox_consumer_receipts', 'outbox_consumer_watermarks',
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                   'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
-                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity']) t;
+                  'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
+                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes

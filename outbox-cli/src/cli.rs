@@ -492,6 +492,15 @@ pub struct ReconcileArgs {
     /// `foreign_source` findings [default: none].
     #[arg(long = "declared-source", env = "OUTBOX_RECONCILE_DECLARED_SOURCES", value_delimiter = ',', value_name = "SOURCE")]
     pub declared_sources: Vec<String>,
+    /// The compacted topic consumers publish their watermarks to (on the cluster of --kafka-bootstrap), read and applied each round [default: outbox.watermarks].
+    #[arg(long, value_name = "TOPIC")]
+    pub watermark_topic: Option<String>,
+    /// Do not read the watermark topic (consumers copy their watermarks into the outbox database themselves).
+    #[arg(long)]
+    pub no_watermark_topic: bool,
+    /// A declared consumer whose watermark records stopped arriving this long ago is `stale_watermark` [default: 60000].
+    #[arg(long, value_name = "MS")]
+    pub stale_watermark_after_ms: Option<i64>,
     /// Serve Prometheus metrics on HOST:PORT at /metrics, and the health checks at /healthz and /readyz (see outbox-cli/METRICS.md).
     #[arg(long, env = "OUTBOX_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,

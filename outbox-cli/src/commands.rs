@@ -619,11 +619,31 @@ fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
     c.unconsumed_after_ms = a.unconsumed_after_ms.or(f.unconsumed_after_ms).unwrap_or(c.unconsumed_after_ms);
     c.unknown_slo_ms = a.unknown_slo_ms.or(f.unknown_slo_ms).unwrap_or(c.unknown_slo_ms);
     c.bypass_scan_max_messages = a.bypass_scan_max_messages.or(f.bypass_scan_max_messages).unwrap_or(c.bypass_scan_max_messages);
+    c.stale_watermark_after_ms = a.stale_watermark_after_ms.or(f.stale_watermark_after_ms).unwrap_or(c.stale_watermark_after_ms);
     c.max_findings_per_kind = f.max_findings_per_kind.unwrap_or(c.max_findings_per_kind);
     c.history_keep_ms = f.history_keep_ms.unwrap_or(c.history_keep_ms);
     let flag_sources: Vec<String> = a.declared_sources.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
     c.declared_sources = if flag_sources.is_empty() { f.declared_sources.clone().unwrap_or_default() } else { flag_sources };
     c
+}
+
+/// The watermark topic the reconciler reads, unless turned off.
+fn watermark_topic_config(a: &ReconcileArgs, file: &FileConfig, kafka: &KafkaConfig) -> Option<outbox_producer::WatermarkTopicConfig> {
+    if a.no_watermark_topic {
+        return None;
+    }
+    let topic = a.watermark_topic.clone().or(file.reconcile.watermark_topic.clone()).unwrap_or_else(|| outbox_producer::watermark_topic::DEFAULT_TOPIC.to_owned());
+    if topic.trim().is_empty() {
+        return None;
+    }
+    let mut c = outbox_producer::WatermarkTopicConfig::new(kafka.bootstrap_servers.clone());
+    c.topic = topic.trim().to_owned();
+    for (k, v) in &kafka.extra {
+        if outbox_consumer::SHARED_KAFKA_PROPERTY_PREFIXES.iter().any(|p| k.starts_with(p)) {
+            c.kafka.insert(k.clone(), v.clone());
+        }
+    }
+    Some(c)
 }
 
 async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a: &ReconcileArgs) -> anyhow::Result<u8> {
@@ -632,16 +652,42 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     cfg.interval_ms = interval_ms;
     let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
+    let watermark_cfg = watermark_topic_config(a, file, &kafka);
     if a.print_config {
-        print!("{}", config_toml(url().ok().as_deref(), &kafka, metrics_addr.as_deref(), ("reconcile", reconcile_table(&cfg, interval_ms)))?);
+        let mut table = reconcile_table(&cfg, interval_ms);
+        table.insert("watermark_topic".into(), toml::Value::String(watermark_cfg.as_ref().map(|w| w.topic.clone()).unwrap_or_else(|| "off".into())));
+        print!("{}", config_toml(url().ok().as_deref(), &kafka, metrics_addr.as_deref(), ("reconcile", table))?);
         return Ok(0);
     }
     let pool = connect(&url()?, 6).await?;
     require_schema(&pool).await?;
     let broker = connect_kafka(kafka).await?;
     let reconciler = Reconciler::new(PgStore::new(pool.clone()), broker.clone(), cfg.clone())?;
+    let watermarks = match watermark_cfg {
+        None => None,
+        Some(wc) => match outbox_producer::WatermarkTopicReader::connect(pool.clone(), wc).await {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "not reading the watermark topic");
+                None
+            }
+        },
+    };
+    let ingest = || async {
+        match &watermarks {
+            None => None,
+            Some(r) => match r.ingest_once().await {
+                Ok(rep) => Some(rep),
+                Err(e) => {
+                    tracing::warn!(error = %e, "watermark topic round failed; reading again next round");
+                    None
+                }
+            },
+        }
+    };
 
     if a.once {
+        let ingested = ingest().await;
         let (resolved, compared) = reconciler.run_once().await?;
         let report = reconciler.report().await?;
         if a.json {
@@ -650,9 +696,18 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                 "compared": { "agedPending": compared.aged_pending, "unconsumedPublished": compared.unconsumed_published, "bypassPublish": compared.bypass_publish,
                               "unknownPastSlo": compared.unknown_past_slo, "quarantined": compared.quarantined, "scannedMessages": compared.scanned_messages,
                               "foreignSource": compared.foreign_source, "unrecordedCopy": compared.unrecorded_copy, "divergentCopy": compared.divergent_copy },
+                "watermarkTopic": ingested.map(|w| serde_json::json!({
+                    "read": w.read, "applied": w.applied, "outOfDate": w.out_of_date, "undeclared": w.undeclared,
+                    "movedBack": w.moved_back, "beyondEnd": w.beyond_end, "rejected": w.rejected })),
                 "report": report,
             }))?);
         } else {
+            if let Some(w) = ingested {
+                println!(
+                    "watermark topic: read {} records, applied {}, out of date {}; ignored with a finding: undeclared {}, moved back {}, beyond end {}, rejected {}",
+                    w.read, w.applied, w.out_of_date, w.undeclared, w.moved_back, w.beyond_end, w.rejected
+                );
+            }
             println!(
                 "round: examined {} UNKNOWN (published {}, quarantined {}, retried {}, recheck {}); bypass check read {} messages",
                 resolved.examined, resolved.published, resolved.quarantined, resolved.retried, resolved.rechecks, compared.scanned_messages
@@ -682,6 +737,9 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     loop {
         let started = std::time::Instant::now();
         let round = async {
+            if let Some(w) = ingest().await {
+                export.watermarks(&w);
+            }
             let (resolved, compared) = reconciler.run_once().await?;
             let report = reconciler.report().await?;
             let (_, oldest_unknown) = crate::status::unknown_open(&pool, now_ms()).await?;

@@ -137,6 +137,10 @@ pub struct ReconcileSection {
     pub unknown_slo_ms: Option<i64>,
     /// Most messages the bypass check reads per partition per round.
     pub bypass_scan_max_messages: Option<u64>,
+    /// The watermark topic read each round (`""`: none).
+    pub watermark_topic: Option<String>,
+    /// A declared consumer whose watermark records stopped arriving this long ago is a finding, ms.
+    pub stale_watermark_after_ms: Option<i64>,
     /// Most findings of one kind recorded per round.
     pub max_findings_per_kind: Option<i64>,
     /// State snapshots kept, ms.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use outbox_producer::report::Report;
 use outbox_producer::{CompareReport, DispatchMetrics, ResolveReport};
-use prometheus::{Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -149,10 +149,11 @@ pub struct ReconcileExport {
     findings: IntGaugeVec,
     consumer_lag: IntGaugeVec,
     consumed: IntGaugeVec,
+    watermark_records: IntCounterVec,
 }
 
 /// Finding kinds always exported (0 when none open).
-pub const FINDING_KINDS: [&str; 13] = [
+pub const FINDING_KINDS: [&str; 18] = [
     "aged_pending",
     "unconsumed_published",
     "bypass_publish",
@@ -166,7 +167,15 @@ pub const FINDING_KINDS: [&str; 13] = [
     "foreign_source",
     "unrecorded_copy",
     "divergent_copy",
+    "stale_watermark",
+    "watermark_undeclared_consumer",
+    "watermark_moved_back",
+    "watermark_beyond_end",
+    "watermark_rejected",
 ];
+
+/// What became of the records read from the watermark topic (label `result`).
+pub const WATERMARK_RESULTS: [&str; 6] = ["applied", "out_of_date", "undeclared", "moved_back", "beyond_end", "rejected"];
 
 impl ReconcileExport {
     /// Registers the reconciler metrics.
@@ -220,6 +229,22 @@ impl ReconcileExport {
                 &["consumer_id", "topic", "partition"],
             ),
             consumed: gauge_vec(r, "outbox_consumer_consumed_events", "Set 3: published events a critical consumer's watermark has passed.", &["consumer_id"]),
+            watermark_records: {
+                let c = IntCounterVec::new(Opts::new("outbox_reconcile_watermark_records_total", "Records read from the watermark topic, by what became of them."), &["result"])
+                    .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                for k in WATERMARK_RESULTS {
+                    c.with_label_values(&[k]).inc_by(0);
+                }
+                c
+            },
+        }
+    }
+
+    /// Counts one round of the watermark topic.
+    pub fn watermarks(&self, w: &outbox_producer::IngestReport) {
+        for (k, n) in WATERMARK_RESULTS.iter().zip([w.applied, w.out_of_date, w.undeclared, w.moved_back, w.beyond_end, w.rejected]) {
+            self.watermark_records.with_label_values(&[k]).inc_by(n as u64);
         }
     }
 

@@ -109,6 +109,24 @@ pub struct ConsumerReceiptRecord {
     pub received_at: String,
 }
 
+/// Whether a declared consumer's watermark (in the outbox database: copied
+/// there, or published over the broker and applied by the reconciler) has
+/// passed the event's log position.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumerWatermarkRecord {
+    /// Consumer, as declared in `outbox_consumers`.
+    pub consumer_id: String,
+    /// `passed` (every message up to the event's offset is decided: consumed,
+    /// a duplicate, quarantined or dead-lettered), `not_yet`, `no_watermark`,
+    /// `not_its_topic`, or `not_published`.
+    pub verdict: String,
+    /// The consumer's committed offset on the event's log, if any.
+    pub committed_offset: Option<i64>,
+    /// When the consumer last moved that watermark, RFC 3339 (its clock).
+    pub updated_at: Option<String>,
+}
+
 /// The whole trace.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -141,6 +159,8 @@ pub struct Trace {
     pub consumer_problems: Vec<Value>,
     /// Where the consumer side was read: the outbox database and each `--consumer-database-url`.
     pub consumer_sources: Vec<String>,
+    /// Per declared consumer: whether its watermark passed the event.
+    pub consumer_watermarks: Vec<ConsumerWatermarkRecord>,
 }
 
 async fn exists(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
@@ -266,6 +286,7 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
     let findings = json_rows(pool, "outbox_findings", "SELECT * FROM outbox_findings WHERE event_id = $1 ORDER BY id", event_id).await?;
 
     let (consumer_receipts, consumer_problems) = consumer_side(pool, event_id).await?;
+    let consumer_watermarks = consumer_watermarks(pool, event_id).await?;
 
     Ok(Some(Trace {
         event_id: event_id.to_owned(),
@@ -282,6 +303,7 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
         consumer_receipts,
         consumer_problems,
         consumer_sources: vec!["the outbox database".into()],
+        consumer_watermarks,
     }))
 }
 
@@ -344,6 +366,54 @@ impl Trace {
         self.consumer_sources.push(source.to_owned());
         Ok(())
     }
+}
+
+/// Per declared consumer, whether its watermark passed the event's primary
+/// receipt (cluster, topic, partition, offset of the current generation).
+async fn consumer_watermarks(pool: &PgPool, event_id: &str) -> Result<Vec<ConsumerWatermarkRecord>, sqlx::Error> {
+    if !exists(pool, "outbox_consumers").await? {
+        return Ok(Vec::new());
+    }
+    let position: Option<(String, String, i32, i64)> = sqlx::query_as(
+        r#"SELECT r.cluster_id, r.topic, r.partition, r."offset" FROM outbox_events e
+           JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation WHERE e.event_id = $1"#,
+    )
+    .bind(event_id)
+    .fetch_optional(pool)
+    .await?;
+    let has_watermarks = exists(pool, "outbox_consumer_watermarks").await?;
+    let consumers: Vec<(String, Vec<String>)> = sqlx::query_as("SELECT consumer_id, topics FROM outbox_consumers ORDER BY consumer_id LIMIT 1000").fetch_all(pool).await?;
+    let mut out = Vec::with_capacity(consumers.len());
+    for (consumer_id, topics) in consumers {
+        let mut rec = ConsumerWatermarkRecord { consumer_id, verdict: String::new(), committed_offset: None, updated_at: None };
+        rec.verdict = match &position {
+            None => "not_published".into(),
+            Some((_, topic, ..)) if !topics.contains(topic) => "not_its_topic".into(),
+            Some(_) if !has_watermarks => "no_watermark".into(),
+            Some((cluster, topic, partition, offset)) => {
+                let w: Option<(i64, String)> = sqlx::query_as(
+                    r#"SELECT committed_offset, to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') FROM outbox_consumer_watermarks
+                       WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4"#,
+                )
+                .bind(&rec.consumer_id)
+                .bind(cluster)
+                .bind(topic)
+                .bind(partition)
+                .fetch_optional(pool)
+                .await?;
+                match w {
+                    None => "no_watermark".into(),
+                    Some((committed, at)) => {
+                        rec.committed_offset = Some(committed);
+                        rec.updated_at = Some(at);
+                        if committed > *offset { "passed".into() } else { "not_yet".into() }
+                    }
+                }
+            }
+        };
+        out.push(rec);
+    }
+    Ok(out)
 }
 
 fn opt_ts(v: &Value) -> String {
@@ -492,6 +562,16 @@ impl Trace {
                 for r in rs {
                     let _ = writeln!(o, "  {} consumed gen {} at {}/{} offset {} on {} result {}", r.consumer_id, r.envelope_generation, r.topic, r.partition, r.offset, r.received_at, r.result);
                 }
+            }
+        }
+        if !self.consumer_watermarks.is_empty() {
+            let _ = writeln!(o, "declared consumers' watermarks:");
+            for w in &self.consumer_watermarks {
+                let at = match (w.committed_offset, &w.updated_at) {
+                    (Some(c), Some(t)) => format!(" (committed offset {c}, moved {t})"),
+                    _ => String::new(),
+                };
+                let _ = writeln!(o, "  {} {}{at}", w.consumer_id, w.verdict);
             }
         }
         o

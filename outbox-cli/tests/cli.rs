@@ -380,6 +380,9 @@ async fn reconcile_loop_exports_report_metrics_and_stops_on_sigint() {
     assert!(body.contains("outbox_consumer_consumed_events{consumer_id=\"billing\"} 0"), "{body}");
     assert!(body.contains("outbox_unknown_slo_seconds 900"), "{body}");
     assert!(body.contains("outbox_reconcile_last_success_timestamp_seconds"), "{body}");
+    // The watermark topic is read every round (nobody publishes to it here).
+    assert!(body.contains("outbox_reconcile_watermark_records_total{result=\"moved_back\"} 0"), "{body}");
+    assert!(body.contains("outbox_findings_open{kind=\"stale_watermark\"} 0"), "{body}");
     let rounds: f64 = body.lines().find_map(|l| l.strip_prefix("outbox_reconcile_rounds_total ")).unwrap().parse().unwrap();
     assert!(rounds >= 1.0);
     let status = env.ok(&["status"]);

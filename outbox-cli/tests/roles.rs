@@ -141,6 +141,33 @@ async fn every_service_works_under_its_role_and_nothing_more() {
     processor.process_message(&read_message(kafka.bootstrap(), "orders", receipt.partition, receipt.offset)).await.expect("consume as outbox_consumer");
     assert_consumed_once(&owner, "fulfilment", &published).await;
 
+    // outbox_reconciler applies a watermark published over the broker.
+    outbox_producer::register_consumer(&owner, "shipping", &["orders"], false, false).await.unwrap();
+    let record = outbox_core::watermark_record::WatermarkRecord {
+        consumer_id: "shipping".into(),
+        group_id: "shipping".into(),
+        cluster_id: broker.cluster_id().into(),
+        topic: "orders".into(),
+        partition: receipt.partition,
+        committed_offset: receipt.offset + 1,
+        applied_count: 1,
+        duplicate_count: 0,
+        quarantined_count: 0,
+        dead_lettered_count: 0,
+        last_event_id: Some(published.as_str().to_owned()),
+        updated_at_ms: chrono::Utc::now().timestamp_millis(),
+        published_at_ms: chrono::Utc::now().timestamp_millis(),
+    };
+    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).create().unwrap();
+    let (key, value) = (record.key_bytes(), record.value_bytes());
+    producer
+        .send(rdkafka::producer::FutureRecord::to(outbox_core::watermark_record::DEFAULT_TOPIC).key(&key).payload(&value), Duration::from_secs(10))
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+    let reader = outbox_producer::WatermarkTopicReader::connect(pool("reconciler"), outbox_producer::WatermarkTopicConfig::new(kafka.bootstrap())).await.unwrap();
+    assert_eq!(reader.ingest_once().await.expect("watermark topic as outbox_reconciler").applied, 1);
+
     // The CLI under least privilege: reader inspects, operator purges and migrates.
     let as_role = |r: &str, args: &[&str]| {
         let out = common::outbox_bin().env("DATABASE_URL", url(r)).args(args).output().unwrap();

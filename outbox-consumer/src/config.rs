@@ -47,6 +47,14 @@ pub const DEFAULT_SESSION_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_SHUTDOWN_TIMEOUT_MS: u64 = 10_000;
 /// Default [`ConsumerConfig::max_evidence_payload_bytes`]: 1 MiB.
 pub const DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES: usize = 1024 * 1024;
+/// Default [`ConsumerConfig::watermark_publish_interval_ms`].
+pub const DEFAULT_WATERMARK_PUBLISH_INTERVAL_MS: u64 = 5_000;
+/// Range of [`ConsumerConfig::watermark_publish_interval_ms`].
+pub const LIMIT_WATERMARK_PUBLISH_INTERVAL_MS: std::ops::RangeInclusive<u64> = 100..=600_000;
+/// Default [`ConsumerConfig::watermark_publish_timeout_ms`].
+pub const DEFAULT_WATERMARK_PUBLISH_TIMEOUT_MS: u64 = 5_000;
+/// Range of [`ConsumerConfig::watermark_publish_timeout_ms`].
+pub const LIMIT_WATERMARK_PUBLISH_TIMEOUT_MS: std::ops::RangeInclusive<u64> = 100..=120_000;
 /// Most topics one consumer subscribes to.
 pub const LIMIT_TOPICS: usize = 100;
 
@@ -142,6 +150,15 @@ pub struct ConsumerConfig {
     pub shutdown_timeout_ms: u64,
     /// Largest quarantined payload stored verbatim (larger: digest and size only).
     pub max_evidence_payload_bytes: usize,
+    /// The compacted topic the consumer publishes its watermarks to, on the
+    /// cluster it reads (`None`: it does not publish them over the broker).
+    /// Default [`outbox_core::watermark_record::DEFAULT_TOPIC`].
+    pub watermark_topic: Option<String>,
+    /// Pause between two publications of every watermark row.
+    pub watermark_publish_interval_ms: u64,
+    /// Longest wait for the broker's answers to one publication, and for the
+    /// last one at shutdown.
+    pub watermark_publish_timeout_ms: u64,
     /// Extra librdkafka properties (security, `auto.offset.reset`,
     /// `partition.assignment.strategy`, ...). [`RESERVED_KAFKA_PROPERTIES`]
     /// are refused. `auto.offset.reset` defaults to `earliest`.
@@ -167,6 +184,9 @@ impl ConsumerConfig {
             session_timeout_ms: DEFAULT_SESSION_TIMEOUT_MS,
             shutdown_timeout_ms: DEFAULT_SHUTDOWN_TIMEOUT_MS,
             max_evidence_payload_bytes: DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES,
+            watermark_topic: Some(outbox_core::watermark_record::DEFAULT_TOPIC.to_owned()),
+            watermark_publish_interval_ms: DEFAULT_WATERMARK_PUBLISH_INTERVAL_MS,
+            watermark_publish_timeout_ms: DEFAULT_WATERMARK_PUBLISH_TIMEOUT_MS,
             kafka: BTreeMap::new(),
             trust: crate::trust::TrustPolicy::default(),
         }
@@ -191,6 +211,9 @@ impl ConsumerConfig {
     /// | `OUTBOX_CONSUMER_HANDLER_TIMEOUT_MS` | `retry.handler_timeout_ms` | 30000 |
     /// | `OUTBOX_CONSUMER_SESSION_TIMEOUT_MS` | `session_timeout_ms` | 10000 |
     /// | `OUTBOX_CONSUMER_SHUTDOWN_TIMEOUT_MS` | `shutdown_timeout_ms` | 10000 |
+    /// | `OUTBOX_CONSUMER_WATERMARK_TOPIC` (empty: off) | `watermark_topic` | `outbox.watermarks` |
+    /// | `OUTBOX_CONSUMER_WATERMARK_PUBLISH_INTERVAL_MS` | `watermark_publish_interval_ms` | 5000 |
+    /// | `OUTBOX_CONSUMER_WATERMARK_PUBLISH_TIMEOUT_MS` | `watermark_publish_timeout_ms` | 5000 |
     /// | `OUTBOX_CONSUMER_KAFKA_<PROPERTY>` | `kafka`: `<property>` lower-cased, `_` → `.` | |
     /// | `OUTBOX_CONSUMER_ACCEPT_SOURCES` (space-separated `TOPIC=SOURCE`) | `trust.topics` | any source |
     /// | `OUTBOX_CONSUMER_REQUIRE_SIGNATURE` (comma-separated topics) | `trust.topics[..].require_signature` | none |
@@ -233,6 +256,11 @@ impl ConsumerConfig {
         num(&get, "OUTBOX_CONSUMER_SESSION_TIMEOUT_MS", &mut c.session_timeout_ms)?;
         num(&get, "OUTBOX_CONSUMER_SHUTDOWN_TIMEOUT_MS", &mut c.shutdown_timeout_ms)?;
         c.trust = trust_from_lookup(&get)?;
+        if let Some(t) = get("OUTBOX_CONSUMER_WATERMARK_TOPIC") {
+            c.watermark_topic = Some(t.trim().to_owned()).filter(|t| !t.is_empty());
+        }
+        num(&get, "OUTBOX_CONSUMER_WATERMARK_PUBLISH_INTERVAL_MS", &mut c.watermark_publish_interval_ms)?;
+        num(&get, "OUTBOX_CONSUMER_WATERMARK_PUBLISH_TIMEOUT_MS", &mut c.watermark_publish_timeout_ms)?;
         for (k, v) in all {
             if let Some(prop) = k.strip_prefix("OUTBOX_CONSUMER_KAFKA_") {
                 c.kafka.insert(prop.to_ascii_lowercase().replace('_', "."), v);
@@ -272,6 +300,18 @@ impl ConsumerConfig {
         }
         if self.shutdown_timeout_ms > 3_600_000 {
             return Err(ConsumerError::Config(format!("shutdown_timeout_ms {} (..=3600000)", self.shutdown_timeout_ms)));
+        }
+        if let Some(t) = &self.watermark_topic {
+            id("watermark_topic", t)?;
+            if self.topics.contains(t) {
+                return Err(ConsumerError::Config(format!("watermark_topic {t:?} is also a subscribed topic")));
+            }
+        }
+        if !LIMIT_WATERMARK_PUBLISH_INTERVAL_MS.contains(&self.watermark_publish_interval_ms) {
+            return Err(ConsumerError::Config(format!("watermark_publish_interval_ms {} ({LIMIT_WATERMARK_PUBLISH_INTERVAL_MS:?})", self.watermark_publish_interval_ms)));
+        }
+        if !LIMIT_WATERMARK_PUBLISH_TIMEOUT_MS.contains(&self.watermark_publish_timeout_ms) {
+            return Err(ConsumerError::Config(format!("watermark_publish_timeout_ms {} ({LIMIT_WATERMARK_PUBLISH_TIMEOUT_MS:?})", self.watermark_publish_timeout_ms)));
         }
         if let Some(k) = self.kafka.keys().find(|k| RESERVED_KAFKA_PROPERTIES.contains(&k.as_str())) {
             return Err(ConsumerError::Config(format!("kafka property {k:?} is set by the consumer itself")));
@@ -333,6 +373,12 @@ mod tests {
         let mut c = ok.clone();
         c.retry.max_attempts = 0;
         assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.watermark_publish_interval_ms = 0;
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.watermark_topic = Some("orders".into());
+        assert!(c.validate().is_err());
         let mut c = ok;
         c.topics.clear();
         assert!(c.validate().is_err());
@@ -355,6 +401,18 @@ mod tests {
         assert_eq!(c.retry.max_attempts, 3);
         assert_eq!(c.kafka.get("security.protocol").map(String::as_str), Some("ssl"));
         assert_eq!(c.bootstrap_servers, "k:9092");
+        assert_eq!(c.watermark_topic.as_deref(), Some(outbox_core::watermark_record::DEFAULT_TOPIC));
+        assert_eq!(c.watermark_publish_interval_ms, DEFAULT_WATERMARK_PUBLISH_INTERVAL_MS);
+        let off = ConsumerConfig::from_lookup(
+            |k| match k {
+                "OUTBOX_CONSUMER_WATERMARK_TOPIC" => Some(String::new()),
+                "OUTBOX_CONSUMER_WATERMARK_PUBLISH_INTERVAL_MS" => Some("250".into()),
+                _ => get(k),
+            },
+            std::iter::empty(),
+        )
+        .unwrap();
+        assert_eq!((off.watermark_topic, off.watermark_publish_interval_ms), (None, 250));
         let bad = ConsumerConfig::from_lookup(|k| if k == "OUTBOX_CONSUMER_ID" { None } else { get(k) }, std::iter::empty());
         assert!(bad.is_err());
         // The old name still works (deprecated), and the new one wins over it.

@@ -272,6 +272,7 @@ impl IdempotentConsumer {
         let cluster_id = fetch_cluster_id(&client).await?;
         let cluster_id = self.processor.set_cluster_id_if_unset(cluster_id).to_owned();
         client.subscribe(&topics)?;
+        let publisher = crate::watermark_publisher::start(&self.config, self.processor.pool().clone(), metrics.clone(), cluster_id.clone())?;
         info!(consumer = %self.config.consumer_id, group = %self.config.group_id, cluster = %cluster_id, ?topics, "consumer started");
 
         let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel();
@@ -357,11 +358,17 @@ impl IdempotentConsumer {
                         warn!(error = %e, "final offset commit failed");
                     }
                 }
+                if let Some(p) = publisher {
+                    p.finish().await;
+                }
                 info!(consumer = %self.config.consumer_id, "consumer stopped");
             }
             Err(ref e) => {
                 warn!(error = %e, "consumer stopping on error");
                 run.abort().await;
+                if let Some(p) = publisher {
+                    p.abort().await;
+                }
             }
         }
         if let Some(t) = requeue_task {

@@ -55,13 +55,26 @@
 //!
 //! **Contract for a consumer whose state lives in another database than the
 //! outbox:** its receipts and watermarks are written in its own database
-//! (they must commit with its own state). It must copy its watermark rows,
-//! same columns, into the outbox database's `outbox_consumer_watermarks`
-//! (created there by [`migrate`]), by calling [`publish_watermarks`]
-//! periodically (every few seconds) and at shutdown. The copy is monotonic
-//! and idempotent, so calling it too often or concurrently is safe; calling
-//! it too rarely only delays retention and raises "not consumed" alarms, it
-//! can never let an unconsumed event be purged.
+//! (they must commit with its own state), and its watermark rows must reach
+//! the outbox database's `outbox_consumer_watermarks`. Two ways:
+//!
+//! - **Over the broker** (the default, no credentials on the outbox
+//!   database): [`IdempotentConsumer::run`] publishes every row to the
+//!   compacted watermark topic of its cluster
+//!   ([`ConsumerConfig::watermark_topic`], default `outbox.watermarks`) every
+//!   [`ConsumerConfig::watermark_publish_interval_ms`] and at shutdown, as
+//!   `outboxWatermark.v1` records (docs/WIRE.md); the producer side's
+//!   reconciler applies those of registered consumers. Publishing never
+//!   holds up consumption; a failed publication is counted
+//!   ([`Metrics::watermark_publish_failures`]) and retried next interval.
+//! - **A database copy**, for a consumer allowed to write the outbox
+//!   database: [`publish_watermarks`], called periodically (every few
+//!   seconds) and at shutdown.
+//!
+//! Both are monotonic and idempotent, so publishing too often or
+//! concurrently is safe; publishing too rarely only delays retention and
+//! raises "not consumed" alarms, it can never let an unconsumed event be
+//! purged.
 //!
 //! ## Example
 //!
@@ -103,6 +116,7 @@ mod processor;
 pub mod readiness;
 mod trust;
 mod watermark;
+mod watermark_publisher;
 
 pub use async_trait::async_trait;
 pub use config::*;
@@ -119,6 +133,7 @@ pub use readiness::ConsumerReadiness;
 pub use processor::{purge_receipts_before, receipt, verify_message, verify_message_with, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
 pub use trust::{TopicTrust, TrustPolicy, LIMIT_TRUST_ENTRIES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
+pub use watermark_publisher::{SHARED_KAFKA_PROPERTY_PREFIXES, WATERMARK_TOPIC_PARTITIONS};
 
 /// The consumer's migrations (`migrations/`, versions `20261129100001` and
 /// up), for `#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]` and tools.

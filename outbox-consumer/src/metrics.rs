@@ -39,6 +39,11 @@ pub struct Metrics {
     pub partitions_paused: AtomicU64,
     /// Handler duration and commit -> consumed histograms.
     pub histograms: ConsumerHistograms,
+    /// Watermark records the broker acknowledged on the watermark topic.
+    pub watermark_records_published: AtomicU64,
+    /// Watermark publications that failed (a record refused or unanswered,
+    /// or the rows unreadable); each is retried at the next interval.
+    pub watermark_publish_failures: AtomicU64,
 }
 
 /// Buckets of commit -> consumed, seconds: 5 ms to 1 h.
@@ -173,6 +178,10 @@ pub struct MetricsSnapshot {
     pub offset_commit_failures: u64,
     /// See [`Metrics::partitions_paused`].
     pub partitions_paused: u64,
+    /// See [`Metrics::watermark_records_published`].
+    pub watermark_records_published: u64,
+    /// See [`Metrics::watermark_publish_failures`].
+    pub watermark_publish_failures: u64,
 }
 
 impl MetricsSnapshot {
@@ -197,6 +206,8 @@ impl Metrics {
             db_retries: r(&self.db_retries),
             offset_commit_failures: r(&self.offset_commit_failures),
             partitions_paused: r(&self.partitions_paused),
+            watermark_records_published: r(&self.watermark_records_published),
+            watermark_publish_failures: r(&self.watermark_publish_failures),
         }
     }
 

@@ -369,3 +369,95 @@ async fn readiness_follows_the_cluster_and_the_run(pool: PgPool) {
     r.stop().await;
     assert_eq!(readiness.check(), Err("stopped: shut down".into()));
 }
+
+/// The consumer publishes its watermarks to the watermark topic. While the
+/// broker refuses that topic, consumption goes on undisturbed, every failed
+/// publication is counted, and the next intervals try again; once the topic
+/// is writable the record arrives with the consumer's committed offset.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn watermark_publication_failures_are_counted_retried_and_never_block(pool: PgPool) {
+    use outbox_core::watermark_record::{WatermarkRecord, DEFAULT_TOPIC};
+    use rdkafka::message::Message as _;
+    use rdkafka::types::RDKafkaRespErr;
+
+    create_effects_table(&pool).await;
+    let kafka = Kafka::new("orders", 1);
+    kafka.cluster.create_topic(DEFAULT_TOPIC, 1, 1).unwrap();
+    kafka.cluster.topic_error(DEFAULT_TOPIC, RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED).unwrap();
+    let mut last = 0;
+    for i in 0..20 {
+        last = kafka.send(&fixture("orders", 1, &format!("o-wm-{i}"))).await;
+    }
+    let mut cfg = config(&kafka, "fulfilment", "orders");
+    cfg.watermark_publish_interval_ms = 100;
+    cfg.watermark_publish_timeout_ms = 500;
+    let c = Running::start(IdempotentConsumer::new(cfg, pool.clone(), TestHandler::default()).unwrap());
+    c.wait_decided(20).await;
+    let m = c.metrics.clone();
+    wait_until(30, "two failed publications", || {
+        let m = m.clone();
+        async move { m.snapshot().watermark_publish_failures >= 2 }
+    })
+    .await;
+    assert_eq!(m.snapshot().watermark_records_published, 0, "{:?}", m.snapshot());
+    assert_eq!(receipts(&pool).await, 20, "consumption was not held up by the failing publication");
+
+    kafka.cluster.topic_error(DEFAULT_TOPIC, RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR).unwrap();
+    wait_until(30, "a published watermark record", || {
+        let m = m.clone();
+        async move { m.snapshot().watermark_records_published >= 1 }
+    })
+    .await;
+    c.stop().await;
+    let reader: BaseConsumer = ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).set("group.id", "wm-check").create().unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(DEFAULT_TOPIC, 0, Offset::Beginning).unwrap();
+    reader.assign(&tpl).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let record = loop {
+        assert!(std::time::Instant::now() < deadline, "no watermark record read");
+        if let Some(Ok(msg)) = reader.poll(Duration::from_millis(200)) {
+            break WatermarkRecord::decode(msg.key(), msg.payload()).unwrap();
+        }
+    };
+    assert_eq!((record.consumer_id.as_str(), record.topic.as_str(), record.partition), ("fulfilment", "orders", 0));
+    assert_eq!(record.committed_offset, last + 1);
+    assert_eq!(record.applied_count, 20);
+}
+
+/// The last publication happens at a graceful shutdown: with an interval far
+/// longer than the run, the record carrying the final watermark can only
+/// come from it.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn watermarks_are_published_once_more_at_shutdown(pool: PgPool) {
+    use outbox_core::watermark_record::{WatermarkRecord, DEFAULT_TOPIC};
+    use rdkafka::message::Message as _;
+
+    create_effects_table(&pool).await;
+    let kafka = Kafka::new("orders", 1);
+    kafka.cluster.create_topic(DEFAULT_TOPIC, 1, 1).unwrap();
+    let mut last = 0;
+    for i in 0..5 {
+        last = kafka.send(&fixture("orders", 1, &format!("o-end-{i}"))).await;
+    }
+    let mut cfg = config(&kafka, "fulfilment", "orders");
+    cfg.watermark_publish_interval_ms = 600_000;
+    let c = Running::start(IdempotentConsumer::new(cfg, pool.clone(), TestHandler::default()).unwrap());
+    c.wait_decided(5).await;
+    let m = c.metrics.clone();
+    assert_eq!(m.snapshot().watermark_records_published, 0, "nothing to publish at the first interval");
+    c.stop().await;
+    assert_eq!(m.snapshot().watermark_records_published, 1, "{:?}", m.snapshot());
+    let reader: BaseConsumer = ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).set("group.id", "wm-check").create().unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(DEFAULT_TOPIC, 0, Offset::Beginning).unwrap();
+    reader.assign(&tpl).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let record = loop {
+        assert!(std::time::Instant::now() < deadline, "no watermark record read");
+        if let Some(Ok(msg)) = reader.poll(Duration::from_millis(200)) {
+            break WatermarkRecord::decode(msg.key(), msg.payload()).unwrap();
+        }
+    };
+    assert_eq!((record.committed_offset, record.applied_count), (last + 1, 5));
+}

@@ -50,6 +50,7 @@ pub mod store;
 pub mod takeover;
 pub mod trace_context;
 pub mod trust;
+pub mod watermark_record;
 
 pub use canonical::{is_digest, sha256_digest};
 pub use claim::{check_fence, not_sent_backoff_ms, Claim, ClaimToken, Clock, FencedWrite, ManualClock, SystemClock};

@@ -29,6 +29,7 @@ pub mod retention;
 pub mod rollout;
 pub mod routes;
 mod topic_scan;
+pub mod watermark_topic;
 
 pub use dispatcher::{until_true, BatchReport, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch, SigningConfig};
 pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
@@ -36,7 +37,8 @@ pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};
 pub use migration::{migrate_destination, MigrationOutcome};
 pub use pg::PgStore;
-pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport};
+pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport, DEFAULT_STALE_WATERMARK_AFTER_MS};
+pub use watermark_topic::{IngestReport, WatermarkTopicConfig, WatermarkTopicReader};
 pub use report::{build_report, consumer_decisions, ConsumerDecisions, ReconcilerRound, Report, ReportOptions, SloVerdict};
 pub use routes::EnsuredRoute;
 pub use rollout::{compare_shadow, set_takeover, switch_alias, ShadowDispatcher, ShadowReport};

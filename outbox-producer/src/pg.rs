@@ -1010,7 +1010,8 @@ fn measure_with_database_clock(attempt: &mut AttemptRecord, db_age_ms: Option<i6
 /// the statement that found them and left open until an operator resolves
 /// them; a comparison round never resolves them.
 pub const EVIDENCE_FINDINGS: &[&str] =
-    &["bypass_publish", "absence_proof_refuted", "unregistered_message", "receipt_position_lost", "log_unavailable", "published_without_receipt", "foreign_source", "unrecorded_copy", "divergent_copy"];
+    &["bypass_publish", "absence_proof_refuted", "unregistered_message", "receipt_position_lost", "log_unavailable", "published_without_receipt",
+      "foreign_source", "unrecorded_copy", "divergent_copy", "watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected"];
 
 /// Opens findings `(kind, event_id, detail)` in `tx`, or marks open ones seen again.
 pub(crate) async fn record_findings(tx: &mut Transaction<'_, Postgres>, findings: &[(&'static str, String, String)], now: i64) -> Result<(), StoreError> {

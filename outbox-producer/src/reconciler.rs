@@ -18,6 +18,10 @@ use crate::error::ProducerError;
 use crate::topic_scan::Cursors;
 use crate::pg::PgStore;
 
+/// Default [`ReconcilerConfig::stale_watermark_after_ms`]: 60 s, twelve of
+/// the consumer's default publication intervals.
+pub const DEFAULT_STALE_WATERMARK_AFTER_MS: i64 = 60_000;
+
 /// Reconciler settings; every threshold has its unit in its name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReconcilerConfig {
@@ -45,6 +49,9 @@ pub struct ReconcilerConfig {
     pub published_check_batch: i64,
     /// Most findings of one kind recorded per round.
     pub max_findings_per_kind: i64,
+    /// A declared consumer that published its watermarks over the broker and
+    /// whose last acceptable record is older than this is `stale_watermark`, ms.
+    pub stale_watermark_after_ms: i64,
     /// State snapshots older than this are dropped, ms.
     pub history_keep_ms: i64,
     /// Pause between two rounds of [`Reconciler::run`], ms.
@@ -74,6 +81,7 @@ impl Default for ReconcilerConfig {
             bypass_scan_max_messages: 10_000,
             published_check_batch: 10_000,
             max_findings_per_kind: 1_000,
+            stale_watermark_after_ms: DEFAULT_STALE_WATERMARK_AFTER_MS,
             history_keep_ms: 7 * 24 * 3_600_000,
             interval_ms: 10_000,
             declared_sources: Vec::new(),
@@ -97,6 +105,8 @@ pub struct CompareReport {
     /// PUBLISHED, RETAINED or PURGED events without a primary receipt found
     /// by this round's part of the sweep.
     pub published_without_receipt: usize,
+    /// Declared consumers whose watermark records stopped arriving.
+    pub stale_watermark: usize,
     /// Messages read by the bypass check.
     pub scanned_messages: usize,
     /// Messages whose `outbox-source` is another outbox's, not declared (this round).
@@ -120,6 +130,7 @@ impl CompareReport {
             + self.foreign_source
             + self.unrecorded_copy
             + self.divergent_copy
+            + self.stale_watermark
     }
 }
 
@@ -164,6 +175,9 @@ impl<B: Broker + 'static> Reconciler<B> {
         }
         for s in &config.declared_sources {
             outbox_core::headers::validate_source(s).map_err(|e| ProducerError::Config(format!("declared_sources: {e}")))?;
+        }
+        if config.stale_watermark_after_ms < 1_000 {
+            return Err(ProducerError::Config(format!("stale_watermark_after_ms {} (at least 1000)", config.stale_watermark_after_ms)));
         }
         Ok(Reconciler { store, broker, config, last_examined: std::sync::atomic::AtomicUsize::new(0) })
     }
@@ -361,6 +375,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         let (bypass, scanned) = self.scan_for_bypass(now).await?;
         found.extend(bypass);
         found.extend(self.sweep_published_without_receipt(now).await?);
+        found.extend(crate::watermark_topic::stale_findings(pool, now, self.config.stale_watermark_after_ms, limit).await?);
 
         let mut report = CompareReport { scanned_messages: scanned, ..Default::default() };
         for (kind, ..) in &found {
@@ -373,6 +388,7 @@ impl<B: Broker + 'static> Reconciler<B> {
                 "foreign_source" => report.foreign_source += 1,
                 "unrecorded_copy" => report.unrecorded_copy += 1,
                 "divergent_copy" => report.divergent_copy += 1,
+                "stale_watermark" => report.stale_watermark += 1,
                 _ => report.quarantined += 1,
             }
         }

@@ -181,3 +181,35 @@ fn wire_md_worked_example_is_what_the_code_produces() {
         );
     }
 }
+
+/// The watermark record's example in docs/WIRE.md, as the code encodes it.
+fn watermark_example() -> String {
+    use outbox_core::watermark_record::WatermarkRecord;
+    let event_id = EventId::from_parts(1_764_547_200_123, 0x0123_4567_89ab_cdef_0123);
+    let r = WatermarkRecord {
+        consumer_id: "shipping".into(),
+        group_id: "shipping".into(),
+        cluster_id: "kafka-prod".into(),
+        topic: "orders".into(),
+        partition: 3,
+        committed_offset: 1042,
+        applied_count: 1037,
+        duplicate_count: 3,
+        quarantined_count: 1,
+        dead_lettered_count: 1,
+        last_event_id: Some(event_id.as_str().to_owned()),
+        updated_at_ms: 1_764_547_260_000,
+        published_at_ms: 1_764_547_263_512,
+    };
+    let decoded = WatermarkRecord::decode(Some(&r.key_bytes()), Some(&r.value_bytes())).unwrap();
+    assert_eq!(decoded, r);
+    format!("Key:\n\n```text\n{}```\n\nValue:\n\n```text\n{}```\n", text_lines(&r.key_bytes()), text_lines(&r.value_bytes()))
+}
+
+#[test]
+fn wire_md_watermark_example_is_what_the_code_produces() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/WIRE.md");
+    let doc = std::fs::read_to_string(&path).expect("docs/WIRE.md");
+    let want = watermark_example();
+    assert!(doc.contains(&want), "docs/WIRE.md must contain the watermark record example exactly as the code encodes it:\n{want}");
+}

@@ -1,0 +1,403 @@
+//! Consumers publish their watermarks over the broker; the reconciler reads
+//! the watermark topic into the outbox database. Real PostgreSQL, librdkafka's
+//! in-process Kafka cluster (or OUTBOX_KAFKA_BOOTSTRAP), the `outbox` binary.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{create_order, outbox_bin, route, Env};
+use outbox_consumer::{async_trait, ConsumedEvent, ConsumerConfig, Handler, HandlerError, IdempotentConsumer};
+use outbox_core::watermark_record::{WatermarkRecord, SCHEMA, SCHEMA_HEADER};
+use outbox_core::{Clock as _, ManualClock};
+use outbox_producer::kafka::KafkaBroker;
+use outbox_producer::{purge, register_consumer, Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig, RetentionPolicy, WatermarkTopicConfig, WatermarkTopicReader};
+use outbox_testkit::{pick_database, KafkaFixture};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+use serde_json::{json, Value};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgPool, Postgres, Transaction};
+
+/// Topics of their own per test, so that the tests also run side by side
+/// against one external cluster (OUTBOX_KAFKA_BOOTSTRAP).
+fn unique(name: &str) -> String {
+    let n = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() % 1_000_000_000_000;
+    format!("{name}-{}-{n}", std::process::id())
+}
+
+/// `postgres://<user>@host:port/<db>` on the server of `server_url` (trust
+/// authentication on the test servers: the role logs in by name).
+fn url_as(server_url: &str, user: &str, db: &str) -> String {
+    let after = &server_url[server_url.find("://").unwrap() + 3..];
+    let after = &after[after.rfind('@').map(|i| i + 1).unwrap_or(0)..];
+    let host = &after[..after.find('/').unwrap_or(after.len())];
+    format!("postgres://{user}@{host}/{db}")
+}
+
+/// Two databases owned by two login roles, neither able to connect to the
+/// other's database; dropped (databases, then roles) at the end, also on panic.
+struct TwoDatabases {
+    admin_url: String,
+    roles: [String; 2],
+    dbs: [String; 2],
+}
+
+impl TwoDatabases {
+    async fn create(admin_url: &str) -> TwoDatabases {
+        let n = format!("{}_{}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() % 1_000_000_000);
+        let t = TwoDatabases {
+            admin_url: admin_url.to_owned(),
+            roles: [format!("wm_orders_{n}"), format!("wm_shipping_{n}")],
+            dbs: [format!("wm_orders_db_{n}"), format!("wm_shipping_db_{n}")],
+        };
+        let admin = PgPool::connect(admin_url).await.unwrap();
+        for (role, db) in t.roles.iter().zip(&t.dbs) {
+            sqlx::query(&format!("CREATE ROLE {role} LOGIN")).execute(&admin).await.unwrap();
+            sqlx::query(&format!("CREATE DATABASE {db} OWNER {role}")).execute(&admin).await.unwrap();
+            // Nobody but its owner may connect (PUBLIC has CONNECT by default).
+            sqlx::query(&format!("REVOKE ALL ON DATABASE {db} FROM PUBLIC")).execute(&admin).await.unwrap();
+        }
+        admin.close().await;
+        t
+    }
+
+    fn url(&self, role: usize, db: usize) -> String {
+        url_as(&self.admin_url, &self.roles[role], &self.dbs[db])
+    }
+}
+
+impl Drop for TwoDatabases {
+    fn drop(&mut self) {
+        let (url, roles, dbs) = (self.admin_url.clone(), self.roles.clone(), self.dbs.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                if let Ok(pool) = PgPool::connect(&url).await {
+                    for db in dbs {
+                        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")).execute(&pool).await;
+                    }
+                    for r in roles {
+                        let _ = sqlx::query(&format!("DROP ROLE IF EXISTS {r}")).execute(&pool).await;
+                    }
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Records each event in the shipping service's own table.
+struct Ship;
+
+#[async_trait]
+impl Handler for Ship {
+    async fn handle(&self, tx: &mut Transaction<'_, Postgres>, e: &ConsumedEvent) -> Result<Value, HandlerError> {
+        sqlx::query("INSERT INTO shipments (event_id) VALUES ($1)").bind(e.event_id.as_str()).execute(&mut **tx).await?;
+        Ok(json!({ "shipped": true }))
+    }
+}
+
+/// The dispatcher's Kafka settings: one record per produce batch, so that a
+/// broker that reports a partition's end as its last batch's base offset + 1
+/// (tansu 0.6) reports it exactly (see docs/OPERATIONS.md).
+fn one_record_per_batch(c: &mut outbox_producer::kafka::KafkaConfig) {
+    c.message_timeout_ms = 10_000;
+    c.extra.push(("batch.num.messages".into(), "1".into()));
+}
+
+async fn dispatch_all(pool: &PgPool, broker: &Arc<KafkaBroker>, want: i64) {
+    let d = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), DispatcherConfig { name: "d".into(), ..Default::default() }).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        d.dispatch_once("w").await.unwrap();
+        let published: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").fetch_one(pool).await.unwrap();
+        if published >= want {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "only {published} of {want} published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn run_outbox(database_url: &str, args: &[&str]) -> String {
+    let out = outbox_bin().env("DATABASE_URL", database_url).args(args).output().expect("run outbox");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+    eprintln!("$ outbox {}\n{stdout}{stderr}", args.join(" "));
+    assert!(out.status.success(), "outbox {} failed: {stderr}", args.join(" "));
+    stdout
+}
+
+/// The issue's "Must show": the shipping service's consumer runs on its own
+/// database under its own login role, the outbox on another; neither role
+/// can even connect to the other's database. The consumer publishes its
+/// watermarks over the broker, `outbox reconcile` reads them and reports the
+/// consumer caught up, `outbox status` shows zero lag, `outbox trace` shows
+/// the event passed, and retention purges only what the published watermark passed.
+#[tokio::test]
+async fn watermarks_over_the_broker_without_cross_database_credentials() {
+    let server = pick_database().await.unwrap_or_else(|e| panic!("{e}"));
+    let two = TwoDatabases::create(server.url()).await;
+    let (orders_url, shipping_url) = (two.url(0, 0), two.url(1, 1));
+    // No grants on each other's database: not even a connection.
+    for (role, db) in [(1, 0), (0, 1)] {
+        let err = PgPool::connect(&two.url(role, db)).await.expect_err("a role must not reach the other's database");
+        assert!(err.to_string().contains("permission denied"), "{err}");
+    }
+    let orders = PgPoolOptions::new().max_connections(6).connect(&orders_url).await.unwrap();
+    let shipping = PgPoolOptions::new().max_connections(6).connect(&shipping_url).await.unwrap();
+    // The outbox database: the producer's schema and the watermark table.
+    run_outbox(&orders_url, &["migrate"]);
+    outbox_consumer::migrate(&shipping).await.unwrap();
+    sqlx::query("CREATE TABLE shipments (event_id text PRIMARY KEY)").execute(&shipping).await.unwrap();
+
+    let kafka = KafkaFixture::start().unwrap();
+    let (topic, wm_topic) = (unique("orders"), unique("watermarks"));
+    kafka.create_topic(&topic, 2).await.unwrap();
+    let broker = kafka.broker(one_record_per_batch).await.unwrap();
+    route(&orders, broker.cluster_id(), &topic, 2).await;
+    register_consumer(&orders, "shipping", &[&topic], true, true).await.unwrap();
+    let mut first = Vec::new();
+    for i in 0..6 {
+        first.push(create_order(&orders, &format!("o-{i}")).await.event_id().to_string());
+    }
+    dispatch_all(&orders, &broker, 6).await;
+
+    // The shipping service: its own database, publishing over the broker.
+    let mut cfg = ConsumerConfig::new("shipping", kafka.bootstrap(), &[&topic]);
+    cfg.watermark_publish_interval_ms = 200;
+    cfg.watermark_topic = Some(wm_topic.clone());
+    let consumer = IdempotentConsumer::new(cfg, shipping.clone(), Ship).unwrap();
+    let metrics = consumer.metrics();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(async move {
+        let _ = stopped.await;
+    }));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM shipments").fetch_one(&shipping).await.unwrap() < 6 {
+        assert!(tokio::time::Instant::now() < deadline, "the consumer did not apply the events");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    let published = metrics.snapshot().watermark_records_published;
+    assert!(published >= 1, "{:?}", metrics.snapshot());
+    let rows = |pool: PgPool| async move {
+        sqlx::query_as::<_, (String, i32, i64, i64)>("SELECT topic, partition, committed_offset, applied_count FROM outbox_consumer_watermarks WHERE consumer_id = 'shipping' ORDER BY 1, 2")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    let consumer_rows = rows(shipping.clone()).await;
+    assert_eq!(consumer_rows.iter().map(|r| r.3).sum::<i64>(), 6);
+
+    // Before the watermark topic is read, the outbox knows of no consumption:
+    // every event is unconsumed (so the checks below can fail).
+    let unread = Reconciler::new(PgStore::new(orders.clone()), broker.clone(), ReconcilerConfig { owner: "r".into(), unconsumed_after_ms: 0, ..Default::default() }).unwrap();
+    assert_eq!(unread.compare_once().await.unwrap().unconsumed_published, 6);
+    let status = outbox_cli::status::status(&orders, outbox_producer::report::DEFAULT_RECONCILER_STALE_MS).await.unwrap();
+    assert_eq!(status.consumers[0].total_lag_events, 6);
+
+    // The producer side's reconciler reads the watermark topic and reports the consumer caught up.
+    let out = run_outbox(&orders_url, &["reconcile", "--once", "--json", "--kafka-bootstrap", kafka.bootstrap(), "--watermark-topic", &wm_topic, "--unconsumed-after-ms", "0"]);
+    let round: Value = serde_json::from_str(&out).unwrap();
+    assert!(round["watermarkTopic"]["applied"].as_u64().unwrap() >= 2, "{round}");
+    assert_eq!(round["watermarkTopic"]["movedBack"], 0, "{round}");
+    assert_eq!(round["compared"]["unconsumedPublished"], 0, "{round}");
+    assert_eq!(round["report"]["findings"], json!([]), "caught up: no finding left open: {round}");
+    assert_eq!(rows(orders.clone()).await, consumer_rows, "the outbox holds what the consumer's database holds");
+
+    // Status: zero lag (library and binary).
+    let status = outbox_cli::status::status(&orders, outbox_producer::report::DEFAULT_RECONCILER_STALE_MS).await.unwrap();
+    assert_eq!(status.consumers[0].total_lag_events, 0, "{status:?}");
+    let text = run_outbox(&orders_url, &["status"]);
+    assert!(text.contains(&format!("consumer shipping [critical,mandatory] topics [{topic:?}]: lag 0 events")), "{text}");
+
+    // Trace: consumption evidence without the consumer's database.
+    let trace = run_outbox(&orders_url, &["trace", &first[0]]);
+    assert!(trace.contains("declared consumers' watermarks:\n  shipping passed (committed offset"), "{trace}");
+
+    // Four more events, published while the consumer is stopped.
+    for i in 6..10 {
+        create_order(&orders, &format!("o-{i}")).await;
+    }
+    dispatch_all(&orders, &broker, 10).await;
+    let trace = run_outbox(&orders_url, &["trace", &sqlx::query_scalar::<_, String>("SELECT event_id FROM outbox_events ORDER BY seq DESC LIMIT 1").fetch_one(&orders).await.unwrap()]);
+    assert!(trace.contains("  shipping not_yet"), "{trace}");
+
+    // Retention purges only below the published watermark.
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint + 1000").fetch_one(&orders).await.unwrap();
+    let policy = RetentionPolicy { replay_window_ms: 0, ..Default::default() };
+    let r = purge(&orders, now, &policy, false, |_| {}).await.unwrap();
+    assert_eq!((r.purged, r.held_by_consumers), (6, 4), "{r:?}");
+    let purged: Vec<String> = sqlx::query_scalar("SELECT event_id FROM outbox_events WHERE state = 'PURGED' ORDER BY event_id").fetch_all(&orders).await.unwrap();
+    first.sort();
+    assert_eq!(purged, first);
+
+    orders.close().await;
+    shipping.close().await;
+    drop(two);
+}
+
+/// One declared consumer ("shipping") on a single-partition topic with
+/// three published events, and a raw producer to write records to the
+/// watermark topic as any client with write access could.
+struct Rig {
+    env: Env,
+    kafka: KafkaFixture,
+    broker: Arc<KafkaBroker>,
+    producer: FutureProducer,
+    clock: ManualClock,
+    topic: String,
+    wm_topic: String,
+}
+
+async fn rig(prefix: &str) -> Rig {
+    let env = Env::new(prefix).await;
+    outbox_producer::migrate(env.pool()).await.unwrap();
+    outbox_consumer::migrate(env.pool()).await.unwrap();
+    let kafka = KafkaFixture::start().unwrap();
+    let (topic, wm_topic) = (unique("orders"), unique("watermarks"));
+    kafka.create_topic(&topic, 1).await.unwrap();
+    kafka.create_topic(&wm_topic, 1).await.unwrap();
+    let broker = kafka.broker(one_record_per_batch).await.unwrap();
+    route(env.pool(), broker.cluster_id(), &topic, 1).await;
+    register_consumer(env.pool(), "shipping", &[&topic], true, true).await.unwrap();
+    for i in 0..3 {
+        create_order(env.pool(), &format!("o-{i}")).await;
+    }
+    dispatch_all(env.pool(), &broker, 3).await;
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).create().unwrap();
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(env.pool()).await.unwrap();
+    Rig { env, kafka, broker, producer, clock: ManualClock::new(now), topic, wm_topic }
+}
+
+impl Rig {
+    fn record(&self, consumer: &str, committed: i64, updated_at_ms: i64) -> WatermarkRecord {
+        WatermarkRecord {
+            consumer_id: consumer.into(),
+            group_id: consumer.into(),
+            cluster_id: self.broker.cluster_id().into(),
+            topic: self.topic.clone(),
+            partition: 0,
+            committed_offset: committed,
+            applied_count: committed,
+            duplicate_count: 0,
+            quarantined_count: 0,
+            dead_lettered_count: 0,
+            last_event_id: None,
+            updated_at_ms,
+            published_at_ms: updated_at_ms,
+        }
+    }
+
+    async fn send_raw(&self, key: &[u8], value: &[u8]) {
+        let headers = OwnedHeaders::new().insert(Header { key: SCHEMA_HEADER, value: Some(SCHEMA) });
+        self.producer.send(FutureRecord::to(&self.wm_topic).key(key).payload(value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+    }
+
+    async fn send(&self, r: &WatermarkRecord) {
+        self.send_raw(&r.key_bytes(), &r.value_bytes()).await;
+    }
+
+    async fn reader(&self) -> WatermarkTopicReader {
+        let mut cfg = WatermarkTopicConfig::new(self.kafka.bootstrap());
+        cfg.topic = self.wm_topic.clone();
+        WatermarkTopicReader::connect(self.env.pool().clone(), cfg).await.unwrap().with_clock(Arc::new(self.clock.clone()))
+    }
+
+    fn reconciler(&self, stale_after_ms: i64) -> Reconciler<KafkaBroker> {
+        let cfg = ReconcilerConfig { owner: "r".into(), stale_watermark_after_ms: stale_after_ms, ..Default::default() };
+        Reconciler::new(PgStore::with_clock(self.env.pool().clone(), Arc::new(self.clock.clone())), self.broker.clone(), cfg).unwrap()
+    }
+
+    async fn committed(&self, consumer: &str) -> Option<i64> {
+        sqlx::query_scalar("SELECT committed_offset FROM outbox_consumer_watermarks WHERE consumer_id = $1").bind(consumer).fetch_optional(self.env.pool()).await.unwrap()
+    }
+
+    async fn open_findings(&self, kind: &str) -> Vec<(String, String)> {
+        sqlx::query_as("SELECT event_id, consumer_id FROM outbox_findings WHERE kind = $1 AND resolved_at_ms IS NULL ORDER BY id")
+            .bind(kind)
+            .fetch_all(self.env.pool())
+            .await
+            .unwrap()
+    }
+}
+
+/// Records from an undeclared consumer, that move a watermark back, that lie
+/// beyond the partition's end, or that do not decode are ignored and are
+/// findings (left open by later comparison rounds); an older record
+/// (reordered publication) is ignored quietly; a good one is applied.
+#[tokio::test]
+async fn bad_watermark_records_are_ignored_and_reported() {
+    let rig = rig("wm_bad").await;
+    let t = rig.clock.now_ms();
+    rig.send(&rig.record("shipping", 2, t)).await; // applied
+    rig.send(&rig.record("intruder", 3, t)).await; // undeclared
+    rig.send(&rig.record("shipping", 1, t + 10)).await; // newer, yet moves back
+    rig.send(&rig.record("shipping", 99, t + 20)).await; // beyond the end (3)
+    rig.send(&rig.record("shipping", 3, t - 10)).await; // older than the stored one
+    rig.send_raw(b"not a key", b"not a record").await; // undecodable
+    let reader = rig.reader().await;
+    let report = reader.ingest_once().await.unwrap();
+    assert_eq!(
+        (report.read, report.applied, report.undeclared, report.moved_back, report.beyond_end, report.out_of_date, report.rejected),
+        (6, 1, 1, 1, 1, 1, 1),
+        "{report:?}"
+    );
+    assert_eq!(rig.committed("shipping").await, Some(2), "nothing but the first record moved the watermark");
+    assert_eq!(rig.committed("intruder").await, None, "an undeclared consumer gets no watermark");
+    let log = format!("{}/{}/0", rig.broker.cluster_id(), rig.topic);
+    assert_eq!(rig.open_findings("watermark_undeclared_consumer").await, vec![(log.clone(), "intruder".to_owned())]);
+    assert_eq!(rig.open_findings("watermark_moved_back").await, vec![(log.clone(), "shipping".to_owned())]);
+    assert_eq!(rig.open_findings("watermark_beyond_end").await, vec![(log, "shipping".to_owned())]);
+    assert_eq!(rig.open_findings("watermark_rejected").await.len(), 1);
+
+    // Read once: a second round reads nothing again.
+    assert_eq!(reader.ingest_once().await.unwrap().read, 0);
+    // Evidence stays open through comparison rounds, and shows in the report.
+    let reconciler = rig.reconciler(60_000);
+    reconciler.compare_once().await.unwrap();
+    assert_eq!(rig.open_findings("watermark_moved_back").await.len(), 1);
+    let report = reconciler.report().await.unwrap().to_text();
+    assert!(report.contains("watermark_undeclared_consumer"), "{report}");
+
+    // A good record later is applied.
+    rig.send(&rig.record("shipping", 3, t + 30)).await;
+    assert_eq!(reader.ingest_once().await.unwrap().applied, 1);
+    assert_eq!(rig.committed("shipping").await, Some(3));
+    rig.env.drop_now().await;
+}
+
+/// A declared consumer whose records stop arriving for longer than the
+/// threshold raises `stale_watermark`; its watermark stays and holds
+/// retention; records arriving again resolve the finding.
+#[tokio::test]
+async fn a_consumer_that_stops_publishing_is_stale() {
+    let rig = rig("wm_stale").await;
+    let t = rig.clock.now_ms();
+    rig.send(&rig.record("shipping", 1, t)).await;
+    let reader = rig.reader().await;
+    assert_eq!(reader.ingest_once().await.unwrap().applied, 1);
+    let reconciler = rig.reconciler(5_000);
+    assert_eq!(reconciler.compare_once().await.unwrap().stale_watermark, 0);
+    rig.clock.advance(4_000);
+    assert_eq!(reconciler.compare_once().await.unwrap().stale_watermark, 0, "within the threshold");
+    rig.clock.advance(2_000);
+    let compared = reconciler.compare_once().await.unwrap();
+    assert_eq!(compared.stale_watermark, 1, "{compared:?}");
+    assert_eq!(rig.open_findings("stale_watermark").await, vec![(rig.broker.cluster_id().to_owned(), "shipping".to_owned())]);
+    // The stale watermark (offset 1) holds the two events above it.
+    let policy = RetentionPolicy { replay_window_ms: 0, ..Default::default() };
+    let r = purge(rig.env.pool(), rig.clock.now_ms() + 1_000, &policy, false, |_| {}).await.unwrap();
+    assert_eq!((r.purged, r.held_by_consumers), (1, 2), "{r:?}");
+
+    rig.send(&rig.record("shipping", 3, t + 6_000)).await;
+    assert_eq!(reader.ingest_once().await.unwrap().applied, 1);
+    rig.clock.advance(1_000);
+    assert_eq!(reconciler.compare_once().await.unwrap().stale_watermark, 0);
+    assert!(rig.open_findings("stale_watermark").await.is_empty(), "publishing again resolves it");
+    rig.env.drop_now().await;
+}

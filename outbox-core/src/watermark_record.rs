@@ -1,0 +1,210 @@
+//! The watermark record a consumer publishes over the broker
+//! (`outboxWatermark.v1`), and its key (`outboxWatermarkKey.v1`).
+//!
+//! A consumer whose state lives in its own database publishes, for each of
+//! its watermark rows, one record to a compacted topic; the producer side
+//! reads the topic and applies the records to its copy of the watermarks.
+//! Both are `canonical.v1` text (see [`crate::canonical`]); docs/WIRE.md
+//! documents the bytes.
+//!
+//! The key names the log position the record speaks about, so compaction
+//! keeps the newest record per consumer, cluster, topic and partition. Topic
+//! identity (a Kafka topic id) is not in the key yet: a topic deleted and
+//! recreated under the same name shares its key.
+//!
+//! Records are not authenticated yet. A signature will travel in a header of
+//! its own ([`SIGNATURE_HEADER`], reserved) over the exact key and value
+//! bytes, so adding it changes neither encoding.
+
+use crate::canonical::{CanonicalReader, CanonicalWriter};
+use crate::error::CoreError;
+use crate::id::{validate_identifier, EventId};
+
+/// Schema of the record's value.
+pub const SCHEMA: &str = "outboxWatermark.v1";
+/// Schema of the record's key.
+pub const KEY_SCHEMA: &str = "outboxWatermarkKey.v1";
+/// Header carrying [`SCHEMA`] on every watermark record.
+pub const SCHEMA_HEADER: &str = "outbox-watermark-schema";
+/// Reserved for the record's signature (not written or checked yet).
+pub const SIGNATURE_HEADER: &str = "outbox-watermark-signature";
+/// Default name of the watermark topic (one per cluster).
+pub const DEFAULT_TOPIC: &str = "outbox.watermarks";
+/// Largest key or value accepted, bytes.
+pub const MAX_RECORD_BYTES: usize = 4096;
+
+/// One consumer's watermark of one partition, as published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatermarkRecord {
+    /// The consumer (its `consumerId`).
+    pub consumer_id: String,
+    /// The consumer's Kafka group.
+    pub group_id: String,
+    /// Cluster id of the log the watermark is about.
+    pub cluster_id: String,
+    /// Topic name.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// Next offset the consumer reads: every message below has a committed decision.
+    pub committed_offset: i64,
+    /// Events applied (cumulative).
+    pub applied_count: i64,
+    /// Redeliveries answered without a second effect (cumulative).
+    pub duplicate_count: i64,
+    /// Messages quarantined (cumulative).
+    pub quarantined_count: i64,
+    /// Events dead-lettered (cumulative).
+    pub dead_lettered_count: i64,
+    /// Last event applied on the partition.
+    pub last_event_id: Option<String>,
+    /// When the consumer's database last moved this watermark, ms since the
+    /// epoch (the consumer database's clock): the record's version.
+    pub updated_at_ms: i64,
+    /// When the record was published, ms since the epoch (the consumer's clock).
+    pub published_at_ms: i64,
+}
+
+fn bad(why: impl Into<String>) -> CoreError {
+    CoreError::InvalidEncoding(why.into())
+}
+
+impl WatermarkRecord {
+    /// Checks every field: identifiers, a non-negative partition, offsets and
+    /// counts, a well-formed last eventId.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        validate_identifier("consumerId", &self.consumer_id)?;
+        validate_identifier("groupId", &self.group_id)?;
+        validate_identifier("clusterId", &self.cluster_id)?;
+        validate_identifier("topic", &self.topic)?;
+        if self.partition < 0 {
+            return Err(bad(format!("partition {} is negative", self.partition)));
+        }
+        for (name, v) in [
+            ("committedOffset", self.committed_offset),
+            ("appliedCount", self.applied_count),
+            ("duplicateCount", self.duplicate_count),
+            ("quarantinedCount", self.quarantined_count),
+            ("deadLetteredCount", self.dead_lettered_count),
+            ("updatedAtMs", self.updated_at_ms),
+            ("publishedAtMs", self.published_at_ms),
+        ] {
+            if v < 0 {
+                return Err(bad(format!("{name} {v} is negative")));
+            }
+        }
+        if let Some(e) = &self.last_event_id {
+            e.parse::<EventId>()?;
+        }
+        Ok(())
+    }
+
+    /// The key bytes: `outboxWatermarkKey.v1` with consumerId, clusterId, topic, partition.
+    pub fn key_bytes(&self) -> Vec<u8> {
+        CanonicalWriter::new(KEY_SCHEMA)
+            .field("consumerId", &self.consumer_id)
+            .field("clusterId", &self.cluster_id)
+            .field("topic", &self.topic)
+            .field("partition", self.partition.to_string())
+            .finish()
+    }
+
+    /// The value bytes: `outboxWatermark.v1`, fields in the documented order.
+    pub fn value_bytes(&self) -> Vec<u8> {
+        CanonicalWriter::new(SCHEMA)
+            .field("consumerId", &self.consumer_id)
+            .field("groupId", &self.group_id)
+            .field("clusterId", &self.cluster_id)
+            .field("topic", &self.topic)
+            .field("partition", self.partition.to_string())
+            .field("committedOffset", self.committed_offset.to_string())
+            .field("appliedCount", self.applied_count.to_string())
+            .field("duplicateCount", self.duplicate_count.to_string())
+            .field("quarantinedCount", self.quarantined_count.to_string())
+            .field("deadLetteredCount", self.dead_lettered_count.to_string())
+            .field("lastEventId", self.last_event_id.as_deref().unwrap_or(""))
+            .field("updatedAtMs", self.updated_at_ms.to_string())
+            .field("publishedAtMs", self.published_at_ms.to_string())
+            .finish()
+    }
+
+    /// Reads a record from its key and value, refusing anything malformed,
+    /// oversized, or whose key does not name what its value says.
+    pub fn decode(key: Option<&[u8]>, value: Option<&[u8]>) -> Result<WatermarkRecord, CoreError> {
+        let key = key.ok_or_else(|| bad("watermark record without a key"))?;
+        let value = value.ok_or_else(|| bad("watermark record without a value (a tombstone)"))?;
+        if key.len() > MAX_RECORD_BYTES || value.len() > MAX_RECORD_BYTES {
+            return Err(bad(format!("watermark record over {MAX_RECORD_BYTES} bytes")));
+        }
+        let mut r = CanonicalReader::new(value, SCHEMA)?;
+        let record = WatermarkRecord {
+            consumer_id: r.field("consumerId")?.to_owned(),
+            group_id: r.field("groupId")?.to_owned(),
+            cluster_id: r.field("clusterId")?.to_owned(),
+            topic: r.field("topic")?.to_owned(),
+            partition: r.int("partition")?,
+            committed_offset: r.int("committedOffset")?,
+            applied_count: r.int("appliedCount")?,
+            duplicate_count: r.int("duplicateCount")?,
+            quarantined_count: r.int("quarantinedCount")?,
+            dead_lettered_count: r.int("deadLetteredCount")?,
+            last_event_id: Some(r.field("lastEventId")?).filter(|s| !s.is_empty()).map(str::to_owned),
+            updated_at_ms: r.int("updatedAtMs")?,
+            published_at_ms: r.int("publishedAtMs")?,
+        };
+        r.end()?;
+        record.validate()?;
+        if record.key_bytes() != key {
+            return Err(bad("the key does not name the value's consumer, cluster, topic and partition"));
+        }
+        Ok(record)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> WatermarkRecord {
+        WatermarkRecord {
+            consumer_id: "shipping".into(),
+            group_id: "shipping".into(),
+            cluster_id: "kafka-prod".into(),
+            topic: "orders".into(),
+            partition: 3,
+            committed_offset: 42,
+            applied_count: 40,
+            duplicate_count: 1,
+            quarantined_count: 1,
+            dead_lettered_count: 0,
+            last_event_id: None,
+            updated_at_ms: 1_764_547_200_000,
+            published_at_ms: 1_764_547_201_000,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_exact_key() {
+        let r = sample();
+        assert_eq!(WatermarkRecord::decode(Some(&r.key_bytes()), Some(&r.value_bytes())).unwrap(), r);
+        assert_eq!(r.key_bytes(), b"outboxWatermarkKey.v1\nconsumerId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\npartition=1:3\n".to_vec());
+    }
+
+    #[test]
+    fn refuses_mismatched_key_negative_values_and_tombstones() {
+        let r = sample();
+        let mut other = r.clone();
+        other.partition = 4;
+        assert!(WatermarkRecord::decode(Some(&other.key_bytes()), Some(&r.value_bytes())).is_err());
+        let mut neg = r.clone();
+        neg.committed_offset = -1;
+        assert!(WatermarkRecord::decode(Some(&neg.key_bytes()), Some(&neg.value_bytes())).is_err());
+        assert!(WatermarkRecord::decode(Some(&r.key_bytes()), None).is_err());
+        assert!(WatermarkRecord::decode(None, Some(&r.value_bytes())).is_err());
+        let mut bad_event = r.clone();
+        bad_event.last_event_id = Some("evt-nope".into());
+        assert!(WatermarkRecord::decode(Some(&bad_event.key_bytes()), Some(&bad_event.value_bytes())).is_err());
+        let big = vec![b'x'; MAX_RECORD_BYTES + 1];
+        assert!(WatermarkRecord::decode(Some(&r.key_bytes()), Some(&big)).is_err());
+    }
+}

@@ -1,0 +1,556 @@
+//! Reading the watermark topic: consumers' watermarks published over the
+//! broker, applied to the outbox database.
+//!
+//! An idempotent consumer whose state lives in its own database publishes
+//! its watermark rows as `outboxWatermark.v1` records to a compacted topic
+//! of the cluster it reads ([`DEFAULT_TOPIC`], one per cluster). The
+//! [`WatermarkTopicReader`] reads that topic from the start of its log (its
+//! read position is kept in `outbox_watermark_topic_cursors` and moves in
+//! the transaction that applies the records) and applies each record to
+//! `outbox_consumer_watermarks`, from where the unconsumed check, lag in the
+//! status and the report, and the retention gate use it unchanged.
+//!
+//! **What is applied.** A record is applied only when all of this holds;
+//! otherwise it is ignored and, but for the first case, is a finding:
+//! - it decodes (`outboxWatermark.v1`, its key naming its value) and names
+//!   the cluster it was read from (`watermark_rejected` otherwise);
+//! - the consumer is declared in `outbox_consumers`
+//!   (`watermark_undeclared_consumer` otherwise);
+//! - its committed offset is not beyond the end (high watermark) of the
+//!   partition it speaks about (`watermark_beyond_end` otherwise);
+//! - it is not older than what is stored (its `updatedAtMs`, the consumer
+//!   database's time of the row, is not below the stored one): an older
+//!   record is a reordered earlier publication and is ignored quietly;
+//! - the committed offset and every count are at least what is stored:
+//!   offsets and counts never move back (`watermark_moved_back` otherwise).
+//!
+//! A declared consumer that has published over the broker and whose last
+//! acceptable record is older than `ReconcilerConfig::stale_watermark_after_ms`
+//! is `stale_watermark` (a condition: it resolves once records arrive
+//! again); its watermark stays where it was, so a mandatory consumer's
+//! stale watermark holds retention.
+//!
+//! Records are not authenticated yet: the reader trusts any producer with
+//! write access to the watermark topic, within the rules above. A signature
+//! header (`outbox-watermark-signature`) is reserved for it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::watermark_record::WatermarkRecord;
+pub use outbox_core::watermark_record::DEFAULT_TOPIC;
+use outbox_core::{Clock, SystemClock};
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::Message;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use sqlx::{PgPool, Postgres, Row as _, Transaction};
+
+use crate::error::ProducerError;
+
+/// Default [`WatermarkTopicConfig::group_id`].
+pub const DEFAULT_GROUP_ID: &str = "outbox-reconciler-watermarks";
+/// Default [`WatermarkTopicConfig::max_records_per_round`].
+pub const DEFAULT_MAX_RECORDS_PER_ROUND: usize = 10_000;
+/// Upper limit of [`WatermarkTopicConfig::max_records_per_round`].
+pub const LIMIT_MAX_RECORDS_PER_ROUND: usize = 1_000_000;
+/// Default [`WatermarkTopicConfig::round_timeout_ms`].
+pub const DEFAULT_ROUND_TIMEOUT_MS: u64 = 10_000;
+/// How long a round goes on reading after the reported ends of the
+/// watermark topic's partitions while nothing more arrives, ms.
+pub const READ_PAST_END_IDLE_MS: u64 = 200;
+/// Most findings one round records per kind (the rest are counted only).
+pub const MAX_FINDINGS_PER_ROUND: usize = 1_000;
+/// Finding kinds raised by the reader; evidence, left open until an operator resolves them.
+pub const READER_FINDINGS: &[&str] = &["watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected"];
+
+/// Where the watermark topic is and how much one round reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatermarkTopicConfig {
+    /// Kafka `bootstrap.servers` of the cluster whose watermark topic is read.
+    pub bootstrap_servers: String,
+    /// The watermark topic (default [`DEFAULT_TOPIC`]).
+    pub topic: String,
+    /// Kafka group id of the reader's client (default [`DEFAULT_GROUP_ID`]);
+    /// the read position is kept in the outbox database, not in the group.
+    pub group_id: String,
+    /// Most records read and applied by one round.
+    pub max_records_per_round: usize,
+    /// Longest one round reads, ms (also the metadata timeout).
+    pub round_timeout_ms: u64,
+    /// Extra librdkafka properties (security, ...).
+    pub kafka: BTreeMap<String, String>,
+}
+
+impl WatermarkTopicConfig {
+    /// Defaults for the cluster at `bootstrap_servers`.
+    pub fn new(bootstrap_servers: impl Into<String>) -> Self {
+        WatermarkTopicConfig {
+            bootstrap_servers: bootstrap_servers.into(),
+            topic: DEFAULT_TOPIC.to_owned(),
+            group_id: DEFAULT_GROUP_ID.to_owned(),
+            max_records_per_round: DEFAULT_MAX_RECORDS_PER_ROUND,
+            round_timeout_ms: DEFAULT_ROUND_TIMEOUT_MS,
+            kafka: BTreeMap::new(),
+        }
+    }
+
+    /// Checks identifiers and limits.
+    pub fn validate(&self) -> Result<(), ProducerError> {
+        outbox_core::id::validate_identifier("watermark topic", &self.topic)?;
+        outbox_core::id::validate_identifier("watermark group id", &self.group_id)?;
+        if self.bootstrap_servers.trim().is_empty() {
+            return Err(ProducerError::Config("watermark topic: bootstrap_servers is empty".into()));
+        }
+        if !(1..=LIMIT_MAX_RECORDS_PER_ROUND).contains(&self.max_records_per_round) {
+            return Err(ProducerError::Config(format!("max_records_per_round {} (1..={LIMIT_MAX_RECORDS_PER_ROUND})", self.max_records_per_round)));
+        }
+        if !(100..=600_000).contains(&self.round_timeout_ms) {
+            return Err(ProducerError::Config(format!("round_timeout_ms {} (100..=600000)", self.round_timeout_ms)));
+        }
+        Ok(())
+    }
+}
+
+/// What one round of [`WatermarkTopicReader::ingest_once`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IngestReport {
+    /// Records read.
+    pub read: usize,
+    /// Records applied (the stored watermark now says what they say).
+    pub applied: usize,
+    /// Records older than the stored watermark (reordered earlier publications), ignored.
+    pub out_of_date: usize,
+    /// Records of consumers not declared in `outbox_consumers`, ignored.
+    pub undeclared: usize,
+    /// Records that would move an offset or a count back, ignored.
+    pub moved_back: usize,
+    /// Records beyond the end of their partition, ignored.
+    pub beyond_end: usize,
+    /// Records that do not decode or name another cluster, ignored.
+    pub rejected: usize,
+}
+
+impl IngestReport {
+    /// Records ignored with a finding.
+    pub fn findings(&self) -> usize {
+        self.undeclared + self.moved_back + self.beyond_end + self.rejected
+    }
+}
+
+/// Reads the watermark topic of one cluster into the outbox database.
+pub struct WatermarkTopicReader {
+    pool: PgPool,
+    client: Arc<StreamConsumer>,
+    cluster_id: String,
+    config: WatermarkTopicConfig,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for WatermarkTopicReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatermarkTopicReader").field("cluster_id", &self.cluster_id).field("config", &self.config).finish()
+    }
+}
+
+fn kafka_err(what: &str, e: impl std::fmt::Display) -> ProducerError {
+    ProducerError::Config(format!("watermark topic: {what}: {e}"))
+}
+
+impl WatermarkTopicReader {
+    /// Connects to the cluster and learns its id. The outbox database must
+    /// hold `outbox_consumer_watermarks` (`outbox migrate`, or
+    /// `outbox_consumer::migrate`, on the outbox database).
+    pub async fn connect(pool: PgPool, config: WatermarkTopicConfig) -> Result<Self, ProducerError> {
+        config.validate()?;
+        if !crate::report::has_watermarks(&pool).await? {
+            return Err(ProducerError::Config(
+                "the outbox database has no outbox_consumer_watermarks table (run `outbox migrate`, or outbox_consumer::migrate, on it)".into(),
+            ));
+        }
+        let mut k = ClientConfig::new();
+        k.set("bootstrap.servers", &config.bootstrap_servers)
+            .set("group.id", &config.group_id)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("isolation.level", "read_committed");
+        for (key, value) in &config.kafka {
+            k.set(key, value);
+        }
+        let client: Arc<StreamConsumer> = Arc::new(k.create().map_err(|e| kafka_err("client", e))?);
+        let timeout = Duration::from_millis(config.round_timeout_ms);
+        let c = client.clone();
+        let cluster_id = tokio::task::spawn_blocking(move || c.client().fetch_cluster_id(timeout))
+            .await
+            .map_err(|e| kafka_err("cluster id task", e))?
+            .filter(|id| !id.is_empty())
+            .ok_or_else(|| kafka_err("cluster id", format!("the broker did not tell it within {} ms", config.round_timeout_ms)))?;
+        Ok(WatermarkTopicReader { pool, client, cluster_id, config, clock: Arc::new(SystemClock) })
+    }
+
+    /// Uses `clock` for the arrival times that `stale_watermark` is judged by
+    /// (the reconciler's clock, so both agree).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The id of the cluster read.
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &WatermarkTopicConfig {
+        &self.config
+    }
+
+    /// Low and high watermark of a partition (blocking call on a worker thread).
+    async fn offsets(&self, topic: &str, partition: i32) -> Result<(i64, i64), ProducerError> {
+        let c = self.client.clone();
+        let topic = topic.to_owned();
+        let timeout = Duration::from_millis(self.config.round_timeout_ms);
+        tokio::task::spawn_blocking(move || c.fetch_watermarks(&topic, partition, timeout))
+            .await
+            .map_err(|e| kafka_err("offsets task", e))?
+            .map_err(|e| kafka_err("offsets", e))
+    }
+
+    /// The partitions of the watermark topic (empty when it does not exist yet).
+    async fn partitions(&self) -> Result<Vec<i32>, ProducerError> {
+        let c = self.client.clone();
+        let topic = self.config.topic.clone();
+        let timeout = Duration::from_millis(self.config.round_timeout_ms);
+        let md = tokio::task::spawn_blocking(move || c.fetch_metadata(Some(&topic), timeout).map(|md| {
+            md.topics().iter().filter(|t| t.name() == topic && t.error().is_none()).flat_map(|t| t.partitions().iter().map(|p| p.id())).collect::<Vec<i32>>()
+        }))
+        .await
+        .map_err(|e| kafka_err("metadata task", e))?
+        .map_err(|e| kafka_err("metadata", e))?;
+        Ok(md)
+    }
+
+    /// Reads what the watermark topic holds beyond the stored positions (at
+    /// most `max_records_per_round`, within `round_timeout_ms`) and applies
+    /// it, with its findings and the new positions, in one transaction.
+    pub async fn ingest_once(&self) -> Result<IngestReport, ProducerError> {
+        let topic = self.config.topic.clone();
+        let mut report = IngestReport::default();
+        let partitions = self.partitions().await?;
+        if partitions.is_empty() {
+            tracing::debug!(topic = %topic, "watermark topic not there yet");
+            return Ok(report);
+        }
+        let stored: HashMap<i32, i64> = sqlx::query_as::<_, (i32, i64)>("SELECT partition, next_offset FROM outbox_watermark_topic_cursors WHERE cluster_id = $1 AND topic = $2")
+            .bind(&self.cluster_id)
+            .bind(&topic)
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .collect();
+        let mut tpl = TopicPartitionList::new();
+        let mut ends: HashMap<i32, i64> = HashMap::new();
+        let mut starts: HashMap<i32, i64> = HashMap::new();
+        for p in partitions {
+            let (low, high) = self.offsets(&topic, p).await?;
+            // Below the log's start (retention or compaction removed them): start there.
+            let from = stored.get(&p).copied().unwrap_or(low).max(low);
+            tpl.add_partition_offset(&topic, p, Offset::Offset(from)).map_err(|e| kafka_err("assign", e))?;
+            starts.insert(p, from);
+            if from < high {
+                ends.insert(p, high);
+            }
+        }
+        self.client.assign(&tpl).map_err(|e| kafka_err("assign", e))?;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(self.config.round_timeout_ms);
+        let mut messages: Vec<ReadRecord> = Vec::new();
+        let mut next: HashMap<i32, i64> = HashMap::new();
+        let mut last_read = tokio::time::Instant::now();
+        while messages.len() < self.config.max_records_per_round {
+            // Up to the reported ends, then on while records keep coming: a
+            // broker may report a high watermark below its last record.
+            let until = if ends.is_empty() { deadline.min(last_read + Duration::from_millis(READ_PAST_END_IDLE_MS)) } else { deadline };
+            let m = match tokio::time::timeout_at(until, self.client.recv()).await {
+                Err(_) => break,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "watermark topic read error");
+                    continue;
+                }
+                Ok(Ok(m)) => m,
+            };
+            let (p, off) = (m.partition(), m.offset());
+            if m.topic() != topic || starts.get(&p).is_none_or(|&from| off < from) {
+                // Left over from an earlier assignment: read again from the stored position.
+                continue;
+            }
+            next.insert(p, off + 1);
+            last_read = tokio::time::Instant::now();
+            if ends.get(&p).is_some_and(|&end| off + 1 >= end) {
+                ends.remove(&p);
+            }
+            messages.push((p, off, m.key().map(<[u8]>::to_vec), m.payload().map(<[u8]>::to_vec)));
+        }
+        let _ = self.client.unassign();
+        report.read = messages.len();
+        if messages.is_empty() {
+            return Ok(report);
+        }
+
+        // Decode, and learn the end of every partition the records of
+        // registered consumers speak about (only theirs: a record of anybody
+        // else costs no broker request).
+        let declared: Vec<String> = sqlx::query_scalar("SELECT consumer_id FROM outbox_consumers").fetch_all(&self.pool).await?;
+        let mut decoded = Vec::with_capacity(messages.len());
+        let mut data_ends: HashMap<(String, i32), Result<i64, String>> = HashMap::new();
+        for (p, off, key, value) in messages {
+            let r = WatermarkRecord::decode(key.as_deref(), value.as_deref()).map_err(|e| e.to_string()).and_then(|r| {
+                if r.cluster_id == self.cluster_id {
+                    Ok(r)
+                } else {
+                    Err(format!("names cluster {:?} but was read from cluster {:?}", r.cluster_id, self.cluster_id))
+                }
+            });
+            if let Some(r) = r.as_ref().ok().filter(|r| declared.contains(&r.consumer_id)) {
+                if let std::collections::hash_map::Entry::Vacant(slot) = data_ends.entry((r.topic.clone(), r.partition)) {
+                    slot.insert(self.offsets(&r.topic, r.partition).await.map(|(_, high)| high).map_err(|e| e.to_string()));
+                }
+            }
+            decoded.push((p, off, r));
+        }
+
+        let now = self.clock.now_ms();
+        let mut tx = self.pool.begin().await?;
+        let mut findings: Vec<(&'static str, String, String, String)> = Vec::new();
+        for (p, off, r) in decoded {
+            let at = format!("{}/{}/{p}@{off}", self.cluster_id, topic);
+            let record = match r {
+                Ok(r) => r,
+                Err(why) => {
+                    report.rejected += 1;
+                    findings.push(("watermark_rejected", at, String::new(), format!("watermark record ignored: {why}")));
+                    continue;
+                }
+            };
+            let log = format!("{}/{}/{}", record.cluster_id, record.topic, record.partition);
+            if !declared.contains(&record.consumer_id) {
+                report.undeclared += 1;
+                findings.push(("watermark_undeclared_consumer", log, record.consumer_id.clone(), format!("watermark record at {at} from a consumer not declared in outbox_consumers, ignored")));
+                continue;
+            }
+            match data_ends.get(&(record.topic.clone(), record.partition)) {
+                Some(Ok(end)) if record.committed_offset <= *end => {}
+                other => {
+                    report.beyond_end += 1;
+                    let why = match other {
+                        Some(Ok(end)) => format!("committed offset {} is beyond the partition's end {end}", record.committed_offset),
+                        Some(Err(e)) => format!("the partition's end could not be read ({e})"),
+                        None => "the partition's end is unknown".to_owned(),
+                    };
+                    ignored(&mut tx, &record, now).await?;
+                    findings.push(("watermark_beyond_end", log, record.consumer_id.clone(), format!("watermark record at {at} ignored: {why}")));
+                    continue;
+                }
+            }
+            match apply(&mut tx, &record).await? {
+                Applied::Yes => {
+                    report.applied += 1;
+                    arrived(&mut tx, &record, now).await?;
+                }
+                Applied::OutOfDate => {
+                    report.out_of_date += 1;
+                    arrived(&mut tx, &record, now).await?;
+                }
+                Applied::MovedBack(why) => {
+                    report.moved_back += 1;
+                    ignored(&mut tx, &record, now).await?;
+                    findings.push(("watermark_moved_back", log, record.consumer_id.clone(), format!("watermark record at {at} ignored: {why}")));
+                }
+            }
+        }
+        for (p, n) in &next {
+            sqlx::query(
+                "INSERT INTO outbox_watermark_topic_cursors (cluster_id, topic, partition, next_offset) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (cluster_id, topic, partition) DO UPDATE SET next_offset = GREATEST(outbox_watermark_topic_cursors.next_offset, EXCLUDED.next_offset)",
+            )
+            .bind(&self.cluster_id)
+            .bind(&topic)
+            .bind(p)
+            .bind(n)
+            .execute(&mut *tx)
+            .await?;
+        }
+        record_findings(&mut tx, &findings, now).await?;
+        tx.commit().await?;
+        if report.findings() > 0 {
+            tracing::warn!(?report, "watermark records ignored");
+        }
+        Ok(report)
+    }
+}
+
+/// A record read from the watermark topic: partition, offset, key, value.
+type ReadRecord = (i32, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+
+enum Applied {
+    Yes,
+    OutOfDate,
+    MovedBack(String),
+}
+
+/// Applies one record to `outbox_consumer_watermarks`, monotonically.
+async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord) -> Result<Applied, ProducerError> {
+    let row = sqlx::query(
+        "SELECT committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count,
+                floor(extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
+         FROM outbox_consumer_watermarks WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4 FOR UPDATE",
+    )
+    .bind(&r.consumer_id)
+    .bind(&r.cluster_id)
+    .bind(&r.topic)
+    .bind(r.partition)
+    .fetch_optional(&mut **tx)
+    .await?;
+    if let Some(row) = row {
+        let updated_ms: i64 = row.try_get("updated_ms")?;
+        if r.updated_at_ms < updated_ms {
+            return Ok(Applied::OutOfDate);
+        }
+        for (name, stored, got) in [
+            ("committed offset", row.try_get::<i64, _>("committed_offset")?, r.committed_offset),
+            ("applied count", row.try_get("applied_count")?, r.applied_count),
+            ("duplicate count", row.try_get("duplicate_count")?, r.duplicate_count),
+            ("quarantined count", row.try_get("quarantined_count")?, r.quarantined_count),
+            ("dead-lettered count", row.try_get("dead_lettered_count")?, r.dead_lettered_count),
+        ] {
+            if got < stored {
+                return Ok(Applied::MovedBack(format!("{name} {got} is below the stored {stored}")));
+            }
+        }
+    }
+    sqlx::query(
+        "INSERT INTO outbox_consumer_watermarks AS w
+             (consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, to_timestamp($11::double precision / 1000))
+         ON CONFLICT (consumer_id, cluster_id, topic, partition) DO UPDATE SET
+             committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
+             applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
+             duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
+             quarantined_count = GREATEST(w.quarantined_count, EXCLUDED.quarantined_count),
+             dead_lettered_count = GREATEST(w.dead_lettered_count, EXCLUDED.dead_lettered_count),
+             last_event_id = COALESCE(EXCLUDED.last_event_id, w.last_event_id),
+             updated_at = GREATEST(w.updated_at, EXCLUDED.updated_at)",
+    )
+    .bind(&r.consumer_id)
+    .bind(&r.cluster_id)
+    .bind(&r.topic)
+    .bind(r.partition)
+    .bind(r.committed_offset)
+    .bind(r.applied_count)
+    .bind(r.duplicate_count)
+    .bind(r.quarantined_count)
+    .bind(r.dead_lettered_count)
+    .bind(r.last_event_id.as_deref())
+    .bind(r.updated_at_ms)
+    .execute(&mut **tx)
+    .await?;
+    Ok(Applied::Yes)
+}
+
+/// A declared consumer's acceptable record arrived at `now`.
+async fn arrived(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord, now: i64) -> Result<(), ProducerError> {
+    sqlx::query(
+        "INSERT INTO outbox_watermark_publishers AS p (consumer_id, cluster_id, last_received_ms, last_published_at_ms, records_accepted)
+         VALUES ($1, $2, $3, $4, 1)
+         ON CONFLICT (consumer_id, cluster_id) DO UPDATE SET last_received_ms = GREATEST(p.last_received_ms, EXCLUDED.last_received_ms),
+             last_published_at_ms = GREATEST(p.last_published_at_ms, EXCLUDED.last_published_at_ms), records_accepted = p.records_accepted + 1",
+    )
+    .bind(&r.consumer_id)
+    .bind(&r.cluster_id)
+    .bind(now)
+    .bind(r.published_at_ms)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// A declared consumer's record was ignored (counted; its arrival time does not move).
+async fn ignored(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord, now: i64) -> Result<(), ProducerError> {
+    sqlx::query(
+        "INSERT INTO outbox_watermark_publishers AS p (consumer_id, cluster_id, last_received_ms, last_published_at_ms, records_ignored)
+         VALUES ($1, $2, $3, 0, 1)
+         ON CONFLICT (consumer_id, cluster_id) DO UPDATE SET records_ignored = p.records_ignored + 1",
+    )
+    .bind(&r.consumer_id)
+    .bind(&r.cluster_id)
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Opens (or marks seen again) the reader's findings, at most
+/// [`MAX_FINDINGS_PER_ROUND`] per kind.
+async fn record_findings(tx: &mut Transaction<'_, Postgres>, findings: &[(&'static str, String, String, String)], now: i64) -> Result<(), ProducerError> {
+    let mut per_kind: HashMap<&str, usize> = HashMap::new();
+    let kept: Vec<&(&'static str, String, String, String)> = findings
+        .iter()
+        .filter(|f| {
+            let n = per_kind.entry(f.0).or_default();
+            *n += 1;
+            *n <= MAX_FINDINGS_PER_ROUND
+        })
+        .collect();
+    if kept.is_empty() {
+        return Ok(());
+    }
+    let kinds: Vec<&str> = kept.iter().map(|f| f.0).collect();
+    let ids: Vec<&str> = kept.iter().map(|f| f.1.as_str()).collect();
+    let consumers: Vec<&str> = kept.iter().map(|f| f.2.as_str()).collect();
+    let details: Vec<&str> = kept.iter().map(|f| f.3.as_str()).collect();
+    sqlx::query(
+        "INSERT INTO outbox_findings (kind, event_id, consumer_id, age_ms, detail, first_seen_ms, last_seen_ms)
+         SELECT DISTINCT ON (k, e, c) k, e, c, 0, d, $5, $5 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[]) AS t(k, e, c, d)
+         ON CONFLICT (kind, event_id, consumer_id) WHERE resolved_at_ms IS NULL
+         DO UPDATE SET detail = EXCLUDED.detail, last_seen_ms = EXCLUDED.last_seen_ms",
+    )
+    .bind(&kinds)
+    .bind(&ids)
+    .bind(&consumers)
+    .bind(&details)
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// `stale_watermark` findings `(kind, cluster, consumer, age_ms, detail)`:
+/// declared consumers that have published over the broker and whose last
+/// acceptable record arrived more than `stale_after_ms` before `now`.
+pub(crate) async fn stale_findings(pool: &PgPool, now: i64, stale_after_ms: i64, limit: i64) -> Result<Vec<(&'static str, String, String, i64, String)>, ProducerError> {
+    let rows = sqlx::query(
+        "SELECT p.consumer_id, p.cluster_id, $1 - p.last_received_ms AS age FROM outbox_watermark_publishers p
+         JOIN outbox_consumers c ON c.consumer_id = p.consumer_id
+         WHERE p.records_accepted > 0 AND p.last_received_ms < $1 - $2 ORDER BY p.last_received_ms LIMIT $3",
+    )
+    .bind(now)
+    .bind(stale_after_ms)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let age: i64 = r.try_get("age")?;
+        let cluster: String = r.try_get("cluster_id")?;
+        out.push((
+            "stale_watermark",
+            cluster.clone(),
+            r.try_get("consumer_id")?,
+            age,
+            format!("no watermark record from this consumer on cluster {cluster} for {age} ms (threshold {stale_after_ms} ms); its watermark stays where it was"),
+        ));
+    }
+    Ok(out)
+}
