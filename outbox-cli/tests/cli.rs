@@ -424,3 +424,24 @@ async fn rollout_commands_set_the_takeover_policy_and_switch_the_alias() {
     assert_eq!(history, 2);
     env.drop_now().await;
 }
+
+/// Every finding kind the reconciler records and the metrics export is one
+/// the database accepts: several migrations re-create the kind check, and a
+/// later one that forgot a kind would make that finding's insert fail.
+#[tokio::test]
+async fn the_schema_accepts_every_finding_kind() {
+    let env = Env::new("cli_finding_kinds").await;
+    outbox_producer::migrate(env.pool()).await.unwrap();
+    for kind in outbox_cli::metrics::FINDING_KINDS {
+        let r = sqlx::query("INSERT INTO outbox_findings (kind, event_id, detail, age_ms, first_seen_ms, last_seen_ms) VALUES ($1, 'evt-x', 'test', 0, 0, 0)")
+            .bind(kind)
+            .execute(env.pool())
+            .await;
+        assert!(r.is_ok(), "finding kind {kind} refused by the schema: {r:?}");
+    }
+    let refused = sqlx::query("INSERT INTO outbox_findings (kind, event_id, detail, age_ms, first_seen_ms, last_seen_ms) VALUES ('no_such_kind', 'evt-x', 'test', 0, 0, 0)")
+        .execute(env.pool())
+        .await;
+    assert!(refused.is_err(), "the check still refuses unknown kinds");
+    env.drop_now().await;
+}
