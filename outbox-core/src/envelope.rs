@@ -279,7 +279,49 @@ impl Destination {
     }
 }
 
-/// One generation of the route of one event type.
+/// Length of a topic id in its text form: 16 bytes in URL-safe base64
+/// without padding.
+pub const TOPIC_ID_CHARS: usize = 22;
+
+/// The text form of a Kafka topic id (16 bytes, most significant first):
+/// URL-safe base64 (`A-Z a-z 0-9 - _`) without padding, 22 characters, as
+/// Kafka's own tools print it.
+pub fn topic_id_text(bytes: &[u8; 16]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(TOPIC_ID_CHARS);
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        let chars = chunk.len() + 1;
+        for i in 0..chars {
+            out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// Checks the text form of a topic id: 22 characters of URL-safe base64
+/// whose last one carries no bits beyond the 128 (one text per id), and
+/// not the all-zero id (which Kafka uses for "no id").
+pub fn validate_topic_id(value: &str) -> Result<(), CoreError> {
+    let bad = |why: &str| Err(CoreError::InvalidDestination(format!("topic id {value:?}: {why}")));
+    if value.len() != TOPIC_ID_CHARS {
+        return bad("must be 22 characters (16 bytes, URL-safe base64 without padding)");
+    }
+    if !value.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_') {
+        return bad("only A-Z a-z 0-9 - _ are allowed");
+    }
+    // The last character holds the final 2 bits: its low 4 bits must be zero.
+    if !b"AQgw".contains(&value.as_bytes()[TOPIC_ID_CHARS - 1]) {
+        return bad("the last character carries bits beyond 16 bytes");
+    }
+    if value == "AAAAAAAAAAAAAAAAAAAAAA" {
+        return bad("the all-zero id means no id");
+    }
+    Ok(())
+}
+
+/// One generation of the route of one event type./// One generation of the route of one event type.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RoutePolicy {
@@ -472,6 +514,18 @@ impl EmitRequest<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn topic_id_text_is_url_safe_base64_without_padding() {
+        let bytes: [u8; 16] = core::array::from_fn(|i| i as u8);
+        assert_eq!(topic_id_text(&bytes), "AAECAwQFBgcICQoLDA0ODw");
+        assert_eq!(topic_id_text(&[0xff; 16]), "_____________________w");
+        validate_topic_id("AAECAwQFBgcICQoLDA0ODw").unwrap();
+        validate_topic_id("_____________________w").unwrap();
+        for bad in ["", "AAECAwQFBgcICQoLDA0OD", "AAECAwQFBgcICQoLDA0ODw=", "AAECAwQFBgcICQoLDA0OD+", "AAECAwQFBgcICQoLDA0ODx", "AAAAAAAAAAAAAAAAAAAAAA"] {
+            assert!(validate_topic_id(bad).is_err(), "{bad:?} must be refused");
+        }
+    }
 
     #[test]
     fn murmur2_matches_kafka_reference_values() {
