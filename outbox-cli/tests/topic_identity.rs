@@ -32,3 +32,66 @@ async fn a_recreated_topic_has_another_id() {
     let second = broker.topic_id("orders").await.expect("describe").expect("tansu gives topic ids");
     assert_ne!(first, second, "the recreated topic must have a new id");
 }
+
+/// The last event's frozen destination, decoded.
+async fn last_destination(env: &common::Env) -> (Vec<u8>, outbox_core::Destination) {
+    let bytes: Vec<u8> = sqlx::query_scalar("SELECT destination_canonical FROM outbox_envelopes ORDER BY created_at_ms DESC, event_id DESC LIMIT 1")
+        .fetch_one(env.pool())
+        .await
+        .unwrap();
+    let d = outbox_core::Destination::from_canonical(&bytes).expect("frozen destination decodes");
+    (bytes, d)
+}
+
+#[tokio::test]
+async fn route_set_records_the_topic_id_and_a_recreated_topic_is_a_new_generation() {
+    let env = common::Env::new("topicid_route").await;
+    env.ok(&["migrate"]);
+    let dir = scratch("topic-id-route");
+    let port = free_port();
+    let tansu = Tansu::start(port, &format!("127.0.0.1:{port}"), CLUSTER, &dir.join("tansu.log"));
+    tansu.create_topic("orders", 3);
+    let b = tansu.bootstrap();
+    let broker = KafkaBroker::connect(config(&b)).await.expect("connect");
+    let first = broker.topic_id("orders").await.unwrap().expect("tansu gives topic ids");
+
+    // A v1 event first: a generation without an id (set without a check).
+    common::route(env.pool(), CLUSTER, "orders", 3).await;
+    common::create_order(env.pool(), "o-v1").await;
+    let (v1_bytes, v1) = last_destination(&env).await;
+    assert!(v1_bytes.starts_with(b"destination.v1\n") && v1.topic_id.is_none());
+
+    // route set against the cluster records the id: a new generation, v2 events.
+    let out = env.ok(&["route", "set", common::ORDER_CREATED, "--topic", "orders", "--partitions", "3", "--kafka-bootstrap", &b, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["route"]["topicId"].as_str(), Some(first.as_str()), "{out}");
+    assert_eq!(v["route"]["generation"], 2, "{out}");
+    common::create_order(env.pool(), "o-v2").await;
+    let (v2_bytes, v2) = last_destination(&env).await;
+    assert!(v2_bytes.starts_with(b"destination.v2\n"), "{}", String::from_utf8_lossy(&v2_bytes));
+    assert_eq!(v2.topic_id.as_deref(), Some(first.as_str()));
+    assert_eq!(v2.route_policy_generation, 2);
+    // Setting it again unchanged is no new generation.
+    let again = env.ok(&["route", "set", common::ORDER_CREATED, "--topic", "orders", "--partitions", "3", "--kafka-bootstrap", &b]);
+    assert!(again.starts_with("unchanged"), "{again}");
+
+    // The topic is deleted and created again under the same name.
+    tansu.delete_topic("orders");
+    tansu.create_topic("orders", 3);
+    let second = broker.topic_id("orders").await.unwrap().expect("tansu gives topic ids");
+    assert_ne!(first, second);
+    let show = env.run(&["route", "show", common::ORDER_CREATED, "--kafka-bootstrap", &b]);
+    let text = String::from_utf8_lossy(&show.stdout);
+    assert!(!show.status.success() && text.contains("the topic was recreated"), "route show must report the recreated topic: {text}");
+    let revised = env.ok(&["route", "set", common::ORDER_CREATED, "--topic", "orders", "--partitions", "3", "--kafka-bootstrap", &b, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&revised).unwrap();
+    assert_eq!(v["revised"], true, "{revised}");
+    assert_eq!(v["route"]["generation"], 3, "{revised}");
+    assert_eq!(v["route"]["topicId"].as_str(), Some(second.as_str()), "{revised}");
+    common::create_order(env.pool(), "o-v2b").await;
+    let (_, v2b) = last_destination(&env).await;
+    assert_eq!(v2b.topic_id.as_deref(), Some(second.as_str()));
+    assert_ne!(v2b.digest(), v2.digest());
+    drop(broker);
+    env.drop_now().await;
+}
