@@ -95,3 +95,67 @@ async fn route_set_records_the_topic_id_and_a_recreated_topic_is_a_new_generatio
     drop(broker);
     env.drop_now().await;
 }
+
+/// One event routed by `policy`, and its message for one attempt.
+fn event(policy: &outbox_core::RoutePolicy, aggregate_id: &str) -> (outbox_core::Envelope, outbox_core::Destination, outbox_core::OutgoingMessage) {
+    use outbox_core::{headers, AttemptId, EmitRequest, EventId, OutgoingMessage};
+    let now_ms = 1_700_000_000_000u64;
+    let payload = format!("{{\"order\":\"{aggregate_id}\"}}").into_bytes();
+    let request = EmitRequest {
+        command_key: aggregate_id,
+        tenant: "t1",
+        aggregate_type: "order",
+        aggregate_id,
+        aggregate_version: 1,
+        event_type: &policy.event_type,
+        payload_schema: "s",
+        payload: &payload,
+    };
+    let (envelope, destination) = request.freeze(EventId::generate(now_ms), now_ms as i64, 7, policy).expect("freeze");
+    let attempt = AttemptId::generate(now_ms);
+    let message = OutgoingMessage {
+        topic: destination.topic.clone(),
+        partition: destination.partition,
+        key: destination.routing_key.clone().into_bytes(),
+        payload,
+        headers: headers::build(&envelope, &destination, &destination.digest(), &attempt, None),
+    };
+    (envelope, destination, message)
+}
+
+#[tokio::test]
+async fn a_lookup_on_a_recreated_topic_is_unavailable_not_absent() {
+    use outbox_core::{Broker, LookupOutcome, RoutePolicy, SendOutcome};
+    let dir = scratch("topic-id-lookup");
+    let port = free_port();
+    let tansu = Tansu::start(port, &format!("127.0.0.1:{port}"), CLUSTER, &dir.join("tansu.log"));
+    tansu.create_topic("orders", 1);
+    let mut c = config(&tansu.bootstrap());
+    c.extra.push(("batch.num.messages".into(), "1".into()));
+    let broker = KafkaBroker::connect(c).await.expect("connect");
+    let id = broker.topic_id("orders").await.unwrap().expect("tansu gives topic ids");
+    let v2_route = RoutePolicy { topic_id: Some(id.clone()), ..RoutePolicy::new("order.created", broker.cluster_id(), "orders", 1) };
+    let v1_route = RoutePolicy::new("order.created", broker.cluster_id(), "orders", 1);
+    let (env2, dest2, msg2) = event(&v2_route, "o-v2");
+    let (env1, dest1, msg1) = event(&v1_route, "o-v1");
+    assert_eq!(dest2.topic_id.as_deref(), Some(id.as_str()));
+    for m in [msg2, msg1] {
+        assert!(matches!(broker.send_detached(m).await, SendOutcome::Acked { .. }));
+    }
+    // The topic as frozen: both versions are found.
+    assert!(matches!(broker.lookup(&dest2, &env2.event_id, 0).await, LookupOutcome::Found(_)), "v2 found before the topic is recreated");
+    assert!(matches!(broker.lookup(&dest1, &env1.event_id, 0).await, LookupOutcome::Found(_)), "v1 found");
+
+    // Deleted and created again: the new log is empty. For the v2 event this
+    // is another destination: Unavailable, never Absent (Absent would let
+    // the event be sent again into a topic its consumers may have left).
+    tansu.delete_topic("orders");
+    tansu.create_topic("orders", 1);
+    match broker.lookup(&dest2, &env2.event_id, 0).await {
+        LookupOutcome::Unavailable(why) => {
+            assert!(why.contains("recreated"), "{why}");
+            assert!(outbox_producer::kafka::is_log_incomplete(&why), "a log_unavailable reason: {why}");
+        }
+        other => panic!("expected Unavailable for the recreated topic, got {other:?}"),
+    }
+}

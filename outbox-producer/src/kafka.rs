@@ -35,6 +35,11 @@
 //!   holds no record (a compacted topic, deleted records, transaction
 //!   markers) is `Unavailable` with a reason starting [`LOG_INCOMPLETE`],
 //!   never `Absent`.
+//! - A `destination.v2` names its topic's id: when the topic now has
+//!   another id (deleted and created again under the same name) the lookup
+//!   is `Unavailable` with a reason starting [`LOG_INCOMPLETE`] ("the topic
+//!   was recreated") before anything is read; when the cluster gives no id
+//!   or cannot be asked, `Unavailable` too.
 //! - A range wider than [`KafkaConfig::lookup_max_messages`] offsets, a scan
 //!   longer than [`KafkaConfig::lookup_timeout_ms`], or any broker or consumer
 //!   error is `Unavailable`, never `Absent`. A destination on another cluster
@@ -1362,7 +1367,31 @@ impl Broker for KafkaBroker {
         }
         let timeout = Duration::from_millis(self.shared.config.lookup_timeout_ms);
         let started = Instant::now();
-        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner().lookups).acquire_owned()).await {
+        // A destination.v2 names its topic's identity: the partition's log is
+        // that destination's only while the topic still has that id.
+        if let Some(frozen) = &destination.topic_id {
+            let current = match tokio::time::timeout(timeout, self.topic_id(&destination.topic)).await {
+                Ok(Ok(id)) => id,
+                Ok(Err(e)) => return LookupOutcome::Unavailable(format!("reading the topic id of {}: {e}", destination.topic)),
+                Err(_) => return LookupOutcome::Unavailable(format!("no topic id for {} within {} ms", destination.topic, timeout.as_millis())),
+            };
+            match current {
+                Some(now) if &now == frozen => {}
+                Some(now) => {
+                    return LookupOutcome::Unavailable(format!(
+                        "{LOG_INCOMPLETE}topic {} has id {now}, the destination froze id {frozen}: the topic was recreated, its log is not the destination's",
+                        destination.topic
+                    ))
+                }
+                None => {
+                    return LookupOutcome::Unavailable(format!(
+                        "the cluster gives no topic id for {}, the destination froze id {frozen}: cannot tell whether the topic was recreated",
+                        destination.topic
+                    ))
+                }
+            }
+        }
+        let permit = match tokio::time::timeout(timeout.saturating_sub(started.elapsed()), Arc::clone(&self.inner().lookups).acquire_owned()).await {
             Ok(Ok(p)) => p,
             Ok(Err(_)) => return LookupOutcome::Unavailable("kafka adapter closed".into()),
             Err(_) => return LookupOutcome::Unavailable(format!("no lookup slot within {} ms", timeout.as_millis())),
