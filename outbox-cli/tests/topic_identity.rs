@@ -66,8 +66,10 @@ async fn route_set_records_the_topic_id_and_a_recreated_topic_is_a_new_generatio
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["route"]["topicId"].as_str(), Some(first.as_str()), "{out}");
     assert_eq!(v["route"]["generation"], 2, "{out}");
-    common::create_order(env.pool(), "o-v2").await;
+    let emitted = common::create_order(env.pool(), "o-v2").await;
     let (v2_bytes, v2) = last_destination(&env).await;
+    let t = env.ok(&["trace", emitted.event_id().as_str()]);
+    assert!(t.contains(&format!("destination.v2     {CLUSTER}/orders (topic id {first}) partition")) && !t.contains("MISMATCH"), "{t}");
     assert!(v2_bytes.starts_with(b"destination.v2\n"), "{}", String::from_utf8_lossy(&v2_bytes));
     assert_eq!(v2.topic_id.as_deref(), Some(first.as_str()));
     assert_eq!(v2.route_policy_generation, 2);
