@@ -14,6 +14,11 @@ DESTINATION_FIELDS = (
     "clusterId", "topic", "routingKey", "partitioner", "partitions", "partition", "routePolicy",
     "routePolicyGeneration", "serializer", "durability", "requiredAcks", "ordering",
 )
+# destination.v2 (WIRE.md "destination.v2"): destination.v1's fields with the
+# topic's identity (Kafka topic id) right after `topic`.
+DESTINATION_SCHEMA_V2 = "destination.v2"
+DESTINATION_V2_FIELDS = DESTINATION_FIELDS[:2] + ("topicId",) + DESTINATION_FIELDS[2:]
+_TOPIC_ID = re.compile(r"^[A-Za-z0-9_-]{21}[AQgw]$")
 ENVELOPE_FIELDS = (
     "eventId", "envelopeGeneration", "aggregateType", "aggregateId", "aggregateVersion", "eventType",
     "payloadSchema", "payloadDigest", "tenant", "occurredAtMs", "createdTxid",
@@ -43,6 +48,22 @@ _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 class WireError(ValueError):
     """A message or encoding that does not follow WIRE.md."""
+
+
+def decode_destination(data: bytes) -> dict:
+    """A destination.v1 or destination.v2 (chosen by its first line); a v2's topicId must be 22
+    characters of URL-safe base64 (16 bytes, no padding) and not the all-zero id."""
+    if data.startswith(DESTINATION_SCHEMA_V2.encode() + b"\n"):
+        d = decode_canonical(data, DESTINATION_SCHEMA_V2, DESTINATION_V2_FIELDS)
+        if not _TOPIC_ID.match(d["topicId"]) or d["topicId"] == "A" * 22:
+            raise WireError(f"topicId {d['topicId']!r} is not a Kafka topic id (22 characters of URL-safe base64)")
+        return d
+    return decode_canonical(data, DESTINATION_SCHEMA, DESTINATION_FIELDS)
+
+
+def encode_destination(d: dict) -> bytes:
+    """Re-encodes a decoded destination under its own schema."""
+    return encode_canonical(DESTINATION_SCHEMA_V2 if "topicId" in d else DESTINATION_SCHEMA, d.items())
 
 
 def sha256_digest(data: bytes) -> str:
@@ -217,7 +238,7 @@ def check_message(topic: str, partition: int, key, value: bytes, headers, keys=N
     if sha256_digest(dest_bytes) != text["outbox-destination-digest"]:
         errors.append("destination digest: the outbox-destination bytes do not hash to outbox-destination-digest")
     try:
-        d = decode_canonical(dest_bytes, DESTINATION_SCHEMA, DESTINATION_FIELDS)
+        d = decode_destination(dest_bytes)
     except WireError as e:
         errors.append(f"outbox-destination: {e}")
         d = None

@@ -76,7 +76,10 @@ def example_checks(path: str):
     payload = bytes.fromhex(ex["payloadHex"])
     dest_bytes = bytes.fromhex(ex["destinationHex"])
     env_bytes = bytes.fromhex(ex["envelopeHex"])
-    d = wire.decode_canonical(dest_bytes, wire.DESTINATION_SCHEMA, wire.DESTINATION_FIELDS)
+    d = wire.decode_destination(dest_bytes)
+    v2 = ex["destinationV2"]
+    v2_bytes = bytes.fromhex(v2["destinationHex"])
+    d2 = wire.decode_destination(v2_bytes)
     e = wire.decode_canonical(env_bytes, wire.ENVELOPE_SCHEMA, wire.ENVELOPE_FIELDS)
     ms = int(e["occurredAtMs"])
     ce_time = datetime.datetime.fromtimestamp(ms // 1000, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S") + f".{ms % 1000:03d}Z"
@@ -90,14 +93,24 @@ def example_checks(path: str):
     claims = bytes.fromhex(ex["claimsHex"])
     h = wire.header_map(headers)
     wrong = {(sk["source"], sk["keyId"]): b"\x00" * 32}
+    # The same message with a destination.v2 (its claims digest and signature
+    # cover the v1 destination digest, so they are left out of this copy).
+    swap = {"outbox-destination": v2_bytes, "outbox-destination-digest": v2["destinationDigest"].encode()}
+    headers_v2 = [(k, swap.get(k, v)) for k, v in headers if k not in ("outbox-claims-digest", "outbox-signature", "outbox-key-id")]
+    message_v2 = wire.check_message(d2["topic"], int(d2["partition"]), d2["routingKey"].encode(), payload, headers_v2)
     checks = [
         ("payloadDigest", wire.sha256_digest(payload), ex["payloadDigest"]),
         ("payloadSchema", wire.sha256_digest(ex["payloadSchemaText"].encode()), ex["payloadSchema"]),
         ("murmur2", wire.murmur2(ex["routingKey"].encode()), ex["murmur2"]),
         ("partition", wire.partition_of(ex["routingKey"].encode(), ex["partitions"]), ex["partition"]),
         ("destination fields", (d["routingKey"], d["partitions"], d["partition"]), (ex["routingKey"], str(ex["partitions"]), str(ex["partition"]))),
-        ("destination re-encoded", wire.encode_canonical(wire.DESTINATION_SCHEMA, d.items()), dest_bytes),
+        ("destination re-encoded", wire.encode_destination(d), dest_bytes),
         ("destinationDigest", wire.sha256_digest(dest_bytes), ex["destinationDigest"]),
+        ("destination.v1 has no topicId", "topicId" in d, False),
+        ("destination.v2 topicId", d2.get("topicId"), v2["topicId"]),
+        ("destination.v2 is v1 plus topicId", {k: x for k, x in d2.items() if k != "topicId"}, d),
+        ("destination.v2 re-encoded", wire.encode_destination(d2), v2_bytes),
+        ("destination.v2 digest", wire.sha256_digest(v2_bytes), v2["destinationDigest"]),
         ("envelope re-encoded", wire.encode_canonical(wire.ENVELOPE_SCHEMA, e.items()), env_bytes),
         ("envelopeDigest", wire.sha256_digest(env_bytes), ex["envelopeDigest"]),
         ("envelope fields", (e["eventId"], e["payloadDigest"], e["payloadSchema"], ms), (ex["eventId"], ex["payloadDigest"], ex["payloadSchema"], ex["occurredAtMs"])),
@@ -111,6 +124,7 @@ def example_checks(path: str):
         ("claimsDigest", wire.sha256_digest(claims), ex["claimsDigest"]),
         ("signature", wire.signature_of(bytes.fromhex(sk["secretHex"]), claims), ex["signature"]),
         ("a wrong key is refused", bool(wire.check_message(d["topic"], int(d["partition"]), d["routingKey"].encode(), payload, headers, wrong)["errors"]), True),
+        ("example message with the destination.v2 verifies", message_v2["errors"], []),
     ]
     failures = 0
     for name, got, want in checks:

@@ -26,26 +26,41 @@ pub struct TopicCheck {
     pub connected_cluster_id: String,
     /// The topic's partition count in the cluster's metadata (None: unknown topic or metadata error).
     pub topic_partitions: Option<u32>,
+    /// The topic's id in the cluster now (None: no ids, or not read).
+    pub topic_id: Option<String>,
     /// The metadata error, if any.
     pub error: Option<String>,
-    /// Whether the route agrees with the cluster (same cluster, same partition count).
+    /// Whether the route agrees with the cluster (same cluster, same
+    /// partition count, and the same topic id when the route names one).
     pub ok: bool,
 }
 
 /// Checks `route` against what `broker` reports.
 pub async fn check_topic(broker: &outbox_producer::KafkaBroker, route: &RoutePolicy) -> TopicCheck {
     let connected = broker.cluster_id().to_owned();
-    let (topic_partitions, error) = match broker.partition_count(&route.topic).await {
+    let (topic_partitions, mut error) = match broker.partition_count(&route.topic).await {
         Ok(n) => (Some(n), None),
         Err(e) => (None, Some(e.to_string())),
     };
-    let ok = connected == route.cluster_id && topic_partitions == Some(route.partitions);
-    TopicCheck { connected_cluster_id: connected, topic_partitions, error, ok }
+    let topic_id = if error.is_none() {
+        match broker.topic_id(&route.topic).await {
+            Ok(id) => id,
+            Err(e) => {
+                error = Some(format!("reading the topic id: {e}"));
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let same_identity = route.topic_id.is_none() || route.topic_id == topic_id;
+    let ok = connected == route.cluster_id && topic_partitions == Some(route.partitions) && error.is_none() && same_identity;
+    TopicCheck { connected_cluster_id: connected, topic_partitions, topic_id, error, ok }
 }
 
 fn route_line(r: &RoutePolicy) -> String {
     format!(
-        "{} generation {}: cluster {} topic {} partitions {} key {} partitioner {} ordering {} acks {}",
+        "{} generation {}: cluster {} topic {} partitions {} key {} partitioner {} ordering {} acks {}{}",
         r.event_type,
         r.generation,
         r.cluster_id,
@@ -54,7 +69,8 @@ fn route_line(r: &RoutePolicy) -> String {
         r.key_template,
         r.partitioner.as_str(),
         r.ordering.as_str(),
-        r.required_acks
+        r.required_acks,
+        r.topic_id.as_deref().map(|id| format!(" topic-id {id}")).unwrap_or_default()
     )
 }
 
@@ -64,6 +80,13 @@ fn check_line(r: &RoutePolicy, c: &TopicCheck) -> String {
             format!("check: connected to cluster {}, the route names {}: not checked against its cluster", c.connected_cluster_id, r.cluster_id)
         }
         (Some(e), _) => format!("check: MISMATCH: topic {} on cluster {}: {e}", r.topic, c.connected_cluster_id),
+        (None, Some(_)) if r.topic_id.is_some() && r.topic_id != c.topic_id => format!(
+            "check: MISMATCH: topic {} on cluster {} has id {}, the route names id {}: the topic was recreated (set the route again to route new events to it)",
+            r.topic,
+            c.connected_cluster_id,
+            c.topic_id.as_deref().unwrap_or("none"),
+            r.topic_id.as_deref().unwrap_or("none")
+        ),
         (None, Some(n)) if n == r.partitions => format!("check: ok, topic {} has {n} partitions on cluster {}", r.topic, c.connected_cluster_id),
         (None, Some(n)) => format!("check: MISMATCH: topic {} has {n} partitions on cluster {}, the route says {}", r.topic, c.connected_cluster_id, r.partitions),
         (None, None) => "check: no answer".into(),
@@ -94,6 +117,10 @@ pub async fn route_set(pool: &PgPool, broker: Option<&outbox_producer::KafkaBrok
             if !c.ok {
                 bail!("{}; nothing changed (fix the topic or --partitions, or pass --no-check)", check_line(&policy, &c));
             }
+            // The topic's identity as the cluster reports it now: a route
+            // revision that sees another id for the same name (the topic was
+            // recreated) is a new generation.
+            policy.topic_id = c.topic_id.clone();
             Some(c)
         }
         None => None,

@@ -474,9 +474,11 @@ impl Trace {
                 Some(d) => {
                     let _ = writeln!(
                         o,
-                        "  destination.v1     {}/{} partition {} of {} key {} ({}) route {}@{} serializer {} acks {} ordering {}",
+                        "  {:<19}{}/{}{} partition {} of {} key {} ({}) route {}@{} serializer {} acks {} ordering {}",
+                        d.schema(),
                         d.cluster_id,
                         d.topic,
+                        d.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default(),
                         d.partition,
                         d.partitions,
                         d.routing_key,

@@ -10,6 +10,9 @@ use crate::id::{validate_identifier, EventId};
 pub const ENVELOPE_SCHEMA: &str = "outboxEnvelope.v1";
 /// Schema name of the destination encoding.
 pub const DESTINATION_SCHEMA: &str = "destination.v1";
+/// Schema of a destination that names its topic's identity (Kafka topic id):
+/// `destination.v1`'s fields with `topicId` after `topic`.
+pub const DESTINATION_SCHEMA_V2: &str = "destination.v2";
 
 /// The identity and content summary of one event at one envelope generation.
 ///
@@ -193,7 +196,10 @@ impl Ordering {
 /// Canonical field order (`destination.v1`): `clusterId`, `topic`,
 /// `routingKey`, `partitioner`, `partitions`, `partition`, `routePolicy`,
 /// `routePolicyGeneration`, `serializer`, `durability`, `requiredAcks`,
-/// `ordering`.
+/// `ordering`. A destination with a topic id is `destination.v2`: the same
+/// fields with `topicId` right after `topic`. A destination without one is
+/// always encoded as `destination.v1`, so the bytes (and digest) of an
+/// existing event never change.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Destination {
@@ -201,6 +207,12 @@ pub struct Destination {
     pub cluster_id: String,
     /// Topic.
     pub topic: String,
+    /// The topic's identity (Kafka topic id, 22-character URL-safe base64)
+    /// learned when the route was set; `None` for a `destination.v1`. A
+    /// topic deleted and created again under the same name has another id:
+    /// it is another destination.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topic_id: Option<String>,
     /// Routing (partition) key.
     pub routing_key: String,
     /// Partitioner algorithm.
@@ -224,12 +236,14 @@ pub struct Destination {
 }
 
 impl Destination {
-    /// The canonical `destination.v1` bytes.
+    /// The canonical bytes: `destination.v2` when the destination has a
+    /// topic id, `destination.v1` otherwise.
     pub fn canonical_bytes(&self) -> Vec<u8> {
-        CanonicalWriter::new(DESTINATION_SCHEMA)
-            .field("clusterId", &self.cluster_id)
-            .field("topic", &self.topic)
-            .field("routingKey", &self.routing_key)
+        let w = match &self.topic_id {
+            None => CanonicalWriter::new(DESTINATION_SCHEMA).field("clusterId", &self.cluster_id).field("topic", &self.topic),
+            Some(id) => CanonicalWriter::new(DESTINATION_SCHEMA_V2).field("clusterId", &self.cluster_id).field("topic", &self.topic).field("topicId", id),
+        };
+        w.field("routingKey", &self.routing_key)
             .field("partitioner", self.partitioner.as_str())
             .field("partitions", self.partitions.to_string())
             .field("partition", self.partition.to_string())
@@ -242,13 +256,34 @@ impl Destination {
             .finish()
     }
 
-    /// Parses canonical bytes, re-checking that the partition is the one the
-    /// partitioner gives for the key.
+    /// The schema name of the canonical bytes (`destination.v1` or `.v2`).
+    pub fn schema(&self) -> &'static str {
+        if self.topic_id.is_some() {
+            DESTINATION_SCHEMA_V2
+        } else {
+            DESTINATION_SCHEMA
+        }
+    }
+
+    /// Parses canonical bytes (`destination.v1` or `destination.v2`),
+    /// re-checking that the partition is the one the partitioner gives for
+    /// the key and, for `.v2`, that the topic id is well formed.
     pub fn from_canonical(bytes: &[u8]) -> Result<Self, CoreError> {
-        let mut r = CanonicalReader::new(bytes, DESTINATION_SCHEMA)?;
+        let v2 = bytes.starts_with(DESTINATION_SCHEMA_V2.as_bytes()) && bytes.get(DESTINATION_SCHEMA_V2.len()) == Some(&b'\n');
+        let mut r = CanonicalReader::new(bytes, if v2 { DESTINATION_SCHEMA_V2 } else { DESTINATION_SCHEMA })?;
+        let cluster_id = r.field("clusterId")?.to_owned();
+        let topic = r.field("topic")?.to_owned();
+        let topic_id = if v2 {
+            let id = r.field("topicId")?;
+            validate_topic_id(id)?;
+            Some(id.to_owned())
+        } else {
+            None
+        };
         let d = Destination {
-            cluster_id: r.field("clusterId")?.to_owned(),
-            topic: r.field("topic")?.to_owned(),
+            cluster_id,
+            topic,
+            topic_id,
             routing_key: r.field("routingKey")?.to_owned(),
             partitioner: Partitioner::parse(r.field("partitioner")?)?,
             partitions: r.int("partitions")?,
@@ -279,7 +314,49 @@ impl Destination {
     }
 }
 
-/// One generation of the route of one event type.
+/// Length of a topic id in its text form: 16 bytes in URL-safe base64
+/// without padding.
+pub const TOPIC_ID_CHARS: usize = 22;
+
+/// The text form of a Kafka topic id (16 bytes, most significant first):
+/// URL-safe base64 (`A-Z a-z 0-9 - _`) without padding, 22 characters, as
+/// Kafka's own tools print it.
+pub fn topic_id_text(bytes: &[u8; 16]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(TOPIC_ID_CHARS);
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        let chars = chunk.len() + 1;
+        for i in 0..chars {
+            out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// Checks the text form of a topic id: 22 characters of URL-safe base64
+/// whose last one carries no bits beyond the 128 (one text per id), and
+/// not the all-zero id (which Kafka uses for "no id").
+pub fn validate_topic_id(value: &str) -> Result<(), CoreError> {
+    let bad = |why: &str| Err(CoreError::InvalidDestination(format!("topic id {value:?}: {why}")));
+    if value.len() != TOPIC_ID_CHARS {
+        return bad("must be 22 characters (16 bytes, URL-safe base64 without padding)");
+    }
+    if !value.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_') {
+        return bad("only A-Z a-z 0-9 - _ are allowed");
+    }
+    // The last character holds the final 2 bits: its low 4 bits must be zero.
+    if !b"AQgw".contains(&value.as_bytes()[TOPIC_ID_CHARS - 1]) {
+        return bad("the last character carries bits beyond 16 bytes");
+    }
+    if value == "AAAAAAAAAAAAAAAAAAAAAA" {
+        return bad("the all-zero id means no id");
+    }
+    Ok(())
+}
+
+/// One generation of the route of one event type./// One generation of the route of one event type.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RoutePolicy {
@@ -291,6 +368,12 @@ pub struct RoutePolicy {
     pub cluster_id: String,
     /// Target topic.
     pub topic: String,
+    /// The topic's identity (Kafka topic id) as the cluster reported it when
+    /// the route was set; `None` when it was not learned (the route was set
+    /// without checking the cluster, or before topic ids). Events routed by
+    /// a generation with an id freeze a `destination.v2`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topic_id: Option<String>,
     /// Partition count of the topic.
     pub partitions: u32,
     /// Partitioner algorithm.
@@ -339,6 +422,7 @@ impl RoutePolicy {
             generation: 1,
             cluster_id: cluster_id.to_owned(),
             topic: topic.to_owned(),
+            topic_id: None,
             partitions,
             partitioner: Partitioner::Murmur2,
             key_template: "{tenant}.{aggregate_type}.{aggregate_id}".to_owned(),
@@ -356,6 +440,9 @@ impl RoutePolicy {
         validate_identifier("eventType", &self.event_type)?;
         validate_identifier("clusterId", &self.cluster_id)?;
         validate_identifier("topic", &self.topic)?;
+        if let Some(id) = &self.topic_id {
+            validate_topic_id(id)?;
+        }
         if self.partitions == 0 || self.partitions > 100_000 {
             return Err(CoreError::InvalidDestination(format!("{} partitions (1..=100000)", self.partitions)));
         }
@@ -382,6 +469,7 @@ impl RoutePolicy {
         Ok(Destination {
             cluster_id: self.cluster_id.clone(),
             topic: self.topic.clone(),
+            topic_id: self.topic_id.clone(),
             routing_key,
             partitioner: self.partitioner,
             partitions: self.partitions,
@@ -474,6 +562,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn topic_id_text_is_url_safe_base64_without_padding() {
+        let bytes: [u8; 16] = core::array::from_fn(|i| i as u8);
+        assert_eq!(topic_id_text(&bytes), "AAECAwQFBgcICQoLDA0ODw");
+        assert_eq!(topic_id_text(&[0xff; 16]), "_____________________w");
+        validate_topic_id("AAECAwQFBgcICQoLDA0ODw").unwrap();
+        validate_topic_id("_____________________w").unwrap();
+        for bad in ["", "AAECAwQFBgcICQoLDA0OD", "AAECAwQFBgcICQoLDA0ODw=", "AAECAwQFBgcICQoLDA0OD+", "AAECAwQFBgcICQoLDA0ODx", "AAAAAAAAAAAAAAAAAAAAAA"] {
+            assert!(validate_topic_id(bad).is_err(), "{bad:?} must be refused");
+        }
+    }
+
+    #[test]
     fn murmur2_matches_kafka_reference_values() {
         // Reference values of Kafka's Java client (Utils.murmur2).
         let cases: [(&str, i32); 6] = [
@@ -503,6 +603,32 @@ mod tests {
         let mut other = d.clone();
         other.route_policy_generation = 2;
         assert_ne!(other.digest(), d.digest());
+    }
+
+    #[test]
+    fn destination_v2_carries_the_topic_id_and_v1_stays_v1() {
+        let v1 = policy().resolve("tenant-7", "order", "o-42").unwrap();
+        let v1_bytes = v1.canonical_bytes();
+        assert!(v1_bytes.starts_with(b"destination.v1\nclusterId=10:kafka-prod\ntopic=6:orders\nroutingKey="), "{}", String::from_utf8_lossy(&v1_bytes));
+        assert_eq!(v1.schema(), DESTINATION_SCHEMA);
+        let with_id = RoutePolicy { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), ..policy() };
+        let v2 = with_id.resolve("tenant-7", "order", "o-42").unwrap();
+        let v2_bytes = v2.canonical_bytes();
+        assert!(v2_bytes.starts_with(b"destination.v2\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=22:AAECAwQFBgcICQoLDA0ODw\nroutingKey="), "{}", String::from_utf8_lossy(&v2_bytes));
+        assert_eq!(v2.schema(), DESTINATION_SCHEMA_V2);
+        let back = Destination::from_canonical(&v2_bytes).unwrap();
+        assert_eq!(back, v2);
+        assert_ne!(v2.digest(), v1.digest(), "another topic identity, another destination");
+        assert_eq!(Destination::from_canonical(&v1_bytes).unwrap().topic_id, None);
+        // The same fields as v1 after the header, without topicId: refused.
+        let mut wrong = b"destination.v2".to_vec();
+        wrong.extend_from_slice(&v1_bytes["destination.v1".len()..]);
+        assert!(Destination::from_canonical(&wrong).is_err());
+        // A malformed topic id is refused, in the policy and in the bytes.
+        let bad = RoutePolicy { topic_id: Some("not-an-id".into()), ..policy() };
+        assert!(bad.validate().is_err());
+        let forged = String::from_utf8(v2_bytes).unwrap().replace("topicId=22:AAECAwQFBgcICQoLDA0ODw", "topicId=22:AAAAAAAAAAAAAAAAAAAAAA");
+        assert!(Destination::from_canonical(forged.as_bytes()).is_err());
     }
 
     #[test]

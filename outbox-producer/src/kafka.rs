@@ -35,6 +35,11 @@
 //!   holds no record (a compacted topic, deleted records, transaction
 //!   markers) is `Unavailable` with a reason starting [`LOG_INCOMPLETE`],
 //!   never `Absent`.
+//! - A `destination.v2` names its topic's id: when the topic now has
+//!   another id (deleted and created again under the same name) the lookup
+//!   is `Unavailable` with a reason starting [`LOG_INCOMPLETE`] ("the topic
+//!   was recreated") before anything is read; when the cluster gives no id
+//!   or cannot be asked, `Unavailable` too.
 //! - A range wider than [`KafkaConfig::lookup_max_messages`] offsets, a scan
 //!   longer than [`KafkaConfig::lookup_timeout_ms`], or any broker or consumer
 //!   error is `Unavailable`, never `Absent`. A destination on another cluster
@@ -722,12 +727,104 @@ impl AnyProducer {
         }
     }
 
+    /// The topic id of `topic` (Kafka's 16-byte topic UUID) from the admin
+    /// DescribeTopics API (`rd_kafka_DescribeTopics`), or `None` when the
+    /// cluster answers the all-zero id (a broker without topic ids).
+    #[allow(unsafe_code)]
+    /// The request goes to broker `broker_id` (any broker answers it: it is
+    /// a metadata request), not to the controller librdkafka would wait for.
+    fn describe_topic_id(&self, topic: &str, broker_id: i32, timeout: Duration) -> Result<Option<[u8; 16]>, String> {
+        use rdkafka_sys as sys;
+        let name = std::ffi::CString::new(topic).map_err(|_| format!("topic name {topic:?} holds a NUL byte"))?;
+        let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
+        let rk = self.native();
+        let mut names = [name.as_ptr()];
+        // SAFETY: every object created below is destroyed exactly once on
+        // every path; `rk` is the live handle owned by `self` for the whole
+        // call; the strings librdkafka returns are copied before the event
+        // that owns them is destroyed.
+        unsafe {
+            let topics = sys::rd_kafka_TopicCollection_of_topic_names(names.as_mut_ptr(), 1);
+            if topics.is_null() {
+                return Err("DescribeTopics: no topic collection".into());
+            }
+            let options = sys::rd_kafka_AdminOptions_new(rk, sys::rd_kafka_admin_op_t::RD_KAFKA_ADMIN_OP_DESCRIBETOPICS);
+            if !options.is_null() {
+                let mut errstr = [0 as std::os::raw::c_char; 256];
+                sys::rd_kafka_AdminOptions_set_request_timeout(options, timeout_ms, errstr.as_mut_ptr(), errstr.len());
+                sys::rd_kafka_AdminOptions_set_broker(options, broker_id, errstr.as_mut_ptr(), errstr.len());
+            }
+            let queue = sys::rd_kafka_queue_new(rk);
+            sys::rd_kafka_DescribeTopics(rk, topics, options, queue);
+            // One result event per request; bounded by the timeout plus a
+            // margin (the request timeout answers first).
+            let event = sys::rd_kafka_queue_poll(queue, timeout_ms.saturating_add(1_000));
+            let out = if event.is_null() {
+                Err(format!("DescribeTopics {topic}: no answer within {timeout_ms} ms"))
+            } else {
+                let r = describe_topics_answer(event, topic);
+                sys::rd_kafka_event_destroy(event);
+                r
+            };
+            sys::rd_kafka_queue_destroy(queue);
+            if !options.is_null() {
+                sys::rd_kafka_AdminOptions_destroy(options);
+            }
+            sys::rd_kafka_TopicCollection_destroy(topics);
+            out
+        }
+    }
+
     fn flush(&self, timeout: Duration) -> Result<(), KafkaError> {
         match self {
             AnyProducer::Plain(p) => p.flush(timeout),
             AnyProducer::OAuth(p) => p.flush(timeout),
         }
     }
+}
+
+/// Reads the topic id of `topic` out of one DescribeTopics result event.
+///
+/// # Safety
+/// `event` must be a live event returned by `rd_kafka_queue_poll`.
+#[allow(unsafe_code)]
+unsafe fn describe_topics_answer(event: *mut rdkafka_sys::rd_kafka_event_t, topic: &str) -> Result<Option<[u8; 16]>, String> {
+    use rdkafka_sys as sys;
+    let text = |p: *const std::os::raw::c_char| if p.is_null() { String::new() } else { std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned() };
+    let err = sys::rd_kafka_event_error(event);
+    if RDKafkaErrorCode::from(err) != RDKafkaErrorCode::NoError {
+        return Err(format!("DescribeTopics {topic}: {}: {}", RDKafkaErrorCode::from(err), text(sys::rd_kafka_event_error_string(event))));
+    }
+    let result = sys::rd_kafka_event_DescribeTopics_result(event);
+    if result.is_null() {
+        return Err(format!("DescribeTopics {topic}: not a DescribeTopics result"));
+    }
+    let mut count = 0usize;
+    let descs = sys::rd_kafka_DescribeTopics_result_topics(result, &mut count);
+    if descs.is_null() || count == 0 {
+        return Err(format!("DescribeTopics {topic}: no topic in the answer"));
+    }
+    for i in 0..count {
+        let d = *descs.add(i);
+        if d.is_null() || text(sys::rd_kafka_TopicDescription_name(d)) != topic {
+            continue;
+        }
+        let e = sys::rd_kafka_TopicDescription_error(d);
+        if !e.is_null() && RDKafkaErrorCode::from(sys::rd_kafka_error_code(e)) != RDKafkaErrorCode::NoError {
+            return Err(format!("DescribeTopics {topic}: {}", text(sys::rd_kafka_error_string(e))));
+        }
+        let id = sys::rd_kafka_TopicDescription_topic_id(d);
+        if id.is_null() {
+            return Ok(None);
+        }
+        let hi = sys::rd_kafka_Uuid_most_significant_bits(id).to_be_bytes();
+        let lo = sys::rd_kafka_Uuid_least_significant_bits(id).to_be_bytes();
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&hi);
+        bytes[8..].copy_from_slice(&lo);
+        return Ok(if bytes == [0u8; 16] { None } else { Some(bytes) });
+    }
+    Err(format!("DescribeTopics {topic}: topic not in the answer"))
 }
 
 fn forward_log(level: RDKafkaLogLevel, fac: &str, message: &str) {
@@ -1190,6 +1287,39 @@ impl KafkaBroker {
         .map_err(|e| KafkaAdapterError::Task(e.to_string()))?
     }
 
+    /// The topic id of `topic` as the cluster reports it now (Kafka's topic
+    /// UUID, in its usual text form: URL-safe base64 without padding, 22
+    /// characters), or `None` when the cluster gives no topic ids (all-zero
+    /// id). A topic deleted and created again under the same name has a new
+    /// id. Bounded by [`KafkaConfig::connect_timeout_ms`].
+    pub async fn topic_id(&self, topic: &str) -> Result<Option<String>, KafkaAdapterError> {
+        let inner = self.inner();
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let timeout = Duration::from_millis(inner.config.connect_timeout_ms);
+            let md = inner.producer.fetch_metadata(Some(&topic), timeout)?;
+            let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic} not in metadata")))?;
+            if let Some(e) = t.error() {
+                return Err(KafkaAdapterError::Metadata(format!("topic {topic}: {}", RDKafkaErrorCode::from(e))));
+            }
+            // The leader of one of its partitions surely knows the topic.
+            let broker_id = t
+                .partitions()
+                .iter()
+                .map(|p| p.leader())
+                .find(|l| *l >= 0)
+                .or_else(|| md.brokers().first().map(|b| b.id()))
+                .ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic}: no broker in metadata")))?;
+            inner
+                .producer
+                .describe_topic_id(&topic, broker_id, timeout)
+                .map(|id| id.map(|b| outbox_core::envelope::topic_id_text(&b)))
+                .map_err(|e| KafkaAdapterError::Metadata(redact_text(&e, &inner.config.extra)))
+        })
+        .await
+        .map_err(|e| KafkaAdapterError::Task(e.to_string()))?
+    }
+
     /// Waits (at most `timeout_ms`) until every message handed to librdkafka
     /// has been reported on.
     pub async fn flush(&self, timeout_ms: u64) -> Result<(), KafkaAdapterError> {
@@ -1237,7 +1367,31 @@ impl Broker for KafkaBroker {
         }
         let timeout = Duration::from_millis(self.shared.config.lookup_timeout_ms);
         let started = Instant::now();
-        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner().lookups).acquire_owned()).await {
+        // A destination.v2 names its topic's identity: the partition's log is
+        // that destination's only while the topic still has that id.
+        if let Some(frozen) = &destination.topic_id {
+            let current = match tokio::time::timeout(timeout, self.topic_id(&destination.topic)).await {
+                Ok(Ok(id)) => id,
+                Ok(Err(e)) => return LookupOutcome::Unavailable(format!("reading the topic id of {}: {e}", destination.topic)),
+                Err(_) => return LookupOutcome::Unavailable(format!("no topic id for {} within {} ms", destination.topic, timeout.as_millis())),
+            };
+            match current {
+                Some(now) if &now == frozen => {}
+                Some(now) => {
+                    return LookupOutcome::Unavailable(format!(
+                        "{LOG_INCOMPLETE}topic {} has id {now}, the destination froze id {frozen}: the topic was recreated, its log is not the destination's",
+                        destination.topic
+                    ))
+                }
+                None => {
+                    return LookupOutcome::Unavailable(format!(
+                        "the cluster gives no topic id for {}, the destination froze id {frozen}: cannot tell whether the topic was recreated",
+                        destination.topic
+                    ))
+                }
+            }
+        }
+        let permit = match tokio::time::timeout(timeout.saturating_sub(started.elapsed()), Arc::clone(&self.inner().lookups).acquire_owned()).await {
             Ok(Ok(p)) => p,
             Ok(Err(_)) => return LookupOutcome::Unavailable("kafka adapter closed".into()),
             Err(_) => return LookupOutcome::Unavailable(format!("no lookup slot within {} ms", timeout.as_millis())),

@@ -24,7 +24,7 @@ pub async fn current<'e>(db: impl PgExecutor<'e>, event_type: &str) -> Result<Op
 /// The columns [`from_row`] reads, for queries that join the current policy.
 pub(crate) const POLICY_COLUMNS: &str =
     "event_type, generation, cluster_id, topic, partitions, partitioner, key_template, serializer, durability, required_acks, ordering,
-     cloudevents, content_type";
+     cloudevents, content_type, topic_id";
 
 /// Reads a policy from a row carrying [`POLICY_COLUMNS`]; `None` when they are NULL (no route).
 pub(crate) fn from_row_opt(r: &PgRow) -> Result<Option<RoutePolicy>, ProducerError> {
@@ -49,6 +49,7 @@ fn from_row(r: &PgRow) -> Result<RoutePolicy, ProducerError> {
         ordering: Ordering::parse(r.try_get("ordering")?)?,
         cloudevents: r.try_get("cloudevents")?,
         content_type: r.try_get("content_type")?,
+        topic_id: r.try_get("topic_id")?,
     })
 }
 
@@ -59,8 +60,8 @@ pub async fn revise<'e>(db: impl PgExecutor<'e>, policy: &RoutePolicy) -> Result
     policy.validate()?;
     let generation: i32 = sqlx::query_scalar(
         "INSERT INTO outbox_route_policies (event_type, generation, cluster_id, topic, partitions, partitioner,
-             key_template, serializer, durability, required_acks, ordering, cloudevents, content_type)
-         SELECT $1, coalesce(max(generation), 0) + 1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12
+             key_template, serializer, durability, required_acks, ordering, cloudevents, content_type, topic_id)
+         SELECT $1, coalesce(max(generation), 0) + 1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13
          FROM outbox_route_policies WHERE event_type = $1
          RETURNING generation",
     )
@@ -76,6 +77,7 @@ pub async fn revise<'e>(db: impl PgExecutor<'e>, policy: &RoutePolicy) -> Result
     .bind(policy.ordering.as_str())
     .bind(policy.cloudevents)
     .bind(&policy.content_type)
+    .bind(&policy.topic_id)
     .fetch_one(db)
     .await?;
     Ok(RoutePolicy { generation: generation as u32, ..policy.clone() })
@@ -92,6 +94,8 @@ pub struct EnsuredRoute {
 }
 
 /// Whether two policies route the same way (every field but the generation).
+/// Another topic id for the same topic name (the topic was recreated) is
+/// another route: [`ensure`] publishes a new generation for it.
 pub fn same_route(a: &RoutePolicy, b: &RoutePolicy) -> bool {
     RoutePolicy { generation: 0, ..a.clone() } == RoutePolicy { generation: 0, ..b.clone() }
 }

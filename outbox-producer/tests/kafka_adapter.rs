@@ -504,3 +504,15 @@ async fn a_stalled_producer_is_not_ready_and_rebuilt_once_the_cluster_answers() 
     assert_eq!(broker.ready(), Ok(()));
     acked(&broker.send(event(&broker, "orders", "o-3").message).await);
 }
+
+#[tokio::test]
+async fn topic_id_is_read_from_the_cluster_and_differs_per_topic() {
+    let cluster = mock("orders");
+    cluster.create_topic("payments", 2, 1).expect("create topic");
+    let broker = connect(&cluster, 5_000).await;
+    let a = broker.topic_id("orders").await.expect("describe orders").expect("the mock cluster gives topic ids");
+    let b = broker.topic_id("payments").await.expect("describe payments").expect("the mock cluster gives topic ids");
+    outbox_core::envelope::validate_topic_id(&a).expect("a valid topic id text");
+    assert_ne!(a, b, "two topics, two ids");
+    assert_eq!(broker.topic_id("orders").await.unwrap().as_deref(), Some(a.as_str()), "stable for one topic");
+}

@@ -1185,3 +1185,34 @@ async fn dispatch_planned_on_tiny_tables_stays_index_probes(pool: PgPool) {
     assert!(read.rows < 40 * 600, "dispatching 600 events over 20,000 read {} rows and index entries", read.rows);
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await, 20_636);
 }
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn v1_and_v2_destinations_dispatch_verify_and_are_found(pool: PgPool) {
+    let (cluster, broker) = started(&pool, 5_000).await;
+    // Generation 1 has no topic id: its event freezes destination.v1.
+    let e1 = create_order(&pool, "o-v1", 10).await;
+    let id = broker.topic_id(TOPIC).await.unwrap().expect("the mock cluster gives topic ids");
+    let g2 = outbox_producer::routes::revise(&pool, &outbox_core::RoutePolicy { topic_id: Some(id.clone()), ..outbox_core::RoutePolicy::new(ORDER_CREATED, broker.cluster_id(), TOPIC, PARTITIONS as u32) })
+        .await
+        .unwrap();
+    assert_eq!(g2.generation, 2);
+    let e2 = create_order(&pool, "o-v2", 20).await;
+    assert_eq!(e1.destination.topic_id, None);
+    assert_eq!(e2.destination.topic_id.as_deref(), Some(id.as_str()));
+    let d = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), config("d")).unwrap();
+    let r = d.dispatch_once("w1").await.unwrap();
+    assert_eq!((r.claimed, r.sent, r.published), (2, 2, 2));
+    let log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
+    assert_eq!(log.len(), 2);
+    for (e, schema) in [(&e1, "destination.v1\n"), (&e2, "destination.v2\n")] {
+        assert_eq!(state_of(&pool, e.event_id().as_str()).await, EventState::Published);
+        let m = log.iter().find(|m| m.header(headers::EVENT_ID).as_deref() == Some(e.event_id().as_str())).expect("in the log");
+        assert!(m.header(headers::DESTINATION).unwrap().starts_with(schema), "{schema}");
+        let claims = headers::verify(&m.headers, &m.payload, TOPIC, m.partition, Some(&m.key)).unwrap();
+        assert_eq!(claims.destination_digest, e.destination_digest);
+        match broker.lookup(&e.destination, e.event_id(), 0).await {
+            LookupOutcome::Found(receipts) => assert_eq!((receipts.len(), receipts[0].offset), (1, m.offset)),
+            other => panic!("expected Found, got {other:?}"),
+        }
+    }
+}

@@ -84,6 +84,15 @@ impl Tansu {
         }
     }
 
+    /// Deletes `topic` (`tansu topic delete`).
+    pub fn delete_topic(&self, topic: &str) {
+        let out = Command::new(tansu_bin())
+            .args(["topic", "delete", topic, "--broker", &format!("tcp://127.0.0.1:{}", self.port)])
+            .output()
+            .expect("tansu topic delete");
+        assert!(out.status.success(), "tansu topic delete {topic}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
+
     fn signal(&self, sig: i32) {
         if let Some(c) = &self.child {
             // SAFETY: kill(2) on a child process this test started and has not reaped.
