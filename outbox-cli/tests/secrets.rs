@@ -66,6 +66,13 @@ async fn no_output_path_shows_a_secret() {
             assert_eq!(doc["reconcile"]["watermark_keys"].as_array().map(Vec::as_slice), Some(&[toml::Value::String("shipping=wm-1=***".into())][..]), "{text}");
         }
     }
+    // Verification keys from the file (no environment variable): masked too.
+    let keyed = dir.join("keyed.toml");
+    std::fs::write(&keyed, format!("[reconcile]\nwatermark_keys = [\"billing=wm-f={PLANTED_HEX}\"]\n")).unwrap();
+    let (code, text) = run(&["--database-url", &url, "--config", keyed.to_str().unwrap(), "reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1"], &[]);
+    assert_eq!(code, Some(0), "{text}");
+    assert_clean("reconcile --print-config, keys from the file", &text);
+    assert!(text.contains("\"billing=wm-f=***\""), "{text}");
     // A malformed verification key: the error names the entry, not the secret.
     let short = format!("shipping=wm-1={}", &PLANTED_HEX[..20]);
     let (code, text) = run(&["--database-url", &url, "reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1"], &[("OUTBOX_RECONCILE_WATERMARK_KEYS", short.as_str())]);
