@@ -19,7 +19,7 @@
 //!   `outbox-watermark-signature`) by one of those keys, over its exact
 //!   value bytes (`watermark_rejected` otherwise, with the reason: unsigned,
 //!   unknown key id, bad signature). A consumer without keys is not checked;
-//! //! - the consumer is declared in `outbox_consumers`
+//! - the consumer is declared in `outbox_consumers`
 //!   (`watermark_undeclared_consumer` otherwise);
 //! - its committed offset is not beyond the end (high watermark) of the
 //!   partition it speaks about (`watermark_beyond_end` otherwise);
