@@ -627,14 +627,18 @@ fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
     c
 }
 
+/// Environment variable of the watermark records' verification keys
+/// (space-separated `CONSUMER_ID=KEY_ID=HEX`); it replaces the file's `watermark_keys`.
+pub const WATERMARK_KEYS_ENV: &str = "OUTBOX_RECONCILE_WATERMARK_KEYS";
+
 /// The watermark topic the reconciler reads, unless turned off.
-fn watermark_topic_config(a: &ReconcileArgs, file: &FileConfig, kafka: &KafkaConfig) -> Option<outbox_producer::WatermarkTopicConfig> {
+fn watermark_topic_config(a: &ReconcileArgs, file: &FileConfig, kafka: &KafkaConfig) -> anyhow::Result<Option<outbox_producer::WatermarkTopicConfig>> {
     if a.no_watermark_topic {
-        return None;
+        return Ok(None);
     }
     let topic = a.watermark_topic.clone().or(file.reconcile.watermark_topic.clone()).unwrap_or_else(|| outbox_producer::watermark_topic::DEFAULT_TOPIC.to_owned());
     if topic.trim().is_empty() {
-        return None;
+        return Ok(None);
     }
     let mut c = outbox_producer::WatermarkTopicConfig::new(kafka.bootstrap_servers.clone());
     c.topic = topic.trim().to_owned();
@@ -643,7 +647,17 @@ fn watermark_topic_config(a: &ReconcileArgs, file: &FileConfig, kafka: &KafkaCon
             c.kafka.insert(k.clone(), v.clone());
         }
     }
-    Some(c)
+    c.verify_keys = match std::env::var(WATERMARK_KEYS_ENV).ok().filter(|v| !v.trim().is_empty()) {
+        Some(text) => outbox_producer::WatermarkTopicConfig::parse_keys(WATERMARK_KEYS_ENV, text.split_whitespace())?,
+        None => outbox_producer::WatermarkTopicConfig::parse_keys("[reconcile] watermark_keys", file.reconcile.watermark_keys.iter().flatten().map(String::as_str))?,
+    };
+    c.validate()?;
+    Ok(Some(c))
+}
+
+/// `watermark_keys` as --print-config shows them: consumer and key id, the secret `***`.
+fn watermark_keys_value(c: &outbox_producer::WatermarkTopicConfig) -> toml::Value {
+    toml::Value::Array(c.verify_keys.iter().flat_map(|(consumer, keys)| keys.iter().map(move |k| toml::Value::String(format!("{consumer}={}=***", k.key_id())))).collect())
 }
 
 async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, a: &ReconcileArgs) -> anyhow::Result<u8> {
@@ -652,10 +666,13 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     cfg.interval_ms = interval_ms;
     let kafka = config::kafka_config(&kafka_flags(&a.kafka), &file.kafka)?;
     let metrics_addr = a.metrics_addr.clone().or_else(|| file.metrics.addr.clone());
-    let watermark_cfg = watermark_topic_config(a, file, &kafka);
+    let watermark_cfg = watermark_topic_config(a, file, &kafka)?;
     if a.print_config {
         let mut table = reconcile_table(&cfg, interval_ms);
         table.insert("watermark_topic".into(), toml::Value::String(watermark_cfg.as_ref().map(|w| w.topic.clone()).unwrap_or_else(|| "off".into())));
+        if let Some(w) = &watermark_cfg {
+            table.insert("watermark_keys".into(), watermark_keys_value(w));
+        }
         print!("{}", config_toml(url().ok().as_deref(), &kafka, metrics_addr.as_deref(), ("reconcile", table))?);
         return Ok(0);
     }
@@ -698,14 +715,14 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                               "foreignSource": compared.foreign_source, "unrecordedCopy": compared.unrecorded_copy, "divergentCopy": compared.divergent_copy },
                 "watermarkTopic": ingested.map(|w| serde_json::json!({
                     "read": w.read, "applied": w.applied, "outOfDate": w.out_of_date, "undeclared": w.undeclared,
-                    "movedBack": w.moved_back, "beyondEnd": w.beyond_end, "rejected": w.rejected })),
+                    "movedBack": w.moved_back, "beyondEnd": w.beyond_end, "rejected": w.rejected, "badSignature": w.bad_signature })),
                 "report": report,
             }))?);
         } else {
             if let Some(w) = ingested {
                 println!(
-                    "watermark topic: read {} records, applied {}, out of date {}; ignored with a finding: undeclared {}, moved back {}, beyond end {}, rejected {}",
-                    w.read, w.applied, w.out_of_date, w.undeclared, w.moved_back, w.beyond_end, w.rejected
+                    "watermark topic: read {} records, applied {}, out of date {}; ignored with a finding: undeclared {}, moved back {}, beyond end {}, rejected {} (signature check {})",
+                    w.read, w.applied, w.out_of_date, w.undeclared, w.moved_back, w.beyond_end, w.rejected, w.bad_signature
                 );
             }
             println!(

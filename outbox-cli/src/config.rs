@@ -25,6 +25,9 @@
 //! interval_ms = 10000
 //! unknown_slo_ms = 900000
 //! declared_sources = []        # other outboxes writing these topics too
+//! # Verification keys of consumers' watermark records, CONSUMER_ID=KEY_ID=HEX
+//! # (or OUTBOX_RECONCILE_WATERMARK_KEYS, space-separated; --print-config masks the secrets)
+//! watermark_keys = ["shipping=wm-2026-12=…"]
 //!
 //! [retention]
 //! replay_window_ms = 604800000
@@ -141,6 +144,9 @@ pub struct ReconcileSection {
     pub watermark_topic: Option<String>,
     /// A declared consumer whose watermark records stopped arriving this long ago is a finding, ms.
     pub stale_watermark_after_ms: Option<i64>,
+    /// Verification keys of watermark records, `CONSUMER_ID=KEY_ID=HEX` each
+    /// (`OUTBOX_RECONCILE_WATERMARK_KEYS` replaces them).
+    pub watermark_keys: Option<Vec<String>>,
     /// Most findings of one kind recorded per round.
     pub max_findings_per_kind: Option<i64>,
     /// State snapshots kept, ms.

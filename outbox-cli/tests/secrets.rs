@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use common::{free_port, outbox_bin, Env};
 
-const PLANTED: [&str; 8] = ["Planted_Sasl_1", "Planted_KeyPw_2", "Planted_OauthCfg_3", "Planted_DbPw_4", "Planted_Pem_5", "Planted_File_6", "Planted_Flag_7", "Planted_Oidc_8"];
+const PLANTED: [&str; 9] = ["Planted_Sasl_1", "Planted_KeyPw_2", "Planted_OauthCfg_3", "Planted_DbPw_4", "Planted_Pem_5", "Planted_File_6", "Planted_Flag_7", "Planted_Oidc_8", PLANTED_HEX];
+/// A watermark verification key's secret (it must be hex).
+const PLANTED_HEX: &str = "c0ffee0dc0ffee0dc0ffee0dc0ffee0dc0ffee0dc0ffee0dc0ffee0dc0ffee0d";
 
 fn run(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, String) {
     let mut c = outbox_bin();
@@ -41,7 +43,8 @@ async fn no_output_path_shows_a_secret() {
     std::fs::write(&file, "[kafka]\nconnect_timeout_ms = 1500\nsettings = { \"sasl.oauthbearer.config\" = \"principal=x secret=Planted_OauthCfg_3\" }\n").unwrap();
     let cfg = file.to_str().unwrap();
     let kafka = ["--kafka-bootstrap", "127.0.0.1:1", "--kafka-setting", "sasl.password=Planted_Sasl_1", "--kafka-setting", "ssl.key.password=Planted_KeyPw_2", "--kafka-setting", "sasl.username=orders"];
-    let oidc = [("OUTBOX_KAFKA_OIDC_CLIENT_SECRET", "Planted_Oidc_8")];
+    let wm_keys = format!("shipping=wm-1={PLANTED_HEX}");
+    let oidc = [("OUTBOX_KAFKA_OIDC_CLIENT_SECRET", "Planted_Oidc_8"), ("OUTBOX_RECONCILE_WATERMARK_KEYS", wm_keys.as_str())];
     let oidc_flags = ["--kafka-oidc-token-url", "http://127.0.0.1:1/token", "--kafka-oidc-client-id", "orders"];
 
     // --print-config: TOML, every secret masked, non-secrets shown.
@@ -59,7 +62,23 @@ async fn no_output_path_shows_a_secret() {
         }
         assert_eq!(settings["sasl.username"].as_str(), Some("orders"));
         assert!(doc["database_url"].as_str().unwrap().contains(":***@"), "{text}");
+        if command == "reconcile" {
+            assert_eq!(doc["reconcile"]["watermark_keys"].as_array().map(Vec::as_slice), Some(&[toml::Value::String("shipping=wm-1=***".into())][..]), "{text}");
+        }
     }
+    // Verification keys from the file (no environment variable): masked too.
+    let keyed = dir.join("keyed.toml");
+    std::fs::write(&keyed, format!("[reconcile]\nwatermark_keys = [\"billing=wm-f={PLANTED_HEX}\"]\n")).unwrap();
+    let (code, text) = run(&["--database-url", &url, "--config", keyed.to_str().unwrap(), "reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1"], &[]);
+    assert_eq!(code, Some(0), "{text}");
+    assert_clean("reconcile --print-config, keys from the file", &text);
+    assert!(text.contains("\"billing=wm-f=***\""), "{text}");
+    // A malformed verification key: the error names the entry, not the secret.
+    let short = format!("shipping=wm-1={}", &PLANTED_HEX[..20]);
+    let (code, text) = run(&["--database-url", &url, "reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1"], &[("OUTBOX_RECONCILE_WATERMARK_KEYS", short.as_str())]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("OUTBOX_RECONCILE_WATERMARK_KEYS: entry 1"), "{text}");
+    assert!(!text.contains(&PLANTED_HEX[..20]), "{text}");
 
     // Running against a cluster that is not there, in both log formats and at debug level.
     for format in ["text", "json"] {
@@ -69,7 +88,7 @@ async fn no_output_path_shows_a_secret() {
         let (code, text) = run(&args, &oidc);
         assert_eq!(code, Some(1), "{text}");
         assert_clean(&format!("dispatch, {format} logs"), &text);
-        let (code, text) = run(&["--database-url", &url, "--log-format", format, "reconcile", "--once", "--kafka-bootstrap", "127.0.0.1:1", "--kafka-setting", "sasl.password=Planted_Sasl_1"], &[]);
+        let (code, text) = run(&["--database-url", &url, "--log-format", format, "reconcile", "--once", "--kafka-bootstrap", "127.0.0.1:1", "--kafka-setting", "sasl.password=Planted_Sasl_1"], &oidc[1..]);
         assert_eq!(code, Some(1), "{text}");
         assert_clean(&format!("reconcile, {format} logs"), &text);
     }

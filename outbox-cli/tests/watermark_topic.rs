@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use common::{create_order, outbox_bin, route, Env};
 use outbox_consumer::{async_trait, ConsumedEvent, ConsumerConfig, Handler, HandlerError, IdempotentConsumer};
-use outbox_core::watermark_record::{WatermarkRecord, SCHEMA, SCHEMA_HEADER};
+use outbox_core::trust::SigningKey;
+use outbox_core::watermark_record::{WatermarkRecord, KEY_ID_HEADER, SCHEMA, SCHEMA_HEADER, SIGNATURE_HEADER};
 use outbox_core::{Clock as _, ManualClock};
 use outbox_producer::kafka::KafkaBroker;
 use outbox_producer::{purge, register_consumer, Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig, RetentionPolicy, WatermarkTopicConfig, WatermarkTopicReader};
@@ -302,8 +303,21 @@ impl Rig {
         self.send_raw(&r.key_bytes(), &r.value_bytes()).await;
     }
 
+    /// A record with the given key id and signature headers.
+    async fn send_signed(&self, r: &WatermarkRecord, key_id: &str, signature: &str) {
+        let headers = OwnedHeaders::new()
+            .insert(Header { key: SCHEMA_HEADER, value: Some(SCHEMA) })
+            .insert(Header { key: KEY_ID_HEADER, value: Some(key_id) })
+            .insert(Header { key: SIGNATURE_HEADER, value: Some(signature) });
+        let (key, value) = (r.key_bytes(), r.value_bytes());
+        self.producer.send(FutureRecord::to(&self.wm_topic).key(&key).payload(&value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+    }
+
     async fn reader(&self) -> WatermarkTopicReader {
-        let mut cfg = WatermarkTopicConfig::new(self.kafka.bootstrap());
+        self.reader_with(WatermarkTopicConfig::new(self.kafka.bootstrap())).await
+    }
+
+    async fn reader_with(&self, mut cfg: WatermarkTopicConfig) -> WatermarkTopicReader {
         cfg.topic = self.wm_topic.clone();
         WatermarkTopicReader::connect(self.env.pool().clone(), cfg).await.unwrap().with_clock(Arc::new(self.clock.clone()))
     }
@@ -315,6 +329,14 @@ impl Rig {
 
     async fn committed(&self, consumer: &str) -> Option<i64> {
         sqlx::query_scalar("SELECT committed_offset FROM outbox_consumer_watermarks WHERE consumer_id = $1").bind(consumer).fetch_optional(self.env.pool()).await.unwrap()
+    }
+
+    async fn details(&self, kind: &str) -> Vec<(String, String)> {
+        sqlx::query_as("SELECT consumer_id, detail FROM outbox_findings WHERE kind = $1 AND resolved_at_ms IS NULL ORDER BY id")
+            .bind(kind)
+            .fetch_all(self.env.pool())
+            .await
+            .unwrap()
     }
 
     async fn open_findings(&self, kind: &str) -> Vec<(String, String)> {
@@ -399,5 +421,119 @@ async fn a_consumer_that_stops_publishing_is_stale() {
     rig.clock.advance(1_000);
     assert_eq!(reconciler.compare_once().await.unwrap().stale_watermark, 0);
     assert!(rig.open_findings("stale_watermark").await.is_empty(), "publishing again resolves it");
+    rig.env.drop_now().await;
+}
+
+/// With verification keys for "shipping": a record signed by its current
+/// key, or by the old one during a rotation, is applied; an unsigned record,
+/// one with a wrong signature (a forged secret, or a genuine signature moved
+/// onto another value) and one signed under an unknown key id are each
+/// ignored and are `watermark_rejected` with the reason. "billing" has no
+/// keys: its unsigned records are applied as before.
+#[tokio::test]
+async fn watermark_signatures_are_verified_per_consumer() {
+    let rig = rig("wm_sig").await;
+    register_consumer(rig.env.pool(), "billing", &[&rig.topic], true, true).await.unwrap();
+    let old = SigningKey::from_hex("wm-old", &"0a".repeat(32)).unwrap();
+    let new = SigningKey::from_hex("wm-new", &"0b".repeat(32)).unwrap();
+    let forged = SigningKey::from_hex("wm-new", &"0c".repeat(32)).unwrap();
+    let stranger = SigningKey::from_hex("wm-stranger", &"0b".repeat(32)).unwrap();
+    let t = rig.clock.now_ms();
+    let r1 = rig.record("shipping", 1, t);
+    rig.send_signed(&r1, "wm-new", &r1.signature(&new)).await; // applied
+    rig.send(&rig.record("shipping", 2, t + 10)).await; // unsigned
+    let r3 = rig.record("shipping", 2, t + 20);
+    rig.send_signed(&r3, "wm-new", &r3.signature(&forged)).await; // wrong secret
+    let r4 = rig.record("shipping", 3, t + 30);
+    rig.send_signed(&r4, "wm-new", &r1.signature(&new)).await; // r1's signature on another value
+    let r5 = rig.record("shipping", 3, t + 40);
+    rig.send_signed(&r5, "wm-stranger", &r5.signature(&stranger)).await; // unknown key id
+    let r6 = rig.record("shipping", 2, t + 50);
+    rig.send_signed(&r6, "wm-old", &r6.signature(&old)).await; // old key, during the rotation: applied
+    rig.send(&rig.record("billing", 1, t)).await; // no keys for billing: applied
+    let cfg = WatermarkTopicConfig::new(rig.kafka.bootstrap()).with_key("shipping", new.clone()).with_key("shipping", old.clone());
+    let reader = rig.reader_with(cfg).await;
+    let report = reader.ingest_once().await.unwrap();
+    assert_eq!((report.read, report.applied, report.rejected, report.bad_signature), (7, 3, 4, 4), "{report:?}");
+    assert_eq!(rig.committed("shipping").await, Some(2), "only the signed records moved the watermark (the forged ones said 2 and 3 earlier)");
+    assert_eq!(rig.committed("billing").await, Some(1));
+    let rejected = rig.details("watermark_rejected").await;
+    assert_eq!(rejected.len(), 4, "{rejected:?}");
+    assert!(rejected.iter().all(|(c, _)| c == "shipping"), "{rejected:?}");
+    let why: Vec<&str> = rejected.iter().map(|(_, d)| d.as_str()).collect();
+    assert!(why[0].contains("unsigned"), "{why:?}");
+    assert!(why[1].contains("is not key \"wm-new\"'s signature") && why[2].contains("is not key \"wm-new\"'s signature"), "{why:?}");
+    assert!(why[3].contains("\"wm-stranger\", which is none of the consumer's verification keys"), "{why:?}");
+    assert!(why.iter().all(|d| !d.contains("0b0b") && !d.contains("0a0a")), "no secret in a finding: {why:?}");
+
+    // The rotation ends: the old key is removed, and its records are refused from then on.
+    let r7 = rig.record("shipping", 3, t + 60);
+    rig.send_signed(&r7, "wm-old", &r7.signature(&old)).await;
+    let after = rig.reader_with(WatermarkTopicConfig::new(rig.kafka.bootstrap()).with_key("shipping", new.clone())).await;
+    let report = after.ingest_once().await.unwrap();
+    assert_eq!((report.read, report.applied, report.rejected), (1, 0, 1), "{report:?}");
+    assert_eq!(rig.committed("shipping").await, Some(2));
+    rig.env.drop_now().await;
+}
+
+/// End to end: a consumer with a watermark signing key publishes signed
+/// records; `outbox reconcile` with the matching key in
+/// OUTBOX_RECONCILE_WATERMARK_KEYS applies them, with another secret under
+/// the same key id it refuses every one of them.
+#[tokio::test]
+async fn a_signing_consumer_is_verified_by_outbox_reconcile() {
+    let rig = rig("wm_sig_e2e").await;
+    let server = pick_database().await.unwrap_or_else(|e| panic!("{e}"));
+    let two = TwoDatabases::create(server.url()).await;
+    let shipping = PgPoolOptions::new().max_connections(6).connect(&two.url(1, 1)).await.unwrap();
+    outbox_consumer::migrate(&shipping).await.unwrap();
+    sqlx::query("CREATE TABLE shipments (event_id text PRIMARY KEY)").execute(&shipping).await.unwrap();
+    let secret = "1f".repeat(32);
+    let mut cfg = ConsumerConfig::new("shipping", rig.kafka.bootstrap(), &[&rig.topic]);
+    cfg.watermark_publish_interval_ms = 200;
+    cfg.watermark_topic = Some(rig.wm_topic.clone());
+    cfg.watermark_signing_key = Some(SigningKey::from_hex("wm-1", &secret).unwrap());
+    let consumer = IdempotentConsumer::new(cfg, shipping.clone(), Ship).unwrap();
+    let metrics = consumer.metrics();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(async move {
+        let _ = stopped.await;
+    }));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM shipments").fetch_one(&shipping).await.unwrap() < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "the consumer did not apply the events");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert!(metrics.snapshot().watermark_records_published >= 1, "{:?}", metrics.snapshot());
+
+    let url = rig.env.db.url.clone();
+    let reconcile = |keys: String| {
+        let out = outbox_bin()
+            .env("DATABASE_URL", &url)
+            .env("OUTBOX_RECONCILE_WATERMARK_KEYS", keys)
+            .args(["reconcile", "--once", "--json", "--kafka-bootstrap", rig.kafka.bootstrap(), "--watermark-topic", &rig.wm_topic])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_str::<Value>(&stdout).unwrap()
+    };
+    // Another secret under the same key id: every record refused.
+    let round = reconcile(format!("shipping=wm-1={}", "2e".repeat(32)));
+    let w = &round["watermarkTopic"];
+    assert!(w["read"].as_u64().unwrap() >= 1 && w["rejected"] == w["read"] && w["badSignature"] == w["read"] && w["applied"] == 0, "{round}");
+    assert_eq!(rig.committed("shipping").await, None);
+    assert!(!rig.open_findings("watermark_rejected").await.is_empty());
+    // Read the topic again from its start, with the consumer's key (and an
+    // unrelated one, as during a rotation): applied.
+    sqlx::query("DELETE FROM outbox_watermark_topic_cursors").execute(rig.env.pool()).await.unwrap();
+    let round = reconcile(format!("shipping=wm-0={}  shipping=wm-1={secret}", "3d".repeat(32)));
+    let w = &round["watermarkTopic"];
+    assert!(w["applied"].as_u64().unwrap() >= 1 && w["rejected"] == 0, "{round}");
+    assert_eq!(rig.committed("shipping").await, Some(3), "the consumer consumed all three events");
+    shipping.close().await;
+    drop(two);
     rig.env.drop_now().await;
 }

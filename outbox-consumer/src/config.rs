@@ -159,6 +159,12 @@ pub struct ConsumerConfig {
     /// Longest wait for the broker's answers to one publication, and for the
     /// last one at shutdown.
     pub watermark_publish_timeout_ms: u64,
+    /// Signs every published watermark record (headers
+    /// `outbox-watermark-key-id` and `outbox-watermark-signature`: HMAC-SHA256
+    /// of the record's value bytes). `None` (the default): unsigned. The
+    /// reconciler's side verifies with the same key id and secret. `Debug`
+    /// never shows the secret.
+    pub watermark_signing_key: Option<outbox_core::trust::SigningKey>,
     /// Extra librdkafka properties (security, `auto.offset.reset`,
     /// `partition.assignment.strategy`, ...). [`RESERVED_KAFKA_PROPERTIES`]
     /// are refused. `auto.offset.reset` defaults to `earliest`.
@@ -187,6 +193,7 @@ impl ConsumerConfig {
             watermark_topic: Some(outbox_core::watermark_record::DEFAULT_TOPIC.to_owned()),
             watermark_publish_interval_ms: DEFAULT_WATERMARK_PUBLISH_INTERVAL_MS,
             watermark_publish_timeout_ms: DEFAULT_WATERMARK_PUBLISH_TIMEOUT_MS,
+            watermark_signing_key: None,
             kafka: BTreeMap::new(),
             trust: crate::trust::TrustPolicy::default(),
         }
@@ -214,6 +221,7 @@ impl ConsumerConfig {
     /// | `OUTBOX_CONSUMER_WATERMARK_TOPIC` (empty: off) | `watermark_topic` | `outbox.watermarks` |
     /// | `OUTBOX_CONSUMER_WATERMARK_PUBLISH_INTERVAL_MS` | `watermark_publish_interval_ms` | 5000 |
     /// | `OUTBOX_CONSUMER_WATERMARK_PUBLISH_TIMEOUT_MS` | `watermark_publish_timeout_ms` | 5000 |
+    /// | `OUTBOX_CONSUMER_WATERMARK_SIGNING_KEY_ID` with `OUTBOX_CONSUMER_WATERMARK_SIGNING_SECRET_HEX` (32..=128 hex digits; both or neither) | `watermark_signing_key` | unsigned |
     /// | `OUTBOX_CONSUMER_KAFKA_<PROPERTY>` | `kafka`: `<property>` lower-cased, `_` → `.` | |
     /// | `OUTBOX_CONSUMER_ACCEPT_SOURCES` (space-separated `TOPIC=SOURCE`) | `trust.topics` | any source |
     /// | `OUTBOX_CONSUMER_REQUIRE_SIGNATURE` (comma-separated topics) | `trust.topics[..].require_signature` | none |
@@ -261,6 +269,17 @@ impl ConsumerConfig {
         }
         num(&get, "OUTBOX_CONSUMER_WATERMARK_PUBLISH_INTERVAL_MS", &mut c.watermark_publish_interval_ms)?;
         num(&get, "OUTBOX_CONSUMER_WATERMARK_PUBLISH_TIMEOUT_MS", &mut c.watermark_publish_timeout_ms)?;
+        let key_id = get("OUTBOX_CONSUMER_WATERMARK_SIGNING_KEY_ID").filter(|v| !v.trim().is_empty());
+        let secret = get("OUTBOX_CONSUMER_WATERMARK_SIGNING_SECRET_HEX").filter(|v| !v.trim().is_empty());
+        match (key_id, secret) {
+            (Some(key_id), Some(secret_hex)) => {
+                // The error names the key id, never the secret.
+                let key = outbox_core::trust::SigningKey::from_hex(key_id.trim(), &secret_hex).map_err(|e| ConsumerError::Config(format!("OUTBOX_CONSUMER_WATERMARK_SIGNING_SECRET_HEX: {e}")))?;
+                c.watermark_signing_key = Some(key);
+            }
+            (None, None) => {}
+            _ => return Err(ConsumerError::Config("set both OUTBOX_CONSUMER_WATERMARK_SIGNING_KEY_ID and OUTBOX_CONSUMER_WATERMARK_SIGNING_SECRET_HEX, or neither".into())),
+        }
         for (k, v) in all {
             if let Some(prop) = k.strip_prefix("OUTBOX_CONSUMER_KAFKA_") {
                 c.kafka.insert(prop.to_ascii_lowercase().replace('_', "."), v);
@@ -461,5 +480,27 @@ mod tests {
         let mut bad = ok;
         bad[4].1 = "refunds".into();
         assert!(lookup(bad).is_err());
+    }
+
+    #[test]
+    fn watermark_signing_key_from_env_lookup() {
+        let secret = "5e".repeat(32);
+        let base = [("OUTBOX_CONSUMER_ID", "billing".to_owned()), ("OUTBOX_KAFKA_BOOTSTRAP", "k:9092".to_owned()), ("OUTBOX_CONSUMER_TOPICS", "orders".to_owned())];
+        let lookup = |extra: &[(&'static str, String)]| {
+            let env: Vec<(&str, String)> = base.iter().cloned().chain(extra.iter().cloned()).collect();
+            ConsumerConfig::from_lookup(move |k| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()), std::iter::empty())
+        };
+        assert_eq!(lookup(&[]).unwrap().watermark_signing_key, None);
+        let c = lookup(&[("OUTBOX_CONSUMER_WATERMARK_SIGNING_KEY_ID", "wm-1".into()), ("OUTBOX_CONSUMER_WATERMARK_SIGNING_SECRET_HEX", secret.clone())]).unwrap();
+        let key = c.watermark_signing_key.as_ref().unwrap();
+        assert_eq!(key, &outbox_core::trust::SigningKey::from_hex("wm-1", &secret).unwrap());
+        assert!(!format!("{c:?}").contains("5e5e"), "no secret in Debug: {c:?}");
+        let err = lookup(&[("OUTBOX_CONSUMER_WATERMARK_SIGNING_KEY_ID", "wm-1".into())]).unwrap_err().to_string();
+        assert!(err.contains("both"), "{err}");
+        let err = lookup(&[("OUTBOX_CONSUMER_WATERMARK_SIGNING_SECRET_HEX", secret.clone())]).unwrap_err().to_string();
+        assert!(err.contains("both"), "{err}");
+        let short = "5e".repeat(8);
+        let err = lookup(&[("OUTBOX_CONSUMER_WATERMARK_SIGNING_KEY_ID", "wm-1".into()), ("OUTBOX_CONSUMER_WATERMARK_SIGNING_SECRET_HEX", short)]).unwrap_err().to_string();
+        assert!(err.contains("wm-1") && !err.contains("5e5e"), "{err}");
     }
 }

@@ -19,6 +19,10 @@
 //! `watermark_publish_timeout_ms`) is counted in
 //! [`Metrics::watermark_publish_failures`](crate::Metrics) and retried at the
 //! next interval, which republishes every row anyway.
+//!
+//! With [`ConsumerConfig::watermark_signing_key`] every record carries the
+//! key id (`outbox-watermark-key-id`) and the HMAC-SHA256 of its value bytes
+//! (`outbox-watermark-signature`); see docs/WIRE.md.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,6 +105,7 @@ pub(crate) fn start(config: &ConsumerConfig, pool: PgPool, metrics: Arc<Metrics>
         group_id: config.group_id.clone(),
         cluster_id,
         timeout: Duration::from_millis(timeout_ms),
+        signing_key: config.watermark_signing_key.clone(),
     };
     let interval = Duration::from_millis(config.watermark_publish_interval_ms);
     let (stop, mut stop_rx) = oneshot::channel();
@@ -134,6 +139,7 @@ struct Publisher {
     group_id: String,
     cluster_id: String,
     timeout: Duration,
+    signing_key: Option<outbox_core::trust::SigningKey>,
 }
 
 impl Publisher {
@@ -192,7 +198,13 @@ impl Publisher {
                 continue;
             }
             let (key, value) = (record.key_bytes(), record.value_bytes());
-            let headers = OwnedHeaders::new().insert(Header { key: watermark_record::SCHEMA_HEADER, value: Some(watermark_record::SCHEMA) });
+            let mut headers = OwnedHeaders::new().insert(Header { key: watermark_record::SCHEMA_HEADER, value: Some(watermark_record::SCHEMA) });
+            if let Some(k) = &self.signing_key {
+                let signature = k.sign(&value);
+                headers = headers
+                    .insert(Header { key: watermark_record::KEY_ID_HEADER, value: Some(k.key_id()) })
+                    .insert(Header { key: watermark_record::SIGNATURE_HEADER, value: Some(signature.as_str()) });
+            }
             let r = FutureRecord::to(&self.topic).key(&key).payload(&value).headers(headers);
             match self.producer.send_result(r) {
                 Ok(delivery) => pending.push(delivery),

@@ -12,13 +12,19 @@
 //! identity (a Kafka topic id) is not in the key yet: a topic deleted and
 //! recreated under the same name shares its key.
 //!
-//! Records are not authenticated yet. A signature will travel in a header of
-//! its own ([`SIGNATURE_HEADER`], reserved) over the exact key and value
-//! bytes, so adding it changes neither encoding.
+//! **Authentication (optional).** A consumer with a watermark signing key
+//! adds two headers: [`KEY_ID_HEADER`] (the key id) and [`SIGNATURE_HEADER`]
+//! (`hmac-sha256:` + 64 lower-case hex: HMAC-SHA256 of the exact value
+//! bytes, see [`WatermarkRecord::signature`]). The value names the consumer,
+//! cluster, topic and partition, and [`WatermarkRecord::decode`] refuses a
+//! key that does not name what the value says, so the signature covers the
+//! key too. Neither encoding changes; a reader with verification keys for a
+//! consumer checks them with [`verify_signature`].
 
 use crate::canonical::{CanonicalReader, CanonicalWriter};
 use crate::error::CoreError;
 use crate::id::{validate_identifier, EventId};
+use crate::trust::SigningKey;
 
 /// Schema of the record's value.
 pub const SCHEMA: &str = "outboxWatermark.v1";
@@ -26,8 +32,10 @@ pub const SCHEMA: &str = "outboxWatermark.v1";
 pub const KEY_SCHEMA: &str = "outboxWatermarkKey.v1";
 /// Header carrying [`SCHEMA`] on every watermark record.
 pub const SCHEMA_HEADER: &str = "outbox-watermark-schema";
-/// Reserved for the record's signature (not written or checked yet).
+/// The record's signature: `hmac-sha256:<hex>` of the value bytes (only on signed records).
 pub const SIGNATURE_HEADER: &str = "outbox-watermark-signature";
+/// The id of the key that signed the record (only on signed records).
+pub const KEY_ID_HEADER: &str = "outbox-watermark-key-id";
 /// Default name of the watermark topic (one per cluster).
 pub const DEFAULT_TOPIC: &str = "outbox.watermarks";
 /// Largest key or value accepted, bytes.
@@ -128,6 +136,12 @@ impl WatermarkRecord {
             .finish()
     }
 
+    /// The signature the publisher writes in [`SIGNATURE_HEADER`]:
+    /// `hmac-sha256:<hex>` of [`Self::value_bytes`] under `key`.
+    pub fn signature(&self, key: &SigningKey) -> String {
+        key.sign(&self.value_bytes())
+    }
+
     /// Reads a record from its key and value, refusing anything malformed,
     /// oversized, or whose key does not name what its value says.
     pub fn decode(key: Option<&[u8]>, value: Option<&[u8]>) -> Result<WatermarkRecord, CoreError> {
@@ -158,6 +172,50 @@ impl WatermarkRecord {
             return Err(bad("the key does not name the value's consumer, cluster, topic and partition"));
         }
         Ok(record)
+    }
+}
+
+/// Why [`verify_signature`] refused a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SignatureError {
+    /// No [`SIGNATURE_HEADER`] or no [`KEY_ID_HEADER`].
+    Unsigned,
+    /// The key id is none of the consumer's verification keys.
+    UnknownKeyId(String),
+    /// The signature is not the named key's signature of the value.
+    BadSignature(String),
+}
+
+impl std::fmt::Display for SignatureError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SignatureError::Unsigned => write!(f, "unsigned (no {SIGNATURE_HEADER} or {KEY_ID_HEADER} header), but the consumer has verification keys"),
+            SignatureError::UnknownKeyId(k) => write!(f, "signed with key id {k:?}, which is none of the consumer's verification keys"),
+            SignatureError::BadSignature(k) => write!(f, "the signature is not key {k:?}'s signature of the value"),
+        }
+    }
+}
+
+impl std::error::Error for SignatureError {}
+
+/// Checks a record's signature headers against the verification keys of the
+/// consumer it names: `value` is the exact value bytes read, `key_id` and
+/// `signature` the [`KEY_ID_HEADER`] and [`SIGNATURE_HEADER`] values (the
+/// last of each). Any one of `keys` whose id matches may have signed
+/// (rotation: the old and the new key both accepted).
+pub fn verify_signature(value: &[u8], key_id: Option<&[u8]>, signature: Option<&[u8]>, keys: &[SigningKey]) -> Result<(), SignatureError> {
+    let (Some(key_id), Some(signature)) = (key_id, signature) else {
+        return Err(SignatureError::Unsigned);
+    };
+    let shown = || String::from_utf8_lossy(&key_id[..key_id.len().min(200)]).into_owned();
+    let mut named = keys.iter().filter(|k| k.key_id().as_bytes() == key_id).peekable();
+    if named.peek().is_none() {
+        return Err(SignatureError::UnknownKeyId(shown()));
+    }
+    if named.any(|k| k.verifies(value, signature)) {
+        Ok(())
+    } else {
+        Err(SignatureError::BadSignature(shown()))
     }
 }
 
@@ -206,5 +264,31 @@ mod tests {
         assert!(WatermarkRecord::decode(Some(&bad_event.key_bytes()), Some(&bad_event.value_bytes())).is_err());
         let big = vec![b'x'; MAX_RECORD_BYTES + 1];
         assert!(WatermarkRecord::decode(Some(&r.key_bytes()), Some(&big)).is_err());
+    }
+
+    #[test]
+    fn signatures_are_checked_against_the_consumers_keys() {
+        let r = sample();
+        let old = SigningKey::from_hex("wm-old", &"0a".repeat(32)).unwrap();
+        let new = SigningKey::from_hex("wm-new", &"0b".repeat(32)).unwrap();
+        let keys = [old.clone(), new.clone()];
+        let value = r.value_bytes();
+        let sig = r.signature(&new);
+        assert!(sig.starts_with("hmac-sha256:") && sig.len() == 12 + 64, "{sig}");
+        assert_eq!(verify_signature(&value, Some(b"wm-new"), Some(sig.as_bytes()), &keys), Ok(()));
+        // Rotation: the old key's signature is accepted too.
+        assert_eq!(verify_signature(&value, Some(b"wm-old"), Some(r.signature(&old).as_bytes()), &keys), Ok(()));
+        assert_eq!(verify_signature(&value, None, None, &keys), Err(SignatureError::Unsigned));
+        assert_eq!(verify_signature(&value, Some(b"wm-new"), None, &keys), Err(SignatureError::Unsigned));
+        assert_eq!(verify_signature(&value, Some(b"wm-x"), Some(sig.as_bytes()), &keys), Err(SignatureError::UnknownKeyId("wm-x".into())));
+        // The new key's signature under the old key's id, and a changed value.
+        assert_eq!(verify_signature(&value, Some(b"wm-old"), Some(sig.as_bytes()), &keys), Err(SignatureError::BadSignature("wm-old".into())));
+        let mut moved = r.clone();
+        moved.committed_offset += 1;
+        assert_eq!(verify_signature(&moved.value_bytes(), Some(b"wm-new"), Some(sig.as_bytes()), &keys), Err(SignatureError::BadSignature("wm-new".into())));
+        // Another partition's record (key and value) does not carry this one's signature.
+        let mut other = r.clone();
+        other.partition = 4;
+        assert!(verify_signature(&other.value_bytes(), Some(b"wm-new"), Some(sig.as_bytes()), &keys).is_err());
     }
 }

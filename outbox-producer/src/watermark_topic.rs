@@ -14,6 +14,11 @@
 //! otherwise it is ignored and, but for the first case, is a finding:
 //! - it decodes (`outboxWatermark.v1`, its key naming its value) and names
 //!   the cluster it was read from (`watermark_rejected` otherwise);
+//! - when [`WatermarkTopicConfig::verify_keys`] holds keys for the consumer
+//!   it names: it is signed (headers `outbox-watermark-key-id` and
+//!   `outbox-watermark-signature`) by one of those keys, over its exact
+//!   value bytes (`watermark_rejected` otherwise, with the reason: unsigned,
+//!   unknown key id, bad signature). A consumer without keys is not checked;
 //! - the consumer is declared in `outbox_consumers`
 //!   (`watermark_undeclared_consumer` otherwise);
 //! - its committed offset is not beyond the end (high watermark) of the
@@ -30,20 +35,25 @@
 //! again); its watermark stays where it was, so a mandatory consumer's
 //! stale watermark holds retention.
 //!
-//! Records are not authenticated yet: the reader trusts any producer with
-//! write access to the watermark topic, within the rules above. A signature
-//! header (`outbox-watermark-signature`) is reserved for it.
+//! **Authentication.** For a consumer without verification keys the reader
+//! trusts any producer with write access to the watermark topic, within the
+//! rules above. For one with keys, only a holder of one of them can speak
+//! for it; a replayed genuine record is still bounded by the rules above (an
+//! older record is out of date, a lower offset moves back), and the value
+//! names the consumer, cluster, topic and partition, so a signed record
+//! cannot be moved to another of them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::watermark_record::WatermarkRecord;
+use outbox_core::trust::SigningKey;
+use outbox_core::watermark_record::{self, WatermarkRecord};
 pub use outbox_core::watermark_record::DEFAULT_TOPIC;
 use outbox_core::{Clock, SystemClock};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::Message;
+use rdkafka::message::{Headers as _, Message};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use sqlx::{PgPool, Postgres, Row as _, Transaction};
 
@@ -62,6 +72,10 @@ pub const DEFAULT_ROUND_TIMEOUT_MS: u64 = 10_000;
 pub const READ_PAST_END_IDLE_MS: u64 = 200;
 /// Most findings one round records per kind (the rest are counted only).
 pub const MAX_FINDINGS_PER_ROUND: usize = 1_000;
+/// Most verification keys per consumer in [`WatermarkTopicConfig::verify_keys`].
+pub const LIMIT_KEYS_PER_CONSUMER: usize = 16;
+/// Most consumers with verification keys.
+pub const LIMIT_KEYED_CONSUMERS: usize = 10_000;
 /// Finding kinds raised by the reader; evidence, left open until an operator resolves them.
 pub const READER_FINDINGS: &[&str] = &["watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected"];
 
@@ -81,6 +95,11 @@ pub struct WatermarkTopicConfig {
     pub round_timeout_ms: u64,
     /// Extra librdkafka properties (security, ...).
     pub kafka: BTreeMap<String, String>,
+    /// Verification keys per consumer id: a record naming a consumer listed
+    /// here is applied only when signed by one of its keys (several during a
+    /// rotation). Consumers not listed are not checked. `Debug` never shows
+    /// the secrets.
+    pub verify_keys: BTreeMap<String, Vec<SigningKey>>,
 }
 
 impl WatermarkTopicConfig {
@@ -93,7 +112,30 @@ impl WatermarkTopicConfig {
             max_records_per_round: DEFAULT_MAX_RECORDS_PER_ROUND,
             round_timeout_ms: DEFAULT_ROUND_TIMEOUT_MS,
             kafka: BTreeMap::new(),
+            verify_keys: BTreeMap::new(),
         }
+    }
+
+    /// Adds a verification key for `consumer_id`.
+    pub fn with_key(mut self, consumer_id: &str, key: SigningKey) -> Self {
+        self.verify_keys.entry(consumer_id.to_owned()).or_default().push(key);
+        self
+    }
+
+    /// Parses verification keys written `CONSUMER_ID=KEY_ID=HEX`, one per
+    /// entry (`what` names where they come from in errors, which never
+    /// repeat a secret).
+    pub fn parse_keys<'a>(what: &str, entries: impl IntoIterator<Item = &'a str>) -> Result<BTreeMap<String, Vec<SigningKey>>, ProducerError> {
+        let mut out: BTreeMap<String, Vec<SigningKey>> = BTreeMap::new();
+        for (i, entry) in entries.into_iter().enumerate() {
+            let bad = || ProducerError::Config(format!("{what}: entry {} is not CONSUMER_ID=KEY_ID=HEX", i + 1));
+            let mut parts = entry.trim().rsplitn(3, '=');
+            let (hex, key_id, consumer) = (parts.next().ok_or_else(bad)?, parts.next().ok_or_else(bad)?, parts.next().ok_or_else(bad)?);
+            outbox_core::id::validate_identifier("consumerId", consumer).map_err(|e| ProducerError::Config(format!("{what}: entry {}: {e}", i + 1)))?;
+            let key = SigningKey::from_hex(key_id, hex).map_err(|e| ProducerError::Config(format!("{what}: entry {}: {e}", i + 1)))?;
+            out.entry(consumer.to_owned()).or_default().push(key);
+        }
+        Ok(out)
     }
 
     /// Checks identifiers and limits.
@@ -108,6 +150,20 @@ impl WatermarkTopicConfig {
         }
         if !(100..=600_000).contains(&self.round_timeout_ms) {
             return Err(ProducerError::Config(format!("round_timeout_ms {} (100..=600000)", self.round_timeout_ms)));
+        }
+        if self.verify_keys.len() > LIMIT_KEYED_CONSUMERS {
+            return Err(ProducerError::Config(format!("verification keys for {} consumers (..={LIMIT_KEYED_CONSUMERS})", self.verify_keys.len())));
+        }
+        for (consumer, keys) in &self.verify_keys {
+            outbox_core::id::validate_identifier("consumerId", consumer)?;
+            if keys.is_empty() || keys.len() > LIMIT_KEYS_PER_CONSUMER {
+                return Err(ProducerError::Config(format!("consumer {consumer}: {} verification keys (1..={LIMIT_KEYS_PER_CONSUMER})", keys.len())));
+            }
+            for (i, k) in keys.iter().enumerate() {
+                if keys[..i].iter().any(|o| o.key_id() == k.key_id()) {
+                    return Err(ProducerError::Config(format!("consumer {consumer}: key id {} given twice", k.key_id())));
+                }
+            }
         }
         Ok(())
     }
@@ -128,8 +184,11 @@ pub struct IngestReport {
     pub moved_back: usize,
     /// Records beyond the end of their partition, ignored.
     pub beyond_end: usize,
-    /// Records that do not decode or name another cluster, ignored.
+    /// Records that do not decode, name another cluster, or fail their
+    /// consumer's signature check, ignored.
     pub rejected: usize,
+    /// Of [`Self::rejected`], those that failed the signature check.
+    pub bad_signature: usize,
 }
 
 impl IngestReport {
@@ -291,7 +350,18 @@ impl WatermarkTopicReader {
             if ends.get(&p).is_some_and(|&end| off + 1 >= end) {
                 ends.remove(&p);
             }
-            messages.push((p, off, m.key().map(<[u8]>::to_vec), m.payload().map(<[u8]>::to_vec)));
+            let (mut key_id, mut signature) = (None, None);
+            if let Some(hs) = m.headers() {
+                // The last header of each name counts.
+                for h in hs.iter() {
+                    if h.key == watermark_record::KEY_ID_HEADER {
+                        key_id = h.value.map(<[u8]>::to_vec);
+                    } else if h.key == watermark_record::SIGNATURE_HEADER {
+                        signature = h.value.map(<[u8]>::to_vec);
+                    }
+                }
+            }
+            messages.push(ReadRecord { partition: p, offset: off, key: m.key().map(<[u8]>::to_vec), value: m.payload().map(<[u8]>::to_vec), key_id, signature });
         }
         let _ = self.client.unassign();
         report.read = messages.len();
@@ -305,13 +375,19 @@ impl WatermarkTopicReader {
         let declared: Vec<String> = sqlx::query_scalar("SELECT consumer_id FROM outbox_consumers").fetch_all(&self.pool).await?;
         let mut decoded = Vec::with_capacity(messages.len());
         let mut data_ends: HashMap<(String, i32), Result<i64, String>> = HashMap::new();
-        for (p, off, key, value) in messages {
-            let r = WatermarkRecord::decode(key.as_deref(), value.as_deref()).map_err(|e| e.to_string()).and_then(|r| {
-                if r.cluster_id == self.cluster_id {
-                    Ok(r)
-                } else {
-                    Err(format!("names cluster {:?} but was read from cluster {:?}", r.cluster_id, self.cluster_id))
+        for m in messages {
+            let (p, off) = (m.partition, m.offset);
+            let r = WatermarkRecord::decode(m.key.as_deref(), m.value.as_deref()).map_err(|e| Rejected { why: e.to_string(), consumer: None, signature: false }).and_then(|r| {
+                if r.cluster_id != self.cluster_id {
+                    return Err(Rejected { why: format!("names cluster {:?} but was read from cluster {:?}", r.cluster_id, self.cluster_id), consumer: None, signature: false });
                 }
+                if let Some(keys) = self.config.verify_keys.get(&r.consumer_id) {
+                    let value = m.value.as_deref().unwrap_or_default();
+                    if let Err(e) = watermark_record::verify_signature(value, m.key_id.as_deref(), m.signature.as_deref(), keys) {
+                        return Err(Rejected { why: format!("consumer {}: {e}", r.consumer_id), consumer: Some(r.consumer_id.clone()), signature: true });
+                    }
+                }
+                Ok(r)
             });
             if let Some(r) = r.as_ref().ok().filter(|r| declared.contains(&r.consumer_id)) {
                 if let std::collections::hash_map::Entry::Vacant(slot) = data_ends.entry((r.topic.clone(), r.partition)) {
@@ -328,9 +404,10 @@ impl WatermarkTopicReader {
             let at = format!("{}/{}/{p}@{off}", self.cluster_id, topic);
             let record = match r {
                 Ok(r) => r,
-                Err(why) => {
+                Err(Rejected { why, consumer, signature }) => {
                     report.rejected += 1;
-                    findings.push(("watermark_rejected", at, String::new(), format!("watermark record ignored: {why}")));
+                    report.bad_signature += usize::from(signature);
+                    findings.push(("watermark_rejected", at, consumer.unwrap_or_default(), format!("watermark record ignored: {why}")));
                     continue;
                 }
             };
@@ -391,8 +468,24 @@ impl WatermarkTopicReader {
     }
 }
 
-/// A record read from the watermark topic: partition, offset, key, value.
-type ReadRecord = (i32, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+/// A record read from the watermark topic.
+struct ReadRecord {
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+    value: Option<Vec<u8>>,
+    /// The last `outbox-watermark-key-id` header.
+    key_id: Option<Vec<u8>>,
+    /// The last `outbox-watermark-signature` header.
+    signature: Option<Vec<u8>>,
+}
+
+/// Why a record was rejected, and the consumer it named when it decoded.
+struct Rejected {
+    why: String,
+    consumer: Option<String>,
+    signature: bool,
+}
 
 enum Applied {
     Yes,
@@ -553,4 +646,35 @@ pub(crate) async fn stale_findings(pool: &PgPool, now: i64, stale_after_ms: i64,
         ));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verification_keys_parse_and_validate() {
+        let (a, b) = ("0a".repeat(32), "0b".repeat(32));
+        let keys = WatermarkTopicConfig::parse_keys("X", [format!("shipping=wm-old={a}").as_str(), &format!("shipping=wm-new={b}"), &format!("billing=wm-1={a}")]).unwrap();
+        assert_eq!(keys["shipping"].iter().map(SigningKey::key_id).collect::<Vec<_>>(), vec!["wm-old", "wm-new"]);
+        assert_eq!(keys["billing"].len(), 1);
+        let mut c = WatermarkTopicConfig::new("k:9092");
+        c.verify_keys = keys;
+        c.validate().unwrap();
+        assert!(!format!("{c:?}").contains("0a0a"), "no secret in Debug");
+        for bad in ["shipping", "shipping=wm-1", &format!("bad id=wm-1={a}"), "shipping=wm-1=zz", &format!("shipping=wm-1={}", "0a".repeat(8))] {
+            let err = WatermarkTopicConfig::parse_keys("OUTBOX_RECONCILE_WATERMARK_KEYS", [bad]).unwrap_err().to_string();
+            assert!(err.contains("OUTBOX_RECONCILE_WATERMARK_KEYS: entry 1") && !err.contains("0a0a"), "{bad}: {err}");
+        }
+        let twice = WatermarkTopicConfig::new("k:9092").with_key("s", SigningKey::from_hex("k", &a).unwrap()).with_key("s", SigningKey::from_hex("k", &b).unwrap());
+        assert!(twice.validate().unwrap_err().to_string().contains("given twice"));
+        let mut many = WatermarkTopicConfig::new("k:9092");
+        for i in 0..=LIMIT_KEYS_PER_CONSUMER {
+            many = many.with_key("s", SigningKey::from_hex(&format!("k{i}"), &a).unwrap());
+        }
+        assert!(many.validate().is_err());
+        let mut empty = WatermarkTopicConfig::new("k:9092");
+        empty.verify_keys.insert("s".into(), Vec::new());
+        assert!(empty.validate().is_err());
+    }
 }

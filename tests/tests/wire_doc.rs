@@ -218,7 +218,16 @@ fn watermark_example() -> String {
     };
     let decoded = WatermarkRecord::decode(Some(&r.key_bytes()), Some(&r.value_bytes())).unwrap();
     assert_eq!(decoded, r);
-    format!("Key:\n\n```text\n{}```\n\nValue:\n\n```text\n{}```\n", text_lines(&r.key_bytes()), text_lines(&r.value_bytes()))
+    let secret_hex: String = (0u8..32).map(|b| format!("{b:02x}")).collect();
+    let key = outbox_core::trust::SigningKey::from_hex("wm-2026-12", &secret_hex).unwrap();
+    let signature = r.signature(&key);
+    let keys = [key];
+    outbox_core::watermark_record::verify_signature(&r.value_bytes(), Some(b"wm-2026-12"), Some(signature.as_bytes()), &keys).unwrap();
+    format!(
+        "Key:\n\n```text\n{}```\n\nValue:\n\n```text\n{}```\n\nSigned with key id `wm-2026-12` and the secret {secret_hex} (hex; 32 bytes), the headers are:\n\n```text\noutbox-watermark-key-id: wm-2026-12\noutbox-watermark-signature: {signature}\n```\n",
+        text_lines(&r.key_bytes()),
+        text_lines(&r.value_bytes())
+    )
 }
 
 #[test]
