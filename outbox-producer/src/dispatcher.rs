@@ -1049,7 +1049,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     while !*stop.borrow() {
                         match me.dispatch_next(&owner, &mut cursor).await {
                             Ok(r) => {
-                                add(&mut total, &r);
+                                total += r;
                                 // A batch that found work and met no broker failure
                                 // looks again at once: under per-key ordering a short
                                 // batch does not mean the backlog is empty, only that
@@ -1086,7 +1086,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
         match joined {
             Ok(results) => {
                 for r in results.into_iter().flatten().flatten() {
-                    add(&mut total, &r);
+                    total += r;
                 }
             }
             Err(_) => tracing::warn!("shutdown grace elapsed; unanswered attempts will turn DISPATCH_UNKNOWN when their leases expire"),
@@ -1102,15 +1102,18 @@ pub async fn until_true(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
-fn add(total: &mut BatchReport, r: &BatchReport) {
-    total.claimed += r.claimed;
-    total.sent += r.sent;
-    total.published += r.published;
-    total.duplicates += r.duplicates;
-    total.unknown += r.unknown;
-    total.not_sent += r.not_sent;
-    total.quarantined += r.quarantined;
-    total.fenced += r.fenced;
+/// Totals over batches.
+impl std::ops::AddAssign for BatchReport {
+    fn add_assign(&mut self, r: BatchReport) {
+        self.claimed += r.claimed;
+        self.sent += r.sent;
+        self.published += r.published;
+        self.duplicates += r.duplicates;
+        self.unknown += r.unknown;
+        self.not_sent += r.not_sent;
+        self.quarantined += r.quarantined;
+        self.fenced += r.fenced;
+    }
 }
 
 #[cfg(test)]

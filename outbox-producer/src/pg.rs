@@ -83,6 +83,32 @@ const ATTEMPT_COLUMNS: &str =
     "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms";
 const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, partition, \"offset\"";
 
+/// A claimed row whose frozen envelope or destination cannot be read:
+/// `(event id, envelope generation, why)`.
+type Unreadable = (String, i32, String);
+
+/// The frozen envelope and destination of a claimed row (columns
+/// `envelope_canonical`, `destination_canonical`), or why they cannot be read.
+fn frozen_records(r: &PgRow) -> Result<Result<(Envelope, Destination), Unreadable>, StoreError> {
+    let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(store_err)?);
+    let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(store_err)?);
+    Ok(match envelope.and_then(|e| destination.map(|d| (e, d))) {
+        Ok(p) => Ok(p),
+        Err(e) => Err((r.try_get("event_id").map_err(store_err)?, r.try_get("envelope_generation").map_err(store_err)?, e.to_string())),
+    })
+}
+
+/// The claim a row's columns `claim_owner`, `claim_generation` and
+/// `lease_until_ms` describe.
+fn claim_token(r: &PgRow, event_id: &EventId) -> Result<ClaimToken, StoreError> {
+    Ok(ClaimToken {
+        event_id: event_id.clone(),
+        owner: r.try_get("claim_owner").map_err(store_err)?,
+        claim_generation: r.try_get::<i64, _>("claim_generation").map_err(store_err)? as u64,
+        lease_until_ms: r.try_get("lease_until_ms").map_err(store_err)?,
+    })
+}
+
 impl PgStore {
     /// A store on `pool` using the system clock.
     pub fn new(pool: PgPool) -> Self {
@@ -221,27 +247,20 @@ impl PgStore {
     /// The claimed rows as events to send, and the rows whose frozen
     /// envelope or destination cannot be read: `(event id, envelope
     /// generation, why)`.
-    fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<(Vec<ClaimedEvent>, Vec<(String, i32, String)>), StoreError> {
+    fn claimed_rows(rows: Vec<PgRow>, from: EventState) -> Result<(Vec<ClaimedEvent>, Vec<Unreadable>), StoreError> {
         let mut claimed = Vec::with_capacity(rows.len());
         let mut unreadable = Vec::new();
         for r in &rows {
             let g = |e: sqlx::Error| store_err(e);
-            let parsed = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)
-                .and_then(|env| Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(|e| CoreError::InvalidEncoding(e.to_string()))?).map(|d| (env, d)));
-            let (envelope, destination) = match parsed {
+            let (envelope, destination) = match frozen_records(r)? {
                 Ok(p) => p,
-                Err(e) => {
-                    unreadable.push((r.try_get("event_id").map_err(g)?, r.try_get("envelope_generation").map_err(g)?, e.to_string()));
+                Err(u) => {
+                    unreadable.push(u);
                     continue;
                 }
             };
             claimed.push(ClaimedEvent {
-                token: ClaimToken {
-                    event_id: envelope.event_id.clone(),
-                    owner: r.try_get("claim_owner").map_err(g)?,
-                    claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
-                    lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
-                },
+                token: claim_token(r, &envelope.event_id)?,
                 envelope,
                 destination,
                 destination_digest: r.try_get("destination_digest").map_err(g)?,
@@ -707,14 +726,12 @@ impl PgStore {
         let mut unreadable = Vec::new();
         for r in &rows {
             let g = |e: sqlx::Error| store_err(e);
-            let parsed = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)
-                .and_then(|env| Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(|e| CoreError::InvalidEncoding(e.to_string()))?).map(|d| (env, d)));
-            let (envelope, destination) = match parsed {
+            let (envelope, destination) = match frozen_records(r)? {
                 Ok(p) => p,
                 // That event cannot be looked up as frozen: quarantined
                 // below, the other events of the round go on.
-                Err(e) => {
-                    unreadable.push((r.try_get("event_id").map_err(g)?, r.try_get("envelope_generation").map_err(g)?, e.to_string()));
+                Err(u) => {
+                    unreadable.push(u);
                     continue;
                 }
             };
@@ -745,12 +762,7 @@ impl PgStore {
                 .map(|r| receipt_from_row(&r))
                 .transpose()?;
             tasks.push(ReconcileTask {
-                token: ClaimToken {
-                    event_id: envelope.event_id.clone(),
-                    owner: r.try_get("claim_owner").map_err(g)?,
-                    claim_generation: r.try_get::<i64, _>("claim_generation").map_err(g)? as u64,
-                    lease_until_ms: r.try_get("lease_until_ms").map_err(g)?,
-                },
+                token: claim_token(r, &envelope.event_id)?,
                 event: LockedEvent {
                     event_id: envelope.event_id.clone(),
                     envelope_generation: envelope.envelope_generation,

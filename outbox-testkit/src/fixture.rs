@@ -147,14 +147,7 @@ pub async fn drain<B: Broker + 'static>(dispatcher: &Dispatcher<B>, timeout: Dur
     let mut total = BatchReport::default();
     loop {
         let r = dispatcher.dispatch_once("drain-0").await.map_err(|e| TestkitError::new(format!("dispatching: {e}")))?;
-        total.claimed += r.claimed;
-        total.sent += r.sent;
-        total.published += r.published;
-        total.duplicates += r.duplicates;
-        total.unknown += r.unknown;
-        total.not_sent += r.not_sent;
-        total.quarantined += r.quarantined;
-        total.fenced += r.fenced;
+        total += r;
         let (left, unknown): (i64, i64) = sqlx::query_as(
             "SELECT count(*) FILTER (WHERE phase IN ('PENDING', 'INFLIGHT', 'RETRY_CLAIMED')),
                     count(*) FILTER (WHERE phase IN ('DISPATCH_UNKNOWN', 'RECONCILING'))
