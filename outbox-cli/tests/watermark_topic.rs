@@ -393,6 +393,27 @@ async fn bad_watermark_records_are_ignored_and_reported() {
     rig.env.drop_now().await;
 }
 
+/// A record on the watermark topic with a header name that is not UTF-8
+/// (rdkafka's own header accessor panics on it): the reader reads past it
+/// without panicking, and the record is judged like any other.
+#[tokio::test]
+async fn a_record_with_a_non_utf8_header_name_is_read_without_panicking() {
+    let rig = rig("wm_header").await;
+    let r = rig.record("shipping", 2, rig.clock.now_ms());
+    let headers = OwnedHeaders::new().insert(Header { key: SCHEMA_HEADER, value: Some(SCHEMA) });
+    let native = headers.as_borrowed() as *const rdkafka::message::BorrowedHeaders as *mut rdkafka::bindings::rd_kafka_headers_t;
+    let name = [b'x', 0xff, 0xfe];
+    // SAFETY: `headers` owns the list; librdkafka copies name and value.
+    let err = unsafe { rdkafka::bindings::rd_kafka_header_add(native, name.as_ptr().cast(), name.len() as isize, b"v".as_ptr().cast(), 1) };
+    assert_eq!(err, rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR);
+    let (key, value) = (r.key_bytes(), r.value_bytes());
+    rig.producer.send(FutureRecord::to(&rig.wm_topic).key(&key).payload(&value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+    let report = rig.reader().await.ingest_once().await.unwrap();
+    assert_eq!((report.read, report.applied), (1, 1), "{report:?}");
+    assert_eq!(rig.committed("shipping").await, Some(2));
+    rig.env.drop_now().await;
+}
+
 /// A declared consumer whose records stop arriving for longer than the
 /// threshold raises `stale_watermark`; its watermark stays and holds
 /// retention; records arriving again resolve the finding.

@@ -53,7 +53,7 @@ pub use outbox_core::watermark_record::DEFAULT_TOPIC;
 use outbox_core::{Clock, SystemClock};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Headers as _, Message};
+use rdkafka::message::Message;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use sqlx::{PgPool, Postgres, Row as _, Transaction};
 
@@ -350,17 +350,11 @@ impl WatermarkTopicReader {
             if ends.get(&p).is_some_and(|&end| off + 1 >= end) {
                 ends.remove(&p);
             }
-            let (mut key_id, mut signature) = (None, None);
-            if let Some(hs) = m.headers() {
-                // The last header of each name counts.
-                for h in hs.iter() {
-                    if h.key == watermark_record::KEY_ID_HEADER {
-                        key_id = h.value.map(<[u8]>::to_vec);
-                    } else if h.key == watermark_record::SIGNATURE_HEADER {
-                        signature = h.value.map(<[u8]>::to_vec);
-                    }
-                }
-            }
+            // Read without rdkafka's accessors, which panic on a header name
+            // that is not UTF-8; the last header of each name counts.
+            let hs = crate::kafka::message_headers(&m);
+            let last = |name: &str| hs.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+            let (key_id, signature) = (last(watermark_record::KEY_ID_HEADER), last(watermark_record::SIGNATURE_HEADER));
             messages.push(ReadRecord { partition: p, offset: off, key: m.key().map(<[u8]>::to_vec), value: m.payload().map(<[u8]>::to_vec), key_id, signature });
         }
         let _ = self.client.unassign();
