@@ -17,6 +17,7 @@
 //! `--exit-on-fatal`, the service stops and exits with [`EXIT_PRODUCER_FATAL`]
 //! so that its supervisor (systemd, Kubernetes) restarts it.
 
+use outbox_core::Clock as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,10 +44,6 @@ pub struct Health {
     started: Instant,
     last_db: Mutex<Option<(Instant, Result<(), String>)>>,
     last_step: Mutex<Option<SupervisionStep>>,
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
 impl Health {
@@ -118,8 +115,8 @@ impl Health {
             Some(_) => self.broker.ready(),
         };
         let last = (self.progress)();
-        let reference = if last > 0 { last } else { now_ms() - self.started.elapsed().as_millis() as i64 };
-        let silent_ms = now_ms().saturating_sub(reference).max(0) as u64;
+        let reference = if last > 0 { last } else { outbox_core::SystemClock.now_ms() - self.started.elapsed().as_millis() as i64 };
+        let silent_ms = outbox_core::SystemClock.now_ms().saturating_sub(reference).max(0) as u64;
         let progress = if silent_ms > self.max_silence_ms {
             Err(format!("no progress for {silent_ms} ms (bound {} ms)", self.max_silence_ms))
         } else {

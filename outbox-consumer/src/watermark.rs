@@ -62,6 +62,14 @@ pub async fn watermarks(pool: &PgPool, consumer_id: &str) -> Result<Vec<Watermar
     Ok(rows.iter().map(from_row).collect::<Result<_, _>>()?)
 }
 
+/// The watermarks of `consumer_id` on the log of one cluster, ordered by
+/// topic and partition (what the consumer publishes over that cluster).
+pub(crate) async fn watermarks_on(pool: &PgPool, consumer_id: &str, cluster_id: &str) -> Result<Vec<Watermark>, ConsumerError> {
+    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 AND cluster_id = $2 ORDER BY topic, partition LIMIT $3");
+    let rows = sqlx::query(&sql).bind(consumer_id).bind(cluster_id).bind(MAX_WATERMARK_ROWS).fetch_all(pool).await?;
+    Ok(rows.iter().map(from_row).collect::<Result<_, _>>()?)
+}
+
 /// Copies the watermarks of `consumer_id` from the consumer's database
 /// (`from`) into the outbox database (`to`), for a consumer whose state does
 /// not live in the outbox database. Returns the number of rows published.

@@ -42,7 +42,7 @@ use tracing::{debug, warn};
 use crate::config::ConsumerConfig;
 use crate::error::ConsumerError;
 use crate::metrics::Metrics;
-use crate::watermark::watermarks;
+use crate::watermark::watermarks_on;
 
 /// librdkafka property prefixes the publisher takes over from
 /// [`ConsumerConfig::kafka`] (how to reach and authenticate to the cluster);
@@ -165,19 +165,19 @@ impl Publisher {
     }
 
     /// One publication: every watermark row of this consumer on this
-    /// cluster, one record each; returns the records acknowledged.
-    async fn publish_once(&self) -> usize {
-        let rows = match watermarks(&self.pool, &self.consumer_id).await {
+    /// cluster, one record each (the acknowledged ones are counted).
+    async fn publish_once(&self) {
+        let rows = match watermarks_on(&self.pool, &self.consumer_id, &self.cluster_id).await {
             Ok(rows) => rows,
             Err(e) => {
                 Metrics::add(&self.metrics.watermark_publish_failures, 1);
                 warn!(error = %e, "watermark rows unreadable; publishing at the next interval");
-                return 0;
+                return;
             }
         };
         let now_ms = chrono::Utc::now().timestamp_millis();
         let mut pending = Vec::with_capacity(rows.len());
-        for w in rows.into_iter().filter(|w| w.cluster_id == self.cluster_id) {
+        for w in rows {
             let record = WatermarkRecord {
                 consumer_id: w.consumer_id,
                 group_id: self.group_id.clone(),
@@ -235,6 +235,5 @@ impl Publisher {
             }
         }
         Metrics::add(&self.metrics.watermark_records_published, acked as u64);
-        acked
     }
 }

@@ -111,17 +111,7 @@ impl SigningKey {
     /// A key whose secret is given as hex (32..=128 hex digits).
     pub fn from_hex(key_id: &str, secret_hex: &str) -> Result<Self, CoreError> {
         let bad = || CoreError::MalformedIdentifier { field: "secret", reason: format!("key {key_id}: the secret is not hex") };
-        let s = secret_hex.trim().as_bytes();
-        if s.len() % 2 != 0 {
-            return Err(bad());
-        }
-        let nibble = |c: u8| match c {
-            b'0'..=b'9' => Some(c - b'0'),
-            b'a'..=b'f' => Some(c - b'a' + 10),
-            b'A'..=b'F' => Some(c - b'A' + 10),
-            _ => None,
-        };
-        let secret = s.chunks(2).map(|p| Some(nibble(p[0])? << 4 | nibble(p[1])?)).collect::<Option<Vec<u8>>>().ok_or_else(bad)?;
+        let secret = hex::decode(secret_hex.trim()).map_err(|_| bad())?;
         Self::new(key_id, secret)
     }
 

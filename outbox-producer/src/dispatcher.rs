@@ -18,6 +18,7 @@
 //!    meanwhile writes nothing but audit records, yet its ACKs still go
 //!    through the receipt transaction.
 
+use outbox_core::Clock as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -343,10 +344,6 @@ impl std::fmt::Debug for Gate {
     }
 }
 
-fn epoch_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
-}
-
 /// A database failure the same call may get past (a lost connection, a
 /// restart, a serialization failure); not a protocol refusal.
 fn is_retryable_backend(e: &StoreError) -> bool {
@@ -576,11 +573,11 @@ impl<B: Broker + 'static> Dispatcher<B> {
         let mut report = BatchReport::default();
         let started = Instant::now();
         if !self.alias_active().await? || !self.gate_open() {
-            self.metrics.last_progress_ms.store(epoch_ms(), AtomicOrdering::Relaxed);
+            self.metrics.last_progress_ms.store(outbox_core::SystemClock.now_ms(), AtomicOrdering::Relaxed);
             return Ok(InFlightBatch { owner: owner.to_owned(), started, report, sends: Vec::new() });
         }
         let (claimed, unreadable) = self.claim(owner, cursor).await?;
-        self.metrics.last_progress_ms.store(epoch_ms(), AtomicOrdering::Relaxed);
+        self.metrics.last_progress_ms.store(outbox_core::SystemClock.now_ms(), AtomicOrdering::Relaxed);
         report.claimed = claimed.len() + unreadable;
         report.quarantined += unreadable;
         inc(&self.metrics.quarantined, unreadable as u64);
@@ -754,7 +751,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     let outstanding: Vec<_> = tokens.iter().flatten().cloned().collect();
                     match self.store.renew_leases(&outstanding, self.config.lease_ms).await {
                         Ok(renewed) => {
-                            self.metrics.last_progress_ms.store(epoch_ms(), AtomicOrdering::Relaxed);
+                            self.metrics.last_progress_ms.store(outbox_core::SystemClock.now_ms(), AtomicOrdering::Relaxed);
                             let lost = renewed.iter().filter(|r| r.is_none()).count();
                             if lost > 0 {
                                 tracing::warn!(owner = %owner, lost, "claims lost while sends were outstanding; their answers still go through acceptDispatchReceipt");
@@ -812,7 +809,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
         if !receipts.is_empty() {
             self.metrics.histograms.receipt_transaction.observe(receipts_at.elapsed().as_secs_f64());
         }
-        let published_at_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+        let published_at_ms = outbox_core::SystemClock.now_ms();
         match accepted {
             Ok(outcomes) => {
                 for ((outcome, receipt), event_type) in outcomes.into_iter().zip(&receipts).zip(&receipt_types) {

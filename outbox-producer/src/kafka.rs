@@ -62,6 +62,7 @@
 //! released only when librdkafka has reported the message's fate, not when the
 //! caller stops waiting.
 
+use outbox_core::Clock as _;
 use std::future::Future;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -542,23 +543,19 @@ struct HealthState {
     last_client_error: Mutex<Option<String>>,
 }
 
-fn epoch_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl HealthState {
     fn note_send(&self) {
-        let _ = self.waiting_since_ms.compare_exchange(0, epoch_ms(), AtomicOrdering::AcqRel, AtomicOrdering::Acquire);
+        let _ = self.waiting_since_ms.compare_exchange(0, outbox_core::SystemClock.now_ms(), AtomicOrdering::AcqRel, AtomicOrdering::Acquire);
     }
 
     fn note_outcome(&self, outcome: &SendOutcome) {
         match outcome {
             SendOutcome::Acked { .. } => {
-                self.last_ack_ms.store(epoch_ms(), AtomicOrdering::Release);
+                self.last_ack_ms.store(outbox_core::SystemClock.now_ms(), AtomicOrdering::Release);
                 self.waiting_since_ms.store(0, AtomicOrdering::Release);
             }
             SendOutcome::NotPersisted(why) | SendOutcome::Unknown(why) => *lock(&self.last_failure) = Some(why.clone()),
@@ -1132,7 +1129,7 @@ impl KafkaBroker {
     pub fn producer_health(&self) -> ProducerHealth {
         let inner = self.inner();
         let h = &inner.health;
-        let now = epoch_ms();
+        let now = outbox_core::SystemClock.now_ms();
         let since = h.waiting_since_ms.load(AtomicOrdering::Acquire);
         let waiting_ms = (since > 0).then(|| now.saturating_sub(since).max(0) as u64);
         let last_ack = h.last_ack_ms.load(AtomicOrdering::Acquire);
@@ -1189,7 +1186,7 @@ impl KafkaBroker {
         let r = tokio::task::spawn_blocking(move || probed.producer.probe(timeout).map_err(|e| redact_text(&e, &probed.config.extra)))
             .await
             .unwrap_or_else(|e| Err(format!("probe task failed: {e}")));
-        *lock(&inner.health.probe) = Some((epoch_ms(), r.clone().err()));
+        *lock(&inner.health.probe) = Some((outbox_core::SystemClock.now_ms(), r.clone().err()));
         r
     }
 
