@@ -779,11 +779,10 @@ impl<B: Broker + 'static> Dispatcher<B> {
         let mut receipt_types: Vec<&str> = Vec::new();
         let mut reports = Vec::new();
         for (_, ev, attempt, outcome) in &results {
-            if matches!(outcome, SendOutcome::Acked { .. }) {
-                receipt_types.push(ev.envelope.event_type.as_str());
-            }
             match outcome {
-                SendOutcome::Acked { partition, offset } => receipts.push(BrokerReceipt {
+                SendOutcome::Acked { partition, offset } => {
+                    receipt_types.push(ev.envelope.event_type.as_str());
+                    receipts.push(BrokerReceipt {
                     event_id: ev.envelope.event_id.clone(),
                     envelope_generation: ev.envelope.envelope_generation,
                     attempt_id: attempt.attempt_id.clone(),
@@ -794,7 +793,8 @@ impl<B: Broker + 'static> Dispatcher<B> {
                     topic: ev.destination.topic.clone(),
                     partition: *partition,
                     offset: *offset,
-                }),
+                    });
+                }
                 SendOutcome::NotPersisted(why) => reports.push((ev, attempt, false, why)),
                 SendOutcome::Unknown(why) => reports.push((ev, attempt, true, why)),
             }
