@@ -233,6 +233,36 @@ async fn dead_letters_requeue_and_trace_with_the_consumer_database() {
     let wrong = env.run(&[&["dead-letters", "requeue", id, "--consumer", "billing", "--operator", "ops-alice"][..], &dl].concat());
     assert!(String::from_utf8_lossy(&wrong.stderr).contains("no dead letter"), "wrong consumer refused");
 
+    // Requeued while the cause is still there: the running consumer runs the
+    // handler once more, records the attempt, keeps the dead letter and
+    // clears the request (it does not redrive it again every second).
+    env.ok(&[&["dead-letters", "requeue", id, "--consumer", "shipping", "--operator", "ops-alice"][..], &dl].concat());
+    let mut cfg = ConsumerConfig::new("shipping", kafka.bootstrap(), &["orders"]);
+    cfg.retry = retry.clone();
+    let consumer = IdempotentConsumer::new(cfg, consumer_db.pool.clone(), Flaky(fail.clone())).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(consumer.run(async move {
+        let _ = stop_rx.await;
+    }));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let pending: Option<i64> = sqlx::query_scalar("SELECT requeue_requested_at_ms FROM outbox_consumer_dead_letters WHERE event_id = $1")
+            .bind(id)
+            .fetch_one(&consumer_db.pool)
+            .await
+            .unwrap();
+        if pending.is_none() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the failed requeue was not cleared");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    let (attempts, by): (i32, Option<String>) =
+        sqlx::query_as("SELECT attempts, requeue_requested_by FROM outbox_consumer_dead_letters WHERE event_id = $1").bind(id).fetch_one(&consumer_db.pool).await.unwrap();
+    assert_eq!((attempts, by), (3, None), "one more attempt recorded, the request cleared, the dead letter kept");
+
     // The cause is fixed; the running consumer picks up the requeue request.
     fail.store(false, AtomicOrdering::SeqCst);
     env.ok(&[&["dead-letters", "requeue", id, "--consumer", "shipping", "--operator", "ops-alice"][..], &dl].concat());
