@@ -391,11 +391,8 @@ async fn redrive_requested(processor: Arc<Processor>) {
         }
     };
     for id in ids {
-        let redriven = match id.parse::<outbox_core::EventId>() {
-            Ok(event_id) => processor.redrive_dead_letter(&event_id).await.map_err(|e| e.to_string()),
-            Err(e) => Err(format!("not an eventId: {e}")),
-        };
-        match redriven {
+        let Ok(event_id) = id.parse::<outbox_core::EventId>() else { continue };
+        match processor.redrive_dead_letter(&event_id).await {
             Ok(Some(outcome)) => info!(event_id = %id, outcome = outcome.kind(), "requeued dead letter redriven"),
             Ok(None) => {}
             Err(e) => {
