@@ -22,12 +22,14 @@ use outbox_core::Clock as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+// tokio's clock: the simulator runs these services in virtual time.
+use tokio::time::Instant;
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use outbox_core::claim::{MAX_CLAIM_BATCH, MAX_LEASE_MS, MIN_LEASE_MS};
 use outbox_core::{
-    headers, AttemptRecord, Broker, BrokerReceipt, ClaimToken, ClaimedEvent, EventId, FenceOutcome, OutboxStore, OutgoingMessage,
+    headers, AttemptRecord, Broker, BrokerReceipt, ClaimToken, ClaimedEvent, EventId, FenceOutcome, OutgoingMessage,
     ReceiptDecision, SendOutcome, StoreError,
 };
 use serde::Deserialize;
@@ -37,6 +39,7 @@ use tracing::Instrument;
 
 use crate::error::ProducerError;
 use crate::pg::PgStore;
+use crate::service_store::ServiceStore;
 
 /// Default number of concurrent workers.
 pub const DEFAULT_WORKERS: usize = 2;
@@ -419,8 +422,8 @@ impl ClaimCursor {
 
 /// The dispatcher service.
 #[derive(Debug)]
-pub struct Dispatcher<B: Broker + 'static> {
-    store: PgStore,
+pub struct Dispatcher<B: Broker + 'static, S: ServiceStore = PgStore> {
+    store: S,
     broker: Arc<B>,
     config: DispatcherConfig,
     metrics: Arc<DispatchMetrics>,
@@ -482,11 +485,11 @@ pub fn outgoing_message_signed(event: &ClaimedEvent, attempt: &AttemptRecord, ke
     }
 }
 
-impl<B: Broker + 'static> Dispatcher<B> {
+impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
     /// A dispatcher over `store` sending through `broker`. Claims are scoped
     /// to the broker's cluster: events frozen for another cluster are never
     /// claimed here.
-    pub fn new(store: PgStore, broker: Arc<B>, config: DispatcherConfig) -> Result<Self, ProducerError> {
+    pub fn new(store: S, broker: Arc<B>, config: DispatcherConfig) -> Result<Self, ProducerError> {
         config.validate()?;
         let signer = config.signing.as_ref().map(SigningConfig::key).transpose()?;
         let store = store.scoped_to_cluster(broker.cluster_id());
@@ -530,7 +533,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
     }
 
     /// The store.
-    pub fn store(&self) -> &PgStore {
+    pub fn store(&self) -> &S {
         &self.store
     }
 
@@ -552,7 +555,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
         if let Some((_, active)) = cached.filter(|(at, _)| at.elapsed() < fresh_for) {
             return Ok(active);
         }
-        let current = crate::rollout::current_alias(self.store.pool(), alias).await?;
+        let current = self.store.current_alias(alias).await?;
         let active = current.as_ref().is_some_and(|a| a.implementation == self.config.implementation);
         if cached.map(|(_, was)| was) != Some(active) {
             let now_serving = current.as_ref().map(|a| a.implementation.as_str()).unwrap_or("nobody");
@@ -955,8 +958,7 @@ impl<B: Broker + 'static> Dispatcher<B> {
     async fn run_with(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) -> Result<BatchReport, ProducerError> {
         let wake = Arc::new(Notify::new());
         let mut tasks = Vec::new();
-        if self.config.listen {
-            let pool = self.store.pool().clone();
+        if let (true, Some(pool)) = (self.config.listen, self.store.listen_pool().cloned()) {
             let wake = wake.clone();
             let mut stop = shutdown.clone();
             tasks.push(tokio::spawn(async move {

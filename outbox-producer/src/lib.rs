@@ -28,6 +28,7 @@ pub mod report;
 pub mod retention;
 pub mod rollout;
 pub mod routes;
+pub mod service_store;
 mod topic_scan;
 pub mod watermark_topic;
 
@@ -37,6 +38,7 @@ pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};
 pub use migration::{migrate_destination, MigrationOutcome};
 pub use pg::PgStore;
+pub use service_store::{ClaimRound, ServiceStore};
 pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport, DEFAULT_STALE_WATERMARK_AFTER_MS};
 pub use watermark_topic::{IngestReport, WatermarkTopicConfig, WatermarkTopicReader};
 pub use report::{build_report, consumer_decisions, ConsumerDecisions, ReconcilerRound, Report, ReportOptions, SloVerdict};

@@ -15,6 +15,7 @@ use outbox_core::{
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
+use crate::service_store::ClaimRound;
 use crate::cloudevents::CloudEventsCache;
 use crate::error::store_err;
 
@@ -834,7 +835,7 @@ impl PgStore {
     /// then, when a scan is due or no successor was ready, every key's head
     /// ([`OutboxStore::claim_batch`]). All of it commits or none of it does,
     /// and the transaction's round trips are paid once.
-    pub(crate) async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
+    pub async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
         validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
         let mut quarantined = 0;
@@ -1105,18 +1106,6 @@ fn successor_ids(events: &[EventId]) -> Vec<&str> {
     events.iter().take(MAX_CLAIM_BATCH).map(EventId::as_str).collect()
 }
 
-/// What [`PgStore::claim_next`] claimed, and which claims it ran.
-pub(crate) struct ClaimRound {
-    /// The events, retries first.
-    pub(crate) claimed: Vec<ClaimedEvent>,
-    /// Whether it claimed successors.
-    pub(crate) successor_claim: bool,
-    /// Whether it scanned every key's head.
-    pub(crate) head_scan: bool,
-    /// Claimed rows quarantined because their frozen envelope or destination
-    /// could not be read.
-    pub(crate) quarantined: usize,
-}
 
 /// The claim of events waiting for a retry (RETRY_CLAIMED, nobody's),
 /// oldest first.

@@ -11,12 +11,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use outbox_core::{decide_after_submit, decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, OutboxStore, ReconcileDecision, RetryPolicy};
+use outbox_core::{decide_after_submit, decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, ReconcileDecision, RetryPolicy};
 use sqlx::Row;
 
 use crate::error::ProducerError;
 use crate::topic_scan::Cursors;
 use crate::pg::PgStore;
+use crate::service_store::ServiceStore;
 
 /// Default [`ReconcilerConfig::stale_watermark_after_ms`]: 60 s, twelve of
 /// the consumer's default publication intervals.
@@ -155,17 +156,17 @@ pub struct ResolveReport {
 
 /// Resolves unknown dispatch outcomes.
 #[derive(Debug)]
-pub struct Reconciler<B: Broker + 'static> {
-    store: PgStore,
+pub struct Reconciler<B: Broker + 'static, S: ServiceStore = PgStore> {
+    store: S,
     broker: Arc<B>,
     config: ReconcilerConfig,
     /// UNKNOWNs examined by the latest resolve round (recorded with the next comparison).
     last_examined: std::sync::atomic::AtomicUsize,
 }
 
-impl<B: Broker + 'static> Reconciler<B> {
+impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
     /// A reconciler over `store` asking `broker`.
-    pub fn new(store: PgStore, broker: Arc<B>, config: ReconcilerConfig) -> Result<Self, ProducerError> {
+    pub fn new(store: S, broker: Arc<B>, config: ReconcilerConfig) -> Result<Self, ProducerError> {
         outbox_core::id::validate_identifier("reconciler owner", &config.owner)?;
         outbox_core::claim::validate_lease_ms(config.lease_ms)?;
         outbox_core::check_in_flight_bound(config.retry.in_flight_bound_ms, broker.max_in_flight_ms(), config.clock_skew_allowance_ms)
@@ -183,7 +184,7 @@ impl<B: Broker + 'static> Reconciler<B> {
     }
 
     /// The store.
-    pub fn store(&self) -> &PgStore {
+    pub fn store(&self) -> &S {
         &self.store
     }
 
@@ -231,9 +232,7 @@ impl<B: Broker + 'static> Reconciler<B> {
         if let LookupOutcome::Unavailable(why) = &lookup {
             if crate::kafka::is_log_incomplete(why) {
                 tracing::error!(%event_id, reason = %why, "the frozen partition's log cannot prove absence: the event stays unknown");
-                let mut tx = self.store.pool().begin().await?;
-                crate::pg::record_findings(&mut tx, &[("log_unavailable", event_id.to_string(), why.clone())], now).await?;
-                tx.commit().await?;
+                self.store.record_findings(&[("log_unavailable", event_id.to_string(), why.clone())], now).await?;
             }
         }
         let decision = decide_reconcile(&task.attempts, &lookup, supports, &self.config.retry, now);
@@ -272,6 +271,30 @@ impl<B: Broker + 'static> Reconciler<B> {
         Ok(())
     }
 
+    /// Keeps the lookup and the decision as evidence (`outbox unknown show`).
+    async fn record_lookup(&self, event_id: &str, now: i64, from_offset: i64, lookup: &LookupOutcome, decision: &ReconcileDecision) -> Result<(), ProducerError> {
+        let lookup = match lookup {
+            LookupOutcome::Found(receipts) => {
+                let at: Vec<String> = receipts.iter().map(|r| format!("{}/{}@{}", r.topic, r.partition, r.offset)).collect();
+                format!("found {} message(s) at {}", receipts.len(), at.join(", "))
+            }
+            LookupOutcome::Absent => "absent: the scanned range holds no message of the event".to_owned(),
+            LookupOutcome::Unavailable(why) => format!("unavailable: {why}"),
+        };
+        let decision = match decision {
+            ReconcileDecision::Submit(r) => format!("submit {} receipt(s) through the receipt transaction", r.len()),
+            ReconcileDecision::Retry { proven_absent } => format!("retry to the same destination (proven absent: {proven_absent})"),
+            ReconcileDecision::Recheck { reason, next_check_at_ms } => format!("recheck at {next_check_at_ms} ms ({reason:?})"),
+        };
+        self.store.record_lookup(&self.config.owner, event_id, now, from_offset, &lookup, &decision).await?;
+        Ok(())
+    }
+
+}
+
+/// The comparison of the three sets and the reports read the SQL store's
+/// evidence tables.
+impl<B: Broker + 'static> Reconciler<B, PgStore> {
     /// Compares the three sets — committed outbox, publish receipts and the
     /// critical consumers' watermarks — plus the topics themselves (bypass
     /// publishes), and records the findings: new ones are opened, ones no
@@ -661,34 +684,6 @@ impl<B: Broker + 'static> Reconciler<B> {
         let resolved = self.resolve_unknown_once().await?;
         let compared = self.compare_once().await?;
         Ok((resolved, compared))
-    }
-
-    /// Keeps the lookup and the decision as evidence (`outbox unknown show`).
-    async fn record_lookup(&self, event_id: &str, now: i64, from_offset: i64, lookup: &LookupOutcome, decision: &ReconcileDecision) -> Result<(), ProducerError> {
-        let lookup = match lookup {
-            LookupOutcome::Found(receipts) => {
-                let at: Vec<String> = receipts.iter().map(|r| format!("{}/{}@{}", r.topic, r.partition, r.offset)).collect();
-                format!("found {} message(s) at {}", receipts.len(), at.join(", "))
-            }
-            LookupOutcome::Absent => "absent: the scanned range holds no message of the event".to_owned(),
-            LookupOutcome::Unavailable(why) => format!("unavailable: {why}"),
-        };
-        let decision = match decision {
-            ReconcileDecision::Submit(r) => format!("submit {} receipt(s) through the receipt transaction", r.len()),
-            ReconcileDecision::Retry { proven_absent } => format!("retry to the same destination (proven absent: {proven_absent})"),
-            ReconcileDecision::Recheck { reason, next_check_at_ms } => format!("recheck at {next_check_at_ms} ms ({reason:?})"),
-        };
-        let cut = |s: String| s.chars().take(2000).collect::<String>();
-        sqlx::query("INSERT INTO outbox_unknown_lookups (event_id, owner, at_ms, from_offset, lookup, decision) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(event_id)
-            .bind(&self.config.owner)
-            .bind(now)
-            .bind(from_offset)
-            .bind(cut(lookup))
-            .bind(cut(decision))
-            .execute(self.store.pool())
-            .await?;
-        Ok(())
     }
 
     async fn record_round(&self, examined: usize, compared: &CompareReport) -> Result<(), ProducerError> {

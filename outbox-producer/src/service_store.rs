@@ -1,0 +1,216 @@
+//! The store a [`Dispatcher`](crate::Dispatcher) and the resolve path of a
+//! [`Reconciler`](crate::Reconciler) run over: [`OutboxStore`] plus the
+//! few calls the services make beyond the protocol's (the successor claim,
+//! batch lease renewal, the recovery of a registration whose answer was
+//! lost, gauges and evidence).
+//!
+//! Two implementations ship: [`PgStore`] (production) and
+//! [`MemoryStore`] (the simulator, `outbox-sim`, which runs these same
+//! services over it in virtual time). A service is written once, generic
+//! over this trait, so that what the simulator proves is the code that runs.
+//!
+//! Where production does I/O the simulator has no use for (LISTEN/NOTIFY,
+//! the rollout alias, the evidence tables), the method has a default that
+//! does nothing and [`PgStore`] does the real thing.
+
+use async_trait::async_trait;
+use outbox_core::memory::MemoryStore;
+use outbox_core::{AttemptRecord, AttemptState, ClaimToken, ClaimedEvent, EventId, EventState, OutboxStore, StoreError};
+
+use crate::pg::PgStore;
+
+/// What one claim round claimed, and which claims it ran.
+#[derive(Debug, Default)]
+pub struct ClaimRound {
+    /// The events, retries first.
+    pub claimed: Vec<ClaimedEvent>,
+    /// Whether it claimed successors.
+    pub successor_claim: bool,
+    /// Whether it scanned every key's head.
+    pub head_scan: bool,
+    /// Claimed rows quarantined because their frozen envelope or destination
+    /// could not be read.
+    pub quarantined: usize,
+}
+
+/// The store the dispatcher and the reconciler's resolve path run over.
+#[async_trait]
+pub trait ServiceStore: OutboxStore + Send + Sync + 'static {
+    /// The store's clock, ms (the clock leases are written with).
+    fn now_ms(&self) -> i64;
+
+    /// This store, claiming only events frozen for `cluster_id`.
+    fn scoped_to_cluster(self, cluster_id: &str) -> Self
+    where
+        Self: Sized;
+
+    /// One claim round in one transaction: retries first, then the
+    /// successors of `after` unless `scan_due`, then (when a scan is due or
+    /// no successor was ready) every key's head.
+    async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError>;
+
+    /// Renews every claim of `tokens` still held; `None` where it was lost.
+    async fn renew_leases(&self, tokens: &[ClaimToken], lease_ms: i64) -> Result<Vec<Option<i64>>, StoreError>;
+
+    /// The attempts a registration of `tokens` made, where it committed
+    /// (asked after a registration failed with its answer lost).
+    async fn registered_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<AttemptRecord>, StoreError>;
+
+    /// The pool to LISTEN on for new work, if the store has one.
+    fn listen_pool(&self) -> Option<&sqlx::PgPool> {
+        None
+    }
+
+    /// Age of the oldest PENDING event (a gauge).
+    async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
+        Ok(None)
+    }
+
+    /// How far this store's clock is from the database's (a gauge).
+    async fn clock_skew_ms(&self) -> Result<i64, StoreError> {
+        Ok(0)
+    }
+
+    /// Rows of a newer protocol this store leaves alone (a gauge).
+    async fn rows_beyond_protocol(&self) -> Result<i64, StoreError> {
+        Ok(0)
+    }
+
+    /// The newest protocol version this store claims.
+    fn max_protocol_version(&self) -> i32 {
+        crate::PROTOCOL_VERSION.parse().unwrap_or(1)
+    }
+
+    /// Which implementation the dispatcher alias `alias` names now, if set.
+    async fn current_alias(&self, _alias: &str) -> Result<Option<crate::rollout::DispatcherAlias>, crate::ProducerError> {
+        Ok(None)
+    }
+
+    /// Records findings (kind, event id, detail) as evidence.
+    async fn record_findings(&self, _findings: &[(&'static str, String, String)], _now_ms: i64) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Keeps a reconciler's lookup and decision as evidence.
+    async fn record_lookup(&self, _owner: &str, _event_id: &str, _now_ms: i64, _from_offset: i64, _lookup: &str, _decision: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl ServiceStore for PgStore {
+    fn now_ms(&self) -> i64 {
+        PgStore::now_ms(self)
+    }
+
+    fn scoped_to_cluster(self, cluster_id: &str) -> Self {
+        PgStore::scoped_to_cluster(self, cluster_id)
+    }
+
+    async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
+        PgStore::claim_next(self, owner, after, scan_due, limit, lease_ms).await
+    }
+
+    async fn renew_leases(&self, tokens: &[ClaimToken], lease_ms: i64) -> Result<Vec<Option<i64>>, StoreError> {
+        PgStore::renew_leases(self, tokens, lease_ms).await
+    }
+
+    async fn registered_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<AttemptRecord>, StoreError> {
+        PgStore::registered_attempts(self, tokens).await
+    }
+
+    fn listen_pool(&self) -> Option<&sqlx::PgPool> {
+        Some(self.pool())
+    }
+
+    async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
+        PgStore::oldest_pending_age_ms(self).await
+    }
+
+    async fn clock_skew_ms(&self) -> Result<i64, StoreError> {
+        PgStore::clock_skew_ms(self).await
+    }
+
+    async fn rows_beyond_protocol(&self) -> Result<i64, StoreError> {
+        PgStore::rows_beyond_protocol(self).await
+    }
+
+    fn max_protocol_version(&self) -> i32 {
+        PgStore::max_protocol_version(self)
+    }
+
+    async fn current_alias(&self, alias: &str) -> Result<Option<crate::rollout::DispatcherAlias>, crate::ProducerError> {
+        crate::rollout::current_alias(self.pool(), alias).await
+    }
+
+    async fn record_findings(&self, findings: &[(&'static str, String, String)], now_ms: i64) -> Result<(), StoreError> {
+        let mut tx = self.pool().begin().await.map_err(crate::error::store_err)?;
+        crate::pg::record_findings(&mut tx, findings, now_ms).await?;
+        tx.commit().await.map_err(crate::error::store_err)
+    }
+
+    async fn record_lookup(&self, owner: &str, event_id: &str, now_ms: i64, from_offset: i64, lookup: &str, decision: &str) -> Result<(), StoreError> {
+        let cut = |s: &str| s.chars().take(2000).collect::<String>();
+        sqlx::query("INSERT INTO outbox_unknown_lookups (event_id, owner, at_ms, from_offset, lookup, decision) VALUES ($1, $2, $3, $4, $5, $6)")
+            .bind(event_id)
+            .bind(owner)
+            .bind(now_ms)
+            .bind(from_offset)
+            .bind(cut(lookup))
+            .bind(cut(decision))
+            .execute(self.pool())
+            .await
+            .map_err(crate::error::store_err)?;
+        Ok(())
+    }
+}
+
+/// The simulator's store: one cluster, one clock (set by the simulation).
+#[async_trait]
+impl ServiceStore for MemoryStore {
+    fn now_ms(&self) -> i64 {
+        MemoryStore::now_ms(self)
+    }
+
+    /// The simulated outbox holds one cluster's events.
+    fn scoped_to_cluster(self, _cluster_id: &str) -> Self {
+        self
+    }
+
+    async fn claim_next(&self, owner: &str, _after: &[EventId], _scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
+        // The memory store finds every head in one pass; the successor
+        // claim is an index-probe optimisation of the SQL store.
+        let mut claimed = self.claim_retries(owner, limit, lease_ms).await?;
+        if claimed.len() < limit {
+            claimed.extend(self.claim_batch(owner, limit - claimed.len(), lease_ms).await?);
+        }
+        Ok(ClaimRound { claimed, successor_claim: false, head_scan: true, quarantined: 0 })
+    }
+
+    async fn renew_leases(&self, tokens: &[ClaimToken], lease_ms: i64) -> Result<Vec<Option<i64>>, StoreError> {
+        let mut out = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            out.push(self.renew_lease(t, lease_ms).await?);
+        }
+        Ok(out)
+    }
+
+    async fn registered_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<AttemptRecord>, StoreError> {
+        let now = MemoryStore::now_ms(self);
+        let st = self.lock();
+        let mut out = Vec::new();
+        for t in tokens {
+            let Some(ev) = st.events.get(&t.event_id) else { continue };
+            let held = ev.state == EventState::Sending
+                && ev.claim.owner.as_deref() == Some(t.owner.as_str())
+                && ev.claim.claim_generation == t.claim_generation
+                && ev.claim.lease_until_ms.is_some_and(|l| l > now);
+            if let (true, Some(attempt_id)) = (held, &ev.claim.attempt_id) {
+                if let Some(a) = st.attempts.get(&t.event_id).and_then(|v| v.iter().find(|a| &a.attempt_id == attempt_id && a.state == AttemptState::Sending)) {
+                    out.push(a.clone());
+                }
+            }
+        }
+        Ok(out)
+    }
+}
