@@ -64,7 +64,7 @@ macro_rules! ulid_id {
 
             /// A new id for `unix_ms` with randomness from the thread RNG.
             pub fn generate(unix_ms: u64) -> Self {
-                Self::from_parts(unix_ms, rand::random::<u128>())
+                Self::from_parts(unix_ms, crate::simulation::id_random())
             }
 
             /// Milliseconds since the epoch encoded in the id.

@@ -42,6 +42,7 @@ pub mod headers;
 pub mod id;
 pub mod labels;
 pub mod memory;
+pub mod simulation;
 pub mod receipt;
 pub mod reconcile;
 pub mod retention;

@@ -444,7 +444,7 @@ pub struct Dispatcher<B: Broker + 'static, S: ServiceStore = PgStore> {
 /// proof made after the lease plus the in-flight bound holds.
 async fn send_before<B: Broker + ?Sized>(broker: Arc<B>, message: OutgoingMessage, deadline: Instant) -> SendOutcome {
     let now = Instant::now();
-    if now >= deadline {
+    if now >= deadline && !outbox_core::simulation::mutation_active("send-after-lease") {
         tracing::warn!(late_ms = now.duration_since(deadline).as_millis() as u64, "lease ran out before the send: not sent");
         return SendOutcome::NotPersisted("the claim's lease ran out before the message was handed to the client".into());
     }
@@ -742,6 +742,7 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         let mut next_renewal = tokio::time::Instant::now() + renew_every;
         loop {
             tokio::select! {
+                biased;
                 next = pending.next() => match next {
                     Some(r) => {
                         tokens[r.0] = None;
@@ -942,6 +943,7 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         let mut run = std::pin::pin!(run);
         let mut shutdown = std::pin::pin!(shutdown);
         tokio::select! {
+            biased;
             r = &mut run => return r,
             () = &mut shutdown => {}
         }
@@ -957,11 +959,12 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
 
     async fn run_with(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) -> Result<BatchReport, ProducerError> {
         let wake = Arc::new(Notify::new());
-        let mut tasks = Vec::new();
+        // Owned by this future: dropping it (a cancelled run) stops every task.
+        let mut tasks = tokio::task::JoinSet::new();
         if let (true, Some(pool)) = (self.config.listen, self.store.listen_pool().cloned()) {
             let wake = wake.clone();
             let mut stop = shutdown.clone();
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 let Ok(mut listener) = sqlx::postgres::PgListener::connect_with(&pool).await else {
                     tracing::warn!("LISTEN unavailable; polling only");
                     return Ok(BatchReport::default());
@@ -971,6 +974,7 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                 }
                 loop {
                     tokio::select! {
+                        biased;
                         n = listener.try_recv() => match n {
                             Ok(Some(_)) => wake.notify_waiters(),
                             // The session was lost (a restart, a failover, a
@@ -993,12 +997,12 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                         _ = stop.changed() => return Ok(BatchReport::default()),
                     }
                 }
-            }));
+            });
         }
         {
             let me = self.clone();
             let mut stop = shutdown.clone();
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 let every = Duration::from_millis(me.config.sweep_interval_ms);
                 // Counting rows of a newer protocol visits the whole backlog:
                 // a rollout gauge, refreshed every PROTOCOL_GAUGE_EVERY.
@@ -1029,18 +1033,19 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                         }
                     }
                     tokio::select! {
+                        biased;
                         _ = tokio::time::sleep(every) => {}
                         _ = stop.changed() => return Ok(BatchReport::default()),
                     }
                 }
-            }));
+            });
         }
         for w in 0..self.config.workers {
             let me = self.clone();
             let wake = wake.clone();
             let mut stop = shutdown.clone();
             let owner = self.config.owner(w);
-            tasks.push(tokio::spawn(
+            tasks.spawn(
                 async move {
                     let mut total = BatchReport::default();
                     let mut cursor = ClaimCursor::default();
@@ -1063,6 +1068,7 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                             Err(e) => tracing::warn!(error = %e, retryable = e.is_retryable(), "batch failed"),
                         }
                         tokio::select! {
+                            biased;
                             _ = wake.notified() => {}
                             _ = tokio::time::sleep(poll) => {}
                             _ = stop.changed() => {}
@@ -1071,7 +1077,7 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                     Ok::<_, ProducerError>(total)
                 }
                 .instrument(tracing::info_span!("worker", worker = w)),
-            ));
+            );
         }
         while !*shutdown.borrow() {
             if shutdown.changed().await.is_err() {
@@ -1081,14 +1087,16 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         tracing::info!("dispatcher stopping: no new claims; draining outstanding answers");
         let grace = Duration::from_millis(self.config.shutdown_grace_ms);
         let mut total = BatchReport::default();
-        let joined = tokio::time::timeout(grace, futures::future::join_all(tasks)).await;
-        match joined {
-            Ok(results) => {
-                for r in results.into_iter().flatten().flatten() {
+        let drained = tokio::time::timeout(grace, async {
+            while let Some(r) = tasks.join_next().await {
+                if let Ok(Ok(r)) = r {
                     total += r;
                 }
             }
-            Err(_) => tracing::warn!("shutdown grace elapsed; unanswered attempts will turn DISPATCH_UNKNOWN when their leases expire"),
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!("shutdown grace elapsed; unanswered attempts will turn DISPATCH_UNKNOWN when their leases expire");
         }
         Ok(total)
     }

@@ -290,6 +290,41 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         Ok(())
     }
 
+    /// [`Reconciler::run`] without the comparison: resolves due unknowns
+    /// every `interval_ms` until `shutdown` resolves. Over any store (the
+    /// simulator runs it over the in-memory one); the SQL store's `run` adds
+    /// the comparison of the three sets to every round.
+    pub async fn run_resolving(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
+        self.rounds(shutdown, || async { Ok((self.resolve_unknown_once().await?, CompareReport::default())) }).await
+    }
+
+    async fn rounds<F, Fut>(&self, shutdown: impl std::future::Future<Output = ()> + Send, mut round: F) -> Result<u64, ProducerError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(ResolveReport, CompareReport), ProducerError>>,
+    {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut rounds = 0;
+        loop {
+            tokio::select! {
+                biased;
+                r = round() => match r {
+                    Ok((resolved, compared)) => {
+                        rounds += 1;
+                        tracing::info!(examined = resolved.examined, published = resolved.published, retried = resolved.retried,
+                            findings = compared.total(), "reconcile round");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "reconcile round failed; retrying next interval"),
+                },
+                () = &mut shutdown => return Ok(rounds),
+            }
+            tokio::select! {
+                biased;
+                _ = tokio::time::sleep(std::time::Duration::from_millis(self.config.interval_ms.max(1))) => {}
+                () = &mut shutdown => return Ok(rounds),
+            }
+        }
+    }
 }
 
 /// The comparison of the three sets and the reports read the SQL store's
@@ -712,25 +747,7 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
     /// progress when `shutdown` resolves is abandoned (its claims expire
     /// with their lease). Returns the number of rounds completed.
     pub async fn run(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
-        let mut shutdown = std::pin::pin!(shutdown);
-        let mut rounds = 0;
-        loop {
-            tokio::select! {
-                r = self.run_once() => match r {
-                    Ok((resolved, compared)) => {
-                        rounds += 1;
-                        tracing::info!(examined = resolved.examined, published = resolved.published, retried = resolved.retried,
-                            findings = compared.total(), "reconcile round");
-                    }
-                    Err(e) => tracing::warn!(error = %e, "reconcile round failed; retrying next interval"),
-                },
-                () = &mut shutdown => return Ok(rounds),
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(std::time::Duration::from_millis(self.config.interval_ms.max(1))) => {}
-                () = &mut shutdown => return Ok(rounds),
-            }
-        }
+        self.rounds(shutdown, || self.run_once()).await
     }
 
     /// The report, with this reconciler's SLO.

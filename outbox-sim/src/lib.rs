@@ -72,6 +72,7 @@ pub mod gate;
 pub mod harness;
 pub mod mutation;
 pub mod rng;
+pub mod services;
 pub mod sim;
 
 pub use figures::Figures;

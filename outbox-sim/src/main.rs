@@ -8,6 +8,7 @@
 
 use std::process::ExitCode;
 
+use outbox_sim::services::{run_services_gate, run_services_trace, SERVICE_MUTATIONS};
 use outbox_sim::{run_gate, run_trace, Mutation};
 
 const USAGE: &str = "usage: outbox-sim [--traces N] [--first-seed S] [--threads T] [--mutation NAME]
@@ -26,6 +27,8 @@ fn main() -> ExitCode {
     let mut threads: usize = 0;
     let mut seed: Option<u64> = None;
     let mut mutation: Option<Mutation> = None;
+    let mut service_mutation: Option<&'static str> = None;
+    let mut engine = String::from("services");
     let mut args = std::env::args().skip(1);
     let usage = || {
         let names: Vec<&str> = Mutation::ALL.iter().map(|m| m.name()).collect();
@@ -42,8 +45,15 @@ fn main() -> ExitCode {
                 "--seed" => seed = Some(value("--seed")?.parse().map_err(|e| format!("--seed: {e}"))?),
                 "--mutation" => {
                     let n = value("--mutation")?;
-                    mutation = Some(Mutation::parse(&n).ok_or_else(|| format!("unknown mutation {n}"))?);
+                    if let Some((name, _)) = SERVICE_MUTATIONS.iter().find(|(m, _)| *m == n) {
+                        service_mutation = Some(name);
+                        engine = "services".into();
+                    } else {
+                        mutation = Some(Mutation::parse(&n).ok_or_else(|| format!("unknown mutation {n}"))?);
+                        engine = "model".into();
+                    }
                 }
+                "--engine" => engine = value("--engine")?,
                 "--log" => {}
                 "-h" | "--help" => return Err(String::new()),
                 other => return Err(format!("unknown argument {other}")),
@@ -58,6 +68,38 @@ fn main() -> ExitCode {
         }
     }
 
+    if engine == "services" {
+        let m = service_mutation.map(|m| format!(" --mutation {m}")).unwrap_or_default();
+        if let Some(seed) = seed {
+            let out = run_services_trace(seed, service_mutation, true);
+            for line in out.log.iter().flatten() {
+                println!("{line}");
+            }
+            if !out.figures.clean() {
+                println!("trace {seed} FAILED: {}", out.violations.join("; "));
+                return ExitCode::FAILURE;
+            }
+            println!("trace {seed} ok");
+            return ExitCode::SUCCESS;
+        }
+        let (figures, failing, wall) = run_services_gate(first_seed, traces, service_mutation, threads);
+        for line in figures.lines() {
+            println!("{line}");
+        }
+        println!("wall_seconds {wall:.1}");
+        if figures.clean() {
+            println!("gate PASS");
+            return ExitCode::SUCCESS;
+        }
+        if let Some(&first) = failing.first() {
+            println!("failing_seeds {failing:?}");
+            println!("replay: cargo run --release -p outbox-sim -- --engine services --seed {first} --log{m}");
+            let out = run_services_trace(first, service_mutation, false);
+            println!("trace {first} violations: {}", out.violations.join("; "));
+        }
+        println!("gate FAIL");
+        return ExitCode::FAILURE;
+    }
     if let Some(seed) = seed {
         let out = run_trace(seed, mutation, true);
         for line in out.log.iter().flatten() {
