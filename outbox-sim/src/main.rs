@@ -1,25 +1,42 @@
 //! `outbox-sim`: the release gate and the trace replayer.
 //!
 //! ```text
-//! cargo run --release -p outbox-sim -- --traces 1000000        # the gate
-//! cargo run --release -p outbox-sim -- --seed 42 --log         # replay one trace
-//! cargo run --release -p outbox-sim -- --traces 5000 --mutation consumer-skips-receipt
+//! cargo run --release -p outbox-sim -- --traces 1000000        # the gate (both engines)
+//! cargo run --release -p outbox-sim -- --seed 42 --log         # replay one trace (services engine)
+//! cargo run --release -p outbox-sim -- --traces 100000 --mutation send-after-lease
+//! cargo run --release -p outbox-sim -- --mutation list
 //! ```
 
 use std::process::ExitCode;
 
-use outbox_sim::services::{run_services_gate, run_services_trace, SERVICE_MUTATIONS};
+use outbox_sim::services::{run_services_gate, run_services_trace, ServiceFigures, SERVICE_MUTATIONS};
 use outbox_sim::{run_gate, run_trace, Mutation};
 
-const USAGE: &str = "usage: outbox-sim [--traces N] [--first-seed S] [--threads T] [--mutation NAME]
-       outbox-sim --seed S [--log] [--mutation NAME]
+const USAGE: &str = "usage: outbox-sim [--traces N] [--first-seed S] [--threads T] [--engine both|services|model] [--mutation NAME]
+       outbox-sim --seed S [--engine services|model] [--log] [--mutation NAME]
+       outbox-sim --mutation list
 
-  --traces N       traces to run (default 1000000)
-  --first-seed S   first seed of the run (default 1); seeds are S..S+N-1
+  --traces N       traces to run per engine (default 1000000; at least 1)
+  --first-seed S   first seed of the run (default 1); seeds are S..S+N-1 (must not wrap)
   --threads T      worker threads (default: all cores)
-  --seed S         replay one trace and print its event log
+  --engine E       services: the shipped Dispatcher and Reconciler over the in-memory store;
+                   model: the protocol model (consumers, migrations, retention); both (default)
+  --seed S         replay one trace and print its event log (engine services unless --engine model)
   --log            with --seed: print the log (always on for --seed)
-  --mutation NAME  run with a deliberate bug: ";
+  --mutation NAME  run with a deliberate defect (the engine follows from it); `list` prints them";
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    Both,
+    Services,
+    Model,
+}
+
+/// Zero violations in `n` independent traces bound the per-trace violation
+/// rate below 3/n with 95% confidence (the rule of three).
+fn reach_line(n: u64) -> String {
+    format!("reach: zero violations in {n} traces bound the per-trace violation rate below {:.2e} at 95% confidence (3/n)", 3.0 / n.max(1) as f64)
+}
 
 fn main() -> ExitCode {
     let mut traces: u64 = 1_000_000;
@@ -28,11 +45,11 @@ fn main() -> ExitCode {
     let mut seed: Option<u64> = None;
     let mut mutation: Option<Mutation> = None;
     let mut service_mutation: Option<&'static str> = None;
-    let mut engine = String::from("services");
+    let mut engine: Option<Engine> = None;
+    let mut list = false;
     let mut args = std::env::args().skip(1);
     let usage = || {
-        let names: Vec<&str> = Mutation::ALL.iter().map(|m| m.name()).collect();
-        eprintln!("{USAGE}{}", names.join(", "));
+        eprintln!("{USAGE}");
         ExitCode::from(2)
     };
     while let Some(a) = args.next() {
@@ -43,17 +60,24 @@ fn main() -> ExitCode {
                 "--first-seed" => first_seed = value("--first-seed")?.parse().map_err(|e| format!("--first-seed: {e}"))?,
                 "--threads" => threads = value("--threads")?.parse().map_err(|e| format!("--threads: {e}"))?,
                 "--seed" => seed = Some(value("--seed")?.parse().map_err(|e| format!("--seed: {e}"))?),
+                "--engine" => {
+                    engine = Some(match value("--engine")?.as_str() {
+                        "both" => Engine::Both,
+                        "services" => Engine::Services,
+                        "model" => Engine::Model,
+                        other => return Err(format!("unknown engine {other} (both, services, model)")),
+                    })
+                }
                 "--mutation" => {
                     let n = value("--mutation")?;
-                    if let Some((name, _)) = SERVICE_MUTATIONS.iter().find(|(m, _)| *m == n) {
+                    if n == "list" {
+                        list = true;
+                    } else if let Some((name, _)) = SERVICE_MUTATIONS.iter().find(|(m, _)| *m == n) {
                         service_mutation = Some(name);
-                        engine = "services".into();
                     } else {
-                        mutation = Some(Mutation::parse(&n).ok_or_else(|| format!("unknown mutation {n}"))?);
-                        engine = "model".into();
+                        mutation = Some(Mutation::parse(&n).ok_or_else(|| format!("unknown mutation {n} (--mutation list prints them)"))?);
                     }
                 }
-                "--engine" => engine = value("--engine")?,
                 "--log" => {}
                 "-h" | "--help" => return Err(String::new()),
                 other => return Err(format!("unknown argument {other}")),
@@ -67,71 +91,127 @@ fn main() -> ExitCode {
             return usage();
         }
     }
-
-    if engine == "services" {
-        let m = service_mutation.map(|m| format!(" --mutation {m}")).unwrap_or_default();
-        if let Some(seed) = seed {
-            let out = run_services_trace(seed, service_mutation, true);
-            for line in out.log.iter().flatten() {
-                println!("{line}");
-            }
-            if !out.figures.clean() {
-                println!("trace {seed} FAILED: {}", out.violations.join("; "));
-                return ExitCode::FAILURE;
-            }
-            println!("trace {seed} ok");
-            return ExitCode::SUCCESS;
+    if list {
+        for (name, what) in SERVICE_MUTATIONS {
+            println!("{name:<28} services  {what}");
         }
-        let (figures, failing, wall) = run_services_gate(first_seed, traces, service_mutation, threads);
-        for line in figures.lines() {
-            println!("{line}");
+        for m in Mutation::ALL {
+            println!("{:<28} model     caught by {}", m.name(), m.caught_by());
         }
-        println!("wall_seconds {wall:.1}");
-        if figures.clean() {
-            println!("gate PASS");
-            return ExitCode::SUCCESS;
-        }
-        if let Some(&first) = failing.first() {
-            println!("failing_seeds {failing:?}");
-            println!("replay: cargo run --release -p outbox-sim -- --engine services --seed {first} --log{m}");
-            let out = run_services_trace(first, service_mutation, false);
-            println!("trace {first} violations: {}", out.violations.join("; "));
-        }
-        println!("gate FAIL");
-        return ExitCode::FAILURE;
+        return ExitCode::SUCCESS;
     }
+    // The engine follows from the mutation; a contradicting --engine is refused.
+    let engine = match (engine, service_mutation.is_some(), mutation.is_some()) {
+        (_, true, true) => {
+            eprintln!("one --mutation at a time");
+            return usage();
+        }
+        (None | Some(Engine::Services), true, false) => Engine::Services,
+        (None | Some(Engine::Model), false, true) => Engine::Model,
+        (Some(_), true, false) | (Some(_), false, true) => {
+            eprintln!("that mutation belongs to the other engine");
+            return usage();
+        }
+        (None, false, false) => {
+            if seed.is_some() {
+                Engine::Services
+            } else {
+                Engine::Both
+            }
+        }
+        (Some(e), false, false) => e,
+    };
+    if traces == 0 {
+        eprintln!("--traces 0 would prove nothing; refused");
+        return ExitCode::from(2);
+    }
+    if first_seed.checked_add(traces - 1).is_none() {
+        eprintln!("seeds {first_seed}.. plus {traces} traces wrap around u64; refused");
+        return ExitCode::from(2);
+    }
+
     if let Some(seed) = seed {
-        let out = run_trace(seed, mutation, true);
-        for line in out.log.iter().flatten() {
+        let (failed, log, violations) = match engine {
+            Engine::Model => {
+                let out = run_trace(seed, mutation, true);
+                (out.failed(), out.log.unwrap_or_default(), out.violations)
+            }
+            _ => {
+                let out = run_services_trace(seed, service_mutation, true);
+                (!out.figures.clean(), out.log.unwrap_or_default(), out.violations)
+            }
+        };
+        for line in log {
             println!("{line}");
         }
-        if out.failed() {
-            println!("trace {seed} FAILED: {}", out.violations.join("; "));
+        if failed {
+            println!("trace {seed} FAILED: {}", violations.join("; "));
             return ExitCode::FAILURE;
         }
         println!("trace {seed} ok");
         return ExitCode::SUCCESS;
     }
 
-    let report = run_gate(first_seed, traces, mutation, threads);
-    if let Some(m) = mutation {
-        println!("mutation {}", m.name());
+    let mut pass = true;
+    let mut wall = 0.0;
+    if engine != Engine::Model {
+        let (figures, failing, seconds) = run_services_gate(first_seed, traces, service_mutation, threads);
+        wall += seconds;
+        if let Some(m) = service_mutation {
+            println!("mutation {m}");
+        }
+        println!("engine services: the shipped Dispatcher and Reconciler");
+        print_services(&figures, seconds);
+        if !figures.clean() {
+            pass = false;
+            let m = service_mutation.map(|m| format!(" --mutation {m}")).unwrap_or_default();
+            if let Some(&first) = failing.first() {
+                println!("services.failing_seeds {failing:?}");
+                println!("replay: cargo run --release -p outbox-sim -- --engine services --seed {first} --log{m}");
+                let out = run_services_trace(first, service_mutation, false);
+                println!("trace {first} violations: {}", out.violations.join("; "));
+            }
+        }
     }
-    for line in report.lines() {
-        println!("{line}");
-    }
-    if report.pass() {
-        return ExitCode::SUCCESS;
-    }
-    let m = mutation.map(|m| format!(" --mutation {}", m.name())).unwrap_or_default();
-    if let Some(&first) = report.failing_seeds.first() {
-        println!("failing_seeds {:?}", report.failing_seeds);
-        println!("replay: cargo run --release -p outbox-sim -- --seed {first} --log{m}");
-        let out = run_trace(first, mutation, true);
-        for line in out.log.iter().flatten() {
+    if engine != Engine::Services {
+        let report = run_gate(first_seed, traces, mutation, threads);
+        wall += report.wall_seconds;
+        if let Some(m) = mutation {
+            println!("mutation {}", m.name());
+        }
+        println!("engine model: the protocol model");
+        for line in report.lines() {
+            if line.starts_with("gate ") {
+                continue;
+            }
             println!("{line}");
         }
-        println!("trace {first} violations: {}", out.violations.join("; "));
+        if !report.pass() {
+            pass = false;
+            let m = mutation.map(|m| format!(" --mutation {}", m.name())).unwrap_or_default();
+            if let Some(&first) = report.failing_seeds.first() {
+                println!("failing_seeds {:?}", report.failing_seeds);
+                println!("replay: cargo run --release -p outbox-sim -- --engine model --seed {first} --log{m}");
+                let out = run_trace(first, mutation, true);
+                println!("trace {first} violations: {}", out.violations.join("; "));
+            }
+        }
     }
-    ExitCode::FAILURE
+    if pass {
+        println!("{}", reach_line(traces));
+    }
+    println!("total_wall_seconds {wall:.1}");
+    println!("gate {}", if pass { "PASS" } else { "FAIL" });
+    if pass {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn print_services(figures: &ServiceFigures, seconds: f64) {
+    for line in figures.lines() {
+        println!("{line}");
+    }
+    println!("services.wall_seconds {seconds:.1}");
 }

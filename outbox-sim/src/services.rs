@@ -55,7 +55,7 @@ const CLUSTER: &str = "sim-cluster";
 const TOPIC: &str = "orders";
 const PARTITIONS: u32 = 3;
 /// Virtual time the faults last, from the first event.
-const FAULT_PHASE_MS: i64 = 60_000;
+const FAULT_PHASE_MS: i64 = 40_000;
 /// Longest fault-free phase before a trace counts as stuck.
 const SETTLE_LIMIT_MS: i64 = 3_600_000;
 
@@ -659,7 +659,7 @@ fn dispatcher_config(name: String, cfg: &ServiceTraceConfig) -> DispatcherConfig
         workers: cfg.workers,
         batch_size: cfg.batch,
         lease_ms: LEASE_MS,
-        poll_interval_ms: 200,
+        poll_interval_ms: 500,
         sweep_interval_ms: 1_000,
         listen: false,
         shutdown_grace_ms: 0,
