@@ -40,6 +40,9 @@ impl AttemptRecord {
     /// From when the in-flight bound counts: the later of registration and
     /// the end of the lease the attempt was sent under.
     pub fn in_flight_from_ms(&self) -> i64 {
+        if crate::simulation::mutation_active("bound-from-registration-clock") {
+            return self.started_at_ms;
+        }
         self.send_deadline_ms.map_or(self.started_at_ms, |d| d.max(self.started_at_ms))
     }
 }

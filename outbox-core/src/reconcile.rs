@@ -118,6 +118,33 @@ pub fn decide_after_submit(
     ReconcileDecision::Recheck { reason: RecheckReason::ReceiptsRefused, next_check_at_ms: now_ms.saturating_add(policy.recheck_ms) }
 }
 
+/// How a lookup's [`LookupOutcome::Unavailable`] reason starts when the log
+/// itself cannot prove absence (truncated, recreated, compacted), as opposed
+/// to a broker that could not be asked.
+pub const LOG_INCOMPLETE: &str = "log incomplete: ";
+
+/// Whether the partition log `[log_start, log_end)` can prove that no message
+/// of an event lies at or above `from_offset` (the scan's lower bound): not
+/// when the log starts above the bound (retention or deleted records took
+/// what was below: messages may be gone unseen), nor when the bound is above
+/// the log's end (the log was recreated or truncated since the bound was
+/// recorded: it is another log). `Err` is the reason, starting
+/// [`LOG_INCOMPLETE`]; a broker adapter answers it as `Unavailable`.
+pub fn check_absence_range(topic: &str, partition: i32, from_offset: i64, log_start: i64, log_end: i64) -> Result<(), String> {
+    if crate::simulation::mutation_active("absence-from-truncated-log") {
+        return Ok(());
+    }
+    if log_start > from_offset {
+        return Err(format!(
+            "{LOG_INCOMPLETE}{topic}/{partition} starts at offset {log_start}, above the lower bound {from_offset}: the log was truncated and messages below may be gone"
+        ));
+    }
+    if from_offset > log_end {
+        return Err(format!("{LOG_INCOMPLETE}the lower bound {from_offset} of {topic}/{partition} is above its end {log_end}: the log was recreated or truncated since it was recorded"));
+    }
+    Ok(())
+}
+
 /// The lowest offset a scan for this event's messages must start from: the
 /// smallest bound among attempts that may have reached the log.
 pub fn scan_lower_bound(attempts: &[AttemptRecord]) -> i64 {

@@ -1483,7 +1483,7 @@ static LOOKUP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// How the reason of a lookup that found the log incomplete (truncated,
 /// recreated, compacted) begins: see [`is_log_incomplete`].
-pub const LOG_INCOMPLETE: &str = "log incomplete: ";
+pub use outbox_core::reconcile::LOG_INCOMPLETE;
 
 /// Whether an [`LookupOutcome::Unavailable`] reason says the log itself
 /// cannot prove absence (truncated, recreated, compacted), as opposed to a
@@ -1561,17 +1561,8 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
     // to another log (the topic was recreated, the cluster replaced, the
     // partition truncated): either way messages may be gone unseen.
     let proof = limit.is_none();
-    if proof && low > req.from_offset {
-        return Err(format!(
-            "{LOG_INCOMPLETE}{}/{} starts at offset {low}, above the lower bound {}: the log was truncated and messages below may be gone",
-            req.topic, req.partition, req.from_offset
-        ));
-    }
-    if proof && req.from_offset > high {
-        return Err(format!(
-            "{LOG_INCOMPLETE}the lower bound {} of {}/{} is above its end {high}: the log was recreated or truncated since it was recorded",
-            req.from_offset, req.topic, req.partition
-        ));
+    if proof {
+        outbox_core::reconcile::check_absence_range(&req.topic, req.partition, req.from_offset, low, high)?;
     }
     let start = req.from_offset.max(low).max(0);
     let log_end = high;

@@ -61,7 +61,11 @@ const SETTLE_LIMIT_MS: i64 = 3_600_000;
 
 /// Deliberate defects in shipped code, each switched by
 /// [`outbox_core::simulation::mutation_active`] at one line.
-pub const SERVICE_MUTATIONS: [(&str, &str); 1] = [("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out")];
+pub const SERVICE_MUTATIONS: [(&str, &str); 3] = [
+    ("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out"),
+    ("bound-from-registration-clock", "the in-flight bound counts from the attempt's registration, not from the end of the lease it was sent under"),
+    ("absence-from-truncated-log", "a lookup range below the log's start (or above its end) proves absence"),
+];
 
 /// Fault probabilities of one trace.
 #[derive(Debug, Clone, Copy)]
@@ -70,8 +74,11 @@ pub struct ServiceFaults {
     pub store_fail: f64,
     /// A store call commits and its answer is lost.
     pub store_answer_lost: f64,
-    /// A store call stalls (up to two leases).
+    /// A store call stalls (a paused process, a stuck connection: up to
+    /// four leases), before the call or after its commit.
     pub store_stall: f64,
+    /// A store call commits and its answer comes late (up to one lease).
+    pub answer_late: f64,
     /// A send is refused (definitely not persisted).
     pub not_persisted: f64,
     /// A send never reaches the log and times out.
@@ -86,6 +93,9 @@ pub struct ServiceFaults {
     pub lookup_fail: f64,
     /// Mean virtual ms between process kills (0: none).
     pub kill_every_ms: i64,
+    /// When (virtual ms from the start) retention deletes every record of
+    /// one partition written so far, if it does in this trace.
+    pub truncate_at_ms: Option<i64>,
 }
 
 impl ServiceFaults {
@@ -95,6 +105,7 @@ impl ServiceFaults {
             store_fail: p(0.05),
             store_answer_lost: p(0.05),
             store_stall: p(0.03),
+            answer_late: p(0.1),
             not_persisted: p(0.1),
             unsent_timeout: p(0.1),
             ack_lost: p(0.15),
@@ -102,8 +113,11 @@ impl ServiceFaults {
             slow_write: p(0.2),
             lookup_fail: p(0.2),
             kill_every_ms: 0,
+            truncate_at_ms: None,
         };
-        ServiceFaults { kill_every_ms: if rng.chance(0.7) { rng.range(1_000, 8_000) } else { 0 }, ..f }
+        let kill_every_ms = if rng.chance(0.7) { rng.range(1_000, 8_000) } else { 0 };
+        let truncate_at_ms = rng.chance(0.3).then(|| rng.range(1_000, FAULT_PHASE_MS));
+        ServiceFaults { kill_every_ms, truncate_at_ms, ..f }
     }
 }
 
@@ -165,6 +179,11 @@ pub struct ServiceFigures {
     pub broker_faults: u64,
     /// Copies in the log beyond one per event (all accounted for).
     pub duplicates_in_log: u64,
+    /// Partitions truncated by retention while events were in flight.
+    pub truncations: u64,
+    /// Unknown outcomes left unresolved and reported (the log that could
+    /// prove them was truncated: the finding `log_unavailable`).
+    pub unknown_reported: u64,
     /// Committed events not published, or published at a position that does not hold them.
     pub lost_write: u64,
     /// Copies from attempts the store holds no receipt of.
@@ -189,7 +208,7 @@ impl ServiceFigures {
         }
     }
 
-    fn fields(&self) -> [u64; 17] {
+    fn fields(&self) -> [u64; 19] {
         [
             self.traces,
             self.events,
@@ -201,6 +220,8 @@ impl ServiceFigures {
             self.store_faults,
             self.broker_faults,
             self.duplicates_in_log,
+            self.truncations,
+            self.unknown_reported,
             self.lost_write,
             self.duplicate,
             self.refuted_absence,
@@ -211,7 +232,7 @@ impl ServiceFigures {
         ]
     }
 
-    fn fields_mut(&mut self) -> [&mut u64; 17] {
+    fn fields_mut(&mut self) -> [&mut u64; 19] {
         [
             &mut self.traces,
             &mut self.events,
@@ -223,6 +244,8 @@ impl ServiceFigures {
             &mut self.store_faults,
             &mut self.broker_faults,
             &mut self.duplicates_in_log,
+            &mut self.truncations,
+            &mut self.unknown_reported,
             &mut self.lost_write,
             &mut self.duplicate,
             &mut self.refuted_absence,
@@ -264,6 +287,8 @@ impl ServiceFigures {
             ("store_faults", self.store_faults),
             ("broker_faults", self.broker_faults),
             ("duplicates_in_log", self.duplicates_in_log),
+            ("truncations", self.truncations),
+            ("unknown_reported", self.unknown_reported),
         ];
         info.iter().chain(self.violations().iter()).map(|(n, v)| format!("services.{n} {v}")).collect()
     }
@@ -294,8 +319,13 @@ struct World {
     start: Instant,
     figures: ServiceFigures,
     log: Option<Vec<String>>,
-    /// Per partition, every message written, in order.
+    /// Per partition, every message written, in order (including those
+    /// retention deleted since: consumers may have read them).
     logs: BTreeMap<i32, Vec<Stored>>,
+    /// Per partition, the first offset still in the log.
+    log_start: BTreeMap<i32, i64>,
+    /// Findings the services recorded: (kind, event id).
+    findings: Vec<(String, String)>,
     /// Client requests not answered yet (the log may still change).
     in_client: usize,
 }
@@ -376,8 +406,13 @@ impl SimStore {
                 let f = w.faults;
                 // A stall is a process paused (GC, VM) or a connection stuck,
                 // up to four leases, before the call or after its commit.
-                let stall = if w.rng.chance(f.store_stall) { w.rng.range(1, 4 * LEASE_MS) } else { 0 };
-                let stall_after = w.rng.chance(0.5);
+                let (stall, stall_after) = if w.rng.chance(f.store_stall) {
+                    (w.rng.range(1, 4 * LEASE_MS), w.rng.chance(0.5))
+                } else if w.rng.chance(f.answer_late) {
+                    (w.rng.range(1, LEASE_MS), true)
+                } else {
+                    (0, false)
+                };
                 let fault = if w.rng.chance(f.store_fail) {
                     StoreFault::Fail
                 } else if w.rng.chance(f.store_answer_lost) {
@@ -492,6 +527,17 @@ impl ServiceStore for SimStore {
     }
     async fn registered_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<AttemptRecord>, StoreError> {
         faulty!(self, "registered_attempts", ServiceStore::registered_attempts(&self.inner, tokens))
+    }
+    async fn record_findings(&self, findings: &[(&'static str, String, String)], _now_ms: i64) -> Result<(), StoreError> {
+        let fault = self.before("record_findings").await?;
+        {
+            let mut w = world(&self.world);
+            for (kind, event_id, detail) in findings {
+                w.note(|| format!("finding {kind} {event_id}: {detail}"));
+                w.findings.push(((*kind).to_owned(), event_id.clone()));
+            }
+        }
+        self.after(fault, "record_findings", Ok(())).await
     }
 }
 
@@ -609,8 +655,13 @@ impl Broker for SimBroker {
             w.figures.broker_faults += 1;
             return LookupOutcome::Unavailable("simulated: lookup failed".into());
         }
+        let start = w.log_start.get(&destination.partition).copied().unwrap_or(0);
+        let end = w.logs.get(&destination.partition).map_or(0, |l| l.len() as i64);
+        if let Err(why) = outbox_core::reconcile::check_absence_range(&destination.topic, destination.partition, from_offset, start, end) {
+            return LookupOutcome::Unavailable(why);
+        }
         let Some(log) = w.logs.get(&destination.partition) else { return LookupOutcome::Absent };
-        let from = usize::try_from(from_offset.max(0)).unwrap_or(usize::MAX);
+        let from = usize::try_from(from_offset.max(start).max(0)).unwrap_or(usize::MAX);
         let mut found = Vec::new();
         for (offset, m) in log.iter().enumerate().skip(from) {
             if m.event_id != event_id.as_str() {
@@ -673,7 +724,10 @@ fn reconciler_config(owner: String) -> ReconcilerConfig {
         batch_size: 8,
         lease_ms: LEASE_MS,
         interval_ms: 1_000,
-        retry: RetryPolicy { allow_retry: true, max_attempts: 10, in_flight_bound_ms: LEASE_MS + MESSAGE_TIMEOUT_MS + 5_000, recheck_ms: 2_000 },
+        // As tight as the adapter's bound allows: the bound counts from the
+        // end of the lease an attempt was sent under.
+        retry: RetryPolicy { allow_retry: true, max_attempts: 10, in_flight_bound_ms: MESSAGE_TIMEOUT_MS + 2_000, recheck_ms: 2_000 },
+        clock_skew_allowance_ms: 1_000,
         ..ReconcilerConfig::default()
     }
 }
@@ -705,6 +759,8 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         figures: ServiceFigures { traces: 1, ..Default::default() },
         log: log.then(Vec::new),
         logs: BTreeMap::new(),
+        log_start: BTreeMap::new(),
+        findings: Vec::new(),
         in_client: 0,
     }));
     world(&shared).note(|| format!("trace {}: {cfg:?}", cfg.seed));
@@ -723,6 +779,18 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         .collect();
     incarnation += 1;
     let mut reconciler = start_reconciler(&store, &broker, format!("r-{incarnation}"));
+    if let Some(at) = cfg.faults.truncate_at_ms {
+        let partition = rng.below(u64::from(PARTITIONS)) as i32;
+        let w = shared.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(at as u64)).await;
+            let mut w = world(&w);
+            let end = w.logs.get(&partition).map_or(0, |l| l.len() as i64);
+            w.log_start.insert(partition, end);
+            w.figures.truncations += 1;
+            w.note(|| format!("retention deletes p{partition} below {end}"));
+        });
+    }
 
     // Emitters commit events at random times; a killer kills processes.
     let mut emitted: Vec<(EventId, String)> = Vec::new();
@@ -785,7 +853,8 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
     while settle_from.elapsed() < Duration::from_millis(SETTLE_LIMIT_MS as u64) {
         tokio::time::sleep(Duration::from_millis(1_000)).await;
         inner.set_now_ms(world(&shared).now_ms());
-        if world(&shared).in_client == 0 && all_settled(&inner) {
+        let reported: BTreeSet<String> = world(&shared).findings.iter().filter(|(k, _)| k == "log_unavailable").map(|(_, e)| e.clone()).collect();
+        if world(&shared).in_client == 0 && all_settled(&inner, &reported) {
             settled = true;
             break;
         }
@@ -839,9 +908,10 @@ fn kill_one(
     }
 }
 
-/// Every event published or quarantined, or waiting behind a quarantined
-/// predecessor on its key (which holds the key by design).
-fn all_settled(store: &MemoryStore) -> bool {
+/// Every event published or quarantined, or unknown and reported (its log
+/// was truncated), or waiting behind such a predecessor on its key (which
+/// holds the key by design).
+fn all_settled(store: &MemoryStore, reported: &BTreeSet<String>) -> bool {
     let st = store.lock();
     let mut blocked_keys = BTreeSet::new();
     let mut by_seq: Vec<_> = st.events.values().collect();
@@ -850,6 +920,9 @@ fn all_settled(store: &MemoryStore) -> bool {
         match ev.state {
             EventState::Published => {}
             EventState::Quarantined => {
+                blocked_keys.insert(ev.destination.routing_key.clone());
+            }
+            EventState::DispatchUnknown | EventState::Reconciling if reported.contains(ev.envelope.event_id.as_str()) => {
                 blocked_keys.insert(ev.destination.routing_key.clone());
             }
             EventState::Pending if blocked_keys.contains(&ev.destination.routing_key) => {}
@@ -908,8 +981,12 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
             }
             EventState::Quarantined => w.figures.quarantined += 1,
             EventState::DispatchUnknown | EventState::Reconciling => {
-                w.figures.unresolved_unknown += 1;
-                violations.push(format!("unresolved_unknown: {id} is {:?}", ev.state));
+                if w.findings.iter().any(|(k, e)| k == "log_unavailable" && e == id.as_str()) {
+                    w.figures.unknown_reported += 1;
+                } else {
+                    w.figures.unresolved_unknown += 1;
+                    violations.push(format!("unresolved_unknown: {id} is {:?} and no finding reports it", ev.state));
+                }
             }
             _ => {}
         }
@@ -948,6 +1025,9 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                     violations.push(format!("refuted_absence: p{p}@{o} holds {} attempt {}, closed {:?}", m.event_id, m.attempt_id, attempt.map(|a| a.state)));
                 }
                 _ if recorded => {}
+                // Reported instead: its event's log was truncated before a
+                // lookup could find it (the finding `log_unavailable`).
+                _ if w.findings.iter().any(|(k, e)| k == "log_unavailable" && *e == m.event_id) => {}
                 // A transport copy of an attempt whose receipt the store
                 // holds elsewhere (the client wrote it twice): evidence the
                 // reconciler's scan reports, not a second send.
