@@ -41,7 +41,7 @@ const PARTITIONS: i32 = 6;
 const WATERMARK_TOPIC: &str = "outbox.watermarks";
 const CONSUMER_ID: &str = "chaos-effects";
 const CLUSTER_ID: &str = "outbox-chaos-cluster";
-const LEASE_MS: u64 = 5_000;
+const LEASE_MS: u64 = 10_000;
 const PAUSE_MS: u64 = LEASE_MS + 4_000;
 
 #[derive(Debug)]
@@ -449,7 +449,7 @@ async fn run(d: &mut Drill, o: &Opts, tally: &mut Tally) -> Result<check::Verdic
     let db_env = |url: &str| vec![("DATABASE_URL".to_owned(), url.to_owned()), ("RUST_LOG".to_owned(), "warn".to_owned())];
     let kafka_args: Vec<String> = [
         "--kafka-bootstrap", &bootstrap, "--kafka-message-timeout-ms", "5000", "--kafka-request-timeout-ms", "3000",
-        "--kafka-setting", "batch.num.messages=1", "--kafka-producer-stall-ms", "8000",
+        "--kafka-setting", "batch.num.messages=1", "--kafka-producer-stall-ms", "4000",
     ]
     .iter()
     .map(|s| s.to_string())
