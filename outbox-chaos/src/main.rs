@@ -648,7 +648,10 @@ async fn run(d: &mut Drill, o: &Opts, tally: &mut Tally) -> Result<check::Verdic
     d.stop_services(Duration::from_secs(20));
 
     let ids = vec![CONSUMER_ID.to_owned()];
-    let snap = snapshot::read(&producer, &consumer, &ids, &bootstrap, &topic, PARTITIONS, o.events, tally.replacement).await?;
+    let mut snap = snapshot::read_databases(&producer, &consumer, &ids).await?;
+    snap.log = snapshot::read_log(&bootstrap, &topic, PARTITIONS, Duration::from_secs(120))?;
+    snap.requested_events = o.events;
+    snap.replacement = tally.replacement;
     say(t0, format!("snapshot: {} business rows, {} events, {} log records, {} findings", snap.business.len(), snap.events.len(), snap.log.len(), snap.findings.len()));
     Ok(check::check(&snap))
 }
