@@ -1677,7 +1677,16 @@ pub fn message_headers(msg: &BorrowedMessage<'_>) -> Vec<(String, Vec<u8>)> {
     out
 }
 
-/// The receipt of `msg` if its last eventId header is `event_id`.
+/// The topic id the last `outbox-destination` header names, when that
+/// header parses as a destination (`None`: a `destination.v1`, or no
+/// readable destination).
+pub fn destination_topic_id(hs: &[(String, Vec<u8>)]) -> Option<String> {
+    let (_, bytes) = hs.iter().rev().find(|(k, _)| k == headers::DESTINATION)?;
+    Destination::from_canonical(bytes).ok()?.topic_id
+}
+
+/// The receipt of `msg` if its last eventId header is `event_id`; its topic
+/// id is the one the message's `outbox-destination` header names.
 fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>) -> Option<BrokerReceipt> {
     let owned = message_headers(msg);
     let hit = owned.iter().rev().find(|(k, _)| k == headers::EVENT_ID)?;
@@ -1704,6 +1713,7 @@ fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>
                 destination_digest: text(headers::DESTINATION_DIGEST).unwrap_or_default().to_owned(),
                 cluster_id: cluster_id.to_owned(),
                 topic: topic.to_owned(),
+                topic_id: destination_topic_id(&owned),
                 partition,
                 offset,
             }

@@ -120,6 +120,7 @@ async fn divergent_receipt_for_an_unknown_event_quarantines_it_and_records_the_r
         destination_digest: e.destination_digest.clone(),
         cluster_id: f.broker.cluster_id().into(),
         topic: TOPIC.into(),
+        topic_id: e.destination.topic_id.clone(),
         partition: e.destination.partition,
         offset: 0,
     };
@@ -343,6 +344,7 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
         destination_digest: sqlx::query_scalar("SELECT destination_digest FROM outbox_events WHERE event_id = $1").bind(&primary.0).fetch_one(&f.pool).await.unwrap(),
         cluster_id: f.broker.cluster_id().into(),
         topic: TOPIC.into(),
+        topic_id: None,
         partition: primary.2,
         offset: primary.3 + 10_000,
     };
@@ -415,7 +417,7 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         let watermarks: Vec<outbox_core::WatermarkRef<'_>> = wm_rows
             .iter()
             .filter(|w| registry.iter().any(|(c, mandatory, _)| *mandatory && c == &w.0))
-            .map(|w| outbox_core::WatermarkRef { consumer_id: &w.0, cluster_id: &w.1, topic: &w.2, partition: w.3, committed_offset: w.4 })
+            .map(|w| outbox_core::WatermarkRef { consumer_id: &w.0, cluster_id: &w.1, topic: &w.2, topic_id: None, partition: w.3, committed_offset: w.4 })
             .collect();
         let mut expected: Vec<String> = events
             .iter()
@@ -423,7 +425,7 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
                 let state = EventState::parse(state).unwrap();
                 let state = if state == EventState::Published && outbox_core::may_retain(*published_at, later, policy.replay_window_ms) { EventState::Retained } else { state };
                 let on_topic: Vec<&str> = registry.iter().filter(|(_, m, topics)| *m && topics.iter().any(|t| t == topic)).map(|(c, _, _)| c.as_str()).collect();
-                let at = outbox_core::LogPosition { cluster_id: cluster, topic, partition: *partition, offset: *offset };
+                let at = outbox_core::LogPosition { cluster_id: cluster, topic, topic_id: None, partition: *partition, offset: *offset };
                 outbox_core::may_purge(state, *published_at, later, policy.replay_window_ms, at, &watermarks, &on_topic).is_ok()
             })
             .map(|e| e.0.clone())
