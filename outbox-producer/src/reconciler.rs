@@ -342,12 +342,12 @@ impl<B: Broker + 'static> Reconciler<B> {
         for (consumer_id, topics) in &critical {
             let passed = if watermarks {
                 "EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
-                         AND w.partition = r.partition AND w.committed_offset > r.\"offset\")"
+                         AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\")"
             } else {
                 "false"
             };
             for row in sqlx::query(&format!(
-                "SELECT e.event_id, $1 - e.published_at_ms AS age, r.topic, r.partition, r.\"offset\" FROM outbox_events e
+                "SELECT e.event_id, $1 - e.published_at_ms AS age, r.topic, r.topic_id, r.partition, r.\"offset\" FROM outbox_events e
                  JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
                  WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 - $2 AND r.topic = ANY($5)
                    AND NOT {passed}
@@ -362,12 +362,14 @@ impl<B: Broker + 'static> Reconciler<B> {
             .await?
             {
                 let (topic, partition, offset): (String, i32, i64) = (row.try_get("topic")?, row.try_get("partition")?, row.try_get("offset")?);
+                let topic_id: Option<String> = row.try_get("topic_id")?;
+                let of_id = topic_id.map(|id| format!(" (topic id {id})")).unwrap_or_default();
                 found.push((
                     "unconsumed_published",
                     row.try_get("event_id")?,
                     consumer_id.clone(),
                     row.try_get("age")?,
-                    format!("published at {topic}/{partition}@{offset}, not passed by the consumer's watermark"),
+                    format!("published at {topic}{of_id}/{partition}@{offset}, not passed by the consumer's watermark of that log"),
                 ));
             }
         }
