@@ -1224,6 +1224,29 @@ async fn v1_and_v2_destinations_dispatch_verify_and_are_found(pool: PgPool) {
     }
 }
 
+/// An event frozen for a topic that was deleted and created again under
+/// the same name (its destination.v2 names the old id) is not sent into the
+/// new topic's log: its attempt is NOT_SENT with the reason, the event
+/// stays PENDING (a destination migration moves it), nothing is written.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn an_event_frozen_for_a_recreated_topic_is_not_sent(pool: PgPool) {
+    let (cluster, broker) = started(&pool, 5_000).await;
+    let current = broker.topic_id(TOPIC).await.unwrap().expect("the mock cluster gives topic ids");
+    let old = if current == "AAECAwQFBgcICQoLDA0ODw" { "_____________________w" } else { "AAECAwQFBgcICQoLDA0ODw" };
+    let policy = outbox_core::RoutePolicy { topic_id: Some(old.to_owned()), ..outbox_core::RoutePolicy::new(ORDER_CREATED, broker.cluster_id(), TOPIC, PARTITIONS as u32) };
+    outbox_producer::routes::revise(&pool, &policy).await.unwrap();
+    let e = create_order(&pool, "o-old", 10).await;
+    let d = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), config("d")).unwrap();
+    let r = d.dispatch_once("w1").await.unwrap();
+    assert_eq!((r.claimed, r.published, r.not_sent), (1, 0, 1), "{r:?}");
+    assert_eq!(state_of(&pool, e.event_id().as_str()).await, EventState::Pending);
+    let (state, detail): (String, Option<String>) =
+        sqlx::query_as("SELECT state, detail FROM outbox_attempts WHERE event_id = $1").bind(e.event_id().as_str()).fetch_one(&pool).await.unwrap();
+    assert_eq!(state, "NOT_SENT");
+    assert!(detail.as_deref().is_some_and(|d| d.contains("recreated") && d.contains(old)), "{detail:?}");
+    assert!(read_topic(&cluster.bootstrap, TOPIC, PARTITIONS).is_empty(), "written into the recreated topic's log");
+}
+
 /// The database reads the topic id of a frozen destination as outbox-core
 /// does (migration 20261201090001: the receipts' backfill and the scan
 /// floor of an attempt use it): a destination.v2's `topicId`, whatever
