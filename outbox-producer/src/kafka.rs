@@ -1611,6 +1611,7 @@ impl Broker for KafkaBroker {
                     event_id,
                     source,
                     attempt_id,
+                    topic_id: destination_topic_id(&hs),
                     key: msg.key().map(<[u8]>::to_vec),
                     payload_digest: sha256_digest(msg.payload().unwrap_or_default()),
                 });

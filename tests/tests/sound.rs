@@ -649,6 +649,32 @@ async fn receipts_of_a_recreated_topic_do_not_collide_with_the_old_logs(pool: Pg
     assert_eq!(next.state, EventState::Published);
 }
 
+/// After a recreation the bypass scan reads the new log: the old log's
+/// receipt at a position the new log's event now holds is a lost position
+/// (that log is gone); the new log's own receipt there is its message,
+/// neither lost nor an unrecorded copy.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_bypass_scan_tells_the_logs_of_a_recreated_topic_apart(pool: PgPool) {
+    let f = fixture(pool).await;
+    let current = f.broker.topic_id(TOPIC).await.unwrap().expect("the mock cluster gives topic ids");
+    let old = if current == "AAECAwQFBgcICQoLDA0ODw" { "_____________________w" } else { "AAECAwQFBgcICQoLDA0ODw" };
+    let policy = |id: &str| outbox_core::RoutePolicy { topic_id: Some(id.to_owned()), ..outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32) };
+    outbox_producer::routes::revise(&f.pool, &policy(old)).await.unwrap();
+    let (on_old, a) = f.registered(&order_on(&f, 0, &[]), 5_000).await;
+    let receipt = headers::parse(&outgoing_message(&on_old, &a).headers).unwrap().receipt(f.broker.cluster_id(), TOPIC, 0, 0, &on_old.payload);
+    assert_eq!(f.store.accept_dispatch_receipt(&receipt).await.unwrap().state, EventState::Published);
+    outbox_producer::routes::revise(&f.pool, &policy(&current)).await.unwrap();
+    let on_new = create_order(&f.pool, &order_on(&f, 0, &[&on_old.envelope.aggregate_id]), 1).await;
+    assert_eq!(f.dispatcher(&f.store, 5_000).dispatch_once("w").await.unwrap().published, 1);
+
+    let c = f.reconciler().compare_once().await.unwrap();
+    assert_eq!((c.bypass_publish, c.unrecorded_copy, c.divergent_copy), (0, 0, 0), "{c:?}");
+    assert_eq!(f.findings("receipt_position_lost", on_old.envelope.event_id.as_str()).await, 1);
+    assert_eq!(f.findings("receipt_position_lost", on_new.event_id().as_str()).await, 0);
+    let detail: String = sqlx::query_scalar("SELECT detail FROM outbox_findings WHERE kind = 'receipt_position_lost'").fetch_one(&f.pool).await.unwrap();
+    assert!(detail.contains(&format!("(topic id {old})")) && detail.contains(&format!("of topic id {current}")), "{detail}");
+}
+
 /// Issue 19 item 4: one event the reconciler cannot handle (its frozen
 /// destination is unreadable) does not abort the round: it is quarantined,
 /// the other event is resolved.
