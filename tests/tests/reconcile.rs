@@ -421,7 +421,9 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         let wm_rows: Vec<(String, String, String, Option<String>, i32, i64)> =
             sqlx::query_as("SELECT consumer_id, cluster_id, topic, topic_id, partition, committed_offset FROM outbox_consumer_watermarks").fetch_all(&f.pool).await.unwrap();
         let registry: Vec<(String, bool, Vec<String>)> = sqlx::query_as("SELECT consumer_id, mandatory, topics FROM outbox_consumers").fetch_all(&f.pool).await.unwrap();
-        let events: Vec<(String, String, i64, String, String, Option<String>, i32, i64)> = sqlx::query_as(
+        // (event id, state, published at, and the receipt's cluster, topic, topic id, partition, offset)
+        type EventRow = (String, String, i64, String, String, Option<String>, i32, i64);
+        let events: Vec<EventRow> = sqlx::query_as(
             "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\"
              FROM outbox_events e JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation",
         )
