@@ -66,10 +66,11 @@
 //! id (deleted and created again under the same name) is not the
 //! destination's log, and the send is [`SendOutcome::NotPersisted`] with
 //! nothing written. The current id is read once per topic per
-//! [`TOPIC_ID_CACHE_MS`] (a metadata request and a DescribeTopicPartitions,
-//! not one per message); a send that finds no fresh answer waits for the
-//! read at most half of [`KafkaConfig::enqueue_timeout_ms`], within its
-//! enqueue wait; a lookup's own (always fresh) read of the id replaces it.
+//! [`TOPIC_ID_CACHE_MS`] ([`KafkaBroker::topic_id`]: a metadata request and
+//! a topic description, not one per message); a send that finds no fresh
+//! answer waits for the read at most half of
+//! [`KafkaConfig::enqueue_timeout_ms`], within its enqueue wait; a lookup's
+//! own (always fresh) read of the id replaces it.
 //! When the id cannot be read (the cluster gives no topic ids, or does not
 //! answer in time) the send goes ahead unchecked (logged at debug): the
 //! lookup still refuses to call a range of such a log absent. A recreation
