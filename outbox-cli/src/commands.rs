@@ -874,6 +874,13 @@ async fn migrate_destination_cmd(url: &str, file: &FileConfig, a: &MigrateDestin
     let explicit = a.to_cluster.is_some() || a.to_topic.is_some() || a.to_partitions.is_some();
     let route: RoutePolicy = match (current, explicit) {
         (Some(mut r), true) => {
+            // The current route's topic id names its own topic on its own
+            // cluster: another topic or cluster has another id (or none
+            // recorded), so the destination names none (destination.v1)
+            // rather than one a send would be refused for.
+            if a.to_cluster.as_ref().is_some_and(|c| *c != r.cluster_id) || a.to_topic.as_ref().is_some_and(|t| *t != r.topic) {
+                r.topic_id = None;
+            }
             if let Some(c) = &a.to_cluster {
                 r.cluster_id = c.clone();
             }

@@ -316,18 +316,26 @@ fn lag_chart(o: &mut String, r: &Report) {
         let color = CONSUMER_COLORS[ci % CONSUMER_COLORS.len()];
         let yy = top + row_h * i as f64;
         let bw = (x(l.lag_events as f64) - left).max(if l.lag_events > 0 { 2.0 } else { 0.0 });
+        // A topic recreated under the same name has a log per topic id: the
+        // label names the id's first characters, the tooltip all of it.
+        let (short_id, full_id) = match &l.topic_id {
+            Some(id) => (format!(" ({}…)", id.chars().take(6).collect::<String>()), format!(" on topic id {id}")),
+            None => (String::new(), String::new()),
+        };
         let _ = write!(
             o,
-            r##"<text x="{:.1}" y="{:.1}" text-anchor="end" class="label">{} · {}/{}</text><rect class="bar" data-consumer="{}" x="{left}" y="{:.1}" width="{bw:.1}" height="{:.1}" fill="{color}"><title>{}: committed {} of {}</title></rect><text x="{:.1}" y="{:.1}" class="value">{} behind</text>"##,
+            r##"<text x="{:.1}" y="{:.1}" text-anchor="end" class="label">{} · {}{}/{}</text><rect class="bar" data-consumer="{}" x="{left}" y="{:.1}" width="{bw:.1}" height="{:.1}" fill="{color}"><title>{}{}: committed {} of {}</title></rect><text x="{:.1}" y="{:.1}" class="value">{} behind</text>"##,
             left - 8.0,
             yy + row_h * 0.65,
             esc(&l.consumer_id),
             esc(&l.topic),
+            esc(&short_id),
             l.partition,
             esc(&l.consumer_id),
             yy + 3.0,
             row_h - 6.0,
             esc(&l.consumer_id),
+            esc(&full_id),
             l.committed_offset,
             l.published_end_offset,
             left + bw + 6.0,
@@ -489,7 +497,7 @@ mod tests {
             unknown_slo_ms: 900_000,
             unknown_slo_verdict: outbox_producer::SloVerdict::Met,
             last_reconciler_round: None,
-            consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 0, committed_offset: 5, published_end_offset: 7, lag_events: 2 }],
+            consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), topic_id: None, partition: 0, committed_offset: 5, published_end_offset: 7, lag_events: 2 }],
             history: vec![
                 StateSnapshot { at_ms: 1_700_000_000_000 - 60_000, counts: vec![("PENDING".into(), 5), ("PUBLISHED".into(), 2)] },
                 StateSnapshot { at_ms: 1_700_000_000_000, counts: vec![("PENDING".into(), 2), ("PUBLISHED".into(), 7), ("DISPATCH_UNKNOWN".into(), 1)] },

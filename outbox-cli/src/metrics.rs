@@ -298,8 +298,10 @@ impl ReconcileExport {
             self.findings.with_label_values(&[k]).set(report.findings.iter().filter(|f| f.kind == k).count() as i64);
         }
         self.consumer_lag.reset();
+        // Summed over the logs of one topic name and partition (clusters,
+        // and the topic ids of a topic recreated under the same name).
         for l in &report.consumer_lag {
-            self.consumer_lag.with_label_values(&[l.consumer_id.as_str(), l.topic.as_str(), l.partition.to_string().as_str()]).set(l.lag_events);
+            self.consumer_lag.with_label_values(&[l.consumer_id.as_str(), l.topic.as_str(), l.partition.to_string().as_str()]).add(l.lag_events);
         }
         self.consumed.reset();
         for (c, n) in &report.consumed_by_critical {
@@ -426,7 +428,7 @@ mod tests {
             unknown_slo_ms: 900_000,
             unknown_slo_verdict: outbox_producer::SloVerdict::NotApplicable,
             last_reconciler_round: None,
-            consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 0, committed_offset: 1, published_end_offset: 2, lag_events: 1 }],
+            consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), topic_id: None, partition: 0, committed_offset: 1, published_end_offset: 2, lag_events: 1 }],
             history: vec![],
             findings: vec![Finding { kind: "aged_pending".into(), event_id: "e".into(), consumer_id: None, age_ms: 1, detail: String::new() }],
             consumer_decisions: Vec::new(),

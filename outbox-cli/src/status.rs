@@ -9,7 +9,8 @@ use sqlx::{PgPool, Row};
 
 use crate::fmt::{age, ts};
 
-/// Lag of one consumer on one partition.
+/// Lag of one consumer on one partition's log (a topic recreated under the
+/// same name has a log per topic id).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PartitionLag {
@@ -17,6 +18,8 @@ pub struct PartitionLag {
     pub cluster_id: String,
     /// Topic.
     pub topic: String,
+    /// The topic id of the log (`None`: destination.v1 events, watermark rows of no id).
+    pub topic_id: Option<String>,
     /// Partition.
     pub partition: i32,
     /// Next offset the consumer will read (0 without a watermark).
@@ -136,25 +139,31 @@ pub async fn status(pool: &PgPool, reconciler_stale_ms: i64) -> Result<Status, o
     for (consumer_id, critical, mandatory, topics) in registered {
         let mut partitions = Vec::new();
         if critical {
-            // Every partition of its topics that has published events, and every watermark it published.
+            // Every log (cluster, topic, topic id, partition) of its topics
+            // that has published events, and every watermark it published;
+            // the topic id matched exactly (NULL with NULL).
             let wm = if watermarks_table {
-                "SELECT cluster_id, topic, partition, committed_offset, (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
+                "SELECT cluster_id, topic, topic_id, partition, committed_offset, (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
                  FROM outbox_consumer_watermarks WHERE consumer_id = $1"
             } else {
-                "SELECT NULL::text AS cluster_id, NULL::text AS topic, NULL::int AS partition, NULL::bigint AS committed_offset, NULL::bigint AS updated_ms WHERE false"
+                "SELECT NULL::text AS cluster_id, NULL::text AS topic, NULL::text AS topic_id, NULL::int AS partition, NULL::bigint AS committed_offset,
+                        NULL::bigint AS updated_ms WHERE false"
             };
             let rows = sqlx::query(&format!(
                 "WITH wm AS ({wm}),
-                      pub AS (SELECT cluster_id, topic, partition, max(\"offset\") + 1 AS end_offset FROM outbox_publish_receipts
-                              WHERE topic = ANY($2) GROUP BY cluster_id, topic, partition),
-                      parts AS (SELECT cluster_id, topic, partition FROM pub UNION SELECT cluster_id, topic, partition FROM wm)
-                 SELECT p.cluster_id, p.topic, p.partition, coalesce(wm.committed_offset, 0) AS committed, coalesce(pub.end_offset, 0) AS end_offset,
-                        wm.updated_ms,
+                      pub AS (SELECT cluster_id, topic, topic_id, partition, max(\"offset\") + 1 AS end_offset FROM outbox_publish_receipts
+                              WHERE topic = ANY($2) GROUP BY cluster_id, topic, topic_id, partition),
+                      parts AS (SELECT cluster_id, topic, topic_id, partition FROM pub UNION SELECT cluster_id, topic, topic_id, partition FROM wm)
+                 SELECT p.cluster_id, p.topic, p.topic_id, p.partition, coalesce(wm.committed_offset, 0) AS committed,
+                        coalesce(pub.end_offset, 0) AS end_offset, wm.updated_ms,
                         (SELECT count(*) FROM outbox_publish_receipts r
-                          WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.partition = p.partition
-                            AND r.\"offset\" >= coalesce(wm.committed_offset, 0)) AS lag
-                 FROM parts p LEFT JOIN wm USING (cluster_id, topic, partition) LEFT JOIN pub USING (cluster_id, topic, partition)
-                 ORDER BY p.cluster_id, p.topic, p.partition"
+                          WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id IS NOT DISTINCT FROM p.topic_id
+                            AND r.partition = p.partition AND r.\"offset\" >= coalesce(wm.committed_offset, 0)) AS lag
+                 FROM parts p
+                 LEFT JOIN wm ON wm.cluster_id = p.cluster_id AND wm.topic = p.topic AND wm.topic_id IS NOT DISTINCT FROM p.topic_id AND wm.partition = p.partition
+                 LEFT JOIN pub ON pub.cluster_id = p.cluster_id AND pub.topic = p.topic AND pub.topic_id IS NOT DISTINCT FROM p.topic_id
+                                  AND pub.partition = p.partition
+                 ORDER BY p.cluster_id, p.topic, p.partition, p.topic_id NULLS FIRST"
             ))
             .bind(&consumer_id)
             .bind(&topics)
@@ -164,6 +173,7 @@ pub async fn status(pool: &PgPool, reconciler_stale_ms: i64) -> Result<Status, o
                 partitions.push(PartitionLag {
                     cluster_id: r.get("cluster_id"),
                     topic: r.get("topic"),
+                    topic_id: r.get("topic_id"),
                     partition: r.get("partition"),
                     committed_offset: r.get("committed"),
                     published_end_offset: r.get("end_offset"),
@@ -247,9 +257,10 @@ impl Status {
             }
             for p in &c.partitions {
                 let seen = p.watermark_updated_at_ms.map(|t| format!("watermark moved {} ago", age((self.now_ms - t).max(0)))).unwrap_or_else(|| "no watermark".into());
+                let of_id = p.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
                 let _ = writeln!(
                     o,
-                    "  {}/{}/{}: committed {} of {} ({} behind; {seen})",
+                    "  {}/{}{of_id}/{}: committed {} of {} ({} behind; {seen})",
                     p.cluster_id, p.topic, p.partition, p.committed_offset, p.published_end_offset, p.lag_events
                 );
             }

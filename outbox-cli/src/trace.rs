@@ -77,6 +77,9 @@ pub struct ReceiptRecord {
     pub cluster_id: String,
     /// Topic.
     pub topic: String,
+    /// The topic id of the log (from the destination the message names;
+    /// `None`: destination.v1).
+    pub topic_id: Option<String>,
     /// Partition.
     pub partition: i32,
     /// Offset.
@@ -180,7 +183,7 @@ async fn json_rows(pool: &PgPool, table: &str, sql: &str, event_id: &str) -> Res
 /// time column `at_column`, in `order_by` order.
 async fn receipts_of(pool: &PgPool, table: &str, at_column: &str, order_by: &str, event_id: &str) -> Result<Vec<ReceiptRecord>, sqlx::Error> {
     let rows = sqlx::query(&format!(
-        r#"SELECT envelope_generation, attempt_id, cluster_id, topic, partition, "offset", payload_digest, destination_digest, {at_column}
+        r#"SELECT envelope_generation, attempt_id, cluster_id, topic, topic_id, partition, "offset", payload_digest, destination_digest, {at_column}
            FROM {table} WHERE event_id = $1 ORDER BY {order_by}"#
     ))
     .bind(event_id)
@@ -195,6 +198,7 @@ fn receipt(r: &PgRow, at: &str) -> ReceiptRecord {
         attempt_id: r.get("attempt_id"),
         cluster_id: r.get("cluster_id"),
         topic: r.get("topic"),
+        topic_id: r.get("topic_id"),
         partition: r.get("partition"),
         offset: r.get("offset"),
         payload_digest: r.get("payload_digest"),
@@ -369,13 +373,14 @@ impl Trace {
 }
 
 /// Per declared consumer, whether its watermark passed the event's primary
-/// receipt (cluster, topic, partition, offset of the current generation).
+/// receipt (cluster, topic, topic id, partition, offset of the current
+/// generation): its watermark of that very log, the topic id matched exactly.
 async fn consumer_watermarks(pool: &PgPool, event_id: &str) -> Result<Vec<ConsumerWatermarkRecord>, sqlx::Error> {
     if !exists(pool, "outbox_consumers").await? {
         return Ok(Vec::new());
     }
-    let position: Option<(String, String, i32, i64)> = sqlx::query_as(
-        r#"SELECT r.cluster_id, r.topic, r.partition, r."offset" FROM outbox_events e
+    let position: Option<(String, String, Option<String>, i32, i64)> = sqlx::query_as(
+        r#"SELECT r.cluster_id, r.topic, r.topic_id, r.partition, r."offset" FROM outbox_events e
            JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation WHERE e.event_id = $1"#,
     )
     .bind(event_id)
@@ -390,15 +395,16 @@ async fn consumer_watermarks(pool: &PgPool, event_id: &str) -> Result<Vec<Consum
             None => "not_published".into(),
             Some((_, topic, ..)) if !topics.contains(topic) => "not_its_topic".into(),
             Some(_) if !has_watermarks => "no_watermark".into(),
-            Some((cluster, topic, partition, offset)) => {
+            Some((cluster, topic, topic_id, partition, offset)) => {
                 let w: Option<(i64, String)> = sqlx::query_as(
                     r#"SELECT committed_offset, to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') FROM outbox_consumer_watermarks
-                       WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4"#,
+                       WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4 AND topic_id IS NOT DISTINCT FROM $5"#,
                 )
                 .bind(&rec.consumer_id)
                 .bind(cluster)
                 .bind(topic)
                 .bind(partition)
+                .bind(topic_id)
                 .fetch_optional(pool)
                 .await?;
                 match w {
@@ -515,10 +521,11 @@ impl Trace {
         let rec = |o: &mut String, label: &str, r: &ReceiptRecord| {
             let _ = writeln!(
                 o,
-                "  {label} gen {} {}/{} partition {} offset {} attempt {} at {}",
+                "  {label} gen {} {}/{}{} partition {} offset {} attempt {} at {}",
                 r.envelope_generation,
                 r.cluster_id,
                 r.topic,
+                r.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default(),
                 r.partition,
                 r.offset,
                 r.attempt_id,

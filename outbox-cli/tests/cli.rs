@@ -445,3 +445,37 @@ async fn the_schema_accepts_every_finding_kind() {
     assert!(refused.is_err(), "the check still refuses unknown kinds");
     env.drop_now().await;
 }
+
+/// `outbox migrate-destination --to-topic` from a route that recorded its
+/// topic's id: the new destination is of another topic, which that id does
+/// not name, so it names none (destination.v1) and is sent; keeping the
+/// old topic's id would have made every send of it refused as a recreated
+/// topic.
+#[tokio::test]
+async fn migrate_destination_to_another_topic_does_not_keep_the_old_topic_id() {
+    let env = Env::new("cli_migrate_topic_id").await;
+    env.ok(&["migrate"]);
+    let kafka = KafkaFixture::mock(1).unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    kafka.create_topic("orders-eu", 3).await.unwrap();
+    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
+    let id = broker.topic_id("orders").await.unwrap().expect("the mock cluster gives topic ids");
+    let policy = outbox_core::RoutePolicy { topic_id: Some(id.clone()), ..outbox_core::RoutePolicy::new(common::ORDER_CREATED, broker.cluster_id(), "orders", 3) };
+    outbox_producer::routes::revise(env.pool(), &policy).await.unwrap();
+    let pending = create_order(env.pool(), "stuck").await;
+    assert_eq!(pending.destination.topic_id.as_deref(), Some(id.as_str()));
+    let moved = env.ok(&["migrate-destination", pending.event_id().as_str(), "--operator", "ops-alice", "--to-topic", "orders-eu", "--kafka-bootstrap", kafka.bootstrap()]);
+    assert!(moved.contains("migrated: envelope generation 1 -> 2"), "{moved}");
+    let canonical: Vec<u8> = sqlx::query_scalar("SELECT destination_canonical FROM outbox_envelopes WHERE event_id = $1 AND envelope_generation = 2")
+        .bind(pending.event_id().as_str())
+        .fetch_one(env.pool())
+        .await
+        .unwrap();
+    let moved_to = outbox_core::Destination::from_canonical(&canonical).unwrap();
+    assert_eq!((moved_to.topic.as_str(), moved_to.topic_id.as_deref()), ("orders-eu", None));
+    let d = Dispatcher::new(PgStore::new(env.pool().clone()), broker.clone(), DispatcherConfig { name: "cliops".into(), ..Default::default() }).unwrap();
+    let r = d.dispatch_once("cliops-0").await.unwrap();
+    assert_eq!((r.published, r.not_sent), (1, 0), "{r:?}");
+    drop(kafka);
+    env.drop_now().await;
+}

@@ -59,10 +59,10 @@ fn report() -> Report {
         unknown_slo_verdict: outbox_producer::SloVerdict::Missed,
         last_reconciler_round: None,
         consumer_lag: vec![
-            ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 0, committed_offset: 400, published_end_offset: 420, lag_events: 20 },
-            ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 1, committed_offset: 410, published_end_offset: 415, lag_events: 5 },
-            ConsumerLag { consumer_id: "shipping".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 0, committed_offset: 300, published_end_offset: 420, lag_events: 120 },
-            ConsumerLag { consumer_id: "shipping".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), partition: 1, committed_offset: 380, published_end_offset: 415, lag_events: 35 },
+            ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), topic_id: None, partition: 0, committed_offset: 400, published_end_offset: 420, lag_events: 20 },
+            ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), topic_id: None, partition: 1, committed_offset: 410, published_end_offset: 415, lag_events: 5 },
+            ConsumerLag { consumer_id: "shipping".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), topic_id: None, partition: 0, committed_offset: 300, published_end_offset: 420, lag_events: 120 },
+            ConsumerLag { consumer_id: "shipping".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), topic_id: None, partition: 1, committed_offset: 380, published_end_offset: 415, lag_events: 35 },
         ],
         history,
         findings: vec![

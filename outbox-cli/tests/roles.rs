@@ -148,6 +148,7 @@ async fn every_service_works_under_its_role_and_nothing_more() {
         group_id: "shipping".into(),
         cluster_id: broker.cluster_id().into(),
         topic: "orders".into(),
+        topic_id: None,
         partition: receipt.partition,
         committed_offset: receipt.offset + 1,
         applied_count: 1,

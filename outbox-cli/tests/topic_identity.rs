@@ -160,4 +160,15 @@ async fn a_lookup_on_a_recreated_topic_is_unavailable_not_absent() {
         }
         other => panic!("expected Unavailable for the recreated topic, got {other:?}"),
     }
+    // Nor is the v2 event sent again into the new log: its topic id is
+    // not the destination's (the lookup just read the new one).
+    let (_, _, again) = event(&v2_route, "o-v2");
+    match broker.send_detached(again).await {
+        SendOutcome::NotPersisted(why) => assert!(why.contains("recreated") && why.contains(&id), "{why}"),
+        other => panic!("a message frozen for the old topic id was sent into the new log: {other:?}"),
+    }
+    let new_id = broker.topic_id("orders").await.unwrap().expect("tansu gives topic ids");
+    assert_ne!(new_id, id);
+    let fresh = RoutePolicy { topic_id: Some(new_id), ..v1_route.clone() };
+    assert!(matches!(broker.send_detached(event(&fresh, "o-v2-new").2).await, SendOutcome::Acked { offset: 0, .. }), "the new log takes its own destination's messages");
 }

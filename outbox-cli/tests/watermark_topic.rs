@@ -282,6 +282,7 @@ impl Rig {
             group_id: consumer.into(),
             cluster_id: self.broker.cluster_id().into(),
             topic: self.topic.clone(),
+            topic_id: None,
             partition: 0,
             committed_offset: committed,
             applied_count: committed,
@@ -390,6 +391,30 @@ async fn bad_watermark_records_are_ignored_and_reported() {
     rig.send(&rig.record("shipping", 3, t + 30)).await;
     assert_eq!(reader.ingest_once().await.unwrap().applied, 1);
     assert_eq!(rig.committed("shipping").await, Some(3));
+    rig.env.drop_now().await;
+}
+
+/// A topic deleted and created again under the same name is two logs: a
+/// consumer's records of each (`.v1` of no topic id, `.v2` naming an id) are
+/// applied to the row of their own log, and a lower offset of the new log
+/// is not a watermark moving back.
+#[tokio::test]
+async fn records_of_two_topic_ids_are_applied_to_their_own_rows() {
+    let rig = rig("wm_ids").await;
+    let t = rig.clock.now_ms();
+    let id = "AAECAwQFBgcICQoLDA0ODw";
+    rig.send(&rig.record("shipping", 3, t)).await;
+    let on_new = WatermarkRecord { topic_id: Some(id.into()), ..rig.record("shipping", 1, t + 10) };
+    assert!(on_new.key_bytes().starts_with(b"outboxWatermarkKey.v2\n"));
+    rig.send(&on_new).await;
+    let report = rig.reader().await.ingest_once().await.unwrap();
+    assert_eq!((report.applied, report.moved_back, report.findings()), (2, 0, 0), "{report:?}");
+    let rows: Vec<(Option<String>, i64)> =
+        sqlx::query_as("SELECT topic_id, committed_offset FROM outbox_consumer_watermarks WHERE consumer_id = 'shipping' ORDER BY topic_id NULLS FIRST")
+            .fetch_all(rig.env.pool())
+            .await
+            .unwrap();
+    assert_eq!(rows, vec![(None, 3), (Some(id.to_owned()), 1)]);
     rig.env.drop_now().await;
 }
 

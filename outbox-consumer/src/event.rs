@@ -82,6 +82,10 @@ pub struct ConsumedEvent {
     pub partition: i32,
     /// Offset read from.
     pub offset: i64,
+    /// The topic id the event's frozen destination names (`destination.v2`;
+    /// `None` for a `destination.v1`): with the topic and partition, which
+    /// log the offset is a position of. Receipts and watermarks carry it.
+    pub topic_id: Option<String>,
     /// Message key (the frozen routing key).
     pub key: Option<Vec<u8>>,
     /// The exact payload bytes; their sha256 is `payload_digest`.
@@ -115,6 +119,7 @@ impl ConsumedEvent {
             topic: msg.topic.clone(),
             partition: msg.partition,
             offset: msg.offset,
+            topic_id: claims.destination.topic_id.clone(),
             key: msg.key.clone(),
             payload,
             payload_digest: claims.payload_digest,

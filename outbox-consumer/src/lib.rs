@@ -46,12 +46,19 @@
 //! ## Watermarks and the outbox database
 //!
 //! Each row of `outbox_consumer_watermarks` says, for one consumer and one
-//! partition, that every message below `committed_offset` has a committed
-//! decision (applied, duplicate, quarantined or dead-lettered), with
-//! cumulative counts of each. The producer side's reconciler and retention
-//! read this table *in the outbox database*: an event published at
-//! `(topic, partition, offset)` is consumed by a consumer once that
-//! consumer's `committed_offset` for the partition is greater than `offset`.
+//! log (cluster, topic, topic id, partition), that every message below
+//! `committed_offset` has a committed decision (applied, duplicate,
+//! quarantined or dead-lettered), with cumulative counts of each. The topic
+//! id is the one the decided messages' destinations name
+//! ([`ConsumedEvent::topic_id`]; none for `destination.v1`): a topic
+//! deleted and created again under the same name starts a new log at offset
+//! 0 under another id, and gets rows of its own. A batch counts each
+//! message under its own id, and moves each id's row to its last message
+//! plus one. The producer side's reconciler and retention read this table
+//! *in the outbox database*: an event published at `(cluster, topic, topic
+//! id, partition, offset)` is consumed by a consumer once that consumer's
+//! `committed_offset` for that same log (the topic id matched exactly) is
+//! greater than `offset`.
 //!
 //! **Contract for a consumer whose state lives in another database than the
 //! outbox:** its receipts and watermarks are written in its own database
@@ -63,7 +70,8 @@
 //!   compacted watermark topic of its cluster
 //!   ([`ConsumerConfig::watermark_topic`], default `outbox.watermarks`) every
 //!   [`ConsumerConfig::watermark_publish_interval_ms`] and at shutdown, as
-//!   `outboxWatermark.v1` records (docs/WIRE.md); the producer side's
+//!   `outboxWatermark.v1` records (`.v2` for a row of a topic id;
+//!   docs/WIRE.md); the producer side's
 //!   reconciler applies those of registered consumers. Publishing never
 //!   holds up consumption; a failed publication is counted
 //!   ([`Metrics::watermark_publish_failures`]) and retried next interval.

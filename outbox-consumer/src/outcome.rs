@@ -30,6 +30,9 @@ pub struct Receipt {
     pub event_type: String,
     /// Where the applied copy was read.
     pub position: Position,
+    /// The topic id the applied copy's destination names (`None`: a
+    /// `destination.v1`): which log `position` is in.
+    pub topic_id: Option<String>,
     /// `sha256:` digest of the applied payload.
     pub payload_digest: String,
     /// What the handler returned when it applied the event.

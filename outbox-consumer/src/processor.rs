@@ -7,7 +7,10 @@
 //! event serialize on the receipt's primary key and only one runs the effect.
 //!
 //! **Invariant:** the watermark of a partition moves in the transaction that
-//! decides the messages below it, never before.
+//! decides the messages below it, never before. A partition has one
+//! watermark row per topic id its messages' destinations name (a topic
+//! recreated under the same name is another log): each message moves the
+//! row of its own id.
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -96,13 +99,17 @@ enum Fail {
     Aborted,
 }
 
+/// A message to quarantine: the message, its record, the evidence, and
+/// the topic id it counts under ([`topic_id_of`]).
+type Quarantine<'a> = (&'a RawMessage, Quarantined, Value, Option<String>);
+
 /// How a claim went for one event.
 enum Claim {
     New(DateTime<Utc>),
     Dead,
 }
 
-/// Per-transaction counts for the watermark.
+/// Per-transaction counts for one watermark row.
 #[derive(Default)]
 struct Counts {
     applied: i64,
@@ -110,6 +117,55 @@ struct Counts {
     quarantined: i64,
     dead_lettered: i64,
     last_event_id: Option<String>,
+    /// The last offset of a message counted here.
+    last_offset: i64,
+}
+
+/// Per-transaction counts for the watermarks of a partition: one row per
+/// topic id the decided messages name (see [`topic_id_of`]), in order of
+/// first appearance. Each row moves to the last offset of a message with
+/// its id, plus one.
+#[derive(Default)]
+struct Tally(Vec<(Option<String>, Counts)>);
+
+impl Tally {
+    /// A tally of one message.
+    fn one(topic_id: Option<&str>, offset: i64, f: impl FnOnce(&mut Counts)) -> Tally {
+        let mut t = Tally::default();
+        f(t.of(topic_id, offset));
+        t
+    }
+
+    /// The counts of `topic_id`, with `offset` noted as a message of it.
+    fn of(&mut self, topic_id: Option<&str>, offset: i64) -> &mut Counts {
+        let i = match self.0.iter().position(|(t, _)| t.as_deref() == topic_id) {
+            Some(i) => i,
+            None => {
+                self.0.push((topic_id.map(str::to_owned), Counts { last_offset: offset, ..Counts::default() }));
+                self.0.len() - 1
+            }
+        };
+        let c = &mut self.0[i].1;
+        c.last_offset = c.last_offset.max(offset);
+        c
+    }
+}
+
+/// The topic id of the log a message is a position of, as far as the
+/// message tells: the one its verified destination names, else the one its
+/// `outbox-destination` header names when that parses (a quarantined
+/// message), else none (`destination.v1`, or no readable destination).
+fn topic_id_of(p: &Prepared<'_>) -> Option<String> {
+    match p {
+        Prepared::Event { event, .. } => event.topic_id.clone(),
+        Prepared::Bad { msg, .. } => msg
+            .headers
+            .iter()
+            .rev()
+            .find(|(k, _)| k == headers::DESTINATION)
+            .and_then(|(_, v)| outbox_core::Destination::from_canonical(v).ok())
+            .and_then(|d| d.topic_id),
+    }
 }
 
 fn position(msg: &RawMessage) -> Position {
@@ -227,13 +283,14 @@ fn receipt_from_row(row: &sqlx::postgres::PgRow) -> Result<Receipt, ConsumerErro
         envelope_generation: u32::try_from(generation).map_err(|_| ConsumerError::CorruptRow(format!("receipt generation {generation}")))?,
         event_type: row.try_get("event_type")?,
         position: Position { topic: row.try_get("topic")?, partition: row.try_get("partition")?, offset: row.try_get("offset")? },
+        topic_id: row.try_get("topic_id")?,
         payload_digest: row.try_get("payload_digest")?,
         result: row.try_get("result")?,
         received_at: row.try_get("received_at")?,
     })
 }
 
-const RECEIPT_COLUMNS: &str = r#"consumer_id, event_id, envelope_generation, event_type, topic, partition, "offset", payload_digest, result, received_at"#;
+const RECEIPT_COLUMNS: &str = r#"consumer_id, event_id, envelope_generation, event_type, topic, topic_id, partition, "offset", payload_digest, result, received_at"#;
 
 /// The receipt of one event for one consumer, if the consumer applied it.
 pub async fn receipt(pool: &PgPool, consumer_id: &str, event_id: &EventId) -> Result<Option<Receipt>, ConsumerError> {
@@ -246,8 +303,9 @@ pub async fn receipt(pool: &PgPool, consumer_id: &str, event_id: &EventId) -> Re
 pub const LIMIT_PURGE_ROWS: i64 = 100_000;
 
 /// Deletes at most `max_rows` (up to [`LIMIT_PURGE_ROWS`]) receipts of
-/// `consumer_id` received before `received_before` *and* below their
-/// partition's committed watermark, oldest first; returns how many were
+/// `consumer_id` received before `received_before` *and* below the
+/// committed watermark of their log (cluster, topic, topic id, partition),
+/// oldest first; returns how many were
 /// deleted. Call it in a loop until it returns less than `max_rows`.
 ///
 /// The watermark condition is the consumer-side twin of the outbox's
@@ -271,7 +329,7 @@ pub async fn purge_receipts_before(pool: &PgPool, consumer_id: &str, received_be
              WHERE r.consumer_id = $1 AND r.received_at < $2
                AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w
                            WHERE w.consumer_id = r.consumer_id AND w.cluster_id = r.cluster_id AND w.topic = r.topic AND w.partition = r.partition
-                             AND w.committed_offset > r.\"offset\")
+                             AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\")
              ORDER BY r.received_at LIMIT $3)",
     )
     .bind(consumer_id)
@@ -543,13 +601,16 @@ impl Processor {
         let dead = self.fetch_dead_letters(tx, &dead_ids).await?;
 
         let mut outs = Vec::with_capacity(slice.len());
-        let mut counts = Counts::default();
+        let mut tally = Tally::default();
         let mut results: Vec<(String, Value)> = Vec::new();
-        let mut quarantine: Vec<(&RawMessage, Quarantined, Value)> = Vec::new();
+        let mut quarantine: Vec<Quarantine<'_>> = Vec::new();
         for (index, p) in slice.iter().enumerate() {
+            let topic_id = topic_id_of(p);
+            // Every message decided moves the watermark of its topic id.
+            let counts = tally.of(topic_id.as_deref(), p.msg().offset);
             let (msg, event) = match p {
                 Prepared::Bad { msg, quarantined, evidence } => {
-                    quarantine.push((msg, quarantined.clone(), evidence.clone()));
+                    quarantine.push((msg, quarantined.clone(), evidence.clone(), topic_id));
                     outs.push(Outcome::Quarantined(quarantined.clone()));
                     continue;
                 }
@@ -574,7 +635,7 @@ impl Processor {
                         "key": bytes_json(msg.key.as_deref()),
                         "payloadBytes": event.payload.len(),
                     });
-                    quarantine.push((msg, q.clone(), evidence));
+                    quarantine.push((msg, q.clone(), evidence, topic_id));
                     outs.push(Outcome::Quarantined(q));
                 }
                 continue;
@@ -593,6 +654,7 @@ impl Processor {
                             envelope_generation: event.envelope_generation,
                             event_type: event.event_type.clone(),
                             position: position(msg),
+                            topic_id: event.topic_id.clone(),
                             payload_digest: event.payload_digest.clone(),
                             result: result.clone(),
                             received_at: *received_at,
@@ -612,7 +674,7 @@ impl Processor {
                 }
             }
         }
-        match self.record(tx, last_msg, &results, &quarantine, counts).await {
+        match self.record(tx, last_msg, &results, &quarantine, tally).await {
             Ok(()) => Ok(Ok(outs)),
             Err(ConsumerError::Database(e)) if is_aborted(&e) && !results.is_empty() => Ok(Err(Fail::Aborted)),
             Err(e) => Err(e),
@@ -632,16 +694,17 @@ impl Processor {
         let partitions: Vec<i32> = events.iter().map(|e| e.partition).collect();
         let offsets: Vec<i64> = events.iter().map(|e| e.offset).collect();
         let digests: Vec<&str> = events.iter().map(|e| e.payload_digest.as_str()).collect();
+        let topic_ids: Vec<Option<&str>> = events.iter().map(|e| e.topic_id.as_deref()).collect();
         let rows = sqlx::query(
             r#"WITH input AS (
-                   SELECT * FROM UNNEST($2::text[], $3::int4[], $4::text[], $5::text[], $6::int4[], $7::int8[], $8::text[])
-                       WITH ORDINALITY AS t(event_id, envelope_generation, event_type, topic, partition, "offset", payload_digest, ord)
+                   SELECT * FROM UNNEST($2::text[], $3::int4[], $4::text[], $5::text[], $6::int4[], $7::int8[], $8::text[], $10::text[])
+                       WITH ORDINALITY AS t(event_id, envelope_generation, event_type, topic, partition, "offset", payload_digest, topic_id, ord)
                ), dead AS (
                    SELECT d.event_id FROM outbox_consumer_dead_letters d
                    WHERE d.consumer_id = $1 AND d.event_id IN (SELECT event_id FROM input)
                ), claimed AS (
-                   INSERT INTO outbox_consumer_receipts AS r (consumer_id, event_id, envelope_generation, event_type, cluster_id, topic, partition, "offset", payload_digest)
-                   SELECT $1, i.event_id, i.envelope_generation, i.event_type, $9, i.topic, i.partition, i."offset", i.payload_digest
+                   INSERT INTO outbox_consumer_receipts AS r (consumer_id, event_id, envelope_generation, event_type, cluster_id, topic, topic_id, partition, "offset", payload_digest)
+                   SELECT $1, i.event_id, i.envelope_generation, i.event_type, $9, i.topic, i.topic_id, i.partition, i."offset", i.payload_digest
                    FROM input i WHERE i.event_id NOT IN (SELECT event_id FROM dead)
                    ORDER BY i.ord
                    ON CONFLICT (consumer_id, event_id) DO NOTHING
@@ -660,6 +723,7 @@ impl Processor {
         .bind(&offsets)
         .bind(&digests)
         .bind(self.cluster_id())
+        .bind(&topic_ids)
         .fetch_all(&mut **tx)
         .await?;
         for row in rows {
@@ -707,8 +771,8 @@ impl Processor {
         tx: &mut Transaction<'static, Postgres>,
         last: &RawMessage,
         results: &[(String, Value)],
-        quarantine: &[(&RawMessage, Quarantined, Value)],
-        mut counts: Counts,
+        quarantine: &[Quarantine<'_>],
+        mut tally: Tally,
     ) -> Result<(), ConsumerError> {
         if !results.is_empty() {
             let ids: Vec<&str> = results.iter().map(|(id, _)| id.as_str()).collect();
@@ -725,29 +789,30 @@ impl Processor {
             .await?;
         }
         if !quarantine.is_empty() {
-            let offsets: Vec<i64> = quarantine.iter().map(|(m, _, _)| m.offset).collect();
-            let event_ids: Vec<Option<&str>> = quarantine.iter().map(|(_, q, _)| q.event_id.as_deref()).collect();
-            let reasons: Vec<String> = quarantine.iter().map(|(_, q, _)| q.reason.code()).collect();
+            let offsets: Vec<i64> = quarantine.iter().map(|(m, _, _, _)| m.offset).collect();
+            let event_ids: Vec<Option<&str>> = quarantine.iter().map(|(_, q, _, _)| q.event_id.as_deref()).collect();
+            let reasons: Vec<String> = quarantine.iter().map(|(_, q, _, _)| q.reason.code()).collect();
             let evidence: Vec<Value> = quarantine
                 .iter()
-                .map(|(_, q, e)| {
+                .map(|(_, q, e, _)| {
                     let mut e = e.clone();
                     e["reason"] = serde_json::to_value(&q.reason).unwrap_or(Value::Null);
                     e
                 })
                 .collect();
-            let digests: Vec<&str> = quarantine.iter().map(|(_, q, _)| q.payload_digest.as_str()).collect();
-            let sizes: Vec<i32> = quarantine.iter().map(|(m, _, _)| i32::try_from(m.payload_bytes().len()).unwrap_or(i32::MAX)).collect();
+            let digests: Vec<&str> = quarantine.iter().map(|(_, q, _, _)| q.payload_digest.as_str()).collect();
+            let sizes: Vec<i32> = quarantine.iter().map(|(m, _, _, _)| i32::try_from(m.payload_bytes().len()).unwrap_or(i32::MAX)).collect();
             let payloads: Vec<Option<&[u8]>> = quarantine
                 .iter()
-                .map(|(m, _, _)| Some(m.payload_bytes()).filter(|p| p.len() <= self.max_evidence_payload_bytes))
+                .map(|(m, _, _, _)| Some(m.payload_bytes()).filter(|p| p.len() <= self.max_evidence_payload_bytes))
                 .collect();
-            let inserted = sqlx::query(
+            let inserted: HashSet<i64> = sqlx::query_scalar(
                 r#"INSERT INTO outbox_consumer_quarantine (consumer_id, topic, partition, "offset", event_id, reason, evidence, payload_digest, payload_bytes, payload)
                    SELECT $1, $2, $3, u."offset", u.event_id, u.reason, u.evidence, u.payload_digest, u.payload_bytes, u.payload
                    FROM UNNEST($4::int8[], $5::text[], $6::text[], $7::jsonb[], $8::text[], $9::int4[], $10::bytea[])
                        AS u("offset", event_id, reason, evidence, payload_digest, payload_bytes, payload)
-                   ON CONFLICT (consumer_id, topic, partition, "offset") DO NOTHING"#,
+                   ON CONFLICT (consumer_id, topic, partition, "offset") DO NOTHING
+                   RETURNING "offset""#,
             )
             .bind(&self.consumer_id)
             .bind(&last.topic)
@@ -759,23 +824,44 @@ impl Processor {
             .bind(&digests)
             .bind(&sizes)
             .bind(&payloads)
-            .execute(&mut **tx)
+            .fetch_all(&mut **tx)
             .await?
-            .rows_affected();
-            let inserted = i64::try_from(inserted).unwrap_or(i64::MAX);
-            counts.quarantined += inserted;
-            // A quarantined position seen again is a redelivery.
-            counts.duplicates += i64::try_from(quarantine.len()).unwrap_or(i64::MAX) - inserted;
+            .into_iter()
+            .collect();
+            for (m, _, _, topic_id) in quarantine {
+                let c = tally.of(topic_id.as_deref(), m.offset);
+                if inserted.contains(&m.offset) {
+                    c.quarantined += 1;
+                } else {
+                    // A quarantined position seen again is a redelivery.
+                    c.duplicates += 1;
+                }
+            }
         }
-        self.advance_watermark(tx, last, &counts).await
+        self.advance_watermarks(tx, last, &tally).await
     }
 
-    async fn advance_watermark(&self, tx: &mut Transaction<'static, Postgres>, last: &RawMessage, c: &Counts) -> Result<(), ConsumerError> {
+    /// Moves the partition's watermark rows, one per topic id in `tally`:
+    /// each to the last offset of a message of its id, plus one (never
+    /// back), adding its counts.
+    async fn advance_watermarks(&self, tx: &mut Transaction<'static, Postgres>, at: &RawMessage, tally: &Tally) -> Result<(), ConsumerError> {
+        if tally.0.is_empty() {
+            return Ok(());
+        }
+        let topic_ids: Vec<Option<&str>> = tally.0.iter().map(|(t, _)| t.as_deref()).collect();
+        let offsets: Vec<i64> = tally.0.iter().map(|(_, c)| c.last_offset.saturating_add(1)).collect();
+        let applied: Vec<i64> = tally.0.iter().map(|(_, c)| c.applied).collect();
+        let duplicates: Vec<i64> = tally.0.iter().map(|(_, c)| c.duplicates).collect();
+        let quarantined: Vec<i64> = tally.0.iter().map(|(_, c)| c.quarantined).collect();
+        let dead: Vec<i64> = tally.0.iter().map(|(_, c)| c.dead_lettered).collect();
+        let last: Vec<Option<&str>> = tally.0.iter().map(|(_, c)| c.last_event_id.as_deref()).collect();
         sqlx::query(
             "INSERT INTO outbox_consumer_watermarks AS w
-                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, cluster_id)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now(), $10)
-             ON CONFLICT (consumer_id, cluster_id, topic, partition) DO UPDATE SET
+                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, cluster_id, topic_id)
+             SELECT $1, $2, $3, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, now(), $4, u.topic_id
+             FROM UNNEST($5::text[], $6::int8[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::text[])
+                 AS u(topic_id, committed_offset, applied, duplicates, quarantined, dead, last_event_id)
+             ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
                  committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
                  applied_count = w.applied_count + EXCLUDED.applied_count,
                  duplicate_count = w.duplicate_count + EXCLUDED.duplicate_count,
@@ -785,15 +871,16 @@ impl Processor {
                  updated_at = now()",
         )
         .bind(&self.consumer_id)
-        .bind(&last.topic)
-        .bind(last.partition)
-        .bind(last.offset.saturating_add(1))
-        .bind(c.applied)
-        .bind(c.duplicates)
-        .bind(c.quarantined)
-        .bind(c.dead_lettered)
-        .bind(c.last_event_id.as_deref())
+        .bind(&at.topic)
+        .bind(at.partition)
         .bind(self.cluster_id())
+        .bind(&topic_ids)
+        .bind(&offsets)
+        .bind(&applied)
+        .bind(&duplicates)
+        .bind(&quarantined)
+        .bind(&dead)
+        .bind(&last)
         .execute(&mut **tx)
         .await?;
         Ok(())
@@ -889,8 +976,8 @@ impl Processor {
         // Another instance may have applied it in the meantime.
         let mut found = self.fetch_receipts(&mut tx, &[event.event_id.as_str()]).await?;
         if let Some(original) = found.remove(event.event_id.as_str()) {
-            let counts = Counts { duplicates: 1, ..Counts::default() };
-            self.advance_watermark(&mut tx, msg, &counts).await?;
+            let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| c.duplicates = 1);
+            self.advance_watermarks(&mut tx, msg, &tally).await?;
             tx.commit().await?;
             Metrics::add(&self.metrics.transactions, 1);
             return Ok(Outcome::Duplicate { original, delivery: position(msg) });
@@ -919,8 +1006,8 @@ impl Processor {
         .await?
         .rows_affected();
         let redelivery = inserted == 0;
-        let counts = if redelivery { Counts { duplicates: 1, ..Counts::default() } } else { Counts { dead_lettered: 1, ..Counts::default() } };
-        self.advance_watermark(&mut tx, msg, &counts).await?;
+        let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| if redelivery { c.duplicates = 1 } else { c.dead_lettered = 1 });
+        self.advance_watermarks(&mut tx, msg, &tally).await?;
         tx.commit().await?;
         Metrics::add(&self.metrics.transactions, 1);
         warn!(event_id = %event.event_id, offset = msg.offset, attempts, error = %text, "event dead-lettered");

@@ -16,6 +16,12 @@ pub struct Watermark {
     pub cluster_id: String,
     /// Topic.
     pub topic: String,
+    /// The topic id the counted messages' destinations name (`None`:
+    /// `destination.v1` messages, ones whose destination does not parse, and
+    /// rows written before watermarks named it). A partition has one row
+    /// per topic id: a topic deleted and created again under the same name
+    /// is another log.
+    pub topic_id: Option<String>,
     /// Partition.
     pub partition: i32,
     /// Next offset to read: every message below it has a committed decision.
@@ -34,7 +40,7 @@ pub struct Watermark {
     pub updated_at: DateTime<Utc>,
 }
 
-const COLUMNS: &str = "consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at";
+const COLUMNS: &str = "consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at";
 
 /// Most watermark rows read or published per call.
 pub const MAX_WATERMARK_ROWS: i64 = 100_000;
@@ -44,6 +50,7 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<Watermark, sqlx::Error> {
         consumer_id: row.try_get("consumer_id")?,
         cluster_id: row.try_get("cluster_id")?,
         topic: row.try_get("topic")?,
+        topic_id: row.try_get("topic_id")?,
         partition: row.try_get("partition")?,
         committed_offset: row.try_get("committed_offset")?,
         applied_count: row.try_get("applied_count")?,
@@ -55,17 +62,19 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<Watermark, sqlx::Error> {
     })
 }
 
-/// The watermarks of `consumer_id`, ordered by cluster, topic and partition.
+/// The watermarks of `consumer_id`, ordered by cluster, topic, partition
+/// and topic id (none first).
 pub async fn watermarks(pool: &PgPool, consumer_id: &str) -> Result<Vec<Watermark>, ConsumerError> {
-    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 ORDER BY cluster_id, topic, partition LIMIT $2");
+    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 ORDER BY cluster_id, topic, partition, topic_id NULLS FIRST LIMIT $2");
     let rows = sqlx::query(&sql).bind(consumer_id).bind(MAX_WATERMARK_ROWS).fetch_all(pool).await?;
     Ok(rows.iter().map(from_row).collect::<Result<_, _>>()?)
 }
 
-/// The watermarks of `consumer_id` on the log of one cluster, ordered by
-/// topic and partition (what the consumer publishes over that cluster).
+/// The watermarks of `consumer_id` on the logs of one cluster, ordered by
+/// topic, partition and topic id (what the consumer publishes over that
+/// cluster).
 pub(crate) async fn watermarks_on(pool: &PgPool, consumer_id: &str, cluster_id: &str) -> Result<Vec<Watermark>, ConsumerError> {
-    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 AND cluster_id = $2 ORDER BY topic, partition LIMIT $3");
+    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 AND cluster_id = $2 ORDER BY topic, partition, topic_id NULLS FIRST LIMIT $3");
     let rows = sqlx::query(&sql).bind(consumer_id).bind(cluster_id).bind(MAX_WATERMARK_ROWS).fetch_all(pool).await?;
     Ok(rows.iter().map(from_row).collect::<Result<_, _>>()?)
 }
@@ -88,6 +97,7 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     }
     let clusters: Vec<&str> = rows.iter().map(|w| w.cluster_id.as_str()).collect();
     let topics: Vec<&str> = rows.iter().map(|w| w.topic.as_str()).collect();
+    let topic_ids: Vec<Option<&str>> = rows.iter().map(|w| w.topic_id.as_deref()).collect();
     let partitions: Vec<i32> = rows.iter().map(|w| w.partition).collect();
     let offsets: Vec<i64> = rows.iter().map(|w| w.committed_offset).collect();
     let applied: Vec<i64> = rows.iter().map(|w| w.applied_count).collect();
@@ -98,11 +108,11 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     let updated: Vec<DateTime<Utc>> = rows.iter().map(|w| w.updated_at).collect();
     let n = sqlx::query(
         "INSERT INTO outbox_consumer_watermarks AS w
-             (consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
-         SELECT $1, u.cluster_id, u.topic, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at
-         FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[])
-             AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id)
-         ON CONFLICT (consumer_id, cluster_id, topic, partition) DO UPDATE SET
+             (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
+         SELECT $1, u.cluster_id, u.topic, u.topic_id, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at
+         FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[], $12::text[])
+             AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id, topic_id)
+         ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
              committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
              applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
              duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
@@ -123,6 +133,7 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     .bind(&last)
     .bind(&updated)
     .bind(&clusters)
+    .bind(&topic_ids)
     .execute(to)
     .await?
     .rows_affected();

@@ -5,8 +5,9 @@
 //! every `watermark_publish_interval_ms` and once more at a graceful
 //! shutdown, reads the consumer's watermark rows of the cluster it consumes
 //! from its own database and produces one `outboxWatermark.v1` record per row
-//! to the watermark topic of that cluster (keyed by consumer, cluster, topic
-//! and partition, so a compacted topic keeps the newest per key).
+//! (`.v2` for a row of a topic id) to the watermark topic of that cluster
+//! (keyed by consumer, cluster, topic, topic id and partition, so a
+//! compacted topic keeps the newest per key).
 //!
 //! The producer side (outbox-producer's `watermark_topic`) reads the topic
 //! and applies the records to the outbox database's watermark table: the
@@ -183,6 +184,7 @@ impl Publisher {
                 group_id: self.group_id.clone(),
                 cluster_id: w.cluster_id,
                 topic: w.topic,
+                topic_id: w.topic_id,
                 partition: w.partition,
                 committed_offset: w.committed_offset,
                 applied_count: w.applied_count,
@@ -198,7 +200,7 @@ impl Publisher {
                 continue;
             }
             let (key, value) = (record.key_bytes(), record.value_bytes());
-            let mut headers = OwnedHeaders::new().insert(Header { key: watermark_record::SCHEMA_HEADER, value: Some(watermark_record::SCHEMA) });
+            let mut headers = OwnedHeaders::new().insert(Header { key: watermark_record::SCHEMA_HEADER, value: Some(record.schema()) });
             if let Some(k) = &self.signing_key {
                 let signature = k.sign(&value);
                 headers = headers

@@ -298,6 +298,74 @@ async fn watermarks_are_published_to_the_outbox_database(pool: PgPool) {
     sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&pool).await.unwrap();
 }
 
+/// A topic deleted and created again under the same name: the new log
+/// starts at offset 0 again and its events' destinations name the new
+/// topic id. The consumer keeps a watermark row per topic id (the old log's
+/// is not moved by the new log's offsets), its receipts name the id, and a
+/// batch of one log mixing destination.v1 and .v2 messages (a route that
+/// learned the id) moves each row to the last offset of its own messages.
+/// `publish_watermarks` copies every row with its id.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn watermarks_and_receipts_are_kept_per_topic_id(pool: PgPool) {
+    const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
+    const NEW: &str = "_____________________w";
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let on = |topic_id: Option<&str>, tag: &str| {
+        (0..10_000).map(|i| fixture_of(TOPIC, topic_id, 4, &format!("o-{tag}-{i}"))).find(|f| f.partition() == 1).unwrap()
+    };
+    let old: Vec<Fixture> = (0..3).map(|i| on(Some(OLD), &format!("old{i}"))).collect();
+    let new: Vec<Fixture> = (0..3).map(|i| on(Some(NEW), &format!("new{i}"))).collect();
+    let outs = p.process_batch(&[old[0].raw(0), old[1].raw(1), old[2].raw(2)]).await.unwrap();
+    assert_eq!(kinds(&outs), ["applied"; 3]);
+    // The recreated topic's log, from offset 0 again.
+    let outs = p.process_batch(&[new[0].raw(0), new[1].raw(1)]).await.unwrap();
+    assert_eq!(kinds(&outs), ["applied"; 2]);
+    let rows = || async {
+        sqlx::query_as::<_, (Option<String>, i64, i64, i64, i64)>(
+            "SELECT topic_id, committed_offset, applied_count, duplicate_count, quarantined_count FROM outbox_consumer_watermarks
+             WHERE consumer_id = 'billing' AND partition = 1 ORDER BY topic_id NULLS FIRST",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(outbox_consumer::watermarks(&pool, "billing").await.unwrap().len(), 2, "one watermark row for two logs: {:?}", rows().await);
+    assert_eq!(rows().await, vec![(Some(OLD.into()), 3, 3, 0, 0), (Some(NEW.into()), 2, 2, 0, 0)]);
+    let receipts: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT event_id, topic_id FROM outbox_consumer_receipts WHERE consumer_id = 'billing' ORDER BY topic_id, \"offset\"").fetch_all(&pool).await.unwrap();
+    let want: Vec<(String, Option<String>)> =
+        old.iter().map(|f| (f.event_id().to_string(), Some(OLD.into()))).chain(new[..2].iter().map(|f| (f.event_id().to_string(), Some(NEW.into())))).collect();
+    assert_eq!(receipts, want);
+
+    // One batch of the new log: a destination.v1 event, a .v2 one, a
+    // tampered copy of a .v2 event (quarantined; its destination names the
+    // new id) and another destination.v1 event.
+    let (v1a, v1b) = (on(None, "v1a"), on(None, "v1b"));
+    let mut tampered = new[2].raw(4);
+    tampered.payload = Some(b"{\"order\":\"forged\"}".to_vec());
+    let outs = p.process_batch(&[v1a.raw(2), new[2].raw(3), tampered, v1b.raw(5)]).await.unwrap();
+    assert_eq!(kinds(&outs), ["applied", "applied", "quarantined", "applied"]);
+    assert_eq!(rows().await, vec![(None, 6, 2, 0, 0), (Some(OLD.into()), 3, 3, 0, 0), (Some(NEW.into()), 5, 3, 0, 1)]);
+    let receipt = outbox_consumer::receipt(&pool, "billing", new[2].event_id()).await.unwrap().unwrap();
+    assert_eq!(receipt.topic_id.as_deref(), Some(NEW));
+    assert_eq!(outbox_consumer::receipt(&pool, "billing", v1a.event_id()).await.unwrap().unwrap().topic_id, None);
+
+    // The copy into an outbox database keeps each row with its topic id.
+    let name = format!("outbox_wm_ids_{}_{}", std::process::id(), rand_suffix());
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&pool).await.unwrap();
+    let opts = pool.connect_options().as_ref().clone().database(&name);
+    let outbox = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(opts).await.unwrap();
+    outbox_consumer::migrate(&outbox).await.unwrap();
+    assert_eq!(outbox_consumer::publish_watermarks(&pool, &outbox, "billing").await.unwrap(), 3);
+    let copied = outbox_consumer::watermarks(&outbox, "billing").await.unwrap();
+    assert_eq!(copied, outbox_consumer::watermarks(&pool, "billing").await.unwrap());
+    assert_eq!(copied.iter().map(|w| w.topic_id.as_deref()).collect::<Vec<_>>(), [None, Some(OLD), Some(NEW)]);
+    outbox.close().await;
+    sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&pool).await.unwrap();
+}
+
 fn rand_suffix() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos() as u64).unwrap_or(0)
 }

@@ -233,6 +233,7 @@ fn receipt(ce: &ClaimedEvent, attempt: &AttemptRecord, offset: i64) -> BrokerRec
         destination_digest: ce.destination_digest.clone(),
         cluster_id: ce.destination.cluster_id.clone(),
         topic: ce.destination.topic.clone(),
+        topic_id: ce.destination.topic_id.clone(),
         partition: ce.destination.partition,
         offset,
     }

@@ -288,7 +288,8 @@ impl MessageClaims {
         Ok(())
     }
 
-    /// The broker receipt of this message at a log position.
+    /// The broker receipt of this message at a log position; its topic id
+    /// is the one the claimed destination names.
     pub fn receipt(&self, cluster_id: &str, topic: &str, partition: i32, offset: i64, payload: &[u8]) -> BrokerReceipt {
         BrokerReceipt {
             event_id: self.event_id.clone(),
@@ -298,6 +299,7 @@ impl MessageClaims {
             destination_digest: self.destination_digest.clone(),
             cluster_id: cluster_id.to_owned(),
             topic: topic.to_owned(),
+            topic_id: self.destination.topic_id.clone(),
             partition,
             offset,
         }

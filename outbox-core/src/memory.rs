@@ -80,6 +80,24 @@ pub struct MigrationRecord {
     pub closed_attempts: Vec<AttemptId>,
 }
 
+/// One consumer's published watermark on one log, as
+/// [`MemoryStore::retain_and_purge`] takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryWatermark {
+    /// The consumer.
+    pub consumer_id: String,
+    /// Broker cluster of the log.
+    pub cluster_id: String,
+    /// Topic.
+    pub topic: String,
+    /// Topic id the messages it counted name (`None`: `destination.v1`).
+    pub topic_id: Option<String>,
+    /// Partition.
+    pub partition: i32,
+    /// Next offset the consumer reads.
+    pub committed_offset: i64,
+}
+
 /// What one retention pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemoryPurgeOutcome {
@@ -117,10 +135,12 @@ pub struct MemoryState {
     pub audit: Vec<AuditRecord>,
     /// Command key -> event id.
     pub commands: BTreeMap<String, EventId>,
-    /// Highest primary offset accepted per (cluster, topic, partition). The
-    /// cluster is part of the key: two clusters may carry the same topic name
-    /// (a route revision to another cluster), and their offsets are unrelated.
-    pub partition_high: BTreeMap<(String, String, i32), i64>,
+    /// Highest primary offset accepted per (cluster, topic, topic id,
+    /// partition). The cluster is part of the key: two clusters may carry the
+    /// same topic name (a route revision to another cluster), and their
+    /// offsets are unrelated; so is the topic id: a topic deleted and created
+    /// again under the same name starts another log at offset 0.
+    pub partition_high: BTreeMap<(String, String, Option<String>, i32), i64>,
     /// Migration receipts, in order.
     pub migrations: Vec<MigrationRecord>,
     next_seq: u64,
@@ -312,15 +332,22 @@ impl MemoryStore {
     /// the command key stay, so late duplicates and retried commands are
     /// still recognised.
     ///
-    /// `watermarks`: `(consumer_id, cluster_id, topic, partition,
-    /// committed_offset)`; `mandatory`: each mandatory consumer with the
-    /// topic names it reads (on any cluster: a consumer that reads a topic
-    /// name holds it on every cluster until it has a watermark there).
-    pub fn retain_and_purge(&self, replay_window_ms: i64, watermarks: &[(String, String, String, i32, i64)], mandatory: &[(String, Vec<String>)]) -> MemoryPurgeOutcome {
+    /// `watermarks`: one per consumer and log; `mandatory`: each mandatory
+    /// consumer with the topic names it reads (on any cluster: a consumer
+    /// that reads a topic name holds it on every cluster until it has a
+    /// watermark there).
+    pub fn retain_and_purge(&self, replay_window_ms: i64, watermarks: &[MemoryWatermark], mandatory: &[(String, Vec<String>)]) -> MemoryPurgeOutcome {
         let now = self.now_ms();
         let wms: Vec<WatermarkRef<'_>> = watermarks
             .iter()
-            .map(|(c, k, t, p, o)| WatermarkRef { consumer_id: c, cluster_id: k, topic: t, partition: *p, committed_offset: *o })
+            .map(|w| WatermarkRef {
+                consumer_id: &w.consumer_id,
+                cluster_id: &w.cluster_id,
+                topic: &w.topic,
+                topic_id: w.topic_id.as_deref(),
+                partition: w.partition,
+                committed_offset: w.committed_offset,
+            })
             .collect();
         let mut st = self.lock();
         let mut out = MemoryPurgeOutcome::default();
@@ -334,7 +361,7 @@ impl MemoryStore {
             }
             let Some(slot) = ev.slot.as_ref() else { continue };
             let on_topic: Vec<&str> = mandatory.iter().filter(|(_, topics)| topics.contains(&slot.topic)).map(|(c, _)| c.as_str()).collect();
-            let at = LogPosition { cluster_id: &slot.cluster_id, topic: &slot.topic, partition: slot.partition, offset: slot.offset };
+            let at = LogPosition { cluster_id: &slot.cluster_id, topic: &slot.topic, topic_id: slot.topic_id.as_deref(), partition: slot.partition, offset: slot.offset };
             match may_purge(ev.state, published_at, now, replay_window_ms, at, &wms, &on_topic) {
                 Ok(()) => {
                     if Self::transition(ev, EventState::Purged, now).is_ok() {
@@ -511,7 +538,7 @@ impl OutboxStore for MemoryStore {
                 send_deadline_ms: Some(token.lease_until_ms),
                 scan_from_offset: st
                     .partition_high
-                    .get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.partition))
+                    .get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.topic_id.clone(), ev.destination.partition))
                     .copied()
                     .unwrap_or(0),
             };
@@ -543,7 +570,7 @@ impl OutboxStore for MemoryStore {
             ReceiptDecision::Accept { .. } => {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
-                let high = st.partition_high.entry((receipt.cluster_id.clone(), receipt.topic.clone(), receipt.partition)).or_insert(0);
+                let high = st.partition_high.entry((receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition)).or_insert(0);
                 *high = (*high).max(receipt.offset);
                 ev.claim.owner = None;
                 ev.claim.lease_until_ms = None;

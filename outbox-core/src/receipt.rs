@@ -30,6 +30,12 @@ pub struct BrokerReceipt {
     pub cluster_id: String,
     /// Topic written.
     pub topic: String,
+    /// The topic's identity (Kafka topic id) as the destination the message
+    /// names has it frozen (`destination.v2`); `None` for a `destination.v1`.
+    /// Part of the log position: a topic deleted and created again under the
+    /// same name starts another log at offset 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topic_id: Option<String>,
     /// Partition written.
     pub partition: i32,
     /// Offset assigned.
@@ -48,9 +54,14 @@ impl AttemptRecord {
 }
 
 impl BrokerReceipt {
-    /// Whether two receipts name the same log position.
+    /// Whether two receipts name the same log position: cluster, topic,
+    /// topic id (exactly: `None` matches only `None`), partition and offset.
     pub fn same_placement(&self, other: &BrokerReceipt) -> bool {
-        self.cluster_id == other.cluster_id && self.topic == other.topic && self.partition == other.partition && self.offset == other.offset
+        self.cluster_id == other.cluster_id
+            && self.topic == other.topic
+            && self.topic_id == other.topic_id
+            && self.partition == other.partition
+            && self.offset == other.offset
     }
 }
 
@@ -291,6 +302,7 @@ pub(crate) fn sample_receipt(offset: i64) -> BrokerReceipt {
         destination_digest: "d".into(),
         cluster_id: "c".into(),
         topic: "t".into(),
+        topic_id: None,
         partition: 0,
         offset,
     }
@@ -357,6 +369,7 @@ mod tests {
                 destination_digest: self.event.destination_digest.clone(),
                 cluster_id: "cluster-a".into(),
                 topic: "orders".into(),
+                topic_id: self.event.destination.topic_id.clone(),
                 partition: self.event.destination.partition,
                 offset,
             }

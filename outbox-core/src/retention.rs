@@ -58,13 +58,18 @@ pub fn may_retain(published_at_ms: i64, now_ms: i64, replay_window_ms: i64) -> b
 }
 
 /// A position in a broker's log: the cluster is part of it, since two
-/// clusters may carry a topic of the same name with unrelated offsets.
+/// clusters may carry a topic of the same name with unrelated offsets, and
+/// so is the topic's identity, since a topic deleted and created again under
+/// the same name starts another log at offset 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogPosition<'a> {
     /// Broker cluster identity.
     pub cluster_id: &'a str,
     /// Topic.
     pub topic: &'a str,
+    /// The topic id the message's frozen destination names
+    /// (`destination.v2`), `None` for a `destination.v1`.
+    pub topic_id: Option<&'a str>,
     /// Partition.
     pub partition: i32,
     /// Offset.
@@ -81,6 +86,10 @@ pub struct WatermarkRef<'a> {
     pub cluster_id: &'a str,
     /// Topic.
     pub topic: &'a str,
+    /// The topic id the messages it counted name in their destinations
+    /// (`None`: `destination.v1` messages, or ones whose destination did
+    /// not parse).
+    pub topic_id: Option<&'a str>,
     /// Partition.
     pub partition: i32,
     /// The next offset the consumer reads.
@@ -88,9 +97,11 @@ pub struct WatermarkRef<'a> {
 }
 
 impl WatermarkRef<'_> {
-    /// Whether this watermark is of `consumer_id` on the log of `at`.
+    /// Whether this watermark is of `consumer_id` on the log of `at`: same
+    /// cluster, topic, topic id (exactly: `None` matches only `None`) and
+    /// partition.
     pub fn covers_log_of(&self, consumer_id: &str, at: &LogPosition<'_>) -> bool {
-        self.consumer_id == consumer_id && self.cluster_id == at.cluster_id && self.topic == at.topic && self.partition == at.partition
+        self.consumer_id == consumer_id && self.cluster_id == at.cluster_id && self.topic == at.topic && self.topic_id == at.topic_id && self.partition == at.partition
     }
 }
 
@@ -101,8 +112,9 @@ impl WatermarkRef<'_> {
 /// next offset the consumer reads, so it has passed `offset` when
 /// `committed_offset > offset`); `mandatory_consumers_on_topic` lists every
 /// mandatory consumer reading the event's topic. A mandatory consumer
-/// without a watermark on that very log (same cluster, topic and partition)
-/// holds the event: a watermark on another cluster's topic of the same name
+/// without a watermark on that very log (same cluster, topic, topic id and
+/// partition) holds the event: a watermark on another cluster's topic of
+/// the same name, or on another incarnation of the topic (another topic id),
 /// says nothing about this one.
 pub fn may_purge(
     state: EventState,
@@ -270,18 +282,42 @@ mod tests {
     /// Watermarks as `(consumer, topic, partition, committed)` on cluster `k-a`,
     /// the event's cluster.
     fn purge(state: EventState, published: i64, wms: &[(&str, &str, i32, i64)], mandatory: &[&str]) -> Result<(), HoldReason> {
-        let wms: Vec<WatermarkRef<'_>> =
-            wms.iter().map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, cluster_id: "k-a", topic, partition, committed_offset }).collect();
-        may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", partition: 2, offset: 7 }, &wms, mandatory)
+        let wms: Vec<WatermarkRef<'_>> = wms
+            .iter()
+            .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, cluster_id: "k-a", topic, topic_id: None, partition, committed_offset })
+            .collect();
+        may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7 }, &wms, mandatory)
     }
 
     #[test]
     fn a_watermark_on_another_cluster_holds_nothing_up() {
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", partition: 2, offset: 7 };
-        let far_on_b = [WatermarkRef { consumer_id: "c1", cluster_id: "k-b", topic: "orders", partition: 2, committed_offset: 1_000 }];
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7 };
+        let far_on_b = [WatermarkRef { consumer_id: "c1", cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2, committed_offset: 1_000 }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &far_on_b, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let past_on_a = [WatermarkRef { cluster_id: "k-a", ..far_on_b[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past_on_a, &["c1"]), Ok(()));
+    }
+
+    /// A topic deleted and created again under the same name: the consumer
+    /// is far along the new log (another topic id), which says nothing about
+    /// a receipt of the old one, whatever the offsets say; only a watermark
+    /// of the receipt's own topic id (or, for a `destination.v1` receipt,
+    /// one without an id) lets it go.
+    #[test]
+    fn a_watermark_of_another_topic_id_holds_nothing_up() {
+        const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
+        const NEW: &str = "_____________________w";
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2, offset: 7 };
+        let on_new = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2, committed_offset: 1_000 }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_new, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
+        let without_id = [WatermarkRef { topic_id: None, ..on_new[0] }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &without_id, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
+        let on_old = [WatermarkRef { topic_id: Some(OLD), ..on_new[0] }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_old, &["c1"]), Ok(()));
+        // A destination.v1 receipt is passed by a watermark without an id only.
+        let v1 = LogPosition { topic_id: None, ..at };
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v1, &on_old, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v1, &without_id, &["c1"]), Ok(()));
     }
 
     #[test]

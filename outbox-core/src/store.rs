@@ -316,6 +316,10 @@ pub struct ScannedMessage {
     pub source: Option<String>,
     /// Its `outbox-attempt-id` header, if any.
     pub attempt_id: Option<String>,
+    /// The topic id its `outbox-destination` header names (a
+    /// `destination.v2` that parses; `None` otherwise): which log a receipt
+    /// of it names.
+    pub topic_id: Option<String>,
 }
 
 /// The answer of [`Broker::scan_event_ids`].

@@ -1,5 +1,6 @@
 //! The watermark record a consumer publishes over the broker
-//! (`outboxWatermark.v1`), and its key (`outboxWatermarkKey.v1`).
+//! (`outboxWatermark.v1` or `.v2`), and its key (`outboxWatermarkKey.v1` or
+//! `.v2`).
 //!
 //! A consumer whose state lives in its own database publishes, for each of
 //! its watermark rows, one record to a compacted topic; the producer side
@@ -7,16 +8,22 @@
 //! Both are `canonical.v1` text (see [`crate::canonical`]); docs/WIRE.md
 //! documents the bytes.
 //!
-//! The key names the log position the record speaks about, so compaction
-//! keeps the newest record per consumer, cluster, topic and partition. Topic
-//! identity (a Kafka topic id) is not in the key yet: a topic deleted and
-//! recreated under the same name shares its key.
+//! The key names the log the record speaks about, so compaction keeps the
+//! newest record per consumer, cluster, topic, topic identity and
+//! partition. The topic identity is the Kafka topic id the counted
+//! messages' destinations name (`destination.v2`): a topic deleted and
+//! created again under the same name is another log, with its own key.
+//! A watermark of no topic id (`destination.v1` messages) is a `.v1` key
+//! and value, byte for byte as before topic ids; one with a topic id is a
+//! `.v2` key and value, the same fields with `topicId` right after `topic`
+//! (the encoding has no optional fields, and a `.v1` reader refuses a
+//! `.v2` record rather than read it as a watermark of no topic id).
 //!
 //! **Authentication (optional).** A consumer with a watermark signing key
 //! adds two headers: [`KEY_ID_HEADER`] (the key id) and [`SIGNATURE_HEADER`]
 //! (`hmac-sha256:` + 64 lower-case hex: HMAC-SHA256 of the exact value
 //! bytes, see [`WatermarkRecord::signature`]). The value names the consumer,
-//! cluster, topic and partition, and [`WatermarkRecord::decode`] refuses a
+//! cluster, topic, topic id and partition, and [`WatermarkRecord::decode`] refuses a
 //! key that does not name what the value says, so the signature covers the
 //! key too. Neither encoding changes; a reader with verification keys for a
 //! consumer checks them with [`verify_signature`].
@@ -26,11 +33,16 @@ use crate::error::CoreError;
 use crate::id::{validate_identifier, EventId};
 use crate::trust::SigningKey;
 
-/// Schema of the record's value.
+/// Schema of the value of a record without a topic id.
 pub const SCHEMA: &str = "outboxWatermark.v1";
-/// Schema of the record's key.
+/// Schema of the value of a record with a topic id (`topicId` after `topic`).
+pub const SCHEMA_V2: &str = "outboxWatermark.v2";
+/// Schema of the key of a record without a topic id.
 pub const KEY_SCHEMA: &str = "outboxWatermarkKey.v1";
-/// Header carrying [`SCHEMA`] on every watermark record.
+/// Schema of the key of a record with a topic id (`topicId` after `topic`).
+pub const KEY_SCHEMA_V2: &str = "outboxWatermarkKey.v2";
+/// Header carrying the value's schema ([`SCHEMA`] or [`SCHEMA_V2`],
+/// [`WatermarkRecord::schema`]) on every watermark record.
 pub const SCHEMA_HEADER: &str = "outbox-watermark-schema";
 /// The record's signature: `hmac-sha256:<hex>` of the value bytes (only on signed records).
 pub const SIGNATURE_HEADER: &str = "outbox-watermark-signature";
@@ -52,6 +64,9 @@ pub struct WatermarkRecord {
     pub cluster_id: String,
     /// Topic name.
     pub topic: String,
+    /// The topic id the counted messages' destinations name (`None`: of no
+    /// id, `destination.v1` messages): with the topic, which log.
+    pub topic_id: Option<String>,
     /// Partition.
     pub partition: i32,
     /// Next offset the consumer reads: every message below has a committed decision.
@@ -78,13 +93,16 @@ fn bad(why: impl Into<String>) -> CoreError {
 }
 
 impl WatermarkRecord {
-    /// Checks every field: identifiers, a non-negative partition, offsets and
-    /// counts, a well-formed last eventId.
+    /// Checks every field: identifiers, a well-formed topic id, a
+    /// non-negative partition, offsets and counts, a well-formed last eventId.
     pub fn validate(&self) -> Result<(), CoreError> {
         validate_identifier("consumerId", &self.consumer_id)?;
         validate_identifier("groupId", &self.group_id)?;
         validate_identifier("clusterId", &self.cluster_id)?;
         validate_identifier("topic", &self.topic)?;
+        if let Some(id) = &self.topic_id {
+            crate::envelope::validate_topic_id(id)?;
+        }
         if self.partition < 0 {
             return Err(bad(format!("partition {} is negative", self.partition)));
         }
@@ -107,24 +125,45 @@ impl WatermarkRecord {
         Ok(())
     }
 
-    /// The key bytes: `outboxWatermarkKey.v1` with consumerId, clusterId, topic, partition.
-    pub fn key_bytes(&self) -> Vec<u8> {
-        CanonicalWriter::new(KEY_SCHEMA)
-            .field("consumerId", &self.consumer_id)
-            .field("clusterId", &self.cluster_id)
-            .field("topic", &self.topic)
-            .field("partition", self.partition.to_string())
-            .finish()
+    /// The schema of the value: [`SCHEMA_V2`] with a topic id, [`SCHEMA`]
+    /// without.
+    pub fn schema(&self) -> &'static str {
+        if self.topic_id.is_some() {
+            SCHEMA_V2
+        } else {
+            SCHEMA
+        }
     }
 
-    /// The value bytes: `outboxWatermark.v1`, fields in the documented order.
+    /// The key bytes: `outboxWatermarkKey.v1` with consumerId, clusterId,
+    /// topic, partition; `outboxWatermarkKey.v2` with `topicId` after
+    /// `topic` when the record has a topic id.
+    pub fn key_bytes(&self) -> Vec<u8> {
+        let w = match &self.topic_id {
+            None => CanonicalWriter::new(KEY_SCHEMA).field("consumerId", &self.consumer_id).field("clusterId", &self.cluster_id).field("topic", &self.topic),
+            Some(id) => CanonicalWriter::new(KEY_SCHEMA_V2)
+                .field("consumerId", &self.consumer_id)
+                .field("clusterId", &self.cluster_id)
+                .field("topic", &self.topic)
+                .field("topicId", id),
+        };
+        w.field("partition", self.partition.to_string()).finish()
+    }
+
+    /// The value bytes: `outboxWatermark.v1`, fields in the documented order;
+    /// `outboxWatermark.v2`, with `topicId` after `topic`, when the record
+    /// has a topic id.
     pub fn value_bytes(&self) -> Vec<u8> {
-        CanonicalWriter::new(SCHEMA)
+        let w = CanonicalWriter::new(self.schema())
             .field("consumerId", &self.consumer_id)
             .field("groupId", &self.group_id)
             .field("clusterId", &self.cluster_id)
-            .field("topic", &self.topic)
-            .field("partition", self.partition.to_string())
+            .field("topic", &self.topic);
+        let w = match &self.topic_id {
+            None => w,
+            Some(id) => w.field("topicId", id),
+        };
+        w.field("partition", self.partition.to_string())
             .field("committedOffset", self.committed_offset.to_string())
             .field("appliedCount", self.applied_count.to_string())
             .field("duplicateCount", self.duplicate_count.to_string())
@@ -142,20 +181,24 @@ impl WatermarkRecord {
         key.sign(&self.value_bytes())
     }
 
-    /// Reads a record from its key and value, refusing anything malformed,
-    /// oversized, or whose key does not name what its value says.
+    /// Reads a record from its key and value (`.v1` or `.v2`), refusing
+    /// anything malformed, oversized, or whose key does not name what its
+    /// value says (consumer, cluster, topic, topic id and partition, the
+    /// key's schema included: a `.v1` key does not name a `.v2` value).
     pub fn decode(key: Option<&[u8]>, value: Option<&[u8]>) -> Result<WatermarkRecord, CoreError> {
         let key = key.ok_or_else(|| bad("watermark record without a key"))?;
         let value = value.ok_or_else(|| bad("watermark record without a value (a tombstone)"))?;
         if key.len() > MAX_RECORD_BYTES || value.len() > MAX_RECORD_BYTES {
             return Err(bad(format!("watermark record over {MAX_RECORD_BYTES} bytes")));
         }
-        let mut r = CanonicalReader::new(value, SCHEMA)?;
+        let v2 = value.starts_with(SCHEMA_V2.as_bytes()) && value.get(SCHEMA_V2.len()) == Some(&b'\n');
+        let mut r = CanonicalReader::new(value, if v2 { SCHEMA_V2 } else { SCHEMA })?;
         let record = WatermarkRecord {
             consumer_id: r.field("consumerId")?.to_owned(),
             group_id: r.field("groupId")?.to_owned(),
             cluster_id: r.field("clusterId")?.to_owned(),
             topic: r.field("topic")?.to_owned(),
+            topic_id: if v2 { Some(r.field("topicId")?.to_owned()) } else { None },
             partition: r.int("partition")?,
             committed_offset: r.int("committedOffset")?,
             applied_count: r.int("appliedCount")?,
@@ -169,7 +212,7 @@ impl WatermarkRecord {
         r.end()?;
         record.validate()?;
         if record.key_bytes() != key {
-            return Err(bad("the key does not name the value's consumer, cluster, topic and partition"));
+            return Err(bad("the key does not name the value's consumer, cluster, topic, topic id and partition"));
         }
         Ok(record)
     }
@@ -229,6 +272,7 @@ mod tests {
             group_id: "shipping".into(),
             cluster_id: "kafka-prod".into(),
             topic: "orders".into(),
+            topic_id: None,
             partition: 3,
             committed_offset: 42,
             applied_count: 40,
@@ -246,6 +290,43 @@ mod tests {
         let r = sample();
         assert_eq!(WatermarkRecord::decode(Some(&r.key_bytes()), Some(&r.value_bytes())).unwrap(), r);
         assert_eq!(r.key_bytes(), b"outboxWatermarkKey.v1\nconsumerId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\npartition=1:3\n".to_vec());
+    }
+
+    /// A record with a topic id is `.v2` (key and value, `topicId` after
+    /// `topic`), one without stays `.v1` byte for byte; both read back.
+    #[test]
+    fn a_topic_id_makes_a_v2_record_and_round_trips() {
+        let v1 = sample();
+        assert_eq!(v1.schema(), SCHEMA);
+        assert!(v1.value_bytes().starts_with(b"outboxWatermark.v1\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\npartition=1:3\n"));
+        let v2 = WatermarkRecord { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), ..sample() };
+        assert_eq!(v2.schema(), SCHEMA_V2);
+        assert_eq!(
+            v2.key_bytes(),
+            b"outboxWatermarkKey.v2\nconsumerId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=22:AAECAwQFBgcICQoLDA0ODw\npartition=1:3\n".to_vec()
+        );
+        assert!(v2.value_bytes().starts_with(b"outboxWatermark.v2\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=22:AAECAwQFBgcICQoLDA0ODw\npartition=1:3\n"));
+        assert_eq!(WatermarkRecord::decode(Some(&v2.key_bytes()), Some(&v2.value_bytes())).unwrap(), v2);
+        assert_eq!(WatermarkRecord::decode(Some(&v1.key_bytes()), Some(&v1.value_bytes())).unwrap(), v1);
+        // The same value bytes under the other schema name do not read.
+        let mut renamed = b"outboxWatermark.v1".to_vec();
+        renamed.extend_from_slice(&v2.value_bytes()[SCHEMA_V2.len()..]);
+        assert!(WatermarkRecord::decode(Some(&v2.key_bytes()), Some(&renamed)).is_err());
+        let bad = WatermarkRecord { topic_id: Some("not-a-topic-id".into()), ..sample() };
+        assert!(WatermarkRecord::decode(Some(&bad.key_bytes()), Some(&bad.value_bytes())).is_err());
+    }
+
+    /// The key must name the value's topic id: another id, an id the value
+    /// does not have, or none where the value has one are refused.
+    #[test]
+    fn a_key_naming_another_topic_id_is_refused() {
+        let v2 = WatermarkRecord { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), ..sample() };
+        let other = WatermarkRecord { topic_id: Some("_____________________w".into()), ..sample() };
+        let none = sample();
+        for (key, value) in [(&other, &v2), (&none, &v2), (&v2, &none)] {
+            let err = WatermarkRecord::decode(Some(&key.key_bytes()), Some(&value.value_bytes())).unwrap_err();
+            assert!(err.to_string().contains("topic id"), "{err}");
+        }
     }
 
     #[test]

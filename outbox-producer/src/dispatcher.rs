@@ -795,6 +795,10 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                     destination_digest: ev.destination_digest.clone(),
                     cluster_id: cluster_id.clone(),
                     topic: ev.destination.topic.clone(),
+                    // The log position's identity is the topic id the frozen
+                    // destination names (the adapter refused the send if the
+                    // topic now has another).
+                    topic_id: ev.destination.topic_id.clone(),
                     partition: *partition,
                     offset: *offset,
                     });

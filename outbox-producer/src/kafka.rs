@@ -58,6 +58,27 @@
 //! **Invariant:** the client never chooses a partition: every record carries
 //! the partition of the frozen destination.
 //!
+//! ## Sends to a `destination.v2`
+//!
+//! A message whose `outbox-destination` header is a `destination.v2` names
+//! the topic id frozen with the event. Before it is handed to librdkafka the
+//! topic's current id is checked against it: a topic that now has another
+//! id (deleted and created again under the same name) is not the
+//! destination's log, and the send is [`SendOutcome::NotPersisted`] with
+//! nothing written. The current id is read once per topic per
+//! [`TOPIC_ID_CACHE_MS`] ([`KafkaBroker::topic_id`]: a metadata request and
+//! a topic description, not one per message); a send that finds no fresh
+//! answer waits for the read at most half of
+//! [`KafkaConfig::enqueue_timeout_ms`], within its enqueue wait; a lookup's
+//! own (always fresh) read of the id replaces it.
+//! When the id cannot be read (the cluster gives no topic ids, or does not
+//! answer in time) the send goes ahead unchecked (logged at debug): the
+//! lookup still refuses to call a range of such a log absent. A recreation
+//! less than [`TOPIC_ID_CACHE_MS`] before a send, or between the check and
+//! the write, is not caught here; the receipt then names the frozen id, and
+//! the bypass scan's lost positions and the lookups report the log's
+//! change.
+//!
 //! **Invariant:** an in-flight slot (see [`KafkaConfig::max_in_flight`]) is
 //! released only when librdkafka has reported the message's fate, not when the
 //! caller stops waiting.
@@ -80,7 +101,7 @@ use rdkafka::metadata::Metadata;
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use rdkafka_sys::rd_kafka_msg_status_t;
-use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, error, info, warn};
 
 /// Environment variable read by [`KafkaConfig::from_env`]: the bootstrap
@@ -120,6 +141,9 @@ const LIBRDKAFKA_RECONNECT_BACKOFF_MAX_MS: u64 = 10_000;
 const ENQUEUE_RETRY_PAUSE_MS: u64 = 10;
 /// Longest single consumer poll during a lookup.
 const LOOKUP_POLL_SLICE_MS: u64 = 100;
+/// How long a topic id read for the send-time check of a `destination.v2`
+/// is used, ms (see the [module documentation](self)).
+pub const TOPIC_ID_CACHE_MS: u64 = 5_000;
 
 /// librdkafka settings the adapter sets itself and that
 /// [`KafkaConfig::extra`] may not override: they carry the guarantees.
@@ -932,10 +956,10 @@ impl Inner {
     }
 
     /// Drives one send to its outcome, starting from an enqueue attempt made
-    /// at call time if there was one.
-    async fn drive(self: Arc<Self>, message: OutgoingMessage, first: Option<Enqueue>) -> SendOutcome {
+    /// at call time if there was one; the enqueue wait counts from `started`.
+    async fn drive(self: Arc<Self>, message: OutgoingMessage, first: Option<Enqueue>, started: tokio::time::Instant) -> SendOutcome {
         let enqueue_timeout = Duration::from_millis(self.config.enqueue_timeout_ms);
-        let deadline = tokio::time::Instant::now() + enqueue_timeout;
+        let deadline = started + enqueue_timeout;
         let mut step = first;
         let rx = loop {
             let attempt = match step.take() {
@@ -1028,6 +1052,38 @@ struct Shared {
     config: KafkaConfig,
     current: RwLock<Arc<Inner>>,
     rebuilding: tokio::sync::Mutex<()>,
+    /// The topic ids sends to a `destination.v2` are checked against.
+    topic_ids: Mutex<std::collections::HashMap<String, TopicIdRead>>,
+}
+
+/// One read of a topic's current id for the send-time check: when it began,
+/// and its answer once there (`Some(None)`: no id could be read: the
+/// cluster gives none, or it could not be asked).
+#[derive(Clone)]
+struct TopicIdRead {
+    began: Instant,
+    answer: watch::Receiver<Option<Option<String>>>,
+}
+
+/// The topic id a message's `outbox-destination` header (the last one)
+/// freezes, when it is a `destination.v2` that parses.
+fn frozen_topic_id(hs: &[(String, Vec<u8>)]) -> Option<String> {
+    let (_, bytes) = hs.iter().rev().find(|(k, _)| k == headers::DESTINATION)?;
+    if !bytes.starts_with(outbox_core::envelope::DESTINATION_SCHEMA_V2.as_bytes()) {
+        return None;
+    }
+    Destination::from_canonical(bytes).ok()?.topic_id
+}
+
+/// Why a send to `topic` with frozen topic id `frozen` is refused, when the
+/// topic's current id is known to be another.
+fn recreated(topic: &str, current: Option<&str>, frozen: &str) -> Option<String> {
+    match current {
+        Some(now) if now != frozen => Some(format!(
+            "topic {topic} has id {now}, the destination froze id {frozen}: the topic was recreated, its log is not the destination's; nothing was sent"
+        )),
+        _ => None,
+    }
 }
 
 /// What [`KafkaBroker::producer_health`] reports.
@@ -1117,7 +1173,15 @@ impl KafkaBroker {
         .await
         .map_err(|e| KafkaAdapterError::Task(e.to_string()))??;
         info!(cluster_id = %inner.cluster_id, bootstrap = %inner.config.bootstrap_servers, "kafka adapter connected");
-        Ok(KafkaBroker { shared: Arc::new(Shared { cluster_id: inner.cluster_id.clone(), config: inner.config.clone(), current: RwLock::new(Arc::new(inner)), rebuilding: tokio::sync::Mutex::new(()) }) })
+        Ok(KafkaBroker {
+            shared: Arc::new(Shared {
+                cluster_id: inner.cluster_id.clone(),
+                config: inner.config.clone(),
+                current: RwLock::new(Arc::new(inner)),
+                rebuilding: tokio::sync::Mutex::new(()),
+                topic_ids: Mutex::default(),
+            }),
+        })
     }
 
     fn inner(&self) -> Arc<Inner> {
@@ -1257,10 +1321,104 @@ impl KafkaBroker {
     /// for a slot. Once handed over, the delivery report is captured whether
     /// or not the future is being polled, and a later poll yields it.
     /// Dropping the future does not withdraw the message.
+    ///
+    /// A message to a `destination.v2` is first checked against its topic's
+    /// current id (see the [module documentation](self)): refused
+    /// ([`SendOutcome::NotPersisted`], nothing written) when the topic now
+    /// has another id. Without a fresh read of that id at hand, the message
+    /// is handed over at the first poll, once the id is read (within the
+    /// enqueue wait).
     pub fn send_detached(&self, message: OutgoingMessage) -> impl Future<Output = SendOutcome> + Send + 'static {
+        let frozen = frozen_topic_id(&message.headers);
+        let (refused, unchecked) = match &frozen {
+            None => (None, false),
+            Some(f) => match self.cached_topic_id(&message.topic) {
+                Some(current) => (recreated(&message.topic, current.as_deref(), f), false),
+                None => (None, true),
+            },
+        };
         let inner = self.inner();
-        let first = Arc::clone(&inner.in_flight).try_acquire_owned().ok().map(|permit| inner.enqueue(&message, permit));
-        inner.drive(message, first)
+        let first = if refused.is_none() && !unchecked { Arc::clone(&inner.in_flight).try_acquire_owned().ok().map(|permit| inner.enqueue(&message, permit)) } else { None };
+        let this = self.clone();
+        async move {
+            let started = tokio::time::Instant::now();
+            if let Some(reason) = refused {
+                warn!(topic = %message.topic, %reason, "send refused: the destination's topic was recreated");
+                return SendOutcome::NotPersisted(reason);
+            }
+            let inner = match frozen.filter(|_| unchecked) {
+                None => inner,
+                Some(frozen) => {
+                    let wait = Duration::from_millis(this.shared.config.enqueue_timeout_ms / 2);
+                    let current = this.topic_id_for_send(&message.topic, started + wait).await;
+                    if let Some(reason) = recreated(&message.topic, current.as_deref(), &frozen) {
+                        warn!(topic = %message.topic, %reason, "send refused: the destination's topic was recreated");
+                        return SendOutcome::NotPersisted(reason);
+                    }
+                    this.inner()
+                }
+            };
+            inner.drive(message, first, started).await
+        }
+    }
+
+    /// Keeps `id`, just read, as the current id of `topic` for the sends.
+    fn remember_topic_id(&self, topic: &str, id: Option<String>) {
+        let (_, answer) = watch::channel(Some(id));
+        lock(&self.shared.topic_ids).insert(topic.to_owned(), TopicIdRead { began: Instant::now(), answer });
+    }
+
+    /// The current id of `topic` as read less than [`TOPIC_ID_CACHE_MS`]
+    /// ago, when that read has answered (no I/O): `Some(None)` when no id
+    /// could be read.
+    fn cached_topic_id(&self, topic: &str) -> Option<Option<String>> {
+        let reads = lock(&self.shared.topic_ids);
+        let read = reads.get(topic).filter(|r| r.began.elapsed() < Duration::from_millis(TOPIC_ID_CACHE_MS))?;
+        let answer = read.answer.borrow().clone();
+        answer
+    }
+
+    /// The current id of `topic` for the send-time check: the answer of a
+    /// read begun less than [`TOPIC_ID_CACHE_MS`] ago, or of one begun now
+    /// (one read per topic at a time, its answer kept for the others),
+    /// waiting for it until `deadline`. `None`: not known (no id, no answer
+    /// in time, an error: all logged at debug).
+    async fn topic_id_for_send(&self, topic: &str, deadline: tokio::time::Instant) -> Option<String> {
+        let mut answer = {
+            let mut reads = lock(&self.shared.topic_ids);
+            match reads.get(topic).filter(|r| r.began.elapsed() < Duration::from_millis(TOPIC_ID_CACHE_MS)) {
+                Some(r) => r.answer.clone(),
+                None => {
+                    let (tx, rx) = watch::channel(None);
+                    reads.insert(topic.to_owned(), TopicIdRead { began: Instant::now(), answer: rx.clone() });
+                    let (broker, topic) = (self.clone(), topic.to_owned());
+                    tokio::spawn(async move {
+                        let id = match broker.topic_id(&topic).await {
+                            Ok(id) => {
+                                if id.is_none() {
+                                    debug!(%topic, "the cluster gives no topic id: sends to destination.v2 are not checked against it");
+                                }
+                                id
+                            }
+                            Err(e) => {
+                                debug!(%topic, error = %e, "topic id not read: sends to destination.v2 go unchecked until it is");
+                                None
+                            }
+                        };
+                        let _ = tx.send(Some(id));
+                    });
+                    rx
+                }
+            }
+        };
+        let id = match tokio::time::timeout_at(deadline, answer.wait_for(Option::is_some)).await {
+            Ok(Ok(id)) => id.clone().flatten(),
+            _ => {
+                debug!(%topic, "topic id not read within the send's wait: sent unchecked");
+                None
+            }
+        };
+        id
     }
 
     /// The partition count of `topic`, from the cluster's metadata (for
@@ -1368,7 +1526,11 @@ impl Broker for KafkaBroker {
         // that destination's only while the topic still has that id.
         if let Some(frozen) = &destination.topic_id {
             let current = match tokio::time::timeout(timeout, self.topic_id(&destination.topic)).await {
-                Ok(Ok(id)) => id,
+                Ok(Ok(id)) => {
+                    // The freshest answer there is: sends check against it too.
+                    self.remember_topic_id(&destination.topic, id.clone());
+                    id
+                }
                 Ok(Err(e)) => return LookupOutcome::Unavailable(format!("reading the topic id of {}: {e}", destination.topic)),
                 Err(_) => return LookupOutcome::Unavailable(format!("no topic id for {} within {} ms", destination.topic, timeout.as_millis())),
             };
@@ -1450,6 +1612,7 @@ impl Broker for KafkaBroker {
                     event_id,
                     source,
                     attempt_id,
+                    topic_id: destination_topic_id(&hs),
                     key: msg.key().map(<[u8]>::to_vec),
                     payload_digest: sha256_digest(msg.payload().unwrap_or_default()),
                 });
@@ -1668,7 +1831,16 @@ pub fn message_headers(msg: &BorrowedMessage<'_>) -> Vec<(String, Vec<u8>)> {
     out
 }
 
-/// The receipt of `msg` if its last eventId header is `event_id`.
+/// The topic id the last `outbox-destination` header names, when that
+/// header parses as a destination (`None`: a `destination.v1`, or no
+/// readable destination).
+pub fn destination_topic_id(hs: &[(String, Vec<u8>)]) -> Option<String> {
+    let (_, bytes) = hs.iter().rev().find(|(k, _)| k == headers::DESTINATION)?;
+    Destination::from_canonical(bytes).ok()?.topic_id
+}
+
+/// The receipt of `msg` if its last eventId header is `event_id`; its topic
+/// id is the one the message's `outbox-destination` header names.
 fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>) -> Option<BrokerReceipt> {
     let owned = message_headers(msg);
     let hit = owned.iter().rev().find(|(k, _)| k == headers::EVENT_ID)?;
@@ -1695,6 +1867,7 @@ fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>
                 destination_digest: text(headers::DESTINATION_DIGEST).unwrap_or_default().to_owned(),
                 cluster_id: cluster_id.to_owned(),
                 topic: topic.to_owned(),
+                topic_id: destination_topic_id(&owned),
                 partition,
                 offset,
             }

@@ -75,6 +75,7 @@ fn receipt_from_row(r: &PgRow) -> Result<BrokerReceipt, StoreError> {
         destination_digest: r.try_get("destination_digest").map_err(g)?,
         cluster_id: r.try_get("cluster_id").map_err(g)?,
         topic: r.try_get("topic").map_err(g)?,
+        topic_id: r.try_get("topic_id").map_err(g)?,
         partition: r.try_get("partition").map_err(g)?,
         offset: r.try_get("offset").map_err(g)?,
     })
@@ -82,7 +83,11 @@ fn receipt_from_row(r: &PgRow) -> Result<BrokerReceipt, StoreError> {
 
 const ATTEMPT_COLUMNS: &str =
     "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms";
-const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, partition, \"offset\"";
+const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, topic_id, partition, \"offset\"";
+
+/// A log position: cluster, topic, topic id (`None` for `destination.v1`),
+/// partition, offset.
+type Position = (String, String, Option<String>, i32, i64);
 
 /// A claimed row whose frozen envelope or destination cannot be read:
 /// `(event id, envelope generation, why)`.
@@ -334,17 +339,28 @@ impl PgStore {
                   AND e.lease_until_ms > $5 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED') AND e.claim_attempt_id IS NULL
                 RETURNING e.event_id, e.envelope_generation, e.attempt_generation, e.destination_digest, e.cluster_id, e.topic,
                           e.partition, e.lease_until_ms, i.attempt_id, i.gen, i.owner),
+             -- The topic id each frozen destination names (NULL: destination.v1).
+             dest AS (
+                SELECT u.*, outbox_destination_topic_id(v.destination_canonical) AS topic_id FROM upd u
+                JOIN outbox_envelopes v ON v.event_id = u.event_id AND v.envelope_generation = u.envelope_generation),
              -- Where a scan for the message would start: past the highest
-             -- receipted offset of its partition, looked up once per partition.
+             -- receipted offset of its partition's log (the topic id is part
+             -- of it: a recreated topic's new log starts at 0 again), looked
+             -- up once per partition and topic id, by equality on the key.
              floors AS MATERIALIZED (
-                SELECT p.cluster_id, p.topic, p.partition,
-                       coalesce((SELECT max(r.\"offset\") + 1 FROM outbox_publish_receipts r
-                                 WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.partition = p.partition), 0) AS scan_from
-                FROM (SELECT DISTINCT cluster_id, topic, partition FROM upd) p)
+                SELECT p.cluster_id, p.topic, p.topic_id, p.partition,
+                       coalesce(CASE WHEN p.topic_id IS NULL
+                           THEN (SELECT max(r.\"offset\") + 1 FROM outbox_publish_receipts r
+                                 WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id IS NULL AND r.partition = p.partition)
+                           ELSE (SELECT max(r.\"offset\") + 1 FROM outbox_publish_receipts r
+                                 WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id = p.topic_id AND r.partition = p.partition)
+                       END, 0) AS scan_from
+                FROM (SELECT DISTINCT cluster_id, topic, topic_id, partition FROM dest) p)
              INSERT INTO outbox_attempts ({ATTEMPT_COLUMNS})
              SELECT u.attempt_id, u.event_id, u.envelope_generation, u.attempt_generation, u.gen, u.owner, 'SENDING',
                     u.destination_digest, $5, f.scan_from, u.lease_until_ms
-             FROM upd u JOIN floors f USING (cluster_id, topic, partition)
+             FROM dest u JOIN floors f
+               ON f.cluster_id = u.cluster_id AND f.topic = u.topic AND f.topic_id IS NOT DISTINCT FROM u.topic_id AND f.partition = u.partition
              RETURNING {ATTEMPT_COLUMNS}"
         ))
         // Planned for each batch with its real size: a cached generic plan
@@ -479,33 +495,46 @@ impl PgStore {
         }
 
         // Log positions of this batch already held by another event's primary
-        // receipt: the log they were recorded in is gone (the topic was
-        // recreated, the cluster replaced) and a new message sits there now.
-        // Such a receipt cannot fill a slot (one event per position); it is
-        // refused on its own instead of failing the batch, and the old
-        // receipt's lost position is a finding.
-        let mut held: HashMap<(String, String, i32, i64), String> = HashMap::new();
+        // receipt: the log they were recorded in is gone (the cluster
+        // replaced, or a topic without a recorded id recreated) and a new
+        // message sits there now. A position names its topic id: a receipt of
+        // a recreated topic's new log (another id) does not collide with one
+        // of the old. Such a receipt cannot fill a slot (one event per
+        // position); it is refused on its own instead of failing the batch,
+        // and the old receipt's lost position is a finding.
+        let mut held: HashMap<Position, String> = HashMap::new();
         {
             let clusters: Vec<&str> = receipts.iter().map(|r| r.cluster_id.as_str()).collect();
             let topics: Vec<&str> = receipts.iter().map(|r| r.topic.as_str()).collect();
+            let topic_ids: Vec<Option<&str>> = receipts.iter().map(|r| r.topic_id.as_deref()).collect();
             let partitions: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
             let offsets: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
             for r in sqlx::query(
-                "SELECT r.cluster_id, r.topic, r.partition, r.\"offset\", r.event_id FROM outbox_publish_receipts r
-                 JOIN UNNEST($1::text[], $2::text[], $3::int[], $4::bigint[]) AS t(c, tp, p, o)
-                   ON r.cluster_id = t.c AND r.topic = t.tp AND r.partition = t.p AND r.\"offset\" = t.o",
+                "SELECT r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.event_id FROM outbox_publish_receipts r
+                 JOIN UNNEST($1::text[], $2::text[], $3::int[], $4::bigint[], $5::text[]) AS t(c, tp, p, o, tid)
+                   ON r.cluster_id = t.c AND r.topic = t.tp AND r.partition = t.p AND r.\"offset\" = t.o AND r.topic_id IS NOT DISTINCT FROM t.tid",
             )
             .persistent(false)
             .bind(&clusters)
             .bind(&topics)
             .bind(&partitions)
             .bind(&offsets)
+            .bind(&topic_ids)
             .fetch_all(&mut *tx)
             .await
             .map_err(store_err)?
             {
                 let g = |e: sqlx::Error| store_err(e);
-                held.insert((r.try_get("cluster_id").map_err(g)?, r.try_get("topic").map_err(g)?, r.try_get("partition").map_err(g)?, r.try_get("offset").map_err(g)?), r.try_get("event_id").map_err(g)?);
+                held.insert(
+                    (
+                        r.try_get("cluster_id").map_err(g)?,
+                        r.try_get("topic").map_err(g)?,
+                        r.try_get("topic_id").map_err(g)?,
+                        r.try_get("partition").map_err(g)?,
+                        r.try_get("offset").map_err(g)?,
+                    ),
+                    r.try_get("event_id").map_err(g)?,
+                );
             }
         }
         let mut accepted: Vec<&BrokerReceipt> = Vec::new();
@@ -520,7 +549,7 @@ impl PgStore {
                 continue;
             };
             let list = attempts.entry(receipt.event_id.to_string()).or_default();
-            let position = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.partition, receipt.offset);
+            let position = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition, receipt.offset);
             let mut decision = decide_receipt(ev, list, receipt);
             if let Some(holder) = held.get(&position).filter(|h| h.as_str() != receipt.event_id.as_str()) {
                 if matches!(decision, ReceiptDecision::Accept { .. }) {
@@ -530,8 +559,13 @@ impl PgStore {
                         "receipt_position_lost",
                         holder.clone(),
                         format!(
-                            "its receipt's position {}/{}/{}@{} now holds event {}'s message: the log it was recorded in is gone (topic recreated, cluster replaced)",
-                            receipt.cluster_id, receipt.topic, receipt.partition, receipt.offset, receipt.event_id
+                            "its receipt's position {}/{}{}/{}@{} now holds event {}'s message: the log it was recorded in is gone (cluster replaced, or a topic without a recorded id recreated)",
+                            receipt.cluster_id,
+                            receipt.topic,
+                            receipt.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default(),
+                            receipt.partition,
+                            receipt.offset,
+                            receipt.event_id
                         ),
                     ));
                     decision = ReceiptDecision::Reject { reason: outbox_core::RejectReason::ConflictingPlacement };
@@ -638,7 +672,7 @@ impl PgStore {
                 "received_at_ms",
                 &duplicates,
                 now,
-                "ON CONFLICT (event_id, envelope_generation, cluster_id, topic, partition, \"offset\") DO NOTHING",
+                "ON CONFLICT (event_id, envelope_generation, cluster_id, topic, topic_id, partition, \"offset\") DO NOTHING",
             )
             .await?;
         }
@@ -981,11 +1015,12 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     let dd: Vec<&str> = receipts.iter().map(|r| r.destination_digest.as_str()).collect();
     let cl: Vec<&str> = receipts.iter().map(|r| r.cluster_id.as_str()).collect();
     let tp: Vec<&str> = receipts.iter().map(|r| r.topic.as_str()).collect();
+    let ti: Vec<Option<&str>> = receipts.iter().map(|r| r.topic_id.as_deref()).collect();
     let pa: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
     let of: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
     sqlx::query(&format!(
         "INSERT INTO {table} ({RECEIPT_COLUMNS}, {at_column})
-         SELECT *, $10 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int[], $9::bigint[])
+         SELECT *, $11 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::int[], $10::bigint[])
          {conflict}"
     ))
     .bind(&ev)
@@ -995,6 +1030,7 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     .bind(&dd)
     .bind(&cl)
     .bind(&tp)
+    .bind(&ti)
     .bind(&pa)
     .bind(&of)
     .bind(now)

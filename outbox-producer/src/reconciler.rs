@@ -400,12 +400,12 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         for (consumer_id, topics) in &critical {
             let passed = if watermarks {
                 "EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
-                         AND w.partition = r.partition AND w.committed_offset > r.\"offset\")"
+                         AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\")"
             } else {
                 "false"
             };
             for row in sqlx::query(&format!(
-                "SELECT e.event_id, $1 - e.published_at_ms AS age, r.topic, r.partition, r.\"offset\" FROM outbox_events e
+                "SELECT e.event_id, $1 - e.published_at_ms AS age, r.topic, r.topic_id, r.partition, r.\"offset\" FROM outbox_events e
                  JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
                  WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 - $2 AND r.topic = ANY($5)
                    AND NOT {passed}
@@ -420,12 +420,14 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
             .await?
             {
                 let (topic, partition, offset): (String, i32, i64) = (row.try_get("topic")?, row.try_get("partition")?, row.try_get("offset")?);
+                let topic_id: Option<String> = row.try_get("topic_id")?;
+                let of_id = topic_id.map(|id| format!(" (topic id {id})")).unwrap_or_default();
                 found.push((
                     "unconsumed_published",
                     row.try_get("event_id")?,
                     consumer_id.clone(),
                     row.try_get("age")?,
-                    format!("published at {topic}/{partition}@{offset}, not passed by the consumer's watermark"),
+                    format!("published at {topic}{of_id}/{partition}@{offset}, not passed by the consumer's watermark of that log"),
                 ));
             }
         }
@@ -604,10 +606,14 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
                     found.push(("bypass_publish", label, String::new(), 0, format!("{why} at {topic}/{partition}@{}", m.offset)));
                 }
                 // Receipts whose position now holds another message (or one
-                // without an eventId): the log they were recorded in is gone.
-                let at: HashMap<i64, Option<&str>> = scan.messages.iter().map(|m| (m.offset, m.event_id.as_deref())).collect();
+                // without an eventId, or the same event's message of another
+                // topic id): the log they were recorded in is gone. Receipts
+                // of any topic id are looked at: the log read is the topic's
+                // current one, and a receipt of an older incarnation at these
+                // offsets names a log that no longer exists.
+                let at: HashMap<i64, (Option<&str>, Option<&str>)> = scan.messages.iter().map(|m| (m.offset, (m.event_id.as_deref(), m.topic_id.as_deref()))).collect();
                 for r in sqlx::query(
-                    "SELECT event_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
+                    "SELECT event_id, topic_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
                 )
                 .bind(&cluster)
                 .bind(&topic)
@@ -616,15 +622,20 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
                 .fetch_all(&mut *tx)
                 .await?
                 {
-                    let (holder, offset): (String, i64) = (r.try_get("event_id")?, r.try_get("offset")?);
-                    let there = at.get(&offset).copied().flatten();
-                    if there != Some(holder.as_str()) {
+                    let (holder, topic_id, offset): (String, Option<String>, i64) = (r.try_get("event_id")?, r.try_get("topic_id")?, r.try_get("offset")?);
+                    let (there, there_id) = at.get(&offset).copied().unwrap_or_default();
+                    if there != Some(holder.as_str()) || there_id != topic_id.as_deref() {
+                        let of_id = topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
                         lost.push((
                             "receipt_position_lost",
                             holder,
                             format!(
-                                "its receipt's position {cluster}/{topic}/{partition}@{offset} now holds {}: the log it was recorded in is gone (topic recreated, cluster replaced)",
-                                there.map_or("a message without an eventId".to_owned(), |e| format!("event {e}'s message"))
+                                "its receipt's position {cluster}/{topic}{of_id}/{partition}@{offset} now holds {}: the log it was recorded in is gone (topic recreated, cluster replaced)",
+                                match (there, there_id) {
+                                    (None, _) => "a message without an eventId".to_owned(),
+                                    (Some(e), None) => format!("event {e}'s message"),
+                                    (Some(e), Some(id)) => format!("event {e}'s message of topic id {id}"),
+                                }
                             ),
                         ));
                     }
@@ -683,9 +694,9 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
             return Ok(c);
         }
         for r in sqlx::query(
-            "SELECT event_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)
+            "SELECT event_id, topic_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)
              UNION ALL
-             SELECT event_id, \"offset\" FROM outbox_duplicate_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
+             SELECT event_id, topic_id, \"offset\" FROM outbox_duplicate_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
         )
         .bind(cluster)
         .bind(topic)
@@ -694,7 +705,7 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         .fetch_all(pool)
         .await?
         {
-            c.recorded.insert((r.try_get("event_id")?, r.try_get("offset")?));
+            c.recorded.insert((r.try_get("event_id")?, r.try_get("topic_id")?, r.try_get("offset")?));
         }
         for r in sqlx::query(
             "SELECT e.event_id, e.payload_digest FROM outbox_events e WHERE e.event_id = ANY($1)
@@ -761,8 +772,9 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
 /// See [`Reconciler::copies_of_known`].
 #[derive(Debug, Default)]
 struct Copies {
-    /// (eventId, offset) of every receipt, primary or duplicate, at the scanned offsets.
-    recorded: std::collections::HashSet<(String, i64)>,
+    /// (eventId, topic id, offset) of every receipt, primary or duplicate,
+    /// at the scanned offsets: a position names its topic id.
+    recorded: std::collections::HashSet<(String, Option<String>, i64)>,
     /// Published events (a primary receipt exists) and their payload digests.
     published: HashMap<String, String>,
     /// Attempts whose broker answer is not recorded yet.
@@ -773,7 +785,7 @@ impl Copies {
     /// The finding a message of known event `id` makes, if any.
     fn judge(&self, id: &str, m: &outbox_core::ScannedMessage) -> Option<&'static str> {
         let digest = self.published.get(id)?;
-        if self.recorded.contains(&(id.to_owned(), m.offset)) || m.attempt_id.as_ref().is_some_and(|a| self.open_attempts.contains(a)) {
+        if self.recorded.contains(&(id.to_owned(), m.topic_id.clone(), m.offset)) || m.attempt_id.as_ref().is_some_and(|a| self.open_attempts.contains(a)) {
             return None;
         }
         Some(if *digest == m.payload_digest { "unrecorded_copy" } else { "divergent_copy" })

@@ -61,7 +61,8 @@ pub struct Finding {
     pub detail: String,
 }
 
-/// Lag of one critical consumer on one partition.
+/// Lag of one critical consumer on one partition's log (a topic recreated
+/// under the same name has a log per topic id).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerLag {
@@ -71,6 +72,8 @@ pub struct ConsumerLag {
     pub cluster_id: String,
     /// Topic.
     pub topic: String,
+    /// The topic id the receipts of the log name (`None`: destination.v1).
+    pub topic_id: Option<String>,
     /// Partition.
     pub partition: i32,
     /// The consumer's committed offset (next offset it will read).
@@ -402,17 +405,18 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
     let critical: Vec<(String, Vec<String>)> = sqlx::query_as("SELECT consumer_id, topics FROM outbox_consumers WHERE critical ORDER BY consumer_id").fetch_all(pool).await?;
     for (consumer_id, topics) in &critical {
         let wm_join = if watermarks {
-            "LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = $1 AND w.cluster_id = r.cluster_id AND w.topic = r.topic AND w.partition = r.partition"
+            "LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = $1 AND w.cluster_id = r.cluster_id AND w.topic = r.topic AND w.partition = r.partition
+                 AND w.topic_id IS NOT DISTINCT FROM r.topic_id"
         } else {
             "LEFT JOIN (SELECT NULL::text AS cluster_id, NULL::text AS topic, NULL::int AS partition, NULL::bigint AS committed_offset) w ON false"
         };
         let rows = sqlx::query(&format!(
-            "SELECT r.cluster_id, r.topic, r.partition, coalesce(max(w.committed_offset), 0) AS committed, max(r.\"offset\") + 1 AS end_offset,
+            "SELECT r.cluster_id, r.topic, r.topic_id, r.partition, coalesce(max(w.committed_offset), 0) AS committed, max(r.\"offset\") + 1 AS end_offset,
                     count(*) FILTER (WHERE r.\"offset\" >= coalesce(w.committed_offset, 0)) AS lag,
                     count(*) FILTER (WHERE r.\"offset\" < coalesce(w.committed_offset, 0)) AS consumed
              FROM outbox_publish_receipts r {wm_join}
              WHERE r.topic = ANY($2)
-             GROUP BY r.cluster_id, r.topic, r.partition ORDER BY r.cluster_id, r.topic, r.partition"
+             GROUP BY r.cluster_id, r.topic, r.topic_id, r.partition ORDER BY r.cluster_id, r.topic, r.partition, r.topic_id NULLS FIRST"
         ))
         .bind(consumer_id)
         .bind(topics)
@@ -425,6 +429,7 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
                 consumer_id: consumer_id.clone(),
                 cluster_id: r.try_get("cluster_id")?,
                 topic: r.try_get("topic")?,
+                topic_id: r.try_get("topic_id")?,
                 partition: r.try_get("partition")?,
                 committed_offset: r.try_get("committed")?,
                 published_end_offset: r.try_get("end_offset")?,
@@ -553,7 +558,12 @@ impl Report {
             }
         }
         for l in &self.consumer_lag {
-            let _ = writeln!(out, "  lag {} {}/{}/{}: committed {} of {} ({} behind)", l.consumer_id, l.cluster_id, l.topic, l.partition, l.committed_offset, l.published_end_offset, l.lag_events);
+            let of_id = l.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "  lag {} {}/{}{of_id}/{}: committed {} of {} ({} behind)",
+                l.consumer_id, l.cluster_id, l.topic, l.partition, l.committed_offset, l.published_end_offset, l.lag_events
+            );
         }
         for c in &self.consumer_decisions {
             let reasons: Vec<String> = c.quarantined_by_reason.iter().map(|(r, n)| format!("{r}={n}")).collect();

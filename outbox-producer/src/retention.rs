@@ -48,13 +48,14 @@ pub struct PurgeReport {
 
 /// The condition under which a RETAINED event may be purged: past the replay
 /// window, and every mandatory consumer reading its topic has a watermark
-/// beyond its offset on the same log (cluster, topic, partition). A
-/// mandatory consumer without such a watermark holds everything: the SQL
-/// form of `outbox_core::may_purge`.
+/// beyond its offset on the same log (cluster, topic, topic id compared
+/// exactly, partition). A mandatory consumer without such a watermark holds
+/// everything: the SQL form of `outbox_core::may_purge`.
 fn purgeable(watermarks: bool) -> String {
     let passed = if watermarks {
         "EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = c.consumer_id AND w.cluster_id = r.cluster_id
-                 AND w.topic = r.topic AND w.partition = r.partition AND w.committed_offset > r.\"offset\")"
+                 AND w.topic = r.topic AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id
+                 AND w.committed_offset > r.\"offset\")"
     } else {
         "false"
     };

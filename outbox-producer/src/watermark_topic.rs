@@ -2,7 +2,8 @@
 //! broker, applied to the outbox database.
 //!
 //! An idempotent consumer whose state lives in its own database publishes
-//! its watermark rows as `outboxWatermark.v1` records to a compacted topic
+//! its watermark rows as `outboxWatermark.v1` records (`.v2` for a row of a
+//! topic id: the log of one incarnation of a topic) to a compacted topic
 //! of the cluster it reads ([`DEFAULT_TOPIC`], one per cluster). The
 //! [`WatermarkTopicReader`] reads that topic from the start of its log (its
 //! read position is kept in `outbox_watermark_topic_cursors` and moves in
@@ -12,7 +13,7 @@
 //!
 //! **What is applied.** A record is applied only when all of this holds;
 //! otherwise it is ignored and, but for the first case, is a finding:
-//! - it decodes (`outboxWatermark.v1`, its key naming its value) and names
+//! - it decodes (`outboxWatermark.v1` or `.v2`, its key naming its value) and names
 //!   the cluster it was read from (`watermark_rejected` otherwise);
 //! - when [`WatermarkTopicConfig::verify_keys`] holds keys for the consumer
 //!   it names: it is signed (headers `outbox-watermark-key-id` and
@@ -40,8 +41,13 @@
 //! rules above. For one with keys, only a holder of one of them can speak
 //! for it; a replayed genuine record is still bounded by the rules above (an
 //! older record is out of date, a lower offset moves back), and the value
-//! names the consumer, cluster, topic and partition, so a signed record
-//! cannot be moved to another of them.
+//! names the consumer, cluster, topic, topic id and partition, so a signed
+//! record cannot be moved to another of them.
+//!
+//! A record is applied to the row of its own log: consumer, cluster, topic,
+//! partition and topic id (exactly; a `.v1` record is of no topic id). The
+//! partition's end it is checked against is the end of the topic's current
+//! log, whatever id the record names.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -405,7 +411,10 @@ impl WatermarkTopicReader {
                     continue;
                 }
             };
-            let log = format!("{}/{}/{}", record.cluster_id, record.topic, record.partition);
+            let log = match &record.topic_id {
+                None => format!("{}/{}/{}", record.cluster_id, record.topic, record.partition),
+                Some(id) => format!("{}/{} (topic id {id})/{}", record.cluster_id, record.topic, record.partition),
+            };
             if !declared.contains(&record.consumer_id) {
                 report.undeclared += 1;
                 findings.push(("watermark_undeclared_consumer", log, record.consumer_id.clone(), format!("watermark record at {at} from a consumer not declared in outbox_consumers, ignored")));
@@ -492,12 +501,14 @@ async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord) -> Resul
     let row = sqlx::query(
         "SELECT committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count,
                 floor(extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
-         FROM outbox_consumer_watermarks WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4 FOR UPDATE",
+         FROM outbox_consumer_watermarks
+         WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4 AND topic_id IS NOT DISTINCT FROM $5 FOR UPDATE",
     )
     .bind(&r.consumer_id)
     .bind(&r.cluster_id)
     .bind(&r.topic)
     .bind(r.partition)
+    .bind(r.topic_id.as_deref())
     .fetch_optional(&mut **tx)
     .await?;
     if let Some(row) = row {
@@ -519,9 +530,9 @@ async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord) -> Resul
     }
     sqlx::query(
         "INSERT INTO outbox_consumer_watermarks AS w
-             (consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, to_timestamp($11::double precision / 1000))
-         ON CONFLICT (consumer_id, cluster_id, topic, partition) DO UPDATE SET
+             (consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, topic_id)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, to_timestamp($11::double precision / 1000), $12)
+         ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
              committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
              applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
              duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
@@ -541,6 +552,7 @@ async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord) -> Resul
     .bind(r.dead_lettered_count)
     .bind(r.last_event_id.as_deref())
     .bind(r.updated_at_ms)
+    .bind(r.topic_id.as_deref())
     .execute(&mut **tx)
     .await?;
     Ok(Applied::Yes)

@@ -45,6 +45,11 @@ struct Event {
 }
 
 fn event(broker: &KafkaBroker, topic: &str, aggregate_id: &str) -> Event {
+    event_of(broker, topic, None, aggregate_id)
+}
+
+/// [`event`] with a destination naming `topic_id` (`destination.v2`) when given.
+fn event_of(broker: &KafkaBroker, topic: &str, topic_id: Option<&str>, aggregate_id: &str) -> Event {
     let now_ms = 1_700_000_000_000u64;
     let payload = format!("{{\"order\":\"{aggregate_id}\"}}").into_bytes();
     let request = EmitRequest {
@@ -57,7 +62,7 @@ fn event(broker: &KafkaBroker, topic: &str, aggregate_id: &str) -> Event {
         payload_schema: "s",
         payload: &payload,
     };
-    let policy = RoutePolicy::new("order.created", broker.cluster_id(), topic, PARTITIONS);
+    let policy = RoutePolicy { topic_id: topic_id.map(str::to_owned), ..RoutePolicy::new("order.created", broker.cluster_id(), topic, PARTITIONS) };
     let (envelope, destination) = request.freeze(EventId::generate(now_ms), now_ms as i64, 7, &policy).expect("freeze");
     let attempt = AttemptId::generate(now_ms);
     let message = OutgoingMessage {
@@ -515,4 +520,40 @@ async fn topic_id_is_read_from_the_cluster_and_differs_per_topic() {
     outbox_core::envelope::validate_topic_id(&a).expect("a valid topic id text");
     assert_ne!(a, b, "two topics, two ids");
     assert_eq!(broker.topic_id("orders").await.unwrap().as_deref(), Some(a.as_str()), "stable for one topic");
+}
+
+/// A destination.v2 freezes its topic's id. A message whose destination
+/// names another id than the topic has now (the topic was deleted and
+/// created again under the same name; here the id the cluster gave another
+/// topic stands for the old incarnation's) is refused before anything is
+/// written, at once and again from the cached id, detached or not; one
+/// naming the topic's current id is sent and found.
+#[tokio::test]
+async fn a_destination_frozen_with_another_topic_id_is_not_sent() {
+    let cluster = mock("orders");
+    cluster.create_topic("payments", PARTITIONS as i32, 1).expect("create topic");
+    let broker = connect(&cluster, 5_000).await;
+    let current = broker.topic_id("orders").await.expect("describe orders").expect("the mock cluster gives topic ids");
+    let old = broker.topic_id("payments").await.expect("describe payments").expect("the mock cluster gives topic ids");
+    assert_ne!(current, old);
+
+    let stale = event_of(&broker, "orders", Some(&old), "o-old");
+    for outcome in [broker.send(stale.message.clone()).await, broker.send_detached(stale.message.clone()).await] {
+        match outcome {
+            SendOutcome::NotPersisted(why) => {
+                assert!(why.contains("recreated") && why.contains(&old) && why.contains(&current), "{why}")
+            }
+            other => panic!("a message frozen for another topic id was not refused: {other:?}"),
+        }
+    }
+    let scan = broker.scan_event_ids("orders", stale.destination.partition, 0, 100).await.expect("scan");
+    assert!(scan.messages.is_empty(), "written into another topic's log: {:?}", scan.messages);
+    assert_eq!(scan.log_end, Some(0));
+
+    let fresh = event_of(&broker, "orders", Some(&current), "o-new");
+    let (partition, offset) = acked(&broker.send(fresh.message.clone()).await);
+    assert_eq!(partition, fresh.destination.partition);
+    assert_eq!(assert_found_once(&broker, &fresh).await, offset);
+    // A destination.v1 names no id: sent as before.
+    acked(&broker.send(event(&broker, "orders", "o-v1").message).await);
 }

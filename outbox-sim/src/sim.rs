@@ -806,10 +806,19 @@ impl Sim {
 
     fn run_purge(&mut self) {
         let Some(plan) = self.cfg.retention.clone() else { return };
-        let wms: Vec<(String, String, String, i32, i64)> = self
+        // The simulator's routes learn no topic ids: every destination is
+        // destination.v1, and so every log position and watermark is of no id.
+        let wms: Vec<outbox_core::MemoryWatermark> = self
             .watermarks
             .iter()
-            .map(|(&(c, l), &o)| (self.cons[c].w.name.clone(), self.logs[l].cluster.clone(), self.logs[l].topic.clone(), self.logs[l].partition, o))
+            .map(|(&(c, l), &o)| outbox_core::MemoryWatermark {
+                consumer_id: self.cons[c].w.name.clone(),
+                cluster_id: self.logs[l].cluster.clone(),
+                topic: self.logs[l].topic.clone(),
+                topic_id: None,
+                partition: self.logs[l].partition,
+                committed_offset: o,
+            })
             .collect();
         let mut topics: Vec<String> = self.logs.iter().map(|l| l.topic.clone()).collect();
         topics.sort();
@@ -1479,6 +1488,8 @@ impl Sim {
             destination_digest: m.destination_digest.clone(),
             cluster_id: lg.cluster.clone(),
             topic: lg.topic.clone(),
+            // Every simulated destination is destination.v1.
+            topic_id: None,
             partition: lg.partition,
             offset,
         }

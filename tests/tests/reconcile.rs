@@ -120,6 +120,7 @@ async fn divergent_receipt_for_an_unknown_event_quarantines_it_and_records_the_r
         destination_digest: e.destination_digest.clone(),
         cluster_id: f.broker.cluster_id().into(),
         topic: TOPIC.into(),
+        topic_id: e.destination.topic_id.clone(),
         partition: e.destination.partition,
         offset: 0,
     };
@@ -343,6 +344,7 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
         destination_digest: sqlx::query_scalar("SELECT destination_digest FROM outbox_events WHERE event_id = $1").bind(&primary.0).fetch_one(&f.pool).await.unwrap(),
         cluster_id: f.broker.cluster_id().into(),
         topic: TOPIC.into(),
+        topic_id: None,
         partition: primary.2,
         offset: primary.3 + 10_000,
     };
@@ -353,14 +355,23 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
 
 /// Retention's SQL predicate is `outbox_core::may_purge`: over seeded random
 /// registries and watermarks (several mandatory and optional consumers, rows
-/// on this cluster and on another cluster with the same topic name, offsets
+/// on this cluster and on another cluster with the same topic name, rows of
+/// no topic id, of the topic's id and of another incarnation's id, offsets
 /// around each event's), every pass purges exactly the events `may_purge`
-/// allows for the rows as they are in the database.
+/// allows for the rows as they are in the database. Half the events are
+/// destination.v1 (receipts of no topic id), half destination.v2 naming the
+/// topic's id: a watermark of another topic id never lets a receipt go.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn purge_decides_as_may_purge_does(pool: PgPool) {
     let f = fixture(pool).await;
     outbox_consumer::migrate(&f.pool).await.unwrap();
+    let topic_id = f.broker.topic_id(TOPIC).await.unwrap().expect("the mock cluster gives topic ids");
+    let other_id = if topic_id == "AAECAwQFBgcICQoLDA0ODw" { "_____________________w" } else { "AAECAwQFBgcICQoLDA0ODw" };
     for i in 0..36 {
+        if i == 18 {
+            let policy = RoutePolicy { topic_id: Some(topic_id.clone()), ..RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32) };
+            outbox_producer::routes::revise(&f.pool, &policy).await.unwrap();
+        }
         create_order(&f.pool, &format!("o-{i}"), i).await;
     }
     let mut published = 0;
@@ -377,7 +388,7 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         seed ^= seed << 17;
         seed % n
     };
-    let mut purged_total = 0;
+    let (mut purged_total, mut purged_v2, mut held_total, mut rounds_where_the_id_decided) = (0, 0, 0, 0);
     for round in 0..12 {
         sqlx::query("DELETE FROM outbox_consumer_watermarks").execute(&f.pool).await.unwrap();
         sqlx::query("DELETE FROM outbox_consumers").execute(&f.pool).await.unwrap();
@@ -386,27 +397,34 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
             register_consumer(&f.pool, c, topics, false, next(3) != 0).await.unwrap();
             for p in 0..PARTITIONS {
                 for cluster in [here.as_str(), "kafka-b"] {
-                    if next(3) == 0 {
-                        continue;
-                    }
-                    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, partition, committed_offset) VALUES ($1, $2, $3, $4, $5)")
+                    for id in [None, Some(topic_id.as_str()), Some(other_id)] {
+                        if next(3) == 0 {
+                            continue;
+                        }
+                        sqlx::query(
+                            "INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, topic_id, partition, committed_offset) VALUES ($1, $2, $3, $4, $5, $6)",
+                        )
                         .bind(c)
                         .bind(cluster)
                         .bind(TOPIC)
+                        .bind(id)
                         .bind(p)
                         .bind(next(16) as i64)
                         .execute(&f.pool)
                         .await
                         .unwrap();
+                    }
                 }
             }
         }
         // What the core decides for the rows as they are now (events due are retained first).
-        let wm_rows: Vec<(String, String, String, i32, i64)> =
-            sqlx::query_as("SELECT consumer_id, cluster_id, topic, partition, committed_offset FROM outbox_consumer_watermarks").fetch_all(&f.pool).await.unwrap();
+        let wm_rows: Vec<(String, String, String, Option<String>, i32, i64)> =
+            sqlx::query_as("SELECT consumer_id, cluster_id, topic, topic_id, partition, committed_offset FROM outbox_consumer_watermarks").fetch_all(&f.pool).await.unwrap();
         let registry: Vec<(String, bool, Vec<String>)> = sqlx::query_as("SELECT consumer_id, mandatory, topics FROM outbox_consumers").fetch_all(&f.pool).await.unwrap();
-        let events: Vec<(String, String, i64, String, String, i32, i64)> = sqlx::query_as(
-            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.partition, r.\"offset\"
+        // (event id, state, published at, and the receipt's cluster, topic, topic id, partition, offset)
+        type EventRow = (String, String, i64, String, String, Option<String>, i32, i64);
+        let events: Vec<EventRow> = sqlx::query_as(
+            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\"
              FROM outbox_events e JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation",
         )
         .fetch_all(&f.pool)
@@ -415,20 +433,32 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         let watermarks: Vec<outbox_core::WatermarkRef<'_>> = wm_rows
             .iter()
             .filter(|w| registry.iter().any(|(c, mandatory, _)| *mandatory && c == &w.0))
-            .map(|w| outbox_core::WatermarkRef { consumer_id: &w.0, cluster_id: &w.1, topic: &w.2, partition: w.3, committed_offset: w.4 })
+            .map(|w| outbox_core::WatermarkRef { consumer_id: &w.0, cluster_id: &w.1, topic: &w.2, topic_id: w.3.as_deref(), partition: w.4, committed_offset: w.5 })
             .collect();
-        let mut expected: Vec<String> = events
-            .iter()
-            .filter(|(_, state, published_at, cluster, topic, partition, offset)| {
-                let state = EventState::parse(state).unwrap();
-                let state = if state == EventState::Published && outbox_core::may_retain(*published_at, later, policy.replay_window_ms) { EventState::Retained } else { state };
-                let on_topic: Vec<&str> = registry.iter().filter(|(_, m, topics)| *m && topics.iter().any(|t| t == topic)).map(|(c, _, _)| c.as_str()).collect();
-                let at = outbox_core::LogPosition { cluster_id: cluster, topic, partition: *partition, offset: *offset };
-                outbox_core::may_purge(state, *published_at, later, policy.replay_window_ms, at, &watermarks, &on_topic).is_ok()
-            })
-            .map(|e| e.0.clone())
-            .collect();
-        expected.sort();
+        // With `blind`, as a predicate that ignores topic ids would decide.
+        let decide = |blind: bool| -> Vec<String> {
+            let watermarks: Vec<outbox_core::WatermarkRef<'_>> = watermarks.iter().map(|w| outbox_core::WatermarkRef { topic_id: w.topic_id.filter(|_| !blind), ..*w }).collect();
+            let mut ids: Vec<String> = events
+                .iter()
+                .filter(|(_, state, published_at, cluster, topic, topic_id, partition, offset)| {
+                    let state = EventState::parse(state).unwrap();
+                    let state =
+                        if state == EventState::Published && outbox_core::may_retain(*published_at, later, policy.replay_window_ms) { EventState::Retained } else { state };
+                    let on_topic: Vec<&str> = registry.iter().filter(|(_, m, topics)| *m && topics.iter().any(|t| t == topic)).map(|(c, _, _)| c.as_str()).collect();
+                    let topic_id = topic_id.as_deref().filter(|_| !blind);
+                    let at = outbox_core::LogPosition { cluster_id: cluster, topic, topic_id, partition: *partition, offset: *offset };
+                    outbox_core::may_purge(state, *published_at, later, policy.replay_window_ms, at, &watermarks, &on_topic).is_ok()
+                })
+                .map(|e| e.0.clone())
+                .collect();
+            ids.sort();
+            ids
+        };
+        let expected = decide(false);
+        if decide(true) != expected {
+            rounds_where_the_id_decided += 1;
+        }
+        let open = events.iter().filter(|e| e.1 != "PURGED").count();
         let before: Vec<String> = sqlx::query_scalar("SELECT event_id FROM outbox_events WHERE state = 'PURGED'").fetch_all(&f.pool).await.unwrap();
         let r = purge(&f.pool, later, &policy, false, |_| {}).await.unwrap();
         let mut got: Vec<String> = sqlx::query_scalar("SELECT event_id FROM outbox_events WHERE state = 'PURGED' AND NOT (event_id = ANY($1))")
@@ -439,8 +469,15 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         got.sort();
         assert_eq!(got, expected, "round {round}: the database purged what may_purge does not allow, or held what it allows ({r:?})");
         purged_total += got.len();
+        purged_v2 += events.iter().filter(|e| e.5.is_some() && got.contains(&e.0)).count();
+        held_total += open - got.len();
     }
-    assert!(purged_total > 0 && purged_total < 36, "the scenarios purge some and hold some back: {purged_total}");
+    assert!(purged_total > 0 && held_total > 0, "the scenarios purge some and hold some back: {purged_total} purged, {held_total} held");
+    assert!(purged_v2 > 0, "destination.v2 events are purged by their own topic id's watermarks");
+    assert!(rounds_where_the_id_decided > 0, "no round where the topic id decided: the scenarios do not cover it");
+    eprintln!("purge_decides_as_may_purge_does: {purged_total} purged ({purged_v2} destination.v2), {held_total} held, the topic id decided {rounds_where_the_id_decided} of 12 rounds");
+    let v2: i64 = f.count("SELECT count(*) FROM outbox_publish_receipts WHERE topic_id IS NOT NULL").await;
+    assert_eq!(v2, 18, "half the receipts name the topic id");
 }
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
@@ -485,4 +522,53 @@ async fn a_reconciler_whose_absence_proofs_could_miss_an_in_flight_message_refus
     let too_short = ReconcilerConfig { retry: RetryPolicy { in_flight_bound_ms: 1_000, ..RetryPolicy::default() }, ..Default::default() };
     let err = Reconciler::new(f.store.clone(), f.broker.clone(), too_short).unwrap_err();
     assert!(err.to_string().contains("in_flight_bound_ms"), "{err}");
+}
+
+/// A critical consumer far along another incarnation of the topic (a
+/// watermark of another topic id) has not consumed the events of this one:
+/// they are unconsumed findings and lag of their own log, named with its
+/// topic id, until a watermark of their topic id passes them.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_watermark_of_another_topic_id_does_not_consume_the_events(pool: PgPool) {
+    let f = fixture(pool).await;
+    outbox_consumer::migrate(&f.pool).await.unwrap();
+    let topic_id = f.broker.topic_id(TOPIC).await.unwrap().expect("the mock cluster gives topic ids");
+    let other_id = if topic_id == "AAECAwQFBgcICQoLDA0ODw" { "_____________________w" } else { "AAECAwQFBgcICQoLDA0ODw" };
+    let policy = RoutePolicy { topic_id: Some(topic_id.clone()), ..RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32) };
+    outbox_producer::routes::revise(&f.pool, &policy).await.unwrap();
+    for i in 0..4 {
+        create_order(&f.pool, &format!("o-{i}"), i).await;
+    }
+    assert_eq!(f.dispatcher().dispatch_once("w").await.unwrap().published, 4);
+    register_consumer(&f.pool, "fulfilment", &[TOPIC], true, true).await.unwrap();
+    let watermark = |id: String| {
+        let pool = f.pool.clone();
+        let cluster = f.broker.cluster_id().to_owned();
+        async move {
+            for p in 0..PARTITIONS {
+                sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, topic_id, partition, committed_offset) VALUES ('fulfilment', $1, $2, $3, $4, 1000)")
+                    .bind(&cluster)
+                    .bind(TOPIC)
+                    .bind(&id)
+                    .bind(p)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    watermark(other_id.to_owned()).await;
+    let rec = Reconciler::new(f.store.clone(), f.broker.clone(), ReconcilerConfig { owner: "r".into(), unconsumed_after_ms: 1_000, ..Default::default() }).unwrap();
+    f.clock.advance(5_000);
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!(c.unconsumed_published, 4, "a watermark of another topic id passed the events: {c:?}");
+    let report = rec.report().await.unwrap();
+    assert!(report.consumer_lag.iter().all(|l| l.topic_id.as_deref() == Some(topic_id.as_str())), "{:?}", report.consumer_lag);
+    assert_eq!(report.consumer_lag.iter().map(|l| l.lag_events).sum::<i64>(), 4);
+    let text = report.to_text();
+    assert!(text.contains(&format!("{}/{TOPIC} (topic id {topic_id})/", f.broker.cluster_id())), "{text}");
+
+    watermark(topic_id.clone()).await;
+    assert_eq!(rec.compare_once().await.unwrap().unconsumed_published, 0);
+    assert_eq!(rec.report().await.unwrap().consumer_lag.iter().map(|l| l.lag_events).sum::<i64>(), 0);
 }

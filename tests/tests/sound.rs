@@ -76,6 +76,7 @@ impl Fixture {
             destination_digest: ev.destination_digest.clone(),
             cluster_id: self.broker.cluster_id().to_owned(),
             topic: TOPIC.into(),
+            topic_id: ev.destination.topic_id.clone(),
             partition,
             offset,
         }
@@ -598,6 +599,80 @@ async fn item4_a_receipt_colliding_with_a_lost_position_does_not_drop_its_batch(
     assert_eq!(f.state(other.event_id().as_str()).await, EventState::Published);
     assert_ne!(f.state(colliding.event_id().as_str()).await, EventState::Published);
     assert_eq!(f.findings("receipt_position_lost", old.event_id().as_str()).await, 1);
+}
+
+/// A topic deleted and created again under the same name starts a new log
+/// at offset 0, under another topic id. An event frozen for the new topic
+/// (destination.v2 with its id) lands at a position an event of the old
+/// topic (the old id) holds a receipt for: another log, so its receipt is
+/// accepted too, and its attempt's scan floor counts the new log's receipts
+/// only. A receipt at that position under the same topic id is still a
+/// collision, refused on its own with the lost position as a finding.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn receipts_of_a_recreated_topic_do_not_collide_with_the_old_logs(pool: PgPool) {
+    let f = fixture(pool).await;
+    let current = f.broker.topic_id(TOPIC).await.unwrap().expect("the mock cluster gives topic ids");
+    let old = if current == "AAECAwQFBgcICQoLDA0ODw" { "_____________________w" } else { "AAECAwQFBgcICQoLDA0ODw" };
+    let policy = |id: &str| outbox_core::RoutePolicy { topic_id: Some(id.to_owned()), ..outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32) };
+    let receipt_at = |c: &ClaimedEvent, a: &outbox_core::AttemptRecord, offset: i64| {
+        headers::parse(&outgoing_message(c, a).headers).unwrap().receipt(f.broker.cluster_id(), TOPIC, 0, offset, &c.payload)
+    };
+    // The old topic: an event frozen with the old id, published at 0/0 of the old log.
+    outbox_producer::routes::revise(&f.pool, &policy(old)).await.unwrap();
+    let (on_old, a) = f.registered(&order_on(&f, 0, &[]), 5_000).await;
+    assert_eq!(on_old.destination.topic_id.as_deref(), Some(old));
+    let out = f.store.accept_dispatch_receipt(&receipt_at(&on_old, &a, 0)).await.unwrap();
+    assert_eq!(out.state, EventState::Published);
+
+    // The topic recreated: the route learns the new id; the next event lands at 0/0 of the new log.
+    outbox_producer::routes::revise(&f.pool, &policy(&current)).await.unwrap();
+    let new_order = order_on(&f, 0, &[&on_old.envelope.aggregate_id]);
+    let on_new = create_order(&f.pool, &new_order, 1).await;
+    let report = f.dispatcher(&f.store, 5_000).dispatch_once("w").await.unwrap();
+    assert_eq!(report.published, 1, "the new log's receipt was refused as a collision with the old log's: {report:?}");
+    assert_eq!(f.state(on_new.event_id().as_str()).await, EventState::Published);
+    assert_eq!(f.findings("receipt_position_lost", on_old.envelope.event_id.as_str()).await, 0);
+    let at_0: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT event_id, topic_id FROM outbox_publish_receipts WHERE partition = 0 AND \"offset\" = 0 ORDER BY topic_id = $1").bind(old).fetch_all(&f.pool).await.unwrap();
+    assert_eq!(at_0, vec![(on_new.event_id().to_string(), Some(current.clone())), (on_old.envelope.event_id.to_string(), Some(old.to_owned()))]);
+    let floor: i64 = sqlx::query_scalar("SELECT scan_from_offset FROM outbox_attempts WHERE event_id = $1").bind(on_new.event_id().as_str()).fetch_one(&f.pool).await.unwrap();
+    assert_eq!(floor, 0, "the new log's scan floor counted the old log's receipts");
+
+    // The same topic id at the same position: a collision, refused on its own.
+    let (again, a) = f.registered(&order_on(&f, 0, &[&on_old.envelope.aggregate_id, &new_order]), 5_000).await;
+    let out = f.store.accept_dispatch_receipt(&receipt_at(&again, &a, 0)).await.unwrap();
+    assert_eq!(out.decision, outbox_core::ReceiptDecision::Reject { reason: outbox_core::RejectReason::ConflictingPlacement });
+    assert_ne!(f.state(again.envelope.event_id.as_str()).await, EventState::Published);
+    assert_eq!(f.findings("receipt_position_lost", on_new.event_id().as_str()).await, 1);
+    // Next to it, on the new log's next offset, it is accepted as usual.
+    let next = f.store.accept_dispatch_receipt(&receipt_at(&again, &a, 1)).await.unwrap();
+    assert_eq!(next.state, EventState::Published);
+}
+
+/// After a recreation the bypass scan reads the new log: the old log's
+/// receipt at a position the new log's event now holds is a lost position
+/// (that log is gone); the new log's own receipt there is its message,
+/// neither lost nor an unrecorded copy.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_bypass_scan_tells_the_logs_of_a_recreated_topic_apart(pool: PgPool) {
+    let f = fixture(pool).await;
+    let current = f.broker.topic_id(TOPIC).await.unwrap().expect("the mock cluster gives topic ids");
+    let old = if current == "AAECAwQFBgcICQoLDA0ODw" { "_____________________w" } else { "AAECAwQFBgcICQoLDA0ODw" };
+    let policy = |id: &str| outbox_core::RoutePolicy { topic_id: Some(id.to_owned()), ..outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32) };
+    outbox_producer::routes::revise(&f.pool, &policy(old)).await.unwrap();
+    let (on_old, a) = f.registered(&order_on(&f, 0, &[]), 5_000).await;
+    let receipt = headers::parse(&outgoing_message(&on_old, &a).headers).unwrap().receipt(f.broker.cluster_id(), TOPIC, 0, 0, &on_old.payload);
+    assert_eq!(f.store.accept_dispatch_receipt(&receipt).await.unwrap().state, EventState::Published);
+    outbox_producer::routes::revise(&f.pool, &policy(&current)).await.unwrap();
+    let on_new = create_order(&f.pool, &order_on(&f, 0, &[&on_old.envelope.aggregate_id]), 1).await;
+    assert_eq!(f.dispatcher(&f.store, 5_000).dispatch_once("w").await.unwrap().published, 1);
+
+    let c = f.reconciler().compare_once().await.unwrap();
+    assert_eq!((c.bypass_publish, c.unrecorded_copy, c.divergent_copy), (0, 0, 0), "{c:?}");
+    assert_eq!(f.findings("receipt_position_lost", on_old.envelope.event_id.as_str()).await, 1);
+    assert_eq!(f.findings("receipt_position_lost", on_new.event_id().as_str()).await, 0);
+    let detail: String = sqlx::query_scalar("SELECT detail FROM outbox_findings WHERE kind = 'receipt_position_lost'").fetch_one(&f.pool).await.unwrap();
+    assert!(detail.contains(&format!("(topic id {old})")) && detail.contains(&format!("of topic id {current}")), "{detail}");
 }
 
 /// Issue 19 item 4: one event the reconciler cannot handle (its frozen

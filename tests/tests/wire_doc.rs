@@ -197,8 +197,9 @@ fn wire_md_worked_example_is_what_the_code_produces() {
     }
 }
 
-/// The watermark record's example in docs/WIRE.md, as the code encodes it.
-fn watermark_example() -> String {
+/// The watermark record's example in docs/WIRE.md, as the code encodes it:
+/// of no topic id (`.v1`), or of the log of `topic_id` (`.v2`).
+fn watermark_example(topic_id: Option<&str>) -> String {
     use outbox_core::watermark_record::WatermarkRecord;
     let event_id = EventId::from_parts(1_764_547_200_123, 0x0123_4567_89ab_cdef_0123);
     let r = WatermarkRecord {
@@ -206,6 +207,7 @@ fn watermark_example() -> String {
         group_id: "shipping".into(),
         cluster_id: "kafka-prod".into(),
         topic: "orders".into(),
+        topic_id: topic_id.map(str::to_owned),
         partition: 3,
         committed_offset: 1042,
         applied_count: 1037,
@@ -234,6 +236,8 @@ fn watermark_example() -> String {
 fn wire_md_watermark_example_is_what_the_code_produces() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/WIRE.md");
     let doc = std::fs::read_to_string(&path).expect("docs/WIRE.md");
-    let want = watermark_example();
-    assert!(doc.contains(&want), "docs/WIRE.md must contain the watermark record example exactly as the code encodes it:\n{want}");
+    for topic_id in [None, Some("AAECAwQFBgcICQoLDA0ODw")] {
+        let want = watermark_example(topic_id);
+        assert!(doc.contains(&want), "docs/WIRE.md must contain the watermark record example exactly as the code encodes it:\n{want}");
+    }
 }

@@ -55,6 +55,12 @@ impl Fixture {
 
 /// An `order.created` event for `order` on `topic`.
 pub fn fixture(topic: &str, partitions: u32, order: &str) -> Fixture {
+    fixture_of(topic, None, partitions, order)
+}
+
+/// An `order.created` event for `order` on `topic`, its destination naming
+/// `topic_id` (`destination.v2`) when given.
+pub fn fixture_of(topic: &str, topic_id: Option<&str>, partitions: u32, order: &str) -> Fixture {
     let payload = serde_json::to_vec(&json!({ "order": order, "sku": "sku-1", "quantity": 2 })).unwrap_or_default();
     let req = EmitRequest {
         command_key: &format!("create-{order}"),
@@ -67,7 +73,8 @@ pub fn fixture(topic: &str, partitions: u32, order: &str) -> Fixture {
         payload: &payload,
     };
     let now = 1_800_000_000_000;
-    let (envelope, destination) = req.freeze(EventId::generate(now), now as i64, 42, &RoutePolicy::new(EVENT_TYPE, CLUSTER, topic, partitions)).expect("freeze");
+    let policy = RoutePolicy { topic_id: topic_id.map(str::to_owned), ..RoutePolicy::new(EVENT_TYPE, CLUSTER, topic, partitions) };
+    let (envelope, destination) = req.freeze(EventId::generate(now), now as i64, 42, &policy).expect("freeze");
     let headers = headers::build(&envelope, &destination, &destination.digest(), &AttemptId::generate(now), None);
     Fixture { envelope, destination, payload, headers }
 }
