@@ -676,6 +676,7 @@ impl Broker for SimBroker {
                 destination_digest: claims.destination_digest,
                 cluster_id: CLUSTER.into(),
                 topic: destination.topic.clone(),
+                topic_id: claims.destination.topic_id.clone(),
                 partition: destination.partition,
                 offset: offset as i64,
             });
