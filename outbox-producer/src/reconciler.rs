@@ -642,12 +642,16 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
                 }
                 // Receipts at or beyond the log's end, accepted well before
                 // this round began: their positions are gone (the broker came
-                // back empty, the topic was recreated).
+                // back empty, the topic was recreated). Those already
+                // reported are skipped, so that a round's limit moves on to
+                // the next ones instead of naming the lowest again.
                 if let Some(end) = scan.log_end {
                     for r in sqlx::query(
-                        "SELECT event_id, \"offset\" FROM outbox_publish_receipts
-                         WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" >= $4 AND accepted_at_ms < $5
-                         ORDER BY \"offset\" LIMIT $6",
+                        "SELECT r.event_id, r.\"offset\" FROM outbox_publish_receipts r
+                         WHERE r.cluster_id = $1 AND r.topic = $2 AND r.partition = $3 AND r.\"offset\" >= $4 AND r.accepted_at_ms < $5
+                           AND NOT EXISTS (SELECT 1 FROM outbox_findings f
+                                           WHERE f.kind = 'receipt_position_lost' AND f.event_id = r.event_id AND f.resolved_at_ms IS NULL)
+                         ORDER BY r.\"offset\" LIMIT $6",
                     )
                     .bind(&cluster)
                     .bind(&topic)

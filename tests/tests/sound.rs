@@ -733,6 +733,44 @@ async fn item4_a_receipt_beyond_the_log_end_is_a_finding(pool: PgPool) {
     assert_eq!(f.findings("receipt_position_lost", e.event_id().as_str()).await, 1);
 }
 
+/// Issue 19 item 4, as the chaos drill found it: more receipts beyond the
+/// log's end than one round reports (`max_findings_per_kind`) are all
+/// reported after enough rounds, not the same lowest ones again and again.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn item4_every_receipt_beyond_the_log_end_is_reported_in_time(pool: PgPool) {
+    let f = fixture(pool).await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let e = create_order(&f.pool, &format!("o-{i}"), 1).await;
+        ids.push(e.event_id().to_string());
+    }
+    let d = f.dispatcher(&f.store, 5_000);
+    let mut published = 0;
+    while published < 5 {
+        let r = d.dispatch_once("w").await.unwrap();
+        assert!(r.claimed > 0, "nothing left to claim at {published} published");
+        published += r.published;
+    }
+    // The broker came back empty: every receipt lies beyond the new log's end.
+    for id in &ids {
+        tamper(&f.pool, "UPDATE outbox_publish_receipts SET \"offset\" = \"offset\" + 100 WHERE event_id = $1", id, None).await;
+    }
+    f.clock.advance(10_000);
+    let cfg = ReconcilerConfig {
+        owner: "r".into(),
+        max_findings_per_kind: 2,
+        retry: RetryPolicy { in_flight_bound_ms: BOUND_MS, ..RetryPolicy::default() },
+        ..Default::default()
+    };
+    let rec = Reconciler::new(f.store.clone(), f.broker.clone(), cfg).unwrap();
+    for _ in 0..3 {
+        rec.compare_once().await.unwrap();
+    }
+    for id in &ids {
+        assert_eq!(f.findings("receipt_position_lost", id).await, 1, "{id}'s lost position was never reported in 3 rounds of 2");
+    }
+}
+
 /// Issue 19 item 4: the bypass scan's cursor from the old log lies beyond
 /// the new log's end; the new log is read from its start rather than never.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
