@@ -380,26 +380,21 @@ impl IdempotentConsumer {
     }
 }
 
-/// Leaves the consumer group and closes the client, bounded by `within`
-/// twice over, so that `run` returns whatever librdkafka does.
+/// Closes the client (leaving the consumer group) on a blocking thread,
+/// waiting at most `within`, so that `run` returns whatever librdkafka does.
 ///
 /// Closing a consumer makes librdkafka serve a last rebalance (the revoke of
 /// everything assigned), and its close can wait forever inside that
 /// callback (`rd_kafka_assign` waiting on the group's thread; librdkafka
 /// issue 4884). Seen here: a test's consumer stopping during a rebalance
 /// hung in `BaseConsumer::drop` for good, and since the drop ran on the
-/// runtime's thread, every timer of that runtime stopped with it. So the
-/// consumer first unsubscribes and serves its callbacks until nothing is
-/// assigned, then closes on a blocking thread; a close that still does not
-/// finish is logged and left behind.
+/// runtime's thread, every timer of that runtime stopped with it, the
+/// caller's own timeout included. (Unsubscribing first and serving the
+/// revoke before the close was tried: librdkafka then aborted the process,
+/// `rd_kafka_cgrp_terminated: assert: !rd_kafka_assignment_in_progress`.)
+/// A close that does not finish in time is logged and left behind; the
+/// group moves the partitions once the session times out.
 async fn leave_group(client: Arc<Client>, within: Duration) {
-    client.unsubscribe();
-    let deadline = tokio::time::Instant::now() + within;
-    while client.assignment().map(|a| a.count() > 0).unwrap_or(false) && tokio::time::Instant::now() < deadline {
-        // Messages still in the client are neither handled nor committed:
-        // the partitions' next owner reads them again.
-        let _ = tokio::time::timeout(Duration::from_millis(100), client.recv()).await;
-    }
     let closing = tokio::task::spawn_blocking(move || drop(client));
     if tokio::time::timeout(within, closing).await.is_err() {
         warn!(within_ms = within.as_millis() as u64, "the Kafka client did not close in time (a rebalance in progress); leaving it behind");

@@ -1185,11 +1185,15 @@ async fn dispatch_planned_on_tiny_tables_stays_index_probes(pool: PgPool) {
         offset = dispatch_round(&emitter, &store, round, 200, offset).await;
     }
     let read = reads(&pool, &[&own, &emitter], &DISPATCH_TABLES).await - before;
+    eprintln!("dispatching 600 events over 20,000: {} rows and index entries read, {} sequential scans", read.rows, read.seq_scans);
     // A statement that scanned would start one scan per round at least.
     assert!(read.seq_scans < 5, "dispatching 600 events over 20,000 started {} sequential scans of the outbox tables", read.seq_scans);
     // A few dozen index entries per event; a plan that read a table or one
-    // of its indexes from end to end reads 20,000 per round.
-    assert!(read.rows < 40 * 600, "dispatching 600 events over 20,000 read {} rows and index entries", read.rows);
+    // of its indexes from end to end reads 20,000 per round, 60,000 in all.
+    // The figure is bimodal with no scan at all (measured alone, same code:
+    // 15,832 and 28,335; 30,085 in a full run), so the bound sits between
+    // the upper mode and one table read end to end per round.
+    assert!(read.rows < 70 * 600, "dispatching 600 events over 20,000 read {} rows and index entries", read.rows);
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'").await, 20_636);
 }
 
