@@ -21,25 +21,28 @@
 --     dispatcher or another business transaction, whatever its isolation
 --     level;
 --   * before each claim, a short transaction links arrivals
---     (outbox_link_arrivals): a chain without a head gets its oldest open
---     event as head; a chain with one is left alone (its new event waits
---     behind the head);
+--     (outbox_link_arrivals): a chain with no visible head gets its oldest
+--     open event as head; a chain with one is left alone (its new event
+--     waits behind the head);
 --   * any update of outbox_events (claim, registration, the receipt
 --     transaction, reports, release, lease expiry, reconciliation,
 --     quarantine, retention) runs the statement trigger below, which keeps
 --     the head's claimability equal to its event's (PENDING and
 --     next_check_at_ms) and, when the head event closes (PUBLISHED,
---     RETAINED, PURGED), deletes the head and makes the chain's next open
---     event the head, in the same transaction; a row trigger moves an event
---     whose chain changes (a destination migration) to its new chain.
+--     RETAINED, PURGED), moves the head to the chain's next open event in
+--     the same transaction; a row trigger moves an event whose chain
+--     changes (a destination migration) to its new chain.
 --
--- No lost chain: the head's successor is looked up by a statement that
--- starts after the head row was deleted. An event committed before that
--- statement's snapshot is found by it; one committed later has an arrival
--- row that a linker reads after that commit: the linker's INSERT ... ON
--- CONFLICT waits for a transaction deleting the head to end, and a visible
--- head that it cannot lock FOR KEY SHARE (a delete in progress) keeps the
--- arrival for the next linker.
+-- No lost chain. A chain whose head closes and that has no next open
+-- event (in the closing transaction's snapshot) loses its head row and
+-- gets an arrival of its own, committed with that transaction. Take an
+-- event E of the chain that the closing statement did not see: it commits
+-- after that statement began. A linker that consumes E's arrival reads
+-- after E committed; if it still sees the old head, the closing
+-- transaction had not committed yet, so its own arrival is read by a
+-- linker that starts after it committed, and so after E committed, and
+-- finds E. A linker that no longer sees a head finds E itself. (Its
+-- INSERT ... ON CONFLICT waits for a transaction inserting the same head.)
 
 CREATE TABLE outbox_chain_heads (
     key_chain        bigint PRIMARY KEY,
@@ -80,43 +83,63 @@ END
 $$;
 
 -- Links up to p_limit arrivals (oldest first, skipping those another
--- linker holds) and returns how many it consumed. Run in a transaction of
--- its own, before a claim: the locks it takes last only as long as it.
---
--- A chain whose head is visible and can be locked FOR KEY SHARE keeps
--- that head: no transaction is deleting it, so whoever deletes it later
--- looks its successor up after this commit, and so after the arrival's
--- event committed. A chain whose visible head cannot be locked is being
--- advanced (a DELETE in progress) or claimed: its arrivals stay for the
--- next linker. A chain with no visible head gets its oldest open event as
--- head; the INSERT ... ON CONFLICT waits for a transaction inserting one.
+-- linker holds), consuming them, and returns how many it took. Run in a
+-- transaction of its own, before a claim: the locks it takes (on the
+-- arrivals and on new heads) last only as long as it.
 CREATE FUNCTION outbox_link_arrivals(p_limit integer) RETURNS integer
     LANGUAGE plpgsql VOLATILE
     SET enable_seqscan = off
     SET search_path FROM CURRENT
 AS $$
 DECLARE
-    ids bigint[];
+    taken integer;
     chains bigint[];
-    visible bigint[];
-    held bigint[];
-    absent bigint[];
 BEGIN
-    SELECT array_agg(id), array_agg(DISTINCT key_chain) INTO ids, chains
-    FROM (SELECT id, key_chain FROM outbox_chain_arrivals ORDER BY id LIMIT p_limit FOR UPDATE SKIP LOCKED) a;
-    IF ids IS NULL THEN
+    WITH gone AS (
+        DELETE FROM outbox_chain_arrivals a
+        WHERE a.id IN (SELECT id FROM outbox_chain_arrivals ORDER BY id LIMIT p_limit FOR UPDATE SKIP LOCKED)
+        RETURNING a.key_chain)
+    SELECT count(*), array_agg(DISTINCT key_chain) INTO taken, chains FROM gone;
+    IF taken = 0 THEN
         RETURN 0;
     END IF;
-    visible := ARRAY(SELECT h.key_chain FROM outbox_chain_heads h WHERE h.key_chain = ANY (chains));
-    held := ARRAY(SELECT h.key_chain FROM outbox_chain_heads h WHERE h.key_chain = ANY (visible)
-                  ORDER BY h.key_chain FOR KEY SHARE SKIP LOCKED);
-    absent := ARRAY(SELECT c FROM UNNEST(chains) AS c WHERE c NOT IN (SELECT UNNEST(visible)));
-    IF cardinality(absent) > 0 THEN
-        PERFORM outbox_chain_heads_insert(absent);
-    END IF;
-    DELETE FROM outbox_chain_arrivals a
-    WHERE a.id = ANY (ids) AND a.key_chain IN (SELECT UNNEST(held) UNION ALL SELECT UNNEST(absent));
-    RETURN cardinality(ids);
+    -- One primary-key probe per chain; the chains with no visible head
+    -- get one (see the header for why a head being closed right now needs
+    -- nothing here).
+    PERFORM outbox_chain_heads_insert(ARRAY(
+        SELECT c FROM UNNEST(chains) AS c WHERE NOT EXISTS (SELECT 1 FROM outbox_chain_heads h WHERE h.key_chain = c)));
+    RETURN taken;
+END
+$$;
+
+-- Moves the heads (p_chains[i], p_events[i]), whose events closed or left
+-- their chain, to each chain's next open event; a chain with none loses
+-- its head row and gets an arrival, so that a linker looks at it again
+-- after this transaction commits (see the header).
+CREATE FUNCTION outbox_chain_advance(p_chains bigint[], p_events text[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    WITH closed AS (SELECT * FROM UNNEST(p_chains, p_events) AS c(kc, ev)),
+    nxt AS MATERIALIZED (
+        SELECT c.kc, c.ev, n.event_id, n.seq, n.state, n.next_check_at_ms, n.cluster_id, n.protocol_version
+        FROM closed c
+        LEFT JOIN LATERAL (
+            SELECT e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
+            WHERE e.key_chain = c.kc AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
+            ORDER BY e.seq LIMIT 1) n ON true),
+    moved AS (
+        UPDATE outbox_chain_heads h
+        SET event_id = x.event_id, seq = x.seq, claimable_at_ms = CASE WHEN x.state = 'PENDING' THEN x.next_check_at_ms END,
+            cluster_id = x.cluster_id, protocol_version = x.protocol_version
+        FROM nxt x WHERE x.event_id IS NOT NULL AND h.key_chain = x.kc AND h.event_id = x.ev),
+    emptied AS (
+        DELETE FROM outbox_chain_heads h USING nxt x
+        WHERE x.event_id IS NULL AND h.key_chain = x.kc AND h.event_id = x.ev
+        RETURNING h.key_chain)
+    INSERT INTO outbox_chain_arrivals (key_chain) SELECT key_chain FROM emptied ORDER BY key_chain;
 END
 $$;
 
@@ -145,24 +168,23 @@ CREATE FUNCTION outbox_chain_follow() RETURNS trigger
     SET search_path FROM CURRENT
 AS $$
 DECLARE
-    left_chains bigint[];
+    chains bigint[];
+    events text[];
 BEGIN
     -- Heads whose event closed (PUBLISHED; RETAINED and PURGED follow it).
-    WITH gone AS (
-        DELETE FROM outbox_chain_heads h USING new_rows n
-        WHERE h.key_chain = n.key_chain AND h.event_id = n.event_id AND n.phase IN ('PUBLISHED', 'RETAINED', 'PURGED')
-        RETURNING h.key_chain)
-    SELECT array_agg(key_chain) INTO left_chains FROM gone;
-    -- Their chains' next heads, looked up by a statement of its own: its
-    -- snapshot is taken after the deletes above (see the header).
-    IF left_chains IS NOT NULL THEN
-        PERFORM outbox_chain_heads_insert(left_chains);
+    SELECT array_agg(h.key_chain ORDER BY h.key_chain), array_agg(h.event_id ORDER BY h.key_chain) INTO chains, events
+    FROM new_rows n JOIN outbox_chain_heads h ON h.key_chain = n.key_chain AND h.event_id = n.event_id
+    WHERE n.phase IN ('PUBLISHED', 'RETAINED', 'PURGED');
+    IF chains IS NOT NULL THEN
+        PERFORM outbox_chain_advance(chains, events);
     END IF;
     -- A head is claimable exactly while its event is PENDING, from its
-    -- next_check_at_ms.
+    -- next_check_at_ms. SENDING follows only CLAIMED and RETRY_CLAIMED,
+    -- whose heads are already not claimable: registration (and renewing a
+    -- sending batch's leases) probes nothing.
     UPDATE outbox_chain_heads h SET claimable_at_ms = CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END
     FROM new_rows n
-    WHERE h.key_chain = n.key_chain AND h.event_id = n.event_id AND n.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED')
+    WHERE h.key_chain = n.key_chain AND h.event_id = n.event_id AND n.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND n.state <> 'SENDING'
       AND h.claimable_at_ms IS DISTINCT FROM (CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END);
     RETURN NULL;
 END
@@ -180,9 +202,8 @@ CREATE FUNCTION outbox_chain_move() RETURNS trigger
     SET search_path FROM CURRENT
 AS $$
 BEGIN
-    DELETE FROM outbox_chain_heads WHERE key_chain = OLD.key_chain AND event_id = OLD.event_id;
-    IF FOUND THEN
-        PERFORM outbox_chain_heads_insert(ARRAY[OLD.key_chain]);
+    IF EXISTS (SELECT 1 FROM outbox_chain_heads WHERE key_chain = OLD.key_chain AND event_id = OLD.event_id) THEN
+        PERFORM outbox_chain_advance(ARRAY[OLD.key_chain], ARRAY[OLD.event_id]);
     END IF;
     IF NEW.ordered AND NEW.publisher = 'outbox' AND NEW.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') THEN
         INSERT INTO outbox_chain_arrivals (key_chain) VALUES (NEW.key_chain);

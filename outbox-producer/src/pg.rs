@@ -784,10 +784,16 @@ impl PgStore {
     /// Links the chains of newly committed ordered events to heads
     /// (`outbox_link_arrivals`, migration 20261201095001), in a transaction
     /// of its own before a claim: its locks last only as long as it does.
+    ///
+    /// Its commit does not wait for the WAL flush: lost in a crash, it
+    /// loses its head inserts and its arrival deletes together, and the
+    /// next linker does the same again. A claim that read its heads commits
+    /// durably after it, which flushes it too.
     async fn link_arrivals(&self, limit: usize) -> Result<(), StoreError> {
         let n = (limit.min(MAX_CLAIM_BATCH) as i32).saturating_mul(4).max(ARRIVALS_PER_CLAIM);
-        sqlx::query("SELECT outbox_link_arrivals($1)").bind(n).execute(&self.pool).await.map_err(store_err)?;
-        Ok(())
+        let mut tx = self.pool.begin_with("BEGIN; SET LOCAL synchronous_commit = off").await.map_err(store_err)?;
+        sqlx::query("SELECT outbox_link_arrivals($1)").bind(n).execute(&mut *tx).await.map_err(store_err)?;
+        tx.commit().await.map_err(store_err)
     }
 
     /// Runs a claim statement in a transaction of its own (planned without
