@@ -20,7 +20,7 @@
 --     outbox_chain_arrivals: insert-only, so emit never waits for a
 --     dispatcher or another business transaction, whatever its isolation
 --     level;
---   * before each claim, a short transaction links arrivals
+--   * each claim's transaction first links arrivals
 --     (outbox_link_arrivals): a chain with no visible head gets its oldest
 --     open event as head; a chain with one is left alone (its new event
 --     waits behind the head);
@@ -83,9 +83,9 @@ END
 $$;
 
 -- Links up to p_limit arrivals (oldest first, skipping those another
--- linker holds), consuming them, and returns how many it took. Run in a
--- transaction of its own, before a claim: the locks it takes (on the
--- arrivals and on new heads) last only as long as it.
+-- linker holds), consuming them, and returns how many it took. A claim
+-- runs it first in its transaction; the locks it takes (on the arrivals
+-- and on the heads it inserts) only ever make another linker wait.
 CREATE FUNCTION outbox_link_arrivals(p_limit integer) RETURNS integer
     LANGUAGE plpgsql VOLATILE
     SET enable_seqscan = off

@@ -781,31 +781,16 @@ impl PgStore {
         Ok(tasks)
     }
 
-    /// Links the chains of newly committed ordered events to heads
-    /// (`outbox_link_arrivals`, migration 20261201095001), in a transaction
-    /// of its own before a claim: its locks last only as long as it does.
-    ///
-    /// Its commit does not wait for the WAL flush: lost in a crash, it
-    /// loses its head inserts and its arrival deletes together, and the
-    /// next linker does the same again. A claim that read its heads commits
-    /// durably after it, which flushes it too.
-    async fn link_arrivals(&self, limit: usize) -> Result<(), StoreError> {
-        let n = (limit.min(MAX_CLAIM_BATCH) as i32).saturating_mul(4).max(ARRIVALS_PER_CLAIM);
-        let mut tx = self.pool.begin_with("BEGIN; SET LOCAL synchronous_commit = off").await.map_err(store_err)?;
-        sqlx::query("SELECT outbox_link_arrivals($1)").bind(n).execute(&mut *tx).await.map_err(store_err)?;
-        tx.commit().await.map_err(store_err)
-    }
-
     /// Runs a claim statement in a transaction of its own (planned without
     /// sequential scans, see `begin`): `$1` limit, `$2` owner, `$3` now,
     /// `$4` lease, `$5` cluster scope, `$6` highest protocol understood,
     /// `$7` (when given) event ids; it returns [`CLAIM_FROM_C`] rows.
     async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
         validate_claim(owner, lease_ms)?;
-        if from == EventState::Pending {
-            self.link_arrivals(limit).await?;
-        }
         let mut tx = self.begin().await?;
+        if from == EventState::Pending {
+            link_arrivals(&mut tx, limit).await?;
+        }
         let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events, &mut 0).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(claimed)
@@ -852,12 +837,11 @@ impl PgStore {
     /// then, when a scan is due or no successor was ready, every key's head
     /// ([`OutboxStore::claim_batch`]). All of it commits or none of it does,
     /// and the transaction's round trips are paid once. New chains are
-    /// linked to heads just before, in a transaction of their own
-    /// (`link_arrivals`).
+    /// linked to heads first, in the same transaction (`link_arrivals`).
     pub(crate) async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
         validate_claim(owner, lease_ms)?;
-        self.link_arrivals(limit).await?;
         let mut tx = self.begin().await?;
+        link_arrivals(&mut tx, limit).await?;
         let mut quarantined = 0;
         let retries = self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None, &mut quarantined).await?;
         let mut round = ClaimRound { claimed: retries, successor_claim: false, head_scan: false, quarantined: 0 };
@@ -1212,6 +1196,17 @@ fn claim_heads_sql(heads: &str) -> String {
 /// (`outbox_link_arrivals`), at most this many arrivals per claim
 /// transaction, before the claim reads the heads.
 const ARRIVALS_PER_CLAIM: i32 = 2_000;
+
+/// Links the chains of newly committed ordered events to heads
+/// (`outbox_link_arrivals`, migration 20261201095001) as the first
+/// statement of a claim's transaction: the claim's next statement sees
+/// the new heads. It locks the arrivals it takes and the heads it inserts
+/// until the claim commits; only another linker ever waits for those.
+async fn link_arrivals(tx: &mut Transaction<'static, Postgres>, limit: usize) -> Result<(), StoreError> {
+    let n = (limit.min(MAX_CLAIM_BATCH) as i32).saturating_mul(4).max(ARRIVALS_PER_CLAIM);
+    sqlx::query("SELECT outbox_link_arrivals($1)").bind(n).execute(&mut **tx).await.map_err(store_err)?;
+    Ok(())
+}
 
 #[async_trait]
 impl OutboxStore for PgStore {
