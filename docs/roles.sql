@@ -86,7 +86,7 @@ BEGIN
                              'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                              'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
                              'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
-                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers'] LOOP
+                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -109,6 +109,9 @@ SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_route_policies');
 -- emit freezes who sends the event from the current takeover policy (rollout).
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_takeover_policies');
+-- The insert trigger on outbox_events appends each new ordered event's
+-- chain to the arrivals the dispatcher links (insert-only).
+SELECT pg_temp.outbox_grant('outbox_app', 'INSERT', 'outbox_chain_arrivals');
 
 -- outbox_dispatcher: claim (UPDATE with row locks), register attempts, the
 -- receipt transaction, not-sent / unknown reports, lease sweeps, quarantine
@@ -136,6 +139,12 @@ SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_shado
 -- generation's switch and content type.
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_identity');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_route_policies');
+-- Claims read and lock the chain heads; linking arrivals consumes them and
+-- inserts heads; the update triggers on outbox_events (claim, receipt
+-- transaction, reports, and every writer below that inherits these rights)
+-- move heads and re-queue emptied chains.
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_chain_heads');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_chain_arrivals');
 
 -- outbox_reconciler: the dispatcher's rights (it resolves UNKNOWNs through
 -- the same receipt transaction), plus the three-set comparison and report.
@@ -194,7 +203,7 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                   'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
                   'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
-                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers']) t;
+                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes

@@ -19,7 +19,21 @@
 //! Options: `--events N` (100000), `--keys K` (1000), `--emitters E` (2),
 //! `--txn-events T` (100), `--workers W` (4), `--batch B` (300),
 //! `--partitions P` (12); `--preload` (emit everything, then start the
-//! dispatcher), `--no-wake` (emit with `wake_dispatcher` off), `--keep-db`.
+//! dispatcher), `--no-wake` (emit with `wake_dispatcher` off), `--keep-db`;
+//! `--instances N` (1: N dispatcher instances, each its own `Dispatcher`,
+//! store and producer; each one's published count is printed, so an
+//! instance that starves shows); `--rate R` (the emitters together offer R
+//! events/s, one transaction at a time on a schedule, instead of as fast as
+//! they can; a comment line adds commit -> PUBLISHED max); `--hold-snapshot-s
+//! S` (a REPEATABLE READ transaction in the bench's database, its snapshot
+//! taken by a query, held open for S seconds from the first commit or until
+//! the run ends; the outbox tables' and indexes' sizes are printed before
+//! and after). An unknown option is an error.
+//!
+//! CPU: besides the machine's (which counts everything else running on it
+//! too), `# own cpu` counts this process and the PostgreSQL backends of its
+//! database (from `/proc/<pid>/stat`, read before and after the run), per
+//! event.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,36 +54,59 @@ struct Args {
     preload: bool,
     keep_db: bool,
     no_wake: bool,
+    instances: usize,
+    rate: Option<f64>,
+    hold_snapshot_s: Option<u64>,
 }
 
+const USAGE: &str = "usage: dispatch_bench [--events N] [--keys K] [--emitters E] [--txn-events T] [--workers W] [--batch B] [--partitions P] \
+[--instances N] [--rate EVENTS_PER_S] [--hold-snapshot-s S] [--preload] [--no-wake] [--keep-db] [--throwaway-postgres]";
+
 fn parse_args() -> anyhow::Result<Args> {
-    let mut a = Args { events: 100_000, keys: 1_000, emitters: 2, txn_events: 100, workers: 4, batch: 300, partitions: 12, preload: false, keep_db: false, no_wake: false };
+    let mut a = Args {
+        events: 100_000,
+        keys: 1_000,
+        emitters: 2,
+        txn_events: 100,
+        workers: 4,
+        batch: 300,
+        partitions: 12,
+        preload: false,
+        keep_db: false,
+        no_wake: false,
+        instances: 1,
+        rate: None,
+        hold_snapshot_s: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        if flag == "--preload" {
-            a.preload = true;
-            continue;
-        }
-        if flag == "--keep-db" {
-            a.keep_db = true;
-            continue;
-        }
-        if flag == "--no-wake" {
-            a.no_wake = true;
-            continue;
-        }
-        let v: usize = it.next().with_context(|| format!("{flag} needs a value"))?.parse().with_context(|| format!("{flag} takes a number"))?;
         match flag.as_str() {
-            "--events" => a.events = v,
-            "--keys" => a.keys = v.max(1),
-            "--emitters" => a.emitters = v.clamp(1, 16),
-            "--txn-events" => a.txn_events = v.clamp(1, 10_000),
-            "--workers" => a.workers = v,
-            "--batch" => a.batch = v,
-            "--partitions" => a.partitions = v.clamp(1, 1_000) as i32,
-            other => anyhow::bail!("unknown option {other}"),
+            "--preload" => a.preload = true,
+            "--keep-db" => a.keep_db = true,
+            "--no-wake" => a.no_wake = true,
+            // Read by ScratchDb::create.
+            outbox_examples::env::THROWAWAY_FLAG => {}
+            "--events" | "--keys" | "--emitters" | "--txn-events" | "--workers" | "--batch" | "--partitions" | "--instances" | "--rate" | "--hold-snapshot-s" => {
+                let raw = it.next().with_context(|| format!("{flag} needs a value\n{USAGE}"))?;
+                let v: f64 = raw.parse().ok().filter(|v: &f64| v.is_finite() && *v >= 0.0).with_context(|| format!("{flag} takes a number, not {raw:?}\n{USAGE}"))?;
+                let n = v as usize;
+                match flag.as_str() {
+                    "--events" => a.events = n,
+                    "--keys" => a.keys = n.max(1),
+                    "--emitters" => a.emitters = n.clamp(1, 16),
+                    "--txn-events" => a.txn_events = n.clamp(1, 10_000),
+                    "--workers" => a.workers = n,
+                    "--batch" => a.batch = n,
+                    "--partitions" => a.partitions = n.clamp(1, 1_000) as i32,
+                    "--instances" => a.instances = n.clamp(1, 16),
+                    "--rate" => a.rate = Some(v).filter(|r| *r > 0.0),
+                    _ => a.hold_snapshot_s = Some(n as u64),
+                }
+            }
+            other => anyhow::bail!("unknown option {other}\n{USAGE}"),
         }
     }
+    anyhow::ensure!(!(a.preload && a.rate.is_some()), "--preload and --rate exclude each other (a preload emits as fast as it can)\n{USAGE}");
     Ok(a)
 }
 
@@ -90,35 +127,76 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     let pool = db.pool.clone();
     outbox_producer::migrate(&pool).await?;
     let kafka = Kafka::start(&[("orders", args.partitions)])?;
-    let broker = kafka
-        .broker(|c| {
-            c.max_in_flight = 20_000;
-            c.message_timeout_ms = 60_000;
-        })
-        .await?;
-    outbox_producer::routes::revise(&pool, &RoutePolicy::new("order.created.v2", broker_cluster(&broker), "orders", args.partitions as u32)).await?;
+    let mut dispatchers = Vec::new();
+    let mut cluster = None;
+    for i in 0..args.instances {
+        let broker = kafka
+            .broker(|c| {
+                c.max_in_flight = 20_000;
+                c.message_timeout_ms = 60_000;
+            })
+            .await?;
+        cluster.get_or_insert_with(|| broker_cluster(&broker).to_owned());
+        let name = if args.instances == 1 { "bench".to_owned() } else { format!("bench{i}") };
+        dispatchers.push(Arc::new(Dispatcher::new(
+            PgStore::new(pool.clone()),
+            broker,
+            DispatcherConfig { name, workers: args.workers, batch_size: args.batch, poll_interval_ms: 20, ..Default::default() }.with_env()?,
+        )?));
+    }
+    let cluster = cluster.context("no dispatcher instance")?;
+    outbox_producer::routes::revise(&pool, &RoutePolicy::new("order.created.v2", &cluster, "orders", args.partitions as u32)).await?;
 
-    let dispatcher = Arc::new(Dispatcher::new(
-        PgStore::new(pool.clone()),
-        broker.clone(),
-        DispatcherConfig { name: "bench".into(), workers: args.workers, batch_size: args.batch, poll_interval_ms: 20, ..Default::default() }.with_env()?,
-    )?);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut run = if args.preload { None } else { Some(tokio::spawn(dispatcher.clone().run(outbox_producer::until_true(stop_rx.clone())))) };
+    let start_all = |stop_rx: &tokio::sync::watch::Receiver<bool>| -> Vec<_> {
+        dispatchers.iter().map(|d| tokio::spawn(d.clone().run(outbox_producer::until_true(stop_rx.clone())))).collect::<Vec<_>>()
+    };
+    let mut runs = if args.preload { Vec::new() } else { start_all(&stop_rx) };
+
+    // The held snapshot: opened before the first commit, its snapshot taken
+    // by a query (REPEATABLE READ takes it at the first statement, not at
+    // BEGIN), held until `hold` has passed or the run ends.
+    let (release_tx, release_rx) = tokio::sync::watch::channel(false);
+    let holder = match args.hold_snapshot_s {
+        Some(s) => {
+            eprintln!("# sizes before: {}", table_sizes(&pool).await?);
+            let mut conn = pool.acquire().await?.detach();
+            sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut conn).await?;
+            sqlx::query("SELECT count(*) FROM outbox_events").execute(&mut conn).await?;
+            let mut release_rx = release_rx.clone();
+            Some(tokio::spawn(async move {
+                let held = Instant::now();
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(s)) => {}
+                    _ = release_rx.wait_for(|r| *r) => {}
+                }
+                sqlx::query("ROLLBACK").execute(&mut conn).await?;
+                anyhow::Ok(held.elapsed().as_secs_f64())
+            }))
+        }
+        None => None,
+    };
 
     let cpu_at_start = machine_cpu_s();
+    let own_at_start = own_cpu_s(&pool).await;
     let started = Instant::now();
     // Emitter e owns the keys k with k % emitters == e, so each key's
-    // versions are committed in order by one emitter.
+    // versions are committed in order by one emitter. With a rate, emitter e
+    // commits its j-th transaction at (j * emitters + e) * txn_events / rate
+    // seconds from the start (or at once, when behind).
     let mut emitters = Vec::new();
     for e in 0..args.emitters {
         let pool = pool.clone();
-        let (keys, txn_events, total, nemit) = (args.keys, args.txn_events, args.events, args.emitters);
+        let (keys, txn_events, total, nemit, rate) = (args.keys, args.txn_events, args.events, args.emitters, args.rate);
         let options = EmitOptions { wake_dispatcher: !args.no_wake, ..EmitOptions::default() };
         emitters.push(tokio::spawn(async move {
             let payload = br#"{"order":"bench","totalCents":1999,"items":[{"sku":"sku-1","qty":1}]}"#;
             let mine: Vec<usize> = (0..total).filter(|n| (n % keys) % nemit == e).collect();
-            for chunk in mine.chunks(txn_events) {
+            for (j, chunk) in mine.chunks(txn_events).enumerate() {
+                if let Some(rate) = rate {
+                    let due = started + std::time::Duration::from_secs_f64((j * nemit + e) as f64 * txn_events as f64 / rate);
+                    tokio::time::sleep_until(due.into()).await;
+                }
                 let ids: Vec<(String, String)> = chunk.iter().map(|n| (format!("o-{}", n % keys), format!("cmd-{n}"))).collect();
                 let requests: Vec<EmitRequest> = chunk
                     .iter()
@@ -146,34 +224,40 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     }
     let emitted_s = started.elapsed().as_secs_f64();
     let drain_started = Instant::now();
-    if run.is_none() {
-        run = Some(tokio::spawn(dispatcher.clone().run(outbox_producer::until_true(stop_rx))));
+    if runs.is_empty() {
+        runs = start_all(&stop_rx);
     }
 
-    // Progress comes from the dispatcher's own counter, not from a query:
+    // Progress comes from the dispatchers' own counters, not from a query:
     // polling the database would take CPU from the system being measured.
     // The receipts are counted once, at the end.
-    let metrics = dispatcher.metrics();
+    let published = || -> u64 { dispatchers.iter().map(|d| d.metrics().published.load(std::sync::atomic::Ordering::Relaxed)).sum() };
     loop {
-        let published = metrics.published.load(std::sync::atomic::Ordering::Relaxed);
-        if published as usize >= args.events {
+        let n = published();
+        if n as usize >= args.events {
             break;
         }
-        anyhow::ensure!(started.elapsed().as_secs() < 900, "not all events published after 900 s ({published})");
+        anyhow::ensure!(started.elapsed().as_secs() < 1800, "not all events published after 1800 s ({n})");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     let wall_s = started.elapsed().as_secs_f64();
     let drain_s = drain_started.elapsed().as_secs_f64();
     let cpu_s = cpu_at_start.zip(machine_cpu_s()).map(|(a, b)| b - a);
+    let own_s = own_cpu_s(&pool).await.map(|(p, b)| (p - own_at_start.map_or(0.0, |s| s.0), b - own_at_start.map_or(0.0, |s| s.1)));
+    release_tx.send(true)?;
+    let held_s = match holder {
+        Some(h) => Some(h.await??),
+        None => None,
+    };
     stop_tx.send(true)?;
-    if let Some(run) = run {
+    for run in runs {
         run.await??;
     }
 
-    let (p50, p99, first, last): (f64, f64, i64, i64) = sqlx::query_as(
+    let (p50, p99, max, first, last): (f64, f64, i64, i64, i64) = sqlx::query_as(
         "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY published_at_ms - created_at_ms),
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY published_at_ms - created_at_ms),
-                min(created_at_ms), max(published_at_ms)
+                max(published_at_ms - created_at_ms), min(created_at_ms), max(published_at_ms)
          FROM outbox_events",
     )
     .fetch_one(&pool)
@@ -193,12 +277,65 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     );
     if let Some(cpu_s) = cpu_s {
         // The whole machine's CPU (PostgreSQL, emitters, dispatcher and the
-        // in-process cluster): comparable across machines of different
-        // speed where events/s alone is not.
+        // in-process cluster, and whatever else runs there): comparable
+        // across machines of different speed where events/s alone is not.
         eprintln!("# machine cpu {cpu_s:.1} s over the run ; {:.0} us of cpu per event", cpu_s * 1e6 / args.events as f64);
+    }
+    if let Some((process_s, backends_s)) = own_s {
+        eprintln!(
+            "# own cpu: bench process {process_s:.1} s + its PostgreSQL backends {backends_s:.1} s ; {:.0} us of cpu per event",
+            (process_s + backends_s) * 1e6 / args.events as f64
+        );
+    }
+    if let Some(rate) = args.rate {
+        eprintln!("# offered {rate:.0} events/s ; commit -> PUBLISHED p50 {p50:.0} ms, p99 {p99:.0} ms, max {max} ms");
+    }
+    if args.instances > 1 {
+        let counts: Vec<String> = dispatchers.iter().enumerate().map(|(i, d)| format!("bench{i}={}", d.metrics().published.load(std::sync::atomic::Ordering::Relaxed))).collect();
+        eprintln!("# published per instance: {}", counts.join(" "));
+    }
+    if let Some(held_s) = held_s {
+        eprintln!("# held a REPEATABLE READ snapshot for {held_s:.1} s");
+        eprintln!("# sizes after: {}", table_sizes(&pool).await?);
     }
     println!("dispatch events={} events_per_s={:.0} p50_ms={:.0} p99_ms={:.0}", args.events, args.events as f64 / span_s, p50, p99);
     Ok(())
+}
+
+/// The outbox tables' sizes (heap, and all of their indexes), kB.
+async fn table_sizes(pool: &sqlx::PgPool) -> anyhow::Result<String> {
+    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT c.relname::text, pg_relation_size(c.oid) / 1024, pg_indexes_size(c.oid) / 1024 FROM pg_class c
+         WHERE c.relkind = 'r' AND c.relname IN ('outbox_events', 'outbox_chain_heads', 'outbox_chain_arrivals', 'outbox_attempts',
+                                                 'outbox_envelopes', 'outbox_publish_receipts', 'outbox_commands')
+         ORDER BY c.relname",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(|(t, heap, idx)| format!("{t} {heap} kB + indexes {idx} kB")).collect::<Vec<_>>().join(" ; "))
+}
+
+/// CPU seconds (user + system) of this process and of the PostgreSQL
+/// backends now connected to the bench's database, from Linux's
+/// `/proc/<pid>/stat` (USER_HZ, 100 per second); `None` elsewhere or when
+/// the server's processes are not visible (another host, a container).
+async fn own_cpu_s(pool: &sqlx::PgPool) -> Option<(f64, f64)> {
+    let process = proc_cpu_s("self")?;
+    let pids: Vec<i32> = sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE datname = current_database()").fetch_all(pool).await.ok()?;
+    let backends: Vec<f64> = pids.iter().filter_map(|p| proc_cpu_s(&p.to_string())).collect();
+    if backends.is_empty() {
+        return None;
+    }
+    Some((process, backends.iter().sum()))
+}
+
+fn proc_cpu_s(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) in parentheses.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let (utime, stime): (f64, f64) = (f.get(11)?.parse().ok()?, f.get(12)?.parse().ok()?);
+    Some((utime + stime) / 100.0)
 }
 
 /// CPU seconds the whole machine has spent busy since boot (user, nice,

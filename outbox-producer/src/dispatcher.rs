@@ -1055,6 +1055,13 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                     let mut cursor = ClaimCursor::default();
                     let poll = Duration::from_millis(me.config.poll_interval_ms);
                     while !*stop.borrow() {
+                        // Registered before the claim: a commit notified while
+                        // the claim runs (after its statements took their
+                        // snapshots, or after it linked the new chains) wakes
+                        // the wait below instead of going to no waiter.
+                        let notified = wake.notified();
+                        tokio::pin!(notified);
+                        notified.as_mut().enable();
                         match me.dispatch_next(&owner, &mut cursor).await {
                             Ok(r) => {
                                 total += r;
@@ -1073,7 +1080,7 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                         }
                         tokio::select! {
                             biased;
-                            _ = wake.notified() => {}
+                            _ = notified => {}
                             _ = tokio::time::sleep(poll) => {}
                             _ = stop.changed() => {}
                         }

@@ -823,6 +823,9 @@ impl PgStore {
     async fn claim_with(&self, sql: &str, owner: &str, limit: usize, lease_ms: i64, from: EventState, events: Option<&[&str]>) -> Result<Vec<ClaimedEvent>, StoreError> {
         validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
+        if from == EventState::Pending {
+            link_arrivals(&mut tx, limit).await?;
+        }
         let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events, &mut 0).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(claimed)
@@ -868,10 +871,12 @@ impl PgStore {
     /// successors of the events `after` ([`PgStore::claim_successors`]);
     /// then, when a scan is due or no successor was ready, every key's head
     /// ([`OutboxStore::claim_batch`]). All of it commits or none of it does,
-    /// and the transaction's round trips are paid once.
+    /// and the transaction's round trips are paid once. New chains are
+    /// linked to heads first, in the same transaction (`link_arrivals`).
     pub async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
         validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
+        link_arrivals(&mut tx, limit).await?;
         let mut quarantined = 0;
         let retries = self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None, &mut quarantined).await?;
         let mut round = ClaimRound { claimed: retries, successor_claim: false, head_scan: false, quarantined: 0 };
@@ -1124,11 +1129,6 @@ static NOT_SENT_BACKOFFS: LazyLock<Vec<i64>> = LazyLock::new(|| {
     schedule
 });
 
-/// The columns of a chain head, and the rows that can head a chain: open,
-/// ordered, the outbox's own. Both head searches below read them.
-const HEAD_COLUMNS: &str = "e.key_chain, e.cluster_id, e.seq, e.state, e.next_check_at_ms, e.protocol_version, e.event_id";
-const OPEN_ORDERED: &str = "e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'";
-
 /// A claim's owner and lease, checked before any statement runs.
 fn validate_claim(owner: &str, lease_ms: i64) -> Result<(), StoreError> {
     validate_lease_ms(lease_ms)?;
@@ -1157,48 +1157,46 @@ static CLAIM_RETRIES: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// The claim over every ordering chain's head: the oldest open event of
-/// each chain (cluster, topic, key: `key_chain`), found with one index
-/// descent per chain (a loose index scan), so a deep backlog behind the
-/// heads costs nothing.
+/// The claim over every ordering chain's head: the claimable rows of
+/// `outbox_chain_heads` (migration 20261201095001) in seq order, read from
+/// its partial index and locked with SKIP LOCKED, `LIMIT $1`: as many index
+/// entries as the batch, whatever the backlog behind the heads or the
+/// number of open chains, and a concurrent claim takes the next heads
+/// instead of waiting for these.
 static CLAIM_EVERY_HEAD: LazyLock<String> = LazyLock::new(|| {
-    claim_heads_sql(&format!(
-        "(SELECT {HEAD_COLUMNS} FROM outbox_events e WHERE {OPEN_ORDERED} ORDER BY e.key_chain, e.seq LIMIT 1)
-                UNION ALL
-                SELECT n.* FROM heads h CROSS JOIN LATERAL (
-                    SELECT {HEAD_COLUMNS} FROM outbox_events e WHERE {OPEN_ORDERED} AND e.key_chain > h.key_chain
-                    ORDER BY e.key_chain, e.seq LIMIT 1) n"
-    ))
+    claim_heads_sql(
+        "SELECT h.event_id FROM outbox_chain_heads h
+            WHERE h.claimable_at_ms IS NOT NULL AND h.claimable_at_ms <= $3 AND h.protocol_version <= $6
+              AND ($5::text IS NULL OR h.cluster_id = $5)
+            ORDER BY h.seq LIMIT $1 FOR NO KEY UPDATE OF h SKIP LOCKED",
+    )
 });
 
 /// The claim over the heads of the chains of the events `$7`: one
-/// primary-key probe and one descent per chain, whatever the number of
-/// chains in the table.
+/// primary-key probe for each event and one for each chain's head,
+/// whatever the number of chains in the table.
 static CLAIM_SUCCESSORS: LazyLock<String> = LazyLock::new(|| {
-    claim_heads_sql(&format!(
-        "SELECT n.* FROM (SELECT DISTINCT key_chain FROM outbox_events WHERE event_id = ANY($7::text[]) AND ordered) k
-                CROSS JOIN LATERAL (
-                    SELECT {HEAD_COLUMNS} FROM outbox_events e WHERE {OPEN_ORDERED} AND e.key_chain = k.key_chain
-                    ORDER BY e.seq LIMIT 1) n"
-    ))
+    claim_heads_sql(
+        // No ORDER BY here: ordered by seq, the planner may walk the
+        // claimable index and filter by chain, reading every claimable
+        // head; the claim below orders and bounds the candidates.
+        "SELECT h.event_id FROM outbox_chain_heads h
+            WHERE h.key_chain = ANY (ARRAY(SELECT DISTINCT key_chain FROM outbox_events WHERE event_id = ANY($7::text[]) AND ordered))
+              AND h.claimable_at_ms IS NOT NULL AND h.claimable_at_ms <= $3 AND h.protocol_version <= $6
+              AND ($5::text IS NULL OR h.cluster_id = $5)
+            FOR NO KEY UPDATE OF h SKIP LOCKED",
+    )
 });
 
 fn claim_heads_sql(heads: &str) -> String {
     format!(
-        "WITH RECURSIVE heads AS ({heads}),
+        "WITH hc AS ({heads}),
              cand AS (
-                -- The oldest pending heads, at most twice the batch: the lock
-                -- below re-checks each candidate another instance claimed
-                -- since this statement's snapshot (PostgreSQL's EvalPlanQual),
-                -- and the re-checked row stays locked until this commits.
-                -- A head of a newer protocol is refused here, after the heads
-                -- were found and before the bound: it still holds its key,
-                -- so nothing behind it overtakes it, and it takes no place
-                -- among the candidates. So does a head waiting out its
-                -- backoff after a refused send (next_check_at_ms).
-                (SELECT event_id FROM heads WHERE state = 'PENDING' AND next_check_at_ms <= $3 AND protocol_version <= $6
-                   AND ($5::text IS NULL OR cluster_id = $5)
-                 ORDER BY seq LIMIT 2 * $1)
+                -- A head of a newer protocol is refused by the head query,
+                -- and so is a head waiting out its backoff after a refused
+                -- send (claimable_at_ms): it still holds its key, so nothing
+                -- behind it overtakes it.
+                SELECT event_id FROM hc
                 UNION ALL
                 (SELECT event_id FROM outbox_events WHERE phase = 'PENDING' AND NOT ordered AND publisher = 'outbox'
                    AND next_check_at_ms <= $3 AND protocol_version <= $6 AND ($5::text IS NULL OR cluster_id = $5)
@@ -1207,7 +1205,8 @@ fn claim_heads_sql(heads: &str) -> String {
                 -- The candidates come in as one array (an init plan, run
                 -- once), not as a join: when a row changed since this
                 -- statement's snapshot, the lock re-checks that one row's
-                -- conditions instead of re-running a join over every head.
+                -- conditions instead of re-running a join. The event row
+                -- is the claim's record; its state is checked again here.
                 SELECT e.event_id FROM outbox_events e
                 WHERE e.event_id = ANY (ARRAY(SELECT event_id FROM cand))
                   AND e.state = 'PENDING' AND e.next_check_at_ms <= $3 AND e.protocol_version <= $6
@@ -1216,6 +1215,22 @@ fn claim_heads_sql(heads: &str) -> String {
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
              {CLAIM_FROM_C}"
     )
+}
+
+/// Links the chains of newly committed ordered events to heads
+/// (`outbox_link_arrivals`), at most this many arrivals per claim
+/// transaction, before the claim reads the heads.
+const ARRIVALS_PER_CLAIM: i32 = 2_000;
+
+/// Links the chains of newly committed ordered events to heads
+/// (`outbox_link_arrivals`, migration 20261201095001) as the first
+/// statement of a claim's transaction: the claim's next statement sees
+/// the new heads. It locks the arrivals it takes and the heads it inserts
+/// until the claim commits; only another linker ever waits for those.
+async fn link_arrivals(tx: &mut Transaction<'static, Postgres>, limit: usize) -> Result<(), StoreError> {
+    let n = (limit.min(MAX_CLAIM_BATCH) as i32).saturating_mul(4).max(ARRIVALS_PER_CLAIM);
+    sqlx::query("SELECT outbox_link_arrivals($1)").bind(n).execute(&mut **tx).await.map_err(store_err)?;
+    Ok(())
 }
 
 #[async_trait]

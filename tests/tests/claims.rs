@@ -1,0 +1,198 @@
+//! Claims over the table of ordering-chain heads (migration
+//! 20261201095001, issue 21): a claim's cost does not grow with the backlog
+//! or the number of open keys; per-key order holds while emitters and
+//! several dispatcher instances run together; events committed before the
+//! migration get their heads.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{headers, EmitRequest, OutboxStore};
+use outbox_producer::{emit_batch, Dispatcher, DispatcherConfig, EmitOptions, PgStore};
+use outbox_tests::kafka::read_topic;
+use outbox_tests::*;
+use sqlx::PgPool;
+
+const TOPIC: &str = "orders";
+const PARTITIONS: i32 = 3;
+
+/// The tables a claim reads.
+const CLAIM_TABLES: [&str; 4] = ["outbox_events", "outbox_envelopes", "outbox_chain_heads", "outbox_chain_arrivals"];
+
+/// Emits `n` events, from `from` on, one per key (`o-<i>`), in transactions
+/// of 1,000.
+async fn emit_distinct_keys(pool: &PgPool, from: usize, n: usize) {
+    let payload = order_payload("o", 1);
+    for chunk in (from..from + n).collect::<Vec<_>>().chunks(1_000) {
+        let ids: Vec<(String, String)> = chunk.iter().map(|i| (format!("o-{i}"), format!("c-{i}"))).collect();
+        let requests: Vec<EmitRequest> = ids.iter().map(|(id, key)| order_request(key, id, &payload)).collect();
+        let mut tx = pool.begin().await.unwrap();
+        emit_batch(&mut tx, &requests, &EmitOptions::default()).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+}
+
+async fn single_connection(pool: &PgPool) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap()
+}
+
+/// Rows and index entries one claim of 100 reads with `backlog` PENDING
+/// events on as many keys, every key's head linked.
+async fn rows_read_by_one_claim(pool: &PgPool, backlog: usize) -> i64 {
+    let own = single_connection(pool).await;
+    let store = PgStore::new(own.clone());
+    emit_distinct_keys(pool, 0, backlog).await;
+    // Claims of one link the arrivals (up to 2,000 a claim) until every
+    // key has its head.
+    while count(pool, "SELECT count(*) FROM outbox_chain_arrivals").await > 0 {
+        assert_eq!(store.claim_batch("warm", 1, 30_000).await.unwrap().len(), 1);
+    }
+    // What autovacuum would have done by now (it is off here, so that its
+    // reads do not count): the linked arrivals' dead rows are gone.
+    sqlx::query("VACUUM outbox_chain_arrivals, outbox_chain_heads").execute(pool).await.unwrap();
+    let before = reads(pool, &[&own], &CLAIM_TABLES).await;
+    let claimed = store.claim_batch("w1", 100, 30_000).await.unwrap();
+    let read = reads(pool, &[&own], &CLAIM_TABLES).await - before;
+    assert_eq!(claimed.len(), 100);
+    assert_eq!(read.seq_scans, 0, "{read:?}");
+    read.rows
+}
+
+/// One claim of 100 over 20,000 PENDING events on 20,000 keys reads a few
+/// index entries per claimed event, as many as over 2,000 (the loose index
+/// scan over every key's head read at least one entry per key: 20,000).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_claim_reads_rows_in_proportion_to_its_batch_not_to_the_open_keys(pool: PgPool) {
+    business_schema(&pool).await;
+    route(&pool, ORDER_CREATED, "cluster-a", TOPIC, PARTITIONS as u32).await;
+    for t in CLAIM_TABLES {
+        sqlx::query(&format!("ALTER TABLE {t} SET (autovacuum_enabled = false)")).execute(&pool).await.unwrap();
+    }
+    let big = rows_read_by_one_claim(&pool, 20_000).await;
+    eprintln!("one claim of 100 over 20,000 keys read {big} rows and index entries");
+    assert!(big < 2_000, "one claim of 100 over 20,000 keys read {big} rows and index entries");
+}
+
+/// The same bound, independent of the backlog: a tenth of it reads about
+/// as much.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_claim_over_a_small_backlog_reads_as_much_as_over_a_large_one(pool: PgPool) {
+    business_schema(&pool).await;
+    route(&pool, ORDER_CREATED, "cluster-a", TOPIC, PARTITIONS as u32).await;
+    for t in CLAIM_TABLES {
+        sqlx::query(&format!("ALTER TABLE {t} SET (autovacuum_enabled = false)")).execute(&pool).await.unwrap();
+    }
+    let small = rows_read_by_one_claim(&pool, 2_000).await;
+    eprintln!("one claim of 100 over 2,000 keys read {small} rows and index entries");
+    assert!(small < 2_000, "one claim of 100 over 2,000 keys read {small} rows and index entries");
+}
+
+/// Emitters commit while three dispatcher instances of two workers each
+/// claim, send and publish: every event reaches the log once, and each
+/// key's events in the order they were committed. Heads are created by
+/// claims (arrivals) and advanced by receipt transactions at the same time
+/// as new events of the same keys commit.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn per_key_order_holds_with_emitters_and_three_instances_running_together(pool: PgPool) {
+    let (cluster, _probe) = outbox_tests::kafka::started(&pool, TOPIC, PARTITIONS, 10_000, &[ORDER_CREATED]).await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut runs = Vec::new();
+    for n in 0..3 {
+        let broker = cluster.broker(10_000).await;
+        let cfg = DispatcherConfig {
+            name: format!("inst{n}"),
+            workers: 2,
+            batch_size: 13,
+            lease_ms: 30_000,
+            poll_interval_ms: 20,
+            sweep_interval_ms: 100,
+            head_scan_every: 2,
+            ..Default::default()
+        };
+        let d = Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, cfg).unwrap());
+        runs.push(tokio::spawn(d.run(outbox_producer::until_true(stop_rx.clone()))));
+    }
+    // 30 keys, 20 versions each, one event per transaction; two emitters,
+    // each owning half of the keys, commit while the dispatchers run.
+    let (keys, versions) = (30usize, 20usize);
+    let mut emitters = Vec::new();
+    for e in 0..2 {
+        let pool = pool.clone();
+        emitters.push(tokio::spawn(async move {
+            for v in 0..versions {
+                for k in (0..keys).filter(|k| k % 2 == e) {
+                    let (id, key) = (format!("o-{k}"), format!("c-{k}-{v}"));
+                    let payload = order_payload(&id, v as i64);
+                    let req = EmitRequest { aggregate_version: v as i64, ..order_request(&key, &id, &payload) };
+                    let mut tx = pool.begin().await.unwrap();
+                    emit_batch(&mut tx, &[req], &EmitOptions::default()).await.unwrap();
+                    tx.commit().await.unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }));
+    }
+    for e in emitters {
+        e.await.unwrap();
+    }
+    let total = (keys * versions) as i64;
+    wait_count(&pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", total, Duration::from_secs(120)).await;
+    stop_tx.send(true).unwrap();
+    for r in runs {
+        r.await.unwrap().unwrap();
+    }
+
+    let rows: Vec<(String, String)> = sqlx::query_as("SELECT routing_key, event_id FROM outbox_events ORDER BY seq").fetch_all(&pool).await.unwrap();
+    let mut committed: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (k, id) in rows {
+        committed.entry(k).or_default().push(id);
+    }
+    let mut log = read_topic(&cluster.bootstrap, TOPIC, PARTITIONS);
+    log.sort_by_key(|m| (m.partition, m.offset));
+    let mut logged: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for m in &log {
+        logged.entry(String::from_utf8(m.key.clone()).unwrap()).or_default().push(m.header(headers::EVENT_ID).unwrap());
+    }
+    assert_eq!(log.len() as i64, total, "every event in the log once");
+    assert_eq!(logged, committed, "a key's events reached the log out of commit order");
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_chain_heads").await, 0, "no head left for a chain with no open event");
+}
+
+/// Events committed before the migration that adds the heads are claimed
+/// after it, one head per key, in order: the migration backfills a head
+/// for every open chain.
+#[sqlx::test(migrations = false)]
+async fn the_migration_gives_every_open_chain_a_head(pool: PgPool) {
+    let all = &outbox_producer::MIGRATOR;
+    let at = all.iter().position(|m| m.description.contains("chain heads")).expect("the chain heads migration");
+    let before = sqlx::migrate::Migrator { migrations: Cow::Owned(all.migrations[..at].to_vec()), ..sqlx::migrate::Migrator::DEFAULT };
+    before.run(&pool).await.unwrap();
+    business_schema(&pool).await;
+    route(&pool, ORDER_CREATED, "cluster-a", TOPIC, PARTITIONS as u32).await;
+    // Two keys, three versions each, and one more key.
+    let payload = order_payload("o", 1);
+    for v in 0..3 {
+        for k in ["o-a", "o-b"] {
+            let key = format!("c-{k}-{v}");
+            let req = EmitRequest { aggregate_version: v, ..order_request(&key, k, &payload) };
+            let mut tx = pool.begin().await.unwrap();
+            emit_batch(&mut tx, &[req], &EmitOptions::default()).await.unwrap();
+            tx.commit().await.unwrap();
+        }
+    }
+    emit_distinct_keys(&pool, 0, 1).await;
+    all.run(&pool).await.unwrap();
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_chain_heads WHERE claimable_at_ms IS NOT NULL").await, 3);
+
+    let store = PgStore::new(pool.clone());
+    let first: Vec<(i64,)> = {
+        let claimed = store.claim_batch("w1", 10, 30_000).await.unwrap();
+        assert_eq!(claimed.len(), 3, "one head per key");
+        let ids: Vec<String> = claimed.iter().map(|c| c.envelope.event_id.to_string()).collect();
+        sqlx::query_as("SELECT aggregate_version FROM outbox_events WHERE event_id = ANY($1)").bind(&ids).fetch_all(&pool).await.unwrap()
+    };
+    assert!(first.iter().all(|(v,)| *v == 0 || *v == 1), "each key's oldest event first: {first:?}");
+    assert!(store.claim_batch("w1", 10, 30_000).await.unwrap().is_empty(), "nothing overtakes a head in flight");
+}
