@@ -100,7 +100,7 @@ pub struct DispatcherConfig {
     pub sweep_interval_ms: u64,
     /// A worker claims the next events of the keys it has just published
     /// ([`PgStore::claim_successors`], one index probe per key) and scans
-    /// every ordering key's head ([`OutboxStore::claim_batch`]) instead on
+    /// every ordering key's head ([`OutboxStore::claim_batch`](outbox_core::OutboxStore::claim_batch)) instead on
     /// its first claim, whenever `head_scan_every - 1` claims went by
     /// without a scan, and whenever no successor was ready. A key no
     /// worker has in hand waits at most `head_scan_every - 1` more batches

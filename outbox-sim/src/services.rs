@@ -1,6 +1,6 @@
 //! The services engine: one trace runs the shipped
-//! [`Dispatcher`](outbox_producer::Dispatcher) and
-//! [`Reconciler`](outbox_producer::Reconciler) (their own loops: `run` and
+//! `outbox_producer::Dispatcher` and
+//! `outbox_producer::Reconciler` (their own loops: `run` and
 //! `run_resolving`) over the in-memory store, against a simulated broker, on
 //! a seeded single-threaded executor in virtual time.
 //!
