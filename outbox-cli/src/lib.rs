@@ -21,3 +21,42 @@ pub mod metrics;
 pub mod runbook;
 pub mod status;
 pub mod trace;
+
+/// The `outbox` binary's whole `main`: parses `args` (the first is the
+/// program name), loads the configuration file, sets up logging, runs the
+/// command on a multi-threaded runtime and turns the outcome into the exit
+/// code. Other binaries that run the same services (the chaos drill's
+/// processes) call it instead of copying it.
+pub fn main_with(args: impl IntoIterator<Item = String>) -> std::process::ExitCode {
+    use clap::Parser;
+    use std::process::ExitCode;
+    let cli = cli::Cli::parse_from(args);
+    let file = match &cli.config {
+        Some(path) => match config::FileConfig::load(path) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("outbox: error: {e:#}");
+                return ExitCode::from(1);
+            }
+        },
+        None => config::FileConfig::default(),
+    };
+    if let Err(e) = commands::init_logging(&cli, &file) {
+        eprintln!("outbox: error: {e:#}");
+        return ExitCode::from(1);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("outbox: error: starting the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(commands::run(cli, file)) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("outbox: error: {}", commands::render_error(&e));
+            ExitCode::from(1)
+        }
+    }
+}
