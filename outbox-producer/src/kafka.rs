@@ -1429,10 +1429,7 @@ impl KafkaBroker {
         tokio::task::spawn_blocking(move || {
             let timeout = Duration::from_millis(inner.config.connect_timeout_ms);
             let md = inner.producer.fetch_metadata(Some(&topic), timeout)?;
-            let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic} not in metadata")))?;
-            if let Some(e) = t.error() {
-                return Err(KafkaAdapterError::Metadata(format!("topic {topic}: {}", RDKafkaErrorCode::from(e))));
-            }
+            let t = topic_in(&md, &topic)?;
             if t.partitions().is_empty() {
                 return Err(KafkaAdapterError::Metadata(format!("topic {topic} has no partitions")));
             }
@@ -1453,10 +1450,7 @@ impl KafkaBroker {
         tokio::task::spawn_blocking(move || {
             let timeout = Duration::from_millis(inner.config.connect_timeout_ms);
             let md = inner.producer.fetch_metadata(Some(&topic), timeout)?;
-            let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic} not in metadata")))?;
-            if let Some(e) = t.error() {
-                return Err(KafkaAdapterError::Metadata(format!("topic {topic}: {}", RDKafkaErrorCode::from(e))));
-            }
+            let t = topic_in(&md, &topic)?;
             // The leader of one of its partitions surely knows the topic.
             let broker_id = t
                 .partitions()
@@ -1639,6 +1633,15 @@ struct ScanRequest {
 impl ScanRequest {
     fn remaining(&self) -> Duration {
         self.deadline.saturating_duration_since(Instant::now())
+    }
+}
+
+/// `topic`'s entry in `md`, or why the cluster gave none usable.
+fn topic_in<'m>(md: &'m rdkafka::metadata::Metadata, topic: &str) -> Result<&'m rdkafka::metadata::MetadataTopic, KafkaAdapterError> {
+    let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic} not in metadata")))?;
+    match t.error() {
+        Some(e) => Err(KafkaAdapterError::Metadata(format!("topic {topic}: {}", RDKafkaErrorCode::from(e)))),
+        None => Ok(t),
     }
 }
 
