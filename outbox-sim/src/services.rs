@@ -27,7 +27,6 @@
 //! order), `unresolved_unknown` (an outcome still unknown after the run).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -156,141 +155,92 @@ impl ServiceTraceConfig {
     }
 }
 
-/// Counters of one or many traces.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ServiceFigures {
-    /// Traces run.
-    pub traces: u64,
-    /// Events committed.
-    pub events: u64,
-    /// Events published.
-    pub published: u64,
-    /// Events quarantined.
-    pub quarantined: u64,
-    /// Attempts registered.
-    pub attempts: u64,
-    /// Attempts whose outcome became unknown (and was resolved).
-    pub unknown_attempts: u64,
-    /// Process kills.
-    pub kills: u64,
-    /// Store faults injected.
-    pub store_faults: u64,
-    /// Broker faults injected.
-    pub broker_faults: u64,
-    /// Copies in the log beyond one per event (all accounted for).
-    pub duplicates_in_log: u64,
-    /// Partitions truncated by retention while events were in flight.
-    pub truncations: u64,
-    /// Unknown outcomes left unresolved and reported (the log that could
-    /// prove them was truncated: the finding `log_unavailable`).
-    pub unknown_reported: u64,
-    /// Committed events not published, or published at a position that does not hold them.
-    pub lost_write: u64,
-    /// Copies from attempts the store holds no receipt of.
-    pub duplicate: u64,
-    /// Copies of attempts the store closed as not sent or proven absent.
-    pub refuted_absence: u64,
-    /// Positions holding receipts of two events.
-    pub inconsistent_offsets: u64,
-    /// A key's events published out of commit order.
-    pub order_violation: u64,
-    /// Unknown outcomes left after the run.
-    pub unresolved_unknown: u64,
-    /// Traces that did not settle.
-    pub stuck: u64,
+/// Declares [`ServiceFigures`] from one list of its counters: informational
+/// ones, then the violations (each must stay zero); merging, the
+/// violations and the printed lines all follow the list.
+macro_rules! service_figures {
+    (info { $($(#[doc = $idoc:expr])* $info:ident,)* } violations { $($(#[doc = $vdoc:expr])* $violation:ident,)* }) => {
+        /// Counters of one or many traces.
+        #[derive(Debug, Clone, Default, PartialEq, Eq)]
+        pub struct ServiceFigures {
+            $($(#[doc = $idoc])* pub $info: u64,)*
+            $($(#[doc = $vdoc])* pub $violation: u64,)*
+        }
+
+        impl ServiceFigures {
+            /// Adds `o`.
+            pub fn merge(&mut self, o: &ServiceFigures) {
+                $(self.$info += o.$info;)*
+                $(self.$violation += o.$violation;)*
+            }
+
+            /// Violations: every one must be zero.
+            pub fn violations(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($violation), self.$violation)),*]
+            }
+
+            fn info(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($info), self.$info)),*]
+            }
+        }
+    };
+}
+
+service_figures! {
+    info {
+        /// Traces run.
+        traces,
+        /// Events committed.
+        events,
+        /// Events published.
+        published,
+        /// Events quarantined.
+        quarantined,
+        /// Attempts registered.
+        attempts,
+        /// Attempts whose outcome became unknown (and was resolved).
+        unknown_attempts,
+        /// Process kills.
+        kills,
+        /// Store faults injected.
+        store_faults,
+        /// Broker faults injected.
+        broker_faults,
+        /// Copies in the log beyond one per event (all accounted for).
+        duplicates_in_log,
+        /// Partitions truncated by retention while events were in flight.
+        truncations,
+        /// Unknown outcomes left unresolved and reported (the log that could
+        /// prove them was truncated: the finding `log_unavailable`).
+        unknown_reported,
+    }
+    violations {
+        /// Committed events not published, or published at a position that does not hold them.
+        lost_write,
+        /// Copies from attempts the store holds no receipt of.
+        duplicate,
+        /// Copies of attempts the store closed as not sent or proven absent.
+        refuted_absence,
+        /// Positions holding receipts of two events.
+        inconsistent_offsets,
+        /// A key's events published out of commit order.
+        order_violation,
+        /// Unknown outcomes left after the run.
+        unresolved_unknown,
+        /// Traces that did not settle.
+        stuck,
+    }
 }
 
 impl ServiceFigures {
-    /// Adds `o`.
-    pub fn merge(&mut self, o: &ServiceFigures) {
-        for (a, b) in self.fields_mut().into_iter().zip(o.fields()) {
-            *a += b;
-        }
-    }
-
-    fn fields(&self) -> [u64; 19] {
-        [
-            self.traces,
-            self.events,
-            self.published,
-            self.quarantined,
-            self.attempts,
-            self.unknown_attempts,
-            self.kills,
-            self.store_faults,
-            self.broker_faults,
-            self.duplicates_in_log,
-            self.truncations,
-            self.unknown_reported,
-            self.lost_write,
-            self.duplicate,
-            self.refuted_absence,
-            self.inconsistent_offsets,
-            self.order_violation,
-            self.unresolved_unknown,
-            self.stuck,
-        ]
-    }
-
-    fn fields_mut(&mut self) -> [&mut u64; 19] {
-        [
-            &mut self.traces,
-            &mut self.events,
-            &mut self.published,
-            &mut self.quarantined,
-            &mut self.attempts,
-            &mut self.unknown_attempts,
-            &mut self.kills,
-            &mut self.store_faults,
-            &mut self.broker_faults,
-            &mut self.duplicates_in_log,
-            &mut self.truncations,
-            &mut self.unknown_reported,
-            &mut self.lost_write,
-            &mut self.duplicate,
-            &mut self.refuted_absence,
-            &mut self.inconsistent_offsets,
-            &mut self.order_violation,
-            &mut self.unresolved_unknown,
-            &mut self.stuck,
-        ]
-    }
-
-    /// Violations: every one must be zero.
-    pub fn violations(&self) -> [(&'static str, u64); 7] {
-        [
-            ("lost_write", self.lost_write),
-            ("duplicate", self.duplicate),
-            ("refuted_absence", self.refuted_absence),
-            ("inconsistent_offsets", self.inconsistent_offsets),
-            ("order_violation", self.order_violation),
-            ("unresolved_unknown", self.unresolved_unknown),
-            ("stuck", self.stuck),
-        ]
-    }
-
     /// Whether no violation was counted.
     pub fn clean(&self) -> bool {
         self.violations().iter().all(|(_, v)| *v == 0)
     }
 
-    /// `name value` lines.
+    /// `name value` lines, the informational counters first.
     pub fn lines(&self) -> Vec<String> {
-        let info = [
-            ("traces", self.traces),
-            ("events", self.events),
-            ("published", self.published),
-            ("quarantined", self.quarantined),
-            ("attempts", self.attempts),
-            ("unknown_attempts", self.unknown_attempts),
-            ("kills", self.kills),
-            ("store_faults", self.store_faults),
-            ("broker_faults", self.broker_faults),
-            ("duplicates_in_log", self.duplicates_in_log),
-            ("truncations", self.truncations),
-            ("unknown_reported", self.unknown_reported),
-        ];
-        info.iter().chain(self.violations().iter()).map(|(n, v)| format!("services.{n} {v}")).collect()
+        self.info().into_iter().chain(self.violations()).map(|(n, v)| format!("services.{n} {v}")).collect()
     }
 }
 
@@ -1096,13 +1046,4 @@ pub fn run_services_gate(first_seed: u64, traces: u64, mutation: Option<&'static
     failing.sort_unstable();
     failing.truncate(16);
     (figures, failing, start.elapsed().as_secs_f64())
-}
-
-/// The log of a trace as one string (for tests).
-pub fn render(out: &ServiceOutcome) -> String {
-    let mut s = String::new();
-    for line in out.log.iter().flatten() {
-        let _ = writeln!(s, "{line}");
-    }
-    s
 }
