@@ -145,15 +145,15 @@ async fn a_lookup_on_a_recreated_topic_is_unavailable_not_absent() {
         assert!(matches!(broker.send_detached(m).await, SendOutcome::Acked { .. }));
     }
     // The topic as frozen: both versions are found.
-    assert!(matches!(broker.lookup(&dest2, &env2.event_id, 0).await, LookupOutcome::Found(_)), "v2 found before the topic is recreated");
-    assert!(matches!(broker.lookup(&dest1, &env1.event_id, 0).await, LookupOutcome::Found(_)), "v1 found");
+    assert!(matches!(broker.lookup(&dest2, &env2.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Found(_)), "v2 found before the topic is recreated");
+    assert!(matches!(broker.lookup(&dest1, &env1.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Found(_)), "v1 found");
 
     // Deleted and created again: the new log is empty. For the v2 event this
     // is another destination: Unavailable, never Absent (Absent would let
     // the event be sent again into a topic its consumers may have left).
     tansu.delete_topic("orders");
     tansu.create_topic("orders", 1);
-    match broker.lookup(&dest2, &env2.event_id, 0).await {
+    match broker.lookup(&dest2, &env2.event_id, &outbox_core::ScanFrom::at(0)).await {
         LookupOutcome::Unavailable(why) => {
             assert!(why.contains("recreated"), "{why}");
             assert!(outbox_producer::kafka::is_log_incomplete(&why), "a log_unavailable reason: {why}");

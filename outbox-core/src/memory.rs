@@ -140,7 +140,9 @@ pub struct MemoryState {
     /// same topic name (a route revision to another cluster), and their
     /// offsets are unrelated; so is the topic id: a topic deleted and created
     /// again under the same name starts another log at offset 0.
-    pub partition_high: BTreeMap<(String, String, Option<String>, i32), i64>,
+    /// The value is the offset past it (an attempt's scan floor) and the
+    /// event whose receipt holds it (the floor's anchor).
+    pub partition_high: BTreeMap<(String, String, Option<String>, i32), (i64, EventId)>,
     /// Migration receipts, in order.
     pub migrations: Vec<MigrationRecord>,
     next_seq: u64,
@@ -536,12 +538,16 @@ impl OutboxStore for MemoryStore {
                 destination_digest: ev.destination_digest.clone(),
                 started_at_ms: now,
                 send_deadline_ms: Some(token.lease_until_ms),
-                scan_from_offset: st
-                    .partition_high
-                    .get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.topic_id.clone(), ev.destination.partition))
-                    .copied()
-                    .unwrap_or(0),
+                scan_from_offset: 0,
+                scan_anchor: None,
             };
+            let mut attempt = attempt;
+            if let Some((floor, anchor)) =
+                st.partition_high.get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.topic_id.clone(), ev.destination.partition))
+            {
+                attempt.scan_from_offset = *floor;
+                attempt.scan_anchor = Some(anchor.clone());
+            }
             ev.claim.attempt_id = Some(attempt.attempt_id.clone());
             st.attempts.entry(token.event_id.clone()).or_default().push(attempt.clone());
             Ok(attempt)
@@ -570,8 +576,13 @@ impl OutboxStore for MemoryStore {
             ReceiptDecision::Accept { .. } => {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
-                let high = st.partition_high.entry((receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition)).or_insert(0);
-                *high = (*high).max(receipt.offset);
+                let high = st
+                    .partition_high
+                    .entry((receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition))
+                    .or_insert_with(|| (0, receipt.event_id.clone()));
+                if receipt.offset + 1 > high.0 {
+                    *high = (receipt.offset + 1, receipt.event_id.clone());
+                }
                 ev.claim.owner = None;
                 ev.claim.lease_until_ms = None;
                 mark_acked(attempts);

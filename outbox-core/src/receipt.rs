@@ -117,7 +117,18 @@ pub struct AttemptRecord {
     /// A sound lower bound for a scan: the highest offset already
     /// acknowledged on the frozen partition when the attempt was registered
     /// (the log is append-only, so this attempt's message lies above it), or 0.
+    /// It holds only for the log it was read from: see `scan_anchor`.
     pub scan_from_offset: i64,
+    /// The event whose receipt held offset `scan_from_offset - 1` when the
+    /// attempt was registered: what makes the floor's log recognisable. A
+    /// lookup reads that offset first; a log that no longer holds that
+    /// event there is another log (the cluster replaced, a topic without a
+    /// recorded id recreated) and the floor says nothing of it, so the scan
+    /// starts at that log's start. `None` when the floor is 0, and for
+    /// attempts recorded before the anchor was kept (their floor is trusted
+    /// as before).
+    #[serde(default)]
+    pub scan_anchor: Option<EventId>,
 }
 
 /// Why a receipt was quarantined.
@@ -287,6 +298,7 @@ pub(crate) fn sample_attempt(state: AttemptState, started_at_ms: i64, scan_from_
         started_at_ms,
         send_deadline_ms: None,
         scan_from_offset,
+        scan_anchor: None,
     }
 }
 
@@ -351,6 +363,7 @@ mod tests {
                 started_at_ms: 0,
                 send_deadline_ms: None,
                 scan_from_offset: 0,
+                scan_anchor: None,
             });
             self
         }

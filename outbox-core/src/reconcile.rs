@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::id::EventId;
 use crate::receipt::{AttemptRecord, BrokerReceipt};
 use crate::state::AttemptState;
 use crate::store::LookupOutcome;
@@ -148,7 +149,107 @@ pub fn check_absence_range(topic: &str, partition: i32, from_offset: i64, log_st
 /// The lowest offset a scan for this event's messages must start from: the
 /// smallest bound among attempts that may have reached the log.
 pub fn scan_lower_bound(attempts: &[AttemptRecord]) -> i64 {
-    attempts.iter().filter(|a| a.state.possibly_in_flight()).map(|a| a.scan_from_offset).min().unwrap_or(0).max(0)
+    scan_floor(attempts).offset
+}
+
+/// Where a lookup's scan for an event's messages starts, and what makes the
+/// log that lower bound was read from recognisable.
+///
+/// A lower bound is the highest receipted offset of the partition when an
+/// attempt was registered, plus one: sound for that log only. After the
+/// cluster was replaced by an empty one (or a topic without a recorded id
+/// was recreated) the same partition is another log, whose messages start
+/// at 0 again, and a bound from the old log would hide the new log's
+/// messages below it. The anchor names the event whose receipt held
+/// `offset - 1`; a lookup reads that offset first (see [`plan_absence_scan`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScanFrom {
+    /// The lower bound.
+    pub offset: i64,
+    /// The event whose receipt held `offset - 1` when the bound was taken;
+    /// `None` for a bound of 0 and for bounds recorded before anchors were
+    /// kept (such a bound is trusted as it is).
+    pub anchor: Option<EventId>,
+}
+
+impl ScanFrom {
+    /// A bound with no anchor: trusted for whatever log is read.
+    pub fn at(offset: i64) -> Self {
+        ScanFrom { offset, anchor: None }
+    }
+}
+
+/// [`scan_lower_bound`] with the anchor of the attempt it came from: the
+/// smallest bound among attempts that may have reached the log.
+pub fn scan_floor(attempts: &[AttemptRecord]) -> ScanFrom {
+    attempts
+        .iter()
+        .filter(|a| a.state.possibly_in_flight())
+        .min_by_key(|a| a.scan_from_offset)
+        .map(|a| ScanFrom { offset: a.scan_from_offset.max(0), anchor: if a.scan_from_offset > 0 { a.scan_anchor.clone() } else { None } })
+        .unwrap_or_default()
+}
+
+/// What a log holds at a lower bound's anchor offset (`offset - 1`), as a
+/// broker adapter read it before an absence proof.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnchorCheck {
+    /// The bound has no anchor (0, or recorded before anchors were kept).
+    NoAnchor,
+    /// The anchor event's message is there: the log is the bound's log.
+    Holds,
+    /// Another message is there: the log is not the one the bound was read from.
+    HoldsOther,
+    /// The anchor offset is at or past the log's end: another log.
+    BeyondEnd,
+    /// No record is there (below the log's start, compacted away, deleted):
+    /// which log this is cannot be told.
+    NoRecord,
+}
+
+/// Where an absence proof's scan of a partition log `[log_start, log_end)`
+/// starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AbsenceScan {
+    /// The first offset to read.
+    pub start: i64,
+    /// The bound belonged to another log (replaced cluster, recreated
+    /// topic): this log is read from its start.
+    pub floor_from_another_log: bool,
+}
+
+/// Decides where an absence proof reads `topic`/`partition` from, given the
+/// log's watermarks and what its anchor offset holds.
+///
+/// - A bound whose anchor holds (or that has none) is a bound of this log:
+///   [`check_absence_range`] applies and the scan starts at the bound.
+/// - A bound whose anchor offset holds another message, or lies past the
+///   log's end, was read from another log: it says nothing of this one, so
+///   the scan starts at 0, provided the log still starts there (a log that
+///   starts above 0 may have lost the message: no proof).
+/// - An anchor offset with no record: no proof either way.
+pub fn plan_absence_scan(topic: &str, partition: i32, from: &ScanFrom, log_start: i64, log_end: i64, anchor: AnchorCheck) -> Result<AbsenceScan, String> {
+    match anchor {
+        AnchorCheck::NoAnchor | AnchorCheck::Holds => {
+            check_absence_range(topic, partition, from.offset, log_start, log_end)?;
+            Ok(AbsenceScan { start: from.offset.max(log_start).max(0), floor_from_another_log: false })
+        }
+        AnchorCheck::HoldsOther | AnchorCheck::BeyondEnd => {
+            if log_start > 0 && !crate::simulation::mutation_active("absence-from-truncated-log") {
+                return Err(format!(
+                    "{LOG_INCOMPLETE}{topic}/{partition} is not the log the lower bound {} was read from (offset {} no longer holds its anchor), and it starts at offset {log_start}: messages below may be gone",
+                    from.offset,
+                    from.offset - 1
+                ));
+            }
+            Ok(AbsenceScan { start: 0, floor_from_another_log: true })
+        }
+        AnchorCheck::NoRecord => Err(format!(
+            "{LOG_INCOMPLETE}offset {} of {topic}/{partition}, the anchor of the lower bound {}, holds no record (the log starts at {log_start}): cannot tell whether this is the log the bound was read from",
+            from.offset - 1,
+            from.offset
+        )),
+    }
 }
 
 /// Decides the fate of one RECONCILING event.
@@ -277,5 +378,33 @@ mod tests {
         let a = [attempt(AttemptState::Unknown, 0, 40), attempt(AttemptState::NotSent, 1, 3), attempt(AttemptState::Sending, 2, 25)];
         assert_eq!(scan_lower_bound(&a), 25);
         assert_eq!(scan_lower_bound(&[]), 0);
+    }
+
+    #[test]
+    fn the_floor_carries_the_anchor_of_its_attempt() {
+        let anchored = |state, bound: i64, n: u128| AttemptRecord { scan_anchor: Some(EventId::from_parts(9, n)), ..attempt(state, 0, bound) };
+        let a = [anchored(AttemptState::Unknown, 40, 1), anchored(AttemptState::Sending, 25, 2), anchored(AttemptState::NotSent, 3, 3)];
+        assert_eq!(scan_floor(&a), ScanFrom { offset: 25, anchor: Some(EventId::from_parts(9, 2)) });
+        // A floor of 0 needs no anchor.
+        assert_eq!(scan_floor(&[anchored(AttemptState::Unknown, 0, 4)]), ScanFrom::at(0));
+        assert_eq!(scan_floor(&[]), ScanFrom::at(0));
+    }
+
+    #[test]
+    fn a_floor_from_another_log_is_read_from_the_start_of_this_one() {
+        let from = ScanFrom { offset: 289, anchor: Some(EventId::from_parts(9, 1)) };
+        // The bound's own log: read from the bound.
+        assert_eq!(plan_absence_scan("t", 4, &from, 0, 400, AnchorCheck::Holds), Ok(AbsenceScan { start: 289, floor_from_another_log: false }));
+        // A replaced log, shorter or longer than the old one: read whole.
+        for check in [AnchorCheck::BeyondEnd, AnchorCheck::HoldsOther] {
+            assert_eq!(plan_absence_scan("t", 4, &from, 0, 24, check), Ok(AbsenceScan { start: 0, floor_from_another_log: true }), "{check:?}");
+        }
+        assert_eq!(plan_absence_scan("t", 4, &from, 0, 900, AnchorCheck::HoldsOther), Ok(AbsenceScan { start: 0, floor_from_another_log: true }));
+        // Another log that no longer starts at 0, or an anchor offset without a record: no proof.
+        assert!(plan_absence_scan("t", 4, &from, 5, 900, AnchorCheck::HoldsOther).unwrap_err().starts_with(LOG_INCOMPLETE));
+        assert!(plan_absence_scan("t", 4, &from, 289, 900, AnchorCheck::NoRecord).unwrap_err().starts_with(LOG_INCOMPLETE));
+        // No anchor: the bound is trusted, with the range checks as before.
+        assert!(plan_absence_scan("t", 4, &ScanFrom::at(289), 0, 24, AnchorCheck::NoAnchor).unwrap_err().starts_with(LOG_INCOMPLETE));
+        assert_eq!(plan_absence_scan("t", 4, &ScanFrom::at(7), 2, 24, AnchorCheck::NoAnchor), Ok(AbsenceScan { start: 7, floor_from_another_log: false }));
     }
 }

@@ -288,9 +288,12 @@ pub trait Broker: Send + Sync {
         None
     }
 
-    /// Scans `destination`'s partition from `from_offset` to the high
-    /// watermark for messages carrying `event_id`.
-    async fn lookup(&self, destination: &Destination, event_id: &EventId, from_offset: i64) -> LookupOutcome;
+    /// Scans `destination`'s partition from `from.offset` to the high
+    /// watermark for messages carrying `event_id`. An adapter that can read
+    /// the log checks `from.anchor` first ([`crate::plan_absence_scan`]): a
+    /// bound read from another log (the cluster replaced, the topic
+    /// recreated) must not hide this log's messages below it.
+    async fn lookup(&self, destination: &Destination, event_id: &EventId, from: &crate::ScanFrom) -> LookupOutcome;
 
     /// Reads the eventIds of up to `max_messages` messages of a partition
     /// from `from_offset` (for the reconciler's bypass check). Adapters that

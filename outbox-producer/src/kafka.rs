@@ -26,15 +26,25 @@
 //! A fresh consumer (unique `group.id`, `enable.auto.commit=false`, manual
 //! `assign`, `read_uncommitted` since this producer is never transactional)
 //! reads the frozen partition:
-//! - The range is `[from_offset, high watermark)`, both watermarks read
+//! - The range is `[from.offset, high watermark)`, both watermarks read
 //!   first. An empty range is `Absent`; the answer says nothing of messages
 //!   written after the scan began.
-//! - A log that starts above `from_offset` (truncated), a `from_offset`
-//!   above the high watermark (the topic was recreated, the cluster
-//!   replaced, the partition truncated) or a range in which some offset
-//!   holds no record (a compacted topic, deleted records, transaction
-//!   markers) is `Unavailable` with a reason starting [`LOG_INCOMPLETE`],
-//!   never `Absent`.
+//! - The lower bound is sound only on the log it was read from. When it
+//!   has an anchor (the event whose receipt held `from.offset - 1`), that
+//!   offset is read first, with a consumer of its own: when it holds
+//!   another message, or lies at or past the log's end, the partition is
+//!   another log (the cluster replaced by an empty one, a topic without a
+//!   recorded id recreated) and is read from offset 0 instead
+//!   ([`outbox_core::plan_absence_scan`]), so a message of the new log
+//!   below the old bound is found, not declared absent. Such a log that no
+//!   longer starts at 0, or an anchor offset that holds no record, is
+//!   `Unavailable`.
+//! - A log that starts above `from.offset` (truncated), a `from.offset`
+//!   above the high watermark with no anchor to tell the log (the topic was
+//!   recreated, the cluster replaced, the partition truncated) or a range
+//!   in which some offset holds no record (a compacted topic, deleted
+//!   records, transaction markers) is `Unavailable` with a reason starting
+//!   [`LOG_INCOMPLETE`], never `Absent`.
 //! - A `destination.v2` names its topic's id: when the topic now has
 //!   another id (deleted and created again under the same name) the lookup
 //!   is `Unavailable` with a reason starting [`LOG_INCOMPLETE`] ("the topic
@@ -91,7 +101,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use outbox_core::headers;
-use outbox_core::{sha256_digest, AttemptId, Broker, BrokerReceipt, Destination, EventId, LookupOutcome, OutgoingMessage, PartitionScan, ScannedMessage, SendOutcome};
+use outbox_core::{
+    sha256_digest, AnchorCheck, AttemptId, Broker, BrokerReceipt, Destination, EventId, LookupOutcome, OutgoingMessage, PartitionScan, ScanFrom, ScannedMessage, SendOutcome,
+};
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -1504,10 +1516,11 @@ impl Broker for KafkaBroker {
     }
 
     /// Scans `destination.topic` / `destination.partition` from
-    /// `from_offset` (raised to the low watermark) to the high watermark read
+    /// `from.offset` (raised to the low watermark; from 0 when its anchor
+    /// shows the bound was read from another log) to the high watermark read
     /// at the start, for messages whose `outbox-event-id` header is
     /// `event_id`. See the [module documentation](self) for what a match reports.
-    async fn lookup(&self, destination: &Destination, event_id: &EventId, from_offset: i64) -> LookupOutcome {
+    async fn lookup(&self, destination: &Destination, event_id: &EventId, from: &ScanFrom) -> LookupOutcome {
         if destination.cluster_id != self.shared.cluster_id {
             return LookupOutcome::Unavailable(format!(
                 "destination is on cluster {}, this adapter is connected to {}",
@@ -1556,7 +1569,8 @@ impl Broker for KafkaBroker {
             topic: destination.topic.clone(),
             partition: destination.partition,
             event_id: event_id.clone(),
-            from_offset,
+            from_offset: from.offset,
+            anchor: from.anchor.clone(),
             max_messages: self.shared.config.lookup_max_messages,
             deadline,
         };
@@ -1590,6 +1604,7 @@ impl Broker for KafkaBroker {
             partition,
             event_id: EventId::from_parts(0, 0),
             from_offset,
+            anchor: None,
             max_messages: max_messages.min(self.shared.config.lookup_max_messages),
             deadline: Instant::now() + timeout,
         };
@@ -1626,6 +1641,9 @@ struct ScanRequest {
     partition: i32,
     event_id: EventId,
     from_offset: i64,
+    /// For a lookup: the event whose receipt held `from_offset - 1` (see
+    /// [`ScanFrom::anchor`]).
+    anchor: Option<EventId>,
     max_messages: u64,
     deadline: Instant,
 }
@@ -1727,10 +1745,30 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
     // to another log (the topic was recreated, the cluster replaced, the
     // partition truncated): either way messages may be gone unseen.
     let proof = limit.is_none();
+    let mut from_offset = req.from_offset;
     if proof {
-        outbox_core::reconcile::check_absence_range(&req.topic, req.partition, req.from_offset, low, high)?;
+        let bound = ScanFrom { offset: req.from_offset, anchor: req.anchor.clone() };
+        let check = match &req.anchor {
+            Some(anchor) if req.from_offset > 0 => {
+                let at = req.from_offset - 1;
+                if at >= high {
+                    AnchorCheck::BeyondEnd
+                } else if at < low {
+                    AnchorCheck::NoRecord
+                } else {
+                    read_anchor::<OAUTH>(config, req, at, anchor)?
+                }
+            }
+            _ => AnchorCheck::NoAnchor,
+        };
+        let plan = outbox_core::plan_absence_scan(&req.topic, req.partition, &bound, low, high, check)?;
+        if plan.floor_from_another_log {
+            warn!(topic = %req.topic, partition = req.partition, event_id = %req.event_id, lower_bound = req.from_offset, ?check, low, high,
+                "kafka lookup: the lower bound was read from another log (the cluster replaced or the topic recreated): reading this log from its start");
+        }
+        from_offset = plan.start;
     }
-    let start = req.from_offset.max(low).max(0);
+    let start = from_offset.max(low).max(0);
     let log_end = high;
     let high = match limit {
         Some(l) => high.min(start.saturating_add(i64::try_from(l).unwrap_or(i64::MAX))),
@@ -1738,7 +1776,7 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
     };
     if start >= high {
         debug!(topic = %req.topic, partition = req.partition, start, low, high, "kafka scan: empty range");
-        return Ok((start.max(req.from_offset), log_end));
+        return Ok((start.max(from_offset), log_end));
     }
     let width = u64::try_from(high - start).unwrap_or(u64::MAX);
     if width > req.max_messages {
@@ -1793,6 +1831,46 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
     }
     debug!(topic = %req.topic, partition = req.partition, start, high, read, "kafka scan complete");
     Ok((next, log_end))
+}
+
+/// What offset `at` of the request's partition holds, for the anchor check
+/// of an absence proof: read with a consumer of its own (a scan that starts
+/// elsewhere must not see its prefetched records).
+fn read_anchor<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, at: i64, anchor: &EventId) -> Result<AnchorCheck, String> {
+    let seq = LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed);
+    let group_id = format!("outbox-lookup-{}-{}-{}-anchor", std::process::id(), seq, req.event_id.as_str());
+    let consumer: BaseConsumer<LookupContext<OAUTH>> = config
+        .lookup_config(&group_id)
+        .create_with_context(LookupContext::<OAUTH> { tokens: req.tokens.clone() })
+        .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))?;
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(&req.topic, req.partition, Offset::Offset(at)).map_err(|e| format!("assignment: {e}"))?;
+    consumer.assign(&tpl).map_err(|e| format!("assign {}/{}: {e}", req.topic, req.partition))?;
+    loop {
+        let remaining = req.remaining();
+        if remaining.is_zero() {
+            return Err(format!("reading the anchor offset {at} of {}/{} timed out", req.topic, req.partition));
+        }
+        match consumer.poll(remaining.min(Duration::from_millis(LOOKUP_POLL_SLICE_MS))) {
+            None | Some(Err(KafkaError::PartitionEOF(_))) => {
+                if position_of(&consumer, &req.topic, req.partition).is_some_and(|p| p > at) {
+                    return Ok(AnchorCheck::NoRecord);
+                }
+            }
+            Some(Err(e)) => return Err(format!("reading {}/{} at offset {at}: {e}", req.topic, req.partition)),
+            Some(Ok(msg)) => {
+                if msg.topic() != req.topic || msg.partition() != req.partition || msg.offset() < at {
+                    continue;
+                }
+                if msg.offset() > at {
+                    return Ok(AnchorCheck::NoRecord);
+                }
+                let owned = message_headers(&msg);
+                let holds = owned.iter().rev().find(|(k, _)| k == headers::EVENT_ID).is_some_and(|(_, v)| v == anchor.as_str().as_bytes());
+                return Ok(if holds { AnchorCheck::Holds } else { AnchorCheck::HoldsOther });
+            }
+        }
+    }
 }
 
 fn position_of<const OAUTH: bool>(consumer: &BaseConsumer<LookupContext<OAUTH>>, topic: &str, partition: i32) -> Option<i64> {

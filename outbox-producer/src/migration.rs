@@ -9,7 +9,7 @@
 //! as one.
 
 use outbox_core::{
-    decide_migration, scan_lower_bound, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, MigrationDecision, MigrationRefusal, OutboxStore,
+    decide_migration, scan_floor, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, MigrationDecision, MigrationRefusal, OutboxStore,
     RecheckReason, ReconcileDecision, RetryPolicy, RoutePolicy,
 };
 use serde::Serialize;
@@ -112,7 +112,7 @@ pub async fn migrate_destination_with<B: Broker>(
             let lookup = if !old_broker.supports_lookup() || task.event.destination.cluster_id != old_broker.cluster_id() {
                 LookupOutcome::Unavailable("the old target cannot be queried".into())
             } else {
-                old_broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
+                old_broker.lookup(&task.event.destination, event_id, &scan_floor(&task.attempts)).await
             };
             let now = store.now_ms();
             match decide_migration(EventState::DispatchUnknown, &task.attempts, Some(&lookup), retry, now) {

@@ -62,6 +62,7 @@ fn attempt_from_row(r: &PgRow) -> Result<AttemptRecord, StoreError> {
         started_at_ms: r.try_get("started_at_ms").map_err(g)?,
         send_deadline_ms: r.try_get("send_deadline_ms").map_err(g)?,
         scan_from_offset: r.try_get("scan_from_offset").map_err(g)?,
+        scan_anchor: r.try_get::<Option<&str>, _>("scan_anchor_event_id").map_err(g)?.map(parse_id).transpose()?,
     })
 }
 
@@ -82,7 +83,7 @@ fn receipt_from_row(r: &PgRow) -> Result<BrokerReceipt, StoreError> {
 }
 
 const ATTEMPT_COLUMNS: &str =
-    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms";
+    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms, scan_anchor_event_id";
 const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, topic_id, partition, \"offset\"";
 
 /// A log position: cluster, topic, topic id (`None` for `destination.v1`),
@@ -346,19 +347,24 @@ impl PgStore {
              -- Where a scan for the message would start: past the highest
              -- receipted offset of its partition's log (the topic id is part
              -- of it: a recreated topic's new log starts at 0 again), looked
-             -- up once per partition and topic id, by equality on the key.
+             -- up once per partition and topic id, by equality on the key;
+             -- with the event whose receipt holds it (the newest epoch), the
+             -- anchor by which a lookup recognises that log.
              floors AS MATERIALIZED (
-                SELECT p.cluster_id, p.topic, p.topic_id, p.partition,
-                       coalesce(CASE WHEN p.topic_id IS NULL
-                           THEN (SELECT max(r.\"offset\") + 1 FROM outbox_publish_receipts r
-                                 WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id IS NULL AND r.partition = p.partition)
-                           ELSE (SELECT max(r.\"offset\") + 1 FROM outbox_publish_receipts r
-                                 WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id = p.topic_id AND r.partition = p.partition)
-                       END, 0) AS scan_from
-                FROM (SELECT DISTINCT cluster_id, topic, topic_id, partition FROM dest) p)
+                SELECT p.cluster_id, p.topic, p.topic_id, p.partition, coalesce(top.\"offset\" + 1, 0) AS scan_from, top.event_id AS scan_anchor
+                FROM (SELECT DISTINCT cluster_id, topic, topic_id, partition FROM dest) p
+                LEFT JOIN LATERAL (
+                    (SELECT r.\"offset\", r.event_id FROM outbox_publish_receipts r
+                     WHERE p.topic_id IS NULL AND r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id IS NULL AND r.partition = p.partition
+                     ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
+                    UNION ALL
+                    (SELECT r.\"offset\", r.event_id FROM outbox_publish_receipts r
+                     WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id = p.topic_id AND r.partition = p.partition
+                     ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
+                ) top ON true)
              INSERT INTO outbox_attempts ({ATTEMPT_COLUMNS})
              SELECT u.attempt_id, u.event_id, u.envelope_generation, u.attempt_generation, u.gen, u.owner, 'SENDING',
-                    u.destination_digest, $5, f.scan_from, u.lease_until_ms
+                    u.destination_digest, $5, f.scan_from, u.lease_until_ms, f.scan_anchor
              FROM dest u JOIN floors f
                ON f.cluster_id = u.cluster_id AND f.topic = u.topic AND f.topic_id IS NOT DISTINCT FROM u.topic_id AND f.partition = u.partition
              RETURNING {ATTEMPT_COLUMNS}"
@@ -497,12 +503,15 @@ impl PgStore {
         // Log positions of this batch already held by another event's primary
         // receipt: the log they were recorded in is gone (the cluster
         // replaced, or a topic without a recorded id recreated) and a new
-        // message sits there now. A position names its topic id: a receipt of
-        // a recreated topic's new log (another id) does not collide with one
-        // of the old. Such a receipt cannot fill a slot (one event per
-        // position); it is refused on its own instead of failing the batch,
-        // and the old receipt's lost position is a finding.
-        let mut held: HashMap<Position, String> = HashMap::new();
+        // message sits there now: offsets are unique within one log, and
+        // this receipt is a genuine ACK or a message read back at its real
+        // position. A position names its topic id: a receipt of a recreated
+        // topic's new log (another id) does not collide with one of the old.
+        // The new receipt is accepted one position epoch above the newest
+        // receipt there (the old receipt stays, as the evidence it is), and
+        // the old receipt's lost position is a finding.
+        // Position -> (event of the newest receipt there, its epoch).
+        let mut held: HashMap<Position, (String, i32)> = HashMap::new();
         {
             let clusters: Vec<&str> = receipts.iter().map(|r| r.cluster_id.as_str()).collect();
             let topics: Vec<&str> = receipts.iter().map(|r| r.topic.as_str()).collect();
@@ -510,7 +519,7 @@ impl PgStore {
             let partitions: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
             let offsets: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
             for r in sqlx::query(
-                "SELECT r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.event_id FROM outbox_publish_receipts r
+                "SELECT r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.event_id, r.position_epoch FROM outbox_publish_receipts r
                  JOIN UNNEST($1::text[], $2::text[], $3::int[], $4::bigint[], $5::text[]) AS t(c, tp, p, o, tid)
                    ON r.cluster_id = t.c AND r.topic = t.tp AND r.partition = t.p AND r.\"offset\" = t.o AND r.topic_id IS NOT DISTINCT FROM t.tid",
             )
@@ -525,18 +534,24 @@ impl PgStore {
             .map_err(store_err)?
             {
                 let g = |e: sqlx::Error| store_err(e);
-                held.insert(
-                    (
-                        r.try_get("cluster_id").map_err(g)?,
-                        r.try_get("topic").map_err(g)?,
-                        r.try_get("topic_id").map_err(g)?,
-                        r.try_get("partition").map_err(g)?,
-                        r.try_get("offset").map_err(g)?,
-                    ),
-                    r.try_get("event_id").map_err(g)?,
+                let position = (
+                    r.try_get("cluster_id").map_err(g)?,
+                    r.try_get("topic").map_err(g)?,
+                    r.try_get("topic_id").map_err(g)?,
+                    r.try_get("partition").map_err(g)?,
+                    r.try_get("offset").map_err(g)?,
                 );
+                let holder: (String, i32) = (r.try_get("event_id").map_err(g)?, r.try_get("position_epoch").map_err(g)?);
+                match held.get(&position) {
+                    Some((_, epoch)) if *epoch >= holder.1 => {}
+                    _ => {
+                        held.insert(position, holder);
+                    }
+                }
             }
         }
+        // The position epoch of each accepted receipt, in `accepted` order.
+        let mut epochs: Vec<i32> = Vec::new();
         let mut accepted: Vec<&BrokerReceipt> = Vec::new();
         let mut findings: Vec<(&'static str, String, String)> = Vec::new();
         let mut duplicates: Vec<&BrokerReceipt> = Vec::new();
@@ -550,11 +565,13 @@ impl PgStore {
             };
             let list = attempts.entry(receipt.event_id.to_string()).or_default();
             let position = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition, receipt.offset);
-            let mut decision = decide_receipt(ev, list, receipt);
-            if let Some(holder) = held.get(&position).filter(|h| h.as_str() != receipt.event_id.as_str()) {
+            let decision = decide_receipt(ev, list, receipt);
+            let mut epoch = 0;
+            if let Some((holder, holder_epoch)) = held.get(&position).filter(|h| h.0.as_str() != receipt.event_id.as_str()) {
                 if matches!(decision, ReceiptDecision::Accept { .. }) {
-                    tracing::error!(event_id = %receipt.event_id, holder = %holder, topic = %receipt.topic, partition = receipt.partition, offset = receipt.offset,
-                        "a receipt's position is held by another event's receipt from a log that is gone: receipt refused");
+                    epoch = holder_epoch + 1;
+                    tracing::error!(event_id = %receipt.event_id, holder = %holder, topic = %receipt.topic, partition = receipt.partition, offset = receipt.offset, epoch,
+                        "a receipt's position is held by another event's receipt from a log that is gone: the old position is lost, the receipt accepted in the next position epoch");
                     findings.push((
                         "receipt_position_lost",
                         holder.clone(),
@@ -568,11 +585,11 @@ impl PgStore {
                             receipt.event_id
                         ),
                     ));
-                    decision = ReceiptDecision::Reject { reason: outbox_core::RejectReason::ConflictingPlacement };
                 }
             }
             if matches!(decision, ReceiptDecision::Accept { .. }) {
-                held.insert(position, receipt.event_id.to_string());
+                held.insert(position, (receipt.event_id.to_string(), epoch));
+                epochs.push(epoch);
             }
             if outbox_core::refutes_absence(list, receipt, &decision) {
                 tracing::warn!(event_id = %receipt.event_id, attempt_id = %receipt.attempt_id, offset = receipt.offset, "a message of an attempt proven absent is in the log: the proof was wrong");
@@ -663,7 +680,7 @@ impl PgStore {
             .map_err(store_err)?;
             let resolved: Vec<(&str, i64)> = ev_ids.iter().filter_map(|id| unknown_since.get(*id).map(|s| (*id, *s))).collect();
             record_resolutions(&mut tx, &resolved, "PUBLISHED", now).await?;
-            insert_receipts(&mut tx, "outbox_publish_receipts", "accepted_at_ms", &accepted, now, "").await?;
+            insert_receipts(&mut tx, "outbox_publish_receipts", "accepted_at_ms", &accepted, Some(&epochs), now, "").await?;
         }
         if !duplicates.is_empty() {
             insert_receipts(
@@ -671,6 +688,7 @@ impl PgStore {
                 "outbox_duplicate_receipts",
                 "received_at_ms",
                 &duplicates,
+                None,
                 now,
                 "ON CONFLICT (event_id, envelope_generation, cluster_id, topic, topic_id, partition, \"offset\") DO NOTHING",
             )
@@ -1012,7 +1030,17 @@ async fn record_resolutions(tx: &mut Transaction<'_, Postgres>, resolved: &[(&st
     Ok(())
 }
 
-async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_column: &str, receipts: &[&BrokerReceipt], now: i64, conflict: &str) -> Result<(), StoreError> {
+/// Inserts `receipts` into `table` with `now` in `at_column`; with `epochs`
+/// (one per receipt) into its `position_epoch` too.
+async fn insert_receipts(
+    tx: &mut Transaction<'_, Postgres>,
+    table: &str,
+    at_column: &str,
+    receipts: &[&BrokerReceipt],
+    epochs: Option<&[i32]>,
+    now: i64,
+    conflict: &str,
+) -> Result<(), StoreError> {
     let ev: Vec<&str> = receipts.iter().map(|r| r.event_id.as_str()).collect();
     let gen: Vec<i32> = receipts.iter().map(|r| r.envelope_generation as i32).collect();
     let att: Vec<&str> = receipts.iter().map(|r| r.attempt_id.as_str()).collect();
@@ -1023,11 +1051,16 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     let ti: Vec<Option<&str>> = receipts.iter().map(|r| r.topic_id.as_deref()).collect();
     let pa: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
     let of: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
-    sqlx::query(&format!(
-        "INSERT INTO {table} ({RECEIPT_COLUMNS}, {at_column})
-         SELECT *, $11 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::int[], $10::bigint[])
+    let (epoch_column, epoch_values) = match epochs {
+        Some(_) => (", position_epoch", ", $12::int[]"),
+        None => ("", ""),
+    };
+    let sql = format!(
+        "INSERT INTO {table} ({RECEIPT_COLUMNS}{epoch_column}, {at_column})
+         SELECT *, $11 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::int[], $10::bigint[]{epoch_values})
          {conflict}"
-    ))
+    );
+    let query = sqlx::query(&sql)
     .bind(&ev)
     .bind(&gen)
     .bind(&att)
@@ -1038,7 +1071,12 @@ async fn insert_receipts(tx: &mut Transaction<'_, Postgres>, table: &str, at_col
     .bind(&ti)
     .bind(&pa)
     .bind(&of)
-    .bind(now)
+    .bind(now);
+    let query = match epochs {
+        Some(e) => query.bind(e),
+        None => query,
+    };
+    query
     .execute(&mut **tx)
     .await
     .map_err(store_err)?;

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use outbox_core::{decide_after_submit, decide_reconcile, scan_lower_bound, Broker, EventState, LookupOutcome, ReconcileDecision, RetryPolicy};
+use outbox_core::{decide_after_submit, decide_reconcile, scan_floor, scan_lower_bound, Broker, EventState, LookupOutcome, ReconcileDecision, RetryPolicy};
 use sqlx::Row;
 
 use crate::error::ProducerError;
@@ -226,7 +226,7 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         } else if task.event.destination.cluster_id != self.broker.cluster_id() {
             LookupOutcome::Unavailable(format!("connected to cluster {}, event frozen for {}", self.broker.cluster_id(), task.event.destination.cluster_id))
         } else {
-            self.broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
+            self.broker.lookup(&task.event.destination, event_id, &scan_floor(&task.attempts)).await
         };
         let now = self.store.now_ms();
         if let LookupOutcome::Unavailable(why) = &lookup {

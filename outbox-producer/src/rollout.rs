@@ -138,6 +138,7 @@ impl ShadowDispatcher {
                 started_at_ms: now,
                 send_deadline_ms: None,
                 scan_from_offset: 0,
+                scan_anchor: None,
             };
             let message = outgoing_message(&event, &attempt);
             let payload_digest = sha256_digest(&message.payload);

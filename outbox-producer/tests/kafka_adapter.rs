@@ -84,7 +84,7 @@ fn acked(outcome: &SendOutcome) -> (i32, i64) {
 
 /// Looks `e` up from 0 and checks the one receipt found against what was frozen.
 async fn assert_found_once(broker: &KafkaBroker, e: &Event) -> i64 {
-    match broker.lookup(&e.destination, &e.envelope.event_id, 0).await {
+    match broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await {
         LookupOutcome::Found(receipts) => {
             assert_eq!(receipts.len(), 1, "{receipts:?}");
             let r = &receipts[0];
@@ -118,13 +118,13 @@ async fn plain_send_is_acked_and_found_by_lookup() {
     // Another event id on the same partition: provably absent.
     let other = event(&broker, "orders", "o-1");
     assert_ne!(other.envelope.event_id, e.envelope.event_id);
-    assert_eq!(broker.lookup(&other.destination, &other.envelope.event_id, 0).await, LookupOutcome::Absent);
+    assert_eq!(broker.lookup(&other.destination, &other.envelope.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Absent);
     // A lower bound past the message: the range no longer holds it.
-    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, offset + 1).await, LookupOutcome::Absent);
+    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(offset + 1)).await, LookupOutcome::Absent);
     // A destination on another cluster is not answered from this one.
     let mut elsewhere = e.destination.clone();
     elsewhere.cluster_id = "another-cluster".into();
-    assert!(matches!(broker.lookup(&elsewhere, &e.envelope.event_id, 0).await, LookupOutcome::Unavailable(_)));
+    assert!(matches!(broker.lookup(&elsewhere, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Unavailable(_)));
     eprintln!("plain_send_is_acked_and_found_by_lookup: {:?}", started.elapsed());
 }
 
@@ -168,7 +168,7 @@ async fn permanent_produce_error_is_not_persisted_and_absent() {
     eprintln!("outcome: {outcome:?}");
     // Reported by the delivery report's persistence status, not refused at enqueue.
     assert!(matches!(&outcome, SendOutcome::NotPersisted(r) if !r.starts_with("not enqueued")), "expected NotPersisted, got {outcome:?}");
-    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, 0).await, LookupOutcome::Absent);
+    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Absent);
 
     // Right after, librdkafka may still hold the topic's authorization error
     // and refuse at enqueue (NotPersisted, and absent), or already send (Acked).
@@ -179,7 +179,7 @@ async fn permanent_produce_error_is_not_persisted_and_absent() {
         SendOutcome::Acked { .. } => {
             assert_found_once(&broker, &again).await;
         }
-        SendOutcome::NotPersisted(_) => assert_eq!(broker.lookup(&again.destination, &again.envelope.event_id, 0).await, LookupOutcome::Absent),
+        SendOutcome::NotPersisted(_) => assert_eq!(broker.lookup(&again.destination, &again.envelope.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Absent),
         other => panic!("expected Acked or NotPersisted, got {other:?}"),
     }
     // The producer keeps working.
@@ -208,7 +208,7 @@ async fn broker_down_before_sending_is_not_persisted_and_absent() {
     assert!(matches!(outcome, SendOutcome::NotPersisted(_)), "expected NotPersisted, got {outcome:?}");
 
     cluster.broker_up(BROKER).expect("up");
-    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, 0).await, LookupOutcome::Absent);
+    assert_eq!(broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Absent);
     eprintln!("broker_down_before_sending_is_not_persisted_and_absent: {:?}", started.elapsed());
 }
 
@@ -237,7 +237,7 @@ async fn lookup_with_all_brokers_down_is_unavailable() {
     acked(&broker.send(e.message.clone()).await);
 
     cluster.broker_down(-1).expect("down");
-    let outcome = broker.lookup(&e.destination, &e.envelope.event_id, 0).await;
+    let outcome = broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await;
     assert!(matches!(outcome, LookupOutcome::Unavailable(_)), "expected Unavailable, got {outcome:?}");
     assert!(started.elapsed() < Duration::from_secs(15));
     eprintln!("lookup_with_all_brokers_down_is_unavailable: {:?}", started.elapsed());
@@ -258,9 +258,9 @@ async fn lookup_over_its_bound_is_unavailable() {
     }
     let e = last.expect("sent");
     // Three messages on the partition, bound two: no answer from offset 0...
-    assert!(matches!(broker.lookup(&e.destination, &e.envelope.event_id, 0).await, LookupOutcome::Unavailable(_)));
+    assert!(matches!(broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Unavailable(_)));
     // ...but a sound lower bound narrows the range enough.
-    assert!(matches!(broker.lookup(&e.destination, &e.envelope.event_id, 1).await, LookupOutcome::Found(_)));
+    assert!(matches!(broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(1)).await, LookupOutcome::Found(_)));
 }
 
 #[tokio::test]
@@ -276,7 +276,7 @@ async fn stalled_caller_still_gets_the_genuine_ack() {
     let deadline = Instant::now() + Duration::from_secs(10);
     let offset = loop {
         // The broker wrote it and librdkafka reported on it while nobody polled.
-        if let LookupOutcome::Found(r) = broker.lookup(&e.destination, &e.envelope.event_id, 0).await {
+        if let LookupOutcome::Found(r) = broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await {
             break r[0].offset;
         }
         assert!(Instant::now() < deadline, "message never reached the log");
@@ -359,7 +359,7 @@ async fn real_cluster_send_and_lookup_when_configured() {
         headers: headers::build(&envelope, &destination, &destination.digest(), &attempt, None),
     };
     let (_, offset) = acked(&broker.send(message).await);
-    match broker.lookup(&destination, &envelope.event_id, offset).await {
+    match broker.lookup(&destination, &envelope.event_id, &outbox_core::ScanFrom::at(offset)).await {
         LookupOutcome::Found(r) => assert_eq!(r[0].offset, offset),
         other => panic!("expected Found, got {other:?}"),
     }
@@ -376,7 +376,7 @@ async fn divergent_and_unreadable_matches_are_reported_not_hidden() {
     let mut tampered = e.message.clone();
     tampered.payload = b"{\"order\":\"forged\"}".to_vec();
     let (_, offset) = acked(&broker.send(tampered.clone()).await);
-    match broker.lookup(&e.destination, &e.envelope.event_id, 0).await {
+    match broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await {
         LookupOutcome::Found(r) => {
             assert_eq!(r.len(), 1);
             assert_eq!(r[0].offset, offset);
@@ -391,7 +391,7 @@ async fn divergent_and_unreadable_matches_are_reported_not_hidden() {
     let mut foreign = f.message.clone();
     foreign.headers = vec![(headers::EVENT_ID.to_owned(), f.envelope.event_id.as_str().as_bytes().to_vec()), (headers::SCHEMA.to_owned(), b"garbage".to_vec())];
     let (_, offset) = acked(&broker.send(foreign.clone()).await);
-    match broker.lookup(&f.destination, &f.envelope.event_id, 0).await {
+    match broker.lookup(&f.destination, &f.envelope.event_id, &outbox_core::ScanFrom::at(0)).await {
         LookupOutcome::Found(r) => {
             assert_eq!(r.len(), 1);
             assert_eq!(r[0].event_id, f.envelope.event_id);
@@ -438,7 +438,7 @@ async fn full_local_queue_is_waited_out_within_its_bound() {
     assert!(matches!(&outcome, SendOutcome::NotPersisted(r) if r.contains("queue full")), "expected NotPersisted, got {outcome:?}");
     acked(&first.await.expect("join"));
     cluster.broker_round_trip_time(BROKER, Duration::ZERO).expect("rtt");
-    assert_eq!(broker.lookup(&refused.destination, &refused.envelope.event_id, 0).await, LookupOutcome::Absent);
+    assert_eq!(broker.lookup(&refused.destination, &refused.envelope.event_id, &outbox_core::ScanFrom::at(0)).await, LookupOutcome::Absent);
     eprintln!("full_local_queue_is_waited_out_within_its_bound: {:?}", started.elapsed());
 }
 

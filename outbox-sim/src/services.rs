@@ -598,7 +598,7 @@ impl Broker for SimBroker {
         Some(MESSAGE_TIMEOUT_MS as u64)
     }
 
-    async fn lookup(&self, destination: &Destination, event_id: &EventId, from_offset: i64) -> LookupOutcome {
+    async fn lookup(&self, destination: &Destination, event_id: &EventId, from: &outbox_core::ScanFrom) -> LookupOutcome {
         let mut w = world(&self.world);
         let p = w.faults.lookup_fail;
         if w.on && w.rng.chance(p) {
@@ -607,11 +607,30 @@ impl Broker for SimBroker {
         }
         let start = w.log_start.get(&destination.partition).copied().unwrap_or(0);
         let end = w.logs.get(&destination.partition).map_or(0, |l| l.len() as i64);
-        if let Err(why) = outbox_core::reconcile::check_absence_range(&destination.topic, destination.partition, from_offset, start, end) {
-            return LookupOutcome::Unavailable(why);
-        }
+        // The anchor check as the Kafka adapter makes it, decided by the same core function.
+        let check = match &from.anchor {
+            Some(anchor) if from.offset > 0 => {
+                let at = from.offset - 1;
+                if at >= end {
+                    outbox_core::AnchorCheck::BeyondEnd
+                } else if at < start {
+                    outbox_core::AnchorCheck::NoRecord
+                } else {
+                    match w.logs.get(&destination.partition).and_then(|l| l.get(at as usize)) {
+                        Some(m) if m.event_id == anchor.as_str() => outbox_core::AnchorCheck::Holds,
+                        Some(_) => outbox_core::AnchorCheck::HoldsOther,
+                        None => outbox_core::AnchorCheck::NoRecord,
+                    }
+                }
+            }
+            _ => outbox_core::AnchorCheck::NoAnchor,
+        };
+        let plan = match outbox_core::plan_absence_scan(&destination.topic, destination.partition, from, start, end, check) {
+            Ok(plan) => plan,
+            Err(why) => return LookupOutcome::Unavailable(why),
+        };
         let Some(log) = w.logs.get(&destination.partition) else { return LookupOutcome::Absent };
-        let from = usize::try_from(from_offset.max(start).max(0)).unwrap_or(usize::MAX);
+        let from = usize::try_from(plan.start.max(start).max(0)).unwrap_or(usize::MAX);
         let mut found = Vec::new();
         for (offset, m) in log.iter().enumerate().skip(from) {
             if m.event_id != event_id.as_str() {

@@ -258,7 +258,7 @@ pub mod kafka {
         fn supports_lookup(&self) -> bool {
             false
         }
-        async fn lookup(&self, _: &Destination, _: &EventId, _: i64) -> LookupOutcome {
+        async fn lookup(&self, _: &Destination, _: &EventId, _: &outbox_core::ScanFrom) -> LookupOutcome {
             LookupOutcome::Unavailable("no lookup".into())
         }
     }

@@ -90,7 +90,7 @@ async fn round_trip_longer_than_message_timeout_is_unknown_never_published(pool:
 
     // The message is in the log although its ACK never came.
     mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
-    match broker.lookup(&e.destination, e.event_id(), 0).await {
+    match broker.lookup(&e.destination, e.event_id(), &outbox_core::ScanFrom::at(0)).await {
         LookupOutcome::Found(rs) => assert_eq!(rs.len(), 1),
         other => panic!("written-but-unACKed message not found: {other:?}"),
     }
@@ -1221,7 +1221,7 @@ async fn v1_and_v2_destinations_dispatch_verify_and_are_found(pool: PgPool) {
         assert!(m.header(headers::DESTINATION).unwrap().starts_with(schema), "{schema}");
         let claims = headers::verify(&m.headers, &m.payload, TOPIC, m.partition, Some(&m.key)).unwrap();
         assert_eq!(claims.destination_digest, e.destination_digest);
-        match broker.lookup(&e.destination, e.event_id(), 0).await {
+        match broker.lookup(&e.destination, e.event_id(), &outbox_core::ScanFrom::at(0)).await {
             LookupOutcome::Found(receipts) => assert_eq!((receipts.len(), receipts[0].offset), (1, m.offset)),
             other => panic!("expected Found, got {other:?}"),
         }

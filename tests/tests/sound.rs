@@ -525,8 +525,10 @@ async fn item10_per_key_order_is_insert_order_among_committed_events(pool: PgPoo
 
 /// Issue 19 item 3: the topic was recreated (or the cluster replaced): the
 /// scan floor recorded from the old log (past offset 500) lies above the new
-/// log's end. That range proves nothing: the event stays unknown (no second
-/// copy) and the lost log is a finding.
+/// log's end. An attempt recorded without an anchor (before anchors were
+/// kept) cannot tell that log from a truncated one: the range proves
+/// nothing, the event stays unknown (no second copy) and the lost log is a
+/// finding.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn item3_a_floor_above_the_log_end_is_unavailable_not_absent(pool: PgPool) {
     let f = fixture(pool).await;
@@ -542,7 +544,9 @@ async fn item3_a_floor_above_the_log_end_is_unavailable_not_absent(pool: PgPool)
     t.commit().await.unwrap();
     let claimed = f.store.claim_batch("w", 10, 1_000).await.unwrap();
     let a = f.store.register_attempt(&claimed[0].token).await.unwrap();
-    assert_eq!(a.scan_from_offset, 501);
+    assert_eq!((a.scan_from_offset, a.scan_anchor.as_ref()), (501, Some(&first)));
+    // As an attempt registered before the anchor was kept.
+    tamper(&f.pool, "UPDATE outbox_attempts SET scan_anchor_event_id = NULL WHERE event_id = $1", second.as_str(), None).await;
     f.clock.advance(1_001);
     f.store.expire_leases().await.unwrap();
     f.clock.advance(BOUND_MS + 1);
@@ -552,6 +556,91 @@ async fn item3_a_floor_above_the_log_end_is_unavailable_not_absent(pool: PgPool)
     assert_eq!(f.findings("log_unavailable", second.as_str()).await, 1);
 }
 
+/// Issue 19, the broker replaced by an empty one: the receipts (and so an
+/// attempt's scan floor) come from the old log, which had reached offset 4
+/// of the partition; the new log holds other messages there, and the
+/// attempt's message landed below the floor, at offset 3, its ACK lost.
+/// The floor's anchor (the event whose receipt held offset 4) is not at
+/// offset 4 of this log, so the lookup reads the log from its start and
+/// finds the message: the event is published from it, nothing is sent
+/// again. (Before: the scan started at the old floor, 5, read [5, 7),
+/// called the event absent and sent a second copy.)
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn broker_replaced_a_floor_from_the_lost_log_does_not_hide_a_message_below_it(pool: PgPool) {
+    let f = fixture(pool).await;
+    let d = f.dispatcher(&f.store, 1_000);
+    // Three events at offsets 0..2 of partition 0.
+    let mut orders: Vec<String> = Vec::new();
+    for _ in 0..3 {
+        let not: Vec<&str> = orders.iter().map(String::as_str).collect();
+        let o = order_on(&f, 0, &not);
+        orders.push(o);
+        create_order(&f.pool, orders.last().unwrap(), 1).await;
+        assert_eq!(d.dispatch_once("w").await.unwrap().published, 1);
+    }
+    let last: String = sqlx::query_scalar("SELECT event_id FROM outbox_publish_receipts WHERE partition = 0 AND \"offset\" = 2").fetch_one(&f.pool).await.unwrap();
+    // The old log had that event at offset 4.
+    tamper(&f.pool, "UPDATE outbox_publish_receipts SET \"offset\" = 4 WHERE event_id = $1", &last, None).await;
+    let not: Vec<&str> = orders.iter().map(String::as_str).collect();
+    let b_order = order_on(&f, 0, &not);
+    let (b, a) = f.registered(&b_order, 1_000).await;
+    assert_eq!((a.scan_from_offset, a.scan_anchor.as_ref().map(|e| e.as_str())), (5, Some(last.as_str())));
+    // Its message lands at offset 3 (below the floor); the ACK is lost.
+    let lost_ack = f.send_late(&b, &a).await;
+    assert_eq!(lost_ack.offset, 3);
+    // Other events fill offsets 4..6 of the new log.
+    for _ in 0..3 {
+        let mut not: Vec<&str> = orders.iter().map(String::as_str).collect();
+        not.push(&b_order);
+        let o = order_on(&f, 0, &not);
+        orders.push(o);
+        create_order(&f.pool, orders.last().unwrap(), 1).await;
+        d.dispatch_once("w2").await.unwrap();
+    }
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    assert_eq!(f.state(b.envelope.event_id.as_str()).await, EventState::DispatchUnknown);
+    f.clock.advance(BOUND_MS + 1);
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!(r.retried, 0, "the event was sent again while its message sits in the new log: {r:?}");
+    assert_eq!(f.state(b.envelope.event_id.as_str()).await, EventState::Published);
+    let at: i64 = sqlx::query_scalar("SELECT \"offset\" FROM outbox_publish_receipts WHERE event_id = $1").bind(b.envelope.event_id.as_str()).fetch_one(&f.pool).await.unwrap();
+    assert_eq!(at, 3);
+    assert_eq!(f.log_of(b.envelope.event_id.as_str()), 1);
+}
+
+/// Issue 19, the broker replaced by an empty one, shorter than the old
+/// log: the floor (past the old log's offset 500) is above the new log's
+/// end, so its anchor is not there; the new log is read whole. An
+/// attempt whose message is not in it (it went to the lost log, or never
+/// left) is proven absent from every log there is, once nothing can be in
+/// flight, and retried to the same destination; one that is in it is found.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn broker_replaced_a_floor_past_the_new_logs_end_reads_the_new_log_whole(pool: PgPool) {
+    let f = fixture(pool).await;
+    let d = f.dispatcher(&f.store, 1_000);
+    let first_order = order_on(&f, 0, &[]);
+    let first = create_order(&f.pool, &first_order, 1).await;
+    assert_eq!(d.dispatch_once("w").await.unwrap().published, 1);
+    tamper(&f.pool, "UPDATE outbox_publish_receipts SET \"offset\" = 500 WHERE event_id = $1", first.event_id().as_str(), None).await;
+    // One attempt sends (ACK lost), one never does.
+    let sent_order = order_on(&f, 0, &[&first_order]);
+    let (sent, a1) = f.registered(&sent_order, 1_000).await;
+    assert_eq!(a1.scan_from_offset, 501);
+    f.send_late(&sent, &a1).await;
+    let (silent, a2) = f.registered(&order_on(&f, 0, &[&first_order, &sent_order]), 1_000).await;
+    assert_eq!(a2.scan_anchor.as_ref(), Some(first.event_id()));
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!((r.published, r.retried), (1, 1), "{r:?}");
+    assert_eq!(f.state(sent.envelope.event_id.as_str()).await, EventState::Published);
+    assert_eq!(f.log_of(sent.envelope.event_id.as_str()), 1);
+    assert_eq!(f.state(silent.envelope.event_id.as_str()).await, EventState::RetryClaimed);
+    assert_eq!(f.findings("log_unavailable", silent.envelope.event_id.as_str()).await, 0);
+}
+
 /// Issue 19 item 3, at the adapter: a lower bound above the high watermark
 /// is Unavailable, the bound at the end is an empty range (Absent).
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
@@ -559,8 +648,8 @@ async fn item3_lookup_of_a_range_past_the_end_of_the_log_is_unavailable(pool: Pg
     let f = fixture(pool).await;
     let dest = outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32).resolve("t", "order", "o-1").unwrap();
     let id = outbox_core::EventId::generate(1);
-    assert_eq!(f.broker.lookup(&dest, &id, 0).await, outbox_core::LookupOutcome::Absent);
-    match f.broker.lookup(&dest, &id, 10).await {
+    assert_eq!(f.broker.lookup(&dest, &id, &outbox_core::ScanFrom::at(0)).await, outbox_core::LookupOutcome::Absent);
+    match f.broker.lookup(&dest, &id, &outbox_core::ScanFrom::at(10)).await {
         outbox_core::LookupOutcome::Unavailable(why) => assert!(outbox_producer::kafka::is_log_incomplete(&why), "{why}"),
         other => panic!("a lower bound above the log's end answered {other:?}"),
     }
@@ -578,9 +667,11 @@ fn order_on(f: &Fixture, partition: i32, not: &[&str]) -> String {
 }
 
 /// Issue 19 item 4: after the log was replaced, a fresh ACK lands at a
-/// position an old receipt (of another event) still claims. That one
-/// receipt is refused and the old receipt's lost position is a finding;
-/// the other receipts of the batch are recorded.
+/// position an old receipt (of another event) still claims. Offsets are
+/// unique within one log, so the old receipt's log is gone: its lost
+/// position is a finding, and the new receipt is accepted one position
+/// epoch above it (before: refused, its event never published, its key
+/// blocked), with the other receipts of the batch.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn item4_a_receipt_colliding_with_a_lost_position_does_not_drop_its_batch(pool: PgPool) {
     let f = fixture(pool).await;
@@ -595,10 +686,16 @@ async fn item4_a_receipt_colliding_with_a_lost_position_does_not_drop_its_batch(
     let colliding = create_order(&f.pool, &colliding_id, 1).await;
     let other = create_order(&f.pool, &other_id, 1).await;
     let report = d.dispatch_once("w").await.expect("one colliding receipt failed the whole batch");
-    assert_eq!(report.published, 1, "{report:?}");
+    assert_eq!(report.published, 2, "{report:?}");
     assert_eq!(f.state(other.event_id().as_str()).await, EventState::Published);
-    assert_ne!(f.state(colliding.event_id().as_str()).await, EventState::Published);
+    assert_eq!(f.state(colliding.event_id().as_str()).await, EventState::Published, "a genuine ACK at a lost position was refused");
     assert_eq!(f.findings("receipt_position_lost", old.event_id().as_str()).await, 1);
+    let at_1: Vec<(String, i32)> =
+        sqlx::query_as("SELECT event_id, position_epoch FROM outbox_publish_receipts WHERE partition = 0 AND \"offset\" = 1 ORDER BY position_epoch").fetch_all(&f.pool).await.unwrap();
+    assert_eq!(at_1, vec![(old.event_id().to_string(), 0), (colliding.event_id().to_string(), 1)]);
+    // The next attempt on the partition anchors its floor on the newest receipt there.
+    let (_, a) = f.registered(&order_on(&f, 0, &[&old_id, &colliding_id]), 5_000).await;
+    assert_eq!((a.scan_from_offset, a.scan_anchor.as_ref()), (2, Some(colliding.event_id())));
 }
 
 /// A topic deleted and created again under the same name starts a new log
@@ -606,8 +703,9 @@ async fn item4_a_receipt_colliding_with_a_lost_position_does_not_drop_its_batch(
 /// (destination.v2 with its id) lands at a position an event of the old
 /// topic (the old id) holds a receipt for: another log, so its receipt is
 /// accepted too, and its attempt's scan floor counts the new log's receipts
-/// only. A receipt at that position under the same topic id is still a
-/// collision, refused on its own with the lost position as a finding.
+/// only. A receipt at that position under the same topic id proves that
+/// log lost its position: the lost position is a finding, the receipt is
+/// accepted one position epoch above.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn receipts_of_a_recreated_topic_do_not_collide_with_the_old_logs(pool: PgPool) {
     let f = fixture(pool).await;
@@ -638,15 +736,14 @@ async fn receipts_of_a_recreated_topic_do_not_collide_with_the_old_logs(pool: Pg
     let floor: i64 = sqlx::query_scalar("SELECT scan_from_offset FROM outbox_attempts WHERE event_id = $1").bind(on_new.event_id().as_str()).fetch_one(&f.pool).await.unwrap();
     assert_eq!(floor, 0, "the new log's scan floor counted the old log's receipts");
 
-    // The same topic id at the same position: a collision, refused on its own.
+    // The same topic id at the same position: that log lost the position.
     let (again, a) = f.registered(&order_on(&f, 0, &[&on_old.envelope.aggregate_id, &new_order]), 5_000).await;
     let out = f.store.accept_dispatch_receipt(&receipt_at(&again, &a, 0)).await.unwrap();
-    assert_eq!(out.decision, outbox_core::ReceiptDecision::Reject { reason: outbox_core::RejectReason::ConflictingPlacement });
-    assert_ne!(f.state(again.envelope.event_id.as_str()).await, EventState::Published);
+    assert!(matches!(out.decision, outbox_core::ReceiptDecision::Accept { .. }), "{out:?}");
+    assert_eq!(f.state(again.envelope.event_id.as_str()).await, EventState::Published);
     assert_eq!(f.findings("receipt_position_lost", on_new.event_id().as_str()).await, 1);
-    // Next to it, on the new log's next offset, it is accepted as usual.
-    let next = f.store.accept_dispatch_receipt(&receipt_at(&again, &a, 1)).await.unwrap();
-    assert_eq!(next.state, EventState::Published);
+    let epoch: i32 = sqlx::query_scalar("SELECT position_epoch FROM outbox_publish_receipts WHERE event_id = $1").bind(again.envelope.event_id.as_str()).fetch_one(&f.pool).await.unwrap();
+    assert_eq!(epoch, 1);
 }
 
 /// After a recreation the bypass scan reads the new log: the old log's
