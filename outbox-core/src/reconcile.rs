@@ -357,7 +357,7 @@ mod tests {
     }
 
     #[test]
-    fn an_outage_does_not_spend_the_attempt_budget() {
+    fn item8_an_outage_does_not_spend_the_attempt_budget() {
         // Issue 19 item 8: attempts the broker definitely did not persist
         // (NOT_SENT, e.g. while it was down) are not deliveries.
         let mut a: Vec<_> = (0..5).map(|i| attempt(AttemptState::NotSent, i, 0)).collect();

@@ -447,7 +447,7 @@ async fn full_local_queue_is_waited_out_within_its_bound() {
 /// reported as unable to deliver and not ready, and `supervise_once`
 /// rebuilds it while the cluster answers; the rebuilt producer delivers.
 #[tokio::test]
-async fn a_fatal_producer_is_reported_and_rebuilt() {
+async fn item8_a_fatal_producer_is_reported_and_rebuilt() {
     let cluster = mock("orders");
     let mut c = config(&cluster, 3_000);
     c.producer_stall_ms = 60_000;
@@ -478,7 +478,7 @@ async fn a_fatal_producer_is_reported_and_rebuilt() {
 /// ready; while the cluster does not answer, nothing is rebuilt; once it
 /// answers, the producer is rebuilt and delivers.
 #[tokio::test]
-async fn a_stalled_producer_is_not_ready_and_rebuilt_once_the_cluster_answers() {
+async fn item8_a_stalled_producer_is_not_ready_and_rebuilt_once_the_cluster_answers() {
     let cluster = mock("orders");
     let mut c = config(&cluster, 1_000);
     c.producer_stall_ms = 1_500;
