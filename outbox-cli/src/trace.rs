@@ -61,6 +61,9 @@ pub struct AttemptRecord {
     pub finished_at_ms: Option<i64>,
     /// Lower bound of a lookup scan.
     pub scan_from_offset: i64,
+    /// The event whose receipt held the offset below that bound when the
+    /// attempt was registered (how a lookup recognises the bound's log).
+    pub scan_anchor_event_id: Option<String>,
     /// Detail (reason of UNKNOWN / NOT_SENT...).
     pub detail: Option<String>,
 }
@@ -258,7 +261,7 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
     }
 
     let attempts = sqlx::query(
-        "SELECT attempt_id, envelope_generation, attempt_generation, claim_generation, owner, state, started_at_ms, finished_at_ms, scan_from_offset, detail
+        "SELECT attempt_id, envelope_generation, attempt_generation, claim_generation, owner, state, started_at_ms, finished_at_ms, scan_from_offset, scan_anchor_event_id, detail
          FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation",
     )
     .bind(event_id)
@@ -275,6 +278,7 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
         started_at_ms: r.get("started_at_ms"),
         finished_at_ms: r.get("finished_at_ms"),
         scan_from_offset: r.get("scan_from_offset"),
+        scan_anchor_event_id: r.get("scan_anchor_event_id"),
         detail: r.get("detail"),
     })
     .collect();
