@@ -150,12 +150,14 @@ pub async fn migrate_destination_in<S: MigrationStore, B: Broker>(
         EventState::DispatchUnknown => {
             let owner = format!("migrate-{operator}");
             let Some(task) = store.begin_reconcile_event(&owner, event_id, claim_lease_ms).await? else { return refused("the event is being reconciled; try again".into()) };
+            // Before the lookup, as the reconciler: the scan answers for the
+            // log as it was when it began.
+            let now = store.now_ms();
             let lookup = if !old_broker.supports_lookup() || task.event.destination.cluster_id != old_broker.cluster_id() {
                 LookupOutcome::Unavailable("the old target cannot be queried".into())
             } else {
                 old_broker.lookup(&task.event.destination, event_id, scan_lower_bound(&task.attempts)).await
             };
-            let now = store.now_ms();
             match decide_migration(EventState::DispatchUnknown, &task.attempts, Some(&lookup), retry, now) {
                 MigrationDecision::Move { .. } => {}
                 MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }) => {
