@@ -333,6 +333,10 @@ impl MemoryStore {
     ) -> Result<Result<MigrationRecord, String>, StoreError> {
         let ev = st.events.get_mut(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
         let attempts = st.attempts.entry(event_id.clone()).or_default();
+        // Whether the event may become PENDING, before anything is written.
+        if ev.state != EventState::Pending {
+            ev.state.transition(EventState::Pending)?;
+        }
         let to_digest = new_destination.digest();
         if to_digest == ev.destination_digest {
             return Ok(Err("the new route resolves to the same destination".into()));
