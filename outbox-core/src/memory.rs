@@ -333,10 +333,6 @@ impl MemoryStore {
     ) -> Result<Result<MigrationRecord, String>, StoreError> {
         let ev = st.events.get_mut(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
         let attempts = st.attempts.entry(event_id.clone()).or_default();
-        // Whether the event may become PENDING, before anything is written.
-        if ev.state != EventState::Pending {
-            ev.state.transition(EventState::Pending)?;
-        }
         let to_digest = new_destination.digest();
         if to_digest == ev.destination_digest {
             return Ok(Err("the new route resolves to the same destination".into()));
@@ -371,9 +367,13 @@ impl MemoryStore {
         ev.envelope = Envelope { envelope_generation: old_envelope.envelope_generation + 1, ..old_envelope };
         ev.destination = new_destination;
         ev.destination_digest = to_digest;
-        if ev.state != EventState::Pending {
-            Self::transition(ev, EventState::Pending, now)?;
-        }
+        // The new generation is PENDING and has no publish slot yet,
+        // written as the SQL store writes it (`state = 'PENDING'`, slots per
+        // envelope generation): the fence and the decision before this are
+        // what keep a moved event from having been delivered.
+        ev.state = EventState::Pending;
+        ev.slot = None;
+        ev.published_at_ms = None;
         ev.state_since_ms = now;
         ev.unknown_since_ms = None;
         ev.next_check_at_ms = 0;

@@ -76,7 +76,7 @@ pub const SERVICE_MUTATIONS: [(&str, &str); 5] = [
     ("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out"),
     ("bound-from-registration-clock", "the in-flight bound counts from the attempt's registration, not from the end of the lease it was sent under"),
     ("absence-from-truncated-log", "a lookup range below the log's start (or above its end) proves absence"),
-    ("migration-unfenced", "the migration commit accepts any reconcile claim, not only the one its absence proof was made under"),
+    ("migration-unfenced", "the migration commit does not check that the row is still under the claim (reconcile claim, or claim generation) its proof was made under"),
     ("watermark-ignores-cluster", "retention matches a consumer's watermark to an event's log without comparing the cluster"),
 ];
 
