@@ -1,8 +1,11 @@
 //! The services engine: one trace runs the shipped
 //! `outbox_producer::Dispatcher` and
 //! `outbox_producer::Reconciler` (their own loops: `run` and
-//! `run_resolving`) over the in-memory store, against a simulated broker, on
-//! a seeded single-threaded executor in virtual time.
+//! `run_resolving`), and in some traces the shipped destination migration
+//! (`outbox_producer::migration::migrate_destination_in`, driven by an
+//! operator) and retention decision (`MemoryStore::retain_and_purge`, which
+//! calls `outbox_core::may_purge`), over the in-memory store, against a
+//! simulated broker, on a seeded single-threaded executor in virtual time.
 //!
 //! Faults are injected at the seams the services talk through:
 //! - the store ([`SimStore`]): calls that fail before doing anything, that
@@ -11,10 +14,20 @@
 //! - the broker ([`SimBroker`]): refused sends (not persisted), requests
 //!   that never reach the log and time out, writes whose ACK is lost, ACKs
 //!   delivered late (after the lease), writes the client repeats, failed
-//!   lookups; the client keeps writing what it was handed after its process
-//!   died, within the message timeout;
-//! - processes: dispatchers and the reconciler killed at any await (their
-//!   task dropped, so every worker stops) and restarted under a new owner.
+//!   lookups, slow lookups (a long scan answers for the log as it was when
+//!   it began); the client keeps writing what it was handed after its
+//!   process died, within the message timeout;
+//! - processes: dispatchers, the reconciler and the operator killed at any
+//!   await (their task dropped, so every worker stops) and restarted under a
+//!   new owner; the operator also paused for up to six leases.
+//!
+//! Migration: the old topic degrades (ACKs lost, lookups slow), then the
+//! route moves to `NEW_TOPIC` and the operator migrates every undelivered
+//! event of `TOPIC`, asking again for the refused ones until none is left,
+//! racing the dispatchers and the reconciler. Retention: a mandatory
+//! consumer reads `CLUSTER`'s logs (lagging, sometimes not at all) and a
+//! topic of the same name on `OTHER_CLUSTER` (far ahead); a retention job
+//! purges on its watermarks every few hundred ms.
 //!
 //! Then faults stop, the services run until every event is settled, and the
 //! checks read the store and the log (names as Jepsen's Kafka checker uses
@@ -24,7 +37,12 @@
 //! `refuted_absence` (a copy of an attempt the store closed as not sent or
 //! proven absent), `inconsistent_offsets` (two events' receipts at one
 //! position), `order_violation` (a key's events published out of commit
-//! order), `unresolved_unknown` (an outcome still unknown after the run).
+//! order), `unresolved_unknown` (an outcome still unknown after the run),
+//! `migrated_over_copy` (a copy of the generation a migration left behind,
+//! in the target it left: delivered to the new target while a copy sat in
+//! the old one) and `premature_purge` (an event purged while the
+//! consumer's position on its own log, cluster included, had not passed
+//! it; checked when the purge happens).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -915,7 +933,7 @@ fn start_retention(shared: &Shared, inner: &MemoryStore) -> Process {
                 w.figures.purged += 1;
                 let passed = w.consumer_at.get(&(slot.cluster_id.clone(), slot.topic.clone(), slot.partition)).copied();
                 w.note(|| format!("retention purges {id} at {}/{}/p{}@{} ({CONSUMER} there at {passed:?})", slot.cluster_id, slot.topic, slot.partition, slot.offset));
-                if !passed.is_some_and(|at| at > slot.offset) {
+                if passed.is_none_or(|at| at <= slot.offset) {
                     w.figures.premature_purge += 1;
                     let v = format!(
                         "premature_purge: {id} at {}/{}/p{}@{} purged while {CONSUMER}'s watermark on that log is {passed:?}",
