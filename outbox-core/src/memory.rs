@@ -15,9 +15,9 @@ use crate::error::CoreError;
 use crate::id::{AttemptId, EventId};
 use crate::receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
 use crate::state::{AttemptState, EventState};
-use crate::reconcile::ReconcileDecision;
-use crate::retention::{decide_migration, may_purge, may_retain, LogPosition, MigrationDecision, MigrationProof, WatermarkRef};
-use crate::store::{ClaimedEvent, FenceOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
+use crate::reconcile::{ReconcileDecision, RetryPolicy};
+use crate::retention::{check_migration_fence, decide_migration, may_purge, may_retain, LogPosition, MigrationDecision, MigrationFence, MigrationProof, WatermarkRef};
+use crate::store::{ClaimedEvent, FenceOutcome, LookupOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
 
 /// One event row.
 #[derive(Debug, Clone)]
@@ -277,23 +277,71 @@ impl MemoryStore {
                 }
             }
             (MigrationProof::ProvenAbsent { .. }, EventState::Reconciling) => {
-                let held = claim.is_some_and(|t| ev.claim.claim_generation == t.claim_generation && ev.claim.owner.as_deref() == Some(t.owner.as_str()));
+                let held = claim.is_some_and(|t| check_migration_fence(&MigrationFence::Claim(t.clone()), ev.state, ev.claim.claim_generation, ev.claim.owner.as_deref()).is_ok());
                 if !held {
                     return Ok(Err("the reconcile claim the absence proof was made under is not held".into()));
                 }
             }
             (p, s) => return Ok(Err(format!("state {s} cannot move under proof {p:?}"))),
         }
+        Self::apply_migration(st, event_id, new_destination, proof, operator, now, false)
+    }
+
+    /// The commit of a destination migration, as the PostgreSQL store's:
+    /// under the store's lock, checks that the row is still what the proof
+    /// was made under ([`check_migration_fence`]), re-runs
+    /// [`decide_migration`] on the attempts as they are now (with the old
+    /// target's `lookup` for a proven-absent move), and only then writes
+    /// envelope generation + 1 with `new_destination` (as
+    /// [`MemoryStore::migrate`] does). With `dry_run`, decides the same and
+    /// writes nothing. `Ok(Err(why))` when refused; nothing changed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn commit_migration(
+        &self,
+        event_id: &EventId,
+        new_destination: Destination,
+        fence: &MigrationFence,
+        lookup: Option<&LookupOutcome>,
+        retry: &RetryPolicy,
+        operator: &str,
+        dry_run: bool,
+    ) -> Result<Result<MigrationRecord, String>, StoreError> {
+        let now = self.now_ms();
+        let mut st = self.lock();
+        let st = &mut *st;
+        let ev = st.events.get(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
+        let decide_as = match check_migration_fence(fence, ev.state, ev.claim.claim_generation, ev.claim.owner.as_deref()) {
+            Ok(s) => s,
+            Err(why) => return Ok(Err(why)),
+        };
+        let attempts = st.attempts.get(event_id).map(Vec::as_slice).unwrap_or_default();
+        let proof = match decide_migration(decide_as, attempts, lookup, retry, now) {
+            MigrationDecision::Move { proof } => proof,
+            MigrationDecision::Refuse(r) => return Ok(Err(r.to_string())),
+        };
+        Self::apply_migration(st, event_id, new_destination, proof, operator, now, dry_run)
+    }
+
+    /// Writes a migration decided under the lock (or, with `dry_run`, only
+    /// builds its record).
+    fn apply_migration(
+        st: &mut MemoryState,
+        event_id: &EventId,
+        new_destination: Destination,
+        proof: MigrationProof,
+        operator: &str,
+        now: i64,
+        dry_run: bool,
+    ) -> Result<Result<MigrationRecord, String>, StoreError> {
+        let ev = st.events.get_mut(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
+        let attempts = st.attempts.entry(event_id.clone()).or_default();
         let to_digest = new_destination.digest();
         if to_digest == ev.destination_digest {
             return Ok(Err("the new route resolves to the same destination".into()));
         }
         let mut closed = Vec::new();
         if matches!(proof, MigrationProof::ProvenAbsent { .. }) {
-            for a in attempts.iter_mut().filter(|a| a.state.possibly_in_flight()) {
-                a.state = AttemptState::Absent;
-                closed.push(a.attempt_id.clone());
-            }
+            closed = attempts.iter().filter(|a| a.state.possibly_in_flight()).map(|a| a.attempt_id.clone()).collect();
         }
         let old_envelope = ev.envelope.clone();
         let record = MigrationRecord {
@@ -310,12 +358,24 @@ impl MemoryStore {
             at_ms: now,
             closed_attempts: closed,
         };
+        if dry_run {
+            return Ok(Ok(record));
+        }
+        if matches!(record.proof, MigrationProof::ProvenAbsent { .. }) {
+            for a in attempts.iter_mut().filter(|a| a.state.possibly_in_flight()) {
+                a.state = AttemptState::Absent;
+            }
+        }
         ev.envelope = Envelope { envelope_generation: old_envelope.envelope_generation + 1, ..old_envelope };
         ev.destination = new_destination;
         ev.destination_digest = to_digest;
-        if ev.state != EventState::Pending {
-            Self::transition(ev, EventState::Pending, now)?;
-        }
+        // The new generation is PENDING and has no publish slot yet,
+        // written as the SQL store writes it (`state = 'PENDING'`, slots per
+        // envelope generation): the fence and the decision before this are
+        // what keep a moved event from having been delivered.
+        ev.state = EventState::Pending;
+        ev.slot = None;
+        ev.published_at_ms = None;
         ev.state_since_ms = now;
         ev.unknown_since_ms = None;
         ev.next_check_at_ms = 0;

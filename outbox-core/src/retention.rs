@@ -20,6 +20,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::claim::ClaimToken;
 use crate::receipt::{AttemptRecord, BrokerReceipt};
 use crate::reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
 use crate::state::{AttemptState, EventState};
@@ -101,7 +102,8 @@ impl WatermarkRef<'_> {
     /// cluster, topic, topic id (exactly: `None` matches only `None`) and
     /// partition.
     pub fn covers_log_of(&self, consumer_id: &str, at: &LogPosition<'_>) -> bool {
-        self.consumer_id == consumer_id && self.cluster_id == at.cluster_id && self.topic == at.topic && self.topic_id == at.topic_id && self.partition == at.partition
+        let same_cluster = self.cluster_id == at.cluster_id || crate::simulation::mutation_active("watermark-ignores-cluster");
+        self.consumer_id == consumer_id && same_cluster && self.topic == at.topic && self.topic_id == at.topic_id && self.partition == at.partition
     }
 }
 
@@ -261,6 +263,51 @@ pub fn decide_migration(state: EventState, attempts: &[AttemptRecord], lookup: O
             }
         }
         other => Refuse(MigrationRefusal::NotMovable { state: other }),
+    }
+}
+
+/// What a migration's proof was made under, checked again by its commit
+/// under the row lock ([`check_migration_fence`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MigrationFence {
+    /// PENDING at this claim generation, as first read (any claim since bumps it).
+    Generation(u64),
+    /// RECONCILING under this reconcile claim: the one the old target's
+    /// lookup was made under.
+    Claim(ClaimToken),
+}
+
+/// Whether a migration's commit may go on: the locked row (`state`,
+/// `claim_generation`, `owner`) is still what the proof was made under
+/// (`fence`). Answers the state [`decide_migration`] is re-run as on the
+/// attempts read under the lock (PENDING, or DISPATCH_UNKNOWN for a
+/// proven-absent move), or why the proof no longer holds.
+///
+/// A lookup's absence proof speaks only for the log as it was while its
+/// reconcile claim was held: once that claim is lost, another reconciler
+/// may have retried and a dispatcher sent a new attempt the lookup never
+/// saw, so the commit must be made under the very same claim.
+pub fn check_migration_fence(fence: &MigrationFence, state: EventState, claim_generation: u64, owner: Option<&str>) -> Result<EventState, String> {
+    let decide_as = match fence {
+        MigrationFence::Generation(_) => EventState::Pending,
+        MigrationFence::Claim(_) => EventState::DispatchUnknown,
+    };
+    if crate::simulation::mutation_active("migration-unfenced") {
+        return Ok(decide_as);
+    }
+    match fence {
+        MigrationFence::Generation(read) => {
+            if state != EventState::Pending || claim_generation != *read {
+                return Err(format!("the event changed meanwhile (now {state}, claim generation {claim_generation}, read at {read}): its proof no longer holds"));
+            }
+            Ok(decide_as)
+        }
+        MigrationFence::Claim(token) => {
+            if state != EventState::Reconciling || claim_generation != token.claim_generation || owner != Some(token.owner.as_str()) {
+                return Err(format!("the reconcile claim the absence proof was made under was lost (now {state}, claim generation {claim_generation})"));
+            }
+            Ok(decide_as)
+        }
     }
 }
 

@@ -36,7 +36,7 @@ pub use dispatcher::{until_true, BatchReport, ClaimCursor, Dispatcher, Dispatche
 pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
 pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};
-pub use migration::{migrate_destination, MigrationOutcome};
+pub use migration::{migrate_destination, MigrationOutcome, MigrationStore};
 pub use pg::PgStore;
 pub use service_store::{ClaimRound, ServiceStore};
 pub use reconciler::{CompareReport, Reconciler, ReconcilerConfig, ResolveReport, DEFAULT_STALE_WATERMARK_AFTER_MS};

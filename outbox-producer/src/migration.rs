@@ -8,15 +8,22 @@
 //! in disguise. Delivery to two targets is not a migration; it is not offered
 //! as one.
 
+use async_trait::async_trait;
+use outbox_core::memory::MemoryStore;
 use outbox_core::{
-    decide_migration, scan_floor, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, MigrationDecision, MigrationRefusal, OutboxStore,
-    RecheckReason, ReconcileDecision, RetryPolicy, RoutePolicy,
+    check_migration_fence, decide_migration, scan_floor, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, MigrationDecision,
+    MigrationFence, MigrationProof, MigrationRefusal, RecheckReason, ReconcileDecision, ReconcileTask, RetryPolicy, RoutePolicy, StoreError,
 };
 use serde::Serialize;
 use sqlx::Row;
 
 use crate::error::ProducerError;
 use crate::pg::PgStore;
+use crate::service_store::ServiceStore;
+
+/// The lease of the reconcile claim a migration looks the old target up
+/// under (an operator's command: generous).
+pub const MIGRATION_CLAIM_LEASE_MS: i64 = 60_000;
 
 /// What a migration request came to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -47,23 +54,45 @@ pub enum MigrationOutcome {
     },
 }
 
-/// What the proof was made under, checked again under the row lock at the
-/// commit: for a never-sent (PENDING) event, the claim generation it read
-/// (any claim since bumps it); for a proven-absent one, the reconcile claim
-/// the lookup was made under.
-enum Fence {
-    /// PENDING at this claim generation.
-    Generation(u64),
-    /// RECONCILING under this claim, with the lookup's answer.
-    Claim(outbox_core::ClaimToken, LookupOutcome),
+/// The store a destination migration runs over: [`PgStore`] in production,
+/// [`MemoryStore`] in the simulator (`outbox-sim`), which runs this same
+/// [`migrate_destination_in`] against the shipped dispatcher and reconciler.
+/// The commit's checks are the core's: [`check_migration_fence`] and
+/// [`decide_migration`] on the attempts read under the row lock.
+#[async_trait]
+pub trait MigrationStore: ServiceStore {
+    /// The event's state and claim generation, as first read.
+    async fn migration_read(&self, event_id: &EventId) -> Result<(EventState, u64), ProducerError>;
+
+    /// The CAS DISPATCH_UNKNOWN -> RECONCILING for this one event, due or
+    /// not; `None` when it is not DISPATCH_UNKNOWN (being reconciled).
+    async fn begin_reconcile_event(&self, owner: &str, event_id: &EventId, lease_ms: i64) -> Result<Option<ReconcileTask>, StoreError>;
+
+    /// The commit: under the row lock, [`check_migration_fence`] on the row,
+    /// the attempts read again and [`decide_migration`] re-run on them (with
+    /// the old target's `lookup` for a proven-absent move); only then the new
+    /// envelope generation with the destination `new_route` resolves
+    /// (bumping the claim generation, so every earlier claim holder is
+    /// fenced), open attempts closed ABSENT and the migration receipt.
+    #[allow(clippy::too_many_arguments)]
+    async fn commit_migration(
+        &self,
+        event_id: &EventId,
+        new_route: &RoutePolicy,
+        operator: &str,
+        retry: &RetryPolicy,
+        fence: &MigrationFence,
+        lookup: Option<&LookupOutcome>,
+        dry_run: bool,
+    ) -> Result<MigrationOutcome, ProducerError>;
 }
 
 /// Moves `event_id` to the destination `new_route` resolves for it.
 ///
 /// `old_broker` must be connected to the cluster the event is frozen for; it
 /// is asked whether the event is there when an attempt may have reached it.
-pub async fn migrate_destination<B: Broker>(
-    store: &PgStore,
+pub async fn migrate_destination<S: MigrationStore, B: Broker>(
+    store: &S,
     old_broker: &B,
     event_id: &EventId,
     new_route: &RoutePolicy,
@@ -78,8 +107,8 @@ pub async fn migrate_destination<B: Broker>(
 /// decision under the row lock) ending in [`MigrationOutcome::WouldMigrate`]
 /// or `Refused` without moving anything. A dry run of an UNKNOWN event
 /// gives its reconcile claim back with its next check due at once.
-pub async fn migrate_destination_with<B: Broker>(
-    store: &PgStore,
+pub async fn migrate_destination_with<S: MigrationStore, B: Broker>(
+    store: &S,
     old_broker: &B,
     event_id: &EventId,
     new_route: &RoutePolicy,
@@ -87,34 +116,48 @@ pub async fn migrate_destination_with<B: Broker>(
     retry: &RetryPolicy,
     dry_run: bool,
 ) -> Result<MigrationOutcome, ProducerError> {
+    migrate_destination_in(store, old_broker, event_id, new_route, operator, retry, dry_run, MIGRATION_CLAIM_LEASE_MS).await
+}
+
+/// [`migrate_destination_with`] with the reconcile claim's lease
+/// `claim_lease_ms` (the simulator runs it with leases as short as its
+/// services').
+#[allow(clippy::too_many_arguments)]
+pub async fn migrate_destination_in<S: MigrationStore, B: Broker>(
+    store: &S,
+    old_broker: &B,
+    event_id: &EventId,
+    new_route: &RoutePolicy,
+    operator: &str,
+    retry: &RetryPolicy,
+    dry_run: bool,
+    claim_lease_ms: i64,
+) -> Result<MigrationOutcome, ProducerError> {
     outbox_core::id::validate_identifier("operator", operator)?;
     new_route.validate()?;
     outbox_core::check_in_flight_bound(retry.in_flight_bound_ms, old_broker.max_in_flight_ms(), outbox_core::reconcile::DEFAULT_CLOCK_SKEW_ALLOWANCE_MS)
         .map_err(ProducerError::Config)?;
     let refused = |reason: String| Ok(MigrationOutcome::Refused { reason });
-    let Some(read) = sqlx::query("SELECT state, claim_generation FROM outbox_events WHERE event_id = $1").bind(event_id.as_str()).fetch_optional(store.pool()).await? else {
-        return Err(outbox_core::StoreError::NotFound(event_id.clone()).into());
-    };
-    let state = EventState::parse(read.try_get("state")?)?;
-    let read_generation = read.try_get::<i64, _>("claim_generation")? as u64;
+    let (state, read_generation) = store.migration_read(event_id).await?;
     let attempts = store.attempts(event_id).await?;
     // The decision is outbox_core::decide_migration, the same function the
     // in-memory store and the simulator use.
-    let fence = match state {
+    let (fence, lookup) = match state {
         EventState::Pending => match decide_migration(state, &attempts, None, retry, store.now_ms()) {
-            MigrationDecision::Move { .. } => Fence::Generation(read_generation),
+            MigrationDecision::Move { .. } => (MigrationFence::Generation(read_generation), None),
             MigrationDecision::Refuse(r) => return refused(r.to_string()),
         },
         EventState::DispatchUnknown => {
             let owner = format!("migrate-{operator}");
-            let mut tasks = store.begin_reconcile_where(&owner, 1, 60_000, Some(event_id)).await?;
-            let Some(task) = tasks.pop() else { return refused("the event is being reconciled; try again".into()) };
+            let Some(task) = store.begin_reconcile_event(&owner, event_id, claim_lease_ms).await? else { return refused("the event is being reconciled; try again".into()) };
+            // Before the lookup, as the reconciler: the scan answers for the
+            // log as it was when it began.
+            let now = store.now_ms();
             let lookup = if !old_broker.supports_lookup() || task.event.destination.cluster_id != old_broker.cluster_id() {
                 LookupOutcome::Unavailable("the old target cannot be queried".into())
             } else {
                 old_broker.lookup(&task.event.destination, event_id, &scan_floor(&task.attempts)).await
             };
-            let now = store.now_ms();
             match decide_migration(EventState::DispatchUnknown, &task.attempts, Some(&lookup), retry, now) {
                 MigrationDecision::Move { .. } => {}
                 MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }) => {
@@ -131,7 +174,7 @@ pub async fn migrate_destination_with<B: Broker>(
                     return refused(r.to_string());
                 }
             }
-            Fence::Claim(task.token, lookup)
+            (MigrationFence::Claim(task.token), Some(lookup))
         }
         other => match decide_migration(other, &attempts, None, retry, store.now_ms()) {
             MigrationDecision::Refuse(r) => return refused(r.to_string()),
@@ -139,10 +182,10 @@ pub async fn migrate_destination_with<B: Broker>(
             MigrationDecision::Move { .. } => return refused(format!("state {other}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move")),
         },
     };
-    let outcome = commit_migration(store, event_id, new_route, operator, retry, &fence, dry_run).await;
+    let outcome = store.commit_migration(event_id, new_route, operator, retry, &fence, lookup.as_ref(), dry_run).await;
     // A dry run, or a commit that refused, gives the reconcile claim back
     // (fenced: a claim lost meanwhile changes nothing).
-    if let Fence::Claim(token, _) = &fence {
+    if let MigrationFence::Claim(token) = &fence {
         if dry_run || !matches!(outcome, Ok(MigrationOutcome::Migrated { .. })) {
             let next = ReconcileDecision::Recheck { reason: RecheckReason::RetryNotAllowed, next_check_at_ms: store.now_ms() };
             store.finish_reconcile(token, &next).await?;
@@ -151,18 +194,84 @@ pub async fn migrate_destination_with<B: Broker>(
     outcome
 }
 
-/// The commit of a migration: under the row lock, checks the fence, reads
+#[async_trait]
+impl MigrationStore for PgStore {
+    async fn migration_read(&self, event_id: &EventId) -> Result<(EventState, u64), ProducerError> {
+        let Some(read) = sqlx::query("SELECT state, claim_generation FROM outbox_events WHERE event_id = $1").bind(event_id.as_str()).fetch_optional(self.pool()).await? else {
+            return Err(StoreError::NotFound(event_id.clone()).into());
+        };
+        Ok((EventState::parse(read.try_get("state")?)?, read.try_get::<i64, _>("claim_generation")? as u64))
+    }
+
+    async fn begin_reconcile_event(&self, owner: &str, event_id: &EventId, lease_ms: i64) -> Result<Option<ReconcileTask>, StoreError> {
+        Ok(self.begin_reconcile_where(owner, 1, lease_ms, Some(event_id)).await?.pop())
+    }
+
+    async fn commit_migration(
+        &self,
+        event_id: &EventId,
+        new_route: &RoutePolicy,
+        operator: &str,
+        retry: &RetryPolicy,
+        fence: &MigrationFence,
+        lookup: Option<&LookupOutcome>,
+        dry_run: bool,
+    ) -> Result<MigrationOutcome, ProducerError> {
+        commit_migration_pg(self, event_id, new_route, operator, retry, fence, lookup, dry_run).await
+    }
+}
+
+/// The simulator's store: the same checks, in [`MemoryStore::commit_migration`].
+#[async_trait]
+impl MigrationStore for MemoryStore {
+    async fn migration_read(&self, event_id: &EventId) -> Result<(EventState, u64), ProducerError> {
+        let st = self.lock();
+        let ev = st.events.get(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
+        Ok((ev.state, ev.claim.claim_generation))
+    }
+
+    async fn begin_reconcile_event(&self, owner: &str, event_id: &EventId, lease_ms: i64) -> Result<Option<ReconcileTask>, StoreError> {
+        MemoryStore::begin_reconcile_event(self, owner, event_id, lease_ms)
+    }
+
+    async fn commit_migration(
+        &self,
+        event_id: &EventId,
+        new_route: &RoutePolicy,
+        operator: &str,
+        retry: &RetryPolicy,
+        fence: &MigrationFence,
+        lookup: Option<&LookupOutcome>,
+        dry_run: bool,
+    ) -> Result<MigrationOutcome, ProducerError> {
+        let old = self.lock().events.get(event_id).map(|e| e.envelope.clone()).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
+        let destination = new_route.resolve(&old.tenant, &old.aggregate_type, &old.aggregate_id)?;
+        match MemoryStore::commit_migration(self, event_id, destination, fence, lookup, retry, operator, dry_run)? {
+            Err(reason) => Ok(MigrationOutcome::Refused { reason }),
+            Ok(r) if dry_run => Ok(MigrationOutcome::WouldMigrate {
+                from_generation: r.from_generation,
+                to_destination_digest: r.to_destination_digest,
+                proof: serde_json::to_value(&r.proof).unwrap_or_default(),
+            }),
+            Ok(r) => Ok(MigrationOutcome::Migrated { from_generation: r.from_generation, to_generation: r.to_generation, to_destination_digest: r.to_destination_digest }),
+        }
+    }
+}
+
+/// The commit of a migration in PostgreSQL: under the row lock, checks the fence, reads
 /// the attempts again and re-runs [`decide_migration`] on them; only then
 /// writes the new envelope generation (bumping the claim generation, so
 /// every earlier claim holder is fenced), closes open attempts ABSENT and
 /// writes the migration receipt.
-async fn commit_migration(
+#[allow(clippy::too_many_arguments)]
+async fn commit_migration_pg(
     store: &PgStore,
     event_id: &EventId,
     new_route: &RoutePolicy,
     operator: &str,
     retry: &RetryPolicy,
-    fence: &Fence,
+    fence: &MigrationFence,
+    lookup: Option<&LookupOutcome>,
     dry_run: bool,
 ) -> Result<MigrationOutcome, ProducerError> {
     let refused = |reason: String| Ok(MigrationOutcome::Refused { reason });
@@ -182,29 +291,20 @@ async fn commit_migration(
     // Read in this transaction, after the row lock: no attempt can be
     // registered for the event while it is held.
     let attempts = PgStore::attempts_in(&mut tx, event_id).await?;
-    let decision = match fence {
-        Fence::Generation(read) => {
-            if locked_state != EventState::Pending || locked_generation != *read {
-                return refused(format!("the event changed meanwhile (now {locked_state}, claim generation {locked_generation}, read at {read}): its proof no longer holds"));
-            }
-            decide_migration(EventState::Pending, &attempts, None, retry, now)
-        }
-        Fence::Claim(token, lookup) => {
-            if locked_state != EventState::Reconciling || locked_generation != token.claim_generation || locked_owner.as_deref() != Some(token.owner.as_str()) {
-                return refused(format!("the reconcile claim the absence proof was made under was lost (now {locked_state}, claim generation {locked_generation})"));
-            }
-            decide_migration(EventState::DispatchUnknown, &attempts, Some(lookup), retry, now)
-        }
+    let decide_as = match check_migration_fence(fence, locked_state, locked_generation, locked_owner.as_deref()) {
+        Ok(s) => s,
+        Err(why) => return refused(why),
     };
+    let decision = decide_migration(decide_as, &attempts, lookup, retry, now);
     let proof = match decision {
         MigrationDecision::Move { proof } => proof,
         MigrationDecision::Refuse(r) => return refused(r.to_string()),
     };
-    let proof = match (&proof, fence) {
-        (outbox_core::MigrationProof::NeverPersisted, _) => serde_json::json!({
+    let proof = match &proof {
+        MigrationProof::NeverPersisted => serde_json::json!({
             "kind": "never_persisted", "claim_generation": locked_generation,
             "attempts": attempts.iter().map(|a| (a.attempt_id.to_string(), a.state.as_str())).collect::<Vec<_>>() }),
-        (outbox_core::MigrationProof::ProvenAbsent { lookup_from_offset }, _) => {
+        MigrationProof::ProvenAbsent { lookup_from_offset } => {
             serde_json::json!({ "kind": "proven_absent", "lookup_from_offset": lookup_from_offset, "claim_generation": locked_generation })
         }
     };

@@ -221,6 +221,11 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
 
     async fn resolve_one(&self, task: &outbox_core::ReconcileTask, supports: bool, report: &mut ResolveReport) -> Result<(), ProducerError> {
         let event_id = &task.event.event_id;
+        // The time the decision is made at is taken before the lookup: a
+        // scan answers for the log as it was when it began (the adapter
+        // fetches the end offset first), so the in-flight bound must have
+        // passed by then, not merely by the time the answer came back.
+        let now = self.store.now_ms();
         let lookup = if !supports {
             LookupOutcome::Unavailable("the broker adapter cannot look up events".into())
         } else if task.event.destination.cluster_id != self.broker.cluster_id() {
@@ -228,7 +233,6 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         } else {
             self.broker.lookup(&task.event.destination, event_id, &scan_floor(&task.attempts)).await
         };
-        let now = self.store.now_ms();
         if let LookupOutcome::Unavailable(why) = &lookup {
             if crate::kafka::is_log_incomplete(why) {
                 tracing::error!(%event_id, reason = %why, "the frozen partition's log cannot prove absence: the event stays unknown");

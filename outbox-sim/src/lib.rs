@@ -9,7 +9,13 @@
 //! same calls the dispatcher, reconciler and PostgreSQL store make. One seed
 //! names one trace on every machine; the gate runs traces on all cores.
 //!
-//! ## A trace
+//! Two engines: the services engine ([`services`]) runs the shipped
+//! services (`Dispatcher`, `Reconciler`, the destination migration, the
+//! retention decision) over the in-memory store in virtual time; the model
+//! engine ([`sim`], described below) drives the core's decisions through
+//! its own loops, for what the services engine does not run yet.
+//!
+//! ## A trace (model engine)
 //!
 //! The seed picks 2-6 business commands over 1-3 aggregates, 1-3
 //! dispatchers, 1-2 reconcilers, 1-2 consumers, a fault intensity, whether

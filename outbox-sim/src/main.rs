@@ -19,7 +19,8 @@ const USAGE: &str = "usage: outbox-sim [--traces N] [--first-seed S] [--threads 
   --traces N       traces to run per engine (default 1000000; at least 1)
   --first-seed S   first seed of the run (default 1); seeds are S..S+N-1 (must not wrap)
   --threads T      worker threads (default: all cores)
-  --engine E       services: the shipped Dispatcher and Reconciler over the in-memory store;
+  --engine E       services: the shipped Dispatcher, Reconciler, destination migration and
+                   retention decision over the in-memory store;
                    model: the protocol model (consumers, migrations, retention); both (default)
   --seed S         replay one trace and print its event log (engine services unless --engine model)
   --log            with --seed: print the log (always on for --seed)
@@ -160,7 +161,7 @@ fn main() -> ExitCode {
         if let Some(m) = service_mutation {
             println!("mutation {m}");
         }
-        println!("engine services: the shipped Dispatcher and Reconciler");
+        println!("engine services: the shipped Dispatcher, Reconciler, destination migration and retention decision");
         print_services(&figures, seconds);
         if !figures.clean() {
             pass = false;
