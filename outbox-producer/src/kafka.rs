@@ -1729,13 +1729,19 @@ fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, on_me
     }
 }
 
-fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64), String> {
+/// A fresh group-less consumer for one read of the request's partition
+/// (its own `group.id`, ending in `suffix`).
+fn lookup_consumer<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, suffix: &str) -> Result<BaseConsumer<LookupContext<OAUTH>>, String> {
     let seq = LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed);
-    let group_id = format!("outbox-lookup-{}-{}-{}", std::process::id(), seq, req.event_id.as_str());
-    let consumer: BaseConsumer<LookupContext<OAUTH>> = config
+    let group_id = format!("outbox-lookup-{}-{}-{}{suffix}", std::process::id(), seq, req.event_id.as_str());
+    config
         .lookup_config(&group_id)
         .create_with_context(LookupContext::<OAUTH> { tokens: req.tokens.clone() })
-        .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))?;
+        .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))
+}
+
+fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64), String> {
+    let consumer = lookup_consumer::<OAUTH>(config, req, "")?;
     let (low, high) = consumer
         .fetch_watermarks(&req.topic, req.partition, req.remaining())
         .map_err(|e| format!("watermarks of {}/{}: {e}", req.topic, req.partition))?;
@@ -1837,12 +1843,7 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
 /// of an absence proof: read with a consumer of its own (a scan that starts
 /// elsewhere must not see its prefetched records).
 fn read_anchor<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, at: i64, anchor: &EventId) -> Result<AnchorCheck, String> {
-    let seq = LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed);
-    let group_id = format!("outbox-lookup-{}-{}-{}-anchor", std::process::id(), seq, req.event_id.as_str());
-    let consumer: BaseConsumer<LookupContext<OAUTH>> = config
-        .lookup_config(&group_id)
-        .create_with_context(LookupContext::<OAUTH> { tokens: req.tokens.clone() })
-        .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))?;
+    let consumer = lookup_consumer::<OAUTH>(config, req, "-anchor")?;
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(&req.topic, req.partition, Offset::Offset(at)).map_err(|e| format!("assignment: {e}"))?;
     consumer.assign(&tpl).map_err(|e| format!("assign {}/{}: {e}", req.topic, req.partition))?;
