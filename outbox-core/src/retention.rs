@@ -467,6 +467,23 @@ mod tests {
     }
 
     #[test]
+    fn a_migration_commits_only_under_what_its_proof_was_made_under() {
+        use crate::id::EventId;
+        let token = ClaimToken { event_id: EventId::from_parts(1, 1), owner: "migrate-ops".into(), claim_generation: 4, lease_until_ms: 9_000 };
+        let claim = MigrationFence::Claim(token);
+        assert_eq!(check_migration_fence(&claim, EventState::Reconciling, 4, Some("migrate-ops")), Ok(EventState::DispatchUnknown));
+        // Lost: taken by another reconciler, expired, or done with.
+        assert!(check_migration_fence(&claim, EventState::Reconciling, 6, Some("r-1")).is_err());
+        assert!(check_migration_fence(&claim, EventState::Reconciling, 4, Some("r-1")).is_err());
+        assert!(check_migration_fence(&claim, EventState::DispatchUnknown, 5, None).is_err());
+        assert!(check_migration_fence(&claim, EventState::Published, 7, None).is_err());
+        let read = MigrationFence::Generation(3);
+        assert_eq!(check_migration_fence(&read, EventState::Pending, 3, None), Ok(EventState::Pending));
+        assert!(check_migration_fence(&read, EventState::Pending, 5, None).is_err());
+        assert!(check_migration_fence(&read, EventState::Claimed, 4, Some("d1")).is_err());
+    }
+
+    #[test]
     fn refusals_recheck_like_the_reconciler() {
         let u = MigrationRefusal::OldTargetUnqueryable { detail: "x".into() };
         assert_eq!(u.recheck(&P, 10), ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: 510 });
