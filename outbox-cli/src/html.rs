@@ -443,6 +443,24 @@ pub fn render(r: &Report) -> String {
         o.push_str("</table>");
     }
 
+    if !r.lost_logs.is_empty() {
+        o.push_str(r#"<h2>Lost logs</h2><p>Receipts whose position no longer holds their event: the log they were recorded in is gone (docs/OPERATIONS.md §6).</p><table id="lost-logs"><tr><th>cluster</th><th>topic</th><th>topic id</th><th>partition</th><th>receipts lost</th><th>offsets</th></tr>"#);
+        for l in &r.lost_logs {
+            let _ = write!(
+                o,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}..{}</td></tr>",
+                esc(&l.cluster_id),
+                esc(&l.topic),
+                esc(l.topic_id.as_deref().unwrap_or("")),
+                l.partition,
+                l.receipts_lost,
+                l.first_offset,
+                l.last_offset
+            );
+        }
+        o.push_str("</table>");
+    }
+
     let _ = write!(o, r#"<h2>Findings ({})</h2>"#, r.findings.len());
     if r.findings.is_empty() {
         o.push_str(r#"<p class="good" id="no-findings">No findings: every committed event is accounted for.</p>"#);
@@ -502,6 +520,7 @@ mod tests {
                 StateSnapshot { at_ms: 1_700_000_000_000 - 60_000, counts: vec![("PENDING".into(), 5), ("PUBLISHED".into(), 2)] },
                 StateSnapshot { at_ms: 1_700_000_000_000, counts: vec![("PENDING".into(), 2), ("PUBLISHED".into(), 7), ("DISPATCH_UNKNOWN".into(), 1)] },
             ],
+            lost_logs: vec![],
             findings: vec![Finding { kind: "aged_pending".into(), event_id: "evt-<script>".into(), consumer_id: None, age_ms: 90_000, detail: "a & b".into() }],
             consumer_decisions: Vec::new(),
         }

@@ -430,6 +430,7 @@ mod tests {
             last_reconciler_round: None,
             consumer_lag: vec![ConsumerLag { consumer_id: "billing".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), topic_id: None, partition: 0, committed_offset: 1, published_end_offset: 2, lag_events: 1 }],
             history: vec![],
+            lost_logs: vec![],
             findings: vec![Finding { kind: "aged_pending".into(), event_id: "e".into(), consumer_id: None, age_ms: 1, detail: String::new() }],
             consumer_decisions: Vec::new(),
         }

@@ -65,6 +65,7 @@ fn report() -> Report {
             ConsumerLag { consumer_id: "shipping".into(), cluster_id: "kafka-a".into(), topic: "orders".into(), topic_id: None, partition: 1, committed_offset: 380, published_end_offset: 415, lag_events: 35 },
         ],
         history,
+        lost_logs: vec![],
         findings: vec![
             Finding { kind: "unknown_past_slo".into(), event_id: "evt-01M8MMVFGW092Y6JQ84Y6FCJ7P".into(), consumer_id: None, age_ms: 1_900_000, detail: "UNKNOWN for 31.7 min".into() },
             Finding { kind: "aged_pending".into(), event_id: "evt-01M8MMVFJ5W0MSTXXWERY28VVX".into(), consumer_id: None, age_ms: 95_000, detail: "PENDING past 60 s".into() },

@@ -84,6 +84,29 @@ pub struct ConsumerLag {
     pub lag_events: i64,
 }
 
+/// A partition log the outbox recorded receipts in and that is gone: its
+/// open `receipt_position_lost` findings, by the log their receipts name
+/// (the cluster replaced by an empty one, a topic recreated under the same
+/// name). docs/OPERATIONS.md §6 says what to do with its events.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LostLog {
+    /// Broker cluster.
+    pub cluster_id: String,
+    /// Topic.
+    pub topic: String,
+    /// The topic id the receipts name (`None`: destination.v1).
+    pub topic_id: Option<String>,
+    /// Partition.
+    pub partition: i32,
+    /// Published events whose receipt's position no longer holds their message.
+    pub receipts_lost: i64,
+    /// Lowest and highest offset of those receipts.
+    pub first_offset: i64,
+    /// See `first_offset`.
+    pub last_offset: i64,
+}
+
 /// What one consumer decided without an effect: its quarantines (by reason)
 /// and dead letters, from `outbox_consumer_quarantine` and
 /// `outbox_consumer_dead_letters` where those tables are in the outbox
@@ -247,6 +270,9 @@ pub struct Report {
     /// a `reconciler_stale` finding when no reconciler round was recorded
     /// within `reconciler_stale_ms` (a stopped reconciler records nothing).
     pub findings: Vec<Finding>,
+    /// Logs that are gone, from the open `receipt_position_lost` findings
+    /// (every one counted, whatever `max_findings` lists).
+    pub lost_logs: Vec<LostLog>,
     /// The most recent reconciler round (None: no reconciler ever ran here).
     pub last_reconciler_round: Option<ReconcilerRound>,
     /// The UNKNOWN SLO verdict (one source: [`slo_verdict`], with the SLO the last reconciler round recorded).
@@ -471,6 +497,28 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
         })
         .collect::<Result<Vec<_>, sqlx::Error>>()?;
     findings.extend(stale_reconciler_finding(last_reconciler_round.as_ref(), committed_events, opts.reconciler_stale_ms));
+    // A finding names the event whose primary receipt's position was lost.
+    let lost_logs = sqlx::query(
+        "SELECT r.cluster_id, r.topic, r.topic_id, r.partition, count(*) AS receipts_lost, min(r.\"offset\") AS first_offset, max(r.\"offset\") AS last_offset
+         FROM outbox_findings f JOIN outbox_publish_receipts r ON r.event_id = f.event_id
+         WHERE f.kind = 'receipt_position_lost' AND f.resolved_at_ms IS NULL
+         GROUP BY r.cluster_id, r.topic, r.topic_id, r.partition ORDER BY r.cluster_id, r.topic, r.topic_id, r.partition",
+    )
+    .fetch_all(pool)
+    .await?
+    .iter()
+    .map(|r| {
+        Ok(LostLog {
+            cluster_id: r.try_get("cluster_id")?,
+            topic: r.try_get("topic")?,
+            topic_id: r.try_get("topic_id")?,
+            partition: r.try_get("partition")?,
+            receipts_lost: r.try_get("receipts_lost")?,
+            first_offset: r.try_get("first_offset")?,
+            last_offset: r.try_get("last_offset")?,
+        })
+    })
+    .collect::<Result<Vec<_>, sqlx::Error>>()?;
     let open_past_slo = unknown_since.iter().filter(|since| now - **since > unknown_slo_ms).count() as i64;
 
     Ok(Report {
@@ -491,6 +539,7 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
         consumer_lag,
         history,
         findings,
+        lost_logs,
         consumer_decisions: consumer_decisions(pool).await?,
     })
 }
@@ -568,6 +617,14 @@ impl Report {
         for c in &self.consumer_decisions {
             let reasons: Vec<String> = c.quarantined_by_reason.iter().map(|(r, n)| format!("{r}={n}")).collect();
             let _ = writeln!(out, "  consumer {} quarantined {} [{}] dead-lettered {}", c.consumer_id, c.quarantined, reasons.join(" "), c.dead_lettered);
+        }
+        for l in &self.lost_logs {
+            let of_id = l.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "  lost log {}/{}{of_id}/{}: {} receipts (offsets {}..{}) no longer hold their events (receipt_position_lost; docs/OPERATIONS.md §6)",
+                l.cluster_id, l.topic, l.partition, l.receipts_lost, l.first_offset, l.last_offset
+            );
         }
         if self.findings.is_empty() {
             let _ = writeln!(out, "  findings                  none");

@@ -696,6 +696,19 @@ async fn item4_a_receipt_colliding_with_a_lost_position_does_not_drop_its_batch(
     // The next attempt on the partition anchors its floor on the newest receipt there.
     let (_, a) = f.registered(&order_on(&f, 0, &[&old_id, &colliding_id]), 5_000).await;
     assert_eq!((a.scan_from_offset, a.scan_anchor.as_ref()), (2, Some(colliding.event_id())));
+    // The report names the lost log.
+    let report = outbox_producer::report::build_report(&f.pool, &outbox_producer::report::ReportOptions::at(outbox_core::Clock::now_ms(&f.clock))).await.unwrap();
+    let lost = outbox_producer::report::LostLog {
+        cluster_id: f.broker.cluster_id().to_owned(),
+        topic: TOPIC.into(),
+        topic_id: None,
+        partition: 0,
+        receipts_lost: 1,
+        first_offset: 1,
+        last_offset: 1,
+    };
+    assert_eq!(report.lost_logs, vec![lost]);
+    assert!(report.to_text().contains(&format!("lost log {}/{TOPIC}/0: 1 receipts (offsets 1..1)", f.broker.cluster_id())), "{}", report.to_text());
 }
 
 /// A topic deleted and created again under the same name starts a new log
