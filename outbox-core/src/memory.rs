@@ -587,7 +587,7 @@ impl OutboxStore for MemoryStore {
             }
             Self::transition(ev, EventState::Sending, now)?;
             ev.attempt_generation += 1;
-            let attempt = AttemptRecord {
+            let mut attempt = AttemptRecord {
                 attempt_id: AttemptId::generate(now.max(0) as u64),
                 event_id: token.event_id.clone(),
                 envelope_generation: ev.envelope.envelope_generation,
@@ -601,7 +601,6 @@ impl OutboxStore for MemoryStore {
                 scan_from_offset: 0,
                 scan_anchor: None,
             };
-            let mut attempt = attempt;
             if let Some((floor, anchor)) =
                 st.partition_high.get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.topic_id.clone(), ev.destination.partition))
             {

@@ -207,6 +207,28 @@ pub enum AnchorCheck {
     NoRecord,
 }
 
+/// The anchor offset a broker adapter must read for `from` in a log
+/// `[log_start, log_end)`, with the event expected there; or, when the
+/// answer is known without reading (no anchor, the offset past the end or
+/// below the start), that answer. The adapter turns what it reads at the
+/// offset into [`AnchorCheck::Holds`], [`AnchorCheck::HoldsOther`] or
+/// [`AnchorCheck::NoRecord`].
+pub fn anchor_to_read(from: &ScanFrom, log_start: i64, log_end: i64) -> Result<(i64, &EventId), AnchorCheck> {
+    match &from.anchor {
+        Some(anchor) if from.offset > 0 => {
+            let at = from.offset - 1;
+            if at >= log_end {
+                Err(AnchorCheck::BeyondEnd)
+            } else if at < log_start {
+                Err(AnchorCheck::NoRecord)
+            } else {
+                Ok((at, anchor))
+            }
+        }
+        _ => Err(AnchorCheck::NoAnchor),
+    }
+}
+
 /// Where an absence proof's scan of a partition log `[log_start, log_end)`
 /// starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -388,6 +410,17 @@ mod tests {
         // A floor of 0 needs no anchor.
         assert_eq!(scan_floor(&[anchored(AttemptState::Unknown, 0, 4)]), ScanFrom::at(0));
         assert_eq!(scan_floor(&[]), ScanFrom::at(0));
+    }
+
+    #[test]
+    fn the_anchor_is_read_only_inside_the_log() {
+        let e = EventId::from_parts(9, 1);
+        let from = ScanFrom { offset: 289, anchor: Some(e.clone()) };
+        assert_eq!(anchor_to_read(&from, 0, 400), Ok((288, &e)));
+        assert_eq!(anchor_to_read(&from, 0, 288), Err(AnchorCheck::BeyondEnd));
+        assert_eq!(anchor_to_read(&from, 289, 400), Err(AnchorCheck::NoRecord));
+        assert_eq!(anchor_to_read(&ScanFrom::at(289), 0, 400), Err(AnchorCheck::NoAnchor));
+        assert_eq!(anchor_to_read(&ScanFrom { offset: 0, anchor: Some(e.clone()) }, 0, 400), Err(AnchorCheck::NoAnchor));
     }
 
     #[test]

@@ -1569,8 +1569,7 @@ impl Broker for KafkaBroker {
             topic: destination.topic.clone(),
             partition: destination.partition,
             event_id: event_id.clone(),
-            from_offset: from.offset,
-            anchor: from.anchor.clone(),
+            from: from.clone(),
             max_messages: self.shared.config.lookup_max_messages,
             deadline,
         };
@@ -1603,8 +1602,7 @@ impl Broker for KafkaBroker {
             topic: topic.to_owned(),
             partition,
             event_id: EventId::from_parts(0, 0),
-            from_offset,
-            anchor: None,
+            from: ScanFrom::at(from_offset),
             max_messages: max_messages.min(self.shared.config.lookup_max_messages),
             deadline: Instant::now() + timeout,
         };
@@ -1640,10 +1638,8 @@ struct ScanRequest {
     topic: String,
     partition: i32,
     event_id: EventId,
-    from_offset: i64,
-    /// For a lookup: the event whose receipt held `from_offset - 1` (see
-    /// [`ScanFrom::anchor`]).
-    anchor: Option<EventId>,
+    /// Where to read from; for a lookup, with the bound's anchor.
+    from: ScanFrom,
     max_messages: u64,
     deadline: Instant,
 }
@@ -1719,8 +1715,8 @@ fn scan_partition(config: &KafkaConfig, req: &ScanRequest) -> LookupOutcome {
 /// `max_messages` (with no `limit`), a deadline that runs out or any broker
 /// error is an `Err`.
 fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64), String> {
-    if req.from_offset < 0 {
-        return Err(format!("negative lower bound {}", req.from_offset));
+    if req.from.offset < 0 {
+        return Err(format!("negative lower bound {}", req.from.offset));
     }
     if req.tokens.is_some() {
         scan_range_with::<true>(config, req, limit, on_message)
@@ -1751,25 +1747,15 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
     // to another log (the topic was recreated, the cluster replaced, the
     // partition truncated): either way messages may be gone unseen.
     let proof = limit.is_none();
-    let mut from_offset = req.from_offset;
+    let mut from_offset = req.from.offset;
     if proof {
-        let bound = ScanFrom { offset: req.from_offset, anchor: req.anchor.clone() };
-        let check = match &req.anchor {
-            Some(anchor) if req.from_offset > 0 => {
-                let at = req.from_offset - 1;
-                if at >= high {
-                    AnchorCheck::BeyondEnd
-                } else if at < low {
-                    AnchorCheck::NoRecord
-                } else {
-                    read_anchor::<OAUTH>(config, req, at, anchor)?
-                }
-            }
-            _ => AnchorCheck::NoAnchor,
+        let check = match outbox_core::anchor_to_read(&req.from, low, high) {
+            Ok((at, anchor)) => read_anchor::<OAUTH>(config, req, at, anchor)?,
+            Err(known) => known,
         };
-        let plan = outbox_core::plan_absence_scan(&req.topic, req.partition, &bound, low, high, check)?;
+        let plan = outbox_core::plan_absence_scan(&req.topic, req.partition, &req.from, low, high, check)?;
         if plan.floor_from_another_log {
-            warn!(topic = %req.topic, partition = req.partition, event_id = %req.event_id, lower_bound = req.from_offset, ?check, low, high,
+            warn!(topic = %req.topic, partition = req.partition, event_id = %req.event_id, lower_bound = req.from.offset, ?check, low, high,
                 "kafka lookup: the lower bound was read from another log (the cluster replaced or the topic recreated): reading this log from its start");
         }
         from_offset = plan.start;

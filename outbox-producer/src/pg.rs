@@ -521,7 +521,8 @@ impl PgStore {
             for r in sqlx::query(
                 "SELECT r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.event_id, r.position_epoch FROM outbox_publish_receipts r
                  JOIN UNNEST($1::text[], $2::text[], $3::int[], $4::bigint[], $5::text[]) AS t(c, tp, p, o, tid)
-                   ON r.cluster_id = t.c AND r.topic = t.tp AND r.partition = t.p AND r.\"offset\" = t.o AND r.topic_id IS NOT DISTINCT FROM t.tid",
+                   ON r.cluster_id = t.c AND r.topic = t.tp AND r.partition = t.p AND r.\"offset\" = t.o AND r.topic_id IS NOT DISTINCT FROM t.tid
+                 ORDER BY r.position_epoch",
             )
             .persistent(false)
             .bind(&clusters)
@@ -541,13 +542,8 @@ impl PgStore {
                     r.try_get("partition").map_err(g)?,
                     r.try_get("offset").map_err(g)?,
                 );
-                let holder: (String, i32) = (r.try_get("event_id").map_err(g)?, r.try_get("position_epoch").map_err(g)?);
-                match held.get(&position) {
-                    Some((_, epoch)) if *epoch >= holder.1 => {}
-                    _ => {
-                        held.insert(position, holder);
-                    }
-                }
+                // In epoch order: the newest receipt at a position is the last one kept.
+                held.insert(position, (r.try_get("event_id").map_err(g)?, r.try_get("position_epoch").map_err(g)?));
             }
         }
         // The position epoch of each accepted receipt, in `accepted` order.

@@ -741,22 +741,13 @@ impl SimBroker {
         let start = w.log_start.get(&log_key).copied().unwrap_or(0);
         let end = w.logs.get(&log_key).map_or(0, |l| l.len() as i64);
         // The anchor check as the Kafka adapter makes it, decided by the same core function.
-        let check = match &from.anchor {
-            Some(anchor) if from.offset > 0 => {
-                let at = from.offset - 1;
-                if at >= end {
-                    outbox_core::AnchorCheck::BeyondEnd
-                } else if at < start {
-                    outbox_core::AnchorCheck::NoRecord
-                } else {
-                    match w.logs.get(&log_key).and_then(|l| l.get(at as usize)) {
-                        Some(m) if m.event_id == anchor.as_str() => outbox_core::AnchorCheck::Holds,
-                        Some(_) => outbox_core::AnchorCheck::HoldsOther,
-                        None => outbox_core::AnchorCheck::NoRecord,
-                    }
-                }
-            }
-            _ => outbox_core::AnchorCheck::NoAnchor,
+        let check = match outbox_core::anchor_to_read(from, start, end) {
+            Ok((at, anchor)) => match w.logs.get(&log_key).and_then(|l| l.get(at as usize)) {
+                Some(m) if m.event_id == anchor.as_str() => outbox_core::AnchorCheck::Holds,
+                Some(_) => outbox_core::AnchorCheck::HoldsOther,
+                None => outbox_core::AnchorCheck::NoRecord,
+            },
+            Err(known) => known,
         };
         let plan = match outbox_core::plan_absence_scan(&destination.topic, destination.partition, from, start, end, check) {
             Ok(plan) => plan,
