@@ -40,6 +40,7 @@ use crate::handler::Handler;
 use crate::metrics::Metrics;
 use crate::outcome::Outcome;
 use crate::processor::Processor;
+use crate::store::ConsumerStore;
 use crate::readiness::ConsumerReadiness;
 
 /// What an `after_db_commit` hook sees: a batch of one partition whose
@@ -612,14 +613,72 @@ async fn worker(
         // The previous worker of this partition may still be committing.
         let _ = previous.await;
     }
-    let metrics = shared.processor.metrics().clone();
+    let committer = KafkaOffsets { client, metrics: shared.processor.metrics().clone() };
+    let limits = BatchLimits { max_messages: shared.max_batch_messages, max_bytes: shared.max_batch_bytes };
+    if let Err(e) = run_partition(&mut rx, &state.stop, &shared.processor, shared.hook.as_ref(), limits, &committer, &topic, partition).await {
+        let _ = shared.fatal.send(e);
+    }
+}
+
+/// The Kafka client as the [`OffsetCommit`] of a partition worker.
+struct KafkaOffsets {
+    client: Arc<Client>,
+    metrics: Arc<Metrics>,
+}
+
+impl OffsetCommit for KafkaOffsets {
+    fn commit(&self, topic: &str, partition: i32, next_offset: i64) {
+        commit_offset(&self.client, &self.metrics, topic, partition, next_offset);
+    }
+}
+
+/// Where a partition worker hands the next offset to read once a batch's
+/// decisions committed: the Kafka client's offset store in production
+/// (stored and committed asynchronously, so it may be lost: the next owner
+/// then reads the batch again and finds duplicates), the simulated group
+/// coordinator in the simulator.
+pub trait OffsetCommit: Send + Sync {
+    /// Stores `next_offset` as the partition's position (best effort).
+    fn commit(&self, topic: &str, partition: i32, next_offset: i64);
+}
+
+/// How much one decision batch of a partition worker takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Most messages per batch.
+    pub max_messages: usize,
+    /// A batch stops growing once its messages hold this many bytes.
+    pub max_bytes: usize,
+}
+
+/// The loop of one partition, as [`IdempotentConsumer`] runs it for every
+/// assigned partition: takes the messages that wait in `rx` (in offset
+/// order, up to `limits`) as one batch, decides it with the
+/// [`Processor`] (receipts and effects commit in the receipt store), runs
+/// the `after_db_commit` hook, and only then hands the next offset to
+/// `offsets`. Ends with `Ok` when `rx` closes or `stop` is set (the
+/// partition was revoked: the batch in flight finishes its transaction or
+/// gives up before it), and with the error the consumer must stop on
+/// otherwise (a store error that retries did not cure, or
+/// [`ConsumerError::StoppedByHook`]).
+#[allow(clippy::too_many_arguments)]
+pub async fn run_partition<S: ConsumerStore>(
+    rx: &mut mpsc::Receiver<RawMessage>,
+    stop: &AtomicBool,
+    processor: &Processor<S>,
+    hook: Option<&AfterCommitHook>,
+    limits: BatchLimits,
+    offsets: &dyn OffsetCommit,
+    topic: &str,
+    partition: i32,
+) -> Result<(), ConsumerError> {
     while let Some(first) = rx.recv().await {
-        if state.stop.load(Ordering::Acquire) {
-            return;
+        if stop.load(Ordering::Acquire) {
+            return Ok(());
         }
         let mut bytes = first.size_bytes();
         let mut batch = vec![first];
-        while batch.len() < shared.max_batch_messages && bytes < shared.max_batch_bytes {
+        while batch.len() < limits.max_messages && bytes < limits.max_bytes {
             match rx.try_recv() {
                 Ok(m) => {
                     bytes += m.size_bytes();
@@ -628,29 +687,26 @@ async fn worker(
                 Err(_) => break,
             }
         }
-        let outcomes = match shared.processor.process_batch_until(&batch, &state.stop).await {
+        let outcomes = match processor.process_batch_until(&batch, stop).await {
             Ok(o) => o,
-            Err(ConsumerError::Stopped) => return,
-            Err(e) => {
-                let _ = shared.fatal.send(e);
-                return;
-            }
+            Err(ConsumerError::Stopped) => return Ok(()),
+            Err(e) => return Err(e),
         };
         let Some(last) = outcomes.last().map(|o| o.position().offset) else {
-            return;
+            return Ok(());
         };
-        if let Some(hook) = &shared.hook {
-            if hook(&CommittedBatch { topic: &topic, partition, outcomes: &outcomes }) == HookAction::Crash {
-                let _ = shared.fatal.send(ConsumerError::StoppedByHook { topic, partition, last_offset: last });
-                return;
+        if let Some(hook) = hook {
+            if hook(&CommittedBatch { topic, partition, outcomes: &outcomes }) == HookAction::Crash {
+                return Err(ConsumerError::StoppedByHook { topic: topic.to_owned(), partition, last_offset: last });
             }
         }
-        commit_offset(&client, &metrics, &topic, partition, last.saturating_add(1));
+        offsets.commit(topic, partition, last.saturating_add(1));
         if outcomes.len() < batch.len() {
             // Stopped in the middle of the batch.
-            return;
+            return Ok(());
         }
     }
+    Ok(())
 }
 
 /// Most time spent asking the broker for its cluster id at start.

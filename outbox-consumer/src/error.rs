@@ -49,6 +49,10 @@ pub enum ConsumerError {
     /// batch before deciding it; nothing was committed for the rest.
     #[error("stopped before the batch was decided")]
     Stopped,
+    /// A receipt store other than PostgreSQL could not answer (a lost
+    /// connection, a conflicting transaction holding a receipt): retryable.
+    #[error("receipt store unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl ConsumerError {
@@ -59,6 +63,7 @@ impl ConsumerError {
     pub fn is_retryable(&self) -> bool {
         match self {
             ConsumerError::Database(e) => is_retryable_sqlx(e),
+            ConsumerError::Unavailable(_) => true,
             ConsumerError::Kafka(e) => !matches!(
                 e,
                 rdkafka::error::KafkaError::ClientConfig(..)
@@ -73,6 +78,14 @@ impl ConsumerError {
             | ConsumerError::Worker(_)
             | ConsumerError::Stopped => false,
         }
+    }
+}
+
+impl ConsumerError {
+    /// Whether a statement found its transaction aborted: a handler ignored
+    /// a failed query (SQLSTATE 25P02).
+    pub(crate) fn is_aborted_transaction(&self) -> bool {
+        matches!(self, ConsumerError::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25P02"))
     }
 }
 

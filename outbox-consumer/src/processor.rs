@@ -12,7 +12,7 @@
 //! recreated under the same name is another log): each message moves the
 //! row of its own id.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,22 +24,20 @@ use outbox_core::headers::{self, VerifyError};
 use outbox_core::id::validate_identifier;
 use outbox_core::{sha256_digest, EventId};
 use serde_json::{json, Value};
-use sqlx::{PgPool, Postgres, Row as _, Transaction};
+use sqlx::{PgPool, Row as _};
 use tracing::{info_span, warn, Instrument as _};
 
 use crate::config::{RetryPolicy, DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES, LIMIT_MAX_BATCH_MESSAGES};
 use crate::error::{ConsumerError, HandlerError};
 use crate::event::{headers_from_json, headers_json, ConsumedEvent, RawMessage, MAX_EVIDENCE_HEADER_BYTES};
 use crate::handler::Handler;
+use crate::store::{receipt_from_row, Claim, ConsumerStore, DeadLetterRow, PgConsumerStore, QuarantineRow, TxHandler, WatermarkAdvance, RECEIPT_COLUMNS};
 use crate::metrics::Metrics;
 use crate::outcome::{DeadLettered, Outcome, Position, Quarantined, QuarantineReason, Receipt};
 use crate::trust::TrustPolicy;
 
 /// Largest handler result stored in a receipt, serialized: 1 MiB.
 pub const MAX_RESULT_BYTES: usize = 1024 * 1024;
-
-/// SQLSTATE of "current transaction is aborted": a handler ignored a failed query.
-const IN_FAILED_TRANSACTION: &str = "25P02";
 
 /// Decides about messages of one consumer: verifies them, writes receipts
 /// and runs the handler in one transaction, answers duplicates with the
@@ -49,21 +47,26 @@ const IN_FAILED_TRANSACTION: &str = "25P02";
 /// Usable without Kafka: build [`RawMessage`]s and call
 /// [`process_batch`](Processor::process_batch). The Kafka runner
 /// ([`IdempotentConsumer`](crate::IdempotentConsumer)) calls the same code.
-pub struct Processor {
+///
+/// The decisions are made here, once; the receipt store `S` only reads and
+/// writes rows in a transaction ([`ConsumerStore`]). Production uses
+/// PostgreSQL ([`PgConsumerStore`], the default); the simulator runs this
+/// same processor over [`MemoryConsumerStore`](crate::memory::MemoryConsumerStore).
+pub struct Processor<S: ConsumerStore = PgConsumerStore> {
     consumer_id: String,
     /// Broker cluster of the log this processor decides about; set once
     /// (by [`with_cluster_id`](Processor::with_cluster_id) or by the Kafka
     /// runner from the broker's metadata), `''` until then.
     cluster_id: std::sync::OnceLock<String>,
-    pool: PgPool,
-    handler: Arc<dyn Handler>,
+    store: S,
+    handler: Arc<dyn TxHandler<S::Tx>>,
     retry: RetryPolicy,
     max_evidence_payload_bytes: usize,
     metrics: Arc<Metrics>,
     trust: Arc<TrustPolicy>,
 }
 
-impl std::fmt::Debug for Processor {
+impl<S: ConsumerStore> std::fmt::Debug for Processor<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Processor").field("consumer_id", &self.consumer_id).field("retry", &self.retry).finish_non_exhaustive()
     }
@@ -102,12 +105,6 @@ enum Fail {
 /// A message to quarantine: the message, its record, the evidence, and
 /// the topic id it counts under ([`topic_id_of`]).
 type Quarantine<'a> = (&'a RawMessage, Quarantined, Value, Option<String>);
-
-/// How a claim went for one event.
-enum Claim {
-    New(DateTime<Utc>),
-    Dead,
-}
 
 /// Per-transaction counts for one watermark row.
 #[derive(Default)]
@@ -269,29 +266,6 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-fn is_aborted(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION))
-}
-
-/// Reads a receipt row (columns of `RECEIPT_COLUMNS`).
-fn receipt_from_row(row: &sqlx::postgres::PgRow) -> Result<Receipt, ConsumerError> {
-    let event_id: String = row.try_get("event_id")?;
-    let generation: i32 = row.try_get("envelope_generation")?;
-    Ok(Receipt {
-        consumer_id: row.try_get("consumer_id")?,
-        event_id: event_id.parse().map_err(|e| ConsumerError::CorruptRow(format!("receipt event_id {event_id:?}: {e}")))?,
-        envelope_generation: u32::try_from(generation).map_err(|_| ConsumerError::CorruptRow(format!("receipt generation {generation}")))?,
-        event_type: row.try_get("event_type")?,
-        position: Position { topic: row.try_get("topic")?, partition: row.try_get("partition")?, offset: row.try_get("offset")? },
-        topic_id: row.try_get("topic_id")?,
-        payload_digest: row.try_get("payload_digest")?,
-        result: row.try_get("result")?,
-        received_at: row.try_get("received_at")?,
-    })
-}
-
-const RECEIPT_COLUMNS: &str = r#"consumer_id, event_id, envelope_generation, event_type, topic, topic_id, partition, "offset", payload_digest, result, received_at"#;
-
 /// The receipt of one event for one consumer, if the consumer applied it.
 pub async fn receipt(pool: &PgPool, consumer_id: &str, event_id: &EventId) -> Result<Option<Receipt>, ConsumerError> {
     let sql = format!("SELECT {RECEIPT_COLUMNS} FROM outbox_consumer_receipts WHERE consumer_id = $1 AND event_id = $2");
@@ -341,16 +315,29 @@ pub async fn purge_receipts_before(pool: &PgPool, consumer_id: &str, received_be
     Ok(n)
 }
 
-impl Processor {
+impl Processor<PgConsumerStore> {
     /// A processor for `consumer_id` (validated with
     /// [`outbox_core::id::validate_identifier`]) with the default
-    /// [`RetryPolicy`].
+    /// [`RetryPolicy`], keeping its receipts in PostgreSQL.
     pub fn new(consumer_id: &str, pool: PgPool, handler: impl Handler + 'static) -> Result<Self, ConsumerError> {
+        Processor::over(PgConsumerStore::new(pool), consumer_id, handler)
+    }
+
+    /// The pool receipts are written to.
+    pub fn pool(&self) -> &PgPool {
+        self.store.pool()
+    }
+}
+
+impl<S: ConsumerStore> Processor<S> {
+    /// A processor for `consumer_id` over the receipt store `store` (see
+    /// [`ConsumerStore`]), with the default [`RetryPolicy`].
+    pub fn over(store: S, consumer_id: &str, handler: impl TxHandler<S::Tx> + 'static) -> Result<Self, ConsumerError> {
         validate_identifier("consumerId", consumer_id).map_err(|e| ConsumerError::Config(e.to_string()))?;
         Ok(Processor {
             consumer_id: consumer_id.to_owned(),
             cluster_id: std::sync::OnceLock::new(),
-            pool,
+            store,
             handler: Arc::new(handler),
             retry: RetryPolicy::default(),
             max_evidence_payload_bytes: DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES,
@@ -422,9 +409,9 @@ impl Processor {
         &self.metrics
     }
 
-    /// The pool receipts are written to.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
+    /// The receipt store.
+    pub fn store(&self) -> &S {
+        &self.store
     }
 
     /// Decides about one message (a batch of one).
@@ -528,12 +515,12 @@ impl Processor {
     }
 
     /// Runs the handler with its time limit, containing panics.
-    async fn run_handler(&self, tx: &mut Transaction<'static, Postgres>, event: &ConsumedEvent) -> Result<Value, HandlerError> {
+    async fn run_handler(&self, tx: &mut S::Tx, event: &ConsumedEvent) -> Result<Value, HandlerError> {
         let span = info_span!("outbox_handle", consumer = %self.consumer_id, event_id = %event.event_id, topic = %event.topic,
             partition = event.partition, offset = event.offset, event_type = %event.event_type);
         // The handler's span continues the trace that emitted the event.
         crate::otel::follow_traceparent(&span, event.header(headers::TRACEPARENT), event.header(crate::otel::TRACESTATE));
-        let call = AssertUnwindSafe(self.handler.handle(tx, event)).catch_unwind().instrument(span);
+        let call = AssertUnwindSafe(self.handler.handle_in(tx, event)).catch_unwind().instrument(span);
         let at = std::time::Instant::now();
         let result = match tokio::time::timeout(Duration::from_millis(self.retry.handler_timeout_ms), call).await {
             Err(_) => Err(HandlerError::Timeout(self.retry.handler_timeout_ms)),
@@ -551,17 +538,15 @@ impl Processor {
 
     /// One transaction over a slice: claim, handle, record, commit.
     async fn try_slice(&self, slice: &[Prepared<'_>]) -> Result<Result<Vec<Outcome>, Fail>, ConsumerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.store.begin().await?;
         let outs = match self.decide_in(&mut tx, slice).await? {
             Ok(v) => v,
             Err(fail) => {
-                // Rolling back can fail on a broken connection; dropping the
-                // transaction rolls back as well.
-                let _ = tx.rollback().await;
+                self.store.rollback(tx).await;
                 return Ok(Err(fail));
             }
         };
-        tx.commit().await?;
+        self.store.commit(tx).await?;
         Metrics::add(&self.metrics.transactions, 1);
         self.metrics.count_outcomes(&outs);
         self.observe_consumed(&outs);
@@ -580,7 +565,7 @@ impl Processor {
     }
 
     /// The body of a decision transaction, without begin and commit.
-    async fn decide_in(&self, tx: &mut Transaction<'static, Postgres>, slice: &[Prepared<'_>]) -> Result<Result<Vec<Outcome>, Fail>, ConsumerError> {
+    async fn decide_in(&self, tx: &mut S::Tx, slice: &[Prepared<'_>]) -> Result<Result<Vec<Outcome>, Fail>, ConsumerError> {
         let Some(last) = slice.last() else {
             return Ok(Ok(Vec::new()));
         };
@@ -594,11 +579,20 @@ impl Processor {
                 _ => None,
             })
             .collect();
-        let claims = self.claim(tx, &firsts).await?;
+        let mut claims = self.store.claim(tx, &self.consumer_id, self.cluster_id(), &firsts).await?;
         let earlier: Vec<&str> = firsts.iter().map(|e| e.event_id.as_str()).filter(|id| !claims.contains_key(*id)).collect();
-        let mut receipts = self.fetch_receipts(tx, &earlier).await?;
-        let dead_ids: Vec<&str> = claims.iter().filter(|(_, c)| matches!(c, Claim::Dead)).map(|(id, _)| id.as_str()).collect();
-        let dead = self.fetch_dead_letters(tx, &dead_ids).await?;
+        let mut receipts = self.store.receipts(tx, &self.consumer_id, &earlier).await?;
+        if outbox_core::simulation::mutation_active("consumer-skips-receipt") {
+            // The deliberate defect: a redelivery is applied again instead
+            // of being answered with its receipt.
+            for id in receipts.keys() {
+                claims.insert(id.clone(), Claim::New(Utc::now()));
+            }
+            receipts.clear();
+        }
+        let mut dead_ids: Vec<&str> = claims.iter().filter(|(_, c)| matches!(c, Claim::Dead)).map(|(id, _)| id.as_str()).collect();
+        dead_ids.sort_unstable();
+        let dead = self.store.dead_letters(tx, &self.consumer_id, &dead_ids).await?;
 
         let mut outs = Vec::with_capacity(slice.len());
         let mut tally = Tally::default();
@@ -676,158 +670,24 @@ impl Processor {
         }
         match self.record(tx, last_msg, &results, &quarantine, tally).await {
             Ok(()) => Ok(Ok(outs)),
-            Err(ConsumerError::Database(e)) if is_aborted(&e) && !results.is_empty() => Ok(Err(Fail::Aborted)),
+            Err(e) if e.is_aborted_transaction() && !results.is_empty() => Ok(Err(Fail::Aborted)),
             Err(e) => Err(e),
         }
     }
 
-    /// Claims the receipts of `events` (first occurrences, offset order).
-    async fn claim(&self, tx: &mut Transaction<'static, Postgres>, events: &[&ConsumedEvent]) -> Result<HashMap<String, Claim>, ConsumerError> {
-        let mut out = HashMap::with_capacity(events.len());
-        if events.is_empty() {
-            return Ok(out);
-        }
-        let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
-        let gens: Vec<i32> = events.iter().map(|e| i32::try_from(e.envelope_generation).unwrap_or(i32::MAX)).collect();
-        let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
-        let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
-        let partitions: Vec<i32> = events.iter().map(|e| e.partition).collect();
-        let offsets: Vec<i64> = events.iter().map(|e| e.offset).collect();
-        let digests: Vec<&str> = events.iter().map(|e| e.payload_digest.as_str()).collect();
-        let topic_ids: Vec<Option<&str>> = events.iter().map(|e| e.topic_id.as_deref()).collect();
-        let rows = sqlx::query(
-            r#"WITH input AS (
-                   SELECT * FROM UNNEST($2::text[], $3::int4[], $4::text[], $5::text[], $6::int4[], $7::int8[], $8::text[], $10::text[])
-                       WITH ORDINALITY AS t(event_id, envelope_generation, event_type, topic, partition, "offset", payload_digest, topic_id, ord)
-               ), dead AS (
-                   SELECT d.event_id FROM outbox_consumer_dead_letters d
-                   WHERE d.consumer_id = $1 AND d.event_id IN (SELECT event_id FROM input)
-               ), claimed AS (
-                   INSERT INTO outbox_consumer_receipts AS r (consumer_id, event_id, envelope_generation, event_type, cluster_id, topic, topic_id, partition, "offset", payload_digest)
-                   SELECT $1, i.event_id, i.envelope_generation, i.event_type, $9, i.topic, i.topic_id, i.partition, i."offset", i.payload_digest
-                   FROM input i WHERE i.event_id NOT IN (SELECT event_id FROM dead)
-                   ORDER BY i.ord
-                   ON CONFLICT (consumer_id, event_id) DO NOTHING
-                   RETURNING r.event_id, r.received_at
-               )
-               SELECT event_id, received_at, false AS dead FROM claimed
-               UNION ALL
-               SELECT event_id, NULL::timestamptz, true FROM dead"#,
-        )
-        .bind(&self.consumer_id)
-        .bind(&ids)
-        .bind(&gens)
-        .bind(&types)
-        .bind(&topics)
-        .bind(&partitions)
-        .bind(&offsets)
-        .bind(&digests)
-        .bind(self.cluster_id())
-        .bind(&topic_ids)
-        .fetch_all(&mut **tx)
-        .await?;
-        for row in rows {
-            let id: String = row.try_get("event_id")?;
-            let dead: bool = row.try_get("dead")?;
-            let claim = if dead { Claim::Dead } else { Claim::New(row.try_get("received_at")?) };
-            out.insert(id, claim);
-        }
-        Ok(out)
-    }
-
-    async fn fetch_receipts(&self, tx: &mut Transaction<'static, Postgres>, ids: &[&str]) -> Result<HashMap<String, Receipt>, ConsumerError> {
-        let mut out = HashMap::with_capacity(ids.len());
-        if ids.is_empty() {
-            return Ok(out);
-        }
-        let sql = format!("SELECT {RECEIPT_COLUMNS} FROM outbox_consumer_receipts WHERE consumer_id = $1 AND event_id = ANY($2)");
-        for row in sqlx::query(&sql).bind(&self.consumer_id).bind(ids).fetch_all(&mut **tx).await? {
-            let r = receipt_from_row(&row)?;
-            out.insert(r.event_id.as_str().to_owned(), r);
-        }
-        Ok(out)
-    }
-
-    async fn fetch_dead_letters(&self, tx: &mut Transaction<'static, Postgres>, ids: &[&str]) -> Result<HashMap<String, (u32, String)>, ConsumerError> {
-        let mut out = HashMap::new();
-        if ids.is_empty() {
-            return Ok(out);
-        }
-        let rows = sqlx::query("SELECT event_id, attempts, last_error FROM outbox_consumer_dead_letters WHERE consumer_id = $1 AND event_id = ANY($2)")
-            .bind(&self.consumer_id)
-            .bind(ids)
-            .fetch_all(&mut **tx)
-            .await?;
-        for row in rows {
-            let attempts: i32 = row.try_get("attempts")?;
-            out.insert(row.try_get("event_id")?, (u32::try_from(attempts).unwrap_or(0), row.try_get("last_error")?));
-        }
-        Ok(out)
-    }
-
     /// Stores handler results, quarantine rows and the watermark.
-    async fn record(
-        &self,
-        tx: &mut Transaction<'static, Postgres>,
-        last: &RawMessage,
-        results: &[(String, Value)],
-        quarantine: &[Quarantine<'_>],
-        mut tally: Tally,
-    ) -> Result<(), ConsumerError> {
-        if !results.is_empty() {
-            let ids: Vec<&str> = results.iter().map(|(id, _)| id.as_str()).collect();
-            let values: Vec<Value> = results.iter().map(|(_, v)| v.clone()).collect();
-            sqlx::query(
-                "UPDATE outbox_consumer_receipts r SET result = u.result
-                 FROM UNNEST($2::text[], $3::jsonb[]) AS u(event_id, result)
-                 WHERE r.consumer_id = $1 AND r.event_id = u.event_id",
-            )
-            .bind(&self.consumer_id)
-            .bind(&ids)
-            .bind(&values)
-            .execute(&mut **tx)
-            .await?;
-        }
+    async fn record(&self, tx: &mut S::Tx, last: &RawMessage, results: &[(String, Value)], quarantine: &[Quarantine<'_>], mut tally: Tally) -> Result<(), ConsumerError> {
+        self.store.store_results(tx, &self.consumer_id, results).await?;
         if !quarantine.is_empty() {
-            let offsets: Vec<i64> = quarantine.iter().map(|(m, _, _, _)| m.offset).collect();
-            let event_ids: Vec<Option<&str>> = quarantine.iter().map(|(_, q, _, _)| q.event_id.as_deref()).collect();
-            let reasons: Vec<String> = quarantine.iter().map(|(_, q, _, _)| q.reason.code()).collect();
-            let evidence: Vec<Value> = quarantine
+            let rows: Vec<QuarantineRow<'_>> = quarantine
                 .iter()
-                .map(|(_, q, e, _)| {
-                    let mut e = e.clone();
-                    e["reason"] = serde_json::to_value(&q.reason).unwrap_or(Value::Null);
-                    e
+                .map(|(msg, q, e, _)| {
+                    let mut evidence = e.clone();
+                    evidence["reason"] = serde_json::to_value(&q.reason).unwrap_or(Value::Null);
+                    QuarantineRow { msg, quarantined: q.clone(), evidence }
                 })
                 .collect();
-            let digests: Vec<&str> = quarantine.iter().map(|(_, q, _, _)| q.payload_digest.as_str()).collect();
-            let sizes: Vec<i32> = quarantine.iter().map(|(m, _, _, _)| i32::try_from(m.payload_bytes().len()).unwrap_or(i32::MAX)).collect();
-            let payloads: Vec<Option<&[u8]>> = quarantine
-                .iter()
-                .map(|(m, _, _, _)| Some(m.payload_bytes()).filter(|p| p.len() <= self.max_evidence_payload_bytes))
-                .collect();
-            let inserted: HashSet<i64> = sqlx::query_scalar(
-                r#"INSERT INTO outbox_consumer_quarantine (consumer_id, topic, partition, "offset", event_id, reason, evidence, payload_digest, payload_bytes, payload)
-                   SELECT $1, $2, $3, u."offset", u.event_id, u.reason, u.evidence, u.payload_digest, u.payload_bytes, u.payload
-                   FROM UNNEST($4::int8[], $5::text[], $6::text[], $7::jsonb[], $8::text[], $9::int4[], $10::bytea[])
-                       AS u("offset", event_id, reason, evidence, payload_digest, payload_bytes, payload)
-                   ON CONFLICT (consumer_id, topic, partition, "offset") DO NOTHING
-                   RETURNING "offset""#,
-            )
-            .bind(&self.consumer_id)
-            .bind(&last.topic)
-            .bind(last.partition)
-            .bind(&offsets)
-            .bind(&event_ids)
-            .bind(&reasons)
-            .bind(&evidence)
-            .bind(&digests)
-            .bind(&sizes)
-            .bind(&payloads)
-            .fetch_all(&mut **tx)
-            .await?
-            .into_iter()
-            .collect();
+            let inserted = self.store.quarantine(tx, &self.consumer_id, &rows, self.max_evidence_payload_bytes).await?;
             for (m, _, _, topic_id) in quarantine {
                 let c = tally.of(topic_id.as_deref(), m.offset);
                 if inserted.contains(&m.offset) {
@@ -844,46 +704,21 @@ impl Processor {
     /// Moves the partition's watermark rows, one per topic id in `tally`:
     /// each to the last offset of a message of its id, plus one (never
     /// back), adding its counts.
-    async fn advance_watermarks(&self, tx: &mut Transaction<'static, Postgres>, at: &RawMessage, tally: &Tally) -> Result<(), ConsumerError> {
-        if tally.0.is_empty() {
-            return Ok(());
-        }
-        let topic_ids: Vec<Option<&str>> = tally.0.iter().map(|(t, _)| t.as_deref()).collect();
-        let offsets: Vec<i64> = tally.0.iter().map(|(_, c)| c.last_offset.saturating_add(1)).collect();
-        let applied: Vec<i64> = tally.0.iter().map(|(_, c)| c.applied).collect();
-        let duplicates: Vec<i64> = tally.0.iter().map(|(_, c)| c.duplicates).collect();
-        let quarantined: Vec<i64> = tally.0.iter().map(|(_, c)| c.quarantined).collect();
-        let dead: Vec<i64> = tally.0.iter().map(|(_, c)| c.dead_lettered).collect();
-        let last: Vec<Option<&str>> = tally.0.iter().map(|(_, c)| c.last_event_id.as_deref()).collect();
-        sqlx::query(
-            "INSERT INTO outbox_consumer_watermarks AS w
-                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, cluster_id, topic_id)
-             SELECT $1, $2, $3, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, now(), $4, u.topic_id
-             FROM UNNEST($5::text[], $6::int8[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::text[])
-                 AS u(topic_id, committed_offset, applied, duplicates, quarantined, dead, last_event_id)
-             ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
-                 committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
-                 applied_count = w.applied_count + EXCLUDED.applied_count,
-                 duplicate_count = w.duplicate_count + EXCLUDED.duplicate_count,
-                 quarantined_count = w.quarantined_count + EXCLUDED.quarantined_count,
-                 dead_lettered_count = w.dead_lettered_count + EXCLUDED.dead_lettered_count,
-                 last_event_id = COALESCE(EXCLUDED.last_event_id, w.last_event_id),
-                 updated_at = now()",
-        )
-        .bind(&self.consumer_id)
-        .bind(&at.topic)
-        .bind(at.partition)
-        .bind(self.cluster_id())
-        .bind(&topic_ids)
-        .bind(&offsets)
-        .bind(&applied)
-        .bind(&duplicates)
-        .bind(&quarantined)
-        .bind(&dead)
-        .bind(&last)
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
+    async fn advance_watermarks(&self, tx: &mut S::Tx, at: &RawMessage, tally: &Tally) -> Result<(), ConsumerError> {
+        let rows: Vec<WatermarkAdvance> = tally
+            .0
+            .iter()
+            .map(|(topic_id, c)| WatermarkAdvance {
+                topic_id: topic_id.clone(),
+                committed_offset: c.last_offset.saturating_add(1),
+                applied: c.applied,
+                duplicates: c.duplicates,
+                quarantined: c.quarantined,
+                dead_lettered: c.dead_lettered,
+                last_event_id: c.last_event_id.clone(),
+            })
+            .collect();
+        self.store.advance_watermarks(tx, &self.consumer_id, self.cluster_id(), &at.topic, at.partition, &rows).await
     }
 
     /// After a database error: the error back when it is not retryable or
@@ -972,55 +807,36 @@ impl Processor {
     }
 
     async fn try_dead_letter(&self, msg: &RawMessage, event: &ConsumedEvent, attempts: u32, error: &HandlerError) -> Result<Outcome, ConsumerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.store.begin().await?;
         // Another instance may have applied it in the meantime.
-        let mut found = self.fetch_receipts(&mut tx, &[event.event_id.as_str()]).await?;
+        let mut found = self.store.receipts(&mut tx, &self.consumer_id, &[event.event_id.as_str()]).await?;
         if let Some(original) = found.remove(event.event_id.as_str()) {
             let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| c.duplicates = 1);
             self.advance_watermarks(&mut tx, msg, &tally).await?;
-            tx.commit().await?;
+            self.store.commit(tx).await?;
             Metrics::add(&self.metrics.transactions, 1);
             return Ok(Outcome::Duplicate { original, delivery: position(msg) });
         }
         let text: String = error.to_string().chars().take(4000).collect();
-        let inserted = sqlx::query(
-            r#"INSERT INTO outbox_consumer_dead_letters
-                   (consumer_id, event_id, envelope_generation, event_type, topic, partition, "offset", message_key, payload_digest, payload, headers, attempts, last_error)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
-               ON CONFLICT (consumer_id, event_id) DO NOTHING"#,
-        )
-        .bind(&self.consumer_id)
-        .bind(event.event_id.as_str())
-        .bind(i32::try_from(event.envelope_generation).unwrap_or(i32::MAX))
-        .bind(&event.event_type)
-        .bind(&msg.topic)
-        .bind(msg.partition)
-        .bind(msg.offset)
-        .bind(msg.key.as_deref())
-        .bind(&event.payload_digest)
-        .bind(&event.payload)
-        .bind(headers_json(&msg.headers, usize::MAX))
-        .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
-        .bind(&text)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        let redelivery = inserted == 0;
+        let inserted = self.store.insert_dead_letter(&mut tx, &self.consumer_id, &DeadLetterRow { msg, event, attempts, error: &text }).await?;
+        let redelivery = !inserted;
         let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| if redelivery { c.duplicates = 1 } else { c.dead_lettered = 1 });
         self.advance_watermarks(&mut tx, msg, &tally).await?;
-        tx.commit().await?;
+        self.store.commit(tx).await?;
         Metrics::add(&self.metrics.transactions, 1);
         warn!(event_id = %event.event_id, offset = msg.offset, attempts, error = %text, "event dead-lettered");
         Ok(Outcome::DeadLettered(DeadLettered { event_id: event.event_id.clone(), position: position(msg), attempts, error: text, redelivery }))
     }
+}
 
+impl Processor<PgConsumerStore> {
     /// Runs the handler once more for a dead-lettered event (after the cause
     /// was fixed). In one transaction the dead letter is removed and the event
     /// is applied with its receipt; if the handler fails again, nothing changes
     /// but the dead letter's `attempts` and `last_error`. Returns `None` when
     /// there is no such dead letter.
     pub async fn redrive_dead_letter(&self, event_id: &EventId) -> Result<Option<Outcome>, ConsumerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let row = sqlx::query(
             r#"DELETE FROM outbox_consumer_dead_letters WHERE consumer_id = $1 AND event_id = $2
                RETURNING topic, partition, "offset", message_key, payload, headers"#,
@@ -1069,7 +885,7 @@ impl Processor {
                 .bind(&self.consumer_id)
                 .bind(event_id.as_str())
                 .bind(&error)
-                .fetch_one(&self.pool)
+                .fetch_one(self.pool())
                 .await?;
                 warn!(consumer = %self.consumer_id, event_id = %event_id, attempt = attempts, error = %error, "handler failed on redrive; the event stays dead-lettered");
                 Ok(Some(Outcome::DeadLettered(DeadLettered {

@@ -1,0 +1,198 @@
+//! One scenario, two receipt stores: the shipped `Processor` over
+//! PostgreSQL (`PgConsumerStore`) and over `MemoryConsumerStore` (the store
+//! the simulator runs it on) must decide the same messages the same way and
+//! leave the same receipts, dead letters, quarantine rows, watermarks and
+//! effects. A store that answers a claim, a receipt read or a watermark move
+//! differently turns this red.
+
+mod common;
+
+use common::*;
+use outbox_consumer::memory::{MemoryConsumerStore, MemoryTx};
+use outbox_consumer::{async_trait, ConsumedEvent, ConsumerStore, Handler, HandlerError, Outcome, Processor, RawMessage, RetryPolicy, TxHandler};
+use serde_json::{json, Value};
+use sqlx::{PgPool, Postgres, Row as _, Transaction};
+
+const TOPIC: &str = "orders";
+
+/// Fails permanently for one order key; records an effect otherwise.
+#[derive(Clone)]
+struct Scripted {
+    refuse: String,
+}
+
+impl Scripted {
+    fn decide(&self, event: &ConsumedEvent) -> Result<Value, HandlerError> {
+        let order = event.json().and_then(|v| v["order"].as_str().map(str::to_owned)).unwrap_or_default();
+        if order == self.refuse {
+            return Err(HandlerError::permanent("this order is refused"));
+        }
+        Ok(json!({ "order": order, "offset": event.offset }))
+    }
+}
+
+#[async_trait]
+impl Handler for Scripted {
+    async fn handle(&self, tx: &mut Transaction<'_, Postgres>, event: &ConsumedEvent) -> Result<Value, HandlerError> {
+        let out = self.decide(event)?;
+        sqlx::query("INSERT INTO conformance_effects (event_id) VALUES ($1)").bind(event.event_id.as_str()).execute(&mut **tx).await?;
+        Ok(out)
+    }
+}
+
+#[async_trait]
+impl TxHandler<MemoryTx> for Scripted {
+    async fn handle_in(&self, tx: &mut MemoryTx, event: &ConsumedEvent) -> Result<Value, HandlerError> {
+        let out = self.decide(event)?;
+        tx.write_effect("effects", json!(event.event_id.as_str()));
+        Ok(out)
+    }
+}
+
+/// What a store ends with, in a form both stores give.
+#[derive(Debug, PartialEq, Eq)]
+struct Summary {
+    outcomes: Vec<Vec<String>>,
+    /// (event id, offset, result) of every receipt, by event id.
+    receipts: Vec<(String, i64, String)>,
+    dead_letters: Vec<(String, u32)>,
+    quarantined_offsets: Vec<i64>,
+    /// (topic id, committed offset, applied, duplicates, quarantined, dead-lettered).
+    watermarks: Vec<(Option<String>, i64, i64, i64, i64, i64)>,
+    /// Event ids with an effect, sorted (one per applied event).
+    effects: Vec<String>,
+}
+
+fn describe(outs: &[Outcome]) -> Vec<String> {
+    outs.iter()
+        .map(|o| match o {
+            Outcome::Applied { receipt } => format!("applied {}@{}", receipt.event_id, receipt.position.offset),
+            Outcome::Duplicate { original, delivery } => format!("duplicate {} of @{} at @{}", original.event_id, original.position.offset, delivery.offset),
+            Outcome::Quarantined(q) => format!("quarantined @{} {}", q.position.offset, q.reason.code()),
+            Outcome::DeadLettered(d) => format!("dead_lettered {} @{} attempts {} redelivery {}", d.event_id, d.position.offset, d.attempts, d.redelivery),
+            other => format!("{other:?}"),
+        })
+        .collect()
+}
+
+/// The batches of the scenario, all of partition 1 of `orders`.
+fn batches() -> Vec<Vec<RawMessage>> {
+    static FIXTURES: std::sync::OnceLock<[Fixture; 4]> = std::sync::OnceLock::new();
+    let [a, b, refused, c] = FIXTURES.get_or_init(|| [fixture_on(TOPIC, 4, 1, "a"), fixture_on(TOPIC, 4, 1, "b"), fixture_on(TOPIC, 4, 1, "refused"), fixture_on(TOPIC, 4, 1, "c")]);
+    let mut forged = b.raw(3);
+    forged.payload = Some(b"{\"order\":\"forged\"}".to_vec());
+    let mut divergent = a.raw(8);
+    divergent.payload = Some(b"{\"order\":\"other bytes\"}".to_vec());
+    vec![
+        // New, new, duplicate inside the batch, forged bytes.
+        vec![a.raw(0), b.raw(1), a.raw(2), forged],
+        // A handler that refuses: the events before it commit, it is dead-lettered, the rest go on.
+        vec![c.raw(4), refused.raw(5), b.raw(6)],
+        // Redeliveries after a restart: the dead letter, the forged position again, a divergent copy.
+        vec![refused.raw(7), divergent],
+    ]
+}
+
+async fn run<S: ConsumerStore>(p: &Processor<S>) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    for batch in batches() {
+        out.push(describe(&p.process_batch(&batch).await.expect("the batch is decided")));
+    }
+    // The forged position delivered again alone.
+    let forged_again = batches().remove(0).remove(3);
+    out.push(describe(&p.process_batch(&[forged_again]).await.expect("decided")));
+    out
+}
+
+fn retry() -> RetryPolicy {
+    RetryPolicy { max_attempts: 2, initial_backoff_ms: 1, max_backoff_ms: 2, ..RetryPolicy::default() }
+}
+
+fn handler(refused_order: &str) -> Scripted {
+    Scripted { refuse: refused_order.to_owned() }
+}
+
+/// The order key `fixture_on` picks for a tag on partition 1.
+fn refused_order() -> String {
+    fixture_on(TOPIC, 4, 1, "refused").envelope.aggregate_id
+}
+
+async fn on_postgres(pool: &PgPool) -> Summary {
+    sqlx::query("CREATE TABLE conformance_effects (event_id text NOT NULL)").execute(pool).await.unwrap();
+    let p = Processor::new("billing", pool.clone(), handler(&refused_order())).unwrap().with_retry(retry()).unwrap().with_cluster_id("kafka-a");
+    let outcomes = run(&p).await;
+    let receipts = sqlx::query(r#"SELECT event_id, "offset", result::text AS result FROM outbox_consumer_receipts WHERE consumer_id = 'billing' ORDER BY event_id"#)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<String, _>("event_id"), r.get::<i64, _>("offset"), canonical(&r.get::<String, _>("result"))))
+        .collect();
+    let dead_letters = sqlx::query("SELECT event_id, attempts FROM outbox_consumer_dead_letters WHERE consumer_id = 'billing' ORDER BY event_id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get::<String, _>("event_id"), r.get::<i32, _>("attempts") as u32))
+        .collect();
+    let quarantined_offsets = sqlx::query_scalar(r#"SELECT "offset" FROM outbox_consumer_quarantine WHERE consumer_id = 'billing' ORDER BY "offset""#).fetch_all(pool).await.unwrap();
+    let watermarks = sqlx::query(
+        "SELECT topic_id, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count FROM outbox_consumer_watermarks
+         WHERE consumer_id = 'billing' AND cluster_id = 'kafka-a' AND topic = 'orders' AND partition = 1 ORDER BY topic_id NULLS FIRST",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get("topic_id"), r.get("committed_offset"), r.get("applied_count"), r.get("duplicate_count"), r.get("quarantined_count"), r.get("dead_lettered_count")))
+    .collect();
+    let mut effects: Vec<String> = sqlx::query_scalar("SELECT event_id FROM conformance_effects").fetch_all(pool).await.unwrap();
+    effects.sort();
+    let mut receipts: Vec<(String, i64, String)> = receipts;
+    receipts.sort();
+    Summary { outcomes, receipts, dead_letters, quarantined_offsets, watermarks, effects }
+}
+
+async fn in_memory() -> Summary {
+    let store = MemoryConsumerStore::new();
+    let p = Processor::over(store.clone(), "billing", handler(&refused_order())).unwrap().with_retry(retry()).unwrap().with_cluster_id("kafka-a");
+    let outcomes = run(&p).await;
+    let st = store.lock();
+    let receipts = st.receipts.values().map(|r| (r.event_id.to_string(), r.position.offset, canonical(&r.result.to_string()))).collect();
+    let dead_letters = st.dead_letters.iter().map(|((_, id), (attempts, _, _))| (id.clone(), *attempts)).collect();
+    let quarantined_offsets = st.quarantine.keys().map(|(_, _, _, o)| *o).collect();
+    let watermarks = st
+        .watermarks
+        .iter()
+        .filter(|((c, cl, t, p, _), _)| c == "billing" && cl == "kafka-a" && t == TOPIC && *p == 1)
+        .map(|(_, w)| (w.topic_id.clone(), w.committed_offset, w.applied, w.duplicates, w.quarantined, w.dead_lettered))
+        .collect();
+    let mut effects: Vec<String> = st.effects.get("effects").into_iter().flatten().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+    effects.sort();
+    Summary { outcomes, receipts, dead_letters, quarantined_offsets, watermarks, effects }
+}
+
+fn canonical(json_text: &str) -> String {
+    serde_json::from_str::<Value>(json_text).map(|v| v.to_string()).unwrap_or_else(|_| json_text.to_owned())
+}
+
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn the_memory_store_decides_as_postgres_does(pool: PgPool) {
+    let pg = on_postgres(&pool).await;
+    let mem = in_memory().await;
+    assert_eq!(pg, mem, "the two stores disagree");
+    // And what they agree on is the protocol: one effect per applied event,
+    // the refused one dead-lettered once, both forged positions quarantined once.
+    let applied: usize = pg.outcomes.iter().flatten().filter(|o| o.starts_with("applied")).count();
+    assert_eq!(applied, 3, "{:#?}", pg.outcomes);
+    assert_eq!(pg.effects.len(), 3);
+    assert_eq!(pg.receipts.len(), 3);
+    assert_eq!(pg.dead_letters.len(), 1);
+    assert_eq!(pg.quarantined_offsets, vec![3, 8]);
+    assert!(pg.outcomes[2].iter().any(|o| o.contains("redelivery true")), "{:#?}", pg.outcomes);
+    assert_eq!(pg.outcomes[3].len(), 1);
+    assert!(pg.outcomes[3][0].starts_with("quarantined @3"), "{:?}", pg.outcomes[3]);
+    let (_, committed, applied_n, dups, quarantined, dead) = pg.watermarks[0].clone();
+    assert_eq!((committed, applied_n, quarantined, dead), (9, 3, 2, 1), "{:?}", pg.watermarks);
+    assert!(dups >= 3, "{:?}", pg.watermarks);
+}
