@@ -687,6 +687,10 @@ pub async fn run_partition<S: ConsumerStore>(
                 Err(_) => break,
             }
         }
+        if outbox_core::simulation::mutation_active("offset-before-commit") {
+            // The deliberate defect: the offset moves before the decisions commit.
+            offsets.commit(topic, partition, batch[batch.len() - 1].offset.saturating_add(1));
+        }
         let outcomes = match processor.process_batch_until(&batch, stop).await {
             Ok(o) => o,
             Err(ConsumerError::Stopped) => return Ok(()),

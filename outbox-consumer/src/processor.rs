@@ -582,7 +582,7 @@ impl<S: ConsumerStore> Processor<S> {
         let mut claims = self.store.claim(tx, &self.consumer_id, self.cluster_id(), &firsts).await?;
         let earlier: Vec<&str> = firsts.iter().map(|e| e.event_id.as_str()).filter(|id| !claims.contains_key(*id)).collect();
         let mut receipts = self.store.receipts(tx, &self.consumer_id, &earlier).await?;
-        if outbox_core::simulation::mutation_active("consumer-skips-receipt") {
+        if outbox_core::simulation::mutation_active("redelivery-reapplied") {
             // The deliberate defect: a redelivery is applied again instead
             // of being answered with its receipt.
             for id in receipts.keys() {

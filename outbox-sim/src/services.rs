@@ -64,6 +64,9 @@ use tokio::time::Instant;
 
 use crate::rng::Rng;
 
+#[path = "services_consumers.rs"]
+mod consumers;
+
 /// Simulated time at the start of every trace (ms since the epoch).
 const T0_MS: i64 = 1_700_000_000_000;
 /// The dispatchers' and the reconciler's lease.
@@ -90,12 +93,14 @@ const SETTLE_LIMIT_MS: i64 = 3_600_000;
 
 /// Deliberate defects in shipped code, each switched by
 /// [`outbox_core::simulation::mutation_active`] at one line.
-pub const SERVICE_MUTATIONS: [(&str, &str); 5] = [
+pub const SERVICE_MUTATIONS: [(&str, &str); 7] = [
     ("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out"),
     ("bound-from-registration-clock", "the in-flight bound counts from the attempt's registration, not from the end of the lease it was sent under"),
     ("absence-from-truncated-log", "a lookup range below the log's start (or above its end) proves absence"),
     ("migration-unfenced", "the migration commit does not check that the row is still under the claim (reconcile claim, or claim generation) its proof was made under"),
     ("watermark-ignores-cluster", "retention matches a consumer's watermark to an event's log without comparing the cluster"),
+    ("offset-before-commit", "the consumer's partition loop commits a batch's offset before its decisions commit"),
+    ("redelivery-reapplied", "the consumer's processor applies a redelivered event again instead of answering with its receipt"),
 ];
 
 /// Fault probabilities of one trace.
@@ -273,6 +278,20 @@ service_figures! {
         purged,
         /// Retention passes that held an event back for a mandatory consumer.
         held_by_consumers,
+        /// Events the consumer group applied (one receipt each).
+        consumer_applied,
+        /// Redeliveries the consumer group answered with a receipt.
+        consumer_redeliveries,
+        /// Events the consumer group dead-lettered.
+        consumer_dead_lettered,
+        /// Consumer owners that died after a database commit, before the offset commit.
+        consumer_crashes,
+        /// Kills of the consumer process.
+        consumer_kills,
+        /// Partitions moved to a new owner with a batch in flight.
+        rebalances,
+        /// Receipt-store faults injected.
+        consumer_store_faults,
     }
     violations {
         /// Committed events not published, or published at a position that does not hold them.
@@ -295,6 +314,14 @@ service_figures! {
         /// An event purged before the mandatory consumer's watermark on its
         /// own log (cluster, topic, partition) had passed it.
         premature_purge,
+        /// An event's effect written twice by the consumer group.
+        duplicate_effect,
+        /// A consumer receipt without its effect, or an effect without its receipt.
+        receipt_effect_mismatch,
+        /// An event published at a position the log still holds, never applied.
+        unseen,
+        /// A message the dispatcher wrote, quarantined by the consumer.
+        genuine_quarantined,
     }
 }
 
@@ -359,6 +386,7 @@ struct World {
 struct Stored {
     event_id: String,
     attempt_id: String,
+    key: Vec<u8>,
     headers: Vec<(String, Vec<u8>)>,
     payload: Vec<u8>,
 }
@@ -616,7 +644,7 @@ pub struct SimBroker {
 impl SimBroker {
     fn write(w: &mut World, m: &OutgoingMessage) -> i64 {
         let find = |name: &str| m.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
-        let stored = Stored { event_id: find(headers::EVENT_ID), attempt_id: find(headers::ATTEMPT_ID), headers: m.headers.clone(), payload: m.payload.clone() };
+        let stored = Stored { event_id: find(headers::EVENT_ID), attempt_id: find(headers::ATTEMPT_ID), key: m.key.clone(), headers: m.headers.clone(), payload: m.payload.clone() };
         let log = w.logs.entry((m.topic.clone(), m.partition)).or_default();
         log.push(stored);
         let offset = log.len() as i64 - 1;
@@ -1000,6 +1028,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
     incarnation += 1;
     let reconciler = start_reconciler(&store, &broker, format!("r-{incarnation}"));
     let mut procs = Processes { dispatchers, reconciler, operator: None, incarnation };
+    let mut consumers = consumers::Consumers::start(&shared, cfg.seed);
     let retention = cfg.faults.retention.then(|| start_retention(&shared, &inner));
     if let Some(at) = cfg.faults.truncate_at_ms {
         let partition = rng.below(u64::from(PARTITIONS)) as i32;
@@ -1043,9 +1072,13 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
     loop {
         let emit_due = emit_at.get(i).copied().unwrap_or(i64::MAX);
         let end = if i >= emit_at.len() { FAULT_PHASE_MS.max(clock) } else { i64::MAX };
-        let until = emit_due.min(next_kill).min(migrate_at).min(end);
+        let until = emit_due.min(next_kill).min(migrate_at).min(end).min(consumers.next_due());
         tokio::time::sleep(Duration::from_millis((until - clock).max(0) as u64)).await;
         clock = until;
+        if consumers.next_due() == until {
+            consumers.tick(clock);
+            continue;
+        }
         if next_kill == until {
             kill_one(&shared, &mut rng, &store, &op_store, &broker, &cfg, &mut procs);
             next_kill = clock + rng.range(1, 2 * cfg.faults.kill_every_ms);
@@ -1102,7 +1135,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         tokio::time::sleep(Duration::from_millis(1_000)).await;
         inner.set_now_ms(world(&shared).now_ms());
         let reported: BTreeSet<String> = world(&shared).findings.iter().filter(|(k, _)| k == "log_unavailable").map(|(_, e)| e.clone()).collect();
-        if world(&shared).in_client == 0 && all_settled(&inner, &reported) {
+        if world(&shared).in_client == 0 && all_settled(&inner, &reported) && consumers.caught_up(&inner) {
             settled = true;
             break;
         }
@@ -1119,6 +1152,9 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         violations.push(format!("stuck: not settled within {SETTLE_LIMIT_MS} ms of the faults stopping"));
     }
     check(&inner, &mut w, &emitted, &mut violations);
+    drop(w);
+    consumers.finish(&inner, &mut violations);
+    let mut w = world(&shared);
     if let Some(log) = &mut w.log {
         for v in &violations {
             log.push(format!("VIOLATION {v}"));

@@ -28,6 +28,12 @@ fn unmutated_services_gate_passes_and_exercises_its_faults() {
         ("migrations_refused", f.migrations_refused),
         ("purged", f.purged),
         ("held_by_consumers", f.held_by_consumers),
+        ("consumer_applied", f.consumer_applied),
+        ("consumer_redeliveries", f.consumer_redeliveries),
+        ("consumer_crashes", f.consumer_crashes),
+        ("consumer_kills", f.consumer_kills),
+        ("rebalances", f.rebalances),
+        ("consumer_store_faults", f.consumer_store_faults),
     ] {
         assert!(v > 0, "no {what} in {TRACES} traces");
     }
@@ -98,6 +104,30 @@ fn the_services_engine_runs_migration_and_retention() {
     let (f, failing, _) = run_services_gate(1, 600, None, 0);
     assert!(f.clean(), "violations:\n{}\nfailing seeds {failing:?}", f.lines().join("\n"));
     assert!(f.migrations > 0 && f.purged > 0 && f.held_by_consumers > 0, "{}", f.lines().join("\n"));
+}
+
+/// The shipped consumer: its processor applying a redelivery again (instead
+/// of answering with the receipt) writes a second effect.
+#[test]
+fn redelivery_reapplied_in_the_shipped_processor_is_caught() {
+    assert_caught("redelivery-reapplied", 200, "duplicate_effect");
+}
+
+/// The shipped consumer: its partition loop committing a batch's offset
+/// before the batch's decisions commit loses the events of a batch whose
+/// transaction then fails or whose process dies.
+#[test]
+fn offset_before_commit_in_the_shipped_partition_loop_is_caught() {
+    assert_caught("offset-before-commit", 100, "unseen");
+}
+
+/// Every published event the log still holds was applied once by the
+/// consumer group running the shipped processor, through its faults.
+#[test]
+fn the_services_engine_runs_the_shipped_consumer() {
+    let (f, failing, _) = run_services_gate(1, 300, None, 0);
+    assert!(f.clean(), "violations:\n{}\nfailing seeds {failing:?}", f.lines().join("\n"));
+    assert!(f.consumer_applied > 0 && f.consumer_redeliveries > 0 && f.rebalances > 0 && f.consumer_crashes > 0, "{}", f.lines().join("\n"));
 }
 
 #[test]
