@@ -19,7 +19,25 @@
 //!   process died, within the message timeout;
 //! - processes: dispatchers, the reconciler and the operator killed at any
 //!   await (their task dropped, so every worker stops) and restarted under a
-//!   new owner; the operator also paused for up to six leases.
+//!   new owner; the operator also paused for up to six leases;
+//! - hosts: a dispatcher's host stopped (a VM paused, a laptop suspended, a
+//!   container frozen) right after it handed a message to its client, for
+//!   two to five leases. Nothing of the host runs meanwhile, the dispatcher
+//!   nor its client: its lease runs out by the database's clock, and the
+//!   message leaves the client's buffer only when the host resumes, after
+//!   the in-flight bound the reconciler waited out (a client's message
+//!   timeout is a promise about its host's running time). This is how a
+//!   genuine ACK of an attempt closed ABSENT arises in production (the
+//!   bound rules it out for a host that keeps running: a lookup after the
+//!   bound sees every write that can still land, and a truncated or
+//!   replaced log proves nothing); the protocol's answer is that the
+//!   receipt competes for the slot (primary or duplicate), the attempt
+//!   becomes ACKED and the store records `absence_proof_refuted`
+//!   (counted as `absence_refuted_late`, not a violation, when a host pause
+//!   explains it). The mutation `absent-attempt-ack-discarded` rejects such
+//!   a receipt: the copy stays in the log, its attempt ABSENT, and
+//!   `refuted_absence` counts it. Not in traces with a migration (a late
+//!   copy of the generation a migration left is not repaired by design).
 //!
 //! Migration: the old topic degrades (ACKs lost, lookups slow), then the
 //! route moves to `NEW_TOPIC` and the operator migrates every undelivered
@@ -35,7 +53,9 @@
 //! published, or whose receipt's position does not hold it), `duplicate` (a
 //! copy in the log from an attempt the store has no receipt of), and
 //! `refuted_absence` (a copy of an attempt the store closed as not sent or
-//! proven absent), `inconsistent_offsets` (two events' receipts at one
+//! proven absent, or a proof the store saw refuted, unless a host pause
+//! explains it: then the copy's receipt must have been accepted, or never
+//! have reached the store, `late_copies_unheard`), `inconsistent_offsets` (two events' receipts at one
 //! position), `order_violation` (a key's events published out of commit
 //! order), `unresolved_unknown` (an outcome still unknown after the run),
 //! `migrated_over_copy` (a copy of the generation a migration left behind,
@@ -90,12 +110,13 @@ const SETTLE_LIMIT_MS: i64 = 3_600_000;
 
 /// Deliberate defects in shipped code, each switched by
 /// [`outbox_core::simulation::mutation_active`] at one line.
-pub const SERVICE_MUTATIONS: [(&str, &str); 5] = [
+pub const SERVICE_MUTATIONS: [(&str, &str); 6] = [
     ("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out"),
     ("bound-from-registration-clock", "the in-flight bound counts from the attempt's registration, not from the end of the lease it was sent under"),
     ("absence-from-truncated-log", "a lookup range below the log's start (or above its end) proves absence"),
     ("migration-unfenced", "the migration commit does not check that the row is still under the claim (reconcile claim, or claim generation) its proof was made under"),
     ("watermark-ignores-cluster", "retention matches a consumer's watermark to an event's log without comparing the cluster"),
+    ("absent-attempt-ack-discarded", "a genuine ACK of an attempt closed ABSENT is rejected instead of competing for the slot and refuting the proof"),
 ];
 
 /// Fault probabilities of one trace.
@@ -139,6 +160,12 @@ pub struct ServiceFaults {
     /// Whether retention runs (with a mandatory consumer's watermarks on
     /// two clusters).
     pub retention: bool,
+    /// Per send, the dispatcher's host stops (a VM paused, a laptop
+    /// suspended, a container frozen) right after handing the message to
+    /// its client, for two to five leases: nothing of that host runs, the
+    /// dispatcher nor its client, and the message leaves the client's
+    /// buffer only when the host resumes. Only in traces without a migration.
+    pub host_pause: f64,
 }
 
 impl ServiceFaults {
@@ -161,6 +188,7 @@ impl ServiceFaults {
             truncate_at_ms: None,
             migrate_at_ms: None,
             retention: false,
+            host_pause: 0.0,
         };
         let kill_every_ms = if rng.chance(0.7) { rng.range(1_000, 8_000) } else { 0 };
         let truncate_at_ms = rng.chance(0.3).then(|| rng.range(1_000, FAULT_PHASE_MS));
@@ -168,7 +196,12 @@ impl ServiceFaults {
         let retention = rng.chance(0.4);
         let lookup_slow = if rng.chance(0.5) { 0.0 } else { rng.unit() * 0.5 };
         let operator_pause = if rng.chance(0.5) { 0.0 } else { rng.unit() * 0.5 };
-        ServiceFaults { kill_every_ms, truncate_at_ms, migrate_at_ms, retention, lookup_slow, operator_pause, ..f }
+        // Drawn last, so that the other faults of a seed stay as they were.
+        // Not with a migration: a late write of the old generation into the
+        // topic a migration left is a refuted migration proof, which the
+        // protocol does not repair (the copy stays in the old target).
+        let host_pause = if migrate_at_ms.is_none() && rng.chance(0.4) { rng.unit() * 0.1 } else { 0.0 };
+        ServiceFaults { kill_every_ms, truncate_at_ms, migrate_at_ms, retention, lookup_slow, operator_pause, host_pause, ..f }
     }
 }
 
@@ -273,6 +306,17 @@ service_figures! {
         purged,
         /// Retention passes that held an event back for a mandatory consumer.
         held_by_consumers,
+        /// Dispatcher hosts stopped with a message in their client's buffer.
+        host_pauses,
+        /// Absence proofs a paused host's late write refuted, its genuine
+        /// receipt accepted (as the primary or a duplicate) and the store's
+        /// finding `absence_proof_refuted` recorded: the protocol's answer
+        /// to a sender stalled past the in-flight bound.
+        absence_refuted_late,
+        /// Late copies of a paused host whose receipt never reached the
+        /// store (its process was killed, the ACK lost): evidence only a
+        /// scan of the topic finds (the SQL reconciler's bypass check).
+        late_copies_unheard,
     }
     violations {
         /// Committed events not published, or published at a position that does not hold them.
@@ -353,6 +397,37 @@ struct World {
     findings: Vec<(String, String)>,
     /// Client requests not answered yet (the log may still change).
     in_client: usize,
+    /// Receipt calls in progress (stalled, or waiting for their host): a
+    /// receipt on its way to the store may still change what it holds.
+    in_store: usize,
+    /// Attempts whose write a host pause held back until its host resumed.
+    late_writes: BTreeSet<String>,
+    /// Attempts a receipt of which a store call took (committed or not).
+    receipts_handed: BTreeSet<String>,
+}
+
+/// The host a process runs on. A pause of the host (`ServiceFaults::host_pause`)
+/// holds back everything of it: its store calls and its broker client.
+#[derive(Debug, Default)]
+struct Host {
+    /// Until when (ms, the world's clock) the host is stopped.
+    paused_until_ms: std::sync::atomic::AtomicI64,
+}
+
+impl Host {
+    /// Waits until the host runs; whether it had to.
+    async fn wait_running(&self, world_ref: &Shared) -> bool {
+        let mut waited = false;
+        loop {
+            let until = self.paused_until_ms.load(std::sync::atomic::Ordering::SeqCst);
+            let now = world(world_ref).now_ms();
+            if until <= now {
+                return waited;
+            }
+            waited = true;
+            tokio::time::sleep(Duration::from_millis((until - now) as u64)).await;
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -381,6 +456,15 @@ impl World {
 
 type Shared = Arc<Mutex<World>>;
 
+/// A receipt call in progress (see `World::in_store`).
+struct Busy(Shared);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        world(&self.0).in_store -= 1;
+    }
+}
+
 fn world(w: &Shared) -> std::sync::MutexGuard<'_, World> {
     w.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -405,6 +489,8 @@ pub struct SimStore {
     /// Chance per call of a long pause of the process using this store (the
     /// operator's: `ServiceFaults::operator_pause`).
     pause: f64,
+    /// The host of the process using this store.
+    host: Arc<Host>,
 }
 
 impl std::fmt::Debug for SimStore {
@@ -426,6 +512,7 @@ impl SimStore {
     /// Before a call: maybe stall, maybe fail; returns the fault and the
     /// stall to take after the call (a commit whose answer comes late).
     async fn before(&self, what: &str) -> Result<(StoreFault, u64), StoreError> {
+        self.host.wait_running(&self.world).await;
         let (stall, stall_after, fault) = {
             let mut w = world(&self.world);
             if !w.on {
@@ -469,6 +556,22 @@ impl SimStore {
         Ok((fault, if stall_after { stall as u64 } else { 0 }))
     }
 
+    /// Counts a receipt call in progress until the guard drops (answered,
+    /// or its process killed).
+    fn busy(&self) -> Busy {
+        world(&self.world).in_store += 1;
+        Busy(self.world.clone())
+    }
+
+    /// Notes the attempts of `receipts` as handed to the store.
+    fn handed(&self, receipts: &[BrokerReceipt]) -> &Self {
+        let mut w = world(&self.world);
+        for r in receipts {
+            w.receipts_handed.insert(r.attempt_id.to_string());
+        }
+        self
+    }
+
     async fn after<T, E: From<StoreError>>(&self, (fault, stall): (StoreFault, u64), what: &str, r: Result<T, E>) -> Result<T, E> {
         if stall > 0 {
             tokio::time::sleep(Duration::from_millis(stall)).await;
@@ -501,13 +604,15 @@ impl OutboxStore for SimStore {
         faulty!(self, "register_attempt", self.inner.register_attempt(token))
     }
     async fn accept_dispatch_receipt(&self, receipt: &BrokerReceipt) -> Result<ReceiptOutcome, StoreError> {
-        faulty!(self, "accept_dispatch_receipt", self.inner.accept_dispatch_receipt(receipt))
+        let _busy = self.busy();
+        faulty!(self, "accept_dispatch_receipt", async { self.handed(std::slice::from_ref(receipt)).inner.accept_dispatch_receipt(receipt).await })
     }
     async fn register_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<Result<AttemptRecord, StoreError>>, StoreError> {
         faulty!(self, "register_attempts", self.inner.register_attempts(tokens))
     }
     async fn accept_dispatch_receipts(&self, receipts: &[BrokerReceipt]) -> Result<Vec<ReceiptOutcome>, StoreError> {
-        faulty!(self, "accept_dispatch_receipts", self.inner.accept_dispatch_receipts(receipts))
+        let _busy = self.busy();
+        faulty!(self, "accept_dispatch_receipts", async { self.handed(receipts).inner.accept_dispatch_receipts(receipts).await })
     }
     async fn report_unknown(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
         faulty!(self, "report_unknown", self.inner.report_unknown(token, attempt_id, detail))
@@ -611,6 +716,8 @@ enum Fate {
 /// not the process that sent it is still alive.
 pub struct SimBroker {
     world: Shared,
+    /// The host of the process using this client.
+    host: Arc<Host>,
 }
 
 impl SimBroker {
@@ -655,6 +762,15 @@ impl Broker for SimBroker {
             };
             let slow = pick(f.slow_write);
             let write_after = if slow { w.rng.range(1, MESSAGE_TIMEOUT_MS) } else { w.rng.range(1, 20) };
+            // The host stops right after the handover, the message still in
+            // the client's buffer (drawn only where the fault is on).
+            if f.host_pause > 0.0 && on && w.rng.chance(f.host_pause) {
+                let until = w.now_ms() + w.rng.range(2 * LEASE_MS, 5 * LEASE_MS);
+                if self.host.paused_until_ms.fetch_max(until, std::sync::atomic::Ordering::SeqCst) < until {
+                    w.figures.host_pauses += 1;
+                    w.note(|| format!("the sender's host stops until {} ms, p{} in its client's buffer", until - T0_MS, message.partition));
+                }
+            }
             let answer_after = match fate {
                 Fate::NeverWritten | Fate::AckLost => MESSAGE_TIMEOUT_MS,
                 _ => write_after,
@@ -668,12 +784,19 @@ impl Broker for SimBroker {
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let world_ref = self.world.clone();
-        // The client: lives on whether or not the sender does.
+        let host = self.host.clone();
+        // The client: lives on whether or not the sender does, and runs only
+        // while its host does.
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(write_after as u64)).await;
+            let late = host.wait_running(&world_ref).await;
             let mut written = None;
             {
                 let mut w = world(&world_ref);
+                if late && matches!(fate, Fate::Written | Fate::AckLost | Fate::WrittenTwice) {
+                    let a = message.headers.iter().rev().find(|(k, _)| k == headers::ATTEMPT_ID).map(|(_, v)| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+                    w.late_writes.insert(a);
+                }
                 match fate {
                     Fate::Written | Fate::AckLost => written = Some(SimBroker::write(&mut w, &message)),
                     Fate::WrittenTwice => {
@@ -686,6 +809,7 @@ impl Broker for SimBroker {
             if answer_after > write_after {
                 tokio::time::sleep(Duration::from_millis((answer_after - write_after) as u64)).await;
             }
+            host.wait_running(&world_ref).await;
             let outcome = match (fate, written) {
                 (Fate::Refused, _) => SendOutcome::NotPersisted("simulated: refused".into()),
                 (Fate::NeverWritten | Fate::AckLost, _) | (_, None) => SendOutcome::Unknown("simulated: message timed out".into()),
@@ -826,8 +950,15 @@ fn reconciler_config(owner: String) -> ReconcilerConfig {
 
 type Process = tokio::task::JoinHandle<()>;
 
+/// The store and the broker client as a process on a host of its own sees them.
+fn on_new_host(store: &SimStore, broker: &Arc<SimBroker>) -> (SimStore, Arc<SimBroker>) {
+    let host = Arc::new(Host::default());
+    (SimStore { host: host.clone(), ..store.clone() }, Arc::new(SimBroker { world: broker.world.clone(), host }))
+}
+
 fn start_dispatcher(store: &SimStore, broker: &Arc<SimBroker>, cfg: &ServiceTraceConfig, name: String) -> Process {
-    let d = Dispatcher::new(store.clone(), broker.clone(), dispatcher_config(name, cfg)).expect("a valid dispatcher config");
+    let (store, broker) = on_new_host(store, broker);
+    let d = Dispatcher::new(store, broker, dispatcher_config(name, cfg)).expect("a valid dispatcher config");
     let d = Arc::new(d);
     tokio::spawn(async move {
         let _ = d.run(std::future::pending()).await;
@@ -835,7 +966,8 @@ fn start_dispatcher(store: &SimStore, broker: &Arc<SimBroker>, cfg: &ServiceTrac
 }
 
 fn start_reconciler(store: &SimStore, broker: &Arc<SimBroker>, owner: String) -> Process {
-    let r = Reconciler::new(store.clone(), broker.clone(), reconciler_config(owner)).expect("a valid reconciler config");
+    let (store, broker) = on_new_host(store, broker);
+    let r = Reconciler::new(store, broker, reconciler_config(owner)).expect("a valid reconciler config");
     tokio::spawn(async move {
         let _ = r.run_resolving(std::future::pending()).await;
     })
@@ -980,13 +1112,16 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         old_degraded: false,
         findings: Vec::new(),
         in_client: 0,
+        in_store: 0,
+        late_writes: BTreeSet::new(),
+        receipts_handed: BTreeSet::new(),
     }));
     world(&shared).note(|| format!("trace {}: {cfg:?}", cfg.seed));
     let inner = MemoryStore::new();
     inner.set_now_ms(T0_MS);
-    let store = SimStore { inner: inner.clone(), world: shared.clone(), pause: 0.0 };
+    let store = SimStore { inner: inner.clone(), world: shared.clone(), pause: 0.0, host: Arc::new(Host::default()) };
     let op_store = SimStore { pause: cfg.faults.operator_pause, ..store.clone() };
-    let broker = Arc::new(SimBroker { world: shared.clone() });
+    let broker = Arc::new(SimBroker { world: shared.clone(), host: Arc::new(Host::default()) });
     let policy = RoutePolicy::new("order.created", CLUSTER, TOPIC, PARTITIONS);
     let moved_policy = new_route();
 
@@ -1102,7 +1237,8 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         tokio::time::sleep(Duration::from_millis(1_000)).await;
         inner.set_now_ms(world(&shared).now_ms());
         let reported: BTreeSet<String> = world(&shared).findings.iter().filter(|(k, _)| k == "log_unavailable").map(|(_, e)| e.clone()).collect();
-        if world(&shared).in_client == 0 && all_settled(&inner, &reported) {
+        let idle = { let w = world(&shared); w.in_client == 0 && w.in_store == 0 };
+        if idle && all_settled(&inner, &reported) {
             settled = true;
             break;
         }
@@ -1248,6 +1384,13 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
     w.figures.unknown_attempts += st.audit.iter().filter(|a| a.action == "unknown").count() as u64
         + attempts_by_id.values().filter(|a| a.state == AttemptState::Absent).count() as u64;
     for a in st.audit.iter().filter(|a| a.action == "absence_proof_refuted") {
+        // A paused host's write, landed after the in-flight bound: the
+        // protocol's answer is this finding and the receipt's acceptance.
+        let attempt = a.detail.split(' ').next().unwrap_or_default();
+        if w.late_writes.contains(attempt) && attempts_by_id.get(attempt).is_some_and(|r| r.state == AttemptState::Acked) {
+            w.figures.absence_refuted_late += 1;
+            continue;
+        }
         w.figures.refuted_absence += 1;
         violations.push(format!("refuted_absence: the store saw a copy of {} after proving it absent ({})", a.event_id, a.detail));
     }
@@ -1273,6 +1416,8 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
             log.extend(lines);
         }
     }
+    // Events a paused host wrote late.
+    let late_events: BTreeSet<String> = w.late_writes.iter().filter_map(|a| attempts_by_id.get(a)).map(|a| a.event_id.to_string()).collect();
     // Every copy in the log is accounted for.
     let mut copies_per_event: BTreeMap<&str, u64> = BTreeMap::new();
     for ((t, p), log) in &w.logs {
@@ -1291,6 +1436,17 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 continue;
             }
             match attempt.map(|a| a.state) {
+                // A copy of an event a paused host wrote late (this copy, or
+                // the retry the refuted proof let through, whose event the
+                // late copy then published), whose receipt never reached the
+                // store (its sender killed, its ACK lost): nothing told the
+                // store of it (a scan of the topic would). One the store was
+                // handed and left ABSENT is a genuine receipt discarded.
+                Some(AttemptState::Absent | AttemptState::Unknown | AttemptState::Sending)
+                    if late_events.contains(m.event_id.as_str()) && !w.receipts_handed.contains(&m.attempt_id) =>
+                {
+                    w.figures.late_copies_unheard += 1;
+                }
                 Some(AttemptState::NotSent | AttemptState::Absent) => {
                     w.figures.refuted_absence += 1;
                     violations.push(format!("refuted_absence: {t}/p{p}@{o} holds {} attempt {}, closed {:?}", m.event_id, m.attempt_id, attempt.map(|a| a.state)));

@@ -28,6 +28,8 @@ fn unmutated_services_gate_passes_and_exercises_its_faults() {
         ("migrations_refused", f.migrations_refused),
         ("purged", f.purged),
         ("held_by_consumers", f.held_by_consumers),
+        ("host_pauses", f.host_pauses),
+        ("absence_refuted_late", f.absence_refuted_late),
     ] {
         assert!(v > 0, "no {what} in {TRACES} traces");
     }
@@ -83,6 +85,13 @@ fn migration_unfenced_in_the_shipped_core_is_caught() {
     // The release gate over 1..100,000 finds 56 failing traces, the first
     // at seed 1350; this range holds four of them.
     assert_caught("migration-unfenced", 4_000, "migrated_over_copy");
+}
+
+#[test]
+fn absent_attempt_ack_discarded_in_the_shipped_core_is_caught() {
+    // A paused dispatcher host's write lands after the reconciler proved its
+    // attempt absent; its genuine ACK is discarded and the copy stays.
+    assert_caught("absent-attempt-ack-discarded", 600, "refuted_absence");
 }
 
 #[test]
