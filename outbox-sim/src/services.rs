@@ -16,7 +16,14 @@
 //!   delivered late (after the lease), writes the client repeats, failed
 //!   lookups, slow lookups (a long scan answers for the log as it was when
 //!   it began); the client keeps writing what it was handed after its
-//!   process died, within the message timeout;
+//!   process died, within the message timeout; and, in a few traces, while
+//!   the dispatchers run, `TOPIC` deleted and created again under the same
+//!   name (8%), or the cluster replaced by an empty one (5%): the affected
+//!   partitions start again as empty logs at offset 0, the old messages
+//!   gone, and the consumer reads them from their start. The route's
+//!   destinations record no topic id (`destination.v1`), the harder case:
+//!   only the scan floors' anchors (`anchor_to_read`, `plan_absence_scan`)
+//!   tell the new log from the old one;
 //! - processes: dispatchers, the reconciler and the operator killed at any
 //!   await (their task dropped, so every worker stops) and restarted under a
 //!   new owner; the operator also paused for up to six leases;
@@ -50,17 +57,25 @@
 //! Then faults stop, the services run until every event is settled, and the
 //! checks read the store and the log (names as Jepsen's Kafka checker uses
 //! them where they apply): `lost_write` (an event committed and not
-//! published, or whose receipt's position does not hold it), `duplicate` (a
+//! published, or whose receipt's position does not hold it in any log that
+//! partition has had: one whose position held it in a log that is gone
+//! since is `receipt_positions_lost`, the broker's loss, which the
+//! PostgreSQL store reports as the finding `receipt_position_lost` from its
+//! receipt transaction's position epochs and its reconciler's topic scan;
+//! the in-memory store keeps neither), `duplicate` (a
 //! copy in the log from an attempt the store has no receipt of), and
 //! `refuted_absence` (a copy of an attempt the store closed as not sent or
 //! proven absent, or a proof the store saw refuted, unless a host pause
 //! explains it: then the copy's receipt must have been accepted, or never
-//! have reached the store, `late_copies_unheard`), `inconsistent_offsets` (two events' receipts at one
-//! position), `order_violation` (a key's events published out of commit
-//! order), `unresolved_unknown` (an outcome still unknown after the run),
+//! have reached the store, `late_copies_unheard`; a copy in a log gone
+//! before the proof that closed its attempt is no refutation: the proof was
+//! about the log that replaced it, and its ACK arriving after the proof is
+//! `absence_refuted_late` too), `inconsistent_offsets` (two events' receipts at one
+//! position of one log), `order_violation` (a key's events published out of commit
+//! order within one log), `unresolved_unknown` (an outcome still unknown after the run),
 //! `migrated_over_copy` (a copy of the generation a migration left behind,
-//! in the target it left: delivered to the new target while a copy sat in
-//! the old one) and `premature_purge` (an event purged while the
+//! in the target it left while that log was there: delivered to the new
+//! target while a copy sat in the old one) and `premature_purge` (an event purged while the
 //! consumer's position on its own log, cluster included, had not passed
 //! it; checked when the purge happens).
 
@@ -166,6 +181,13 @@ pub struct ServiceFaults {
     /// dispatcher nor its client, and the message leaves the client's
     /// buffer only when the host resumes. Only in traces without a migration.
     pub host_pause: f64,
+    /// When (virtual ms from the start) `TOPIC` is deleted and created
+    /// again under the same name, if it is: every partition a new, empty
+    /// log (offsets from 0, the old messages gone).
+    pub recreate_topic_at_ms: Option<i64>,
+    /// When (virtual ms from the start) the cluster is replaced by an
+    /// empty one, if it is: every topic's partitions new, empty logs.
+    pub replace_cluster_at_ms: Option<i64>,
 }
 
 impl ServiceFaults {
@@ -189,6 +211,8 @@ impl ServiceFaults {
             migrate_at_ms: None,
             retention: false,
             host_pause: 0.0,
+            recreate_topic_at_ms: None,
+            replace_cluster_at_ms: None,
         };
         let kill_every_ms = if rng.chance(0.7) { rng.range(1_000, 8_000) } else { 0 };
         let truncate_at_ms = rng.chance(0.3).then(|| rng.range(1_000, FAULT_PHASE_MS));
@@ -201,7 +225,20 @@ impl ServiceFaults {
         // topic a migration left is a refuted migration proof, which the
         // protocol does not repair (the copy stays in the old target).
         let host_pause = if migrate_at_ms.is_none() && rng.chance(0.4) { rng.unit() * 0.1 } else { 0.0 };
-        ServiceFaults { kill_every_ms, truncate_at_ms, migrate_at_ms, retention, lookup_slow, operator_pause, host_pause, ..f }
+        let recreate_topic_at_ms = rng.chance(0.08).then(|| rng.range(1_000, FAULT_PHASE_MS));
+        let replace_cluster_at_ms = rng.chance(0.05).then(|| rng.range(1_000, FAULT_PHASE_MS));
+        ServiceFaults {
+            kill_every_ms,
+            truncate_at_ms,
+            migrate_at_ms,
+            retention,
+            lookup_slow,
+            operator_pause,
+            host_pause,
+            recreate_topic_at_ms,
+            replace_cluster_at_ms,
+            ..f
+        }
     }
 }
 
@@ -308,15 +345,22 @@ service_figures! {
         held_by_consumers,
         /// Dispatcher hosts stopped with a message in their client's buffer.
         host_pauses,
-        /// Absence proofs a paused host's late write refuted, its genuine
-        /// receipt accepted (as the primary or a duplicate) and the store's
-        /// finding `absence_proof_refuted` recorded: the protocol's answer
-        /// to a sender stalled past the in-flight bound.
+        /// Absence proofs a genuine receipt refuted where a fault explains
+        /// it (a paused host's write after the in-flight bound, or an ACK of
+        /// a write into a log gone before the proof, which was about the
+        /// log that replaced it), the receipt accepted (as the primary or a
+        /// duplicate) and the store's finding `absence_proof_refuted`
+        /// recorded: the protocol's answer to either.
         absence_refuted_late,
         /// Late copies of a paused host whose receipt never reached the
         /// store (its process was killed, the ACK lost): evidence only a
         /// scan of the topic finds (the SQL reconciler's bypass check).
         late_copies_unheard,
+        /// Topics deleted and created again, and clusters replaced by empty ones.
+        log_resets,
+        /// Published events whose receipt's position held their message in
+        /// a log that is gone since (its topic recreated, its cluster replaced).
+        receipt_positions_lost,
     }
     violations {
         /// Committed events not published, or published at a position that does not hold them.
@@ -384,6 +428,10 @@ struct World {
     logs: BTreeMap<(String, i32), Vec<Stored>>,
     /// Per (topic, partition), the first offset still in the log.
     log_start: BTreeMap<(String, i32), i64>,
+    /// Logs that are gone (a topic recreated, the cluster replaced), oldest first.
+    gone: Vec<GoneLog>,
+    /// When (the world's clock) a reconciler's proof closed each attempt ABSENT.
+    absent_at: BTreeMap<String, i64>,
     /// The mandatory consumer's committed offsets per (cluster, topic,
     /// partition): the next offset it reads.
     consumer_at: BTreeMap<(String, String, i32), i64>,
@@ -430,6 +478,18 @@ impl Host {
     }
 }
 
+/// A partition's log that is gone: its topic was deleted (and created
+/// again), or its cluster replaced.
+#[derive(Debug)]
+struct GoneLog {
+    /// (topic, partition).
+    key: (String, i32),
+    /// When it went (the world's clock).
+    gone_at_ms: i64,
+    /// Every message it held.
+    log: Vec<Stored>,
+}
+
 #[derive(Debug, Clone)]
 struct Stored {
     event_id: String,
@@ -439,6 +499,33 @@ struct Stored {
 }
 
 impl World {
+    /// Which of the logs `topic`/`partition` has had (the gone ones oldest
+    /// first, then the current one) holds `attempt`'s message of `event` at
+    /// `offset`: its index, whether it is the current log, and the message.
+    fn log_holding(&self, topic: &str, partition: i32, offset: i64, event: &str, attempt: &str) -> Option<(usize, bool, &Stored)> {
+        let key = (topic.to_owned(), partition);
+        let at = usize::try_from(offset).ok()?;
+        let gone = self.gone.iter().filter(|g| g.key == key).map(|g| (&g.log, false));
+        gone.chain(self.logs.get(&key).map(|l| (l, true)))
+            .enumerate()
+            .find_map(|(i, (l, current))| l.get(at).filter(|m| m.event_id == event && m.attempt_id == attempt).map(|m| (i, current, m)))
+    }
+
+    /// Deletes the logs `which` picks: their messages are gone, their
+    /// partitions start again empty at offset 0, and the consumer reads them
+    /// from their start (its group's offsets went with the old topic).
+    fn reset_logs(&mut self, which: impl Fn(&str) -> bool) {
+        let now = self.now_ms();
+        let keys: Vec<(String, i32)> = self.logs.keys().filter(|(t, _)| which(t)).cloned().collect();
+        for key in keys {
+            let log = self.logs.remove(&key).unwrap_or_default();
+            self.log_start.remove(&key);
+            self.consumer_at.remove(&(CLUSTER.to_owned(), key.0.clone(), key.1));
+            self.gone.push(GoneLog { key, gone_at_ms: now, log });
+        }
+        self.figures.log_resets += 1;
+    }
+
     fn now_ms(&self) -> i64 {
         T0_MS + i64::try_from(self.start.elapsed().as_millis()).unwrap_or(i64::MAX / 2)
     }
@@ -563,6 +650,16 @@ impl SimStore {
         Busy(self.world.clone())
     }
 
+    /// Notes when attempts of `event_id` were closed ABSENT.
+    fn note_absent(&self, event_id: &EventId) {
+        let closed: Vec<String> = self.inner.lock().attempts.get(event_id).into_iter().flatten().filter(|a| a.state == AttemptState::Absent).map(|a| a.attempt_id.to_string()).collect();
+        let mut w = world(&self.world);
+        let now = w.now_ms();
+        for a in closed {
+            w.absent_at.entry(a).or_insert(now);
+        }
+    }
+
     /// Notes the attempts of `receipts` as handed to the store.
     fn handed(&self, receipts: &[BrokerReceipt]) -> &Self {
         let mut w = world(&self.world);
@@ -636,7 +733,11 @@ impl OutboxStore for SimStore {
         faulty!(self, "begin_reconcile", self.inner.begin_reconcile(owner, limit, lease_ms))
     }
     async fn finish_reconcile(&self, token: &ClaimToken, decision: &ReconcileDecision) -> Result<FenceOutcome, StoreError> {
-        faulty!(self, "finish_reconcile", self.inner.finish_reconcile(token, decision))
+        faulty!(self, "finish_reconcile", async {
+            let r = self.inner.finish_reconcile(token, decision).await;
+            self.note_absent(&token.event_id);
+            r
+        })
     }
     async fn attempts(&self, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError> {
         faulty!(self, "attempts", self.inner.attempts(event_id))
@@ -1107,6 +1208,8 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         log: log.then(Vec::new),
         logs: BTreeMap::new(),
         log_start: BTreeMap::new(),
+        gone: Vec::new(),
+        absent_at: BTreeMap::new(),
         consumer_at: BTreeMap::new(),
         violations: Vec::new(),
         old_degraded: false,
@@ -1147,6 +1250,23 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
             w.log_start.insert(key, end);
             w.figures.truncations += 1;
             w.note(|| format!("retention deletes {TOPIC}/p{partition} below {end}"));
+        });
+    }
+
+    // A topic deleted and created again, a cluster replaced by an empty one.
+    for (at, cluster) in [(cfg.faults.recreate_topic_at_ms, false), (cfg.faults.replace_cluster_at_ms, true)] {
+        let Some(at) = at else { continue };
+        let w = shared.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(at as u64)).await;
+            let mut w = world(&w);
+            if cluster {
+                w.reset_logs(|_| true);
+                w.note(|| format!("{CLUSTER} is replaced by an empty cluster: every topic's logs start again at 0"));
+            } else {
+                w.reset_logs(|t| t == TOPIC);
+                w.note(|| format!("{TOPIC} is deleted and created again: its logs start again at 0"));
+            }
         });
     }
 
@@ -1331,8 +1451,13 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
         receipts.entry((d.topic.clone(), d.partition, d.offset)).or_default().push((d.event_id.to_string(), d.attempt_id.to_string()));
     }
     for ((t, p, o), rs) in &receipts {
-        let events: BTreeSet<&String> = rs.iter().map(|(e, _)| e).collect();
-        if events.len() > 1 {
+        // Receipts at one position of two logs (the topic recreated, the
+        // cluster replaced in between: offsets restart) are no conflict.
+        let mut by_log: BTreeMap<Option<usize>, BTreeSet<&String>> = BTreeMap::new();
+        for (e, a) in rs {
+            by_log.entry(w.log_holding(t, *p, *o, e, a).map(|(i, ..)| i)).or_default().insert(e);
+        }
+        if let Some(events) = by_log.values().find(|events| events.len() > 1) {
             w.figures.inconsistent_offsets += 1;
             violations.push(format!("inconsistent_offsets: {t}/p{p}@{o} holds receipts of {events:?}"));
         }
@@ -1341,7 +1466,7 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
     w.figures.attempts += attempts_by_id.len() as u64;
     let migrated: BTreeSet<&EventId> = st.migrations.iter().map(|m| &m.event_id).collect();
     // Every event: published with its slot holding it, or settled otherwise.
-    let mut published_by_key: BTreeMap<String, Vec<(u64, i32, i64)>> = BTreeMap::new();
+    let mut published_by_key: BTreeMap<String, Vec<(u64, usize, i32, i64)>> = BTreeMap::new();
     for (id, key) in emitted {
         let Some(ev) = st.events.get(id) else {
             w.figures.lost_write += 1;
@@ -1356,17 +1481,26 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                     violations.push(format!("lost_write: {id} PUBLISHED without a receipt"));
                     continue;
                 };
-                let holds = w.logs.get(&(slot.topic.clone(), slot.partition)).and_then(|l| l.get(usize::try_from(slot.offset).ok()?)).is_some_and(|m| {
-                    m.event_id == id.as_str() && m.attempt_id == slot.attempt_id.as_str() && sha256_digest(&m.payload) == ev.envelope.payload_digest
-                });
-                if !holds {
-                    w.figures.lost_write += 1;
-                    violations.push(format!("lost_write: {id}'s receipt {}/p{}@{} does not hold its message", slot.topic, slot.partition, slot.offset));
+                // The receipt's position holds its message, in the current
+                // log or in one that is gone since (the broker lost it with
+                // the topic or the cluster: not the outbox's loss).
+                let holding = w
+                    .log_holding(&slot.topic, slot.partition, slot.offset, id.as_str(), slot.attempt_id.as_str())
+                    .filter(|(_, _, m)| sha256_digest(&m.payload) == ev.envelope.payload_digest)
+                    .map(|(i, current, _)| (i, current));
+                match holding {
+                    Some((_, false)) => w.figures.receipt_positions_lost += 1,
+                    Some(_) => {}
+                    None => {
+                        w.figures.lost_write += 1;
+                        violations.push(format!("lost_write: {id}'s receipt {}/p{}@{} does not hold its message", slot.topic, slot.partition, slot.offset));
+                    }
                 }
+                let log_index = holding.map_or(usize::MAX, |(i, _)| i);
                 // A migrated event left its key's order on purpose (the
                 // operator moved it after later events took the new route).
                 if !migrated.contains(id) {
-                    published_by_key.entry(format!("{}/{key}", slot.topic)).or_default().push((ev.seq, slot.partition, slot.offset));
+                    published_by_key.entry(format!("{}/{key}", slot.topic)).or_default().push((ev.seq, log_index, slot.partition, slot.offset));
                 }
             }
             EventState::Quarantined => w.figures.quarantined += 1,
@@ -1383,11 +1517,25 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
     }
     w.figures.unknown_attempts += st.audit.iter().filter(|a| a.action == "unknown").count() as u64
         + attempts_by_id.values().filter(|a| a.state == AttemptState::Absent).count() as u64;
+    // When a proof closed an attempt ABSENT: a reconciler's, or a migration's.
+    let closed_at = |attempt: &str| {
+        w.absent_at.get(attempt).copied().or_else(|| st.migrations.iter().find(|r| r.closed_attempts.iter().any(|a| a.as_str() == attempt)).map(|r| r.at_ms))
+    };
+    // Attempts with a copy in a log that is gone, and when the first went.
+    let mut in_gone: BTreeMap<&str, i64> = BTreeMap::new();
+    for g in &w.gone {
+        for m in &g.log {
+            in_gone.entry(m.attempt_id.as_str()).or_insert(g.gone_at_ms);
+        }
+    }
     for a in st.audit.iter().filter(|a| a.action == "absence_proof_refuted") {
-        // A paused host's write, landed after the in-flight bound: the
+        // A paused host's write, landed after the in-flight bound, or a
+        // write into a log gone before the proof (which was about the log
+        // that replaced it, and true of it) whose ACK came after it: the
         // protocol's answer is this finding and the receipt's acceptance.
         let attempt = a.detail.split(' ').next().unwrap_or_default();
-        if w.late_writes.contains(attempt) && attempts_by_id.get(attempt).is_some_and(|r| r.state == AttemptState::Acked) {
+        let explained = w.late_writes.contains(attempt) || in_gone.get(attempt).is_some_and(|g| closed_at(attempt).is_some_and(|c| c >= *g));
+        if explained && attempts_by_id.get(attempt).is_some_and(|r| r.state == AttemptState::Acked) {
             w.figures.absence_refuted_late += 1;
             continue;
         }
@@ -1420,15 +1568,22 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
     let late_events: BTreeSet<String> = w.late_writes.iter().filter_map(|a| attempts_by_id.get(a)).map(|a| a.event_id.to_string()).collect();
     // Every copy in the log is accounted for.
     let mut copies_per_event: BTreeMap<&str, u64> = BTreeMap::new();
-    for ((t, p), log) in &w.logs {
+    // The current logs, then those that are gone (with when they went).
+    let logs: Vec<(&String, &i32, &Vec<Stored>, Option<i64>)> =
+        w.logs.iter().map(|((t, p), l)| (t, p, l, None)).chain(w.gone.iter().map(|g| (&g.key.0, &g.key.1, &g.log, Some(g.gone_at_ms)))).collect();
+    for (t, p, log, gone_at) in logs {
         for (o, m) in log.iter().enumerate() {
             *copies_per_event.entry(m.event_id.as_str()).or_default() += 1;
             let recorded = receipts.get(&(t.clone(), *p, o as i64)).is_some_and(|rs| rs.iter().any(|(e, _)| e == &m.event_id));
             let attempt = attempts_by_id.get(&m.attempt_id);
             // A copy of the generation a migration left behind, in the
             // target it left: the migration's proof of absence was wrong.
+            // A log gone before the migration's proof was not the log it
+            // proved absence in.
             let left_behind = attempt.is_some_and(|a| {
-                st.migrations.iter().any(|r| r.event_id == a.event_id && r.from_generation == a.envelope_generation && r.from_destination.topic == *t)
+                st.migrations.iter().any(|r| {
+                    r.event_id == a.event_id && r.from_generation == a.envelope_generation && r.from_destination.topic == *t && gone_at.is_none_or(|g| r.at_ms < g)
+                })
             });
             if left_behind {
                 w.figures.migrated_over_copy += 1;
@@ -1447,6 +1602,10 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 {
                     w.figures.late_copies_unheard += 1;
                 }
+                // A copy in a log gone before the proof that closed its
+                // attempt (a reconciler's, or a migration's): the proof was
+                // about the log that replaced it, and true of it.
+                Some(AttemptState::Absent) if gone_at.is_some_and(|g| closed_at(&m.attempt_id).is_some_and(|closed| closed >= g)) => {}
                 Some(AttemptState::NotSent | AttemptState::Absent) => {
                     w.figures.refuted_absence += 1;
                     violations.push(format!("refuted_absence: {t}/p{p}@{o} holds {} attempt {}, closed {:?}", m.event_id, m.attempt_id, attempt.map(|a| a.state)));
@@ -1471,8 +1630,9 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
     for (key, mut evs) in published_by_key {
         evs.sort();
         for pair in evs.windows(2) {
-            let ((s1, p1, o1), (s2, p2, o2)) = (pair[0], pair[1]);
-            if p1 == p2 && o2 < o1 {
+            let ((s1, l1, p1, o1), (s2, l2, p2, o2)) = (pair[0], pair[1]);
+            // Offsets compare within one log only (a recreated topic's restart at 0).
+            if p1 == p2 && l1 == l2 && o2 < o1 {
                 w.figures.order_violation += 1;
                 violations.push(format!("order_violation: key {key}: seq {s2} at p{p2}@{o2} before seq {s1} at p{p1}@{o1}"));
             }

@@ -30,6 +30,8 @@ fn unmutated_services_gate_passes_and_exercises_its_faults() {
         ("held_by_consumers", f.held_by_consumers),
         ("host_pauses", f.host_pauses),
         ("absence_refuted_late", f.absence_refuted_late),
+        ("log_resets", f.log_resets),
+        ("receipt_positions_lost", f.receipt_positions_lost),
     ] {
         assert!(v > 0, "no {what} in {TRACES} traces");
     }
