@@ -224,6 +224,9 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
     let Some(attempt) = registered_attempt(event, attempts, receipt) else {
         return Reject { reason: RejectReason::UnregisteredAttempt };
     };
+    if attempt.state == AttemptState::Absent && crate::simulation::mutation_active("absent-attempt-ack-discarded") {
+        return Reject { reason: RejectReason::AttemptClosed };
+    }
     let quarantine = |reason| Quarantine { reason, move_event: event.state.can_transition_to(EventState::Quarantined) };
     if receipt.payload_digest != event.payload_digest {
         return quarantine(QuarantineReason::PayloadDigestMismatch);

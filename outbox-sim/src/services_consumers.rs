@@ -229,7 +229,10 @@ type Key = (String, i32);
 /// current owner's generation and stop flag.
 #[derive(Default)]
 struct Group {
-    committed: BTreeMap<Key, i64>,
+    /// Committed offsets per partition and log incarnation (a recreated
+    /// topic's or a replaced cluster's log is another log: its offsets
+    /// start again at 0).
+    committed: BTreeMap<(Key, usize), i64>,
     generation: BTreeMap<Key, u64>,
     stop: BTreeMap<Key, (Arc<AtomicBool>, Arc<tokio::sync::Notify>)>,
 }
@@ -238,6 +241,12 @@ struct Group {
 struct Offsets {
     ctx: Arc<Ctx>,
     generation: u64,
+    incarnation: usize,
+}
+
+/// How many logs `key` has had before its current one.
+fn incarnation(w: &super::World, key: &Key) -> usize {
+    w.gone.iter().filter(|g| g.key == *key).count()
 }
 
 impl OffsetCommit for Offsets {
@@ -251,7 +260,7 @@ impl OffsetCommit for Offsets {
         if g.generation.get(&key) != Some(&self.generation) {
             return;
         }
-        let at = g.committed.entry(key).or_insert(0);
+        let at = g.committed.entry((key, self.incarnation)).or_insert(0);
         *at = (*at).max(next_offset);
     }
 }
@@ -454,15 +463,16 @@ async fn supervise(ctx: Arc<Ctx>, key: Key) {
 /// One owner of a partition: a feeder reading the log from the committed
 /// offset, and the shipped partition loop deciding what it hands over.
 async fn own(ctx: Arc<Ctx>, key: Key, generation: u64, stop: Arc<AtomicBool>) {
-    let from = ctx.group.lock().unwrap_or_else(|e| e.into_inner()).committed.get(&key).copied().unwrap_or(0);
+    let incarnation = incarnation(&world(&ctx.world), &key);
+    let from = ctx.group.lock().unwrap_or_else(|e| e.into_inner()).committed.get(&(key.clone(), incarnation)).copied().unwrap_or(0);
     let (tx, mut rx) = mpsc::channel(16);
-    let offsets = Offsets { ctx: ctx.clone(), generation };
+    let offsets = Offsets { ctx: ctx.clone(), generation, incarnation };
     let faults = ctx.faults.clone();
     let hook: AfterCommitHook = Arc::new(move |_batch| if faults.chance(faults.faults.crash_after_commit) { HookAction::Crash } else { HookAction::Continue });
     let limits = BatchLimits { max_messages: 8, max_bytes: 1 << 20 };
     let (topic, partition) = key.clone();
     let work = run_partition(&mut rx, &stop, &ctx.processor, Some(&hook), limits, &offsets, &topic, partition);
-    let feeder = feed(ctx.clone(), key.clone(), from, tx, stop.clone());
+    let feeder = feed(ctx.clone(), key.clone(), incarnation, from, tx, stop.clone());
     tokio::pin!(work, feeder);
     // The feeder ends when the owner is stopped (its sender dropped: the
     // loop finishes what it holds); the loop's end ends the feeder.
@@ -483,14 +493,19 @@ async fn own(ctx: Arc<Ctx>, key: Key, generation: u64, stop: Arc<AtomicBool>) {
 
 /// Hands the partition's messages to the loop in offset order from `next`
 /// (from the log's start when retention removed what lies below), until the
-/// owner is stopped or the loop ends.
-async fn feed(ctx: Arc<Ctx>, key: Key, mut next: i64, tx: mpsc::Sender<RawMessage>, stop: Arc<AtomicBool>) {
+/// owner is stopped, the loop ends, or the log is replaced (the topic
+/// recreated, the cluster replaced: the partition is lost to this owner,
+/// and the next one reads the new log from its start).
+async fn feed(ctx: Arc<Ctx>, key: Key, incarnation_read: usize, mut next: i64, tx: mpsc::Sender<RawMessage>, stop: Arc<AtomicBool>) {
     loop {
         if stop.load(Ordering::Acquire) || tx.is_closed() {
             return;
         }
         let batch: Vec<RawMessage> = {
             let w = world(&ctx.world);
+            if incarnation(&w, &key) != incarnation_read {
+                return;
+            }
             let start = w.log_start.get(&key).copied().unwrap_or(0);
             next = next.max(start);
             w.logs

@@ -34,6 +34,8 @@ fn unmutated_services_gate_passes_and_exercises_its_faults() {
         ("consumer_kills", f.consumer_kills),
         ("rebalances", f.rebalances),
         ("consumer_store_faults", f.consumer_store_faults),
+        ("log_resets", f.log_resets),
+        ("receipt_positions_lost", f.receipt_positions_lost),
     ] {
         assert!(v > 0, "no {what} in {TRACES} traces");
     }
@@ -89,6 +91,15 @@ fn migration_unfenced_in_the_shipped_core_is_caught() {
     // The release gate over 1..100,000 finds 56 failing traces, the first
     // at seed 1350; this range holds four of them.
     assert_caught("migration-unfenced", 4_000, "migrated_over_copy");
+}
+
+#[test]
+fn absent_attempt_ack_discarded_in_the_shipped_core_is_caught() {
+    // A paused dispatcher host's write lands after the reconciler proved its
+    // attempt absent; its genuine ACK is discarded and the copy stays.
+    outbox_sim::services::set_host_pauses(true);
+    assert_caught("absent-attempt-ack-discarded", 600, "refuted_absence");
+    outbox_sim::services::set_host_pauses(false);
 }
 
 #[test]
