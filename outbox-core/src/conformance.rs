@@ -85,6 +85,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("reconcile_found_publishes_through_the_slot", reconcile_found_publishes(&ctx("found")).await),
         ("tampered_payload_is_quarantined_unsent", tampered_payload_is_quarantined(&ctx("tamper")).await),
         ("late_ack_of_an_absent_attempt_converges", late_ack_of_an_absent_attempt_converges(&ctx("refuted")).await),
+        ("late_ack_of_an_absent_attempt_after_a_refused_retry_is_kept", late_ack_after_a_refused_retry_is_kept(&ctx("refusedretry")).await),
         ("stray_divergent_message_is_evidence_not_a_quarantine", stray_divergent_message_is_evidence(&ctx("stray")).await),
     ]
 }
@@ -412,6 +413,36 @@ async fn late_ack_of_an_absent_attempt_converges<H: Harness>(c: &Ctx<'_, H>) -> 
     eq("late ACK of the absent attempt", c.accept(&r1).await?, ReceiptDecision::Accept { from: EventState::RetryClaimed })?;
     c.expect_state(&id, EventState::Published).await?;
     eq("again", c.accept(&r1).await?, ReceiptDecision::AlreadyAccepted)
+}
+
+/// The proof of absence was wrong (a paused host wrote after the bound) and
+/// the event went on without the copy: its retry was refused, it is PENDING
+/// again. The late genuine ACK cannot publish it, but it is kept as a
+/// duplicate transport receipt (and refutes the proof); the next attempt
+/// publishes the event.
+async fn late_ack_after_a_refused_retry_is_kept<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce1 = c.claim_some("w1", &id).await?;
+    let a1 = c.register(&ce1.token).await?;
+    c.expire().await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let task = c.reconcile("r1", &id).await?;
+    let d = decide_reconcile(&task.attempts, &LookupOutcome::Absent, true, &POLICY, c.h.now_ms());
+    eq("proof", &d, &ReconcileDecision::Retry { proven_absent: true })?;
+    c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?;
+    let ce2 = c.claim_retry("w2", &id).await?;
+    let a2 = c.register(&ce2.token).await?;
+    eq("retry refused", c.s().report_not_sent(&ce2.token, &a2.attempt_id, "broker refused").await.map_err(err("report_not_sent"))?, FenceOutcome::Applied)?;
+    c.expect_state(&id, EventState::Pending).await?;
+    let late = receipt(&ce1, &a1, c.offset(1));
+    eq("late ACK of the absent attempt", c.accept(&late).await?, ReceiptDecision::Duplicate)?;
+    c.expect_state(&id, EventState::Pending).await?;
+    eq("again", c.accept(&late).await?, ReceiptDecision::Duplicate)?;
+    c.h.advance_ms(crate::claim::not_sent_backoff_ms(a2.attempt_generation));
+    let ce3 = c.claim_some("w3", &id).await?;
+    let a3 = c.register(&ce3.token).await?;
+    eq("the next attempt", c.accept(&receipt(&ce3, &a3, c.offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    c.expect_state(&id, EventState::Published).await
 }
 
 async fn stray_divergent_message_is_evidence<H: Harness>(c: &Ctx<'_, H>) -> Verdict {

@@ -174,8 +174,11 @@ pub enum ReceiptDecision {
     },
     /// This exact receipt already fills the slot: same answer, nothing written.
     AlreadyAccepted,
-    /// The slot holds another receipt: keep this one as a duplicate transport
-    /// receipt (evidence) and mark its attempt ACKED.
+    /// The slot holds another receipt, or cannot take this genuine copy of
+    /// an attempt proven absent (the event went on without it; or the copy
+    /// sits at the primary's offset in a log that replaced the primary's):
+    /// keep this one as a duplicate transport receipt (evidence) and mark
+    /// its attempt ACKED.
     Duplicate,
     /// Divergent payload or destination: record the evidence; move the event
     /// to QUARANTINED when its state allows.
@@ -241,6 +244,12 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
         Some(primary) if primary.same_placement(receipt) => {
             if primary.attempt_id == receipt.attempt_id {
                 AlreadyAccepted
+            } else if attempt.state == AttemptState::Absent {
+                // One position holds one message: a genuine copy of an
+                // attempt proven absent at the primary's very position is in
+                // another log (the topic recreated, the cluster replaced).
+                // It refutes the proof and is kept as evidence.
+                Duplicate
             } else {
                 Reject { reason: RejectReason::ConflictingPlacement }
             }
@@ -250,14 +259,17 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
             AttemptState::NotSent => Reject { reason: RejectReason::AttemptClosed },
         },
         None => match attempt.state {
-            AttemptState::Sending | AttemptState::Unknown | AttemptState::Absent => {
-                if event.state.accepts_receipt() {
-                    Accept { from: event.state }
-                } else {
-                    Reject { reason: RejectReason::EventNotAccepting }
-                }
-            }
-            AttemptState::Acked | AttemptState::NotSent => Reject { reason: RejectReason::AttemptClosed },
+            AttemptState::Sending | AttemptState::Unknown | AttemptState::Absent if event.state.accepts_receipt() => Accept { from: event.state },
+            // The proof sent the event on without this copy (its retry was
+            // refused: it is PENDING again, or claimed anew): it cannot be
+            // published without a send of its own, but the copy is in the log
+            // and is never thrown away. Kept as evidence; it refutes the proof.
+            AttemptState::Absent => Duplicate,
+            AttemptState::Sending | AttemptState::Unknown => Reject { reason: RejectReason::EventNotAccepting },
+            // Only a copy kept as evidence so (above) is ACKED with the slot
+            // empty: the same answer again.
+            AttemptState::Acked => Duplicate,
+            AttemptState::NotSent => Reject { reason: RejectReason::AttemptClosed },
         },
     }
 }

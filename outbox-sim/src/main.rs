@@ -24,9 +24,7 @@ const USAGE: &str = "usage: outbox-sim [--traces N] [--first-seed S] [--threads 
                    model: the protocol model (consumers, migrations, retention); both (default)
   --seed S         replay one trace and print its event log (engine services unless --engine model)
   --log            with --seed: print the log (always on for --seed)
-  --mutation NAME  run with a deliberate defect (the engine follows from it); `list` prints them
-  --host-pauses    services engine: also pause dispatcher hosts with a message in their client
-                   (finds two open defects of the receipt decision; on for absent-attempt-ack-discarded)";
+  --mutation NAME  run with a deliberate defect (the engine follows from it); `list` prints them";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Engine {
@@ -50,7 +48,6 @@ fn main() -> ExitCode {
     let mut service_mutation: Option<&'static str> = None;
     let mut engine: Option<Engine> = None;
     let mut list = false;
-    let mut pauses = false;
     let mut args = std::env::args().skip(1);
     let usage = || {
         eprintln!("{USAGE}");
@@ -83,7 +80,6 @@ fn main() -> ExitCode {
                     }
                 }
                 "--log" => {}
-                "--host-pauses" => pauses = true,
                 "-h" | "--help" => return Err(String::new()),
                 other => return Err(format!("unknown argument {other}")),
             }
@@ -126,10 +122,6 @@ fn main() -> ExitCode {
         }
         (Some(e), false, false) => e,
     };
-    // The one mutation that needs paused hosts to be reachable turns them on.
-    pauses |= service_mutation == Some("absent-attempt-ack-discarded");
-    outbox_sim::services::set_host_pauses(pauses);
-    let pauses_arg = if pauses { " --host-pauses" } else { "" };
     if traces == 0 {
         eprintln!("--traces 0 would prove nothing; refused");
         return ExitCode::from(2);
@@ -176,7 +168,7 @@ fn main() -> ExitCode {
             let m = service_mutation.map(|m| format!(" --mutation {m}")).unwrap_or_default();
             if let Some(&first) = failing.first() {
                 println!("services.failing_seeds {failing:?}");
-                println!("replay: cargo run --release -p outbox-sim -- --engine services --seed {first} --log{m}{pauses_arg}");
+                println!("replay: cargo run --release -p outbox-sim -- --engine services --seed {first} --log{m}");
                 let out = run_services_trace(first, service_mutation, false);
                 println!("trace {first} violations: {}", out.violations.join("; "));
             }

@@ -27,6 +27,9 @@
 //! - processes: dispatchers, the reconciler and the operator killed at any
 //!   await (their task dropped, so every worker stops) and restarted under a
 //!   new owner; the operator also paused for up to six leases;
+//! - clocks: each dispatcher's and reconciler's host has its own clock,
+//!   off true time by up to `MAX_CLOCK_SKEW_MS` either way, and stamps its
+//!   store calls with it (as `PgStore` stamps leases with its host's);
 //! - hosts: a dispatcher's host stopped (a VM paused, a laptop suspended, a
 //!   container frozen) right after it handed a message to its client, for
 //!   two to five leases. Nothing of the host runs meanwhile, the dispatcher
@@ -139,30 +142,6 @@ pub const SERVICE_MUTATIONS: [(&str, &str); 8] = [
     ("absent-attempt-ack-discarded", "a genuine ACK of an attempt closed ABSENT is rejected instead of competing for the slot and refuting the proof"),
 ];
 
-thread_local! {
-    static HOST_PAUSES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Switches paused dispatcher hosts (`ServiceFaults::host_pause`) on or off
-/// for the traces this thread runs (and the gate's threads it starts).
-///
-/// Off by default: with them on, the gate finds two open defects of the
-/// shipped receipt decision, a genuine late ACK of an attempt closed ABSENT
-/// that is rejected (1) when the retry was refused and the event went back
-/// to PENDING (`EventNotAccepting`; seeds 74925, 96725 of 1..100,000) and
-/// (2) when it lands at the offset of the event's own receipt in a log that
-/// replaced the receipt's log (`ConflictingPlacement`; seeds 10811, 13601,
-/// 60779, 77998): the copy stays in the log with no receipt and no finding.
-/// `--host-pauses` turns them on; `absent-attempt-ack-discarded` needs them.
-pub fn set_host_pauses(on: bool) {
-    HOST_PAUSES.with(|h| h.set(on));
-}
-
-/// Whether [`set_host_pauses`] switched pauses on for this thread.
-pub fn host_pauses() -> bool {
-    HOST_PAUSES.with(std::cell::Cell::get)
-}
-
 /// Fault probabilities of one trace.
 #[derive(Debug, Clone, Copy)]
 pub struct ServiceFaults {
@@ -217,7 +196,20 @@ pub struct ServiceFaults {
     /// When (virtual ms from the start) the cluster is replaced by an
     /// empty one, if it is: every topic's partitions new, empty logs.
     pub replace_cluster_at_ms: Option<i64>,
+    /// Largest offset of a process host's clock from true time: each
+    /// dispatcher's and reconciler's host draws its own within plus or
+    /// minus this, and every store call it makes is stamped with its clock
+    /// (as `PgStore` stamps leases with its host's). At most
+    /// [`MAX_CLOCK_SKEW_MS`], so that two hosts differ by no more than the
+    /// reconciler's `clock_skew_allowance_ms`.
+    pub clock_skew_ms: i64,
 }
+
+/// The largest host clock offset a trace draws: half the reconciler's
+/// clock skew allowance (1,000 ms), since two hosts may be off in opposite
+/// directions. Skew beyond the allowance is outside the protocol's promise
+/// (PROTOCOL §6: the in-flight bound is measured across clocks).
+const MAX_CLOCK_SKEW_MS: i64 = 500;
 
 impl ServiceFaults {
     fn from_rng(rng: &mut Rng) -> Self {
@@ -242,6 +234,7 @@ impl ServiceFaults {
             host_pause: 0.0,
             recreate_topic_at_ms: None,
             replace_cluster_at_ms: None,
+            clock_skew_ms: 0,
         };
         let kill_every_ms = if rng.chance(0.7) { rng.range(1_000, 8_000) } else { 0 };
         let truncate_at_ms = rng.chance(0.3).then(|| rng.range(1_000, FAULT_PHASE_MS));
@@ -254,10 +247,9 @@ impl ServiceFaults {
         // topic a migration left is a refuted migration proof, which the
         // protocol does not repair (the copy stays in the old target).
         let host_pause = if migrate_at_ms.is_none() && rng.chance(0.4) { rng.unit() * 0.1 } else { 0.0 };
-        // Drawn whether or not pauses are on, so that the flag changes nothing else.
-        let host_pause = if host_pauses() { host_pause } else { 0.0 };
         let recreate_topic_at_ms = rng.chance(0.08).then(|| rng.range(1_000, FAULT_PHASE_MS));
         let replace_cluster_at_ms = rng.chance(0.05).then(|| rng.range(1_000, FAULT_PHASE_MS));
+        let clock_skew_ms = if rng.chance(0.5) { rng.range(1, MAX_CLOCK_SKEW_MS) } else { 0 };
         ServiceFaults {
             kill_every_ms,
             truncate_at_ms,
@@ -266,6 +258,7 @@ impl ServiceFaults {
             lookup_slow,
             operator_pause,
             host_pause,
+            clock_skew_ms,
             recreate_topic_at_ms,
             replace_cluster_at_ms,
             ..f
@@ -382,6 +375,8 @@ service_figures! {
         consumer_dead_lettered,
         /// Consumer owners that died after a database commit, before the offset commit.
         consumer_crashes,
+        /// Dispatcher and reconciler hosts whose clock is off.
+        skewed_hosts,
         /// Kills of the consumer process.
         consumer_kills,
         /// Partitions moved to a new owner with a batch in flight.
@@ -470,6 +465,9 @@ pub struct ServiceOutcome {
 /// Shared by the store, the broker and the driver of one trace.
 struct World {
     rng: Rng,
+    /// The hosts' clock offsets are drawn from their own stream, so that
+    /// skew changes nothing else of a trace.
+    clock_rng: Rng,
     faults: ServiceFaults,
     /// Whether faults are injected now.
     on: bool,
@@ -513,6 +511,8 @@ struct World {
 struct Host {
     /// Until when (ms, the world's clock) the host is stopped.
     paused_until_ms: std::sync::atomic::AtomicI64,
+    /// How far this host's clock is ahead of true time (negative: behind).
+    skew_ms: i64,
 }
 
 impl Host {
@@ -645,9 +645,10 @@ fn lost(what: &str) -> StoreError {
 }
 
 impl SimStore {
+    /// Stamps the next call with this host's clock.
     fn sync_clock(&self) {
         let now = world(&self.world).now_ms();
-        self.inner.set_now_ms(now);
+        self.inner.set_now_ms(now + self.host.skew_ms);
     }
 
     /// Before a call: maybe stall, maybe fail; returns the fault and the
@@ -1107,7 +1108,17 @@ type Process = tokio::task::JoinHandle<()>;
 
 /// The store and the broker client as a process on a host of its own sees them.
 fn on_new_host(store: &SimStore, broker: &Arc<SimBroker>) -> (SimStore, Arc<SimBroker>) {
-    let host = Arc::new(Host::default());
+    let skew_ms = {
+        let mut w = world(&store.world);
+        let max = w.faults.clock_skew_ms;
+        let skew = if max > 0 { w.clock_rng.range(-max, max) } else { 0 };
+        if skew != 0 {
+            w.figures.skewed_hosts += 1;
+            w.note(|| format!("a new host, its clock {skew:+} ms off"));
+        }
+        skew
+    };
+    let host = Arc::new(Host { skew_ms, ..Host::default() });
     (SimStore { host: host.clone(), ..store.clone() }, Arc::new(SimBroker { world: broker.world.clone(), host }))
 }
 
@@ -1255,6 +1266,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
     let mut rng = Rng::new(cfg.seed);
     let shared: Shared = Arc::new(Mutex::new(World {
         rng: Rng::new(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 1),
+        clock_rng: Rng::new(cfg.seed.wrapping_mul(0xD6E8_FEB8_6659_FD93) ^ 2),
         faults: cfg.faults,
         on: true,
         start: Instant::now(),
@@ -1708,12 +1720,10 @@ pub fn run_services_gate(first_seed: u64, traces: u64, mutation: Option<&'static
     let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
     let start = std::time::Instant::now();
     let next = std::sync::atomic::AtomicU64::new(0);
-    let pauses = host_pauses();
     let parts: Vec<(ServiceFigures, Vec<u64>)> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
             .map(|_| {
                 s.spawn(|| {
-                    set_host_pauses(pauses);
                     let mut figures = ServiceFigures::default();
                     let mut failing = Vec::new();
                     loop {
