@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::CoreError;
 use crate::id::{AttemptId, EventId};
+use crate::state::EventState;
 
 /// Shortest lease a dispatcher may ask for.
 pub const MIN_LEASE_MS: i64 = 100;
@@ -189,5 +190,126 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ms(&self) -> i64 {
         self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// What the expiry of a claim's lease does to the event that holds it
+/// (PROTOCOL §4): a holder that stalled past its lease holds a dead
+/// generation, and the row moves on without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseExpiry {
+    /// The state the event moves to.
+    pub to: EventState,
+    /// Whether the claim's open attempt (SENDING) becomes UNKNOWN: it may
+    /// have been handed to the client, so its outcome is not known.
+    pub attempt_unknown: bool,
+    /// Whether the event keeps its claim's attempt id (the attempt the
+    /// reconciler will ask about).
+    pub keeps_attempt: bool,
+    /// Whether the event's outcome is unknown from now on (its unknown
+    /// interval starts, if it has not yet).
+    pub outcome_unknown: bool,
+}
+
+/// The states whose claims carry a lease that can expire.
+pub const LEASED_STATES: [EventState; 4] = [EventState::Claimed, EventState::Sending, EventState::RetryClaimed, EventState::Reconciling];
+
+/// The decision of the lease sweep for an event in `state` whose lease ran
+/// out (`None`: `state` holds no lease). Every store applies exactly this:
+/// `MemoryStore::expire_leases` calls it, and `PgStore::expire_leases` runs
+/// the SQL [`lease_expiry_sql`] writes from it.
+///
+/// - CLAIMED (nothing was sent): back to PENDING, the attempt id dropped.
+/// - SENDING (the message may be in the client or the log):
+///   DISPATCH_UNKNOWN, its attempt UNKNOWN.
+/// - RETRY_CLAIMED, RECONCILING (a retry or a reconciliation abandoned):
+///   DISPATCH_UNKNOWN again, for the next reconciler.
+///
+/// The claim generation is bumped in every case (the holder is fenced).
+pub fn plan_lease_expiry(state: EventState) -> Option<LeaseExpiry> {
+    match state {
+        EventState::Claimed => Some(LeaseExpiry { to: EventState::Pending, attempt_unknown: false, keeps_attempt: false, outcome_unknown: false }),
+        EventState::Sending => Some(LeaseExpiry { to: EventState::DispatchUnknown, attempt_unknown: true, keeps_attempt: true, outcome_unknown: true }),
+        EventState::RetryClaimed | EventState::Reconciling => {
+            Some(LeaseExpiry { to: EventState::DispatchUnknown, attempt_unknown: false, keeps_attempt: true, outcome_unknown: true })
+        }
+        _ => None,
+    }
+}
+
+/// The SQL of [`plan_lease_expiry`] over a column `old` holding the state:
+/// the leased states (`IN` list), and CASE expressions for the new state,
+/// for whether the attempt id is kept, whether the outcome is unknown, and
+/// the states whose attempt becomes UNKNOWN (`IN` list). Written from the
+/// plan, so that the PostgreSQL sweep cannot drift from it.
+pub fn lease_expiry_sql(old: &str) -> LeaseExpirySql {
+    let quote = |s: EventState| format!("'{}'", s.as_str());
+    let list = |f: &dyn Fn(&LeaseExpiry) -> bool| {
+        LEASED_STATES.iter().filter(|s| plan_lease_expiry(**s).is_some_and(|p| f(&p))).map(|s| quote(*s)).collect::<Vec<_>>().join(", ")
+    };
+    let mut to = format!("CASE {old}");
+    for s in LEASED_STATES {
+        if let Some(p) = plan_lease_expiry(s) {
+            to.push_str(&format!(" WHEN {} THEN {}", quote(s), quote(p.to)));
+        }
+    }
+    to.push_str(" END");
+    LeaseExpirySql {
+        leased: LEASED_STATES.iter().map(|s| quote(*s)).collect::<Vec<_>>().join(", "),
+        to,
+        keeps_attempt: list(&|p| p.keeps_attempt),
+        outcome_unknown: list(&|p| p.outcome_unknown),
+        attempt_unknown: list(&|p| p.attempt_unknown),
+    }
+}
+
+/// SQL fragments of [`lease_expiry_sql`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseExpirySql {
+    /// `'CLAIMED', 'SENDING', ...`: the states with a lease.
+    pub leased: String,
+    /// `CASE old WHEN 'CLAIMED' THEN 'PENDING' ... END`: the new state.
+    pub to: String,
+    /// The states whose event keeps its attempt id.
+    pub keeps_attempt: String,
+    /// The states after which the outcome is unknown.
+    pub outcome_unknown: String,
+    /// The states whose open attempt becomes UNKNOWN.
+    pub attempt_unknown: String,
+}
+
+#[cfg(test)]
+mod lease_expiry_tests {
+    use super::*;
+    use crate::state::ALL_STATES;
+
+    #[test]
+    fn every_leased_state_has_a_legal_expiry_and_no_other_state_has_one() {
+        for s in ALL_STATES {
+            match plan_lease_expiry(s) {
+                Some(p) => {
+                    assert!(LEASED_STATES.contains(&s), "{s}");
+                    assert!(s.can_transition_to(p.to), "{s} -> {}", p.to);
+                    // Only an attempt that may be in the log makes the outcome unknown.
+                    assert_eq!(p.attempt_unknown, s == EventState::Sending, "{s}");
+                    assert_eq!(p.outcome_unknown, p.to == EventState::DispatchUnknown, "{s}");
+                }
+                None => assert!(!LEASED_STATES.contains(&s), "{s} has a lease and no expiry"),
+            }
+        }
+        assert_eq!(plan_lease_expiry(EventState::Claimed).map(|p| p.to), Some(EventState::Pending));
+    }
+
+    #[test]
+    fn the_sql_is_written_from_the_plan() {
+        let sql = lease_expiry_sql("c.old_state");
+        assert_eq!(sql.leased, "'CLAIMED', 'SENDING', 'RETRY_CLAIMED', 'RECONCILING'");
+        assert_eq!(
+            sql.to,
+            "CASE c.old_state WHEN 'CLAIMED' THEN 'PENDING' WHEN 'SENDING' THEN 'DISPATCH_UNKNOWN' WHEN 'RETRY_CLAIMED' THEN 'DISPATCH_UNKNOWN' WHEN 'RECONCILING' THEN 'DISPATCH_UNKNOWN' END"
+        );
+        assert_eq!(sql.attempt_unknown, "'SENDING'");
+        assert_eq!(sql.keeps_attempt, "'SENDING', 'RETRY_CLAIMED', 'RECONCILING'");
+        assert_eq!(sql.outcome_unknown, sql.keeps_attempt);
     }
 }

@@ -54,7 +54,7 @@ pub mod trust;
 pub mod watermark_record;
 
 pub use canonical::{is_digest, sha256_digest};
-pub use claim::{check_fence, not_sent_backoff_ms, Claim, ClaimToken, Clock, FencedWrite, ManualClock, SystemClock};
+pub use claim::{check_fence, lease_expiry_sql, not_sent_backoff_ms, plan_lease_expiry, Claim, ClaimToken, Clock, FencedWrite, LeaseExpiry, LeaseExpirySql, ManualClock, SystemClock, LEASED_STATES};
 pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, RoutePolicy, DEFAULT_CONTENT_TYPE, DEFAULT_MAX_PAYLOAD_BYTES};
 pub use error::CoreError;
 pub use headers::CloudEventsBinding;

@@ -765,31 +765,24 @@ impl OutboxStore for MemoryStore {
             if !expired {
                 continue;
             }
-            let to = match ev.state {
-                EventState::Claimed => {
-                    out.released += 1;
-                    EventState::Pending
-                }
-                EventState::Sending => {
-                    out.unknown += 1;
-                    if let Some(a) = st.attempts.get_mut(&ev.envelope.event_id).and_then(|v| v.iter_mut().find(|a| Some(&a.attempt_id) == ev.claim.attempt_id.as_ref())) {
-                        if a.state == AttemptState::Sending {
-                            a.state = AttemptState::Unknown;
-                        }
+            let Some(plan) = crate::claim::plan_lease_expiry(ev.state) else { continue };
+            match ev.state {
+                EventState::Claimed => out.released += 1,
+                EventState::Sending => out.unknown += 1,
+                _ => out.retry_expired += 1,
+            }
+            if plan.attempt_unknown {
+                if let Some(a) = st.attempts.get_mut(&ev.envelope.event_id).and_then(|v| v.iter_mut().find(|a| Some(&a.attempt_id) == ev.claim.attempt_id.as_ref())) {
+                    if a.state == AttemptState::Sending {
+                        a.state = AttemptState::Unknown;
                     }
-                    EventState::DispatchUnknown
                 }
-                EventState::RetryClaimed | EventState::Reconciling => {
-                    out.retry_expired += 1;
-                    EventState::DispatchUnknown
-                }
-                _ => continue,
-            };
-            Self::transition(ev, to, now)?;
+            }
+            Self::transition(ev, plan.to, now)?;
             ev.claim.claim_generation += 1;
             ev.claim.owner = None;
             ev.claim.lease_until_ms = None;
-            if to == EventState::Pending {
+            if !plan.keeps_attempt {
                 ev.claim.attempt_id = None;
             }
         }

@@ -1151,6 +1151,38 @@ const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
 /// up to the first at its bound, which holds for every later generation:
 /// report_not_sent looks its row's generation up here, so the rule is
 /// stated once, in outbox-core.
+/// The lease sweep: `outbox_core::plan_lease_expiry` as SQL
+/// (`outbox_core::lease_expiry_sql` writes its state lists and CASE
+/// expressions from the plan).
+static EXPIRE_LEASES_SQL: LazyLock<String> = LazyLock::new(|| {
+    let p = outbox_core::lease_expiry_sql("c.old_state");
+    format!(
+        "WITH c AS (
+            SELECT event_id, state AS old_state, claim_attempt_id FROM outbox_events
+            WHERE claim_owner IS NOT NULL AND lease_until_ms <= $1
+              AND state IN ({leased})
+            ORDER BY lease_until_ms LIMIT $2 FOR UPDATE SKIP LOCKED),
+         ev AS (
+            UPDATE outbox_events e SET
+                state = {to},
+                claim_generation = e.claim_generation + 1, claim_owner = NULL, lease_until_ms = NULL,
+                claim_attempt_id = CASE WHEN c.old_state IN ({keeps}) THEN e.claim_attempt_id ELSE NULL END,
+                unknown_since_ms = CASE WHEN c.old_state IN ({unknown}) THEN coalesce(e.unknown_since_ms, $1) ELSE e.unknown_since_ms END,
+                next_check_at_ms = $1, state_since_ms = $1
+            FROM c WHERE e.event_id = c.event_id
+            RETURNING c.old_state, c.claim_attempt_id),
+         att AS (
+            UPDATE outbox_attempts a SET state = 'UNKNOWN', detail = 'lease expired while sending', finished_at_ms = $1
+            FROM ev WHERE ev.old_state IN ({attempt}) AND a.attempt_id = ev.claim_attempt_id AND a.state = 'SENDING')
+         SELECT old_state, count(*) AS n FROM ev GROUP BY old_state",
+        leased = p.leased,
+        to = p.to,
+        keeps = p.keeps_attempt,
+        unknown = p.outcome_unknown,
+        attempt = p.attempt_unknown,
+    )
+});
+
 static NOT_SENT_BACKOFFS: LazyLock<Vec<i64>> = LazyLock::new(|| {
     let mut schedule = Vec::new();
     for generation in 1..=64 {
@@ -1376,26 +1408,7 @@ impl OutboxStore for PgStore {
     async fn expire_leases(&self) -> Result<SweepOutcome, StoreError> {
         let now = self.now_ms();
         let mut tx = self.begin().await?;
-        let rows = sqlx::query(
-            "WITH c AS (
-                SELECT event_id, state AS old_state, claim_attempt_id FROM outbox_events
-                WHERE claim_owner IS NOT NULL AND lease_until_ms <= $1
-                  AND state IN ('CLAIMED', 'SENDING', 'RETRY_CLAIMED', 'RECONCILING')
-                ORDER BY lease_until_ms LIMIT $2 FOR UPDATE SKIP LOCKED),
-             ev AS (
-                UPDATE outbox_events e SET
-                    state = CASE WHEN c.old_state = 'CLAIMED' THEN 'PENDING' ELSE 'DISPATCH_UNKNOWN' END,
-                    claim_generation = e.claim_generation + 1, claim_owner = NULL, lease_until_ms = NULL,
-                    claim_attempt_id = CASE WHEN c.old_state = 'CLAIMED' THEN NULL ELSE e.claim_attempt_id END,
-                    unknown_since_ms = CASE WHEN c.old_state = 'CLAIMED' THEN e.unknown_since_ms ELSE coalesce(e.unknown_since_ms, $1) END,
-                    next_check_at_ms = $1, state_since_ms = $1
-                FROM c WHERE e.event_id = c.event_id
-                RETURNING c.old_state, c.claim_attempt_id),
-             att AS (
-                UPDATE outbox_attempts a SET state = 'UNKNOWN', detail = 'lease expired while sending', finished_at_ms = $1
-                FROM ev WHERE ev.old_state = 'SENDING' AND a.attempt_id = ev.claim_attempt_id AND a.state = 'SENDING')
-             SELECT old_state, count(*) AS n FROM ev GROUP BY old_state",
-        )
+        let rows = sqlx::query(&EXPIRE_LEASES_SQL)
         .bind(now)
         .bind(MAX_SWEEP_ROWS)
         .fetch_all(&mut *tx)
