@@ -497,6 +497,7 @@ async fn own(ctx: Arc<Ctx>, key: Key, generation: u64, stop: Arc<AtomicBool>) {
 /// recreated, the cluster replaced: the partition is lost to this owner,
 /// and the next one reads the new log from its start).
 async fn feed(ctx: Arc<Ctx>, key: Key, incarnation_read: usize, mut next: i64, tx: mpsc::Sender<RawMessage>, stop: Arc<AtomicBool>) {
+    let mut idle_ms = 100;
     loop {
         if stop.load(Ordering::Acquire) || tx.is_closed() {
             return;
@@ -529,10 +530,14 @@ async fn feed(ctx: Arc<Ctx>, key: Key, incarnation_read: usize, mut next: i64, t
                 .unwrap_or_default()
         };
         if batch.is_empty() {
-            let idle = ctx.faults.range(200, 1_000);
+            // An idle fetch waits longer each time (as a consumer's fetch
+            // waits on the broker), up to two seconds.
+            idle_ms = (idle_ms * 2).clamp(200, 2_000);
+            let idle = ctx.faults.range(idle_ms / 2, idle_ms);
             tokio::time::sleep(Duration::from_millis(idle as u64)).await;
             continue;
         }
+        idle_ms = 100;
         for m in batch {
             next = m.offset + 1;
             if tx.send(m).await.is_err() {
