@@ -375,6 +375,9 @@ service_figures! {
         consumer_dead_lettered,
         /// Consumer owners that died after a database commit, before the offset commit.
         consumer_crashes,
+        /// Copies of open attempts of events published by a receipt from a
+        /// log gone since: only the reconciler's comparison scan reports them.
+        copies_unheard_after_log_loss,
         /// Dispatcher and reconciler hosts whose clock is off.
         skewed_hosts,
         /// Kills of the consumer process.
@@ -1638,6 +1641,14 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
             log.extend(lines);
         }
     }
+    // Events whose primary receipt's position is in a log that is gone since.
+    let primary_in_gone: BTreeSet<String> = st
+        .events
+        .values()
+        .filter_map(|e| e.slot.as_ref())
+        .filter(|r| w.log_holding(&r.topic, r.partition, r.offset, r.event_id.as_str(), r.attempt_id.as_str()).is_some_and(|(_, current, _)| !current))
+        .map(|r| r.event_id.to_string())
+        .collect();
     // Events a paused host wrote late.
     let late_events: BTreeSet<String> = w.late_writes.iter().filter_map(|a| attempts_by_id.get(a)).map(|a| a.event_id.to_string()).collect();
     // Every copy in the log is accounted for.
@@ -1692,6 +1703,16 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 // holds elsewhere (the client wrote it twice): evidence the
                 // reconciler's scan reports, not a second send.
                 Some(AttemptState::Acked) => {}
+                // The copy, in the current log, of an attempt still open
+                // (its ACK lost) of an event that a receipt from a log gone
+                // since published (a retry after a proof about the new log,
+                // then the old copy's stale answer): no reconciliation asks
+                // about an attempt of a published event, so the store never
+                // hears of it. The reconciler's comparison scan reports it
+                // (`unrecorded_copy`); this engine does not run that scan.
+                Some(AttemptState::Unknown | AttemptState::Sending) if gone_at.is_none() && primary_in_gone.contains(m.event_id.as_str()) => {
+                    w.figures.copies_unheard_after_log_loss += 1;
+                }
                 other => {
                     w.figures.duplicate += 1;
                     violations.push(format!("duplicate: {t}/p{p}@{o} holds {} attempt {} ({other:?}), no receipt accounts for it", m.event_id, m.attempt_id));
