@@ -511,6 +511,30 @@ mod tests {
     }
 
     #[test]
+    fn a_refuting_message_that_cannot_fill_the_slot_is_kept_as_evidence() {
+        // The event went on without it: PENDING again after a refused retry.
+        let c = Case::new().attempt(1, AttemptState::Absent).attempt(2, AttemptState::NotSent).state(EventState::Pending);
+        let r = c.receipt(1, 5);
+        let d = decide_receipt(&c.event, &c.attempts, &r);
+        assert_eq!(d, ReceiptDecision::Duplicate);
+        assert!(refutes_absence(&c.attempts, &r, &d));
+        // An open attempt's receipt for a PENDING event is still refused.
+        let c = Case::new().attempt(1, AttemptState::Unknown).state(EventState::Pending);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::EventNotAccepting });
+        // At the primary's very offset, from a log that replaced the primary's.
+        let mut c = Case::new().attempt(1, AttemptState::Absent).attempt(2, AttemptState::Sending);
+        c.apply(&c.receipt(2, 5));
+        let r = c.receipt(1, 5);
+        let d = decide_receipt(&c.event, &c.attempts, &r);
+        assert_eq!(d, ReceiptDecision::Duplicate);
+        assert!(refutes_absence(&c.attempts, &r, &d));
+        // Another open attempt there is still a conflicting placement.
+        let mut c = Case::new().attempt(1, AttemptState::Unknown).attempt(2, AttemptState::Sending);
+        c.apply(&c.receipt(2, 5));
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::ConflictingPlacement });
+    }
+
+    #[test]
     fn a_genuine_late_ack_of_an_absent_attempt_competes_for_the_slot_and_refutes_the_proof() {
         let c = Case::new().attempt(1, AttemptState::Absent).attempt(2, AttemptState::Sending).state(EventState::Sending);
         let r = c.receipt(1, 5);
