@@ -397,7 +397,11 @@ async fn unregistered_attempt_is_rejected<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     eq("registered attempt", c.accept(&genuine).await?, ReceiptDecision::Accept { from: EventState::Sending })
 }
 
-async fn late_ack_of_an_absent_attempt_converges<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+/// An event whose first attempt's outcome became unknown (its lease ran
+/// out while sending) and which a reconciler then proved absent: the
+/// attempt closed ABSENT, the event RETRY_CLAIMED. Answers the event, its
+/// first claim and the attempt.
+async fn first_attempt_proven_absent<H: Harness>(c: &Ctx<'_, H>) -> Result<(EventId, ClaimedEvent, AttemptRecord), String> {
     let id = c.emit(1, "a").await;
     let ce1 = c.claim_some("w1", &id).await?;
     let a1 = c.register(&ce1.token).await?;
@@ -408,6 +412,11 @@ async fn late_ack_of_an_absent_attempt_converges<H: Harness>(c: &Ctx<'_, H>) -> 
     eq("proof", &d, &ReconcileDecision::Retry { proven_absent: true })?;
     c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?;
     eq("attempt 1 closed", c.attempts(&id).await?.first().map(|a| a.state), Some(AttemptState::Absent))?;
+    Ok((id, ce1, a1))
+}
+
+async fn late_ack_of_an_absent_attempt_converges<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let (id, ce1, a1) = first_attempt_proven_absent(c).await?;
     // A1's genuine message lands after all: it fills the empty slot.
     let r1 = receipt(&ce1, &a1, c.offset(1));
     eq("late ACK of the absent attempt", c.accept(&r1).await?, ReceiptDecision::Accept { from: EventState::RetryClaimed })?;
@@ -421,15 +430,7 @@ async fn late_ack_of_an_absent_attempt_converges<H: Harness>(c: &Ctx<'_, H>) -> 
 /// duplicate transport receipt (and refutes the proof); the next attempt
 /// publishes the event.
 async fn late_ack_after_a_refused_retry_is_kept<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
-    let id = c.emit(1, "a").await;
-    let ce1 = c.claim_some("w1", &id).await?;
-    let a1 = c.register(&ce1.token).await?;
-    c.expire().await?;
-    c.h.advance_ms(POLICY.in_flight_bound_ms);
-    let task = c.reconcile("r1", &id).await?;
-    let d = decide_reconcile(&task.attempts, &LookupOutcome::Absent, true, &POLICY, c.h.now_ms());
-    eq("proof", &d, &ReconcileDecision::Retry { proven_absent: true })?;
-    c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?;
+    let (id, ce1, a1) = first_attempt_proven_absent(c).await?;
     let ce2 = c.claim_retry("w2", &id).await?;
     let a2 = c.register(&ce2.token).await?;
     eq("retry refused", c.s().report_not_sent(&ce2.token, &a2.attempt_id, "broker refused").await.map_err(err("report_not_sent"))?, FenceOutcome::Applied)?;

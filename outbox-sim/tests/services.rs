@@ -129,7 +129,7 @@ fn redelivery_reapplied_in_the_shipped_processor_is_caught() {
 /// transaction then fails or whose process dies.
 #[test]
 fn offset_before_commit_in_the_shipped_partition_loop_is_caught() {
-    assert_caught("offset-before-commit", 100, "unseen");
+    assert_caught("offset-before-commit", 400, "unseen");
 }
 
 /// Every published event the log still holds was applied once by the
