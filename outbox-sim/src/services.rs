@@ -209,7 +209,7 @@ pub struct ServiceFaults {
 /// clock skew allowance (1,000 ms), since two hosts may be off in opposite
 /// directions. Skew beyond the allowance is outside the protocol's promise
 /// (PROTOCOL §6: the in-flight bound is measured across clocks).
-const MAX_CLOCK_SKEW_MS: i64 = 500;
+pub const MAX_CLOCK_SKEW_MS: i64 = 500;
 
 impl ServiceFaults {
     fn from_rng(rng: &mut Rng) -> Self {
