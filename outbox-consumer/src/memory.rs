@@ -161,8 +161,15 @@ impl Drop for MemoryTx {
     }
 }
 
-fn closed() -> ConsumerError {
-    ConsumerError::Unavailable("the transaction is closed".into())
+impl MemoryTx {
+    /// Refuses work on a transaction that committed or rolled back.
+    fn ensure_open(&self) -> Result<(), ConsumerError> {
+        if self.open {
+            Ok(())
+        } else {
+            Err(ConsumerError::Unavailable("the transaction is closed".into()))
+        }
+    }
 }
 
 #[async_trait]
@@ -190,9 +197,7 @@ impl ConsumerStore for MemoryConsumerStore {
     }
 
     async fn commit(&self, mut tx: MemoryTx) -> Result<(), ConsumerError> {
-        if !tx.open {
-            return Err(closed());
-        }
+        tx.ensure_open()?;
         {
             let mut st = self.lock();
             for r in tx.receipts.drain(..) {
@@ -234,9 +239,7 @@ impl ConsumerStore for MemoryConsumerStore {
     }
 
     async fn claim(&self, tx: &mut MemoryTx, consumer_id: &str, cluster_id: &str, events: &[&ConsumedEvent]) -> Result<HashMap<String, Claim>, ConsumerError> {
-        if !tx.open {
-            return Err(closed());
-        }
+        tx.ensure_open()?;
         let now = (self.clock)();
         let mut out = HashMap::with_capacity(events.len());
         let mut st = tx.lock();
@@ -283,9 +286,7 @@ impl ConsumerStore for MemoryConsumerStore {
     }
 
     async fn receipts(&self, tx: &mut MemoryTx, consumer_id: &str, ids: &[&str]) -> Result<HashMap<String, Receipt>, ConsumerError> {
-        if !tx.open {
-            return Err(closed());
-        }
+        tx.ensure_open()?;
         let mut out = HashMap::new();
         for r in &tx.receipts {
             if r.consumer_id == consumer_id && ids.contains(&r.event_id.as_str()) {
@@ -302,9 +303,7 @@ impl ConsumerStore for MemoryConsumerStore {
     }
 
     async fn dead_letters(&self, tx: &mut MemoryTx, consumer_id: &str, ids: &[&str]) -> Result<HashMap<String, (u32, String)>, ConsumerError> {
-        if !tx.open {
-            return Err(closed());
-        }
+        tx.ensure_open()?;
         let st = tx.lock();
         Ok(ids
             .iter()
@@ -313,9 +312,7 @@ impl ConsumerStore for MemoryConsumerStore {
     }
 
     async fn store_results(&self, tx: &mut MemoryTx, consumer_id: &str, results: &[(String, Value)]) -> Result<(), ConsumerError> {
-        if !tx.open {
-            return Err(closed());
-        }
+        tx.ensure_open()?;
         for (id, v) in results {
             match tx.receipts.iter_mut().find(|r| r.consumer_id == consumer_id && r.event_id.as_str() == id) {
                 Some(r) => r.result = v.clone(),
@@ -326,9 +323,7 @@ impl ConsumerStore for MemoryConsumerStore {
     }
 
     async fn quarantine(&self, tx: &mut MemoryTx, consumer_id: &str, rows: &[QuarantineRow<'_>], _max_payload_bytes: usize) -> Result<HashSet<i64>, ConsumerError> {
-        if !tx.open {
-            return Err(closed());
-        }
+        tx.ensure_open()?;
         let mut inserted = HashSet::new();
         let st = tx.lock();
         let mut new = Vec::new();
@@ -346,9 +341,7 @@ impl ConsumerStore for MemoryConsumerStore {
     }
 
     async fn insert_dead_letter(&self, tx: &mut MemoryTx, consumer_id: &str, row: &DeadLetterRow<'_>) -> Result<bool, ConsumerError> {
-        if !tx.open {
-            return Err(closed());
-        }
+        tx.ensure_open()?;
         let k = (consumer_id.to_owned(), row.event.event_id.as_str().to_owned());
         if tx.lock().dead_letters.contains_key(&k) || tx.dead_letters.iter().any(|(d, _)| d == &k) {
             return Ok(false);
@@ -367,9 +360,7 @@ impl ConsumerStore for MemoryConsumerStore {
         partition: i32,
         rows: &[WatermarkAdvance],
     ) -> Result<(), ConsumerError> {
-        if !tx.open {
-            return Err(closed());
-        }
+        tx.ensure_open()?;
         for r in rows {
             let k = (consumer_id.to_owned(), cluster_id.to_owned(), topic.to_owned(), partition, r.topic_id.clone());
             tx.watermarks.push((k, r.clone()));

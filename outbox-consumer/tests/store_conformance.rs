@@ -121,7 +121,7 @@ async fn on_postgres(pool: &PgPool) -> Summary {
     sqlx::query("CREATE TABLE conformance_effects (event_id text NOT NULL)").execute(pool).await.unwrap();
     let p = Processor::new("billing", pool.clone(), handler(&refused_order())).unwrap().with_retry(retry()).unwrap().with_cluster_id("kafka-a");
     let outcomes = run(&p).await;
-    let receipts = sqlx::query(r#"SELECT event_id, "offset", result::text AS result FROM outbox_consumer_receipts WHERE consumer_id = 'billing' ORDER BY event_id"#)
+    let mut receipts: Vec<(String, i64, String)> = sqlx::query(r#"SELECT event_id, "offset", result::text AS result FROM outbox_consumer_receipts WHERE consumer_id = 'billing'"#)
         .fetch_all(pool)
         .await
         .unwrap()
@@ -148,7 +148,6 @@ async fn on_postgres(pool: &PgPool) -> Summary {
     .collect();
     let mut effects: Vec<String> = sqlx::query_scalar("SELECT event_id FROM conformance_effects").fetch_all(pool).await.unwrap();
     effects.sort();
-    let mut receipts: Vec<(String, i64, String)> = receipts;
     receipts.sort();
     Summary { outcomes, receipts, dead_letters, quarantined_offsets, watermarks, effects }
 }
