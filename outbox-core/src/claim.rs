@@ -84,6 +84,30 @@ pub fn check_fence(row: &Claim, token: &ClaimToken, write: FencedWrite, now_ms: 
     Ok(())
 }
 
+/// The states from which a claim holder may register its attempt (the
+/// registration guard of PROTOCOL §4): a dispatcher's claim or a retry
+/// claim, not yet used for an attempt. `PgStore::register_attempts` writes
+/// its state list from this constant; core test
+/// `registrable_states_are_the_states_that_may_start_sending` ties it to the
+/// transition table.
+pub const REGISTRABLE_STATES: [EventState; 2] = [EventState::Claimed, EventState::RetryClaimed];
+
+/// The registration guard: whether `token` may register an attempt on an
+/// event in `state` whose claim is `row` at `now_ms`. First the fence (the
+/// current generation and owner, a running lease: [`check_fence`] for a
+/// send), then the claim itself (a registrable state, no attempt yet).
+/// Both stores decide with it: `MemoryStore::register_attempt` before it
+/// writes, and `PgStore` (whose statement guards the same columns, its
+/// state list from [`REGISTRABLE_STATES`]) to name the refusal of every
+/// token its statement did not register.
+pub fn check_registration(state: EventState, row: &Claim, token: &ClaimToken, now_ms: i64) -> Result<(), CoreError> {
+    check_fence(row, token, FencedWrite::Send, now_ms)?;
+    if !REGISTRABLE_STATES.contains(&state) || row.attempt_id.is_some() {
+        return Err(CoreError::IllegalTransition { from: state, to: EventState::Sending });
+    }
+    Ok(())
+}
+
 /// Checks a requested lease length.
 pub fn validate_lease_ms(lease_ms: i64) -> Result<(), CoreError> {
     if !(MIN_LEASE_MS..=MAX_LEASE_MS).contains(&lease_ms) {
@@ -139,6 +163,27 @@ mod tests {
         // Same generation number presented by another owner is fenced too.
         let forged = ClaimToken { owner: "w9".into(), ..token(6) };
         assert!(check_fence(&row, &forged, FencedWrite::Report, 3_001).is_err());
+    }
+
+    #[test]
+    fn registrable_states_are_the_states_that_may_start_sending() {
+        let may_send: Vec<EventState> = crate::state::ALL_STATES.into_iter().filter(|s| s.can_transition_to(EventState::Sending)).collect();
+        assert_eq!(may_send, REGISTRABLE_STATES.to_vec());
+    }
+
+    #[test]
+    fn registration_needs_the_fence_a_registrable_state_and_no_attempt_yet() {
+        let row = Claim { owner: Some("w1".into()), claim_generation: 5, lease_until_ms: Some(2_000), attempt_id: None };
+        for s in REGISTRABLE_STATES {
+            assert_eq!(check_registration(s, &row, &token(5), 1_999), Ok(()));
+        }
+        assert!(matches!(check_registration(EventState::Claimed, &row, &token(5), 2_000), Err(CoreError::LeaseExpired { .. })));
+        assert!(matches!(check_registration(EventState::Claimed, &row, &token(4), 1_000), Err(CoreError::Fenced { .. })));
+        let used = Claim { attempt_id: Some(AttemptId::from_parts(1, 1)), ..row.clone() };
+        assert_eq!(check_registration(EventState::Claimed, &used, &token(5), 1_000), Err(CoreError::IllegalTransition { from: EventState::Claimed, to: EventState::Sending }));
+        for s in [EventState::Sending, EventState::Reconciling, EventState::Pending, EventState::Published] {
+            assert_eq!(check_registration(s, &row, &token(5), 1_000), Err(CoreError::IllegalTransition { from: s, to: EventState::Sending }));
+        }
     }
 
     #[test]
@@ -237,6 +282,12 @@ pub fn plan_lease_expiry(state: EventState) -> Option<LeaseExpiry> {
     }
 }
 
+/// `'CLAIMED', 'RETRY_CLAIMED'`: states as an SQL list, for a store's
+/// `state IN (...)` written from a core constant.
+pub fn sql_state_list(states: &[EventState]) -> String {
+    states.iter().map(|s| format!("'{}'", s.as_str())).collect::<Vec<_>>().join(", ")
+}
+
 /// The SQL of [`plan_lease_expiry`] over a column `old` holding the state:
 /// the leased states (`IN` list), and CASE expressions for the new state,
 /// for whether the attempt id is kept, whether the outcome is unknown, and
@@ -245,7 +296,7 @@ pub fn plan_lease_expiry(state: EventState) -> Option<LeaseExpiry> {
 pub fn lease_expiry_sql(old: &str) -> LeaseExpirySql {
     let quote = |s: EventState| format!("'{}'", s.as_str());
     let list = |f: &dyn Fn(&LeaseExpiry) -> bool| {
-        LEASED_STATES.iter().filter(|s| plan_lease_expiry(**s).is_some_and(|p| f(&p))).map(|s| quote(*s)).collect::<Vec<_>>().join(", ")
+        sql_state_list(&LEASED_STATES.into_iter().filter(|s| plan_lease_expiry(*s).is_some_and(|p| f(&p))).collect::<Vec<_>>())
     };
     let mut to = format!("CASE {old}");
     for s in LEASED_STATES {
@@ -255,7 +306,7 @@ pub fn lease_expiry_sql(old: &str) -> LeaseExpirySql {
     }
     to.push_str(" END");
     LeaseExpirySql {
-        leased: LEASED_STATES.iter().map(|s| quote(*s)).collect::<Vec<_>>().join(", "),
+        leased: sql_state_list(&LEASED_STATES),
         to,
         keeps_attempt: list(&|p| p.keeps_attempt),
         outcome_unknown: list(&|p| p.outcome_unknown),

@@ -22,12 +22,14 @@
 use async_trait::async_trait;
 
 use crate::canonical::sha256_digest;
+use crate::envelope::EmitRequest;
+use crate::error::CoreError;
 use crate::claim::ClaimToken;
 use crate::id::{AttemptId, EventId};
 use crate::receipt::{AttemptRecord, BrokerReceipt, QuarantineReason, ReceiptDecision, RejectReason};
 use crate::reconcile::{decide_reconcile, RecheckReason, ReconcileDecision, RetryPolicy};
 use crate::state::{AttemptState, EventState};
-use crate::store::{ClaimedEvent, FenceOutcome, LookupOutcome, OutboxStore, ReconcileTask};
+use crate::store::{ClaimedEvent, FenceOutcome, LookupOutcome, OutboxStore, ReconcileTask, StoreError};
 
 /// Lease every scenario asks for.
 pub const LEASE_MS: i64 = 1_000;
@@ -50,6 +52,14 @@ pub trait Harness: Send + Sync {
     /// `payload`, in one transaction, under one route policy with per-key
     /// ordering. A second call with the same key returns the first event id.
     async fn emit(&self, command_key: &str, aggregate_id: &str, payload: &[u8]) -> EventId;
+
+    /// Runs `request` as a business command in one transaction, as the
+    /// store's emit does, under a route for event type `order.created`
+    /// (a request of another event type is asked only as a repeat of an
+    /// existing key). Refusals come back as
+    /// [`CoreError::CommandKeyConflict`] and
+    /// [`CoreError::AggregateVersionBackwards`]; nothing is committed then.
+    async fn emit_command(&self, request: &EmitRequest<'_>) -> Result<EventId, CoreError>;
 
     /// Overwrites the stored payload bytes of an event, leaving its frozen
     /// digest as it was (corruption, a bad migration script...).
@@ -87,6 +97,9 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("late_ack_of_an_absent_attempt_converges", late_ack_of_an_absent_attempt_converges(&ctx("refuted")).await),
         ("late_ack_of_an_absent_attempt_after_a_refused_retry_is_kept", late_ack_after_a_refused_retry_is_kept(&ctx("refusedretry")).await),
         ("stray_divergent_message_is_evidence_not_a_quarantine", stray_divergent_message_is_evidence(&ctx("stray")).await),
+        ("command_keys_and_aggregate_versions", command_keys_and_aggregate_versions(&ctx("command")).await),
+        ("registration_guard_refuses_every_stale_claim", registration_guard(&ctx("guard")).await),
+        ("reconcile_finish_writes_its_plan", reconcile_finish_writes_its_plan(&ctx("finish")).await),
     ]
 }
 
@@ -120,6 +133,20 @@ impl<H: Harness> Ctx<'_, H> {
 
     fn s(&self) -> &H::Store {
         self.h.store()
+    }
+
+    async fn command(&self, command_key: &str, aggregate_id: &str, aggregate_version: i64, event_type: &str, payload: &[u8]) -> Result<EventId, CoreError> {
+        let request = EmitRequest {
+            command_key,
+            tenant: "conformance",
+            aggregate_type: "order",
+            aggregate_id,
+            aggregate_version,
+            event_type,
+            payload_schema: "order-v1",
+            payload,
+        };
+        self.h.emit_command(&request).await
     }
 
     async fn emit(&self, n: u32, aggregate: &str) -> EventId {
@@ -598,4 +625,106 @@ async fn tampered_payload_is_quarantined<H: Harness>(c: &Ctx<'_, H>) -> Verdict 
     c.expect_state(&id, EventState::Quarantined).await?;
     ensure(c.attempts(&id).await?.is_empty(), || "a quarantined event has attempts".into())?;
     ensure(c.claim("w1", &id).await?.is_none(), || "a quarantined event was claimable".into())
+}
+
+/// `emit`'s command decision (`decide_command`): a key names one event for
+/// ever (a retry with the same content answers it, even after later
+/// commands of its aggregate; other content is refused), and an
+/// aggregate's versions never go backwards (an equal version is allowed).
+async fn command_keys_and_aggregate_versions<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let n = |name: &str| format!("{}-{name}", c.prefix);
+    let first = c.command(&n("k1"), &n("a"), 2, "order.created", b"{\"n\":1}").await.map_err(err("first command"))?;
+    eq("a retry of the command", c.command(&n("k1"), &n("a"), 2, "order.created", b"{\"n\":1}").await.map_err(err("retry"))?, first.clone())?;
+    for (what, result) in [
+        ("payload", c.command(&n("k1"), &n("a"), 2, "order.created", b"{\"n\":2}").await),
+        ("aggregate", c.command(&n("k1"), &n("b"), 2, "order.created", b"{\"n\":1}").await),
+        ("event type", c.command(&n("k1"), &n("a"), 2, "order.paid", b"{\"n\":1}").await),
+    ] {
+        match result {
+            Err(CoreError::CommandKeyConflict { event_id, what: got, .. }) => {
+                eq("the conflict names the key's first event", &event_id, &first)?;
+                eq("what differs", got, what)?;
+            }
+            other => return Err(format!("the key reused with another {what}: got {other:?}, want CommandKeyConflict")),
+        }
+    }
+    match c.command(&n("k2"), &n("a"), 1, "order.created", b"{\"n\":3}").await {
+        Err(CoreError::AggregateVersionBackwards { version: 1, last: 2, .. }) => {}
+        other => return Err(format!("version 1 after 2: got {other:?}, want AggregateVersionBackwards {{ version: 1, last: 2 }}")),
+    }
+    let equal = c.command(&n("k2"), &n("a"), 2, "order.created", b"{\"n\":3}").await.map_err(err("an equal version"))?;
+    ensure(equal != first, || "an equal version under a new key is a new event".into())?;
+    // The other aggregate has its own versions.
+    c.command(&n("k3"), &n("b"), 1, "order.created", b"{\"n\":4}").await.map_err(err("another aggregate's version 1"))?;
+    c.command(&n("k4"), &n("a"), 5, "order.created", b"{\"n\":5}").await.map_err(err("version 5"))?;
+    eq("a retry after later commands of the aggregate", c.command(&n("k1"), &n("a"), 2, "order.created", b"{\"n\":1}").await.map_err(err("late retry"))?, first.clone())?;
+    // The refused commands wrote nothing: the key still names the first event, which waits to be claimed.
+    eq("the first event's state", c.s().event_state(&first).await.map_err(err("event_state"))?.0, EventState::Pending)?;
+    Ok(())
+}
+
+/// The registration guard (`check_registration`): only the current holder
+/// of a running claim that has no attempt yet registers one. A forged owner
+/// and a released claim are fenced (and audited); a second registration on
+/// the same claim is an illegal transition (the claim is used), not a
+/// second attempt. Nothing refused leaves an attempt.
+async fn registration_guard<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    let forged = ClaimToken { owner: "w9".into(), ..ce.token.clone() };
+    let e = c.s().register_attempt(&forged).await.err().ok_or("another owner registered on w1's claim")?;
+    ensure(e.is_fenced(), || format!("forged owner: {e}"))?;
+    ensure(c.attempts(&id).await?.is_empty(), || "a forged registration left an attempt".into())?;
+    c.expect_state(&id, EventState::Claimed).await?;
+    let a = c.register(&ce.token).await?;
+    match c.s().register_attempt(&ce.token).await {
+        Err(StoreError::Core(CoreError::IllegalTransition { from: EventState::Sending, to: EventState::Sending })) => {}
+        other => return Err(format!("a second registration on one claim: got {other:?}, want IllegalTransition SENDING -> SENDING")),
+    }
+    let attempts = c.attempts(&id).await?;
+    eq("attempts after the second registration", attempts.iter().map(|x| &x.attempt_id).collect::<Vec<_>>(), vec![&a.attempt_id])?;
+
+    let released = c.emit(2, "b").await;
+    let ce2 = c.claim_some("w1", &released).await?;
+    eq("release", c.s().release(&ce2.token).await.map_err(err("release"))?, FenceOutcome::Applied)?;
+    let e = c.s().register_attempt(&ce2.token).await.err().ok_or("a released claim registered an attempt")?;
+    ensure(e.is_fenced(), || format!("released claim: {e}"))?;
+    ensure(c.attempts(&released).await?.is_empty(), || "a released claim left an attempt".into())?;
+    c.expect_state(&released, EventState::Pending).await
+}
+
+/// `plan_reconcile_finish` on both stores: a recheck is not offered before
+/// its due time and then under a new generation (the old token is fenced);
+/// a blind retry leaves the open attempts UNKNOWN; a proven absence closes
+/// every open attempt ABSENT, the earlier ones included.
+async fn reconcile_finish_writes_its_plan<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce1 = c.claim_some("w1", &id).await?;
+    let a1 = c.register(&ce1.token).await?;
+    c.expire().await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let t1 = c.reconcile("r1", &id).await?;
+    let due = c.h.now_ms() + 5_000;
+    let recheck = ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: due };
+    eq("finish recheck", c.s().finish_reconcile(&t1.token, &recheck).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
+    c.expect_state(&id, EventState::DispatchUnknown).await?;
+    ensure(c.reconcile("r2", &id).await.is_err(), || "offered before its recheck was due".into())?;
+    c.h.advance_ms(5_001);
+    let t2 = c.reconcile("r2", &id).await?;
+    ensure(t2.token.claim_generation > t1.token.claim_generation, || "the second reconcile claim did not bump the generation".into())?;
+    eq("the first reconciler's finish", c.s().finish_reconcile(&t1.token, &recheck).await.map_err(err("finish_reconcile"))?, FenceOutcome::Fenced)?;
+    c.expect_state(&id, EventState::Reconciling).await?;
+    let blind = ReconcileDecision::Retry { proven_absent: false };
+    eq("finish blind retry", c.s().finish_reconcile(&t2.token, &blind).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
+    c.expect_state(&id, EventState::RetryClaimed).await?;
+    let states = |v: Vec<AttemptRecord>| v.into_iter().map(|a| (a.attempt_id, a.state)).collect::<Vec<_>>();
+    eq("after a blind retry", states(c.attempts(&id).await?), vec![(a1.attempt_id.clone(), AttemptState::Unknown)])?;
+    let ce2 = c.claim_retry("w2", &id).await?;
+    let a2 = c.register(&ce2.token).await?;
+    c.expire().await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let t3 = c.reconcile("r3", &id).await?;
+    eq("finish proven retry", c.s().finish_reconcile(&t3.token, &ReconcileDecision::Retry { proven_absent: true }).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
+    eq("after a proof", states(c.attempts(&id).await?), vec![(a1.attempt_id, AttemptState::Absent), (a2.attempt_id, AttemptState::Absent)])?;
+    c.expect_state(&id, EventState::RetryClaimed).await
 }

@@ -59,6 +59,28 @@ pub enum CoreError {
     /// A route policy or destination is not usable (zero partitions, unknown partitioner...).
     #[error("invalid destination: {0}")]
     InvalidDestination(String),
+    /// A command key already produced an event with other content
+    /// ([`crate::command::CommandRefusal::KeyReused`]); nothing was written.
+    #[error("command key {command_key:?} already produced {event_id} with different content ({what})")]
+    CommandKeyConflict {
+        /// The key.
+        command_key: String,
+        /// The event it produced first.
+        event_id: crate::id::EventId,
+        /// What differs.
+        what: &'static str,
+    },
+    /// The aggregate already emitted a higher version
+    /// ([`crate::command::CommandRefusal::VersionBackwards`]); nothing was written.
+    #[error("aggregate {aggregate} version {version} is below the last emitted version {last}")]
+    AggregateVersionBackwards {
+        /// `type/id`.
+        aggregate: String,
+        /// Offered version.
+        version: i64,
+        /// Highest version already emitted.
+        last: i64,
+    },
 }
 
 impl CoreError {

@@ -35,6 +35,7 @@
 
 pub mod canonical;
 pub mod claim;
+pub mod command;
 pub mod conformance;
 pub mod envelope;
 pub mod error;
@@ -54,7 +55,8 @@ pub mod trust;
 pub mod watermark_record;
 
 pub use canonical::{is_digest, sha256_digest};
-pub use claim::{check_fence, lease_expiry_sql, not_sent_backoff_ms, plan_lease_expiry, Claim, ClaimToken, Clock, FencedWrite, LeaseExpiry, LeaseExpirySql, ManualClock, SystemClock, LEASED_STATES};
+pub use command::{decide_command, Command, CommandDecision, CommandRefusal};
+pub use claim::{check_fence, check_registration, sql_state_list, REGISTRABLE_STATES, lease_expiry_sql, not_sent_backoff_ms, plan_lease_expiry, Claim, ClaimToken, Clock, FencedWrite, LeaseExpiry, LeaseExpirySql, ManualClock, SystemClock, LEASED_STATES};
 pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, RoutePolicy, DEFAULT_CONTENT_TYPE, DEFAULT_MAX_PAYLOAD_BYTES};
 pub use error::CoreError;
 pub use headers::CloudEventsBinding;

@@ -9,13 +9,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
-use crate::claim::{check_fence, grant, validate_lease_ms, Claim, ClaimToken, FencedWrite, MAX_CLAIM_BATCH};
+use crate::command::{decide_command, Command, CommandDecision, CommandRefusal};
+use crate::claim::{check_fence, check_registration, grant, validate_lease_ms, Claim, ClaimToken, FencedWrite, MAX_CLAIM_BATCH};
 use crate::envelope::{Destination, Envelope, Ordering};
 use crate::error::CoreError;
 use crate::id::{AttemptId, EventId};
 use crate::receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
 use crate::state::{AttemptState, EventState};
-use crate::reconcile::{ReconcileDecision, RetryPolicy};
+use crate::reconcile::{plan_reconcile_finish, ReconcileDecision, RetryPolicy, OPEN_ATTEMPT_STATES, RECONCILE_CLAIM, RECONCILE_FROM};
 use crate::retention::{check_migration_fence, decide_migration, may_purge, may_retain, LogPosition, MigrationDecision, MigrationFence, MigrationProof, WatermarkRef};
 use crate::store::{ClaimedEvent, FenceOutcome, LookupOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
 
@@ -145,6 +146,8 @@ pub struct MemoryState {
     pub partition_high: BTreeMap<(String, String, Option<String>, i32), (i64, EventId)>,
     /// Migration receipts, in order.
     pub migrations: Vec<MigrationRecord>,
+    /// The highest version each aggregate (tenant, type, id) emitted.
+    pub aggregate_versions: BTreeMap<(String, String, String), i64>,
     next_seq: u64,
 }
 
@@ -177,19 +180,30 @@ impl MemoryStore {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Inserts a PENDING event, as `emit` does in the caller's transaction.
-    /// A second insert with the same command key returns the first event id
-    /// when the payload digest is equal and an error otherwise.
+    /// Inserts a PENDING event, as `emit` does in the caller's transaction,
+    /// decided by [`decide_command`]: a second insert with the same command
+    /// key and content returns the first event id, one with other content is
+    /// [`CoreError::CommandKeyConflict`], and a version below the aggregate's
+    /// last is [`CoreError::AggregateVersionBackwards`].
     pub fn insert(&self, command_key: &str, envelope: Envelope, destination: Destination, payload: Vec<u8>) -> Result<EventId, CoreError> {
         let now = self.now_ms();
         let mut st = self.lock();
-        if let Some(existing) = st.commands.get(command_key) {
-            let ev = &st.events[existing];
-            if ev.envelope.payload_digest != envelope.payload_digest {
-                return Err(CoreError::MalformedIdentifier { field: "commandKey", reason: "reused with a different payload".into() });
+        let aggregate = (envelope.tenant.clone(), envelope.aggregate_type.clone(), envelope.aggregate_id.clone());
+        let first = st.commands.get(command_key).map(|id| (id, Command::of(command_key, &st.events[id].envelope)));
+        match decide_command(&Command::of(command_key, &envelope), first.as_ref().map(|f| &f.1), st.aggregate_versions.get(&aggregate).copied()) {
+            Ok(CommandDecision::Repeat) => return Ok(first.map(|f| f.0.clone()).unwrap_or_else(|| envelope.event_id.clone())),
+            Ok(CommandDecision::New) => {}
+            Err(CommandRefusal::KeyReused { what }) => {
+                let event_id = first.map(|f| f.0.clone()).unwrap_or_else(|| envelope.event_id.clone());
+                return Err(CoreError::CommandKeyConflict { command_key: command_key.to_owned(), event_id, what });
             }
-            return Ok(existing.clone());
+            Err(CommandRefusal::VersionBackwards { last }) => {
+                let aggregate = format!("{}/{}", envelope.aggregate_type, envelope.aggregate_id);
+                return Err(CoreError::AggregateVersionBackwards { aggregate, version: envelope.aggregate_version, last });
+            }
         }
+        let v = st.aggregate_versions.entry(aggregate).or_insert(envelope.aggregate_version);
+        *v = (*v).max(envelope.aggregate_version);
         let id = envelope.event_id.clone();
         st.next_seq += 1;
         let seq = st.next_seq;
@@ -224,7 +238,7 @@ impl MemoryStore {
         let mut st = self.lock();
         let st = &mut *st;
         let Some(ev) = st.events.get_mut(event_id) else { return Err(StoreError::NotFound(event_id.clone())) };
-        if ev.state != EventState::DispatchUnknown {
+        if ev.state != RECONCILE_FROM {
             return Ok(None);
         }
         Ok(Some(Self::take_for_reconcile(ev, &st.attempts, owner, now, lease_ms)?))
@@ -232,7 +246,7 @@ impl MemoryStore {
 
     fn take_for_reconcile(ev: &mut MemoryEvent, attempts: &BTreeMap<EventId, Vec<AttemptRecord>>, owner: &str, now: i64, lease_ms: i64) -> Result<ReconcileTask, StoreError> {
         let since = ev.unknown_since_ms.unwrap_or(ev.state_since_ms);
-        Self::transition(ev, EventState::Reconciling, now)?;
+        Self::transition(ev, RECONCILE_CLAIM, now)?;
         ev.claim = grant(&ev.claim, owner, now, lease_ms);
         ev.claim.attempt_id = None;
         Ok(ReconcileTask {
@@ -582,9 +596,7 @@ impl OutboxStore for MemoryStore {
     async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError> {
         let r = self.fenced_write(token, FencedWrite::Send, "register_attempt", |st, now| {
             let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
-            if ev.claim.attempt_id.is_some() {
-                return Err(CoreError::IllegalTransition { from: ev.state, to: EventState::Sending }.into());
-            }
+            check_registration(ev.state, &ev.claim, token, now)?;
             Self::transition(ev, EventState::Sending, now)?;
             ev.attempt_generation += 1;
             let mut attempt = AttemptRecord {
@@ -799,7 +811,7 @@ impl OutboxStore for MemoryStore {
             if out.len() >= limit.min(MAX_CLAIM_BATCH) {
                 break;
             }
-            if ev.state != EventState::DispatchUnknown || ev.next_check_at_ms > now {
+            if ev.state != RECONCILE_FROM || ev.next_check_at_ms > now {
                 continue;
             }
             out.push(Self::take_for_reconcile(ev, &st.attempts, owner, now, lease_ms)?);
@@ -810,23 +822,15 @@ impl OutboxStore for MemoryStore {
     async fn finish_reconcile(&self, token: &ClaimToken, decision: &ReconcileDecision) -> Result<FenceOutcome, StoreError> {
         let r = self.fenced_write(token, FencedWrite::Report, "finish_reconcile", |st, now| {
             let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
-            if ev.state != EventState::Reconciling {
-                return Ok(FenceOutcome::NoOp);
+            let Some(plan) = plan_reconcile_finish(decision).filter(|_| ev.state == RECONCILE_CLAIM) else { return Ok(FenceOutcome::NoOp) };
+            Self::transition(ev, plan.to, now)?;
+            if let Some(at) = plan.next_check_at_ms {
+                ev.next_check_at_ms = at;
             }
-            match decision {
-                ReconcileDecision::Retry { proven_absent } => {
-                    Self::transition(ev, EventState::RetryClaimed, now)?;
-                    for a in st.attempts.entry(token.event_id.clone()).or_default().iter_mut() {
-                        if *proven_absent && a.state.possibly_in_flight() {
-                            a.state = AttemptState::Absent;
-                        }
-                    }
+            if plan.close_open_attempts {
+                for a in st.attempts.entry(token.event_id.clone()).or_default().iter_mut().filter(|a| OPEN_ATTEMPT_STATES.contains(&a.state)) {
+                    a.state = AttemptState::Absent;
                 }
-                ReconcileDecision::Recheck { next_check_at_ms, .. } => {
-                    Self::transition(ev, EventState::DispatchUnknown, now)?;
-                    ev.next_check_at_ms = *next_check_at_ms;
-                }
-                ReconcileDecision::Submit(_) => return Ok(FenceOutcome::NoOp),
             }
             ev.claim.owner = None;
             ev.claim.lease_until_ms = None;

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::id::EventId;
 use crate::receipt::{AttemptRecord, BrokerReceipt};
-use crate::state::AttemptState;
+use crate::state::{AttemptState, EventState};
 use crate::store::LookupOutcome;
 
 /// When a reconciler may re-send, and how often it looks again.
@@ -72,6 +72,49 @@ pub enum ReconcileDecision {
         /// When to look again.
         next_check_at_ms: i64,
     },
+}
+
+/// The state a reconciler takes a due event from, and the state its
+/// reconcile claim holds it in (PROTOCOL §6). Taking it grants a new claim
+/// generation, as a dispatcher's claim does, and clears the claim's attempt
+/// id. `PgStore::begin_reconcile_where` writes its states from these.
+pub const RECONCILE_FROM: EventState = EventState::DispatchUnknown;
+/// See [`RECONCILE_FROM`].
+pub const RECONCILE_CLAIM: EventState = EventState::Reconciling;
+
+/// The attempt states a proof of absence closes ABSENT: the attempts that
+/// may still be in flight ([`AttemptState::possibly_in_flight`]).
+pub const OPEN_ATTEMPT_STATES: [AttemptState; 2] = [AttemptState::Sending, AttemptState::Unknown];
+
+/// What finishing a reconcile writes, under the reconcile claim, on an event
+/// still in [`RECONCILE_CLAIM`]: the new state, the claim released (owner,
+/// lease and attempt id cleared; the next claim bumps the generation), the
+/// recheck's due time, and whether the event's open attempts close ABSENT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReconcileFinish {
+    /// The state the event moves to.
+    pub to: EventState,
+    /// When the event is due for the reconciler again (`None`: unchanged).
+    pub next_check_at_ms: Option<i64>,
+    /// Whether the attempts in [`OPEN_ATTEMPT_STATES`] become ABSENT.
+    pub close_open_attempts: bool,
+}
+
+/// The plan of `finish_reconcile` for `decision`; `None` for a submit,
+/// whose receipts go through the single acceptance point instead. Both
+/// stores apply it: `MemoryStore::finish_reconcile` and
+/// `PgStore::finish_reconcile` (one statement, its values bound from the
+/// plan).
+pub fn plan_reconcile_finish(decision: &ReconcileDecision) -> Option<ReconcileFinish> {
+    match decision {
+        ReconcileDecision::Submit(_) => None,
+        ReconcileDecision::Retry { proven_absent } => {
+            Some(ReconcileFinish { to: EventState::RetryClaimed, next_check_at_ms: None, close_open_attempts: *proven_absent })
+        }
+        ReconcileDecision::Recheck { next_check_at_ms, .. } => {
+            Some(ReconcileFinish { to: EventState::DispatchUnknown, next_check_at_ms: Some(*next_check_at_ms), close_open_attempts: false })
+        }
+    }
 }
 
 /// Smallest clock skew allowance a reconciler may be configured with, ms.
@@ -310,6 +353,26 @@ pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, brok
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_reconcile_finish_is_a_legal_transition_from_the_reconcile_claim() {
+        assert!(RECONCILE_FROM.can_transition_to(RECONCILE_CLAIM));
+        let decisions = [
+            ReconcileDecision::Retry { proven_absent: true },
+            ReconcileDecision::Retry { proven_absent: false },
+            ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: 7 },
+        ];
+        for d in &decisions {
+            let plan = plan_reconcile_finish(d).expect("a finish writes");
+            assert!(RECONCILE_CLAIM.can_transition_to(plan.to), "{d:?}");
+        }
+        assert_eq!(plan_reconcile_finish(&decisions[2]).map(|p| p.next_check_at_ms), Some(Some(7)));
+        assert!(plan_reconcile_finish(&ReconcileDecision::Submit(vec![])).is_none());
+        // Only a proof closes the open attempts; a blind retry leaves them UNKNOWN.
+        assert_eq!(decisions.iter().map(|d| plan_reconcile_finish(d).map(|p| p.close_open_attempts)).collect::<Vec<_>>(), vec![Some(true), Some(false), Some(false)]);
+        let open: Vec<AttemptState> = crate::state::ALL_ATTEMPT_STATES.into_iter().filter(|s| s.possibly_in_flight()).collect();
+        assert_eq!(open, OPEN_ATTEMPT_STATES.to_vec());
+    }
 
     fn attempt(state: AttemptState, started_at_ms: i64, scan_from_offset: i64) -> AttemptRecord {
         crate::receipt::sample_attempt(state, started_at_ms, scan_from_offset)

@@ -175,6 +175,9 @@ pub enum AttemptState {
     Absent,
 }
 
+/// Every attempt state.
+pub const ALL_ATTEMPT_STATES: [AttemptState; 5] = [AttemptState::Sending, AttemptState::Unknown, AttemptState::Acked, AttemptState::NotSent, AttemptState::Absent];
+
 impl AttemptState {
     /// The stored name.
     pub fn as_str(self) -> &'static str {

@@ -1,6 +1,6 @@
 //! `emit`: the PENDING envelope inserted inside the caller's own transaction.
 
-use outbox_core::{decide_publisher, sha256_digest, Destination, EmitRequest, Envelope, EventId, Publisher, RoutePolicy, TakeoverPolicy, DEFAULT_MAX_PAYLOAD_BYTES};
+use outbox_core::{decide_command, decide_publisher, Command, CommandRefusal, sha256_digest, Destination, EmitRequest, Envelope, EventId, Publisher, RoutePolicy, TakeoverPolicy, DEFAULT_MAX_PAYLOAD_BYTES};
 use std::collections::{HashMap, HashSet};
 
 use sqlx::{Postgres, Row, Transaction};
@@ -269,12 +269,10 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         }
         let policy = policies.get(request.event_type).ok_or_else(|| ProducerError::NoRoute { event_type: request.event_type.to_owned() })?;
         let aggregate = (request.tenant, request.aggregate_type, request.aggregate_id);
-        if let Some(&last) = last_version.get(&aggregate).filter(|&&l| request.aggregate_version < l) {
-            return Err(ProducerError::AggregateVersionBackwards {
-                aggregate: format!("{}/{}", request.aggregate_type, request.aggregate_id),
-                version: request.aggregate_version,
-                last,
-            });
+        let digest = sha256_digest(request.payload);
+        // With no earlier event for the key, the only refusal is the version's.
+        if let Err(CommandRefusal::VersionBackwards { last }) = decide_command(&command_of(request, &digest), None, last_version.get(&aggregate).copied()) {
+            return Err(backwards(request, last));
         }
         last_version.insert(aggregate, request.aggregate_version);
         let event_id = EventId::generate(now_ms.max(0) as u64);
@@ -398,19 +396,35 @@ fn col<'a, T>(fresh: &'a [Frozen<'_, '_>], f: impl Fn(&'a Frozen<'_, '_>) -> T) 
 }
 
 /// A request repeating a command key already answered by `first`: the same
-/// command (answer `first`) or a [`ProducerError::CommandKeyConflict`].
+/// command (answer `first`) or a [`ProducerError::CommandKeyConflict`], as
+/// [`decide_command`] decides.
 fn same_command(request: &EmitRequest<'_>, first: Emitted) -> Result<Emitted, ProducerError> {
-    let conflict = |what| ProducerError::CommandKeyConflict { command_key: request.command_key.to_owned(), event_id: first.envelope.event_id.clone(), what };
-    if first.envelope.payload_digest != sha256_digest(request.payload) {
-        return Err(conflict("payload"));
+    let digest = sha256_digest(request.payload);
+    let decision = decide_command(&command_of(request, &digest), Some(&Command::of(request.command_key, &first.envelope)), None);
+    match decision {
+        Ok(_) => Ok(first),
+        Err(CommandRefusal::KeyReused { what }) => {
+            Err(ProducerError::CommandKeyConflict { command_key: request.command_key.to_owned(), event_id: first.envelope.event_id.clone(), what })
+        }
+        // Not given a last version, a repeat is never refused for one.
+        Err(CommandRefusal::VersionBackwards { last }) => Err(backwards(request, last)),
     }
-    if first.envelope.event_type != request.event_type {
-        return Err(conflict("event type"));
+}
+
+fn backwards(request: &EmitRequest<'_>, last: i64) -> ProducerError {
+    ProducerError::AggregateVersionBackwards { aggregate: format!("{}/{}", request.aggregate_type, request.aggregate_id), version: request.aggregate_version, last }
+}
+
+fn command_of<'a>(request: &'a EmitRequest<'a>, payload_digest: &'a str) -> Command<'a> {
+    Command {
+        command_key: request.command_key,
+        payload_digest,
+        event_type: request.event_type,
+        tenant: request.tenant,
+        aggregate_type: request.aggregate_type,
+        aggregate_id: request.aggregate_id,
+        aggregate_version: request.aggregate_version,
     }
-    if first.envelope.tenant != request.tenant || first.envelope.aggregate_type != request.aggregate_type || first.envelope.aggregate_id != request.aggregate_id {
-        return Err(conflict("aggregate"));
-    }
-    Ok(first)
 }
 
 /// The committed events of `keys`, by command key, as first emitted

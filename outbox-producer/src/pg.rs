@@ -337,7 +337,7 @@ impl PgStore {
                        attempt_generation = e.attempt_generation + 1, state_since_ms = $5
                 FROM input i
                 WHERE e.event_id = i.event_id AND e.claim_generation = i.gen AND e.claim_owner = i.owner
-                  AND e.lease_until_ms > $5 AND e.state IN ('CLAIMED', 'RETRY_CLAIMED') AND e.claim_attempt_id IS NULL
+                  AND e.lease_until_ms > $5 AND e.state IN ({registrable}) AND e.claim_attempt_id IS NULL
                 RETURNING e.event_id, e.envelope_generation, e.attempt_generation, e.destination_digest, e.cluster_id, e.topic,
                           e.partition, e.lease_until_ms, i.attempt_id, i.gen, i.owner),
              -- The topic id each frozen destination names (NULL: destination.v1).
@@ -367,7 +367,8 @@ impl PgStore {
                     u.destination_digest, $5, f.scan_from, u.lease_until_ms, f.scan_anchor
              FROM dest u JOIN floors f
                ON f.cluster_id = u.cluster_id AND f.topic = u.topic AND f.topic_id IS NOT DISTINCT FROM u.topic_id AND f.partition = u.partition
-             RETURNING {ATTEMPT_COLUMNS}"
+             RETURNING {ATTEMPT_COLUMNS}",
+            registrable = outbox_core::sql_state_list(&outbox_core::REGISTRABLE_STATES),
         ))
         // Planned for each batch with its real size: a cached generic plan
         // guesses 10 input rows and joined them to the table by nested loop
@@ -393,7 +394,8 @@ impl PgStore {
                 None => {
                     let err = match Self::claim_of(&mut tx, t.event_id.as_str()).await? {
                         None => StoreError::NotFound(t.event_id.clone()),
-                        Some((claim, state)) => match check_fence(&claim, t, FencedWrite::Send, now) {
+                        // The guard that refused it, named: the statement above guards the same columns.
+                        Some((claim, state)) => match outbox_core::check_registration(state, &claim, t, now) {
                             Err(e) => StoreError::Core(e),
                             Ok(()) => StoreError::Core(CoreError::IllegalTransition { from: state, to: EventState::Sending }),
                         },
@@ -723,13 +725,14 @@ impl PgStore {
         let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
         let gens: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect();
         let owners: Vec<&str> = tokens.iter().map(|t| t.owner.as_str()).collect();
-        let rows = sqlx::query(
+        let rows = sqlx::query(&format!(
             "UPDATE outbox_events e SET lease_until_ms = $4 + $5
              FROM UNNEST($1::text[], $2::bigint[], $3::text[]) AS t(event_id, gen, owner)
              WHERE e.event_id = t.event_id AND e.claim_generation = t.gen AND e.claim_owner = t.owner AND e.lease_until_ms > $4
-               AND e.state IN ('CLAIMED', 'SENDING', 'RETRY_CLAIMED', 'RECONCILING')
+               AND e.state IN ({leased})
              RETURNING e.event_id, e.lease_until_ms",
-        )
+            leased = outbox_core::sql_state_list(&outbox_core::LEASED_STATES),
+        ))
         .persistent(false)
         .bind(&ids)
         .bind(&gens)
@@ -755,12 +758,14 @@ impl PgStore {
         let mut tx = self.begin().await?;
         let rows = sqlx::query(&format!(
             "WITH c AS (
-                SELECT event_id FROM outbox_events WHERE phase = 'DISPATCH_UNKNOWN' AND protocol_version <= $6
+                SELECT event_id FROM outbox_events WHERE phase = '{from}' AND protocol_version <= $6
                   AND (($5::text IS NULL AND next_check_at_ms <= $3) OR event_id = $5)
                 ORDER BY next_check_at_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
-             UPDATE outbox_events e SET state = 'RECONCILING', claim_owner = $2, claim_generation = e.claim_generation + 1,
+             UPDATE outbox_events e SET state = '{claim}', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
-             {CLAIM_FROM_C}"
+             {CLAIM_FROM_C}",
+            claim = outbox_core::reconcile::RECONCILE_CLAIM.as_str(),
+            from = outbox_core::reconcile::RECONCILE_FROM.as_str(),
         ))
         .bind(limit.min(MAX_CLAIM_BATCH) as i64)
         .bind(owner)
@@ -1154,6 +1159,25 @@ const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
 /// The lease sweep: `outbox_core::plan_lease_expiry` as SQL
 /// (`outbox_core::lease_expiry_sql` writes its state lists and CASE
 /// expressions from the plan).
+/// `finish_reconcile`, written from [`outbox_core::reconcile::plan_reconcile_finish`]:
+/// `$5` the new state, `$6` the recheck's due time (NULL: unchanged), `$7`
+/// whether the open attempts close ABSENT.
+static FINISH_RECONCILE_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH ev AS (
+            UPDATE outbox_events SET state = $5, claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL,
+                   next_check_at_ms = coalesce($6, next_check_at_ms), state_since_ms = $4
+            WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = '{claim}'
+            RETURNING event_id),
+         att AS (
+            UPDATE outbox_attempts SET state = 'ABSENT', finished_at_ms = $4, detail = 'proven absent by reconciler'
+            WHERE $7 AND event_id = $1 AND state IN ({open}) AND EXISTS (SELECT 1 FROM ev))
+         SELECT event_id FROM ev",
+        claim = outbox_core::reconcile::RECONCILE_CLAIM.as_str(),
+        open = outbox_core::reconcile::OPEN_ATTEMPT_STATES.iter().map(|s| format!("'{}'", s.as_str())).collect::<Vec<_>>().join(", "),
+    )
+});
+
 static EXPIRE_LEASES_SQL: LazyLock<String> = LazyLock::new(|| {
     let p = outbox_core::lease_expiry_sql("c.old_state");
     format!(
@@ -1435,37 +1459,16 @@ impl OutboxStore for PgStore {
     }
 
     async fn finish_reconcile(&self, token: &ClaimToken, decision: &ReconcileDecision) -> Result<FenceOutcome, StoreError> {
-        match decision {
-            ReconcileDecision::Retry { proven_absent } => {
-                self.fenced_update(
-                    token,
-                    "finish_reconcile",
-                    "WITH ev AS (
-                        UPDATE outbox_events SET state = 'RETRY_CLAIMED', claim_owner = NULL, lease_until_ms = NULL, state_since_ms = $4
-                        WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'RECONCILING'
-                        RETURNING event_id),
-                     att AS (
-                        UPDATE outbox_attempts SET state = 'ABSENT', finished_at_ms = $4, detail = 'proven absent by reconciler'
-                        WHERE $5 AND event_id = $1 AND state IN ('SENDING', 'UNKNOWN') AND EXISTS (SELECT 1 FROM ev))
-                     SELECT event_id FROM ev",
-                    move |q| q.bind(*proven_absent),
-                )
-                .await
+        let Some(plan) = outbox_core::reconcile::plan_reconcile_finish(decision) else { return Ok(FenceOutcome::NoOp) };
+        self.fenced_update(token, "finish_reconcile", &FINISH_RECONCILE_SQL, move |q| {
+            q.bind(plan.to.as_str()).bind(plan.next_check_at_ms).bind(plan.close_open_attempts)
+        })
+        .await
+        .inspect(|_| {
+            if let ReconcileDecision::Recheck { reason, .. } = decision {
+                tracing::debug!(event_id = %token.event_id, ?reason, "unknown stays unknown");
             }
-            ReconcileDecision::Recheck { next_check_at_ms, reason } => {
-                self.fenced_update(
-                    token,
-                    "finish_reconcile",
-                    "UPDATE outbox_events SET state = 'DISPATCH_UNKNOWN', claim_owner = NULL, lease_until_ms = NULL,
-                            next_check_at_ms = $5, state_since_ms = $4
-                     WHERE event_id = $1 AND claim_generation = $2 AND claim_owner = $3 AND state = 'RECONCILING'",
-                    |q| q.bind(*next_check_at_ms),
-                )
-                .await
-                .inspect(|_| tracing::debug!(event_id = %token.event_id, ?reason, "unknown stays unknown"))
-            }
-            ReconcileDecision::Submit(_) => Ok(FenceOutcome::NoOp),
-        }
+        })
     }
 
     async fn attempts(&self, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError> {

@@ -51,6 +51,16 @@ impl Harness for MemoryHarness {
         self.store.insert(command_key, envelope, destination, payload.to_vec()).expect("insert")
     }
 
+    async fn emit_command(&self, request: &EmitRequest<'_>) -> Result<EventId, outbox_core::CoreError> {
+        let now = self.store.now_ms();
+        request.validate(outbox_core::DEFAULT_MAX_PAYLOAD_BYTES)?;
+        // Freezing needs a route only for the event type; a repeat of
+        // another type is decided by the store before anything is inserted.
+        let policy = RoutePolicy { event_type: request.event_type.to_owned(), ..self.policy.clone() };
+        let (envelope, destination) = request.freeze(EventId::generate(now as u64), now, 1, &policy)?;
+        self.store.insert(request.command_key, envelope, destination, request.payload.to_vec())
+    }
+
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
         if let Some(row) = self.store.lock().events.get_mut(id) {
             row.payload = new_payload.to_vec();

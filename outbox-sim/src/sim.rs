@@ -1082,12 +1082,16 @@ impl Sim {
         let fresh = EventId::from_parts(self.now as u64, self.rng.next_u128());
         self.txid += 1;
         let cmd = &self.cmds[c];
+        // The business transaction raises its aggregate's version by one
+        // (commands of one aggregate commit in any order here; a retry
+        // repeats its key and is answered by its first event).
+        let version = self.store.lock().aggregate_versions.get(&(TENANT.to_owned(), "order".to_owned(), cmd.aggregate.clone())).copied().unwrap_or(0) + 1;
         let req = EmitRequest {
             command_key: key,
             tenant: TENANT,
             aggregate_type: "order",
             aggregate_id: &cmd.aggregate,
-            aggregate_version: c as i64 + 1,
+            aggregate_version: version,
             event_type: EVENT_TYPE,
             payload_schema: "order-v1",
             payload: &cmd.payload,

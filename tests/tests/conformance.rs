@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::{EmitRequest, EventId, ManualClock};
-use outbox_producer::{emit, EmitOptions, PgStore};
+use outbox_core::{CoreError, EmitRequest, EventId, ManualClock};
+use outbox_producer::{emit, EmitOptions, PgStore, ProducerError};
 use sqlx::PgPool;
 
 struct PgHarness {
@@ -37,6 +37,19 @@ impl outbox_core::conformance::Harness for PgHarness {
         let e = emit(&mut tx, &req, &EmitOptions::default()).await.expect("emit");
         tx.commit().await.expect("commit");
         e.envelope.event_id
+    }
+
+    async fn emit_command(&self, request: &EmitRequest<'_>) -> Result<EventId, CoreError> {
+        let mut tx = self.pool.begin().await.expect("begin");
+        match emit(&mut tx, request, &EmitOptions::default()).await {
+            Ok(e) => {
+                tx.commit().await.expect("commit");
+                Ok(e.envelope.event_id)
+            }
+            Err(ProducerError::CommandKeyConflict { command_key, event_id, what }) => Err(CoreError::CommandKeyConflict { command_key, event_id, what }),
+            Err(ProducerError::AggregateVersionBackwards { aggregate, version, last }) => Err(CoreError::AggregateVersionBackwards { aggregate, version, last }),
+            Err(e) => panic!("emit: {e}"),
+        }
     }
 
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
