@@ -23,6 +23,7 @@ use async_trait::async_trait;
 
 use crate::canonical::sha256_digest;
 use crate::envelope::EmitRequest;
+use crate::retention::MigrationFence;
 use crate::error::CoreError;
 use crate::claim::ClaimToken;
 use crate::id::{AttemptId, EventId};
@@ -60,6 +61,13 @@ pub trait Harness: Send + Sync {
     /// [`CoreError::CommandKeyConflict`] and
     /// [`CoreError::AggregateVersionBackwards`]; nothing is committed then.
     async fn emit_command(&self, request: &EmitRequest<'_>) -> Result<EventId, CoreError>;
+
+    /// The store's migration commit (PROTOCOL §7) of `id` to topic
+    /// `to_topic` of the same cluster, under `fence` (with the old target's
+    /// `lookup` for a proven-absent move), with [`POLICY`]: `Ok(Ok(new
+    /// envelope generation))` when it moved, `Ok(Err(reason))` when it was
+    /// refused (nothing changed), `Err` when the store failed.
+    async fn commit_migration(&self, id: &EventId, to_topic: &str, fence: &MigrationFence, lookup: Option<&LookupOutcome>) -> Result<Result<u32, String>, String>;
 
     /// Overwrites the stored payload bytes of an event, leaving its frozen
     /// digest as it was (corruption, a bad migration script...).
@@ -100,6 +108,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("command_keys_and_aggregate_versions", command_keys_and_aggregate_versions(&ctx("command")).await),
         ("registration_guard_refuses_every_stale_claim", registration_guard(&ctx("guard")).await),
         ("reconcile_finish_writes_its_plan", reconcile_finish_writes_its_plan(&ctx("finish")).await),
+        ("migration_commit_is_fenced", migration_commit_is_fenced(&ctx("migrate")).await),
     ]
 }
 
@@ -727,4 +736,38 @@ async fn reconcile_finish_writes_its_plan<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     eq("finish proven retry", c.s().finish_reconcile(&t3.token, &ReconcileDecision::Retry { proven_absent: true }).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
     eq("after a proof", states(c.attempts(&id).await?), vec![(a1.attempt_id, AttemptState::Absent), (a2.attempt_id, AttemptState::Absent)])?;
     c.expect_state(&id, EventState::RetryClaimed).await
+}
+
+/// The migration commit's fence (`check_migration_fence`) on both stores:
+/// a PENDING event moves only at the claim generation it was read at, and a
+/// proven-absent move only under the very reconcile claim its lookup was
+/// made under. A refused commit changes nothing (no new generation, the
+/// attempts still UNKNOWN); a fenced one then moves and closes them ABSENT.
+async fn migration_commit_is_fenced<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let to = format!("{}-moved", c.prefix);
+    // PENDING, never claimed: generation 0.
+    let fresh = c.emit(1, "a").await;
+    eq("a PENDING event read at its generation", c.h.commit_migration(&fresh, &to, &MigrationFence::Generation(0), None).await?, Ok(2))?;
+    c.expect_state(&fresh, EventState::Pending).await?;
+    let claimed = c.emit(2, "b").await;
+    let ce = c.claim_some("w1", &claimed).await?;
+    eq("release", c.s().release(&ce.token).await.map_err(err("release"))?, FenceOutcome::Applied)?;
+    ensure(c.h.commit_migration(&claimed, &to, &MigrationFence::Generation(0), None).await?.is_err(), || "moved although claimed since it was read".into())?;
+
+    let unknown = c.emit(3, "c").await;
+    let ce = c.claim_some("w1", &unknown).await?;
+    let a = c.register(&ce.token).await?;
+    c.expire().await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let operator = c.reconcile("operator", &unknown).await?;
+    // The operator's claim runs out after its lookup; a reconciler takes the event.
+    c.expire().await?;
+    let reconciler = c.reconcile("r1", &unknown).await?;
+    let stale = c.h.commit_migration(&unknown, &to, &MigrationFence::Claim(operator.token.clone()), Some(&LookupOutcome::Absent)).await?;
+    ensure(stale.is_err(), || format!("moved under a lost reconcile claim: {stale:?}"))?;
+    c.expect_state(&unknown, EventState::Reconciling).await?;
+    eq("attempts after the refused commit", c.attempts(&unknown).await?.into_iter().map(|x| x.state).collect::<Vec<_>>(), vec![AttemptState::Unknown])?;
+    eq("under the current claim", c.h.commit_migration(&unknown, &to, &MigrationFence::Claim(reconciler.token.clone()), Some(&LookupOutcome::Absent)).await?, Ok(2))?;
+    c.expect_state(&unknown, EventState::Pending).await?;
+    eq("attempts after the move", c.attempts(&unknown).await?.into_iter().map(|x| (x.attempt_id, x.state)).collect::<Vec<_>>(), vec![(a.attempt_id, AttemptState::Absent)])
 }

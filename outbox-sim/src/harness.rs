@@ -61,6 +61,20 @@ impl Harness for MemoryHarness {
         self.store.insert(request.command_key, envelope, destination, request.payload.to_vec())
     }
 
+    async fn commit_migration(
+        &self,
+        id: &EventId,
+        to_topic: &str,
+        fence: &outbox_core::MigrationFence,
+        lookup: Option<&outbox_core::LookupOutcome>,
+    ) -> Result<Result<u32, String>, String> {
+        let old = self.store.lock().events.get(id).map(|e| e.envelope.clone()).ok_or_else(|| format!("no event {id}"))?;
+        let route = RoutePolicy { topic: to_topic.to_owned(), ..self.policy.clone() };
+        let destination = route.resolve(&old.tenant, &old.aggregate_type, &old.aggregate_id).map_err(|e| e.to_string())?;
+        let r = self.store.commit_migration(id, destination, fence, lookup, &outbox_core::conformance::POLICY, "conformance", false).map_err(|e| e.to_string())?;
+        Ok(r.map(|m| m.to_generation))
+    }
+
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
         if let Some(row) = self.store.lock().events.get_mut(id) {
             row.payload = new_payload.to_vec();

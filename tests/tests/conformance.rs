@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use outbox_core::{CoreError, EmitRequest, EventId, ManualClock};
+use outbox_producer::migration::{MigrationOutcome, MigrationStore};
 use outbox_producer::{emit, EmitOptions, PgStore, ProducerError};
 use sqlx::PgPool;
 
@@ -49,6 +50,22 @@ impl outbox_core::conformance::Harness for PgHarness {
             Err(ProducerError::CommandKeyConflict { command_key, event_id, what }) => Err(CoreError::CommandKeyConflict { command_key, event_id, what }),
             Err(ProducerError::AggregateVersionBackwards { aggregate, version, last }) => Err(CoreError::AggregateVersionBackwards { aggregate, version, last }),
             Err(e) => panic!("emit: {e}"),
+        }
+    }
+
+    async fn commit_migration(
+        &self,
+        id: &EventId,
+        to_topic: &str,
+        fence: &outbox_core::MigrationFence,
+        lookup: Option<&outbox_core::LookupOutcome>,
+    ) -> Result<Result<u32, String>, String> {
+        let route = outbox_core::RoutePolicy::new("order.created", "sim-cluster", to_topic, 4);
+        match MigrationStore::commit_migration(&self.store, id, &route, "conformance", &outbox_core::conformance::POLICY, fence, lookup, false).await {
+            Ok(MigrationOutcome::Migrated { to_generation, .. }) => Ok(Ok(to_generation)),
+            Ok(MigrationOutcome::Refused { reason }) => Ok(Err(reason)),
+            Ok(other) => Err(format!("not a dry run, yet {other:?}")),
+            Err(e) => Err(e.to_string()),
         }
     }
 
