@@ -99,7 +99,7 @@ pub enum CommandRefusal {
 /// only: its version is the first one's, so a retry after later commands of
 /// the aggregate is still the same command.
 pub fn decide_command(request: &Command<'_>, first: Option<&Command<'_>>, last_version: Option<i64>) -> Result<CommandDecision, CommandRefusal> {
-    if let Some(first) = first {
+    if let Some(first) = first.filter(|_| !crate::simulation::mutation_active("command-dedupe-disabled")) {
         let what = if first.payload_digest != request.payload_digest {
             Some("payload")
         } else if first.event_type != request.event_type {

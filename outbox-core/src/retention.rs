@@ -133,7 +133,8 @@ pub fn may_purge(
     if !may_retain(published_at_ms, now_ms, replay_window_ms) {
         return Err(HoldReason::WithinReplayWindow);
     }
-    for &consumer in mandatory_consumers_on_topic {
+    let consumers = if crate::simulation::mutation_active("purge-ignores-watermarks") { &[][..] } else { mandatory_consumers_on_topic };
+    for &consumer in consumers {
         let committed = mandatory_watermarks.iter().find(|w| w.covers_log_of(consumer, &placement)).map(|w| w.committed_offset);
         match committed {
             None => return Err(HoldReason::NoWatermark { consumer_id: consumer.to_owned() }),
@@ -249,7 +250,12 @@ pub fn decide_migration(state: EventState, attempts: &[AttemptRecord], lookup: O
             let Some(lookup) = lookup else {
                 return Refuse(MigrationRefusal::OldTargetUnqueryable { detail: "the old target was not asked".into() });
             };
-            match decide_reconcile(attempts, lookup, true, policy, now_ms) {
+            let decision = if crate::simulation::mutation_active("migration-without-proof") {
+                ReconcileDecision::Retry { proven_absent: true }
+            } else {
+                decide_reconcile(attempts, lookup, true, policy, now_ms)
+            };
+            match decision {
                 ReconcileDecision::Retry { proven_absent: true } => Move { proof: MigrationProof::ProvenAbsent { lookup_from_offset: scan_lower_bound(attempts) } },
                 ReconcileDecision::Submit(receipts) => Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }),
                 ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, .. } | ReconcileDecision::Retry { proven_absent: false } => {

@@ -1,5 +1,8 @@
-//! Deliberate bugs in the simulator's *use* of the core, to show the gate
-//! catches them. outbox-core itself is never modified.
+//! Deliberate bugs in the model engine's *use* of the core, to show its
+//! checks catch them. outbox-core itself is never modified here; the
+//! mutations of shipped code (`--mutation list`, "services") are switches in
+//! the shipped crates, and the migration and purge mutations that were
+//! model copies here are among them now.
 
 /// One deliberate bug.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -28,18 +31,11 @@ pub enum Mutation {
     /// A retried command gets a fresh idempotency key. Caught by
     /// `second_logical_event_ids`.
     NewEventIdOnRetry,
-    /// The operator moves a DISPATCH_UNKNOWN event to the new destination
-    /// without asking the old target (a forged `ProvenAbsent` proof).
-    /// Caught by `migrations_without_proof`.
-    MigrationWithoutProof,
-    /// Retention purges past the replay window without looking at mandatory
-    /// consumers' watermarks. Caught by `purged_before_mandatory_watermark`.
-    PurgeIgnoresWatermarks,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 9] = [
+    pub const ALL: [Mutation; 7] = [
         Mutation::ClaimFenceDisabled,
         Mutation::AckWithoutDigestCheck,
         Mutation::RetryToNewDestination,
@@ -47,8 +43,6 @@ impl Mutation {
         Mutation::LateAcksDropped,
         Mutation::EmitOutsideTransaction,
         Mutation::NewEventIdOnRetry,
-        Mutation::MigrationWithoutProof,
-        Mutation::PurgeIgnoresWatermarks,
     ];
 
     /// Command-line name.
@@ -61,8 +55,6 @@ impl Mutation {
             Mutation::LateAcksDropped => "late-acks-dropped",
             Mutation::EmitOutsideTransaction => "emit-outside-transaction",
             Mutation::NewEventIdOnRetry => "new-event-id-on-retry",
-            Mutation::MigrationWithoutProof => "migration-without-proof",
-            Mutation::PurgeIgnoresWatermarks => "purge-ignores-watermarks",
         }
     }
 
@@ -81,8 +73,6 @@ impl Mutation {
             Mutation::LateAcksDropped => "late_acks_not_converged",
             Mutation::EmitOutsideTransaction => "commits_without_envelope",
             Mutation::NewEventIdOnRetry => "second_logical_event_ids",
-            Mutation::MigrationWithoutProof => "migrations_without_proof",
-            Mutation::PurgeIgnoresWatermarks => "purged_before_mandatory_watermark",
         }
     }
 }

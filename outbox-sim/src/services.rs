@@ -131,7 +131,7 @@ const SETTLE_LIMIT_MS: i64 = 3_600_000;
 
 /// Deliberate defects in shipped code, each switched by
 /// [`outbox_core::simulation::mutation_active`] at one line.
-pub const SERVICE_MUTATIONS: [(&str, &str); 8] = [
+pub const SERVICE_MUTATIONS: [(&str, &str); 11] = [
     ("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out"),
     ("bound-from-registration-clock", "the in-flight bound counts from the attempt's registration, not from the end of the lease it was sent under"),
     ("absence-from-truncated-log", "a lookup range below the log's start (or above its end) proves absence"),
@@ -140,6 +140,9 @@ pub const SERVICE_MUTATIONS: [(&str, &str); 8] = [
     ("offset-before-commit", "the consumer's partition loop commits a batch's offset before its decisions commit"),
     ("redelivery-reapplied", "the consumer's processor applies a redelivered event again instead of answering with its receipt"),
     ("absent-attempt-ack-discarded", "a genuine ACK of an attempt closed ABSENT is rejected instead of competing for the slot and refuting the proof"),
+    ("command-dedupe-disabled", "emit's command decision treats a retried command (its key already committed) as a new command"),
+    ("purge-ignores-watermarks", "retention purges past the replay window without looking at the mandatory consumers' watermarks"),
+    ("migration-without-proof", "the migration decision moves a DISPATCH_UNKNOWN event whatever the old target's lookup answered"),
 ];
 
 /// Fault probabilities of one trace.
@@ -404,6 +407,8 @@ service_figures! {
         /// Published events whose receipt's position held their message in
         /// a log that is gone since (its topic recreated, its cluster replaced).
         receipt_positions_lost,
+        /// Committed commands a client retried (same key, same content).
+        commands_retried,
     }
     violations {
         /// Committed events not published, or published at a position that does not hold them.
@@ -434,6 +439,9 @@ service_figures! {
         unseen,
         /// A message the dispatcher wrote, quarantined by the consumer.
         genuine_quarantined,
+        /// A retried command answered with another event (or refused): one
+        /// business command, two logical events.
+        second_logical_event_id,
     }
 }
 
@@ -1365,6 +1373,12 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
     let mut route_moved = false;
     let mut clock = 0i64;
     let mut i = 0usize;
+    // Business commands whose commit answer the client may not have seen:
+    // it retries them (same key, same content) at a later emit, and emit
+    // must answer with the first event. Their own generator, so the rest of
+    // the trace draws as it did before retries were added.
+    let mut retry_rng = Rng::new(cfg.seed ^ 0xc0_ffee_5eed);
+    let mut committed: Vec<(String, String, Vec<u8>, i64, EventId)> = Vec::new();
     loop {
         let emit_due = emit_at.get(i).copied().unwrap_or(i64::MAX);
         let end = if i >= emit_at.len() { FAULT_PHASE_MS.max(clock) } else { i64::MAX };
@@ -1396,6 +1410,10 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         let payload = format!("{{\"order\":\"{key}\",\"n\":{i}}}").into_bytes();
         let now = world(&shared).now_ms();
         inner.set_now_ms(now);
+        if !committed.is_empty() && retry_rng.chance(COMMAND_RETRY) {
+            let (command, aggregate, payload, version, first) = committed[retry_rng.below(committed.len() as u64) as usize].clone();
+            retry_command(&shared, &inner, if route_moved { &moved_policy } else { &policy }, (&command, &aggregate, &payload, version, &first), now);
+        }
         let command = format!("cmd-{i}");
         let request = EmitRequest {
             command_key: &command,
@@ -1412,6 +1430,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         match frozen.and_then(|(env, dest)| inner.insert(&command, env, dest, payload.clone())) {
             Ok(id) => {
                 world(&shared).note(|| format!("commit {id} key {key} to {}", route.topic));
+                committed.push((command.clone(), key.clone(), payload.clone(), i as i64 + 1, id.clone()));
                 emitted.push((id, key));
             }
             Err(e) => world(&shared).note(|| format!("emit refused: {e}")),
@@ -1458,6 +1477,38 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         }
     }
     ServiceOutcome { seed: cfg.seed, figures: w.figures.clone(), violations, log: w.log.take() }
+}
+
+/// Of the emits, the share that first retries an earlier committed command.
+const COMMAND_RETRY: f64 = 0.15;
+
+/// A client retries a committed command (its commit answer was lost):
+/// the shipped command decision must answer with the command's first
+/// event, whatever the aggregate emitted since.
+fn retry_command(shared: &Shared, store: &MemoryStore, route: &RoutePolicy, (command, aggregate, payload, version, first): (&str, &str, &[u8], i64, &EventId), now: i64) {
+    let request = EmitRequest {
+        command_key: command,
+        tenant: "t1",
+        aggregate_type: "order",
+        aggregate_id: aggregate,
+        aggregate_version: version,
+        event_type: "order.created",
+        payload_schema: "order-v1",
+        payload,
+    };
+    // An id outside the seeded generator's stream, so a retry does not move
+    // the ids of the events after it; unique, in case it is inserted.
+    let mut w = world(shared);
+    w.figures.commands_retried += 1;
+    let fresh = EventId::from_parts(now.max(0) as u64, (1 << 79) | u128::from(w.figures.commands_retried));
+    let answer = request.freeze(fresh, now, 0, route).and_then(|(env, dest)| store.insert(command, env, dest, payload.to_vec()));
+    match answer {
+        Ok(id) if &id == first => w.note(|| format!("retry of {command} answered with {id}")),
+        other => {
+            w.figures.second_logical_event_id += 1;
+            w.violations.push(format!("second_logical_event_id: the retry of {command} (first event {first}) was answered {other:?}"));
+        }
+    }
 }
 
 fn kill_one(shared: &Shared, rng: &mut Rng, store: &SimStore, op_store: &SimStore, broker: &Arc<SimBroker>, cfg: &ServiceTraceConfig, procs: &mut Processes) {

@@ -700,12 +700,6 @@ impl Sim {
                     Err(e) => return self.unexpected("begin_reconcile_event", &e),
                 };
                 self.note_grant(ev, task.token.claim_generation);
-                let open = task.attempts.iter().any(|a| a.state.possibly_in_flight());
-                if self.mutation == Some(Mutation::MigrationWithoutProof) {
-                    slog!(self, "MUTATION operator: moves UNKNOWN E{ev} without asking the old target");
-                    let proof = MigrationProof::ProvenAbsent { lookup_from_offset: scan_lower_bound(&task.attempts) };
-                    return self.do_migrate(ev, dest, proof, open, Some(&task.token));
-                }
                 let from = scan_lower_bound(&task.attempts);
                 let open_attempts: Vec<AttemptRecord> = task.attempts.iter().filter(|a| a.state.possibly_in_flight()).cloned().collect();
                 let lookup = self.lookup(&task.event.destination, &id, from, &open_attempts, true);
@@ -823,11 +817,7 @@ impl Sim {
         let mut topics: Vec<String> = self.logs.iter().map(|l| l.topic.clone()).collect();
         topics.sort();
         topics.dedup();
-        let mandatory: Vec<(String, Vec<String>)> = if self.mutation == Some(Mutation::PurgeIgnoresWatermarks) {
-            Vec::new()
-        } else {
-            (0..self.cons.len()).filter(|&c| plan.mandatory[c]).map(|c| (self.cons[c].w.name.clone(), topics.clone())).collect()
-        };
+        let mandatory: Vec<(String, Vec<String>)> = (0..self.cons.len()).filter(|&c| plan.mandatory[c]).map(|c| (self.cons[c].w.name.clone(), topics.clone())).collect();
         // The slots as they were: a purge must keep them (the tombstone).
         let slots: BTreeMap<EventId, BrokerReceipt> = self.store.lock().events.iter().filter_map(|(id, r)| r.slot.clone().map(|s| (id.clone(), s))).collect();
         let out = self.store.retain_and_purge(plan.replay_window_ms, &wms, &mandatory);

@@ -132,6 +132,30 @@ fn offset_before_commit_in_the_shipped_partition_loop_is_caught() {
     assert_caught("offset-before-commit", 400, "unseen");
 }
 
+/// The shipped command decision: emit answering a retried command (its key
+/// already committed) with a new event makes one business command two
+/// logical events. The services engine's clients retry committed commands.
+#[test]
+fn command_dedupe_disabled_in_the_shipped_command_decision_is_caught() {
+    assert_caught("command-dedupe-disabled", 50, "second_logical_event_id");
+    let (f, failing, _) = run_services_gate(1, 50, None, 0);
+    assert!(f.clean() && f.commands_retried > 0, "unmutated: {failing:?}\n{}", f.lines().join("\n"));
+}
+
+/// The shipped retention decision purging without the mandatory consumers'
+/// watermarks purges events a consumer has not read.
+#[test]
+fn purge_ignores_watermarks_in_the_shipped_retention_decision_is_caught() {
+    assert_caught("purge-ignores-watermarks", 50, "premature_purge");
+}
+
+/// The shipped migration decision moving an UNKNOWN event whatever its
+/// lookup answered delivers it to the new target while a copy sits in the old.
+#[test]
+fn migration_without_proof_in_the_shipped_migration_decision_is_caught() {
+    assert_caught("migration-without-proof", 2_000, "migrated_over_copy");
+}
+
 /// Every published event the log still holds was applied once by the
 /// consumer group running the shipped processor, through its faults.
 #[test]
