@@ -84,6 +84,19 @@ pub fn check_fence(row: &Claim, token: &ClaimToken, write: FencedWrite, now_ms: 
     Ok(())
 }
 
+/// Claim eligibility (PROTOCOL §4): a PENDING event whose back-off is over
+/// (`next_check_at_ms <= now_ms`) and whose key no earlier event of its
+/// chain holds ([`EventState::holds_key`]; `key_held` is false for an
+/// unordered event). `MemoryStore::claim_batch` asks it per event;
+/// PostgreSQL keeps the same answer in `outbox_chain_heads.claimable_at_ms`
+/// (the head of each chain, claimable at its due time while PENDING) and
+/// adds its deployment filters (the dispatcher's cluster scope, the protocol
+/// versions it speaks, the rollout's publisher). Conformance
+/// `a_key_is_held_until_its_event_closes` runs it on both stores.
+pub fn is_claimable(state: EventState, next_check_at_ms: i64, key_held: bool, now_ms: i64) -> bool {
+    state == EventState::Pending && next_check_at_ms <= now_ms && !key_held
+}
+
 /// The states from which a claim holder may register its attempt (the
 /// registration guard of PROTOCOL §4): a dispatcher's claim or a retry
 /// claim, not yet used for an attempt. `PgStore::register_attempts` writes

@@ -109,6 +109,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("registration_guard_refuses_every_stale_claim", registration_guard(&ctx("guard")).await),
         ("reconcile_finish_writes_its_plan", reconcile_finish_writes_its_plan(&ctx("finish")).await),
         ("migration_commit_is_fenced", migration_commit_is_fenced(&ctx("migrate")).await),
+        ("a_key_is_held_until_its_event_closes", a_key_is_held_until_its_event_closes(&ctx("held")).await),
     ]
 }
 
@@ -770,4 +771,39 @@ async fn migration_commit_is_fenced<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     eq("under the current claim", c.h.commit_migration(&unknown, &to, &MigrationFence::Claim(reconciler.token.clone()), Some(&LookupOutcome::Absent)).await?, Ok(2))?;
     c.expect_state(&unknown, EventState::Pending).await?;
     eq("attempts after the move", c.attempts(&unknown).await?.into_iter().map(|x| (x.attempt_id, x.state)).collect::<Vec<_>>(), vec![(a.attempt_id, AttemptState::Absent)])
+}
+
+/// Claim eligibility (`is_claimable`, `EventState::holds_key`) on both
+/// stores: the second event of a key is claimable exactly when the core
+/// says so, through every state its first event passes (PENDING, CLAIMED,
+/// SENDING, DISPATCH_UNKNOWN, RECONCILING, RETRY_CLAIMED, PUBLISHED).
+async fn a_key_is_held_until_its_event_closes<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let first = c.emit(1, "k").await;
+    let second = c.emit(2, "k").await;
+    let (one, two) = (&first, &second);
+    let check = |stage: &'static str| async move {
+        let (state, _) = c.state(one).await?;
+        let want = crate::claim::is_claimable(EventState::Pending, 0, state.holds_key(), c.h.now_ms());
+        let got = c.claim("w9", two).await?;
+        eq(stage, got.is_some(), want)?;
+        Ok::<_, String>(got)
+    };
+    eq("pending", check("behind a PENDING event").await?.is_some(), false)?;
+    let ce = c.claim_some("w1", &first).await?;
+    check("behind a CLAIMED event").await?;
+    c.register(&ce.token).await?;
+    check("behind a SENDING event").await?;
+    c.expire().await?;
+    check("behind a DISPATCH_UNKNOWN event").await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let task = c.reconcile("r1", &first).await?;
+    check("behind a RECONCILING event").await?;
+    eq("finish", c.s().finish_reconcile(&task.token, &ReconcileDecision::Retry { proven_absent: false }).await.map_err(err("finish_reconcile"))?, FenceOutcome::Applied)?;
+    check("behind a RETRY_CLAIMED event").await?;
+    let retry = c.claim_retry("w2", &first).await?;
+    let a2 = c.register(&retry.token).await?;
+    eq("the retry's receipt", c.accept(&receipt(&retry, &a2, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    let claimed = check("behind a PUBLISHED event").await?.ok_or("the second event was not claimed once the first was published")?;
+    c.s().release(&claimed.token).await.map_err(err("release"))?;
+    Ok(())
 }

@@ -56,7 +56,7 @@ pub mod watermark_record;
 
 pub use canonical::{is_digest, sha256_digest};
 pub use command::{decide_command, Command, CommandDecision, CommandRefusal};
-pub use claim::{check_fence, check_registration, sql_state_list, REGISTRABLE_STATES, lease_expiry_sql, not_sent_backoff_ms, plan_lease_expiry, Claim, ClaimToken, Clock, FencedWrite, LeaseExpiry, LeaseExpirySql, ManualClock, SystemClock, LEASED_STATES};
+pub use claim::{check_fence, check_registration, is_claimable, sql_state_list, REGISTRABLE_STATES, lease_expiry_sql, not_sent_backoff_ms, plan_lease_expiry, Claim, ClaimToken, Clock, FencedWrite, LeaseExpiry, LeaseExpirySql, ManualClock, SystemClock, LEASED_STATES};
 pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, RoutePolicy, DEFAULT_CONTENT_TYPE, DEFAULT_MAX_PAYLOAD_BYTES};
 pub use error::CoreError;
 pub use headers::CloudEventsBinding;

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use async_trait::async_trait;
 
 use crate::command::{decide_command, Command, CommandDecision, CommandRefusal};
-use crate::claim::{check_fence, check_registration, grant, validate_lease_ms, Claim, ClaimToken, FencedWrite, MAX_CLAIM_BATCH};
+use crate::claim::{check_fence, check_registration, grant, is_claimable, validate_lease_ms, Claim, ClaimToken, FencedWrite, MAX_CLAIM_BATCH};
 use crate::envelope::{Destination, Envelope, Ordering};
 use crate::error::CoreError;
 use crate::id::{AttemptId, EventId};
@@ -511,7 +511,7 @@ impl MemoryStore {
         }
     }
 
-    /// Whether an earlier event of the same destination and key is not yet published.
+    /// Whether an earlier event of the same destination and key holds the key.
     fn key_blocked(st: &MemoryState, ev: &MemoryEvent) -> bool {
         ev.destination.ordering == Ordering::Key
             && st.events.values().any(|o| {
@@ -519,7 +519,7 @@ impl MemoryStore {
                     && o.destination.topic == ev.destination.topic
                     && o.destination.cluster_id == ev.destination.cluster_id
                     && o.destination.routing_key == ev.destination.routing_key
-                    && !o.state.is_published()
+                    && o.state.holds_key()
             })
     }
 
@@ -555,15 +555,17 @@ impl OutboxStore for MemoryStore {
         validate_lease_ms(lease_ms)?;
         let now = self.now_ms();
         let mut st = self.lock();
+        // PENDING and due first (cheap), then the key (a scan of the store).
         let mut candidates: Vec<(u64, EventId)> =
-            st.events.values().filter(|e| e.state == EventState::Pending && e.next_check_at_ms <= now).map(|e| (e.seq, e.envelope.event_id.clone())).collect();
+            st.events.values().filter(|e| is_claimable(e.state, e.next_check_at_ms, false, now)).map(|e| (e.seq, e.envelope.event_id.clone())).collect();
         candidates.sort();
         let mut out = Vec::new();
         for (_, id) in candidates {
             if out.len() >= limit.min(MAX_CLAIM_BATCH) {
                 break;
             }
-            if Self::key_blocked(&st, &st.events[&id]) {
+            let ev = &st.events[&id];
+            if !is_claimable(ev.state, ev.next_check_at_ms, Self::key_blocked(&st, ev), now) {
                 continue;
             }
             let ev = st.events.get_mut(&id).ok_or_else(|| StoreError::NotFound(id.clone()))?;

@@ -196,3 +196,27 @@ async fn the_migration_gives_every_open_chain_a_head(pool: PgPool) {
     assert!(first.iter().all(|(v,)| *v == 0 || *v == 1), "each key's oldest event first: {first:?}");
     assert!(store.claim_batch("w1", 10, 30_000).await.unwrap().is_empty(), "nothing overtakes a head in flight");
 }
+
+/// The chain-head triggers close a head on the states the core says no
+/// longer hold a key (`EventState::holds_key`), and on no other: every
+/// trigger function that names the closing states names exactly those.
+/// (The triggers are SQL in a migration; this holds them to the core.)
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_chain_triggers_close_a_head_on_the_core_closing_states(pool: PgPool) {
+    let closing: Vec<outbox_core::EventState> = outbox_core::state::ALL_STATES.into_iter().filter(|s| !s.holds_key()).collect();
+    let list = format!("({})", outbox_core::sql_state_list(&closing));
+    let functions = ["outbox_chain_heads_insert", "outbox_chain_advance", "outbox_chain_follow", "outbox_chain_move"];
+    for f in functions {
+        let def: String = sqlx::query_scalar("SELECT pg_get_functiondef(p.oid) FROM pg_proc p WHERE p.proname = $1")
+            .bind(f)
+            .fetch_one(&pool)
+            .await
+            .unwrap_or_else(|e| panic!("{f}: {e}"));
+        // Every state list of the function that names a closing state is the core's list.
+        let lists: Vec<&str> = def.match_indices("('").filter_map(|(i, _)| def[i..].find(')').map(|j| &def[i..=i + j])).filter(|l| l.contains("'PUBLISHED'")).collect();
+        assert!(!lists.is_empty(), "{f} names no closing state:\n{def}");
+        for l in lists {
+            assert_eq!(l, list, "{f} closes a chain on {l}, the core on {list}");
+        }
+    }
+}
