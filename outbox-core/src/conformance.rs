@@ -110,6 +110,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("reconcile_finish_writes_its_plan", reconcile_finish_writes_its_plan(&ctx("finish")).await),
         ("migration_commit_is_fenced", migration_commit_is_fenced(&ctx("migrate")).await),
         ("a_key_is_held_until_its_event_closes", a_key_is_held_until_its_event_closes(&ctx("held")).await),
+        ("registration_floor_is_past_the_logs_last_receipt", registration_floor(&ctx("floor")).await),
     ]
 }
 
@@ -806,4 +807,27 @@ async fn a_key_is_held_until_its_event_closes<H: Harness>(c: &Ctx<'_, H>) -> Ver
     let claimed = check("behind a PUBLISHED event").await?.ok_or("the second event was not claimed once the first was published")?;
     c.s().release(&claimed.token).await.map_err(err("release"))?;
     Ok(())
+}
+
+/// The registration floor (`advance_floor`) on both stores: an attempt
+/// registered after a receipt of its partition's log records the offset
+/// past that receipt, anchored at the receipt's event; a lower receipt
+/// later (a late ACK of an older write) does not lower it. (The last
+/// scenario of a run: its offsets are the highest of the run.)
+async fn registration_floor<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let first = c.emit(1, "k").await;
+    let ce1 = c.claim_some("w1", &first).await?;
+    let a1 = c.register(&ce1.token).await?;
+    c.accept(&receipt(&ce1, &a1, c.offset(500))).await?;
+    let second = c.emit(2, "k").await;
+    let ce2 = c.claim_some("w1", &second).await?;
+    eq("one partition", ce2.destination.partition, ce1.destination.partition)?;
+    let a2 = c.register(&ce2.token).await?;
+    eq("the second attempt's floor", (a2.scan_from_offset, a2.scan_anchor.clone()), (c.offset(500) + 1, Some(first.clone())))?;
+    c.accept(&receipt(&ce2, &a2, c.offset(400))).await?;
+    let third = c.emit(3, "k").await;
+    let ce3 = c.claim_some("w1", &third).await?;
+    let a3 = c.register(&ce3.token).await?;
+    eq("after a lower receipt", (a3.scan_from_offset, a3.scan_anchor.clone()), (c.offset(500) + 1, Some(first)))?;
+    c.accept(&receipt(&ce3, &a3, c.offset(501))).await.map(|_| ())
 }

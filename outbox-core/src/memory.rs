@@ -649,13 +649,9 @@ impl OutboxStore for MemoryStore {
             ReceiptDecision::Accept { .. } => {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
-                let high = st
-                    .partition_high
-                    .entry((receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition))
-                    .or_insert_with(|| (0, receipt.event_id.clone()));
-                if receipt.offset + 1 > high.0 {
-                    *high = (receipt.offset + 1, receipt.event_id.clone());
-                }
+                let log = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition);
+                let floor = crate::reconcile::advance_floor(st.partition_high.get(&log), receipt.offset, &receipt.event_id);
+                st.partition_high.insert(log, floor);
                 ev.claim.owner = None;
                 ev.claim.lease_until_ms = None;
                 mark_acked(attempts);

@@ -222,6 +222,27 @@ impl ScanFrom {
     }
 }
 
+/// The registration floor of a partition's log after a primary receipt at
+/// `offset` of `event`: the offset past the highest receipted one (where a
+/// new attempt's message must lie, the log being append-only) and the event
+/// whose receipt holds the offset below it (the anchor that recognises the
+/// log, [`plan_absence_scan`]). `current` is the floor before the receipt;
+/// `None` for a log with no receipt yet (a new attempt then records 0 and no
+/// anchor). A log is (cluster, topic, topic id, partition): a recreated
+/// topic's new log starts its own floor.
+///
+/// `MemoryStore` keeps each log's floor with it as receipts are accepted;
+/// `PgStore::register_attempts` computes the same from the receipts table at
+/// registration (the highest offset of the log, by position epoch, plus
+/// one). Conformance `registration_floor_is_past_the_logs_last_receipt`
+/// runs both.
+pub fn advance_floor(current: Option<&(i64, EventId)>, offset: i64, event: &EventId) -> (i64, EventId) {
+    match current {
+        Some(floor) if floor.0 > offset => floor.clone(),
+        _ => (offset + 1, event.clone()),
+    }
+}
+
 /// [`scan_lower_bound`] with the anchor of the attempt it came from: the
 /// smallest bound among attempts that may have reached the log.
 pub fn scan_floor(attempts: &[AttemptRecord]) -> ScanFrom {
