@@ -222,6 +222,17 @@ impl ScanFrom {
     }
 }
 
+/// Whether `attempt` may still be on its way (to the log, or with its ACK
+/// to its receipt): open (SENDING or UNKNOWN) and within the in-flight
+/// bound, counted from the end of the lease it was sent under. No absence
+/// proof covers such an attempt ([`decide_reconcile`] rechecks), and the
+/// reconciler's comparison waits for its receipt before it calls its copy
+/// unrecorded; past the bound, an open attempt's copy of a published event
+/// is a finding (no receipt will come for it: its ACK was lost).
+pub fn may_be_in_flight(attempt: &AttemptRecord, policy: &RetryPolicy, now_ms: i64) -> bool {
+    attempt.state.possibly_in_flight() && now_ms.saturating_sub(attempt.in_flight_from_ms()) < policy.in_flight_bound_ms
+}
+
 /// The registration floor of a partition's log after a primary receipt at
 /// `offset` of `event`: the offset past the highest receipted one (where a
 /// new attempt's message must lie, the log being append-only) and the event
@@ -354,7 +365,7 @@ pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, brok
     if !proven_absent && broker_supports_lookup {
         return recheck(RecheckReason::BrokerUnavailable);
     }
-    let in_flight = attempts.iter().any(|a| a.state.possibly_in_flight() && now_ms.saturating_sub(a.in_flight_from_ms()) < policy.in_flight_bound_ms);
+    let in_flight = attempts.iter().any(|a| may_be_in_flight(a, policy, now_ms));
     if in_flight {
         return recheck(RecheckReason::AttemptInFlight);
     }

@@ -571,7 +571,11 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
                 let known: std::collections::HashSet<String> =
                     sqlx::query_scalar::<_, String>("SELECT event_id FROM outbox_events WHERE event_id = ANY($1)").bind(&ids).fetch_all(pool).await?.into_iter().collect();
                 let offsets: Vec<i64> = scan.messages.iter().map(|m| m.offset).collect();
-                let copies = self.copies_of_known(&cluster, &topic, partition, &offsets, &known).await?;
+                let copies = self.copies_of_known(&cluster, &topic, partition, &offsets, &known, now).await?;
+                // The first copy whose attempt may still be answered: the
+                // cursor stops there, so that its copy is judged again once
+                // the attempt is past its in-flight bound.
+                let mut wait_at: Option<i64> = None;
                 let mut tx = pool.begin().await?;
                 for m in &scan.messages {
                     let foreign = m.source.as_deref().filter(|s| *s != own_source);
@@ -580,9 +584,15 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
                     }
                     if foreign.is_none() {
                         if let Some(id) = m.event_id.as_ref().filter(|id| known.contains(*id)) {
-                            if let Some(kind) = copies.judge(id, m) {
-                                let what = if kind == "unrecorded_copy" { "a byte-identical copy" } else { "a copy with other bytes" };
-                                found.push((kind, id.clone(), String::new(), 0, format!("{what} of the published event at {cluster}/{topic}/{partition}@{}, neither its primary receipt nor a recorded duplicate", m.offset)));
+                            match copies.judge(id, m) {
+                                Judgement::Accounted => {}
+                                Judgement::Wait => {
+                                    wait_at.get_or_insert(m.offset);
+                                }
+                                Judgement::Finding(kind) => {
+                                    let what = if kind == "unrecorded_copy" { "a byte-identical copy" } else { "a copy with other bytes" };
+                                    found.push((kind, id.clone(), String::new(), 0, format!("{what} of the published event at {cluster}/{topic}/{partition}@{}, neither its primary receipt nor a recorded duplicate", m.offset)));
+                                }
                             }
                             continue;
                         }
@@ -678,7 +688,7 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
                     tracing::error!(%topic, partition, cursor, log_end = ?scan.log_end, "the partition's log ends below the bypass scan's cursor: the log was replaced; reading the new one from its start");
                     Cursors::Bypass.restart(&mut tx, &cluster, &topic, partition).await?;
                 } else {
-                    Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, scan.next_offset).await?;
+                    Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, wait_at.unwrap_or(scan.next_offset)).await?;
                 }
                 tx.commit().await?;
             }
@@ -694,7 +704,7 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
     /// What the outbox recorded about the known events among scanned
     /// messages: their receipt positions (primary and duplicate) at
     /// `offsets`, their payload digests, and their attempts still awaiting an answer.
-    async fn copies_of_known(&self, cluster: &str, topic: &str, partition: i32, offsets: &[i64], known: &std::collections::HashSet<String>) -> Result<Copies, ProducerError> {
+    async fn copies_of_known(&self, cluster: &str, topic: &str, partition: i32, offsets: &[i64], known: &std::collections::HashSet<String>, now: i64) -> Result<Copies, ProducerError> {
         let pool = self.store.pool();
         let ids: Vec<&str> = known.iter().map(String::as_str).collect();
         let mut c = Copies::default();
@@ -725,8 +735,18 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         {
             c.published.insert(r.try_get("event_id")?, r.try_get("payload_digest")?);
         }
-        for r in sqlx::query("SELECT attempt_id FROM outbox_attempts WHERE event_id = ANY($1) AND state IN ('SENDING', 'UNKNOWN')").bind(&ids).fetch_all(pool).await? {
-            c.open_attempts.insert(r.try_get("attempt_id")?);
+        // Open attempts of these events: a copy of one still within its
+        // in-flight bound may be an answer on its way (wait for it); past
+        // the bound no receipt will come, and its copy is judged.
+        let with_open: Vec<String> =
+            sqlx::query_scalar("SELECT DISTINCT event_id FROM outbox_attempts WHERE event_id = ANY($1) AND state IN ('SENDING', 'UNKNOWN')").bind(&ids).fetch_all(pool).await?;
+        for id in with_open {
+            let id: outbox_core::EventId = id.parse()?;
+            for a in outbox_core::OutboxStore::attempts(&self.store, &id).await? {
+                if outbox_core::reconcile::may_be_in_flight(&a, &self.config.retry, now) {
+                    c.in_flight.insert(a.attempt_id.to_string());
+                }
+            }
         }
         Ok(c)
     }
@@ -785,17 +805,33 @@ struct Copies {
     recorded: std::collections::HashSet<(String, Option<String>, i64)>,
     /// Published events (a primary receipt exists) and their payload digests.
     published: HashMap<String, String>,
-    /// Attempts whose broker answer is not recorded yet.
-    open_attempts: std::collections::HashSet<String>,
+    /// Open attempts that may still be answered
+    /// ([`outbox_core::reconcile::may_be_in_flight`]).
+    in_flight: std::collections::HashSet<String>,
+}
+
+/// What a message of a known event is, to the comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Judgement {
+    /// Its event is not published yet (the reconciler will look it up), or
+    /// the position holds a receipt of it.
+    Accounted,
+    /// Its attempt may still be answered: judged again later.
+    Wait,
+    /// A copy of a published event no receipt accounts for.
+    Finding(&'static str),
 }
 
 impl Copies {
-    /// The finding a message of known event `id` makes, if any.
-    fn judge(&self, id: &str, m: &outbox_core::ScannedMessage) -> Option<&'static str> {
-        let digest = self.published.get(id)?;
-        if self.recorded.contains(&(id.to_owned(), m.topic_id.clone(), m.offset)) || m.attempt_id.as_ref().is_some_and(|a| self.open_attempts.contains(a)) {
-            return None;
+    /// What a message of known event `id` is.
+    fn judge(&self, id: &str, m: &outbox_core::ScannedMessage) -> Judgement {
+        let Some(digest) = self.published.get(id) else { return Judgement::Accounted };
+        if self.recorded.contains(&(id.to_owned(), m.topic_id.clone(), m.offset)) {
+            return Judgement::Accounted;
         }
-        Some(if *digest == m.payload_digest { "unrecorded_copy" } else { "divergent_copy" })
+        if m.attempt_id.as_ref().is_some_and(|a| self.in_flight.contains(a)) {
+            return Judgement::Wait;
+        }
+        Judgement::Finding(if *digest == m.payload_digest { "unrecorded_copy" } else { "divergent_copy" })
     }
 }

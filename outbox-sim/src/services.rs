@@ -379,7 +379,8 @@ service_figures! {
         /// Consumer owners that died after a database commit, before the offset commit.
         consumer_crashes,
         /// Copies of open attempts of events published by a receipt from a
-        /// log gone since: only the reconciler's comparison scan reports them.
+        /// log gone since: only the reconciler's comparison scan reports them
+        /// (once the attempt is past its in-flight bound).
         copies_unheard_after_log_loss,
         /// Dispatcher and reconciler hosts whose clock is off.
         skewed_hosts,
@@ -1760,7 +1761,11 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 // then the old copy's stale answer): no reconciliation asks
                 // about an attempt of a published event, so the store never
                 // hears of it. The reconciler's comparison scan reports it
-                // (`unrecorded_copy`); this engine does not run that scan.
+                // (`unrecorded_copy`) once the attempt is past its in-flight
+                // bound (`outbox_core::reconcile::may_be_in_flight`; test
+                // `sound.rs::a_copy_of_an_attempt_left_open_by_a_late_ack_is_a_finding`,
+                // which failed before: the scan passed over the copy of any
+                // open attempt for ever); this engine does not run that scan.
                 Some(AttemptState::Unknown | AttemptState::Sending) if gone_at.is_none() && primary_in_gone.contains(m.event_id.as_str()) => {
                     w.figures.copies_unheard_after_log_loss += 1;
                 }

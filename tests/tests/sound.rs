@@ -899,3 +899,48 @@ async fn item4_the_bypass_scan_reads_a_replaced_log_from_its_start(pool: PgPool)
     let bypass = f.count("SELECT count(*) FROM outbox_findings WHERE kind = 'bypass_publish'").await;
     assert_eq!(bypass, 1, "the bypass publish in the new log was never read: {c:?}");
 }
+
+/// A copy written by an attempt that was still open when another attempt's
+/// late ACK published its event is accounted for (PROTOCOL §5: every copy
+/// is a receipt or a finding). Nothing asks about that attempt again: its
+/// ACK was lost, the reconciler looks up only unresolved events, and the
+/// comparison used to pass over the copy of any open attempt as an answer
+/// still on its way, for ever. Once the attempt is past the in-flight
+/// bound, its copy is `unrecorded_copy`.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_copy_of_an_attempt_left_open_by_a_late_ack_is_a_finding(pool: PgPool) {
+    let f = fixture(pool).await;
+    let (c0, a0) = f.registered("o-1", 1_000).await;
+    let id = c0.envelope.event_id.as_str().to_owned();
+    // The first attempt is written; its ACK is lost and the lease runs out.
+    let r0 = f.send_late(&c0, &a0).await;
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    assert_eq!(f.state(&id).await, EventState::DispatchUnknown);
+    // A retry (here blind: as a reconciler whose adapter cannot look up
+    // does) is written too, and its ACK is lost as well.
+    let task = f.store.begin_reconcile("r", 10, 1_000).await.unwrap().pop().expect("due");
+    f.store.finish_reconcile(&task.token, &outbox_core::ReconcileDecision::Retry { proven_absent: false }).await.unwrap();
+    let c1 = f.store.claim_retries("w2", 10, 1_000).await.unwrap().pop().expect("the retry claim");
+    let a1 = f.store.register_attempt(&c1.token).await.unwrap();
+    let r1 = f.send_late(&c1, &a1).await;
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    // The first attempt's late ACK publishes the event; the second stays open.
+    let out = f.store.accept_dispatch_receipt(&r0).await.unwrap();
+    assert!(matches!(out.decision, outbox_core::ReceiptDecision::Accept { .. }), "{out:?}");
+    let open = f.store.attempts(&c0.envelope.event_id).await.unwrap().into_iter().filter(|a| a.state.possibly_in_flight()).count();
+    assert_eq!(open, 1, "the retry's attempt is still open");
+    assert_eq!(f.log_of(&id), 2);
+
+    // Within the in-flight bound its answer may still come: no finding yet.
+    let rec = f.reconciler();
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!(c.unrecorded_copy, 0, "{c:?}");
+    // Past it, the copy is reported.
+    f.clock.advance(BOUND_MS + 10_000);
+    let c = rec.compare_once().await.unwrap();
+    let recorded = f.count(&format!("SELECT count(*) FROM outbox_duplicate_receipts WHERE event_id = '{id}' AND \"offset\" = {}", r1.offset)).await;
+    assert!(c.unrecorded_copy == 1 || recorded == 1, "the open attempt's copy at offset {} is neither a receipt nor a finding: {c:?}", r1.offset);
+    assert_eq!(f.findings("unrecorded_copy", &id).await, 1);
+}
