@@ -189,6 +189,20 @@ pub fn check_absence_range(topic: &str, partition: i32, from_offset: i64, log_st
     Ok(())
 }
 
+/// Whether an absence proof's read may go on when, expecting offset
+/// `next`, it gets the record at `got`: a record above the next expected
+/// offset means the offsets between hold no record (a compacted topic,
+/// deleted records, transaction markers), and a range with a hole cannot
+/// prove absence (a message of the event may have been there). `Err` is the
+/// reason, starting [`LOG_INCOMPLETE`]. The Kafka adapter's scan and the
+/// simulator's broker both ask it.
+pub fn check_no_hole(topic: &str, partition: i32, next: i64, got: i64) -> Result<(), String> {
+    if got > next && !crate::simulation::mutation_active("absence-across-holes") {
+        return Err(format!("{LOG_INCOMPLETE}offsets [{next}, {got}) of {topic}/{partition} hold no record (a compacted topic, deleted records or transaction markers)"));
+    }
+    Ok(())
+}
+
 /// The lowest offset a scan for this event's messages must start from: the
 /// smallest bound among attempts that may have reached the log.
 pub fn scan_lower_bound(attempts: &[AttemptRecord]) -> i64 {

@@ -1804,13 +1804,8 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
                 // A record above the next expected offset: the offsets in
                 // between hold no record (compaction removed them, or
                 // transaction markers): the range cannot prove absence.
-                if proof && msg.offset() > next {
-                    return Err(format!(
-                        "{LOG_INCOMPLETE}offsets [{next}, {}) of {}/{} hold no record (a compacted topic, deleted records or transaction markers)",
-                        msg.offset(),
-                        req.topic,
-                        req.partition
-                    ));
+                if proof {
+                    outbox_core::reconcile::check_no_hole(&req.topic, req.partition, next, msg.offset())?;
                 }
                 next = msg.offset() + 1;
                 read += 1;

@@ -131,7 +131,7 @@ const SETTLE_LIMIT_MS: i64 = 3_600_000;
 
 /// Deliberate defects in shipped code, each switched by
 /// [`outbox_core::simulation::mutation_active`] at one line.
-pub const SERVICE_MUTATIONS: [(&str, &str); 11] = [
+pub const SERVICE_MUTATIONS: [(&str, &str); 12] = [
     ("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out"),
     ("bound-from-registration-clock", "the in-flight bound counts from the attempt's registration, not from the end of the lease it was sent under"),
     ("absence-from-truncated-log", "a lookup range below the log's start (or above its end) proves absence"),
@@ -143,6 +143,7 @@ pub const SERVICE_MUTATIONS: [(&str, &str); 11] = [
     ("command-dedupe-disabled", "emit's command decision treats a retried command (its key already committed) as a new command"),
     ("purge-ignores-watermarks", "retention purges past the replay window without looking at the mandatory consumers' watermarks"),
     ("migration-without-proof", "the migration decision moves a DISPATCH_UNKNOWN event whatever the old target's lookup answered"),
+    ("absence-across-holes", "a lookup range with offsets that hold no record (a compacted topic) proves absence"),
 ];
 
 /// Fault probabilities of one trace.
@@ -410,6 +411,12 @@ service_figures! {
         receipt_positions_lost,
         /// Committed commands a client retried (same key, same content).
         commands_retried,
+        /// Passes of the log cleaner over a partition of the topic.
+        compactions,
+        /// Records those passes removed.
+        records_compacted,
+        /// Lookups whose range had a hole (compacted records): no absence proof.
+        lookups_over_holes,
     }
     violations {
         /// Committed events not published, or published at a position that does not hold them.
@@ -562,6 +569,9 @@ struct Stored {
     key: Vec<u8>,
     headers: Vec<(String, Vec<u8>)>,
     payload: Vec<u8>,
+    /// Removed by log compaction (a later record has its key): the offset
+    /// holds no record for a reader; the checks still know what was there.
+    compacted: bool,
 }
 
 impl World {
@@ -891,7 +901,7 @@ pub struct SimBroker {
 impl SimBroker {
     fn write(w: &mut World, m: &OutgoingMessage) -> i64 {
         let find = |name: &str| m.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
-        let stored = Stored { event_id: find(headers::EVENT_ID), attempt_id: find(headers::ATTEMPT_ID), key: m.key.clone(), headers: m.headers.clone(), payload: m.payload.clone() };
+        let stored = Stored { event_id: find(headers::EVENT_ID), attempt_id: find(headers::ATTEMPT_ID), key: m.key.clone(), headers: m.headers.clone(), payload: m.payload.clone(), compacted: false };
         let log = w.logs.entry((m.topic.clone(), m.partition)).or_default();
         log.push(stored);
         let offset = log.len() as i64 - 1;
@@ -1034,7 +1044,7 @@ impl SimBroker {
         let end = w.logs.get(&log_key).map_or(0, |l| l.len() as i64);
         // The anchor check as the Kafka adapter makes it, decided by the same core function.
         let check = match outbox_core::anchor_to_read(from, start, end) {
-            Ok((at, anchor)) => match w.logs.get(&log_key).and_then(|l| l.get(at as usize)) {
+            Ok((at, anchor)) => match w.logs.get(&log_key).and_then(|l| l.get(at as usize)).filter(|m| !m.compacted) {
                 Some(m) if m.event_id == anchor.as_str() => outbox_core::AnchorCheck::Holds,
                 Some(_) => outbox_core::AnchorCheck::HoldsOther,
                 None => outbox_core::AnchorCheck::NoRecord,
@@ -1048,7 +1058,19 @@ impl SimBroker {
         let Some(log) = w.logs.get(&log_key) else { return LookupOutcome::Absent };
         let from = usize::try_from(plan.start.max(start).max(0)).unwrap_or(usize::MAX);
         let mut found = Vec::new();
+        let mut next = from as i64;
         for (offset, m) in log.iter().enumerate().skip(from) {
+            // A compacted offset holds no record: the next record read is
+            // above the offset expected, and the core says what that proves.
+            if m.compacted {
+                continue;
+            }
+            if let Err(why) = outbox_core::reconcile::check_no_hole(&destination.topic, destination.partition, next, offset as i64) {
+                drop(w);
+                world(&self.world).figures.lookups_over_holes += 1;
+                return LookupOutcome::Unavailable(why);
+            }
+            next = offset as i64 + 1;
             if m.event_id != event_id.as_str() {
                 continue;
             }
@@ -1303,8 +1325,16 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
     let store = SimStore { inner: inner.clone(), world: shared.clone(), pause: 0.0, host: Arc::new(Host::default()) };
     let op_store = SimStore { pause: cfg.faults.operator_pause, ..store.clone() };
     let broker = Arc::new(SimBroker { world: shared.clone(), host: Arc::new(Host::default()) });
-    let policy = RoutePolicy::new("order.created", CLUSTER, TOPIC, PARTITIONS);
-    let moved_policy = new_route();
+    // Some traces route without per-key order (events of one key may be in
+    // flight together): then a later record of a key can be written while
+    // an earlier one's outcome is unknown, and compaction can remove that
+    // earlier record. Drawn on its own, like the other late additions.
+    let ordering = if Rng::new(cfg.seed ^ 0x07de_7ed).chance(UNORDERED_TRACES) { outbox_core::Ordering::None } else { outbox_core::Ordering::Key };
+    let policy = RoutePolicy { ordering, ..RoutePolicy::new("order.created", CLUSTER, TOPIC, PARTITIONS) };
+    let moved_policy = RoutePolicy { ordering, ..new_route() };
+    if ordering == outbox_core::Ordering::None {
+        world(&shared).note(|| "the route has no per-key order".into());
+    }
 
     let mut incarnation = 0usize;
     let dispatchers: Vec<Process> = (0..cfg.dispatchers)
@@ -1330,6 +1360,28 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
             w.figures.truncations += 1;
             w.note(|| format!("retention deletes {TOPIC}/p{partition} below {end}"));
         });
+    }
+
+    // The log cleaner compacts a partition of the topic now and then
+    // (outbox topics should not be compacted: the product must stay sound
+    // when one is). Its own generator: the rest of the trace draws as it
+    // did before compaction was added.
+    {
+        let mut crng = Rng::new(cfg.seed ^ 0xc0_4ac7);
+        if crng.chance(COMPACTED_TRACES) {
+            for _ in 0..crng.range(1, 5) {
+                let (at, partition) = (crng.range(1_000, FAULT_PHASE_MS), crng.below(u64::from(PARTITIONS)) as i32);
+                let w = shared.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(at as u64)).await;
+                    let mut w = world(&w);
+                    let n = compact(w.logs.get_mut(&(TOPIC.to_owned(), partition)).map(|l| l.as_mut_slice()).unwrap_or_default());
+                    w.figures.compactions += 1;
+                    w.figures.records_compacted += n;
+                    w.note(|| format!("the log cleaner compacts {TOPIC}/p{partition}: {n} records removed"));
+                });
+            }
+        }
     }
 
     // A topic deleted and created again, a cluster replaced by an empty one.
@@ -1480,6 +1532,27 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
     ServiceOutcome { seed: cfg.seed, figures: w.figures.clone(), violations, log: w.log.take() }
 }
 
+/// The share of traces whose route has no per-key order.
+const UNORDERED_TRACES: f64 = 0.15;
+/// The share of traces whose topic is compacted now and then.
+const COMPACTED_TRACES: f64 = 0.3;
+/// The records at a log's end that compaction leaves alone (the active segment).
+const ACTIVE_SEGMENT: usize = 2;
+
+/// Compacts `log` as Kafka's log cleaner does: a record outside the active
+/// segment whose key a later record has is removed. Answers how many were.
+fn compact(log: &mut [Stored]) -> u64 {
+    let cleanable = log.len().saturating_sub(ACTIVE_SEGMENT);
+    let mut removed = 0;
+    for i in 0..cleanable {
+        if !log[i].compacted && log[i + 1..].iter().any(|later| !later.compacted && later.key == log[i].key) {
+            log[i].compacted = true;
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// Of the emits, the share that first retries an earlier committed command.
 const COMMAND_RETRY: f64 = 0.15;
 
@@ -1628,7 +1701,7 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 let log_index = holding.map_or(usize::MAX, |(i, _)| i);
                 // A migrated event left its key's order on purpose (the
                 // operator moved it after later events took the new route).
-                if !migrated.contains(id) {
+                if !migrated.contains(id) && ev.destination.ordering == outbox_core::Ordering::Key {
                     published_by_key.entry(format!("{}/{key}", slot.topic)).or_default().push((ev.seq, log_index, slot.partition, slot.offset));
                 }
             }
@@ -1769,6 +1842,9 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 Some(AttemptState::Unknown | AttemptState::Sending) if gone_at.is_none() && primary_in_gone.contains(m.event_id.as_str()) => {
                     w.figures.copies_unheard_after_log_loss += 1;
                 }
+                // A copy compaction removed: no longer in the log, nothing
+                // can find it (and no receipt is owed for it).
+                _ if m.compacted => {}
                 other => {
                     w.figures.duplicate += 1;
                     violations.push(format!("duplicate: {t}/p{p}@{o} holds {} attempt {} ({other:?}), no receipt accounts for it", m.event_id, m.attempt_id));

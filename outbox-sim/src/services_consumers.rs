@@ -376,7 +376,7 @@ impl Consumers {
                     let start = w.log_start.get(&log_key).copied().unwrap_or(0);
                     // Only a position that holds the event can be read: one
                     // that does not is a lost write, reported by the producer checks.
-                    let holds = w.logs.get(&log_key).and_then(|l| l.get(usize::try_from(slot.offset).ok()?)).is_some_and(|m| m.event_id == e.envelope.event_id.as_str());
+                    let holds = w.logs.get(&log_key).and_then(|l| l.get(usize::try_from(slot.offset).ok()?)).is_some_and(|m| m.event_id == e.envelope.event_id.as_str() && !m.compacted);
                     (e.state.is_published() && slot.offset >= start && holds).then(|| (e.envelope.event_id.to_string(), slot.topic.clone(), slot.partition, slot.offset))
                 })
                 .collect()
@@ -515,6 +515,8 @@ async fn feed(ctx: Arc<Ctx>, key: Key, incarnation_read: usize, mut next: i64, t
                     log.iter()
                         .enumerate()
                         .skip(usize::try_from(next).unwrap_or(usize::MAX))
+                        // A compacted offset holds no record: the fetch skips it.
+                        .filter(|(_, m)| !m.compacted)
                         .take(8)
                         .map(|(offset, m)| RawMessage {
                             topic: key.0.clone(),

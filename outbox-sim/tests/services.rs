@@ -156,6 +156,19 @@ fn migration_without_proof_in_the_shipped_migration_decision_is_caught() {
     assert_caught("migration-without-proof", 2_000, "migrated_over_copy");
 }
 
+/// The shipped hole check (`check_no_hole`, the Kafka adapter's and the
+/// simulated broker's): a lookup over a compacted range proving absence
+/// lets a retry through while the event's first copy was there (routes
+/// without per-key order, where a later record of the key can be written
+/// while the first one's outcome is unknown). Unmutated, lookups meet
+/// holes and refuse the proof.
+#[test]
+fn absence_across_holes_in_the_shipped_hole_check_is_caught() {
+    assert_caught("absence-across-holes", 1_500, "refuted_absence");
+    let (f, failing, _) = run_services_gate(1, 1_500, None, 0);
+    assert!(f.clean() && f.records_compacted > 0 && f.lookups_over_holes > 0, "unmutated: {failing:?}\n{}", f.lines().join("\n"));
+}
+
 /// Every published event the log still holds was applied once by the
 /// consumer group running the shipped processor, through its faults.
 #[test]
