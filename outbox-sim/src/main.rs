@@ -9,6 +9,9 @@
 
 use std::process::ExitCode;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use outbox_sim::services::{run_services_gate, run_services_trace, ServiceFigures, SERVICE_MUTATIONS};
 use outbox_sim::{run_gate, run_trace, Mutation};
 
