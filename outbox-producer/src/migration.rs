@@ -158,6 +158,15 @@ pub async fn migrate_destination_in<S: MigrationStore, B: Broker>(
             } else {
                 old_broker.lookup(&task.event.destination, event_id, &scan_floor(&task.attempts)).await
             };
+            // A log that cannot prove absence (truncated, recreated,
+            // compacted) is reported here as the reconciler reports it: an
+            // operator asking again and again holds the event each time,
+            // and the reconciler may never get to it.
+            if let LookupOutcome::Unavailable(why) = &lookup {
+                if crate::kafka::is_log_incomplete(why) {
+                    store.record_findings(&[("log_unavailable", event_id.to_string(), why.clone())], now).await?;
+                }
+            }
             match decide_migration(EventState::DispatchUnknown, &task.attempts, Some(&lookup), retry, now) {
                 MigrationDecision::Move { .. } => {}
                 MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }) => {
