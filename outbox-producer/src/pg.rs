@@ -1107,6 +1107,18 @@ pub const EVIDENCE_FINDINGS: &[&str] =
       "foreign_source", "unrecorded_copy", "divergent_copy", "watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected"];
 
 /// Opens findings `(kind, event_id, detail)` in `tx`, or marks open ones seen again.
+/// The open attempts (SENDING, UNKNOWN) of `event_ids`, in one query.
+pub(crate) async fn open_attempts_of(pool: &PgPool, event_ids: &[&str]) -> Result<Vec<AttemptRecord>, StoreError> {
+    sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = ANY($1) AND state IN ('SENDING', 'UNKNOWN')"))
+        .bind(event_ids)
+        .fetch_all(pool)
+        .await
+        .map_err(store_err)?
+        .iter()
+        .map(attempt_from_row)
+        .collect()
+}
+
 pub(crate) async fn record_findings(tx: &mut Transaction<'_, Postgres>, findings: &[(&'static str, String, String)], now: i64) -> Result<(), StoreError> {
     if findings.is_empty() {
         return Ok(());

@@ -738,14 +738,9 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         // Open attempts of these events: a copy of one still within its
         // in-flight bound may be an answer on its way (wait for it); past
         // the bound no receipt will come, and its copy is judged.
-        let with_open: Vec<String> =
-            sqlx::query_scalar("SELECT DISTINCT event_id FROM outbox_attempts WHERE event_id = ANY($1) AND state IN ('SENDING', 'UNKNOWN')").bind(&ids).fetch_all(pool).await?;
-        for id in with_open {
-            let id: outbox_core::EventId = id.parse()?;
-            for a in outbox_core::OutboxStore::attempts(&self.store, &id).await? {
-                if outbox_core::reconcile::may_be_in_flight(&a, &self.config.retry, now) {
-                    c.in_flight.insert(a.attempt_id.to_string());
-                }
+        for a in crate::pg::open_attempts_of(pool, &ids).await? {
+            if outbox_core::reconcile::may_be_in_flight(&a, &self.config.retry, now) {
+                c.in_flight.insert(a.attempt_id.to_string());
             }
         }
         Ok(c)
