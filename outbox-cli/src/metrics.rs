@@ -58,6 +58,7 @@ pub struct DispatchExport {
     quarantined: IntCounter,
     fenced: IntCounter,
     store_retries: IntCounter,
+    late_acks: IntCounter,
     batches: IntCounter,
     head_scans: IntCounter,
     successor_claims: IntCounter,
@@ -84,6 +85,7 @@ impl DispatchExport {
             quarantined: counter(r, "outbox_dispatch_quarantined_total", "Events or receipts quarantined (divergent payload or destination)."),
             fenced: counter(r, "outbox_dispatch_fenced_total", "Writes refused because the claim was taken over (stale worker)."),
             store_retries: counter(r, "outbox_dispatch_store_retries_total", "Retryable database errors a settling batch rode out (answers recorded again, lease renewals skipped)."),
+            late_acks: counter(r, "outbox_dispatch_late_acks_total", "ACKs that arrived after their claim's lease ran out (recorded through acceptDispatchReceipt like any other)."),
             batches: counter(r, "outbox_dispatch_batches_total", "Batches settled."),
             head_scans: counter(r, "outbox_dispatch_head_scans_total", "Claims that visited every ordering key's head."),
             successor_claims: counter(r, "outbox_dispatch_successor_claims_total", "Claims of the next events of just-published keys (one probe per key)."),
@@ -109,6 +111,7 @@ impl DispatchExport {
         follow(&self.quarantined, g(&m.quarantined));
         follow(&self.fenced, g(&m.fenced));
         follow(&self.store_retries, g(&m.store_retries));
+        follow(&self.late_acks, g(&m.late_acks));
         follow(&self.batches, g(&m.batches));
         follow(&self.head_scans, g(&m.head_scans));
         follow(&self.successor_claims, g(&m.successor_claims));

@@ -579,7 +579,13 @@ impl<S: ConsumerStore> Processor<S> {
                 _ => None,
             })
             .collect();
-        let mut claims = self.store.claim(tx, &self.consumer_id, self.cluster_id(), &firsts).await?;
+        let mut claims = if outbox_core::simulation::mutation_active("consumer-skips-receipt") {
+            // The deliberate defect: the handler runs without the
+            // `(consumerId, eventId)` receipt being claimed (or written).
+            firsts.iter().map(|e| (e.event_id.as_str().to_owned(), Claim::New(Utc::now()))).collect()
+        } else {
+            self.store.claim(tx, &self.consumer_id, self.cluster_id(), &firsts).await?
+        };
         let earlier: Vec<&str> = firsts.iter().map(|e| e.event_id.as_str()).filter(|id| !claims.contains_key(*id)).collect();
         let mut receipts = self.store.receipts(tx, &self.consumer_id, &earlier).await?;
         if outbox_core::simulation::mutation_active("redelivery-reapplied") {

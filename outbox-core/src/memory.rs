@@ -49,6 +49,10 @@ pub struct MemoryEvent {
     pub unknown_since_ms: Option<i64>,
     /// When the publish slot was filled, ms (the replay window counts from here).
     pub published_at_ms: Option<i64>,
+    /// How long each of its unknown outcomes took to resolve (from
+    /// DISPATCH_UNKNOWN to PUBLISHED, QUARANTINED or PENDING), ms: the
+    /// release gate's UNKNOWN time-to-resolution.
+    pub unknown_resolved_after_ms: Vec<i64>,
 }
 
 /// A migration receipt (PROTOCOL §7): links envelope generation N (kept as it
@@ -225,6 +229,7 @@ impl MemoryStore {
                 next_check_at_ms: 0,
                 unknown_since_ms: None,
                 published_at_ms: None,
+                unknown_resolved_after_ms: Vec::new(),
             },
         );
         Ok(id)
@@ -391,7 +396,10 @@ impl MemoryStore {
         ev.slot = None;
         ev.published_at_ms = None;
         ev.state_since_ms = now;
-        ev.unknown_since_ms = None;
+        // A migration resolves an unknown outcome too (proven absent, moved).
+        if let Some(since) = ev.unknown_since_ms.take() {
+            ev.unknown_resolved_after_ms.push(now - since);
+        }
         ev.next_check_at_ms = 0;
         ev.claim.claim_generation += 1;
         ev.claim.owner = None;
@@ -466,7 +474,11 @@ impl MemoryStore {
                 ev.unknown_since_ms.get_or_insert(now_ms);
                 ev.next_check_at_ms = now_ms;
             }
-            EventState::Published | EventState::Quarantined | EventState::Pending => ev.unknown_since_ms = None,
+            EventState::Published | EventState::Quarantined | EventState::Pending => {
+                if let Some(since) = ev.unknown_since_ms.take() {
+                    ev.unknown_resolved_after_ms.push(now_ms - since);
+                }
+            }
             _ => {}
         }
         Ok(())

@@ -303,6 +303,11 @@ pub struct DispatchMetrics {
     /// Retryable database errors a settling batch rode out: a recording of
     /// broker answers tried again, or a lease renewal skipped.
     pub store_retries: AtomicU64,
+    /// ACKs that arrived after their claim's lease had run out (by the
+    /// store's clock; a renewal that found the claim gone counts as run
+    /// out): recorded through acceptDispatchReceipt like any other, since
+    /// a claim decides who may send, not what happened.
+    pub late_acks: AtomicU64,
     /// Batches settled.
     pub batches: AtomicU64,
     /// Sum of batch latencies, ms (with `batches`, the mean).
@@ -730,6 +735,11 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         let InFlightBatch { owner, started, mut report, sends } = batch;
         let renew_every = Duration::from_millis((self.config.lease_ms / 2).max(1) as u64);
         let mut tokens: Vec<Option<outbox_core::ClaimToken>> = sends.iter().map(|(ev, ..)| Some(ev.token.clone())).collect();
+        // Each send's lease as last granted or renewed (store clock, ms);
+        // i64::MIN once a renewal found the claim gone.
+        let mut lease_until: Vec<i64> = sends.iter().map(|(ev, ..)| ev.token.lease_until_ms).collect();
+        // Whether each answer arrived after its lease ran out.
+        let mut late: Vec<bool> = vec![false; sends.len()];
         let mut pending: FuturesUnordered<_> = sends
             .into_iter()
             .enumerate()
@@ -746,16 +756,20 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                 next = pending.next() => match next {
                     Some(r) => {
                         tokens[r.0] = None;
+                        late[r.0] = lease_until[r.0] < self.store.now_ms();
                         results.push(r);
                     }
                     None => break,
                 },
                 _ = tokio::time::sleep_until(next_renewal) => {
                     // A long batch keeps its claims alive while answers are outstanding.
-                    let outstanding: Vec<_> = tokens.iter().flatten().cloned().collect();
+                    let (which, outstanding): (Vec<usize>, Vec<_>) = tokens.iter().enumerate().filter_map(|(i, t)| t.clone().map(|t| (i, t))).unzip();
                     match self.store.renew_leases(&outstanding, self.config.lease_ms).await {
                         Ok(renewed) => {
                             self.metrics.last_progress_ms.store(outbox_core::SystemClock.now_ms(), AtomicOrdering::Relaxed);
+                            for (&i, r) in which.iter().zip(&renewed) {
+                                lease_until[i] = r.unwrap_or(i64::MIN);
+                            }
                             let lost = renewed.iter().filter(|r| r.is_none()).count();
                             if lost > 0 {
                                 tracing::warn!(owner = %owner, lost, "claims lost while sends were outstanding; their answers still go through acceptDispatchReceipt");
@@ -782,9 +796,16 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         let mut receipts: Vec<BrokerReceipt> = Vec::new();
         let mut receipt_types: Vec<&str> = Vec::new();
         let mut reports = Vec::new();
-        for (_, ev, attempt, outcome) in &results {
+        for (i, ev, attempt, outcome) in &results {
             match outcome {
                 SendOutcome::Acked { partition, offset } => {
+                    if late[*i] {
+                        inc(&self.metrics.late_acks, 1);
+                        tracing::info!(event_id = %ev.envelope.event_id, attempt_id = %attempt.attempt_id, "ACK after the claim's lease ran out: recorded like any other");
+                        if outbox_core::simulation::mutation_active("late-acks-dropped") {
+                            continue;
+                        }
+                    }
                     receipt_types.push(ev.envelope.event_type.as_str());
                     receipts.push(BrokerReceipt {
                     event_id: ev.envelope.event_id.clone(),

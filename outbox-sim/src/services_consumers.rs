@@ -420,6 +420,10 @@ impl Consumers {
             violations.push(format!("unseen: {u} published and never applied by {GROUP}"));
         }
         for ((_, t, p, o), q) in &st.quarantine {
+            if w.forged_at(t, *p, *o) {
+                w.figures.forged_quarantined += 1;
+                continue;
+            }
             w.figures.genuine_quarantined += 1;
             violations.push(format!("genuine_quarantined: {GROUP} quarantined {t}/p{p}@{o}: {:?}", q.reason));
         }

@@ -200,3 +200,43 @@ fn every_services_mutation_has_a_test() {
         assert!(this.contains(&test), "no test named like {test}");
     }
 }
+
+/// The shipped consumer: its processor running the handler without the
+/// `(consumerId, eventId)` receipt leaves an effect no receipt records
+/// (and applies a redelivery again).
+#[test]
+fn consumer_skips_receipt_in_the_shipped_processor_is_caught() {
+    assert_caught("consumer-skips-receipt", 10, "receipt_effect_mismatch");
+}
+
+/// The shipped dispatcher: an ACK that arrives after the claim's lease ran
+/// out is dropped instead of recorded. The check: every ACK answered to a
+/// dispatcher that lived on reached `acceptDispatchReceipt` through it.
+#[test]
+fn late_acks_dropped_in_the_shipped_dispatcher_is_caught() {
+    // The first failing trace of the release gate's seeds is 43.
+    assert_caught("late-acks-dropped", 100, "ack_dropped");
+    let (f, failing, _) = run_services_gate(1, 300, None, 0);
+    assert!(f.clean() && f.late_acks > 0 && f.acks_to_live_senders > 0, "unmutated: {failing:?}\n{}", f.lines().join("\n"));
+}
+
+/// The shipped receipt decision: without its payload digest check, a
+/// forged message carrying a registered attempt's headers (found by the
+/// reconciler's lookup) fills the publish slot. Unmutated, it is
+/// quarantined, and the consumers quarantine the forged bytes too.
+#[test]
+fn ack_without_digest_check_in_the_shipped_receipt_decision_is_caught() {
+    // The first failing trace of the release gate's seeds is 92.
+    assert_caught("ack-without-digest-check", 300, "divergent_accepted");
+    let (f, failing, _) = run_services_gate(1, 300, None, 0);
+    assert!(f.clean() && f.forged_copies > 0 && f.quarantined > 0, "unmutated: {failing:?}\n{}", f.lines().join("\n"));
+}
+
+/// A run of the gate reports the time unknown outcomes took to resolve,
+/// and passes only within SPEC §10's bound (p99 within 15 minutes).
+#[test]
+fn the_gate_measures_unknown_resolution() {
+    let g = outbox_sim::run_services_gate_report(1, 300, None, 0);
+    assert!(g.unknown_samples > 0 && g.unknown_max_ms >= g.unknown_p99_ms && g.unknown_p99_ms > 0, "{g:?}");
+    assert!(g.pass(), "{}", g.figures.lines().join("\n"));
+}
