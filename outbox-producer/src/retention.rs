@@ -22,7 +22,7 @@ pub const MAX_PURGE_BATCH: i64 = 10_000;
 pub struct RetentionPolicy {
     /// The maximum replay window: nothing published more recently is retained or purged, ms.
     pub replay_window_ms: i64,
-    /// Rows per statement (1..=10 000).
+    /// Rows per batch: a retain statement, or a page of purge candidates (1..=10 000).
     pub batch_size: i64,
     /// Most batches per call (bounds one call's work).
     pub max_batches: u32,
@@ -69,19 +69,33 @@ type Cursor = (i64, String);
 
 const START: (i64, &str) = (i64::MIN, "");
 
+/// One page of candidates, and where the next page starts.
+struct Page {
+    candidates: Vec<Candidate>,
+    /// The last event read (candidate or not), `None` for an empty page.
+    last: Option<Cursor>,
+    /// Whether the page was full (more may follow).
+    full: bool,
+}
+
 /// One page of the events in `phase` (a literal: the partial indexes are on
 /// `phase`) published before the replay window, after `after` in
-/// `(published_at_ms, event_id)` order, with their primary receipts.
+/// `(published_at_ms, event_id)` order, then their primary receipts.
 /// `lock`: `FOR UPDATE SKIP LOCKED` (the caller's transaction purges them).
-async fn candidates(conn: &mut PgConnection, phase: &'static str, now_ms: i64, policy: &RetentionPolicy, after: &Cursor, lock: bool) -> Result<Vec<Candidate>, ProducerError> {
+///
+/// The events are read alone (index on `published_at_ms`, an incremental
+/// sort by `event_id`, then the limit), so a page reads about
+/// `batch_size` rows however many candidates follow; joined with the
+/// receipts in one statement the planner may sort every candidate past the
+/// cursor instead. The receipts are then read by key for the page's events.
+async fn candidates(conn: &mut PgConnection, phase: &'static str, now_ms: i64, policy: &RetentionPolicy, after: &Cursor, lock: bool) -> Result<Page, ProducerError> {
     debug_assert!(matches!(phase, "PUBLISHED" | "RETAINED"));
-    let lock = if lock { "FOR UPDATE OF e SKIP LOCKED" } else { "" };
-    let rows = sqlx::query(&format!(
-        "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\"
-         FROM outbox_events e JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
-         WHERE e.phase = '{phase}' AND e.published_at_ms < $1 - $2
-           AND e.published_at_ms >= $3 AND (e.published_at_ms, e.event_id) > ($3, $4)
-         ORDER BY e.published_at_ms, e.event_id LIMIT $5 {lock}"
+    let lock = if lock { "FOR UPDATE SKIP LOCKED" } else { "" };
+    let events: Vec<(String, String, i64, i32)> = sqlx::query_as(&format!(
+        "SELECT event_id, state, published_at_ms, envelope_generation FROM outbox_events
+         WHERE phase = '{phase}' AND published_at_ms < $1 - $2
+           AND published_at_ms >= $3 AND (published_at_ms, event_id) > ($3, $4)
+         ORDER BY published_at_ms, event_id LIMIT $5 {lock}"
     ))
     .bind(now_ms)
     .bind(policy.replay_window_ms)
@@ -90,20 +104,39 @@ async fn candidates(conn: &mut PgConnection, phase: &'static str, now_ms: i64, p
     .bind(policy.batch_size)
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(Candidate {
-                event_id: r.try_get("event_id")?,
-                state: EventState::parse(r.try_get::<&str, _>("state")?)?,
-                published_at_ms: r.try_get("published_at_ms")?,
-                cluster_id: r.try_get("cluster_id")?,
-                topic: r.try_get("topic")?,
-                topic_id: r.try_get("topic_id")?,
-                partition: r.try_get("partition")?,
-                offset: r.try_get("offset")?,
-            })
-        })
-        .collect()
+    let last = events.last().map(|e| (e.2, e.0.clone()));
+    let full = events.len() as i64 >= policy.batch_size;
+    if events.is_empty() {
+        return Ok(Page { candidates: Vec::new(), last, full });
+    }
+    let ids: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+    let rows = sqlx::query(
+        "SELECT event_id, envelope_generation, cluster_id, topic, topic_id, partition, \"offset\" FROM outbox_publish_receipts WHERE event_id = ANY($1)",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut receipts = std::collections::HashMap::with_capacity(rows.len());
+    for r in &rows {
+        receipts.insert((r.try_get::<String, _>("event_id")?, r.try_get::<i32, _>("envelope_generation")?), r);
+    }
+    let mut candidates = Vec::with_capacity(events.len());
+    // An event without a receipt of its generation (which the schema
+    // forbids for PUBLISHED and RETAINED) is not judged: nothing says where it is.
+    for (event_id, state, published_at_ms, generation) in events {
+        let Some(r) = receipts.get(&(event_id.clone(), generation)) else { continue };
+        candidates.push(Candidate {
+            state: EventState::parse(&state)?,
+            published_at_ms,
+            cluster_id: r.try_get("cluster_id")?,
+            topic: r.try_get("topic")?,
+            topic_id: r.try_get("topic_id")?,
+            partition: r.try_get("partition")?,
+            offset: r.try_get("offset")?,
+            event_id,
+        });
+    }
+    Ok(Page { candidates, last, full })
 }
 
 /// What `may_purge` decided for one page.
@@ -204,16 +237,16 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
             let mut after: Cursor = (START.0, START.1.to_owned());
             for _ in 0..policy.max_batches {
                 let page = candidates(&mut conn, phase, now_ms, policy, &after, false).await?;
-                let decided = decide(&mut conn, &page, now_ms, policy, watermarks, true).await?;
+                let decided = decide(&mut conn, &page.candidates, now_ms, policy, watermarks, true).await?;
                 if phase == "PUBLISHED" {
-                    report.retained += page.len() as u64;
+                    report.retained += page.candidates.len() as u64;
                 }
                 report.purged += decided.purge.len() as u64;
                 report.held_by_consumers += decided.held;
                 report.batches += 1;
                 progress(&report);
-                match page.last() {
-                    Some(last) if page.len() as i64 >= policy.batch_size => after = (last.published_at_ms, last.event_id.clone()),
+                match page.last {
+                    Some(last) if page.full => after = last,
                     _ => break,
                 }
             }
@@ -238,7 +271,7 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
     for _ in 0..policy.max_batches {
         let mut tx = pool.begin().await?;
         let page = candidates(&mut tx, "RETAINED", now_ms, policy, &after, true).await?;
-        let decided = decide(&mut tx, &page, now_ms, policy, watermarks, false).await?;
+        let decided = decide(&mut tx, &page.candidates, now_ms, policy, watermarks, false).await?;
         let n = if decided.purge.is_empty() {
             0
         } else {
@@ -254,8 +287,8 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
         report.held_by_consumers += decided.held;
         report.batches += 1;
         progress(&report);
-        match page.last() {
-            Some(last) if page.len() as i64 >= policy.batch_size => after = (last.published_at_ms, last.event_id.clone()),
+        match page.last {
+            Some(last) if page.full => after = last,
             _ => break,
         }
     }
