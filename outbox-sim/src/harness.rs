@@ -1,8 +1,8 @@
 //! The conformance [`Harness`] of the in-memory store.
 
 use async_trait::async_trait;
-use outbox_core::conformance::Harness;
-use outbox_core::{EmitRequest, EventId, MemoryStore, RoutePolicy};
+use outbox_core::conformance::{Harness, PurgeCounts};
+use outbox_core::{EmitRequest, EventId, MemoryStore, MemoryWatermark, RoutePolicy};
 
 /// Runs `outbox_core::conformance` against a [`MemoryStore`].
 #[derive(Debug, Clone)]
@@ -73,6 +73,18 @@ impl Harness for MemoryHarness {
         let destination = route.resolve(&old.tenant, &old.aggregate_type, &old.aggregate_id).map_err(|e| e.to_string())?;
         let r = self.store.commit_migration(id, destination, fence, lookup, &outbox_core::conformance::POLICY, "conformance", false).map_err(|e| e.to_string())?;
         Ok(r.map(|m| m.to_generation))
+    }
+
+    async fn purge(&self, replay_window_ms: i64, consumers: &[(&str, &[&str], bool)], watermarks: &[MemoryWatermark]) -> Result<PurgeCounts, String> {
+        let mandatory: Vec<(String, Vec<String>)> =
+            consumers.iter().filter(|c| c.2).map(|(id, topics, _)| ((*id).to_owned(), topics.iter().map(|t| (*t).to_owned()).collect())).collect();
+        let out = self.store.retain_and_purge(replay_window_ms, watermarks, &mandatory);
+        Ok(PurgeCounts { retained: out.retained.len() as u64, purged: out.purged.len() as u64, held: out.held_by_consumers })
+    }
+
+    async fn payload(&self, id: &EventId) -> Option<Vec<u8>> {
+        // A purge empties the bytes (PostgreSQL sets them NULL); payloads are never empty.
+        self.store.lock().events.get(id).map(|e| e.payload.clone()).filter(|p| !p.is_empty())
     }
 
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {

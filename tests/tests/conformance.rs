@@ -4,9 +4,10 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::{CoreError, EmitRequest, EventId, ManualClock};
+use outbox_core::conformance::PurgeCounts;
+use outbox_core::{CoreError, EmitRequest, EventId, ManualClock, MemoryWatermark};
 use outbox_producer::migration::{MigrationOutcome, MigrationStore};
-use outbox_producer::{emit, EmitOptions, PgStore, ProducerError};
+use outbox_producer::{emit, purge, register_consumer, EmitOptions, PgStore, ProducerError, RetentionPolicy};
 use sqlx::PgPool;
 
 struct PgHarness {
@@ -69,6 +70,39 @@ impl outbox_core::conformance::Harness for PgHarness {
         }
     }
 
+    async fn purge(&self, replay_window_ms: i64, consumers: &[(&str, &[&str], bool)], watermarks: &[MemoryWatermark]) -> Result<PurgeCounts, String> {
+        let e = |what: &'static str| move |e: sqlx::Error| format!("{what}: {e}");
+        for (id, topics, mandatory) in consumers {
+            register_consumer(&self.pool, id, topics, false, *mandatory).await.map_err(|e| e.to_string())?;
+        }
+        for w in watermarks {
+            sqlx::query(
+                "INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, topic_id, partition, committed_offset) VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(&w.consumer_id)
+            .bind(&w.cluster_id)
+            .bind(&w.topic)
+            .bind(&w.topic_id)
+            .bind(w.partition)
+            .bind(w.committed_offset)
+            .execute(&self.pool)
+            .await
+            .map_err(e("watermark"))?;
+        }
+        // Pages of two: a pass pages past held events to later ones.
+        let policy = RetentionPolicy { replay_window_ms, batch_size: 2, max_batches: 1_000 };
+        let r = purge(&self.pool, self.now_ms(), &policy, false, |_| {}).await.map_err(|e| e.to_string());
+        let ids: Vec<&str> = consumers.iter().map(|c| c.0).chain(watermarks.iter().map(|w| w.consumer_id.as_str())).collect();
+        sqlx::query("DELETE FROM outbox_consumer_watermarks WHERE consumer_id = ANY($1)").bind(&ids).execute(&self.pool).await.map_err(e("cleanup"))?;
+        sqlx::query("DELETE FROM outbox_consumers WHERE consumer_id = ANY($1)").bind(&ids).execute(&self.pool).await.map_err(e("cleanup"))?;
+        let r = r?;
+        Ok(PurgeCounts { retained: r.retained, purged: r.purged, held: r.held_by_consumers })
+    }
+
+    async fn payload(&self, id: &EventId) -> Option<Vec<u8>> {
+        sqlx::query_scalar("SELECT payload FROM outbox_events WHERE event_id = $1").bind(id.as_str()).fetch_one(&self.pool).await.expect("payload")
+    }
+
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
         sqlx::query("UPDATE outbox_events SET payload = $2 WHERE event_id = $1").bind(id.as_str()).bind(new_payload).execute(&self.pool).await.expect("tamper");
     }
@@ -84,6 +118,8 @@ impl outbox_core::conformance::Harness for PgHarness {
 
 async fn harness(pool: PgPool) -> PgHarness {
     outbox_producer::routes::revise(&pool, &outbox_core::RoutePolicy::new("order.created", "sim-cluster", "orders", 4)).await.expect("route");
+    // Retention reads the consumers' watermarks.
+    outbox_consumer::migrate(&pool).await.expect("consumer tables");
     let clock = ManualClock::new(1_800_000_000_000);
     PgHarness { store: PgStore::with_clock(pool.clone(), Arc::new(clock.clone())), pool, clock }
 }

@@ -353,7 +353,67 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
     assert_eq!(out.state, EventState::Purged);
 }
 
-/// Retention's SQL predicate is `outbox_core::may_purge`: over seeded random
+/// A page in which every candidate is held neither ends nor repeats the
+/// pass: pages follow a keyset on `(published_at_ms, event_id)`, so the
+/// events after held ones are judged in the same call; and one call judges
+/// at most `batch_size * max_batches` candidates.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn purge_pages_past_held_events_within_its_bound(pool: PgPool) {
+    let f = fixture(pool).await;
+    outbox_consumer::migrate(&f.pool).await.unwrap();
+    for i in 0..9 {
+        create_order(&f.pool, &format!("o-{i}"), i).await;
+    }
+    let mut published = 0;
+    while published < 9 {
+        published += f.dispatcher().dispatch_once("w").await.unwrap().published;
+    }
+    register_consumer(&f.pool, "fulfilment", &[TOPIC], false, true).await.unwrap();
+    let later = f.store.now_ms() + 120_000;
+    let one_by_one = RetentionPolicy { replay_window_ms: 60_000, batch_size: 1, max_batches: 100 };
+    // No watermark: every page holds its one event, and the pass ends.
+    let r = purge(&f.pool, later, &one_by_one, false, |_| {}).await.unwrap();
+    assert_eq!((r.retained, r.purged, r.held_by_consumers), (9, 0, 9), "{r:?}");
+
+    // The events in the order a pass reads them. The consumer passes every
+    // event of the partition whose first event comes last in that order:
+    // all the events before it are held.
+    let order: Vec<i32> = sqlx::query_scalar(
+        "SELECT r.partition FROM outbox_events e JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
+         ORDER BY e.published_at_ms, e.event_id",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    let first_of = |p: i32| order.iter().position(|q| *q == p);
+    let p = (0..PARTITIONS).filter(|p| first_of(*p).is_some()).max_by_key(|p| first_of(*p)).unwrap();
+    let (before, on_p) = (first_of(p).unwrap(), order.iter().filter(|q| **q == p).count() as u64);
+    assert!(before > 0, "the events are on one partition: {order:?}");
+    sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, partition, committed_offset) VALUES ('fulfilment', $1, $2, $3, 1000000)")
+        .bind(f.broker.cluster_id())
+        .bind(TOPIC)
+        .bind(p)
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    // Bounded: `before` pages of one judge the held events only.
+    let tight = RetentionPolicy { max_batches: before as u32, ..one_by_one };
+    let r = purge(&f.pool, later, &tight, false, |_| {}).await.unwrap();
+    assert_eq!((r.purged, r.held_by_consumers), (0, before as u64), "{r:?}");
+    let dry = purge(&f.pool, later, &tight, true, |_| {}).await.unwrap();
+    assert_eq!((dry.purged, dry.held_by_consumers), (0, before as u64), "the dry run is bounded alike: {dry:?}");
+    // With room, the same call pages past them to the passed events.
+    let dry = purge(&f.pool, later, &one_by_one, true, |_| {}).await.unwrap();
+    assert_eq!((dry.retained, dry.purged, dry.held_by_consumers), (0, on_p, 9 - on_p), "{dry:?}");
+    let r = purge(&f.pool, later, &one_by_one, false, |_| {}).await.unwrap();
+    assert_eq!((r.purged, r.held_by_consumers), (on_p, 9 - on_p), "{r:?}");
+    assert_eq!(f.count("SELECT count(*) FROM outbox_events e JOIN outbox_publish_receipts r USING (event_id) WHERE e.state = 'PURGED'").await, on_p as i64);
+    assert_eq!(f.count(&format!("SELECT count(*) FROM outbox_events e JOIN outbox_publish_receipts r USING (event_id) WHERE e.state = 'PURGED' AND r.partition <> {p}")).await, 0);
+}
+
+/// Retention on PostgreSQL decides with `outbox_core::may_purge` on the
+/// rows it reads for each page (the mandatory consumers of the page's
+/// topics, their watermarks on the page's logs): over seeded random
 /// registries and watermarks (several mandatory and optional consumers, rows
 /// on this cluster and on another cluster with the same topic name, rows of
 /// no topic id, of the topic's id and of another incarnation's id, offsets
