@@ -17,7 +17,7 @@ use crate::id::{AttemptId, EventId};
 use crate::receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
 use crate::state::{AttemptState, EventState};
 use crate::reconcile::{plan_reconcile_finish, ReconcileDecision, RetryPolicy, OPEN_ATTEMPT_STATES, RECONCILE_CLAIM, RECONCILE_FROM};
-use crate::retention::{check_migration_fence, decide_migration, may_purge, may_retain, LogPosition, MigrationDecision, MigrationFence, MigrationProof, WatermarkRef};
+use crate::retention::{check_migration_fence, decide_migration, MigrationDecision, MigrationFence, MigrationProof};
 use crate::store::{ClaimedEvent, FenceOutcome, LookupOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
 
 /// One event row.
@@ -85,8 +85,7 @@ pub struct MigrationRecord {
     pub closed_attempts: Vec<AttemptId>,
 }
 
-/// One consumer's published watermark on one log, as
-/// [`MemoryStore::retain_and_purge`] takes it.
+/// One consumer's published watermark on one log, as retention reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryWatermark {
     /// The consumer.
@@ -101,17 +100,6 @@ pub struct MemoryWatermark {
     pub partition: i32,
     /// Next offset the consumer reads.
     pub committed_offset: i64,
-}
-
-/// What one retention pass did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct MemoryPurgeOutcome {
-    /// PUBLISHED -> RETAINED.
-    pub retained: Vec<EventId>,
-    /// RETAINED -> PURGED (payload dropped, tombstone kept).
-    pub purged: Vec<EventId>,
-    /// RETAINED events past the window held back by a mandatory consumer.
-    pub held_by_consumers: u64,
 }
 
 /// An audit record (stale writes, rejected receipts).
@@ -152,6 +140,10 @@ pub struct MemoryState {
     pub migrations: Vec<MigrationRecord>,
     /// The highest version each aggregate (tenant, type, id) emitted.
     pub aggregate_versions: BTreeMap<(String, String, String), i64>,
+    /// Mandatory consumers and the topics they read (what retention reads).
+    pub retention_consumers: Vec<(String, Vec<String>)>,
+    /// Their published watermarks.
+    pub retention_watermarks: Vec<MemoryWatermark>,
     next_seq: u64,
 }
 
@@ -410,54 +402,13 @@ impl MemoryStore {
         Ok(Ok(record))
     }
 
-    /// Retention (PROTOCOL §9): PUBLISHED -> RETAINED past the replay window
-    /// ([`may_retain`]); RETAINED -> PURGED when [`may_purge`] allows. The
-    /// purge drops the payload only: slot, digests, envelopes, attempts and
-    /// the command key stay, so late duplicates and retried commands are
-    /// still recognised.
-    ///
-    /// `watermarks`: one per consumer and log; `mandatory`: each mandatory
-    /// consumer with the topic names it reads (on any cluster: a consumer
-    /// that reads a topic name holds it on every cluster until it has a
-    /// watermark there).
-    pub fn retain_and_purge(&self, replay_window_ms: i64, watermarks: &[MemoryWatermark], mandatory: &[(String, Vec<String>)]) -> MemoryPurgeOutcome {
-        let now = self.now_ms();
-        let wms: Vec<WatermarkRef<'_>> = watermarks
-            .iter()
-            .map(|w| WatermarkRef {
-                consumer_id: &w.consumer_id,
-                cluster_id: &w.cluster_id,
-                topic: &w.topic,
-                topic_id: w.topic_id.as_deref(),
-                partition: w.partition,
-                committed_offset: w.committed_offset,
-            })
-            .collect();
+    /// Sets what retention reads of consumers (the PostgreSQL store's
+    /// `outbox_consumers` and `outbox_consumer_watermarks`): the mandatory
+    /// consumers with the topics they read, and their watermarks.
+    pub fn set_retention_registry(&self, mandatory: Vec<(String, Vec<String>)>, watermarks: Vec<MemoryWatermark>) {
         let mut st = self.lock();
-        let mut out = MemoryPurgeOutcome::default();
-        for ev in st.events.values_mut() {
-            let Some(published_at) = ev.published_at_ms else { continue };
-            if ev.state == EventState::Published && may_retain(published_at, now, replay_window_ms) && Self::transition(ev, EventState::Retained, now).is_ok() {
-                out.retained.push(ev.envelope.event_id.clone());
-            }
-            if ev.state != EventState::Retained {
-                continue;
-            }
-            let Some(slot) = ev.slot.as_ref() else { continue };
-            let on_topic: Vec<&str> = mandatory.iter().filter(|(_, topics)| topics.contains(&slot.topic)).map(|(c, _)| c.as_str()).collect();
-            let at = LogPosition { cluster_id: &slot.cluster_id, topic: &slot.topic, topic_id: slot.topic_id.as_deref(), partition: slot.partition, offset: slot.offset };
-            match may_purge(ev.state, published_at, now, replay_window_ms, at, &wms, &on_topic) {
-                Ok(()) => {
-                    if Self::transition(ev, EventState::Purged, now).is_ok() {
-                        ev.payload = Vec::new();
-                        out.purged.push(ev.envelope.event_id.clone());
-                    }
-                }
-                Err(crate::retention::HoldReason::WithinReplayWindow | crate::retention::HoldReason::NotRetained { .. }) => {}
-                Err(_) => out.held_by_consumers += 1,
-            }
-        }
-        out
+        st.retention_consumers = mandatory;
+        st.retention_watermarks = watermarks;
     }
 
     /// Moves an event, through the transition table.

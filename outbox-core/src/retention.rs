@@ -13,7 +13,7 @@
 //!   cross-target re-send in disguise.
 //!
 //! The PostgreSQL migration (`outbox_producer::migration`), the in-memory
-//! store ([`crate::MemoryStore::migrate`], [`crate::MemoryStore::retain_and_purge`])
+//! store ([`crate::MemoryStore::migrate`], `outbox_producer::retention::purge_with` over it)
 //! and the simulator call these functions.
 
 use std::fmt;

@@ -10,7 +10,7 @@
 //! retried command still meets its first eventId after the purge.
 
 use outbox_core::{may_purge, EventState, HoldReason, LogPosition, WatermarkRef};
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::{PgPool, Row};
 
 use crate::error::ProducerError;
 
@@ -52,91 +52,80 @@ pub struct PurgeReport {
 }
 
 /// One candidate past the replay window with its primary receipt's log position.
-struct Candidate {
-    event_id: String,
-    state: EventState,
-    published_at_ms: i64,
-    cluster_id: String,
-    topic: String,
-    topic_id: Option<String>,
-    partition: i32,
-    offset: i64,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// The event.
+    pub event_id: String,
+    /// Its state (PUBLISHED or RETAINED).
+    pub state: EventState,
+    /// When its slot was filled, ms.
+    pub published_at_ms: i64,
+    /// Its primary receipt's log: cluster.
+    pub cluster_id: String,
+    /// Topic.
+    pub topic: String,
+    /// Topic id (`None`: `destination.v1`).
+    pub topic_id: Option<String>,
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
 }
 
 /// Where a pass's keyset stands: the last candidate read, in
 /// `(published_at_ms, event_id)` order.
-type Cursor = (i64, String);
+pub type Cursor = (i64, String);
 
 const START: (i64, &str) = (i64::MIN, "");
 
 /// One page of candidates, and where the next page starts.
-struct Page {
-    candidates: Vec<Candidate>,
+#[derive(Debug, Clone, Default)]
+pub struct Page {
+    /// The page's events that have a primary receipt of their generation.
+    pub candidates: Vec<Candidate>,
     /// The last event read (candidate or not), `None` for an empty page.
-    last: Option<Cursor>,
+    pub last: Option<Cursor>,
     /// Whether the page was full (more may follow).
-    full: bool,
+    pub full: bool,
 }
 
-/// One page of the events in `phase` (a literal: the partial indexes are on
-/// `phase`) published before the replay window, after `after` in
-/// `(published_at_ms, event_id)` order, then their primary receipts.
-/// `lock`: `FOR UPDATE SKIP LOCKED` (the caller's transaction purges them).
-///
-/// The events are read alone (index on `published_at_ms`, an incremental
-/// sort by `event_id`, then the limit), so a page reads about
-/// `batch_size` rows however many candidates follow; joined with the
-/// receipts in one statement the planner may sort every candidate past the
-/// cursor instead. The receipts are then read by key for the page's events.
-async fn candidates(conn: &mut PgConnection, phase: &'static str, now_ms: i64, policy: &RetentionPolicy, after: &Cursor, lock: bool) -> Result<Page, ProducerError> {
-    debug_assert!(matches!(phase, "PUBLISHED" | "RETAINED"));
-    let lock = if lock { "FOR UPDATE SKIP LOCKED" } else { "" };
-    let events: Vec<(String, String, i64, i32)> = sqlx::query_as(&format!(
-        "SELECT event_id, state, published_at_ms, envelope_generation FROM outbox_events
-         WHERE phase = '{phase}' AND published_at_ms < $1 - $2
-           AND published_at_ms >= $3 AND (published_at_ms, event_id) > ($3, $4)
-         ORDER BY published_at_ms, event_id LIMIT $5 {lock}"
-    ))
-    .bind(now_ms)
-    .bind(policy.replay_window_ms)
-    .bind(after.0)
-    .bind(&after.1)
-    .bind(policy.batch_size)
-    .fetch_all(&mut *conn)
-    .await?;
-    let last = events.last().map(|e| (e.2, e.0.clone()));
-    let full = events.len() as i64 >= policy.batch_size;
-    if events.is_empty() {
-        return Ok(Page { candidates: Vec::new(), last, full });
-    }
-    let ids: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
-    let rows = sqlx::query(
-        "SELECT event_id, envelope_generation, cluster_id, topic, topic_id, partition, \"offset\" FROM outbox_publish_receipts WHERE event_id = ANY($1)",
-    )
-    .bind(&ids)
-    .fetch_all(&mut *conn)
-    .await?;
-    let mut receipts = std::collections::HashMap::with_capacity(rows.len());
-    for r in &rows {
-        receipts.insert((r.try_get::<String, _>("event_id")?, r.try_get::<i32, _>("envelope_generation")?), r);
-    }
-    let mut candidates = Vec::with_capacity(events.len());
-    // An event without a receipt of its generation (which the schema
-    // forbids for PUBLISHED and RETAINED) is not judged: nothing says where it is.
-    for (event_id, state, published_at_ms, generation) in events {
-        let Some(r) = receipts.get(&(event_id.clone(), generation)) else { continue };
-        candidates.push(Candidate {
-            state: EventState::parse(&state)?,
-            published_at_ms,
-            cluster_id: r.try_get("cluster_id")?,
-            topic: r.try_get("topic")?,
-            topic_id: r.try_get("topic_id")?,
-            partition: r.try_get("partition")?,
-            offset: r.try_get("offset")?,
-            event_id,
-        });
-    }
-    Ok(Page { candidates, last, full })
+/// What the purge decision reads about consumers: the mandatory consumers
+/// reading any of a page's topics (id, topics), and their watermarks on
+/// those topics (any cluster, topic id, partition: which one is of an
+/// event's log is `WatermarkRef::covers_log_of`'s to say).
+#[derive(Debug, Clone, Default)]
+pub struct Registry {
+    /// Mandatory consumers and the topics they read.
+    pub mandatory: Vec<(String, Vec<String>)>,
+    /// Their watermarks.
+    pub watermarks: Vec<outbox_core::MemoryWatermark>,
+}
+
+/// The reads and writes of a retention pass, in a store's transaction. The
+/// decisions are [`purge_with`]'s (`may_retain`, `may_purge`): a store only
+/// reads and writes rows. PostgreSQL ([`PgRetention`]) and the in-memory
+/// store implement it, so the simulator runs this very pass.
+#[async_trait::async_trait]
+pub trait RetentionStore: Send + Sync {
+    /// A transaction.
+    type Tx: Send;
+    /// Begins one.
+    async fn begin(&self) -> Result<Self::Tx, ProducerError>;
+    /// Commits it.
+    async fn commit(&self, tx: Self::Tx) -> Result<(), ProducerError>;
+    /// PUBLISHED -> RETAINED for at most `limit` events (oldest first)
+    /// published before `before_ms` (`outbox_core::may_retain`'s
+    /// condition); how many moved.
+    async fn retain(&self, now_ms: i64, before_ms: i64, limit: i64) -> Result<u64, ProducerError>;
+    /// A page of at most `limit` events in `state` (PUBLISHED or RETAINED)
+    /// published before `before_ms`, after `after` in `(published_at_ms,
+    /// event_id)` order, with their primary receipts' positions; `lock`:
+    /// locked for `tx` (skipping rows another pass holds).
+    async fn candidates(&self, tx: &mut Self::Tx, state: EventState, before_ms: i64, after: &Cursor, limit: i64, lock: bool) -> Result<Page, ProducerError>;
+    /// The mandatory consumers reading any of `topics`, and their watermarks on them.
+    async fn registry(&self, tx: &mut Self::Tx, topics: &[&str]) -> Result<Registry, ProducerError>;
+    /// RETAINED -> PURGED for `ids` (payload dropped, tombstone kept); how many moved.
+    async fn purge_ids(&self, tx: &mut Self::Tx, ids: &[String], now_ms: i64) -> Result<u64, ProducerError>;
 }
 
 /// What `may_purge` decided for one page.
@@ -146,55 +135,24 @@ struct Decided {
     held: u64,
 }
 
-/// Decides a page with `outbox_core::may_purge`, on what it needs read in
-/// one query: the mandatory consumers reading the page's topics, and their
-/// watermarks on those topics. Which watermark is of an event's log
-/// (cluster, topic id, partition) is `WatermarkRef::covers_log_of`'s to
-/// say, not the query's. `as_retained`: judge PUBLISHED candidates as if
-/// retained (a dry run).
-async fn decide(conn: &mut PgConnection, page: &[Candidate], now_ms: i64, policy: &RetentionPolicy, watermarks: bool, as_retained: bool) -> Result<Decided, ProducerError> {
-    let mut topics: Vec<&str> = page.iter().map(|c| c.topic.as_str()).collect();
-    topics.sort_unstable();
-    topics.dedup();
-    type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>);
-    let rows: Vec<Row> = if watermarks {
-        sqlx::query_as(
-            "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset
-             FROM outbox_consumers c
-             LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = c.consumer_id AND w.topic = ANY($1::text[])
-             WHERE c.mandatory AND c.topics && $1::text[]",
-        )
-        .bind(&topics)
-        .fetch_all(&mut *conn)
-        .await?
-    } else {
-        sqlx::query_as(
-            "SELECT consumer_id, topics, NULL::text, NULL::text, NULL::text, NULL::int, NULL::bigint
-             FROM outbox_consumers WHERE mandatory AND topics && $1::text[]",
-        )
-        .bind(&topics)
-        .fetch_all(&mut *conn)
-        .await?
-    };
-    let mut consumers: Vec<(&str, &[String])> = rows.iter().map(|r| (r.0.as_str(), r.1.as_slice())).collect();
-    consumers.sort_unstable();
-    consumers.dedup();
-    let wms: Vec<WatermarkRef<'_>> = rows
+/// Decides a page with `outbox_core::may_purge` on `registry`.
+/// `as_retained`: judge PUBLISHED candidates as if retained (a dry run).
+fn decide(page: &[Candidate], registry: &Registry, now_ms: i64, policy: &RetentionPolicy, as_retained: bool) -> Decided {
+    let wms: Vec<WatermarkRef<'_>> = registry
+        .watermarks
         .iter()
-        .filter_map(|(consumer_id, _, cluster_id, topic, topic_id, partition, committed_offset)| {
-            Some(WatermarkRef {
-                consumer_id,
-                cluster_id: cluster_id.as_deref()?,
-                topic: topic.as_deref()?,
-                topic_id: topic_id.as_deref(),
-                partition: (*partition)?,
-                committed_offset: (*committed_offset)?,
-            })
+        .map(|w| WatermarkRef {
+            consumer_id: &w.consumer_id,
+            cluster_id: &w.cluster_id,
+            topic: &w.topic,
+            topic_id: w.topic_id.as_deref(),
+            partition: w.partition,
+            committed_offset: w.committed_offset,
         })
         .collect();
     let mut out = Decided::default();
     for c in page {
-        let on_topic: Vec<&str> = consumers.iter().filter(|(_, topics)| topics.iter().any(|t| *t == c.topic)).map(|(id, _)| *id).collect();
+        let on_topic: Vec<&str> = registry.mandatory.iter().filter(|(_, topics)| topics.iter().any(|t| *t == c.topic)).map(|(id, _)| id.as_str()).collect();
         let at = LogPosition { cluster_id: &c.cluster_id, topic: &c.topic, topic_id: c.topic_id.as_deref(), partition: c.partition, offset: c.offset };
         let state = if as_retained && c.state == EventState::Published { EventState::Retained } else { c.state };
         match may_purge(state, c.published_at_ms, now_ms, policy.replay_window_ms, at, &wms, &on_topic) {
@@ -203,42 +161,57 @@ async fn decide(conn: &mut PgConnection, page: &[Candidate], now_ms: i64, policy
             Err(HoldReason::NotRetained { .. } | HoldReason::WithinReplayWindow) => {}
         }
     }
-    Ok(out)
+    out
+}
+
+/// The topics of a page, each once.
+fn topics_of(page: &[Candidate]) -> Vec<&str> {
+    let mut topics: Vec<&str> = page.iter().map(|c| c.topic.as_str()).collect();
+    topics.sort_unstable();
+    topics.dedup();
+    topics
+}
+
+/// Runs retention on the PostgreSQL outbox: [`purge_with`] over [`PgRetention`].
+pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run: bool, progress: impl FnMut(&PurgeReport)) -> Result<PurgeReport, ProducerError> {
+    let store = PgRetention::new(pool.clone()).await?;
+    purge_with(&store, now_ms, policy, dry_run, progress).await
 }
 
 /// Runs retention. With `dry_run`, judges what would change and writes nothing.
 /// `progress` is called after each batch with the running totals.
 ///
 /// PUBLISHED -> RETAINED past the replay window (`outbox_core::may_retain`'s
-/// condition, in SQL); then RETAINED -> PURGED as `outbox_core::may_purge`
+/// condition); then RETAINED -> PURGED as `outbox_core::may_purge`
 /// decides: each batch, in one transaction, locks a page of RETAINED events
-/// past the window (`FOR UPDATE SKIP LOCKED`, oldest first), reads the
-/// registry and watermarks the decision needs in one query, decides each
-/// event in Rust and purges exactly those it allows. Pages follow a keyset
-/// on `(published_at_ms, event_id)`, so events held by a consumer are read
+/// past the window (oldest first, skipping rows another pass holds), reads
+/// the registry and watermarks the decision needs, decides each event and
+/// purges exactly those it allows. Pages follow a keyset on
+/// `(published_at_ms, event_id)`, so events held by a consumer are read
 /// once per call and never stop the later ones from being judged; a call
 /// reads at most `batch_size * max_batches` candidates per phase.
 /// `held_by_consumers` counts the events judged and held back in this call.
 /// A dry run reads the same pages without locks (the PUBLISHED ones judged
 /// as if retained), bounded the same way.
-pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run: bool, mut progress: impl FnMut(&PurgeReport)) -> Result<PurgeReport, ProducerError> {
+pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &RetentionPolicy, dry_run: bool, mut progress: impl FnMut(&PurgeReport)) -> Result<PurgeReport, ProducerError> {
     if !(1..=MAX_PURGE_BATCH).contains(&policy.batch_size) {
         return Err(ProducerError::Config(format!("purge batch_size {} (1..={MAX_PURGE_BATCH})", policy.batch_size)));
     }
     if policy.replay_window_ms < 0 {
         return Err(ProducerError::Config("replay_window_ms must not be negative".into()));
     }
-    let watermarks = crate::report::has_watermarks(pool).await?;
+    let before_ms = now_ms.saturating_sub(policy.replay_window_ms);
     let mut report = PurgeReport { dry_run, ..Default::default() };
 
     if dry_run {
-        let mut conn = pool.acquire().await?;
-        for phase in ["PUBLISHED", "RETAINED"] {
+        let mut tx = store.begin().await?;
+        for state in [EventState::Published, EventState::Retained] {
             let mut after: Cursor = (START.0, START.1.to_owned());
             for _ in 0..policy.max_batches {
-                let page = candidates(&mut conn, phase, now_ms, policy, &after, false).await?;
-                let decided = decide(&mut conn, &page.candidates, now_ms, policy, watermarks, true).await?;
-                if phase == "PUBLISHED" {
+                let page = store.candidates(&mut tx, state, before_ms, &after, policy.batch_size, false).await?;
+                let registry = store.registry(&mut tx, &topics_of(&page.candidates)).await?;
+                let decided = decide(&page.candidates, &registry, now_ms, policy, true);
+                if state == EventState::Published {
                     report.retained += page.candidates.len() as u64;
                 }
                 report.purged += decided.purge.len() as u64;
@@ -251,14 +224,12 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
                 }
             }
         }
+        store.commit(tx).await?;
         return Ok(report);
     }
 
-    let retain = "UPDATE outbox_events SET state = 'RETAINED', state_since_ms = $1
-         WHERE event_id IN (SELECT event_id FROM outbox_events WHERE phase = 'PUBLISHED' AND published_at_ms < $1 - $2
-                            ORDER BY published_at_ms LIMIT $3 FOR UPDATE SKIP LOCKED)";
     for _ in 0..policy.max_batches {
-        let n = sqlx::query(retain).bind(now_ms).bind(policy.replay_window_ms).bind(policy.batch_size).execute(pool).await?.rows_affected();
+        let n = store.retain(now_ms, before_ms, policy.batch_size).await?;
         report.retained += n;
         report.batches += 1;
         progress(&report);
@@ -269,20 +240,12 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
 
     let mut after: Cursor = (START.0, START.1.to_owned());
     for _ in 0..policy.max_batches {
-        let mut tx = pool.begin().await?;
-        let page = candidates(&mut tx, "RETAINED", now_ms, policy, &after, true).await?;
-        let decided = decide(&mut tx, &page.candidates, now_ms, policy, watermarks, false).await?;
-        let n = if decided.purge.is_empty() {
-            0
-        } else {
-            sqlx::query("UPDATE outbox_events SET state = 'PURGED', payload = NULL, state_since_ms = $1 WHERE event_id = ANY($2) AND phase = 'RETAINED'")
-                .bind(now_ms)
-                .bind(&decided.purge)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
-        };
-        tx.commit().await?;
+        let mut tx = store.begin().await?;
+        let page = store.candidates(&mut tx, EventState::Retained, before_ms, &after, policy.batch_size, true).await?;
+        let registry = store.registry(&mut tx, &topics_of(&page.candidates)).await?;
+        let decided = decide(&page.candidates, &registry, now_ms, policy, false);
+        let n = if decided.purge.is_empty() { 0 } else { store.purge_ids(&mut tx, &decided.purge, now_ms).await? };
+        store.commit(tx).await?;
         report.purged += n;
         report.held_by_consumers += decided.held;
         report.batches += 1;
@@ -294,6 +257,151 @@ pub async fn purge(pool: &PgPool, now_ms: i64, policy: &RetentionPolicy, dry_run
     }
     tracing::info!(?report, "retention pass");
     Ok(report)
+}
+
+/// The PostgreSQL outbox's rows for [`purge_with`].
+#[derive(Debug, Clone)]
+pub struct PgRetention {
+    pool: PgPool,
+    /// Whether the watermark table exists (an outbox without consumer
+    /// migrations: every mandatory consumer holds everything).
+    watermarks: bool,
+}
+
+impl PgRetention {
+    /// Over `pool`.
+    pub async fn new(pool: PgPool) -> Result<Self, ProducerError> {
+        let watermarks = crate::report::has_watermarks(&pool).await?;
+        Ok(PgRetention { pool, watermarks })
+    }
+}
+
+#[async_trait::async_trait]
+impl RetentionStore for PgRetention {
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+
+    async fn begin(&self) -> Result<Self::Tx, ProducerError> {
+        Ok(self.pool.begin().await?)
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), ProducerError> {
+        Ok(tx.commit().await?)
+    }
+
+    async fn retain(&self, now_ms: i64, before_ms: i64, limit: i64) -> Result<u64, ProducerError> {
+        let retain = "UPDATE outbox_events SET state = 'RETAINED', state_since_ms = $1
+             WHERE event_id IN (SELECT event_id FROM outbox_events WHERE phase = 'PUBLISHED' AND published_at_ms < $2
+                                ORDER BY published_at_ms LIMIT $3 FOR UPDATE SKIP LOCKED)";
+        Ok(sqlx::query(retain).bind(now_ms).bind(before_ms).bind(limit).execute(&self.pool).await?.rows_affected())
+    }
+
+    /// The events are read alone (index on `published_at_ms`, an
+    /// incremental sort by `event_id`, then the limit), so a page reads
+    /// about `limit` rows however many candidates follow; joined with the
+    /// receipts in one statement the planner may sort every candidate past
+    /// the cursor instead. The receipts are then read by key.
+    async fn candidates(&self, tx: &mut Self::Tx, state: EventState, before_ms: i64, after: &Cursor, limit: i64, lock: bool) -> Result<Page, ProducerError> {
+        // A literal: the partial indexes are on `phase`.
+        let phase = match state {
+            EventState::Published => "PUBLISHED",
+            EventState::Retained => "RETAINED",
+            other => return Err(ProducerError::Config(format!("retention reads PUBLISHED or RETAINED events, not {other:?}"))),
+        };
+        let lock = if lock { "FOR UPDATE SKIP LOCKED" } else { "" };
+        let events: Vec<(String, String, i64, i32)> = sqlx::query_as(&format!(
+            "SELECT event_id, state, published_at_ms, envelope_generation FROM outbox_events
+             WHERE phase = '{phase}' AND published_at_ms < $1
+               AND published_at_ms >= $2 AND (published_at_ms, event_id) > ($2, $3)
+             ORDER BY published_at_ms, event_id LIMIT $4 {lock}"
+        ))
+        .bind(before_ms)
+        .bind(after.0)
+        .bind(&after.1)
+        .bind(limit)
+        .fetch_all(&mut **tx)
+        .await?;
+        let last = events.last().map(|e| (e.2, e.0.clone()));
+        let full = events.len() as i64 >= limit;
+        if events.is_empty() {
+            return Ok(Page { candidates: Vec::new(), last, full });
+        }
+        let ids: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+        let rows = sqlx::query(
+            "SELECT event_id, envelope_generation, cluster_id, topic, topic_id, partition, \"offset\" FROM outbox_publish_receipts WHERE event_id = ANY($1)",
+        )
+        .bind(&ids)
+        .fetch_all(&mut **tx)
+        .await?;
+        let mut receipts = std::collections::HashMap::with_capacity(rows.len());
+        for r in &rows {
+            receipts.insert((r.try_get::<String, _>("event_id")?, r.try_get::<i32, _>("envelope_generation")?), r);
+        }
+        let mut candidates = Vec::with_capacity(events.len());
+        // An event without a receipt of its generation (which the schema
+        // forbids for PUBLISHED and RETAINED) is not judged: nothing says where it is.
+        for (event_id, state, published_at_ms, generation) in events {
+            let Some(r) = receipts.get(&(event_id.clone(), generation)) else { continue };
+            candidates.push(Candidate {
+                state: EventState::parse(&state)?,
+                published_at_ms,
+                cluster_id: r.try_get("cluster_id")?,
+                topic: r.try_get("topic")?,
+                topic_id: r.try_get("topic_id")?,
+                partition: r.try_get("partition")?,
+                offset: r.try_get("offset")?,
+                event_id,
+            });
+        }
+        Ok(Page { candidates, last, full })
+    }
+
+    /// One query: the mandatory consumers reading the topics, with their
+    /// watermarks on them (which one is of an event's log is
+    /// `covers_log_of`'s to say, not the query's).
+    async fn registry(&self, tx: &mut Self::Tx, topics: &[&str]) -> Result<Registry, ProducerError> {
+        if topics.is_empty() {
+            return Ok(Registry::default());
+        }
+        type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>);
+        let rows: Vec<Row> = if self.watermarks {
+            sqlx::query_as(
+                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset
+                 FROM outbox_consumers c
+                 LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = c.consumer_id AND w.topic = ANY($1::text[])
+                 WHERE c.mandatory AND c.topics && $1::text[]",
+            )
+            .bind(topics)
+            .fetch_all(&mut **tx)
+            .await?
+        } else {
+            sqlx::query_as(
+                "SELECT consumer_id, topics, NULL::text, NULL::text, NULL::text, NULL::int, NULL::bigint
+                 FROM outbox_consumers WHERE mandatory AND topics && $1::text[]",
+            )
+            .bind(topics)
+            .fetch_all(&mut **tx)
+            .await?
+        };
+        let mut registry = Registry::default();
+        for (consumer_id, topics, cluster_id, topic, topic_id, partition, committed_offset) in rows {
+            if !registry.mandatory.iter().any(|(id, _)| *id == consumer_id) {
+                registry.mandatory.push((consumer_id.clone(), topics));
+            }
+            if let (Some(cluster_id), Some(topic), Some(partition), Some(committed_offset)) = (cluster_id, topic, partition, committed_offset) {
+                registry.watermarks.push(outbox_core::MemoryWatermark { consumer_id, cluster_id, topic, topic_id, partition, committed_offset });
+            }
+        }
+        Ok(registry)
+    }
+
+    async fn purge_ids(&self, tx: &mut Self::Tx, ids: &[String], now_ms: i64) -> Result<u64, ProducerError> {
+        Ok(sqlx::query("UPDATE outbox_events SET state = 'PURGED', payload = NULL, state_since_ms = $1 WHERE event_id = ANY($2) AND phase = 'RETAINED'")
+            .bind(now_ms)
+            .bind(ids)
+            .execute(&mut **tx)
+            .await?
+            .rows_affected())
+    }
 }
 
 /// Registers (or updates) a consumer the reconciler and retention know about.
@@ -312,4 +420,98 @@ pub async fn register_consumer(pool: &PgPool, consumer_id: &str, topics: &[&str]
     .execute(pool)
     .await?;
     Ok(())
+}
+
+/// The in-memory store's rows for [`purge_with`] (the simulator's): its
+/// registry is what [`MemoryStore::set_retention_registry`] last set.
+#[async_trait::async_trait]
+impl RetentionStore for outbox_core::MemoryStore {
+    /// Every call holds the store's lock for its whole work: nothing to begin.
+    type Tx = ();
+
+    async fn begin(&self) -> Result<(), ProducerError> {
+        Ok(())
+    }
+
+    async fn commit(&self, _tx: ()) -> Result<(), ProducerError> {
+        Ok(())
+    }
+
+    async fn retain(&self, now_ms: i64, before_ms: i64, limit: i64) -> Result<u64, ProducerError> {
+        let mut st = self.lock();
+        let mut due: Vec<(i64, outbox_core::EventId)> = st
+            .events
+            .values()
+            .filter(|e| e.state == EventState::Published)
+            .filter_map(|e| e.published_at_ms.filter(|p| *p < before_ms).map(|p| (p, e.envelope.event_id.clone())))
+            .collect();
+        due.sort_unstable();
+        due.truncate(usize::try_from(limit).unwrap_or(0));
+        let mut n = 0;
+        for (_, id) in due {
+            if let Some(ev) = st.events.get_mut(&id) {
+                outbox_core::MemoryStore::transition(ev, EventState::Retained, now_ms)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    async fn candidates(&self, _tx: &mut (), state: EventState, before_ms: i64, after: &Cursor, limit: i64, _lock: bool) -> Result<Page, ProducerError> {
+        let st = self.lock();
+        let mut events: Vec<(i64, String, &outbox_core::memory::MemoryEvent)> = st
+            .events
+            .values()
+            .filter(|e| e.state == state)
+            .filter_map(|e| e.published_at_ms.filter(|p| *p < before_ms).map(|p| (p, e.envelope.event_id.to_string(), e)))
+            .filter(|(p, id, _)| (*p, id.as_str()) > (after.0, after.1.as_str()))
+            .collect();
+        events.sort_unstable_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        events.truncate(usize::try_from(limit).unwrap_or(0));
+        let last = events.last().map(|(p, id, _)| (*p, id.clone()));
+        let full = events.len() as i64 >= limit;
+        let candidates = events
+            .into_iter()
+            .filter_map(|(published_at_ms, event_id, e)| {
+                let slot = e.slot.as_ref()?;
+                Some(Candidate {
+                    event_id,
+                    state: e.state,
+                    published_at_ms,
+                    cluster_id: slot.cluster_id.clone(),
+                    topic: slot.topic.clone(),
+                    topic_id: slot.topic_id.clone(),
+                    partition: slot.partition,
+                    offset: slot.offset,
+                })
+            })
+            .collect();
+        Ok(Page { candidates, last, full })
+    }
+
+    async fn registry(&self, _tx: &mut (), topics: &[&str]) -> Result<Registry, ProducerError> {
+        let st = self.lock();
+        let mandatory: Vec<(String, Vec<String>)> = st.retention_consumers.iter().filter(|(_, reads)| reads.iter().any(|t| topics.contains(&t.as_str()))).cloned().collect();
+        let watermarks = st
+            .retention_watermarks
+            .iter()
+            .filter(|w| topics.contains(&w.topic.as_str()) && mandatory.iter().any(|(id, _)| *id == w.consumer_id))
+            .cloned()
+            .collect();
+        Ok(Registry { mandatory, watermarks })
+    }
+
+    async fn purge_ids(&self, _tx: &mut (), ids: &[String], now_ms: i64) -> Result<u64, ProducerError> {
+        let mut st = self.lock();
+        let mut n = 0;
+        for id in ids {
+            let Some(ev) = st.events.values_mut().find(|e| e.envelope.event_id.as_str() == id) else { continue };
+            if ev.state == EventState::Retained {
+                outbox_core::MemoryStore::transition(ev, EventState::Purged, now_ms)?;
+                ev.payload = Vec::new();
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
 }

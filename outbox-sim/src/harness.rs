@@ -78,8 +78,13 @@ impl Harness for MemoryHarness {
     async fn purge(&self, replay_window_ms: i64, consumers: &[(&str, &[&str], bool)], watermarks: &[MemoryWatermark]) -> Result<PurgeCounts, String> {
         let mandatory: Vec<(String, Vec<String>)> =
             consumers.iter().filter(|c| c.2).map(|(id, topics, _)| ((*id).to_owned(), topics.iter().map(|t| (*t).to_owned()).collect())).collect();
-        let out = self.store.retain_and_purge(replay_window_ms, watermarks, &mandatory);
-        Ok(PurgeCounts { retained: out.retained.len() as u64, purged: out.purged.len() as u64, held: out.held_by_consumers })
+        self.store.set_retention_registry(mandatory, watermarks.to_vec());
+        // Pages of two, as the PostgreSQL harness: a pass pages past held events to later ones.
+        let policy = outbox_producer::retention::RetentionPolicy { replay_window_ms, batch_size: 2, max_batches: 1_000 };
+        let r = outbox_producer::retention::purge_with(&self.store, self.store.now_ms(), &policy, false, |_| {}).await;
+        self.store.set_retention_registry(Vec::new(), Vec::new());
+        let r = r.map_err(|e| e.to_string())?;
+        Ok(PurgeCounts { retained: r.retained, purged: r.purged, held: r.held_by_consumers })
     }
 
     async fn payload(&self, id: &EventId) -> Option<Vec<u8>> {

@@ -6,7 +6,7 @@
 //! **Guarantee.** A trace runs the *shipped* services — the producer's
 //! `Dispatcher` (its own `run`: workers, lease sweeper), the `Reconciler`
 //! (`run_resolving`), the destination migration (`migrate_destination_in`),
-//! the retention decision (`may_purge`, through `MemoryStore::retain_and_purge`)
+//! the retention pass (`outbox_producer::retention::purge_with`, deciding with `may_purge`)
 //! and the consumer's `Processor` with its partition loop `run_partition` —
 //! over the in-memory stores, against a simulated broker, on a seeded
 //! current-thread runtime in virtual time. No service loop exists only

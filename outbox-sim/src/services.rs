@@ -3,8 +3,8 @@
 //! `outbox_producer::Reconciler` (their own loops: `run` and
 //! `run_resolving`), and in some traces the shipped destination migration
 //! (`outbox_producer::migration::migrate_destination_in`, driven by an
-//! operator) and retention decision (`MemoryStore::retain_and_purge`, which
-//! calls `outbox_core::may_purge`), over the in-memory store, against a
+//! operator) and retention pass (`outbox_producer::retention::purge_with`,
+//! whose decision is `outbox_core::may_purge`), over the in-memory store, against a
 //! simulated broker, on a seeded single-threaded executor in virtual time.
 //!
 //! Faults are injected at the seams the services talk through:
@@ -121,8 +121,8 @@ const TOPIC: &str = "orders";
 const NEW_TOPIC: &str = "orders-v2";
 /// The mandatory consumer retention waits for.
 const CONSUMER: &str = "billing";
-/// Retention's replay window.
-const REPLAY_WINDOW_MS: i64 = 2_000;
+/// Retention's policy: a short replay window, small pages.
+const RETENTION_POLICY: outbox_producer::retention::RetentionPolicy = outbox_producer::retention::RetentionPolicy { replay_window_ms: 2_000, batch_size: 3, max_batches: 50 };
 const PARTITIONS: u32 = 3;
 /// Virtual time the faults last, from the first event.
 const FAULT_PHASE_MS: i64 = 40_000;
@@ -470,6 +470,9 @@ service_figures! {
         /// An ACK that reached a dispatcher that lived on, never handed to
         /// `acceptDispatchReceipt`.
         ack_dropped,
+        /// A shipped service answered an error no fault explains (an
+        /// illegal transition, a refused write of its own).
+        service_error,
     }
 }
 
@@ -1332,9 +1335,11 @@ fn start_operator(store: &SimStore, broker: &Arc<SimBroker>, name: String) -> Pr
 /// The mandatory consumer and retention: the consumer reads `CLUSTER`'s
 /// logs (sometimes not at all for a while: down, lagging) and a topic of
 /// the same name on `OTHER_CLUSTER` (another log, far ahead); a retention
-/// job runs the shipped `MemoryStore::retain_and_purge` (`may_purge`) on
-/// its watermarks every few hundred ms, and every event it purges is
-/// checked against the consumer's position on that event's very log.
+/// job runs the shipped retention pass (`outbox_producer::retention::purge_with`,
+/// which `outbox purge` runs over PostgreSQL; its decision is `may_purge`)
+/// on its watermarks every few hundred ms, in small pages, and every event
+/// it purges is checked against the consumer's position on that event's
+/// very log.
 fn start_retention(shared: &Shared, inner: &MemoryStore) -> Process {
     let (shared, inner) = (shared.clone(), inner.clone());
     tokio::spawn(async move {
@@ -1373,12 +1378,24 @@ fn start_retention(shared: &Shared, inner: &MemoryStore) -> Process {
                 }
                 wms
             };
-            inner.set_now_ms(world(&shared).now_ms());
-            let out = inner.retain_and_purge(REPLAY_WINDOW_MS, &watermarks, &mandatory);
+            let now = world(&shared).now_ms();
+            inner.set_now_ms(now);
+            inner.set_retention_registry(mandatory.clone(), watermarks);
+            let purged_before: BTreeSet<EventId> = inner.lock().events.values().filter(|e| e.state == EventState::Purged).map(|e| e.envelope.event_id.clone()).collect();
+            let out = outbox_producer::retention::purge_with(&inner, now, &RETENTION_POLICY, false, |_| {}).await;
             let mut w = world(&shared);
+            let out = match out {
+                Ok(out) => out,
+                Err(e) => {
+                    w.violations.push(format!("service_error: the retention pass failed: {e}"));
+                    w.figures.service_error += 1;
+                    return;
+                }
+            };
             w.figures.held_by_consumers += out.held_by_consumers;
             let st = inner.lock();
-            for id in &out.purged {
+            let purged: Vec<EventId> = st.events.values().filter(|e| e.state == EventState::Purged && !purged_before.contains(&e.envelope.event_id)).map(|e| e.envelope.event_id.clone()).collect();
+            for id in &purged {
                 let Some(slot) = st.events.get(id).and_then(|e| e.slot.as_ref()) else { continue };
                 w.figures.purged += 1;
                 let passed = w.consumer_at.get(&(slot.cluster_id.clone(), slot.topic.clone(), slot.partition)).copied();
