@@ -164,6 +164,33 @@ fn decide(page: &[Candidate], registry: &Registry, now_ms: i64, policy: &Retenti
     out
 }
 
+/// Reads a page of `state` after `after` (locked unless `dry_run`) and the
+/// registry its topics need, and decides it (a dry run judges PUBLISHED
+/// events as if retained).
+#[allow(clippy::too_many_arguments)]
+async fn judge_page<S: RetentionStore>(
+    store: &S,
+    tx: &mut S::Tx,
+    state: EventState,
+    before_ms: i64,
+    after: &Cursor,
+    policy: &RetentionPolicy,
+    now_ms: i64,
+    dry_run: bool,
+) -> Result<(Page, Decided), ProducerError> {
+    let page = store.candidates(tx, state, before_ms, after, policy.batch_size, !dry_run).await?;
+    let registry = store.registry(tx, &topics_of(&page.candidates)).await?;
+    let decided = decide(&page.candidates, &registry, now_ms, policy, dry_run);
+    Ok((page, decided))
+}
+
+impl Page {
+    /// Where the next page starts, if one may follow.
+    fn next(&self) -> Option<Cursor> {
+        self.last.clone().filter(|_| self.full)
+    }
+}
+
 /// The topics of a page, each once.
 fn topics_of(page: &[Candidate]) -> Vec<&str> {
     let mut topics: Vec<&str> = page.iter().map(|c| c.topic.as_str()).collect();
@@ -208,9 +235,7 @@ pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &Rete
         for state in [EventState::Published, EventState::Retained] {
             let mut after: Cursor = (START.0, START.1.to_owned());
             for _ in 0..policy.max_batches {
-                let page = store.candidates(&mut tx, state, before_ms, &after, policy.batch_size, false).await?;
-                let registry = store.registry(&mut tx, &topics_of(&page.candidates)).await?;
-                let decided = decide(&page.candidates, &registry, now_ms, policy, true);
+                let (page, decided) = judge_page(store, &mut tx, state, before_ms, &after, policy, now_ms, true).await?;
                 if state == EventState::Published {
                     report.retained += page.candidates.len() as u64;
                 }
@@ -218,9 +243,9 @@ pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &Rete
                 report.held_by_consumers += decided.held;
                 report.batches += 1;
                 progress(&report);
-                match page.last {
-                    Some(last) if page.full => after = last,
-                    _ => break,
+                match page.next() {
+                    Some(next) => after = next,
+                    None => break,
                 }
             }
         }
@@ -241,18 +266,16 @@ pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &Rete
     let mut after: Cursor = (START.0, START.1.to_owned());
     for _ in 0..policy.max_batches {
         let mut tx = store.begin().await?;
-        let page = store.candidates(&mut tx, EventState::Retained, before_ms, &after, policy.batch_size, true).await?;
-        let registry = store.registry(&mut tx, &topics_of(&page.candidates)).await?;
-        let decided = decide(&page.candidates, &registry, now_ms, policy, false);
+        let (page, decided) = judge_page(store, &mut tx, EventState::Retained, before_ms, &after, policy, now_ms, false).await?;
         let n = if decided.purge.is_empty() { 0 } else { store.purge_ids(&mut tx, &decided.purge, now_ms).await? };
         store.commit(tx).await?;
         report.purged += n;
         report.held_by_consumers += decided.held;
         report.batches += 1;
         progress(&report);
-        match page.last {
-            Some(last) if page.full => after = last,
-            _ => break,
+        match page.next() {
+            Some(next) => after = next,
+            None => break,
         }
     }
     tracing::info!(?report, "retention pass");
