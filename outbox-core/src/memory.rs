@@ -925,9 +925,9 @@ impl crate::store::BypassScanStore for MemoryStore {
         let mut out: Vec<crate::compare::RecordedReceipt> = st
             .events
             .values()
-            .filter(|e| e.published_at_ms.is_some_and(|at| at < accepted_before_ms))
-            .filter_map(|e| e.slot.as_ref())
-            .filter(|r| r.cluster_id == cluster_id && r.topic == topic && r.partition == partition && r.offset >= from_offset)
+            .filter_map(|e| e.slot.as_ref().filter(|r| r.offset >= from_offset && r.partition == partition && r.topic == topic && r.cluster_id == cluster_id).map(|r| (e, r)))
+            .filter(|(e, _)| e.published_at_ms.is_some_and(|at| at < accepted_before_ms))
+            .map(|(_, r)| r)
             .filter(|r| !st.findings.contains_key(&(crate::compare::RECEIPT_POSITION_LOST.to_owned(), r.event_id.to_string())))
             .map(|r| crate::compare::RecordedReceipt { event_id: r.event_id.to_string(), topic_id: r.topic_id.clone(), offset: r.offset, primary: true })
             .collect();

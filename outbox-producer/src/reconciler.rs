@@ -467,7 +467,11 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                 if write.cursor == CursorMove::Restart {
                     tracing::error!(%topic, partition, cursor, log_end = ?scan.log_end, "the partition's log ends below the bypass scan's cursor: the log was replaced; reading the new one from its start");
                 }
-                self.store.record_bypass_scan(&write).await?;
+                // A page that found nothing and moves nothing writes nothing.
+                let idle = write.findings.is_empty() && write.bypass_messages.is_empty() && write.cursor == CursorMove::Advance(cursor);
+                if !idle {
+                    self.store.record_bypass_scan(&write).await?;
+                }
                 report.findings.extend(write.findings.into_iter().map(|f| (f.kind, f.event_id)));
             }
         }
