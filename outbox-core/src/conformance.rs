@@ -81,6 +81,13 @@ pub trait Harness: Send + Sync {
     /// An event's stored payload bytes; `None` once purged (the tombstone keeps none).
     async fn payload(&self, id: &EventId) -> Option<Vec<u8>>;
 
+    /// Runs the shipped reconciler's bypass scan (`Reconciler::scan_for_bypass`,
+    /// retry policy [`POLICY`], clock skew allowance 1 000 ms) at the
+    /// store's clock against `log` as its broker. Answers the findings the
+    /// scan recorded (kind, event id) and the store's scan cursor of each
+    /// partition of `log` after it.
+    async fn bypass_scan(&self, log: &ScanLog) -> Result<(Vec<(String, String)>, std::collections::BTreeMap<i32, i64>), String>;
+
     /// Overwrites the stored payload bytes of an event, leaving its frozen
     /// digest as it was (corruption, a bad migration script...).
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]);
@@ -135,6 +142,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("a_key_is_held_until_its_event_closes", a_key_is_held_until_its_event_closes(&ctx("held")).await),
         ("purge_waits_for_every_mandatory_watermark_on_the_same_log", purge_waits_for_mandatory_watermarks(&ctx("purge")).await),
         ("registration_floor_is_past_the_logs_last_receipt", registration_floor(&ctx("floor")).await),
+        ("the_bypass_scan_judges_every_message_of_a_page", bypass_scan_judgement(&ctx("scan")).await),
     ]
 }
 
@@ -957,4 +965,130 @@ async fn registration_floor<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let a3 = c.register(&ce3.token).await?;
     eq("after a lower receipt", (a3.scan_from_offset, a3.scan_anchor.clone()), (c.offset(500) + 1, Some(first)))?;
     c.accept(&receipt(&ce3, &a3, c.offset(501))).await.map(|_| ())
+}
+
+/// A broker whose topic holds only the messages a scenario put there, per
+/// partition (each page ends just past its last offset); other partitions
+/// and topics cannot be read. For the bypass scan ([`Harness::bypass_scan`]).
+#[derive(Debug, Clone, Default)]
+pub struct ScanLog {
+    /// Its cluster.
+    pub cluster_id: String,
+    /// Its topic.
+    pub topic: String,
+    /// Messages per partition, in offset order.
+    pub partitions: std::collections::BTreeMap<i32, Vec<crate::store::ScannedMessage>>,
+}
+
+#[async_trait]
+impl crate::store::Broker for ScanLog {
+    fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    async fn send(&self, _message: crate::store::OutgoingMessage) -> crate::store::SendOutcome {
+        crate::store::SendOutcome::NotPersisted("a scan log takes no sends".into())
+    }
+
+    fn supports_lookup(&self) -> bool {
+        false
+    }
+
+    async fn lookup(&self, _destination: &crate::envelope::Destination, _event_id: &EventId, _from: &crate::reconcile::ScanFrom) -> LookupOutcome {
+        LookupOutcome::Unavailable("a scan log answers no lookups".into())
+    }
+
+    async fn scan_event_ids(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<crate::store::PartitionScan, String> {
+        let Some(log) = self.partitions.get(&partition).filter(|_| topic == self.topic) else { return Err(format!("{topic}/{partition} is not in the scan log")) };
+        let end = log.last().map_or(0, |m| m.offset + 1);
+        let messages: Vec<_> = log.iter().filter(|m| m.offset >= from_offset).take(usize::try_from(max_messages).unwrap_or(usize::MAX)).cloned().collect();
+        let next_offset = if messages.len() as u64 == max_messages { messages.last().map_or(from_offset, |m| m.offset + 1) } else { from_offset.max(end) };
+        Ok(crate::store::PartitionScan { messages, next_offset, log_end: Some(end) })
+    }
+}
+
+/// The message a claimed event's attempt wrote at `offset`, as a scan reads it.
+fn scanned(ce: &ClaimedEvent, attempt: &AttemptRecord, offset: i64, payload: &[u8]) -> crate::store::ScannedMessage {
+    crate::store::ScannedMessage {
+        offset,
+        event_id: Some(ce.envelope.event_id.to_string()),
+        key: Some(ce.destination.routing_key.clone().into_bytes()),
+        payload_digest: sha256_digest(payload),
+        source: None,
+        attempt_id: Some(attempt.attempt_id.to_string()),
+        topic_id: ce.destination.topic_id.clone(),
+    }
+}
+
+/// The bypass scan's judgement of a page (`outbox_core::compare`), on both
+/// stores through the shipped reconciler: a primary or duplicate receipt's
+/// position is accounted; a copy with other bytes of a published event at
+/// a position no receipt records is `divergent_copy`; a message of an event not published yet is left to
+/// the reconciler; an unknown eventId is `bypass_publish`; a copy of an
+/// open attempt within its in-flight bound is waited for (the cursor stays
+/// at it) and, byte-identical, is `unrecorded_copy` once past it.
+async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    // A: published at offset 1; a copy with other bytes at 3.
+    let a = c.emit(1, "a").await;
+    let ce_a = c.claim_some("w1", &a).await?;
+    let a1 = c.register(&ce_a.token).await?;
+    eq("A's ACK", c.accept(&receipt(&ce_a, &a1, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    // B: a late ACK of its first attempt (offset 4) published it while its
+    // retry is still open (SENDING, within its bound); the first attempt's
+    // second copy (offset 6) is a duplicate receipt; the retry's copy at 5 has none.
+    let b = c.emit(2, "b").await;
+    let ce_b1 = c.claim_some("w1", &b).await?;
+    let b1 = c.register(&ce_b1.token).await?;
+    c.expire().await?;
+    c.h.advance_ms(POLICY.in_flight_bound_ms);
+    let task = c.reconcile("r1", &b).await?;
+    let d = decide_reconcile(&task.attempts, &LookupOutcome::Unavailable("adapter cannot look up".into()), false, &POLICY, c.h.now_ms());
+    eq("B's reconcile decision", &d, &ReconcileDecision::Retry { proven_absent: false })?;
+    c.s().finish_reconcile(&task.token, &d).await.map_err(err("finish_reconcile"))?;
+    let ce_b2 = c.claim_retry("w2", &b).await?;
+    let b2 = c.register(&ce_b2.token).await?;
+    eq("B's first attempt's late ACK", c.accept(&receipt(&ce_b1, &b1, c.offset(4))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    eq("B's first attempt's second copy", c.accept(&receipt(&ce_b1, &b1, c.offset(6))).await?, ReceiptDecision::Duplicate)?;
+    // C: committed, not published.
+    let pending = c.emit(3, "c").await;
+    let ce_c = c.claim_some("w1", &pending).await?;
+    let c1 = c.register(&ce_c.token).await?;
+    let unknown = EventId::generate(c.h.now_ms() as u64).to_string();
+
+    let mut log = ScanLog { cluster_id: ce_a.destination.cluster_id.clone(), topic: ce_a.destination.topic.clone(), ..Default::default() };
+    let mut put = |ce: &ClaimedEvent, m: crate::store::ScannedMessage| log.partitions.entry(ce.destination.partition).or_default().push(m);
+    put(&ce_a, scanned(&ce_a, &a1, c.offset(1), &ce_a.payload));
+    put(&ce_a, scanned(&ce_a, &a1, c.offset(3), b"other bytes"));
+    put(&ce_b1, scanned(&ce_b1, &b1, c.offset(4), &ce_b1.payload));
+    put(&ce_b2, scanned(&ce_b2, &b2, c.offset(5), &ce_b2.payload));
+    put(&ce_b1, scanned(&ce_b1, &b1, c.offset(6), &ce_b1.payload));
+    put(&ce_b1, crate::store::ScannedMessage { event_id: Some(unknown.clone()), attempt_id: None, ..scanned(&ce_b1, &b1, c.offset(7), b"bypass") });
+    put(&ce_c, scanned(&ce_c, &c1, c.offset(8), &ce_c.payload));
+    for page in log.partitions.values_mut() {
+        page.sort_by_key(|m| m.offset);
+    }
+    let end = |p: i32| log.partitions[&p].last().map_or(0, |m| m.offset + 1);
+    let ours = |findings: &[(String, String)]| -> Vec<(String, String)> {
+        let mut f: Vec<(String, String)> =
+            findings.iter().filter(|(_, e)| [a.as_str(), b.as_str(), pending.as_str(), unknown.as_str()].contains(&e.as_str())).cloned().collect();
+        f.sort();
+        f.dedup();
+        f
+    };
+    let pair = |k: &str, e: &str| (k.to_owned(), e.to_owned());
+
+    let (findings, cursors) = c.h.bypass_scan(&log).await?;
+    let mut want = vec![pair("divergent_copy", a.as_str()), pair("bypass_publish", &unknown)];
+    want.sort();
+    eq("findings while B's retry may still be answered", ours(&findings), want)?;
+    eq("the cursor waits at the copy of B's open retry", cursors[&ce_b2.destination.partition], c.offset(5))?;
+    if ce_a.destination.partition != ce_b2.destination.partition {
+        eq("A's partition is read to its end", cursors[&ce_a.destination.partition], end(ce_a.destination.partition))?;
+    }
+
+    c.h.advance_ms(POLICY.in_flight_bound_ms + LEASE_MS);
+    let (findings, cursors) = c.h.bypass_scan(&log).await?;
+    ensure(ours(&findings).contains(&pair("unrecorded_copy", b.as_str())), || format!("B's retry's copy past its bound is unrecorded_copy; findings {findings:?}"))?;
+    ensure(!ours(&findings).iter().any(|(_, e)| e == a.as_str() || e == pending.as_str()), || format!("nothing read again of A, nothing of C; findings {findings:?}"))?;
+    eq("the cursor passes the judged copy", cursors[&ce_b2.destination.partition], end(ce_b2.destination.partition))
 }

@@ -36,6 +36,7 @@
 pub mod canonical;
 pub mod claim;
 pub mod command;
+pub mod compare;
 pub mod conformance;
 pub mod envelope;
 pub mod error;
@@ -69,4 +70,4 @@ pub use retention::{check_migration_fence, decide_migration, may_purge, may_reta
 pub use receipt::{decide_receipt, is_unregistered_message, refutes_absence, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
 pub use takeover::{decide_publisher, takeover_bucket, Publisher, TakeoverPolicy, TAKEOVER_BUCKETS};
-pub use store::{Broker, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};
+pub use store::{Broker, BypassScanStore, BypassScanWrite, ScanFinding, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

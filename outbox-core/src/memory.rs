@@ -144,6 +144,16 @@ pub struct MemoryState {
     pub retention_consumers: Vec<(String, Vec<String>)>,
     /// Their published watermarks.
     pub retention_watermarks: Vec<MemoryWatermark>,
+    /// The topics events were routed to, per (cluster, topic): the
+    /// partition count of the latest destination (the bypass scan reads them).
+    pub routes: BTreeMap<(String, String), i32>,
+    /// Open findings, (kind, event id or label) -> detail.
+    pub findings: BTreeMap<(String, String), String>,
+    /// The bypass scan's cursors, (cluster, topic, partition) -> next offset.
+    pub bypass_cursors: BTreeMap<(String, String, i32), i64>,
+    /// Bypass evidence by (cluster, topic, partition, offset): messages
+    /// the outbox never committed or another outbox wrote, and when seen.
+    pub bypass_messages: BTreeMap<(String, String, i32, i64), (crate::store::ScannedMessage, i64)>,
     next_seq: u64,
 }
 
@@ -205,6 +215,7 @@ impl MemoryStore {
         let seq = st.next_seq;
         let destination_digest = destination.digest();
         st.commands.insert(command_key.to_owned(), id.clone());
+        st.routes.insert((destination.cluster_id.clone(), destination.topic.clone()), destination.partitions as i32);
         st.events.insert(
             id.clone(),
             MemoryEvent {
@@ -377,6 +388,7 @@ impl MemoryStore {
                 a.state = AttemptState::Absent;
             }
         }
+        st.routes.insert((new_destination.cluster_id.clone(), new_destination.topic.clone()), new_destination.partitions as i32);
         ev.envelope = Envelope { envelope_generation: old_envelope.envelope_generation + 1, ..old_envelope };
         ev.destination = new_destination;
         ev.destination_digest = to_digest;
@@ -809,5 +821,98 @@ impl OutboxStore for MemoryStore {
         let st = self.lock();
         let ev = st.events.get(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
         Ok((ev.state, ev.slot.clone()))
+    }
+}
+
+/// The bypass scan's reads and write over the in-memory records (as
+/// `PgStore`'s over its tables).
+#[async_trait]
+impl crate::store::BypassScanStore for MemoryStore {
+    async fn routed_topics(&self, cluster_id: &str) -> Result<Vec<(String, i32)>, StoreError> {
+        Ok(self.lock().routes.iter().filter(|((c, _), _)| c == cluster_id).map(|((_, t), n)| (t.clone(), *n)).collect())
+    }
+
+    async fn source_identity(&self) -> Result<Option<String>, StoreError> {
+        // The in-memory store has no source identity (its messages carry no `outbox-source`).
+        Ok(None)
+    }
+
+    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<i64, StoreError> {
+        Ok(self.lock().bypass_cursors.get(&(cluster_id.to_owned(), topic.to_owned(), partition)).copied().unwrap_or(0))
+    }
+
+    async fn committed_event_ids(&self, event_ids: &[String]) -> Result<std::collections::BTreeSet<String>, StoreError> {
+        let st = self.lock();
+        Ok(event_ids.iter().filter(|id| id.parse::<EventId>().is_ok_and(|id| st.events.contains_key(&id))).cloned().collect())
+    }
+
+    async fn receipts_at(&self, cluster_id: &str, topic: &str, partition: i32, offsets: &[i64]) -> Result<Vec<crate::compare::RecordedReceipt>, StoreError> {
+        let st = self.lock();
+        let at = |r: &BrokerReceipt| r.cluster_id == cluster_id && r.topic == topic && r.partition == partition && offsets.contains(&r.offset);
+        let recorded = |r: &BrokerReceipt, primary: bool| crate::compare::RecordedReceipt { event_id: r.event_id.to_string(), topic_id: r.topic_id.clone(), offset: r.offset, primary };
+        let primaries = st.events.values().filter_map(|e| e.slot.as_ref()).filter(|r| at(r)).map(|r| recorded(r, true));
+        Ok(primaries.chain(st.duplicates.iter().filter(|r| at(r)).map(|r| recorded(r, false))).collect())
+    }
+
+    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, String>, StoreError> {
+        let st = self.lock();
+        Ok(event_ids
+            .iter()
+            .filter_map(|id| st.events.get(&id.parse::<EventId>().ok()?))
+            .filter(|e| e.slot.as_ref().is_some_and(|s| s.envelope_generation == e.envelope.envelope_generation))
+            .map(|e| (e.envelope.event_id.to_string(), e.envelope.payload_digest.clone()))
+            .collect())
+    }
+
+    async fn open_attempts_of(&self, event_ids: &[String]) -> Result<Vec<AttemptRecord>, StoreError> {
+        let st = self.lock();
+        Ok(event_ids
+            .iter()
+            .filter_map(|id| st.attempts.get(&id.parse::<EventId>().ok()?))
+            .flatten()
+            .filter(|a| OPEN_ATTEMPT_STATES.contains(&a.state))
+            .cloned()
+            .collect())
+    }
+
+    async fn receipts_from(
+        &self,
+        cluster_id: &str,
+        topic: &str,
+        partition: i32,
+        from_offset: i64,
+        accepted_before_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<crate::compare::RecordedReceipt>, StoreError> {
+        let st = self.lock();
+        let mut out: Vec<crate::compare::RecordedReceipt> = st
+            .events
+            .values()
+            .filter_map(|e| e.slot.as_ref().filter(|r| r.offset >= from_offset && r.partition == partition && r.topic == topic && r.cluster_id == cluster_id).map(|r| (e, r)))
+            .filter(|(e, _)| e.published_at_ms.is_some_and(|at| at < accepted_before_ms))
+            .map(|(_, r)| r)
+            .filter(|r| !st.findings.contains_key(&(crate::compare::RECEIPT_POSITION_LOST.to_owned(), r.event_id.to_string())))
+            .map(|r| crate::compare::RecordedReceipt { event_id: r.event_id.to_string(), topic_id: r.topic_id.clone(), offset: r.offset, primary: true })
+            .collect();
+        out.sort_by_key(|r| r.offset);
+        out.truncate(usize::try_from(limit.max(0)).unwrap_or(usize::MAX));
+        Ok(out)
+    }
+
+    async fn record_bypass_scan(&self, write: &crate::store::BypassScanWrite) -> Result<(), StoreError> {
+        let mut st = self.lock();
+        let (cluster, topic, partition) = (write.cluster_id.clone(), write.topic.clone(), write.partition);
+        for m in &write.bypass_messages {
+            st.bypass_messages.entry((cluster.clone(), topic.clone(), partition, m.offset)).or_insert_with(|| (m.clone(), write.now_ms));
+        }
+        for f in &write.findings {
+            st.findings.insert((f.kind.to_owned(), f.event_id.clone()), f.detail.clone());
+        }
+        let cursor = st.bypass_cursors.entry((cluster, topic, partition)).or_insert(0);
+        match write.cursor {
+            crate::compare::CursorMove::Advance(to) => *cursor = (*cursor).max(to),
+            crate::compare::CursorMove::Restart => *cursor = 0,
+        }
+        Ok(())
     }
 }

@@ -337,3 +337,81 @@ pub struct PartitionScan {
     /// the scan, names a position the log no longer has.
     pub log_end: Option<i64>,
 }
+
+/// A finding of one page of the bypass scan, with the message it names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScanFinding {
+    /// Its kind (`crate::compare`'s constants).
+    pub kind: &'static str,
+    /// The event it names (or a label for a message without an eventId).
+    pub event_id: String,
+    /// In words.
+    pub detail: String,
+    /// The offset of the message it is about (`None`: a receipt's position, beyond the log's end).
+    pub offset: Option<i64>,
+    /// The attempt id that message carries, if any.
+    pub attempt_id: Option<String>,
+}
+
+/// What one page of the bypass scan writes, in one transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BypassScanWrite {
+    /// Broker cluster.
+    pub cluster_id: String,
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// When the scan judged the page, ms.
+    pub now_ms: i64,
+    /// Messages kept as bypass evidence (`bypass_publish`, `foreign_source`).
+    pub bypass_messages: Vec<ScannedMessage>,
+    /// Findings to open (or mark seen again).
+    pub findings: Vec<ScanFinding>,
+    /// Where the cursor goes.
+    pub cursor: crate::compare::CursorMove,
+}
+
+/// The reads and the one write of the reconciler's bypass scan
+/// (`Reconciler::scan_for_bypass`, which decides with `crate::compare`).
+/// `PgStore` and `MemoryStore` implement it.
+#[async_trait]
+pub trait BypassScanStore: Send + Sync {
+    /// The topics routed to `cluster_id`, with their partition counts, by topic.
+    async fn routed_topics(&self, cluster_id: &str) -> Result<Vec<(String, i32)>, StoreError>;
+
+    /// This outbox's source identity, if the store has one.
+    async fn source_identity(&self) -> Result<Option<String>, StoreError>;
+
+    /// The next offset the scan reads in (cluster, topic, partition); 0 for one never read.
+    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<i64, StoreError>;
+
+    /// Which of `event_ids` the outbox committed.
+    async fn committed_event_ids(&self, event_ids: &[String]) -> Result<std::collections::BTreeSet<String>, StoreError>;
+
+    /// The receipts, primary and duplicate, at `offsets` of (cluster, topic, partition), of any topic id.
+    async fn receipts_at(&self, cluster_id: &str, topic: &str, partition: i32, offsets: &[i64]) -> Result<Vec<crate::compare::RecordedReceipt>, StoreError>;
+
+    /// The payload digests of the published events (a primary receipt of
+    /// their current envelope generation exists) among `event_ids`.
+    async fn published_digests(&self, event_ids: &[String]) -> Result<std::collections::BTreeMap<String, String>, StoreError>;
+
+    /// The open attempts (SENDING, UNKNOWN) of `event_ids`.
+    async fn open_attempts_of(&self, event_ids: &[String]) -> Result<Vec<crate::receipt::AttemptRecord>, StoreError>;
+
+    /// Primary receipts of (cluster, topic, partition) at or beyond
+    /// `from_offset`, accepted before `accepted_before_ms`, whose event has
+    /// no open `receipt_position_lost` finding; lowest offset first, at most `limit`.
+    async fn receipts_from(
+        &self,
+        cluster_id: &str,
+        topic: &str,
+        partition: i32,
+        from_offset: i64,
+        accepted_before_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<crate::compare::RecordedReceipt>, StoreError>;
+
+    /// Records the page's bypass messages and findings and moves the cursor, in one transaction.
+    async fn record_bypass_scan(&self, write: &BypassScanWrite) -> Result<(), StoreError>;
+}

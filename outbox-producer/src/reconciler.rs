@@ -8,14 +8,14 @@
 //! otherwise back to DISPATCH_UNKNOWN with the next check scheduled. Every
 //! attempt stays recorded.
 
-use std::collections::HashMap;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use outbox_core::{decide_after_submit, decide_reconcile, scan_floor, scan_lower_bound, Broker, EventState, LookupOutcome, ReconcileDecision, RetryPolicy};
+use outbox_core::compare::{first_wait, judge_scanned, next_bypass_cursor, receipt_position_lost, CursorMove, KnownCopies, PositionLost, ScanJudgement};
+use outbox_core::{BypassScanStore, BypassScanWrite, ScanFinding, decide_after_submit, decide_reconcile, scan_floor, scan_lower_bound, Broker, EventState, LookupOutcome, ReconcileDecision, RetryPolicy};
 use sqlx::Row;
 
 use crate::error::ProducerError;
-use crate::topic_scan::Cursors;
 use crate::pg::PgStore;
 use crate::service_store::ServiceStore;
 
@@ -152,6 +152,31 @@ pub struct ResolveReport {
     pub failed: usize,
     /// Given back unstarted: the round ran past half of its lease.
     pub given_back: usize,
+}
+
+/// What one bypass scan ([`Reconciler::scan_for_bypass`]) read and recorded.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BypassScanReport {
+    /// Messages read.
+    pub scanned: usize,
+    /// Findings recorded: kind, and the event (or label) each names.
+    pub findings: Vec<(&'static str, String)>,
+}
+
+impl BypassScanReport {
+    /// Adds the scan's findings about messages to `report` (receipts whose
+    /// position was lost are recorded, not counted there).
+    pub fn count_into(&self, report: &mut CompareReport) {
+        for (kind, _) in &self.findings {
+            match *kind {
+                "bypass_publish" => report.bypass_publish += 1,
+                "foreign_source" => report.foreign_source += 1,
+                "unrecorded_copy" => report.unrecorded_copy += 1,
+                "divergent_copy" => report.divergent_copy += 1,
+                _ => {}
+            }
+        }
+    }
 }
 
 /// Resolves unknown dispatch outcomes.
@@ -302,6 +327,157 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         self.rounds(shutdown, || async { Ok((self.resolve_unknown_once().await?, CompareReport::default())) }).await
     }
 
+    /// [`Reconciler::run_resolving`] with the bypass scan
+    /// ([`Reconciler::scan_for_bypass`]) after every resolve round: over
+    /// any store with the scan's seam (the simulator runs it over the
+    /// in-memory one). The SQL store's [`Reconciler::run`] runs the same
+    /// scan inside the full comparison of the three sets.
+    pub async fn run_resolving_and_scanning(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError>
+    where
+        S: BypassScanStore,
+    {
+        self.rounds(shutdown, || async {
+            let resolved = self.resolve_unknown_once().await?;
+            let scanned = self.scan_for_bypass().await?;
+            let mut compared = CompareReport { scanned_messages: scanned.scanned, ..Default::default() };
+            scanned.count_into(&mut compared);
+            Ok((resolved, compared))
+        })
+        .await
+    }
+
+    /// Reads every routed topic of this broker's cluster from its cursor and
+    /// reports messages whose eventId the outbox never committed, or that
+    /// carry none (`bypass_publish`); messages another, undeclared outbox
+    /// wrote (`foreign_source`); and copies of published events at a
+    /// position that is neither their primary receipt nor a recorded
+    /// duplicate transport receipt, byte-identical (`unrecorded_copy`) or
+    /// not (`divergent_copy`); and receipts whose position the log no
+    /// longer has (`receipt_position_lost`). What each message is, where
+    /// the cursor goes and which positions are lost are
+    /// `outbox_core::compare`'s decisions; each page's evidence, findings
+    /// and cursor are written in one transaction
+    /// ([`BypassScanStore::record_bypass_scan`]).
+    pub async fn scan_for_bypass(&self) -> Result<BypassScanReport, ProducerError>
+    where
+        S: BypassScanStore,
+    {
+        self.scan_at(self.store.now_ms()).await
+    }
+
+    async fn scan_at(&self, now: i64) -> Result<BypassScanReport, ProducerError>
+    where
+        S: BypassScanStore,
+    {
+        let cluster = self.broker.cluster_id().to_owned();
+        let topics = self.store.routed_topics(&cluster).await?;
+        let own_source = self.store.source_identity().await?;
+        let mut report = BypassScanReport::default();
+        for (topic, partitions) in topics {
+            for partition in 0..partitions {
+                let cursor = self.store.bypass_cursor(&cluster, &topic, partition).await?;
+                let scan = match self.broker.scan_event_ids(&topic, partition, cursor, self.config.bypass_scan_max_messages).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(%topic, partition, error = %e, "bypass check could not read the partition");
+                        continue;
+                    }
+                };
+                report.scanned += scan.messages.len();
+                let ids: Vec<String> = scan.messages.iter().filter_map(|m| m.event_id.clone()).collect();
+                let known = if ids.is_empty() { BTreeSet::new() } else { self.store.committed_event_ids(&ids).await? };
+                let offsets: Vec<i64> = scan.messages.iter().map(|m| m.offset).collect();
+                let receipts = if offsets.is_empty() { Vec::new() } else { self.store.receipts_at(&cluster, &topic, partition, &offsets).await? };
+                let known_ids: Vec<String> = known.iter().cloned().collect();
+                let (published, open) = if known_ids.is_empty() {
+                    Default::default()
+                } else {
+                    (self.store.published_digests(&known_ids).await?, self.store.open_attempts_of(&known_ids).await?)
+                };
+                // A copy of an open attempt still within its in-flight bound
+                // may be an answer on its way (waited for); past the bound no
+                // receipt will come, and its copy is judged.
+                let copies = KnownCopies::new(&receipts, published, &open, &self.config.retry, now);
+                let judged: Vec<(&outbox_core::ScannedMessage, ScanJudgement)> = scan
+                    .messages
+                    .iter()
+                    .map(|m| (m, judge_scanned(m, own_source.as_deref(), &self.config.declared_sources, &known, &copies)))
+                    .collect();
+                let mut write = BypassScanWrite {
+                    cluster_id: cluster.clone(),
+                    topic: topic.clone(),
+                    partition,
+                    now_ms: now,
+                    bypass_messages: Vec::new(),
+                    findings: Vec::new(),
+                    cursor: next_bypass_cursor(cursor, &scan, first_wait(judged.iter().copied())),
+                };
+                for (m, j) in &judged {
+                    let ScanJudgement::Finding(kind) = *j else { continue };
+                    if j.is_bypass_message() {
+                        write.bypass_messages.push((*m).clone());
+                    }
+                    let label = m.event_id.clone().unwrap_or_else(|| format!("no-event-id@{topic}/{partition}/{}", m.offset));
+                    let detail = match kind {
+                        outbox_core::compare::FOREIGN_SOURCE => {
+                            let s: String = m.source.as_deref().unwrap_or_default().chars().take(200).collect();
+                            format!("message of source {s} at {topic}/{partition}@{}: another outbox writes this topic (declare it, or stop it)", m.offset)
+                        }
+                        outbox_core::compare::BYPASS_PUBLISH => {
+                            let why = if m.event_id.is_some() { "eventId in the topic that the outbox never committed" } else { "message without an outbox eventId" };
+                            format!("{why} at {topic}/{partition}@{}", m.offset)
+                        }
+                        _ => {
+                            let what = if kind == outbox_core::compare::UNRECORDED_COPY { "a byte-identical copy" } else { "a copy with other bytes" };
+                            format!("{what} of the published event at {cluster}/{topic}/{partition}@{}, neither its primary receipt nor a recorded duplicate", m.offset)
+                        }
+                    };
+                    write.findings.push(ScanFinding { kind, event_id: label, detail, offset: Some(m.offset), attempt_id: m.attempt_id.clone() });
+                }
+                // Receipts whose position now holds another message (or one
+                // without an eventId, or the same event's message of another
+                // topic id), and receipts at or beyond the log's end accepted
+                // well before this round began: the log they were recorded in
+                // is gone. Those already reported beyond the end are skipped,
+                // so that a round's limit moves on to the next ones.
+                let mut beyond = Vec::new();
+                if let Some(end) = scan.log_end {
+                    let before = outbox_core::compare::beyond_end_accepted_before_ms(now, self.config.clock_skew_allowance_ms);
+                    beyond = self.store.receipts_from(&cluster, &topic, partition, end, before, self.config.max_findings_per_kind).await?;
+                }
+                for r in receipts.iter().chain(&beyond) {
+                    let Some(lost) = receipt_position_lost(&scan, r) else { continue };
+                    let offset = r.offset;
+                    let detail = match lost {
+                        PositionLost::HoldsOther { holder, topic_id } => {
+                            let of_id = r.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
+                            let there = match (holder, topic_id) {
+                                (None, _) => "a message without an eventId".to_owned(),
+                                (Some(e), None) => format!("event {e}'s message"),
+                                (Some(e), Some(id)) => format!("event {e}'s message of topic id {id}"),
+                            };
+                            format!("its receipt's position {cluster}/{topic}{of_id}/{partition}@{offset} now holds {there}: the log it was recorded in is gone (topic recreated, cluster replaced)")
+                        }
+                        PositionLost::BeyondEnd { end } => format!(
+                            "its receipt's position {cluster}/{topic}/{partition}@{offset} is beyond the log's end {end}: the log it was recorded in is gone (broker replaced, topic recreated)"
+                        ),
+                    };
+                    write.findings.push(ScanFinding { kind: outbox_core::compare::RECEIPT_POSITION_LOST, event_id: r.event_id.clone(), detail, offset: None, attempt_id: None });
+                }
+                if write.cursor == CursorMove::Restart {
+                    tracing::error!(%topic, partition, cursor, log_end = ?scan.log_end, "the partition's log ends below the bypass scan's cursor: the log was replaced; reading the new one from its start");
+                }
+                // A page that found nothing and moves nothing writes nothing.
+                let idle = write.findings.is_empty() && write.bypass_messages.is_empty() && write.cursor == CursorMove::Advance(cursor);
+                if !idle {
+                    self.store.record_bypass_scan(&write).await?;
+                }
+                report.findings.extend(write.findings.into_iter().map(|f| (f.kind, f.event_id)));
+            }
+        }
+        Ok(report)
+    }
+
     async fn rounds<F, Fut>(&self, shutdown: impl std::future::Future<Output = ()> + Send, mut round: F) -> Result<u64, ProducerError>
     where
         F: FnMut() -> Fut,
@@ -436,12 +612,14 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
             }
         }
 
-        let (bypass, scanned) = self.scan_for_bypass(now).await?;
-        found.extend(bypass);
+        // The bypass scan records its findings with the page that found
+        // them (and the cursor that moved past it), in one transaction.
+        let bypass = self.scan_at(now).await?;
         found.extend(self.sweep_published_without_receipt(now).await?);
         found.extend(crate::watermark_topic::stale_findings(pool, now, self.config.stale_watermark_after_ms, limit).await?);
 
-        let mut report = CompareReport { scanned_messages: scanned, ..Default::default() };
+        let mut report = CompareReport { scanned_messages: bypass.scanned, ..Default::default() };
+        bypass.count_into(&mut report);
         for (kind, ..) in &found {
             match *kind {
                 "aged_pending" => report.aged_pending += 1,
@@ -540,212 +718,6 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         Ok(found)
     }
 
-    /// Reads every routed topic of this broker's cluster from its cursor and
-    /// reports messages whose eventId the outbox never committed, or that
-    /// carry none (`bypass_publish`); messages another, undeclared outbox
-    /// wrote (`foreign_source`); and copies of published events at a
-    /// position that is neither their primary receipt nor a recorded
-    /// duplicate transport receipt, byte-identical (`unrecorded_copy`) or
-    /// not (`divergent_copy`). A copy whose attempt's answer is not recorded
-    /// yet (SENDING, UNKNOWN) is left to the dispatcher and the lookups.
-    async fn scan_for_bypass(&self, now: i64) -> Result<(Vec<(&'static str, String, String, i64, String)>, usize), ProducerError> {
-        let pool = self.store.pool();
-        let cluster = self.broker.cluster_id().to_owned();
-        let topics = crate::topic_scan::routed_topics(pool, &cluster).await?;
-        let own_source = crate::cloudevents::source(pool).await?;
-        let mut found = Vec::new();
-        let mut lost: Vec<(&'static str, String, String)> = Vec::new();
-        let mut scanned = 0;
-        for (topic, partitions) in topics {
-            for partition in 0..partitions {
-                let cursor = Cursors::Bypass.read(pool, &cluster, &topic, partition).await?;
-                let scan = match self.broker.scan_event_ids(&topic, partition, cursor, self.config.bypass_scan_max_messages).await {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::warn!(%topic, partition, error = %e, "bypass check could not read the partition");
-                        continue;
-                    }
-                };
-                scanned += scan.messages.len();
-                let ids: Vec<String> = scan.messages.iter().filter_map(|m| m.event_id.clone()).collect();
-                let known: std::collections::HashSet<String> =
-                    sqlx::query_scalar::<_, String>("SELECT event_id FROM outbox_events WHERE event_id = ANY($1)").bind(&ids).fetch_all(pool).await?.into_iter().collect();
-                let offsets: Vec<i64> = scan.messages.iter().map(|m| m.offset).collect();
-                let copies = self.copies_of_known(&cluster, &topic, partition, &offsets, &known, now).await?;
-                // The first copy whose attempt may still be answered: the
-                // cursor stops there, so that its copy is judged again once
-                // the attempt is past its in-flight bound.
-                let mut wait_at: Option<i64> = None;
-                let mut tx = pool.begin().await?;
-                for m in &scan.messages {
-                    let foreign = m.source.as_deref().filter(|s| *s != own_source);
-                    if foreign.is_some_and(|s| self.config.declared_sources.iter().any(|d| d == s)) {
-                        continue;
-                    }
-                    if foreign.is_none() {
-                        if let Some(id) = m.event_id.as_ref().filter(|id| known.contains(*id)) {
-                            match copies.judge(id, m) {
-                                Judgement::Accounted => {}
-                                Judgement::Wait => {
-                                    wait_at.get_or_insert(m.offset);
-                                }
-                                Judgement::Finding(kind) => {
-                                    let what = if kind == "unrecorded_copy" { "a byte-identical copy" } else { "a copy with other bytes" };
-                                    found.push((kind, id.clone(), String::new(), 0, format!("{what} of the published event at {cluster}/{topic}/{partition}@{}, neither its primary receipt nor a recorded duplicate", m.offset)));
-                                }
-                            }
-                            continue;
-                        }
-                    }
-                    let label = m.event_id.clone().unwrap_or_else(|| format!("no-event-id@{topic}/{partition}/{}", m.offset));
-                    sqlx::query(
-                        "INSERT INTO outbox_bypass_messages (cluster_id, topic, partition, \"offset\", event_id, seen_at_ms, source)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
-                    )
-                    .bind(&cluster)
-                    .bind(&topic)
-                    .bind(partition)
-                    .bind(m.offset)
-                    .bind(m.event_id.as_deref())
-                    .bind(now)
-                    .bind(m.source.as_deref())
-                    .execute(&mut *tx)
-                    .await?;
-                    if let Some(s) = foreign {
-                        let s: String = s.chars().take(200).collect();
-                        found.push(("foreign_source", label, String::new(), 0, format!("message of source {s} at {topic}/{partition}@{}: another outbox writes this topic (declare it, or stop it)", m.offset)));
-                        continue;
-                    }
-                    let why = if m.event_id.is_some() { "eventId in the topic that the outbox never committed" } else { "message without an outbox eventId" };
-                    found.push(("bypass_publish", label, String::new(), 0, format!("{why} at {topic}/{partition}@{}", m.offset)));
-                }
-                // Receipts whose position now holds another message (or one
-                // without an eventId, or the same event's message of another
-                // topic id): the log they were recorded in is gone. Receipts
-                // of any topic id are looked at: the log read is the topic's
-                // current one, and a receipt of an older incarnation at these
-                // offsets names a log that no longer exists.
-                let at: HashMap<i64, (Option<&str>, Option<&str>)> = scan.messages.iter().map(|m| (m.offset, (m.event_id.as_deref(), m.topic_id.as_deref()))).collect();
-                for r in sqlx::query(
-                    "SELECT event_id, topic_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
-                )
-                .bind(&cluster)
-                .bind(&topic)
-                .bind(partition)
-                .bind(&offsets)
-                .fetch_all(&mut *tx)
-                .await?
-                {
-                    let (holder, topic_id, offset): (String, Option<String>, i64) = (r.try_get("event_id")?, r.try_get("topic_id")?, r.try_get("offset")?);
-                    let (there, there_id) = at.get(&offset).copied().unwrap_or_default();
-                    if there != Some(holder.as_str()) || there_id != topic_id.as_deref() {
-                        let of_id = topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
-                        lost.push((
-                            "receipt_position_lost",
-                            holder,
-                            format!(
-                                "its receipt's position {cluster}/{topic}{of_id}/{partition}@{offset} now holds {}: the log it was recorded in is gone (topic recreated, cluster replaced)",
-                                match (there, there_id) {
-                                    (None, _) => "a message without an eventId".to_owned(),
-                                    (Some(e), None) => format!("event {e}'s message"),
-                                    (Some(e), Some(id)) => format!("event {e}'s message of topic id {id}"),
-                                }
-                            ),
-                        ));
-                    }
-                }
-                // Receipts at or beyond the log's end, accepted well before
-                // this round began: their positions are gone (the broker came
-                // back empty, the topic was recreated). Those already
-                // reported are skipped, so that a round's limit moves on to
-                // the next ones instead of naming the lowest again.
-                if let Some(end) = scan.log_end {
-                    for r in sqlx::query(
-                        "SELECT r.event_id, r.\"offset\" FROM outbox_publish_receipts r
-                         WHERE r.cluster_id = $1 AND r.topic = $2 AND r.partition = $3 AND r.\"offset\" >= $4 AND r.accepted_at_ms < $5
-                           AND NOT EXISTS (SELECT 1 FROM outbox_findings f
-                                           WHERE f.kind = 'receipt_position_lost' AND f.event_id = r.event_id AND f.resolved_at_ms IS NULL)
-                         ORDER BY r.\"offset\" LIMIT $6",
-                    )
-                    .bind(&cluster)
-                    .bind(&topic)
-                    .bind(partition)
-                    .bind(end)
-                    .bind(now.saturating_sub(self.config.clock_skew_allowance_ms))
-                    .bind(self.config.max_findings_per_kind)
-                    .fetch_all(&mut *tx)
-                    .await?
-                    {
-                        let (holder, offset): (String, i64) = (r.try_get("event_id")?, r.try_get("offset")?);
-                        lost.push((
-                            "receipt_position_lost",
-                            holder,
-                            format!("its receipt's position {cluster}/{topic}/{partition}@{offset} is beyond the log's end {end}: the log it was recorded in is gone (broker replaced, topic recreated)"),
-                        ));
-                    }
-                }
-                if scan.log_end.is_some_and(|end| cursor > end) {
-                    tracing::error!(%topic, partition, cursor, log_end = ?scan.log_end, "the partition's log ends below the bypass scan's cursor: the log was replaced; reading the new one from its start");
-                    Cursors::Bypass.restart(&mut tx, &cluster, &topic, partition).await?;
-                } else {
-                    Cursors::Bypass.advance(&mut tx, &cluster, &topic, partition, wait_at.unwrap_or(scan.next_offset)).await?;
-                }
-                tx.commit().await?;
-            }
-        }
-        if !lost.is_empty() {
-            let mut tx = pool.begin().await?;
-            crate::pg::record_findings(&mut tx, &lost, now).await?;
-            tx.commit().await?;
-        }
-        Ok((found, scanned))
-    }
-
-    /// What the outbox recorded about the known events among scanned
-    /// messages: their receipt positions (primary and duplicate) at
-    /// `offsets`, their payload digests, and their attempts still awaiting an answer.
-    async fn copies_of_known(&self, cluster: &str, topic: &str, partition: i32, offsets: &[i64], known: &std::collections::HashSet<String>, now: i64) -> Result<Copies, ProducerError> {
-        let pool = self.store.pool();
-        let ids: Vec<&str> = known.iter().map(String::as_str).collect();
-        let mut c = Copies::default();
-        if ids.is_empty() {
-            return Ok(c);
-        }
-        for r in sqlx::query(
-            "SELECT event_id, topic_id, \"offset\" FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)
-             UNION ALL
-             SELECT event_id, topic_id, \"offset\" FROM outbox_duplicate_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
-        )
-        .bind(cluster)
-        .bind(topic)
-        .bind(partition)
-        .bind(offsets)
-        .fetch_all(pool)
-        .await?
-        {
-            c.recorded.insert((r.try_get("event_id")?, r.try_get("topic_id")?, r.try_get("offset")?));
-        }
-        for r in sqlx::query(
-            "SELECT e.event_id, e.payload_digest FROM outbox_events e WHERE e.event_id = ANY($1)
-               AND EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation)",
-        )
-        .bind(&ids)
-        .fetch_all(pool)
-        .await?
-        {
-            c.published.insert(r.try_get("event_id")?, r.try_get("payload_digest")?);
-        }
-        // Open attempts of these events: a copy of one still within its
-        // in-flight bound may be an answer on its way (wait for it); past
-        // the bound no receipt will come, and its copy is judged.
-        for a in crate::pg::open_attempts_of(pool, &ids).await? {
-            if outbox_core::reconcile::may_be_in_flight(&a, &self.config.retry, now) {
-                c.in_flight.insert(a.attempt_id.to_string());
-            }
-        }
-        Ok(c)
-    }
-
     /// One full round: resolve due UNKNOWNs, then compare the three sets
     /// (each comparison records the round: `outbox status` and the report
     /// show when the reconciler last ran, and with which SLO).
@@ -789,44 +761,5 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         let mut opts = crate::report::ReportOptions::at(self.store.now_ms());
         opts.unknown_slo_ms = self.config.unknown_slo_ms;
         crate::report::build_report(self.store.pool(), &opts).await
-    }
-}
-
-/// See [`Reconciler::copies_of_known`].
-#[derive(Debug, Default)]
-struct Copies {
-    /// (eventId, topic id, offset) of every receipt, primary or duplicate,
-    /// at the scanned offsets: a position names its topic id.
-    recorded: std::collections::HashSet<(String, Option<String>, i64)>,
-    /// Published events (a primary receipt exists) and their payload digests.
-    published: HashMap<String, String>,
-    /// Open attempts that may still be answered
-    /// ([`outbox_core::reconcile::may_be_in_flight`]).
-    in_flight: std::collections::HashSet<String>,
-}
-
-/// What a message of a known event is, to the comparison.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Judgement {
-    /// Its event is not published yet (the reconciler will look it up), or
-    /// the position holds a receipt of it.
-    Accounted,
-    /// Its attempt may still be answered: judged again later.
-    Wait,
-    /// A copy of a published event no receipt accounts for.
-    Finding(&'static str),
-}
-
-impl Copies {
-    /// What a message of known event `id` is.
-    fn judge(&self, id: &str, m: &outbox_core::ScannedMessage) -> Judgement {
-        let Some(digest) = self.published.get(id) else { return Judgement::Accounted };
-        if self.recorded.contains(&(id.to_owned(), m.topic_id.clone(), m.offset)) {
-            return Judgement::Accounted;
-        }
-        if m.attempt_id.as_ref().is_some_and(|a| self.in_flight.contains(a)) {
-            return Judgement::Wait;
-        }
-        Judgement::Finding(if *digest == m.payload_digest { "unrecorded_copy" } else { "divergent_copy" })
     }
 }

@@ -2,9 +2,12 @@
 //! share: the topics routed to a cluster, and a per-partition read cursor
 //! that only moves forward.
 
-use sqlx::{PgPool, Postgres, Transaction};
+use std::collections::{BTreeMap, BTreeSet};
 
-use crate::error::ProducerError;
+use outbox_core::compare::{CursorMove, RecordedReceipt};
+use sqlx::{PgPool, Postgres, Row, Transaction};
+
+use crate::error::{store_err, ProducerError};
 
 /// A table of read cursors, one row per (cluster, topic, partition).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,4 +74,139 @@ pub(crate) async fn routed_topics(pool: &PgPool, cluster_id: &str) -> Result<Vec
         .bind(cluster_id)
         .fetch_all(pool)
         .await?)
+}
+
+fn to_store(e: ProducerError) -> outbox_core::StoreError {
+    match e {
+        ProducerError::Store(e) => e,
+        e => outbox_core::StoreError::Backend { message: e.to_string(), retryable: e.is_retryable() },
+    }
+}
+
+/// The bypass scan's reads and write over the evidence tables (the SQL the
+/// reconciler ran itself before the scan was written over a store seam).
+#[async_trait::async_trait]
+impl outbox_core::BypassScanStore for crate::pg::PgStore {
+    async fn routed_topics(&self, cluster_id: &str) -> Result<Vec<(String, i32)>, outbox_core::StoreError> {
+        routed_topics(self.pool(), cluster_id).await.map_err(to_store)
+    }
+
+    async fn source_identity(&self) -> Result<Option<String>, outbox_core::StoreError> {
+        crate::cloudevents::source(self.pool()).await.map(Some)
+    }
+
+    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<i64, outbox_core::StoreError> {
+        Cursors::Bypass.read(self.pool(), cluster_id, topic, partition).await.map_err(to_store)
+    }
+
+    async fn committed_event_ids(&self, event_ids: &[String]) -> Result<BTreeSet<String>, outbox_core::StoreError> {
+        Ok(sqlx::query_scalar::<_, String>("SELECT event_id FROM outbox_events WHERE event_id = ANY($1)")
+            .bind(event_ids)
+            .fetch_all(self.pool())
+            .await
+            .map_err(store_err)?
+            .into_iter()
+            .collect())
+    }
+
+    async fn receipts_at(&self, cluster_id: &str, topic: &str, partition: i32, offsets: &[i64]) -> Result<Vec<RecordedReceipt>, outbox_core::StoreError> {
+        sqlx::query(
+            "SELECT event_id, topic_id, \"offset\", true AS is_primary FROM outbox_publish_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)
+             UNION ALL
+             SELECT event_id, topic_id, \"offset\", false FROM outbox_duplicate_receipts WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = ANY($4)",
+        )
+        .bind(cluster_id)
+        .bind(topic)
+        .bind(partition)
+        .bind(offsets)
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_err)?
+        .iter()
+        .map(|r| Ok(RecordedReceipt { event_id: r.try_get("event_id")?, topic_id: r.try_get("topic_id")?, offset: r.try_get("offset")?, primary: r.try_get("is_primary")? }))
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(store_err)
+    }
+
+    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, String>, outbox_core::StoreError> {
+        if event_ids.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        sqlx::query_as::<_, (String, String)>(
+            "SELECT e.event_id, e.payload_digest FROM outbox_events e WHERE e.event_id = ANY($1)
+               AND EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation)",
+        )
+        .bind(event_ids)
+        .fetch_all(self.pool())
+        .await
+        .map(|rows| rows.into_iter().collect())
+        .map_err(store_err)
+    }
+
+    async fn open_attempts_of(&self, event_ids: &[String]) -> Result<Vec<outbox_core::AttemptRecord>, outbox_core::StoreError> {
+        if event_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<&str> = event_ids.iter().map(String::as_str).collect();
+        crate::pg::open_attempts_of(self.pool(), &ids).await
+    }
+
+    async fn receipts_from(
+        &self,
+        cluster_id: &str,
+        topic: &str,
+        partition: i32,
+        from_offset: i64,
+        accepted_before_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<RecordedReceipt>, outbox_core::StoreError> {
+        sqlx::query(
+            "SELECT r.event_id, r.topic_id, r.\"offset\" FROM outbox_publish_receipts r
+             WHERE r.cluster_id = $1 AND r.topic = $2 AND r.partition = $3 AND r.\"offset\" >= $4 AND r.accepted_at_ms < $5
+               AND NOT EXISTS (SELECT 1 FROM outbox_findings f
+                               WHERE f.kind = 'receipt_position_lost' AND f.event_id = r.event_id AND f.resolved_at_ms IS NULL)
+             ORDER BY r.\"offset\" LIMIT $6",
+        )
+        .bind(cluster_id)
+        .bind(topic)
+        .bind(partition)
+        .bind(from_offset)
+        .bind(accepted_before_ms)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_err)?
+        .iter()
+        .map(|r| Ok(RecordedReceipt { event_id: r.try_get("event_id")?, topic_id: r.try_get("topic_id")?, offset: r.try_get("offset")?, primary: true }))
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(store_err)
+    }
+
+    async fn record_bypass_scan(&self, write: &outbox_core::BypassScanWrite) -> Result<(), outbox_core::StoreError> {
+        let mut tx = self.pool().begin().await.map_err(store_err)?;
+        let (cluster, topic, partition) = (&write.cluster_id, &write.topic, write.partition);
+        for m in &write.bypass_messages {
+            sqlx::query(
+                "INSERT INTO outbox_bypass_messages (cluster_id, topic, partition, \"offset\", event_id, seen_at_ms, source)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            )
+            .bind(cluster)
+            .bind(topic)
+            .bind(partition)
+            .bind(m.offset)
+            .bind(m.event_id.as_deref())
+            .bind(write.now_ms)
+            .bind(m.source.as_deref())
+            .execute(&mut *tx)
+            .await
+            .map_err(store_err)?;
+        }
+        let findings: Vec<(&'static str, String, String)> = write.findings.iter().map(|f| (f.kind, f.event_id.clone(), f.detail.clone())).collect();
+        crate::pg::record_findings(&mut tx, &findings, write.now_ms).await?;
+        match write.cursor {
+            CursorMove::Restart => Cursors::Bypass.restart(&mut tx, cluster, topic, partition).await.map_err(to_store)?,
+            CursorMove::Advance(to) => Cursors::Bypass.advance(&mut tx, cluster, topic, partition, to).await.map_err(to_store)?,
+        }
+        tx.commit().await.map_err(store_err)
+    }
 }

@@ -92,6 +92,23 @@ impl Harness for MemoryHarness {
         self.store.lock().events.get(id).map(|e| e.payload.clone()).filter(|p| !p.is_empty())
     }
 
+    async fn bypass_scan(&self, log: &outbox_core::conformance::ScanLog) -> Result<(Vec<(String, String)>, std::collections::BTreeMap<i32, i64>), String> {
+        use outbox_core::BypassScanStore;
+        let config = outbox_producer::ReconcilerConfig {
+            owner: "conformance-scan".into(),
+            retry: outbox_core::conformance::POLICY,
+            clock_skew_allowance_ms: 1_000,
+            ..outbox_producer::ReconcilerConfig::default()
+        };
+        let r = outbox_producer::Reconciler::new(self.store.clone(), std::sync::Arc::new(log.clone()), config).map_err(|e| e.to_string())?;
+        let report = r.scan_for_bypass().await.map_err(|e| e.to_string())?;
+        let mut cursors = std::collections::BTreeMap::new();
+        for p in log.partitions.keys() {
+            cursors.insert(*p, self.store.bypass_cursor(&log.cluster_id, &log.topic, *p).await.map_err(|e| e.to_string())?);
+        }
+        Ok((report.findings.into_iter().map(|(k, e)| (k.to_owned(), e)).collect(), cursors))
+    }
+
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
         if let Some(row) = self.store.lock().events.get_mut(id) {
             row.payload = new_payload.to_vec();

@@ -65,12 +65,15 @@
 //! since is `receipt_positions_lost`, the broker's loss, which the
 //! PostgreSQL store reports as the finding `receipt_position_lost` from its
 //! receipt transaction's position epochs and its reconciler's topic scan;
-//! the in-memory store keeps neither), `duplicate` (a
-//! copy in the log from an attempt the store has no receipt of), and
+//! the in-memory store has no position epochs), `duplicate` (a
+//! copy in the log from an attempt the store has no receipt of, unless the
+//! reconciler's bypass scan, which the engine runs, recorded a finding
+//! naming it: `copies_reported`), and
 //! `refuted_absence` (a copy of an attempt the store closed as not sent or
 //! proven absent, or a proof the store saw refuted, unless a host pause
 //! explains it: then the copy's receipt must have been accepted, or never
-//! have reached the store, `late_copies_unheard`; a copy in a log gone
+//! have reached the store (the scan's finding names it, `copies_reported`,
+//! or not yet, `late_copies_unheard`); a copy in a log gone
 //! before the proof that closed its attempt is no refutation: the proof was
 //! about the log that replaced it, and its ACK arriving after the proof is
 //! `absence_refuted_late` too), `inconsistent_offsets` (two events' receipts at one
@@ -382,10 +385,11 @@ service_figures! {
         consumer_dead_lettered,
         /// Consumer owners that died after a database commit, before the offset commit.
         consumer_crashes,
-        /// Copies of open attempts of events published by a receipt from a
-        /// log gone since: only the reconciler's comparison scan reports them
-        /// (once the attempt is past its in-flight bound).
-        copies_unheard_after_log_loss,
+        /// Copies no receipt records that the reconciler's bypass scan
+        /// reported (`unrecorded_copy`, `divergent_copy`): of open attempts
+        /// of events another receipt published, and late copies of paused
+        /// hosts whose receipt never reached the store.
+        copies_reported,
         /// Dispatcher and reconciler hosts whose clock is off.
         skewed_hosts,
         /// Kills of the consumer process.
@@ -562,6 +566,9 @@ struct World {
     /// (0 in most traces), and the forger's own generator.
     forge: f64,
     forge_rng: Rng,
+    /// Copies the reconciler's bypass scan recorded a finding about
+    /// (`unrecorded_copy`, `divergent_copy`): (topic, partition, offset, attempt).
+    copies_reported: BTreeSet<(String, i32, i64, String)>,
 }
 
 /// The host a process runs on. A pause of the host (`ServiceFaults::host_pause`)
@@ -915,6 +922,60 @@ impl ServiceStore for SimStore {
     }
 }
 
+/// The bypass scan's reads answer at once; its one write (evidence,
+/// findings and cursor in one transaction) meets the store's faults.
+#[async_trait]
+impl outbox_core::BypassScanStore for SimStore {
+    async fn routed_topics(&self, cluster_id: &str) -> Result<Vec<(String, i32)>, StoreError> {
+        self.inner.routed_topics(cluster_id).await
+    }
+    async fn source_identity(&self) -> Result<Option<String>, StoreError> {
+        self.inner.source_identity().await
+    }
+    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<i64, StoreError> {
+        self.inner.bypass_cursor(cluster_id, topic, partition).await
+    }
+    async fn committed_event_ids(&self, event_ids: &[String]) -> Result<BTreeSet<String>, StoreError> {
+        self.inner.committed_event_ids(event_ids).await
+    }
+    async fn receipts_at(&self, cluster_id: &str, topic: &str, partition: i32, offsets: &[i64]) -> Result<Vec<outbox_core::compare::RecordedReceipt>, StoreError> {
+        self.inner.receipts_at(cluster_id, topic, partition, offsets).await
+    }
+    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, String>, StoreError> {
+        self.inner.published_digests(event_ids).await
+    }
+    async fn open_attempts_of(&self, event_ids: &[String]) -> Result<Vec<AttemptRecord>, StoreError> {
+        self.inner.open_attempts_of(event_ids).await
+    }
+    async fn receipts_from(
+        &self,
+        cluster_id: &str,
+        topic: &str,
+        partition: i32,
+        from_offset: i64,
+        accepted_before_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<outbox_core::compare::RecordedReceipt>, StoreError> {
+        self.inner.receipts_from(cluster_id, topic, partition, from_offset, accepted_before_ms, limit).await
+    }
+    async fn record_bypass_scan(&self, write: &outbox_core::BypassScanWrite) -> Result<(), StoreError> {
+        faulty!(self, "record_bypass_scan", async {
+            let r = self.inner.record_bypass_scan(write).await;
+            if r.is_ok() {
+                let mut w = world(&self.world);
+                for f in &write.findings {
+                    w.note(|| format!("finding {} {}: {}", f.kind, f.event_id, f.detail));
+                    w.findings.push((f.kind.to_owned(), f.event_id.clone()));
+                    if let (Some(offset), Some(attempt)) = (f.offset, &f.attempt_id) {
+                        w.copies_reported.insert((write.topic.clone(), write.partition, offset, attempt.clone()));
+                    }
+                }
+            }
+            r
+        })
+    }
+}
+
 #[async_trait]
 impl MigrationStore for SimStore {
     async fn migration_read(&self, event_id: &EventId) -> Result<(EventState, u64), ProducerError> {
@@ -1128,6 +1189,36 @@ impl Broker for SimBroker {
         }
         answer
     }
+
+    /// The reconciler's bypass scan reads the partition's current log, as
+    /// the Kafka adapter's does: from the later of `from_offset` and the
+    /// log's start (retention), records compaction removed skipped, up to
+    /// `max_messages` offsets, with the log's end as it was when it began.
+    async fn scan_event_ids(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<outbox_core::PartitionScan, String> {
+        let w = world(&self.world);
+        let key = (topic.to_owned(), partition);
+        let log = w.logs.get(&key).map(Vec::as_slice).unwrap_or_default();
+        let (low, end) = (w.log_start.get(&key).copied().unwrap_or(0), log.len() as i64);
+        let start = from_offset.max(low).max(0);
+        let high = end.min(start.saturating_add(i64::try_from(max_messages).unwrap_or(i64::MAX)));
+        if start >= high {
+            return Ok(outbox_core::PartitionScan { messages: Vec::new(), next_offset: start.max(from_offset), log_end: Some(end) });
+        }
+        let text = |hs: &[(String, Vec<u8>)], name: &str| hs.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
+        let messages = (start..high)
+            .filter_map(|o| log.get(o as usize).filter(|m| !m.compacted).map(|m| (o, m)))
+            .map(|(offset, m)| outbox_core::ScannedMessage {
+                offset,
+                event_id: text(&m.headers, headers::EVENT_ID),
+                key: Some(m.key.clone()),
+                payload_digest: sha256_digest(&m.payload),
+                source: text(&m.headers, outbox_core::trust::SOURCE),
+                attempt_id: text(&m.headers, headers::ATTEMPT_ID),
+                topic_id: m.headers.iter().rev().find(|(k, _)| k == headers::DESTINATION).and_then(|(_, v)| Destination::from_canonical(v).ok()?.topic_id),
+            })
+            .collect();
+        Ok(outbox_core::PartitionScan { messages, next_offset: high, log_end: Some(end) })
+    }
 }
 
 impl SimBroker {
@@ -1280,7 +1371,7 @@ fn start_reconciler(store: &SimStore, broker: &Arc<SimBroker>, owner: String) ->
     let (store, broker) = on_new_host(store, broker);
     let r = Reconciler::new(store, broker, reconciler_config(owner)).expect("a valid reconciler config");
     tokio::spawn(async move {
-        let _ = r.run_resolving(std::future::pending()).await;
+        let _ = r.run_resolving_and_scanning(std::future::pending()).await;
     })
 }
 
@@ -1456,6 +1547,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
             if f.chance(FORGED_TRACES) { 0.1 + f.unit() * 0.4 } else { 0.0 }
         },
         forge_rng: Rng::new(cfg.seed ^ 0xf0_29ed_0002),
+        copies_reported: BTreeSet::new(),
     }));
     world(&shared).note(|| format!("trace {}: {cfg:?}", cfg.seed));
     let inner = MemoryStore::new();
@@ -1644,7 +1736,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         let reported: BTreeSet<String> = world(&shared).findings.iter().filter(|(k, _)| k == "log_unavailable").map(|(_, e)| e.clone()).collect();
         // A dispatcher holding an ACK it has not recorded yet (stalled in
         // another store call) is not done: the trace waits for it.
-        let idle = { let w = world(&shared); w.in_client == 0 && w.in_store == 0 && w.unrecorded_acks().next().is_none() };
+        let idle = { let w = world(&shared); w.in_client == 0 && w.in_store == 0 && w.unrecorded_acks().next().is_none() && scanned_to_end(&inner, &w) };
         if idle && all_settled(&inner, &reported) && consumers.caught_up(&inner) {
             settled = true;
             break;
@@ -1774,6 +1866,14 @@ fn kill_one(shared: &Shared, rng: &mut Rng, store: &SimStore, op_store: &SimStor
         procs.dispatchers[victim] = start_dispatcher(store, broker, cfg, format!("d{victim}-{incarnation}"));
         procs.all_dispatchers.push(procs.dispatchers[victim].metrics.clone());
     }
+}
+
+/// Whether the reconciler's bypass scan has read every partition's current
+/// log to its end (its cursor waits at a copy whose attempt may still be
+/// answered, so this holds only once each such copy was judged).
+fn scanned_to_end(store: &MemoryStore, w: &World) -> bool {
+    let st = store.lock();
+    w.logs.iter().all(|((topic, partition), log)| st.bypass_cursors.get(&(CLUSTER.to_owned(), topic.clone(), *partition)).is_some_and(|c| *c >= log.len() as i64))
 }
 
 /// Every event published (retained and purged included) or quarantined, or
@@ -1932,14 +2032,6 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
             log.extend(lines);
         }
     }
-    // Events whose primary receipt's position is in a log that is gone since.
-    let primary_in_gone: BTreeSet<String> = st
-        .events
-        .values()
-        .filter_map(|e| e.slot.as_ref())
-        .filter(|r| w.log_holding(&r.topic, r.partition, r.offset, r.event_id.as_str(), r.attempt_id.as_str()).is_some_and(|(_, current, _)| !current))
-        .map(|r| r.event_id.to_string())
-        .collect();
     // Events a paused host wrote late.
     let late_events: BTreeSet<String> = w.late_writes.iter().filter_map(|a| attempts_by_id.get(a)).map(|a| a.event_id.to_string()).collect();
     // Every copy in the log is accounted for.
@@ -1970,17 +2062,24 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 violations.push(format!("migrated_over_copy: {t}/p{p}@{o} holds {} attempt {} of the generation its migration proved absent from {t}", m.event_id, m.attempt_id));
                 continue;
             }
+            // The reconciler's bypass scan recorded a finding naming this
+            // copy (`unrecorded_copy`, `divergent_copy`): its evidence.
+            let reported = w.copies_reported.contains(&(t.clone(), *p, o as i64, m.attempt_id.clone()));
             match attempt.map(|a| a.state) {
                 // A copy of an event a paused host wrote late (this copy, or
                 // the retry the refuted proof let through, whose event the
                 // late copy then published), whose receipt never reached the
-                // store (its sender killed, its ACK lost): nothing told the
-                // store of it (a scan of the topic would). One the store was
-                // handed and left ABSENT is a genuine receipt discarded.
+                // store (its sender killed, its ACK lost): only the bypass
+                // scan tells the store of it. One the store was handed and
+                // left ABSENT is a genuine receipt discarded.
                 Some(AttemptState::Absent | AttemptState::Unknown | AttemptState::Sending)
                     if late_events.contains(m.event_id.as_str()) && !w.receipts_handed.contains(&m.attempt_id) =>
                 {
-                    w.figures.late_copies_unheard += 1;
+                    if reported {
+                        w.figures.copies_reported += 1;
+                    } else {
+                        w.figures.late_copies_unheard += 1;
+                    }
                 }
                 // A copy in a log gone before the proof that closed its
                 // attempt (a reconciler's, or a migration's): the proof was
@@ -1998,19 +2097,15 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 // holds elsewhere (the client wrote it twice): evidence the
                 // reconciler's scan reports, not a second send.
                 Some(AttemptState::Acked) => {}
-                // The copy, in the current log, of an attempt still open
-                // (its ACK lost) of an event that a receipt from a log gone
-                // since published (a retry after a proof about the new log,
-                // then the old copy's stale answer): no reconciliation asks
-                // about an attempt of a published event, so the store never
-                // hears of it. The reconciler's comparison scan reports it
+                // A copy of an attempt still open (its ACK lost) of an
+                // event another receipt published: no reconciliation asks
+                // about an attempt of a published event, so no receipt
+                // records it. The reconciler's bypass scan reports it
                 // (`unrecorded_copy`) once the attempt is past its in-flight
-                // bound (`outbox_core::reconcile::may_be_in_flight`; test
-                // `sound.rs::a_copy_of_an_attempt_left_open_by_a_late_ack_is_a_finding`,
-                // which failed before: the scan passed over the copy of any
-                // open attempt for ever); this engine does not run that scan.
-                Some(AttemptState::Unknown | AttemptState::Sending) if gone_at.is_none() && primary_in_gone.contains(m.event_id.as_str()) => {
-                    w.figures.copies_unheard_after_log_loss += 1;
+                // bound (`outbox_core::compare::judge_scanned`; test
+                // `sound.rs::a_copy_of_an_attempt_left_open_by_a_late_ack_is_a_finding`).
+                Some(AttemptState::Unknown | AttemptState::Sending) if reported => {
+                    w.figures.copies_reported += 1;
                 }
                 // A copy compaction removed: no longer in the log, nothing
                 // can find it (and no receipt is owed for it).

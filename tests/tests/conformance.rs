@@ -103,6 +103,23 @@ impl outbox_core::conformance::Harness for PgHarness {
         sqlx::query_scalar("SELECT payload FROM outbox_events WHERE event_id = $1").bind(id.as_str()).fetch_one(&self.pool).await.expect("payload")
     }
 
+    async fn bypass_scan(&self, log: &outbox_core::conformance::ScanLog) -> Result<(Vec<(String, String)>, std::collections::BTreeMap<i32, i64>), String> {
+        use outbox_core::BypassScanStore;
+        let config = outbox_producer::ReconcilerConfig {
+            owner: "conformance-scan".into(),
+            retry: outbox_core::conformance::POLICY,
+            clock_skew_allowance_ms: 1_000,
+            ..outbox_producer::ReconcilerConfig::default()
+        };
+        let r = outbox_producer::Reconciler::new(self.store.clone(), std::sync::Arc::new(log.clone()), config).map_err(|e| e.to_string())?;
+        let report = r.scan_for_bypass().await.map_err(|e| e.to_string())?;
+        let mut cursors = std::collections::BTreeMap::new();
+        for p in log.partitions.keys() {
+            cursors.insert(*p, self.store.bypass_cursor(&log.cluster_id, &log.topic, *p).await.map_err(|e| e.to_string())?);
+        }
+        Ok((report.findings.into_iter().map(|(k, e)| (k.to_owned(), e)).collect(), cursors))
+    }
+
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
         sqlx::query("UPDATE outbox_events SET payload = $2 WHERE event_id = $1").bind(id.as_str()).bind(new_payload).execute(&self.pool).await.expect("tamper");
     }

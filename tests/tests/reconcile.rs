@@ -221,6 +221,29 @@ async fn bypass_publish_is_detected_and_a_healthy_run_has_no_findings(pool: PgPo
     assert_eq!(rec.report().await.unwrap().findings.len(), 2);
 }
 
+/// Two messages of one forged eventId in one page: two findings of one kind
+/// and event in one round. The round once failed on them (its findings
+/// upsert met one row twice) after the scan's cursor had moved past them,
+/// so they were never recorded; the scan now records each page's findings
+/// with its cursor, one row per kind and event.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn two_findings_of_one_event_in_one_page_are_recorded(pool: PgPool) {
+    let f = fixture(pool).await;
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", &f.cluster.bootstrap).create().unwrap();
+    let forged = outbox_core::EventId::generate(1);
+    for _ in 0..2 {
+        let hdrs = rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header { key: headers::EVENT_ID, value: Some(forged.as_str()) });
+        producer.send(FutureRecord::to(TOPIC).partition(0).key("k").payload("{}").headers(hdrs), Duration::from_secs(5)).await.unwrap();
+    }
+    let rec = f.reconciler();
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!((c.bypass_publish, c.scanned_messages), (2, 2), "{c:?}");
+    let report = rec.report().await.unwrap();
+    let bypass: Vec<_> = report.findings.iter().filter(|x| x.kind == "bypass_publish").collect();
+    assert_eq!(bypass.len(), 1, "{:?}", report.findings);
+    assert_eq!(bypass[0].event_id, forged.as_str());
+}
+
 /// A message on an outbox topic with a header name that is not UTF-8
 /// (rdkafka's own header accessor panics on it): the bypass scan reports it,
 /// reads past it, and the next round starts after it.

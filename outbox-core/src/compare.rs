@@ -1,0 +1,294 @@
+//! The reconciler's bypass scan (PROTOCOL §8, the comparison of the three
+//! sets): what a message read from a routed topic is to the outbox, where
+//! the scan's cursor goes after a page, and which recorded receipts name a
+//! position the log no longer has. Pure; the reconciler
+//! (`Reconciler::scan_for_bypass`, written once over a
+//! [`BypassScanStore`](crate::store::BypassScanStore)) asks these for every
+//! page it reads, over either store.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::receipt::AttemptRecord;
+use crate::reconcile::{may_be_in_flight, RetryPolicy};
+use crate::store::{PartitionScan, ScannedMessage};
+
+/// A message of a routed topic whose eventId the outbox never committed, or without one.
+pub const BYPASS_PUBLISH: &str = "bypass_publish";
+/// A message another, undeclared outbox wrote.
+pub const FOREIGN_SOURCE: &str = "foreign_source";
+/// A byte-identical copy of a published event at a position no receipt records.
+pub const UNRECORDED_COPY: &str = "unrecorded_copy";
+/// A message with a published event's id and other bytes, at a position no receipt records.
+pub const DIVERGENT_COPY: &str = "divergent_copy";
+/// A receipt whose position now holds another message, or lies at or beyond the log's end.
+pub const RECEIPT_POSITION_LOST: &str = "receipt_position_lost";
+
+/// A receipt the store recorded at a log position: the publish slot's
+/// (`primary`) or a duplicate transport receipt.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RecordedReceipt {
+    /// Its event.
+    pub event_id: String,
+    /// The topic id it names (`None`: `destination.v1`).
+    pub topic_id: Option<String>,
+    /// Its offset.
+    pub offset: i64,
+    /// Whether it fills the publish slot (otherwise a duplicate transport receipt).
+    pub primary: bool,
+}
+
+/// What the store recorded about the known events of one scanned page.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KnownCopies {
+    /// (eventId, topic id, offset) of every receipt, primary or duplicate,
+    /// at the scanned offsets: a position names its topic id.
+    pub recorded: BTreeSet<(String, Option<String>, i64)>,
+    /// Published events (a primary receipt of the current envelope
+    /// generation exists) and their payload digests.
+    pub published: BTreeMap<String, String>,
+    /// Open attempts that may still be answered ([`may_be_in_flight`] at the scan's time).
+    pub in_flight: BTreeSet<String>,
+}
+
+impl KnownCopies {
+    /// From the store's reads: the receipts at the scanned offsets, the
+    /// published events' digests and the open attempts of the known events.
+    pub fn new<'a>(
+        receipts: impl IntoIterator<Item = &'a RecordedReceipt>,
+        published: BTreeMap<String, String>,
+        open_attempts: &[AttemptRecord],
+        policy: &RetryPolicy,
+        now_ms: i64,
+    ) -> Self {
+        KnownCopies {
+            recorded: receipts.into_iter().map(|r| (r.event_id.clone(), r.topic_id.clone(), r.offset)).collect(),
+            published,
+            in_flight: open_attempts.iter().filter(|a| may_be_in_flight(a, policy, now_ms)).map(|a| a.attempt_id.to_string()).collect(),
+        }
+    }
+}
+
+/// What a scanned message is, to the comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScanJudgement {
+    /// A declared other outbox's message: not this outbox's to judge.
+    Ignored,
+    /// A message of a known event that is not published yet (the
+    /// reconciler will look it up), or at a position a receipt of it records.
+    Accounted,
+    /// A copy whose attempt may still be answered: judged again later (the cursor waits at it).
+    Wait,
+    /// A finding: [`BYPASS_PUBLISH`], [`FOREIGN_SOURCE`] (both also kept as
+    /// bypass evidence, [`ScanJudgement::is_bypass_message`]),
+    /// [`UNRECORDED_COPY`] or [`DIVERGENT_COPY`].
+    Finding(&'static str),
+}
+
+impl ScanJudgement {
+    /// Whether the message is kept as bypass evidence (`outbox_bypass_messages`).
+    pub fn is_bypass_message(&self) -> bool {
+        matches!(self, ScanJudgement::Finding(k) if *k == BYPASS_PUBLISH || *k == FOREIGN_SOURCE)
+    }
+}
+
+/// What message `m` of a routed topic is. `own_source` is this outbox's
+/// source identity (`None` when the store has none: then every message
+/// carrying an `outbox-source` is another outbox's); `declared` the other
+/// outboxes declared to write these topics; `known` which of the page's
+/// eventIds the outbox committed; `copies` what the store recorded of them.
+pub fn judge_scanned(m: &ScannedMessage, own_source: Option<&str>, declared: &[String], known: &BTreeSet<String>, copies: &KnownCopies) -> ScanJudgement {
+    let foreign = m.source.as_deref().filter(|s| Some(*s) != own_source);
+    if foreign.is_some_and(|s| declared.iter().any(|d| d == s)) {
+        return ScanJudgement::Ignored;
+    }
+    if foreign.is_some() {
+        return ScanJudgement::Finding(FOREIGN_SOURCE);
+    }
+    let Some(id) = m.event_id.as_ref().filter(|id| known.contains(*id)) else { return ScanJudgement::Finding(BYPASS_PUBLISH) };
+    let Some(digest) = copies.published.get(id) else { return ScanJudgement::Accounted };
+    if copies.recorded.contains(&(id.clone(), m.topic_id.clone(), m.offset)) {
+        return ScanJudgement::Accounted;
+    }
+    if m.attempt_id.as_ref().is_some_and(|a| copies.in_flight.contains(a)) {
+        return ScanJudgement::Wait;
+    }
+    ScanJudgement::Finding(if *digest == m.payload_digest { UNRECORDED_COPY } else { DIVERGENT_COPY })
+}
+
+/// Where the scan's cursor goes after a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CursorMove {
+    /// Back to offset 0: the log ends below the cursor, so it is another
+    /// log (the topic recreated, the cluster replaced), read from its start.
+    Restart,
+    /// Forward to this offset (never backwards: a store keeps the greater).
+    Advance(i64),
+}
+
+/// The cursor after a page read from `cursor`: at the first copy that was
+/// waited for ([`ScanJudgement::Wait`], so that it is judged again), else
+/// at the page's next offset; back to the start when the log ends below the cursor.
+pub fn next_bypass_cursor(cursor: i64, scan: &PartitionScan, first_wait: Option<i64>) -> CursorMove {
+    if scan.log_end.is_some_and(|end| cursor > end) {
+        return CursorMove::Restart;
+    }
+    CursorMove::Advance(first_wait.unwrap_or(scan.next_offset))
+}
+
+/// The offset of the first message of `judged` that is waited for.
+pub fn first_wait<'a>(judged: impl IntoIterator<Item = (&'a ScannedMessage, ScanJudgement)>) -> Option<i64> {
+    judged.into_iter().find(|(_, j)| *j == ScanJudgement::Wait).map(|(m, _)| m.offset)
+}
+
+/// Why a recorded receipt's position is lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PositionLost {
+    /// The position now holds another message: another event's, one
+    /// without an eventId (`holder` `None`), or the same event's of
+    /// another topic id.
+    HoldsOther {
+        /// The eventId of the message there.
+        holder: Option<String>,
+        /// The topic id that message names.
+        topic_id: Option<String>,
+    },
+    /// The position lies at or beyond the log's end.
+    BeyondEnd {
+        /// The log's end when the scan began.
+        end: i64,
+    },
+}
+
+/// Whether primary receipt `r` of the scanned partition names a position
+/// the log no longer has: at a scanned offset that now holds another
+/// message (receipts of any topic id: the log read is the topic's current
+/// one), or at or beyond the log's end. Duplicate receipts are not judged.
+/// Receipts at offsets the page did not read are not judged either.
+pub fn receipt_position_lost(scan: &PartitionScan, r: &RecordedReceipt) -> Option<PositionLost> {
+    if !r.primary {
+        return None;
+    }
+    if let Some(m) = scan.messages.iter().find(|m| m.offset == r.offset) {
+        let same = m.event_id.as_deref() == Some(r.event_id.as_str()) && m.topic_id == r.topic_id;
+        return (!same).then(|| PositionLost::HoldsOther { holder: m.event_id.clone(), topic_id: m.topic_id.clone() });
+    }
+    scan.log_end.filter(|end| r.offset >= *end).map(|end| PositionLost::BeyondEnd { end })
+}
+
+/// Receipts at or beyond the log's end are judged only when accepted
+/// before this time (the scan's time less the clock skew allowance): a
+/// receipt accepted just now may name a position the scan's end, fetched
+/// first, did not reach yet.
+pub fn beyond_end_accepted_before_ms(now_ms: i64, clock_skew_allowance_ms: i64) -> i64 {
+    now_ms.saturating_sub(clock_skew_allowance_ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::AttemptState;
+
+    fn msg(offset: i64, event_id: Option<&str>, attempt: Option<&str>, digest: &str) -> ScannedMessage {
+        ScannedMessage {
+            offset,
+            event_id: event_id.map(str::to_owned),
+            key: None,
+            payload_digest: digest.to_owned(),
+            source: None,
+            attempt_id: attempt.map(str::to_owned),
+            topic_id: None,
+        }
+    }
+
+    const P: RetryPolicy = RetryPolicy { allow_retry: true, max_attempts: 3, in_flight_bound_ms: 1_000, recheck_ms: 500 };
+
+    fn known(ids: &[&str]) -> BTreeSet<String> {
+        ids.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    fn copies(open: &[AttemptRecord], now_ms: i64) -> KnownCopies {
+        let receipts = [
+            RecordedReceipt { event_id: "evt-a".into(), topic_id: None, offset: 10, primary: true },
+            RecordedReceipt { event_id: "evt-a".into(), topic_id: None, offset: 11, primary: false },
+        ];
+        let published = [("evt-a".to_owned(), "sha256:a".to_owned())].into_iter().collect();
+        KnownCopies::new(&receipts, published, open, &P, now_ms)
+    }
+
+    #[test]
+    fn a_message_is_judged_by_its_event_its_position_and_its_source() {
+        let c = copies(&[], 0);
+        let k = known(&["evt-a", "evt-b"]);
+        let j = |m: &ScannedMessage| judge_scanned(m, None, &[], &k, &c);
+        assert_eq!(j(&msg(10, Some("evt-a"), Some("att-1"), "sha256:a")), ScanJudgement::Accounted, "the primary receipt's position");
+        assert_eq!(j(&msg(11, Some("evt-a"), Some("att-2"), "sha256:a")), ScanJudgement::Accounted, "a duplicate receipt's position");
+        assert_eq!(j(&msg(12, Some("evt-a"), Some("att-2"), "sha256:a")), ScanJudgement::Finding(UNRECORDED_COPY));
+        assert_eq!(j(&msg(13, Some("evt-a"), Some("att-2"), "sha256:x")), ScanJudgement::Finding(DIVERGENT_COPY));
+        assert_eq!(j(&msg(14, Some("evt-b"), Some("att-3"), "sha256:b")), ScanJudgement::Accounted, "not published: the reconciler looks it up");
+        assert_eq!(j(&msg(15, Some("evt-zzz"), None, "sha256:z")), ScanJudgement::Finding(BYPASS_PUBLISH));
+        assert_eq!(j(&msg(16, None, None, "sha256:z")), ScanJudgement::Finding(BYPASS_PUBLISH));
+        // A receipt of another topic id does not account for this log's position.
+        let other_log = ScannedMessage { topic_id: Some("t-2".into()), ..msg(10, Some("evt-a"), Some("att-1"), "sha256:a") };
+        assert_eq!(j(&other_log), ScanJudgement::Finding(UNRECORDED_COPY));
+        assert!(ScanJudgement::Finding(BYPASS_PUBLISH).is_bypass_message() && ScanJudgement::Finding(FOREIGN_SOURCE).is_bypass_message());
+        assert!(!ScanJudgement::Finding(UNRECORDED_COPY).is_bypass_message() && !ScanJudgement::Wait.is_bypass_message());
+    }
+
+    #[test]
+    fn sources_other_than_this_outboxs_are_foreign_unless_declared() {
+        let c = copies(&[], 0);
+        let k = known(&["evt-a"]);
+        let declared = vec!["urn:other".to_owned()];
+        let from = |s: &str| ScannedMessage { source: Some(s.to_owned()), ..msg(12, Some("evt-a"), None, "sha256:a") };
+        assert_eq!(judge_scanned(&from("urn:me"), Some("urn:me"), &declared, &k, &c), ScanJudgement::Finding(UNRECORDED_COPY));
+        assert_eq!(judge_scanned(&from("urn:other"), Some("urn:me"), &declared, &k, &c), ScanJudgement::Ignored);
+        assert_eq!(judge_scanned(&from("urn:third"), Some("urn:me"), &declared, &k, &c), ScanJudgement::Finding(FOREIGN_SOURCE));
+        assert_eq!(judge_scanned(&from("urn:me"), None, &[], &k, &c), ScanJudgement::Finding(FOREIGN_SOURCE), "a store without identity owns no source");
+    }
+
+    #[test]
+    fn a_copy_of_an_open_attempt_is_waited_for_until_its_in_flight_bound() {
+        let mut a = crate::receipt::sample_attempt(AttemptState::Unknown, 1_000, 0);
+        a.attempt_id = crate::id::AttemptId::from_parts(1, 7);
+        a.send_deadline_ms = Some(1_000);
+        let id = a.attempt_id.to_string();
+        let k = known(&["evt-a"]);
+        let m = msg(12, Some("evt-a"), Some(&id), "sha256:a");
+        assert_eq!(judge_scanned(&m, None, &[], &k, &copies(std::slice::from_ref(&a), 1_999)), ScanJudgement::Wait);
+        assert_eq!(judge_scanned(&m, None, &[], &k, &copies(std::slice::from_ref(&a), 2_000)), ScanJudgement::Finding(UNRECORDED_COPY));
+        a.state = AttemptState::Acked;
+        assert_eq!(judge_scanned(&m, None, &[], &k, &copies(std::slice::from_ref(&a), 1_500)), ScanJudgement::Finding(UNRECORDED_COPY), "only an open attempt is waited for");
+    }
+
+    #[test]
+    fn the_cursor_waits_at_the_first_waiting_copy_and_restarts_below_a_replaced_logs_end() {
+        let scan = PartitionScan { messages: vec![msg(5, None, None, ""), msg(6, None, None, ""), msg(7, None, None, "")], next_offset: 8, log_end: Some(8) };
+        let judged = [ScanJudgement::Accounted, ScanJudgement::Wait, ScanJudgement::Wait];
+        let wait = first_wait(scan.messages.iter().zip(judged));
+        assert_eq!(wait, Some(6));
+        assert_eq!(next_bypass_cursor(5, &scan, wait), CursorMove::Advance(6));
+        assert_eq!(next_bypass_cursor(5, &scan, None), CursorMove::Advance(8));
+        assert_eq!(next_bypass_cursor(8, &scan, None), CursorMove::Advance(8), "at the end is not beyond it");
+        assert_eq!(next_bypass_cursor(9, &scan, None), CursorMove::Restart);
+        assert_eq!(next_bypass_cursor(9, &PartitionScan { log_end: None, ..scan }, None), CursorMove::Advance(8), "an end the adapter does not know restarts nothing");
+    }
+
+    #[test]
+    fn a_receipt_whose_position_holds_another_message_or_lies_beyond_the_end_is_lost() {
+        let scan = PartitionScan {
+            messages: vec![msg(3, Some("evt-a"), None, ""), msg(4, None, None, ""), ScannedMessage { topic_id: Some("t-2".into()), ..msg(5, Some("evt-c"), None, "") }],
+            next_offset: 6,
+            log_end: Some(6),
+        };
+        let r = |e: &str, offset: i64, primary: bool| RecordedReceipt { event_id: e.into(), topic_id: None, offset, primary };
+        assert_eq!(receipt_position_lost(&scan, &r("evt-a", 3, true)), None);
+        assert_eq!(receipt_position_lost(&scan, &r("evt-b", 3, true)), Some(PositionLost::HoldsOther { holder: Some("evt-a".into()), topic_id: None }));
+        assert_eq!(receipt_position_lost(&scan, &r("evt-b", 4, true)), Some(PositionLost::HoldsOther { holder: None, topic_id: None }));
+        assert_eq!(receipt_position_lost(&scan, &r("evt-c", 5, true)), Some(PositionLost::HoldsOther { holder: Some("evt-c".into()), topic_id: Some("t-2".into()) }));
+        assert_eq!(receipt_position_lost(&scan, &r("evt-b", 4, false)), None, "duplicates are not judged");
+        assert_eq!(receipt_position_lost(&scan, &r("evt-d", 6, true)), Some(PositionLost::BeyondEnd { end: 6 }));
+        assert_eq!(receipt_position_lost(&scan, &r("evt-d", 2, true)), None, "an offset the page did not read");
+        assert_eq!(receipt_position_lost(&PartitionScan { log_end: None, ..scan }, &r("evt-d", 60, true)), None);
+        assert_eq!(beyond_end_accepted_before_ms(10_000, 2_000), 8_000);
+    }
+}
