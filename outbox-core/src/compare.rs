@@ -9,7 +9,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::receipt::AttemptRecord;
-use crate::reconcile::{may_be_in_flight, RetryPolicy};
+use crate::reconcile::{may_be_in_flight, RetryPolicy, OPEN_ATTEMPT_STATES};
+use crate::state::AttemptState;
 use crate::store::{PartitionScan, ScannedMessage};
 
 /// A message of a routed topic whose eventId the outbox never committed, or without one.
@@ -20,6 +21,11 @@ pub const FOREIGN_SOURCE: &str = "foreign_source";
 pub const UNRECORDED_COPY: &str = "unrecorded_copy";
 /// A message with a published event's id and other bytes, at a position no receipt records.
 pub const DIVERGENT_COPY: &str = "divergent_copy";
+/// A copy of an attempt the store closed without a receipt (proven
+/// ABSENT, or NOT_SENT): the proof, or the broker's refusal, was wrong.
+/// The same kind the receipt transaction records for a genuine ACK of such
+/// an attempt.
+pub const ABSENCE_PROOF_REFUTED: &str = "absence_proof_refuted";
 /// A receipt whose position now holds another message, or lies at or beyond the log's end.
 pub const RECEIPT_POSITION_LOST: &str = "receipt_position_lost";
 
@@ -48,22 +54,30 @@ pub struct KnownCopies {
     pub published: BTreeMap<String, String>,
     /// Open attempts that may still be answered ([`may_be_in_flight`] at the scan's time).
     pub in_flight: BTreeSet<String>,
+    /// Attempts closed without a receipt (ABSENT, NOT_SENT).
+    pub closed: BTreeSet<String>,
 }
 
 impl KnownCopies {
     /// From the store's reads: the receipts at the scanned offsets, the
-    /// published events' digests and the open attempts of the known events.
+    /// published events' digests and the attempts of the known events that
+    /// no receipt answered.
     pub fn new<'a>(
         receipts: impl IntoIterator<Item = &'a RecordedReceipt>,
         published: BTreeMap<String, String>,
-        open_attempts: &[AttemptRecord],
+        unanswered: &[AttemptRecord],
         policy: &RetryPolicy,
         now_ms: i64,
     ) -> Self {
         KnownCopies {
             recorded: receipts.into_iter().map(|r| (r.event_id.clone(), r.topic_id.clone(), r.offset)).collect(),
             published,
-            in_flight: open_attempts.iter().filter(|a| may_be_in_flight(a, policy, now_ms)).map(|a| a.attempt_id.to_string()).collect(),
+            in_flight: unanswered
+                .iter()
+                .filter(|a| OPEN_ATTEMPT_STATES.contains(&a.state) && may_be_in_flight(a, policy, now_ms))
+                .map(|a| a.attempt_id.to_string())
+                .collect(),
+            closed: unanswered.iter().filter(|a| matches!(a.state, AttemptState::Absent | AttemptState::NotSent)).map(|a| a.attempt_id.to_string()).collect(),
         }
     }
 }
@@ -105,10 +119,16 @@ pub fn judge_scanned(m: &ScannedMessage, own_source: Option<&str>, declared: &[S
         return ScanJudgement::Finding(FOREIGN_SOURCE);
     }
     let Some(id) = m.event_id.as_ref().filter(|id| known.contains(*id)) else { return ScanJudgement::Finding(BYPASS_PUBLISH) };
-    let Some(digest) = copies.published.get(id) else { return ScanJudgement::Accounted };
     if copies.recorded.contains(&(id.clone(), m.topic_id.clone(), m.offset)) {
         return ScanJudgement::Accounted;
     }
+    // A copy of an attempt closed without a receipt, published or not: its
+    // ACK may never come (its sender died), and no lookup asks about a
+    // closed attempt again.
+    if m.attempt_id.as_ref().is_some_and(|a| copies.closed.contains(a)) {
+        return ScanJudgement::Finding(ABSENCE_PROOF_REFUTED);
+    }
+    let Some(digest) = copies.published.get(id) else { return ScanJudgement::Accounted };
     if m.attempt_id.as_ref().is_some_and(|a| copies.in_flight.contains(a)) {
         return ScanJudgement::Wait;
     }
@@ -258,6 +278,25 @@ mod tests {
         assert_eq!(judge_scanned(&m, None, &[], &k, &copies(std::slice::from_ref(&a), 2_000)), ScanJudgement::Finding(UNRECORDED_COPY));
         a.state = AttemptState::Acked;
         assert_eq!(judge_scanned(&m, None, &[], &k, &copies(std::slice::from_ref(&a), 1_500)), ScanJudgement::Finding(UNRECORDED_COPY), "only an open attempt is waited for");
+    }
+
+    /// A copy of an attempt closed without a receipt refutes what closed
+    /// it, whether its event is published by another attempt or not yet:
+    /// judged `Accounted` while the event was unpublished, such a copy (a
+    /// paused host's late write after the proof, its sender killed) was
+    /// passed over for ever once another attempt published the event.
+    #[test]
+    fn a_copy_of_an_attempt_closed_without_a_receipt_refutes_its_closing() {
+        let k = known(&["evt-a", "evt-b"]);
+        for state in [AttemptState::Absent, AttemptState::NotSent] {
+            let mut a = crate::receipt::sample_attempt(state, 1_000, 0);
+            a.attempt_id = crate::id::AttemptId::from_parts(1, 9);
+            let id = a.attempt_id.to_string();
+            let c = copies(std::slice::from_ref(&a), 5_000);
+            assert_eq!(judge_scanned(&msg(12, Some("evt-a"), Some(&id), "sha256:a"), None, &[], &k, &c), ScanJudgement::Finding(ABSENCE_PROOF_REFUTED), "{state:?}, published");
+            assert_eq!(judge_scanned(&msg(14, Some("evt-b"), Some(&id), "sha256:b"), None, &[], &k, &c), ScanJudgement::Finding(ABSENCE_PROOF_REFUTED), "{state:?}, not published");
+            assert_eq!(judge_scanned(&msg(10, Some("evt-a"), Some(&id), "sha256:a"), None, &[], &k, &c), ScanJudgement::Accounted, "a recorded position stays accounted");
+        }
     }
 
     #[test]

@@ -1053,6 +1053,12 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let pending = c.emit(3, "c").await;
     let ce_c = c.claim_some("w1", &pending).await?;
     let c1 = c.register(&ce_c.token).await?;
+    // D: its attempt closed NOT_SENT (the broker refused), yet a copy of it
+    // is in the log: whatever its event does next, the copy refutes that.
+    let d = c.emit(4, "d").await;
+    let ce_d = c.claim_some("w1", &d).await?;
+    let d1 = c.register(&ce_d.token).await?;
+    c.s().report_not_sent(&ce_d.token, &d1.attempt_id, "refused").await.map_err(err("report_not_sent"))?;
     let unknown = EventId::generate(c.h.now_ms() as u64).to_string();
 
     let mut log = ScanLog { cluster_id: ce_a.destination.cluster_id.clone(), topic: ce_a.destination.topic.clone(), ..Default::default() };
@@ -1064,13 +1070,14 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     put(&ce_b1, scanned(&ce_b1, &b1, c.offset(6), &ce_b1.payload));
     put(&ce_b1, crate::store::ScannedMessage { event_id: Some(unknown.clone()), attempt_id: None, ..scanned(&ce_b1, &b1, c.offset(7), b"bypass") });
     put(&ce_c, scanned(&ce_c, &c1, c.offset(8), &ce_c.payload));
+    put(&ce_d, scanned(&ce_d, &d1, c.offset(9), &ce_d.payload));
     for page in log.partitions.values_mut() {
         page.sort_by_key(|m| m.offset);
     }
     let end = |p: i32| log.partitions[&p].last().map_or(0, |m| m.offset + 1);
     let ours = |findings: &[(String, String)]| -> Vec<(String, String)> {
         let mut f: Vec<(String, String)> =
-            findings.iter().filter(|(_, e)| [a.as_str(), b.as_str(), pending.as_str(), unknown.as_str()].contains(&e.as_str())).cloned().collect();
+            findings.iter().filter(|(_, e)| [a.as_str(), b.as_str(), pending.as_str(), d.as_str(), unknown.as_str()].contains(&e.as_str())).cloned().collect();
         f.sort();
         f.dedup();
         f
@@ -1078,7 +1085,7 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let pair = |k: &str, e: &str| (k.to_owned(), e.to_owned());
 
     let (findings, cursors) = c.h.bypass_scan(&log).await?;
-    let mut want = vec![pair("divergent_copy", a.as_str()), pair("bypass_publish", &unknown)];
+    let mut want = vec![pair("divergent_copy", a.as_str()), pair("bypass_publish", &unknown), pair("absence_proof_refuted", d.as_str())];
     want.sort();
     eq("findings while B's retry may still be answered", ours(&findings), want)?;
     eq("the cursor waits at the copy of B's open retry", cursors[&ce_b2.destination.partition], c.offset(5))?;
@@ -1089,6 +1096,8 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     c.h.advance_ms(POLICY.in_flight_bound_ms + LEASE_MS);
     let (findings, cursors) = c.h.bypass_scan(&log).await?;
     ensure(ours(&findings).contains(&pair("unrecorded_copy", b.as_str())), || format!("B's retry's copy past its bound is unrecorded_copy; findings {findings:?}"))?;
+    // (D's copy is read again where it shares B's partition past the
+    // waiting cursor: the same finding again, which a store keeps once.)
     ensure(!ours(&findings).iter().any(|(_, e)| e == a.as_str() || e == pending.as_str()), || format!("nothing read again of A, nothing of C; findings {findings:?}"))?;
     eq("the cursor passes the judged copy", cursors[&ce_b2.destination.partition], end(ce_b2.destination.partition))
 }

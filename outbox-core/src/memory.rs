@@ -864,13 +864,13 @@ impl crate::store::BypassScanStore for MemoryStore {
             .collect())
     }
 
-    async fn open_attempts_of(&self, event_ids: &[String]) -> Result<Vec<AttemptRecord>, StoreError> {
+    async fn unanswered_attempts_of(&self, event_ids: &[String]) -> Result<Vec<AttemptRecord>, StoreError> {
         let st = self.lock();
         Ok(event_ids
             .iter()
             .filter_map(|id| st.attempts.get(&id.parse::<EventId>().ok()?))
             .flatten()
-            .filter(|a| OPEN_ATTEMPT_STATES.contains(&a.state))
+            .filter(|a| a.state != AttemptState::Acked)
             .cloned()
             .collect())
     }

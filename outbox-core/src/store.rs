@@ -396,8 +396,9 @@ pub trait BypassScanStore: Send + Sync {
     /// their current envelope generation exists) among `event_ids`.
     async fn published_digests(&self, event_ids: &[String]) -> Result<std::collections::BTreeMap<String, String>, StoreError>;
 
-    /// The open attempts (SENDING, UNKNOWN) of `event_ids`.
-    async fn open_attempts_of(&self, event_ids: &[String]) -> Result<Vec<crate::receipt::AttemptRecord>, StoreError>;
+    /// The attempts of `event_ids` that no receipt answered: open (SENDING,
+    /// UNKNOWN) and closed without one (ABSENT, NOT_SENT).
+    async fn unanswered_attempts_of(&self, event_ids: &[String]) -> Result<Vec<crate::receipt::AttemptRecord>, StoreError>;
 
     /// Primary receipts of (cluster, topic, partition) at or beyond
     /// `from_offset`, accepted before `accepted_before_ms`, whose event has

@@ -1108,8 +1108,8 @@ pub const EVIDENCE_FINDINGS: &[&str] =
 
 /// Opens findings `(kind, event_id, detail)` in `tx`, or marks open ones seen again.
 /// The open attempts (SENDING, UNKNOWN) of `event_ids`, in one query.
-pub(crate) async fn open_attempts_of(pool: &PgPool, event_ids: &[&str]) -> Result<Vec<AttemptRecord>, StoreError> {
-    sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = ANY($1) AND state IN ('SENDING', 'UNKNOWN')"))
+pub(crate) async fn unanswered_attempts_of(pool: &PgPool, event_ids: &[&str]) -> Result<Vec<AttemptRecord>, StoreError> {
+    sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = ANY($1) AND state IN ('SENDING', 'UNKNOWN', 'ABSENT', 'NOT_SENT')"))
         .bind(event_ids)
         .fetch_all(pool)
         .await

@@ -392,11 +392,12 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                 let (published, open) = if known_ids.is_empty() {
                     Default::default()
                 } else {
-                    (self.store.published_digests(&known_ids).await?, self.store.open_attempts_of(&known_ids).await?)
+                    (self.store.published_digests(&known_ids).await?, self.store.unanswered_attempts_of(&known_ids).await?)
                 };
                 // A copy of an open attempt still within its in-flight bound
                 // may be an answer on its way (waited for); past the bound no
-                // receipt will come, and its copy is judged.
+                // receipt will come, and its copy is judged; a copy of an
+                // attempt closed without a receipt refutes its closing.
                 let copies = KnownCopies::new(&receipts, published, &open, &self.config.retry, now);
                 let judged: Vec<(&outbox_core::ScannedMessage, ScanJudgement)> = scan
                     .messages
@@ -426,6 +427,10 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                         outbox_core::compare::BYPASS_PUBLISH => {
                             let why = if m.event_id.is_some() { "eventId in the topic that the outbox never committed" } else { "message without an outbox eventId" };
                             format!("{why} at {topic}/{partition}@{}", m.offset)
+                        }
+                        outbox_core::compare::ABSENCE_PROOF_REFUTED => {
+                            let attempt = m.attempt_id.as_deref().unwrap_or_default();
+                            format!("{attempt} @{}: a copy at {cluster}/{topic}/{partition}@{} of an attempt the outbox closed without a receipt (proven absent, or not sent)", m.offset, m.offset)
                         }
                         _ => {
                             let what = if kind == outbox_core::compare::UNRECORDED_COPY { "a byte-identical copy" } else { "a copy with other bytes" };

@@ -143,12 +143,12 @@ impl outbox_core::BypassScanStore for crate::pg::PgStore {
         .map_err(store_err)
     }
 
-    async fn open_attempts_of(&self, event_ids: &[String]) -> Result<Vec<outbox_core::AttemptRecord>, outbox_core::StoreError> {
+    async fn unanswered_attempts_of(&self, event_ids: &[String]) -> Result<Vec<outbox_core::AttemptRecord>, outbox_core::StoreError> {
         if event_ids.is_empty() {
             return Ok(Vec::new());
         }
         let ids: Vec<&str> = event_ids.iter().map(String::as_str).collect();
-        crate::pg::open_attempts_of(self.pool(), &ids).await
+        crate::pg::unanswered_attempts_of(self.pool(), &ids).await
     }
 
     async fn receipts_from(

@@ -408,8 +408,13 @@ service_figures! {
         /// recorded: the protocol's answer to either.
         absence_refuted_late,
         /// Late copies of a paused host whose receipt never reached the
-        /// store (its process was killed, the ACK lost): evidence only a
-        /// scan of the topic finds (the SQL reconciler's bypass check).
+        /// store (its process was killed, the ACK lost) and that no scan
+        /// finding names yet: their event is still unknown (reported as
+        /// `log_unavailable`: the scan judges a copy of an attempt left
+        /// UNKNOWN accounted, the lookups' to find), or the copy sits in a
+        /// log the scan cannot read (gone, truncated, compacted). A copy of
+        /// an attempt closed ABSENT or NOT_SENT is the scan's finding
+        /// `absence_proof_refuted` (counted in `copies_reported`).
         late_copies_unheard,
         /// Topics deleted and created again, and clusters replaced by empty ones.
         log_resets,
@@ -964,8 +969,8 @@ impl outbox_core::BypassScanStore for SimStore {
     async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, String>, StoreError> {
         self.inner.published_digests(event_ids).await
     }
-    async fn open_attempts_of(&self, event_ids: &[String]) -> Result<Vec<AttemptRecord>, StoreError> {
-        self.inner.open_attempts_of(event_ids).await
+    async fn unanswered_attempts_of(&self, event_ids: &[String]) -> Result<Vec<AttemptRecord>, StoreError> {
+        self.inner.unanswered_attempts_of(event_ids).await
     }
     async fn receipts_from(
         &self,
