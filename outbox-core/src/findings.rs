@@ -7,7 +7,7 @@
 //! through [`crate::store::FindingsStore`] (a store may pre-filter them by
 //! time, with an index, but records only what these functions say) and
 //! writes the round's findings with
-//! [`crate::store::FindingsStore::record_findings`], which resolves open
+//! [`crate::store::FindingsStore::record_round_findings`], which resolves open
 //! findings as [`round_resolves`] says.
 
 use crate::retention::{LogPosition, WatermarkRef};

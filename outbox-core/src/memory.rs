@@ -1112,7 +1112,7 @@ impl crate::store::FindingsStore for MemoryStore {
         Ok(Vec::new())
     }
 
-    async fn record_findings(&self, _now_ms: i64, findings: &[crate::store::RoundFinding]) -> Result<(), StoreError> {
+    async fn record_round_findings(&self, _now_ms: i64, findings: &[crate::store::RoundFinding]) -> Result<(), StoreError> {
         let mut st = self.lock();
         let seen: std::collections::BTreeSet<(String, String, String)> = findings.iter().map(|f| (f.kind.to_owned(), f.event_id.clone(), f.consumer_id.clone())).collect();
         st.findings.retain(|key, _| !crate::findings::round_resolves(&key.0, seen.contains(key)));

@@ -574,5 +574,5 @@ pub trait FindingsStore: Send + Sync {
     /// Opens the round's `findings` (or marks open ones seen again) at
     /// `now_ms`, and resolves every open finding the round did not see
     /// that [`crate::findings::round_resolves`] resolves; one transaction.
-    async fn record_findings(&self, now_ms: i64, findings: &[RoundFinding]) -> Result<(), StoreError>;
+    async fn record_round_findings(&self, now_ms: i64, findings: &[RoundFinding]) -> Result<(), StoreError>;
 }
