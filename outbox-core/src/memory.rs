@@ -1115,10 +1115,11 @@ impl crate::store::FindingsStore for MemoryStore {
     async fn record_round_findings(&self, _now_ms: i64, findings: &[crate::store::RoundFinding]) -> Result<(), StoreError> {
         let mut st = self.lock();
         let seen: std::collections::BTreeSet<(String, String, String)> = findings.iter().map(|f| (f.kind.to_owned(), f.event_id.clone(), f.consumer_id.clone())).collect();
-        st.findings.retain(|key, _| !crate::findings::round_resolves(&key.0, seen.contains(key)));
         for f in findings {
             st.findings.insert((f.kind.to_owned(), f.event_id.clone(), f.consumer_id.clone()), f.detail.clone());
         }
+        // Opened first, then resolved as `round_resolves` says (as the SQL store does).
+        st.findings.retain(|key, _| !crate::findings::round_resolves(&key.0, seen.contains(key)));
         Ok(())
     }
 }

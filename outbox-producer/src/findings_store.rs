@@ -226,22 +226,22 @@ impl outbox_core::FindingsStore for PgStore {
         .execute(&mut *tx)
         .await
         .map_err(store_err)?;
-        // `outbox_core::findings::round_resolves` in set form: open
-        // conditions this round did not see are resolved (not those a
-        // concurrent round saw later); evidence stays until an operator
-        // closes it.
-        sqlx::query(
-            "UPDATE outbox_findings f SET resolved_at_ms = $1 WHERE resolved_at_ms IS NULL AND last_seen_ms <= $1 AND kind <> ALL($2)
-               AND NOT EXISTS (SELECT 1 FROM UNNEST($3::text[], $4::text[], $5::text[]) AS t(k, e, c) WHERE t.k = f.kind AND t.e = f.event_id AND t.c = f.consumer_id)",
+        // Which open findings the round resolves is
+        // `outbox_core::findings::round_resolves`'s call. The read leaves out
+        // evidence (which it never resolves) and findings a concurrent round
+        // saw after this one began.
+        let open: Vec<(i64, String, String, String)> = sqlx::query_as(
+            "SELECT id, kind, event_id, consumer_id FROM outbox_findings WHERE resolved_at_ms IS NULL AND last_seen_ms <= $1 AND kind <> ALL($2) FOR UPDATE",
         )
-            .bind(now_ms)
-            .bind(outbox_core::findings::EVIDENCE_FINDINGS)
-            .bind(&kinds)
-            .bind(&ids)
-            .bind(&consumers)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_err)?;
+        .bind(now_ms)
+        .bind(outbox_core::findings::EVIDENCE_FINDINGS)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_err)?;
+        let seen: std::collections::BTreeSet<(&str, &str, &str)> = findings.iter().map(|f| (f.kind, f.event_id.as_str(), f.consumer_id.as_str())).collect();
+        let resolved: Vec<i64> =
+            open.iter().filter(|(_, k, e, c)| outbox_core::findings::round_resolves(k, seen.contains(&(k.as_str(), e.as_str(), c.as_str())))).map(|(id, ..)| *id).collect();
+        sqlx::query("UPDATE outbox_findings SET resolved_at_ms = $1 WHERE id = ANY($2)").bind(now_ms).bind(&resolved).execute(&mut *tx).await.map_err(store_err)?;
         tx.commit().await.map_err(store_err)?;
         Ok(())
     }
