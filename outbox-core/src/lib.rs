@@ -40,6 +40,7 @@ pub mod compare;
 pub mod conformance;
 pub mod envelope;
 pub mod error;
+pub mod findings;
 pub mod headers;
 pub mod id;
 pub mod labels;
@@ -62,7 +63,7 @@ pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, Ro
 pub use error::CoreError;
 pub use headers::CloudEventsBinding;
 pub use id::{AttemptId, EventId};
-pub use memory::{MemoryStore, MemoryWatermark};
+pub use memory::{MemoryConsumer, MemoryStore, MemoryWatermark};
 pub use reconcile::{
     anchor_to_read, check_in_flight_bound, decide_after_submit, decide_reconcile, plan_absence_scan, scan_floor, scan_lower_bound, AbsenceScan, AnchorCheck, RecheckReason, ReconcileDecision, RetryPolicy, ScanFrom,
 };
@@ -70,4 +71,4 @@ pub use retention::{check_migration_fence, decide_migration, may_purge, may_reta
 pub use receipt::{decide_receipt, is_unregistered_message, refutes_absence, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
 pub use takeover::{decide_publisher, takeover_bucket, Publisher, TakeoverPolicy, TAKEOVER_BUCKETS};
-pub use store::{Broker, BypassScanStore, BypassScanWrite, ScanFinding, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};
+pub use store::{Broker, BypassScanStore, BypassScanWrite, ScanFinding, ConsumerWatermark, EventFacts, FindingsStore, PublishedFacts, RoundFinding, SweptEvent, WatermarkPublisherFacts, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

@@ -53,6 +53,8 @@ pub struct MemoryEvent {
     /// DISPATCH_UNKNOWN to PUBLISHED, QUARANTINED or PENDING), ms: the
     /// release gate's UNKNOWN time-to-resolution.
     pub unknown_resolved_after_ms: Vec<i64>,
+    /// When it was committed, ms.
+    pub created_at_ms: i64,
 }
 
 /// A migration receipt (PROTOCOL §7): links envelope generation N (kept as it
@@ -102,6 +104,19 @@ pub struct MemoryWatermark {
     pub committed_offset: i64,
 }
 
+/// A registered consumer (as `outbox_consumers`): whether the reconciler
+/// compares its watermarks (`critical`), whether retention waits for it
+/// (`mandatory`), and the topics it reads.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemoryConsumer {
+    /// Compared by the reconciler (`unconsumed_published`).
+    pub critical: bool,
+    /// Waited for by retention.
+    pub mandatory: bool,
+    /// Topic names it reads.
+    pub topics: Vec<String>,
+}
+
 /// An audit record (stale writes, rejected receipts).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AuditRecord {
@@ -140,15 +155,17 @@ pub struct MemoryState {
     pub migrations: Vec<MigrationRecord>,
     /// The highest version each aggregate (tenant, type, id) emitted.
     pub aggregate_versions: BTreeMap<(String, String, String), i64>,
-    /// Mandatory consumers and the topics they read (what retention reads).
-    pub retention_consumers: Vec<(String, Vec<String>)>,
-    /// Their published watermarks.
-    pub retention_watermarks: Vec<MemoryWatermark>,
     /// The topics events were routed to, per (cluster, topic): the
     /// partition count of the latest destination (the bypass scan reads them).
     pub routes: BTreeMap<(String, String), i32>,
-    /// Open findings, (kind, event id or label) -> detail.
-    pub findings: BTreeMap<(String, String), String>,
+    /// Open findings, (kind, event id or label, consumer id or empty) -> detail.
+    pub findings: BTreeMap<(String, String, String), String>,
+    /// Registered consumers by id (the comparison reads the critical ones).
+    pub consumers: BTreeMap<String, MemoryConsumer>,
+    /// Consumers' watermarks, one per consumer and log.
+    pub watermarks: Vec<MemoryWatermark>,
+    /// The published-without-receipt sweep's cursor: the last event id of its last full page.
+    pub receipt_sweep_after: String,
     /// The bypass scan's cursors, (cluster, topic, partition) -> next offset.
     pub bypass_cursors: BTreeMap<(String, String, i32), i64>,
     /// Bypass evidence by (cluster, topic, partition, offset): messages
@@ -233,6 +250,7 @@ impl MemoryStore {
                 unknown_since_ms: None,
                 published_at_ms: None,
                 unknown_resolved_after_ms: Vec::new(),
+                created_at_ms: now,
             },
         );
         Ok(id)
@@ -414,13 +432,29 @@ impl MemoryStore {
         Ok(Ok(record))
     }
 
-    /// Sets what retention reads of consumers (the PostgreSQL store's
-    /// `outbox_consumers` and `outbox_consumer_watermarks`): the mandatory
-    /// consumers with the topics they read, and their watermarks.
+    /// Replaces the consumer registry and the watermarks (the PostgreSQL
+    /// store's `outbox_consumers` and `outbox_consumer_watermarks`) with
+    /// these mandatory consumers (id, topics they read) and watermarks:
+    /// what retention reads.
     pub fn set_retention_registry(&self, mandatory: Vec<(String, Vec<String>)>, watermarks: Vec<MemoryWatermark>) {
         let mut st = self.lock();
-        st.retention_consumers = mandatory;
-        st.retention_watermarks = watermarks;
+        st.consumers = mandatory.into_iter().map(|(id, topics)| (id, MemoryConsumer { critical: false, mandatory: true, topics })).collect();
+        st.watermarks = watermarks;
+    }
+
+    /// Registers (or replaces) a consumer.
+    pub fn register_consumer(&self, consumer_id: &str, consumer: MemoryConsumer) {
+        self.lock().consumers.insert(consumer_id.to_owned(), consumer);
+    }
+
+    /// Sets a consumer's watermark on its log (replacing the one it had there).
+    pub fn set_watermark(&self, watermark: MemoryWatermark) {
+        let mut st = self.lock();
+        let same_log = |w: &MemoryWatermark| {
+            (&w.consumer_id, &w.cluster_id, &w.topic, &w.topic_id, w.partition) == (&watermark.consumer_id, &watermark.cluster_id, &watermark.topic, &watermark.topic_id, watermark.partition)
+        };
+        st.watermarks.retain(|w| !same_log(w));
+        st.watermarks.push(watermark);
     }
 
     /// Moves an event, through the transition table.
@@ -891,7 +925,7 @@ impl crate::store::BypassScanStore for MemoryStore {
             .filter_map(|e| e.slot.as_ref().filter(|r| r.offset >= from_offset && r.partition == partition && r.topic == topic && r.cluster_id == cluster_id).map(|r| (e, r)))
             .filter(|(e, _)| e.published_at_ms.is_some_and(|at| at < accepted_before_ms))
             .map(|(_, r)| r)
-            .filter(|r| !st.findings.contains_key(&(crate::compare::RECEIPT_POSITION_LOST.to_owned(), r.event_id.to_string())))
+            .filter(|r| !st.findings.contains_key(&(crate::compare::RECEIPT_POSITION_LOST.to_owned(), r.event_id.to_string(), String::new())))
             .map(|r| crate::compare::RecordedReceipt { event_id: r.event_id.to_string(), topic_id: r.topic_id.clone(), offset: r.offset, primary: true })
             .collect();
         out.sort_by_key(|r| r.offset);
@@ -906,13 +940,146 @@ impl crate::store::BypassScanStore for MemoryStore {
             st.bypass_messages.entry((cluster.clone(), topic.clone(), partition, m.offset)).or_insert_with(|| (m.clone(), write.now_ms));
         }
         for f in &write.findings {
-            st.findings.insert((f.kind.to_owned(), f.event_id.clone()), f.detail.clone());
+            st.findings.insert((f.kind.to_owned(), f.event_id.clone(), String::new()), f.detail.clone());
         }
         let cursor = st.bypass_cursors.entry((cluster, topic, partition)).or_insert(0);
         match write.cursor {
             crate::compare::CursorMove::Advance(to) => *cursor = (*cursor).max(to),
             crate::compare::CursorMove::Restart => *cursor = 0,
         }
+        Ok(())
+    }
+}
+
+fn facts(ev: &MemoryEvent, st: &MemoryState) -> crate::store::EventFacts {
+    let id = &ev.envelope.event_id;
+    crate::store::EventFacts {
+        event_id: id.to_string(),
+        state: ev.state,
+        held_by_dispatcher: ev.claim.owner.is_some(),
+        by_outbox: true,
+        created_at_ms: ev.created_at_ms,
+        state_since_ms: ev.state_since_ms,
+        unknown_since_ms: ev.unknown_since_ms,
+        quarantine_reason: st.quarantine.iter().rev().find(|(e, _)| e == id).map(|(_, r)| r.clone()).unwrap_or_default(),
+    }
+}
+
+fn take<T>(mut v: Vec<T>, limit: i64) -> Vec<T> {
+    v.truncate(usize::try_from(limit.max(0)).unwrap_or(usize::MAX));
+    v
+}
+
+/// The comparison's reads and write over the in-memory records (as
+/// `PgStore`'s over its tables). Its reads pre-filter as the SQL does
+/// (time, state), so that a read's limit cuts the same rows; what is a
+/// finding is the reconciler's call (`crate::findings`).
+#[async_trait]
+impl crate::store::FindingsStore for MemoryStore {
+    async fn aged_candidates(&self, created_before_ms: i64, limit: i64) -> Result<Vec<crate::store::EventFacts>, StoreError> {
+        let st = self.lock();
+        let mut v: Vec<&MemoryEvent> = st
+            .events
+            .values()
+            .filter(|e| e.created_at_ms < created_before_ms)
+            .filter(|e| e.state == EventState::Pending || (matches!(e.state, EventState::Claimed | EventState::Sending) && e.claim.owner.is_some()))
+            .collect();
+        v.sort_by_key(|e| e.seq);
+        Ok(take(v.into_iter().map(|e| facts(e, &st)).collect(), limit))
+    }
+
+    async fn unknown_candidates(&self, unknown_before_ms: i64, limit: i64) -> Result<Vec<crate::store::EventFacts>, StoreError> {
+        let st = self.lock();
+        let closed = [EventState::Published, EventState::Retained, EventState::Purged, EventState::Quarantined];
+        let mut v: Vec<&MemoryEvent> = st.events.values().filter(|e| e.unknown_since_ms.is_some_and(|u| u < unknown_before_ms) && !closed.contains(&e.state)).collect();
+        v.sort_by_key(|e| e.unknown_since_ms);
+        Ok(take(v.into_iter().map(|e| facts(e, &st)).collect(), limit))
+    }
+
+    async fn quarantined_candidates(&self, limit: i64) -> Result<Vec<crate::store::EventFacts>, StoreError> {
+        let st = self.lock();
+        let mut v: Vec<&MemoryEvent> = st.events.values().filter(|e| e.state == EventState::Quarantined).collect();
+        v.sort_by_key(|e| e.state_since_ms);
+        Ok(take(v.into_iter().map(|e| facts(e, &st)).collect(), limit))
+    }
+
+    async fn critical_consumers(&self) -> Result<Vec<(String, Vec<String>)>, StoreError> {
+        Ok(self.lock().consumers.iter().filter(|(_, c)| c.critical).map(|(id, c)| (id.clone(), c.topics.clone())).collect())
+    }
+
+    async fn published_candidates(&self, _consumer_id: &str, topics: &[String], published_before_ms: i64, limit: i64) -> Result<Vec<crate::store::PublishedFacts>, StoreError> {
+        let st = self.lock();
+        let mut v: Vec<crate::store::PublishedFacts> = st
+            .events
+            .values()
+            .filter(|e| matches!(e.state, EventState::Published | EventState::Retained))
+            .filter_map(|e| Some((e, e.slot.as_ref().filter(|s| s.envelope_generation == e.envelope.envelope_generation)?, e.published_at_ms?)))
+            .filter(|(_, slot, at)| *at < published_before_ms && topics.contains(&slot.topic))
+            .map(|(e, slot, at)| crate::store::PublishedFacts {
+                event_id: e.envelope.event_id.to_string(),
+                state: e.state,
+                published_at_ms: at,
+                cluster_id: slot.cluster_id.clone(),
+                topic: slot.topic.clone(),
+                topic_id: slot.topic_id.clone(),
+                partition: slot.partition,
+                offset: slot.offset,
+            })
+            .collect();
+        v.sort_by_key(|p| p.published_at_ms);
+        Ok(take(v, limit))
+    }
+
+    async fn consumer_watermarks(&self, consumer_id: &str, topics: &[String]) -> Result<Vec<crate::store::ConsumerWatermark>, StoreError> {
+        Ok(self
+            .lock()
+            .watermarks
+            .iter()
+            .filter(|w| w.consumer_id == consumer_id && topics.contains(&w.topic))
+            .map(|w| crate::store::ConsumerWatermark {
+                consumer_id: w.consumer_id.clone(),
+                cluster_id: w.cluster_id.clone(),
+                topic: w.topic.clone(),
+                topic_id: w.topic_id.clone(),
+                partition: w.partition,
+                committed_offset: w.committed_offset,
+            })
+            .collect())
+    }
+
+    async fn receipt_sweep_page(&self, limit: i64) -> Result<Vec<crate::store::SweptEvent>, StoreError> {
+        let mut st = self.lock();
+        let after = st.receipt_sweep_after.clone();
+        let mut all: Vec<crate::store::SweptEvent> = st
+            .events
+            .iter()
+            .filter(|(id, _)| id.as_str() > after.as_str())
+            .map(|(id, e)| crate::store::SweptEvent {
+                event_id: id.to_string(),
+                state: e.state,
+                has_primary_receipt: e.slot.as_ref().is_some_and(|s| s.envelope_generation == e.envelope.envelope_generation),
+                state_since_ms: e.state_since_ms,
+            })
+            .collect();
+        all.sort_by(|a, b| a.event_id.cmp(&b.event_id));
+        let page = take(all, limit);
+        st.receipt_sweep_after = if i64::try_from(page.len()).unwrap_or(i64::MAX) >= limit { page.last().map(|e| e.event_id.clone()).unwrap_or_default() } else { String::new() };
+        Ok(page)
+    }
+
+    async fn watermark_publishers(&self, _received_before_ms: i64, _limit: i64) -> Result<Vec<crate::store::WatermarkPublisherFacts>, StoreError> {
+        // The in-memory store has no broker watermark topic.
+        Ok(Vec::new())
+    }
+
+    async fn record_round_findings(&self, _now_ms: i64, findings: &[crate::store::RoundFinding]) -> Result<(), StoreError> {
+        let mut st = self.lock();
+        let seen: std::collections::BTreeSet<(String, String, String)> = findings.iter().map(|f| (f.kind.to_owned(), f.event_id.clone(), f.consumer_id.clone())).collect();
+        for f in findings {
+            st.findings.insert((f.kind.to_owned(), f.event_id.clone(), f.consumer_id.clone()), f.detail.clone());
+        }
+        // Opened first, then resolved as `round_resolves` says (as the SQL store does).
+        st.findings.retain(|key, _| !crate::findings::round_resolves(&key.0, seen.contains(key)));
         Ok(())
     }
 }

@@ -416,3 +416,164 @@ pub trait BypassScanStore: Send + Sync {
     /// Records the page's bypass messages and findings and moves the cursor, in one transaction.
     async fn record_bypass_scan(&self, write: &BypassScanWrite) -> Result<(), StoreError>;
 }
+
+/// An event row's facts, as the comparison's condition findings read them
+/// ([`crate::findings`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventFacts {
+    /// The event.
+    pub event_id: String,
+    /// Its state.
+    pub state: EventState,
+    /// A dispatcher holds its claim (an owner is set).
+    pub held_by_dispatcher: bool,
+    /// This outbox publishes it (not a legacy publisher during a rollout).
+    pub by_outbox: bool,
+    /// When it was committed, ms.
+    pub created_at_ms: i64,
+    /// When it entered its state, ms.
+    pub state_since_ms: i64,
+    /// When it first became DISPATCH_UNKNOWN, ms.
+    pub unknown_since_ms: Option<i64>,
+    /// Why it was quarantined (the latest reason), if it was.
+    pub quarantine_reason: String,
+}
+
+/// A published event's facts with its primary receipt's log position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishedFacts {
+    /// The event.
+    pub event_id: String,
+    /// Its state.
+    pub state: EventState,
+    /// When its publish slot was filled, ms.
+    pub published_at_ms: i64,
+    /// The primary receipt's cluster.
+    pub cluster_id: String,
+    /// Its topic.
+    pub topic: String,
+    /// Its topic id (`None`: `destination.v1`).
+    pub topic_id: Option<String>,
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+}
+
+/// A consumer's watermark on one log, owned (see [`crate::WatermarkRef`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerWatermark {
+    /// The consumer.
+    pub consumer_id: String,
+    /// Broker cluster of the log.
+    pub cluster_id: String,
+    /// Topic.
+    pub topic: String,
+    /// Topic id (`None`: `destination.v1`).
+    pub topic_id: Option<String>,
+    /// Partition.
+    pub partition: i32,
+    /// The next offset the consumer reads.
+    pub committed_offset: i64,
+}
+
+impl ConsumerWatermark {
+    /// As the core's decisions take it.
+    pub fn watermark_ref(&self) -> crate::retention::WatermarkRef<'_> {
+        crate::retention::WatermarkRef {
+            consumer_id: &self.consumer_id,
+            cluster_id: &self.cluster_id,
+            topic: &self.topic,
+            topic_id: self.topic_id.as_deref(),
+            partition: self.partition,
+            committed_offset: self.committed_offset,
+        }
+    }
+}
+
+/// A consumer's watermark publisher over the broker (per cluster).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatermarkPublisherFacts {
+    /// The consumer.
+    pub consumer_id: String,
+    /// The cluster whose watermark topic it publishes to.
+    pub cluster_id: String,
+    /// Records accepted so far.
+    pub records_accepted: i64,
+    /// When the last accepted record arrived, ms.
+    pub last_received_ms: i64,
+}
+
+/// One event of a page of the published-without-receipt sweep.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SweptEvent {
+    /// The event.
+    pub event_id: String,
+    /// Its state.
+    pub state: EventState,
+    /// A primary receipt of its current envelope generation exists.
+    pub has_primary_receipt: bool,
+    /// When it entered its state, ms.
+    pub state_since_ms: i64,
+}
+
+/// A condition finding of a round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundFinding {
+    /// Its kind ([`crate::findings`]' constants).
+    pub kind: &'static str,
+    /// The event it names (a cluster for `stale_watermark`).
+    pub event_id: String,
+    /// The consumer it names, or empty.
+    pub consumer_id: String,
+    /// Its age, ms.
+    pub age_ms: i64,
+    /// In words.
+    pub detail: String,
+}
+
+/// The reads and the one write of the comparison's condition findings
+/// (`Reconciler::compare_findings`, which decides with
+/// [`crate::findings`]). Every read is bounded by `limit`; a store may
+/// pre-filter candidates (by time, with an index), and the reconciler
+/// records only those the core functions judge findings. `PgStore` and
+/// `MemoryStore` implement it.
+#[async_trait]
+pub trait FindingsStore: Send + Sync {
+    /// Undelivered candidates (PENDING, or CLAIMED/SENDING held by a
+    /// dispatcher) committed before `created_before_ms`, oldest first.
+    async fn aged_candidates(&self, created_before_ms: i64, limit: i64) -> Result<Vec<EventFacts>, StoreError>;
+
+    /// Events unknown since before `unknown_before_ms` (not closed), longest first.
+    async fn unknown_candidates(&self, unknown_before_ms: i64, limit: i64) -> Result<Vec<EventFacts>, StoreError>;
+
+    /// Quarantined events, with their latest reason, longest first.
+    async fn quarantined_candidates(&self, limit: i64) -> Result<Vec<EventFacts>, StoreError>;
+
+    /// The critical consumers and the topics each reads.
+    async fn critical_consumers(&self) -> Result<Vec<(String, Vec<String>)>, StoreError>;
+
+    /// Published (or retained) events on `topics`, published before
+    /// `published_before_ms`, with their primary receipt; the store may
+    /// leave out those `consumer_id`'s watermark of their log has passed.
+    /// Oldest first.
+    async fn published_candidates(&self, consumer_id: &str, topics: &[String], published_before_ms: i64, limit: i64) -> Result<Vec<PublishedFacts>, StoreError>;
+
+    /// `consumer_id`'s watermarks on `topics`, every cluster and topic id.
+    async fn consumer_watermarks(&self, consumer_id: &str, topics: &[String]) -> Result<Vec<ConsumerWatermark>, StoreError>;
+
+    /// The next page of the published-without-receipt sweep (by event id,
+    /// after the sweep's cursor, at most `limit` events, wrapping around at
+    /// the end); moves the cursor. The store may leave out events that have
+    /// their primary receipt or are not in a published state.
+    async fn receipt_sweep_page(&self, limit: i64) -> Result<Vec<SweptEvent>, StoreError>;
+
+    /// Declared consumers' watermark publishers whose last record arrived
+    /// before `received_before_ms`, oldest first.
+    async fn watermark_publishers(&self, received_before_ms: i64, limit: i64) -> Result<Vec<WatermarkPublisherFacts>, StoreError>;
+
+    /// Opens the round's `findings` (or marks open ones seen again) at
+    /// `now_ms`, and resolves every open finding the round did not see
+    /// that [`crate::findings::round_resolves`] resolves; one transaction.
+    async fn record_round_findings(&self, now_ms: i64, findings: &[RoundFinding]) -> Result<(), StoreError>;
+}

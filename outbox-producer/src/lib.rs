@@ -18,6 +18,7 @@ pub mod cloudevents;
 pub mod dispatcher;
 pub mod emit;
 pub mod error;
+mod findings_store;
 pub mod kafka;
 pub mod migration;
 pub mod observe;

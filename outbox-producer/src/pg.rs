@@ -1102,9 +1102,8 @@ fn measure_with_database_clock(attempt: &mut AttemptRecord, db_age_ms: Option<i6
 /// Findings that are evidence, not conditions: opened (or seen again) by
 /// the statement that found them and left open until an operator resolves
 /// them; a comparison round never resolves them.
-pub const EVIDENCE_FINDINGS: &[&str] =
-    &["bypass_publish", "absence_proof_refuted", "unregistered_message", "receipt_position_lost", "log_unavailable", "published_without_receipt",
-      "foreign_source", "unrecorded_copy", "divergent_copy", "watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected"];
+/// They are `outbox_core::findings::EVIDENCE_FINDINGS`.
+pub const EVIDENCE_FINDINGS: &[&str] = outbox_core::findings::EVIDENCE_FINDINGS;
 
 /// Opens findings `(kind, event_id, detail)` in `tx`, or marks open ones seen again.
 /// The open attempts (SENDING, UNKNOWN) of `event_ids`, in one query.

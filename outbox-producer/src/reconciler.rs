@@ -12,8 +12,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use outbox_core::compare::{first_wait, judge_scanned, next_bypass_cursor, receipt_position_lost, CursorMove, KnownCopies, PositionLost, ScanJudgement};
-use outbox_core::{BypassScanStore, BypassScanWrite, ScanFinding, decide_after_submit, decide_reconcile, scan_floor, scan_lower_bound, Broker, EventState, LookupOutcome, ReconcileDecision, RetryPolicy};
-use sqlx::Row;
+use outbox_core::{BypassScanStore, BypassScanWrite, FindingsStore, RoundFinding, ScanFinding, decide_after_submit, decide_reconcile, scan_floor, scan_lower_bound, Broker, EventState, LookupOutcome, ReconcileDecision, RetryPolicy};
 
 use crate::error::ProducerError;
 use crate::pg::PgStore;
@@ -512,160 +511,106 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
     }
 }
 
+/// The comparison's condition findings, over any store with their seam.
+impl<B: Broker + 'static, S: ServiceStore + FindingsStore> Reconciler<B, S> {
+    /// Reads the candidates of the comparison's condition findings through
+    /// [`FindingsStore`] (each read bounded by `max_findings_per_kind`) and
+    /// decides each with `outbox_core::findings`: `aged_pending`,
+    /// `unknown_past_slo`, `quarantined`, `unconsumed_published` (per
+    /// critical consumer, against its watermarks of the event's very log),
+    /// `published_without_receipt` (the sweep's next page) and
+    /// `stale_watermark`; then records them, resolving the open findings
+    /// that no longer hold ([`FindingsStore::record_round_findings`]). Counts
+    /// them; the bypass scan is not part of it.
+    pub async fn compare_findings(&self) -> Result<CompareReport, ProducerError> {
+        self.compare_findings_at(self.store.now_ms()).await
+    }
+
+    async fn compare_findings_at(&self, now: i64) -> Result<CompareReport, ProducerError> {
+        use outbox_core::findings as f;
+        let c = &self.config;
+        let limit = c.max_findings_per_kind;
+        let mut found: Vec<RoundFinding> = Vec::new();
+        let mut push = |kind: &'static str, event_id: String, consumer_id: String, age_ms: i64, detail: String| found.push(RoundFinding { kind, event_id, consumer_id, age_ms, detail });
+
+        for e in self.store.aged_candidates(now.saturating_sub(c.aged_pending_ms), limit).await? {
+            if let Some(age) = f::aged_pending(e.state, e.held_by_dispatcher, e.by_outbox, e.created_at_ms, now, c.aged_pending_ms) {
+                push(f::AGED_PENDING, e.event_id, String::new(), age, "not delivered past the threshold (PENDING or being sent): is a dispatcher running for its cluster, does the broker take its sends?".into());
+            }
+        }
+        for e in self.store.unknown_candidates(now.saturating_sub(c.unknown_slo_ms), limit).await? {
+            if let Some(age) = f::unknown_past_slo(e.state, e.unknown_since_ms, now, c.unknown_slo_ms) {
+                push(f::UNKNOWN_PAST_SLO, e.event_id, String::new(), age, format!("dispatch outcome unknown past the SLO (now {})", e.state.as_str()));
+            }
+        }
+        for e in self.store.quarantined_candidates(limit).await? {
+            if let Some(age) = f::quarantined(e.state, e.state_since_ms, now) {
+                push(f::QUARANTINED, e.event_id, String::new(), age, format!("quarantined: {}", e.quarantine_reason));
+            }
+        }
+        for (consumer_id, topics) in self.store.critical_consumers().await? {
+            let watermarks = self.store.consumer_watermarks(&consumer_id, &topics).await?;
+            let refs: Vec<outbox_core::WatermarkRef<'_>> = watermarks.iter().map(|w| w.watermark_ref()).collect();
+            for p in self.store.published_candidates(&consumer_id, &topics, now.saturating_sub(c.unconsumed_after_ms), limit).await? {
+                let at = outbox_core::LogPosition { cluster_id: &p.cluster_id, topic: &p.topic, topic_id: p.topic_id.as_deref(), partition: p.partition, offset: p.offset };
+                let Some(age) = f::unconsumed_published(p.state, p.published_at_ms, now, c.unconsumed_after_ms, &at, &consumer_id, &topics, &refs) else { continue };
+                let of_id = p.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
+                let detail = format!("published at {}{of_id}/{}@{}, not passed by the consumer's watermark of that log", p.topic, p.partition, p.offset);
+                push(f::UNCONSUMED_PUBLISHED, p.event_id, consumer_id.clone(), age, detail);
+            }
+        }
+        for e in self.store.receipt_sweep_page(c.published_check_batch).await? {
+            if f::published_without_receipt(e.state, e.has_primary_receipt) {
+                push(f::PUBLISHED_WITHOUT_RECEIPT, e.event_id, String::new(), now - e.state_since_ms, format!("{} without a primary receipt", e.state.as_str()));
+            }
+        }
+        for p in self.store.watermark_publishers(now.saturating_sub(c.stale_watermark_after_ms), limit).await? {
+            if let Some(age) = f::stale_watermark(p.records_accepted, p.last_received_ms, now, c.stale_watermark_after_ms) {
+                let detail = format!(
+                    "no watermark record from this consumer on cluster {} for {age} ms (threshold {} ms); its watermark stays where it was",
+                    p.cluster_id, c.stale_watermark_after_ms
+                );
+                push(f::STALE_WATERMARK, p.cluster_id, p.consumer_id, age, detail);
+            }
+        }
+
+        let mut report = CompareReport::default();
+        for r in &found {
+            match r.kind {
+                f::AGED_PENDING => report.aged_pending += 1,
+                f::UNKNOWN_PAST_SLO => report.unknown_past_slo += 1,
+                f::QUARANTINED => report.quarantined += 1,
+                f::UNCONSUMED_PUBLISHED => report.unconsumed_published += 1,
+                f::PUBLISHED_WITHOUT_RECEIPT => report.published_without_receipt += 1,
+                _ => report.stale_watermark += 1,
+            }
+        }
+        self.store.record_round_findings(now, &found).await?;
+        Ok(report)
+    }
+}
+
 /// The comparison of the three sets and the reports read the SQL store's
 /// evidence tables.
 impl<B: Broker + 'static> Reconciler<B, PgStore> {
     /// Compares the three sets — committed outbox, publish receipts and the
     /// critical consumers' watermarks — plus the topics themselves (bypass
     /// publishes), and records the findings: new ones are opened, ones no
-    /// longer true are resolved (bypass evidence stays open). The round is
-    /// recorded in `outbox_reconciler_rounds`.
+    /// longer true are resolved (bypass evidence stays open). The findings
+    /// are decided by the bypass scan ([`Reconciler::scan_for_bypass`]) and
+    /// [`Reconciler::compare_findings`]; the state snapshots and the round
+    /// (`outbox_reconciler_rounds`) are recorded after them.
     pub async fn compare_once(&self) -> Result<CompareReport, ProducerError> {
         let pool = self.store.pool();
         let now = self.store.now_ms();
-        let limit = self.config.max_findings_per_kind;
-        let mut found: Vec<(&'static str, String, String, i64, String)> = Vec::new();
-
-        // Legacy-owned events (a rollout's shadow or partial takeover) are the
-        // legacy publisher's to send; the shadow comparison covers them.
-        //
-        // An event not yet delivered is aged while it is PENDING and also
-        // while a dispatcher holds it (CLAIMED, SENDING): a send that the
-        // broker refuses puts it back to PENDING after a backoff, and
-        // counting only PENDING closed and reopened the finding on every
-        // round that caught it in flight. The in-flight half reads the
-        // leased events only (their index), a bounded set.
-        for r in sqlx::query(
-            "SELECT event_id, age FROM (
-                 (SELECT event_id, seq, $1 - created_at_ms AS age FROM outbox_events
-                  WHERE phase = 'PENDING' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3)
-                 UNION ALL
-                 (SELECT event_id, seq, $1 - created_at_ms AS age FROM outbox_events
-                  WHERE claim_owner IS NOT NULL AND phase = 'INFLIGHT' AND publisher = 'outbox' AND created_at_ms < $1 - $2 ORDER BY seq LIMIT $3)
-             ) t ORDER BY seq LIMIT $3",
-        )
-            .bind(now)
-            .bind(self.config.aged_pending_ms)
-            .bind(limit)
-            .fetch_all(pool)
-            .await?
-        {
-            found.push(("aged_pending", r.try_get("event_id")?, String::new(), r.try_get("age")?, "not delivered past the threshold (PENDING or being sent): is a dispatcher running for its cluster, does the broker take its sends?".into()));
-        }
-        for r in sqlx::query(
-            "SELECT event_id, state, $1 - unknown_since_ms AS age FROM outbox_events
-             WHERE unknown_since_ms IS NOT NULL AND unknown_since_ms < $1 - $2
-               AND state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'QUARANTINED')
-             ORDER BY unknown_since_ms LIMIT $3",
-        )
-        .bind(now)
-        .bind(self.config.unknown_slo_ms)
-        .bind(limit)
-        .fetch_all(pool)
-        .await?
-        {
-            let state: String = r.try_get("state")?;
-            found.push(("unknown_past_slo", r.try_get("event_id")?, String::new(), r.try_get("age")?, format!("dispatch outcome unknown past the SLO (now {state})")));
-        }
-        for r in sqlx::query(
-            "SELECT e.event_id, $1 - e.state_since_ms AS age, coalesce(q.reason, '') AS reason FROM outbox_events e
-             LEFT JOIN LATERAL (SELECT reason FROM outbox_quarantine WHERE event_id = e.event_id ORDER BY id DESC LIMIT 1) q ON true
-             WHERE e.phase = 'QUARANTINED' ORDER BY e.state_since_ms LIMIT $2",
-        )
-        .bind(now)
-        .bind(limit)
-        .fetch_all(pool)
-        .await?
-        {
-            let reason: String = r.try_get("reason")?;
-            found.push(("quarantined", r.try_get("event_id")?, String::new(), r.try_get("age")?, format!("quarantined: {reason}")));
-        }
-        let watermarks = crate::report::has_watermarks(pool).await?;
-        let critical: Vec<(String, Vec<String>)> = sqlx::query_as("SELECT consumer_id, topics FROM outbox_consumers WHERE critical").fetch_all(pool).await?;
-        for (consumer_id, topics) in &critical {
-            let passed = if watermarks {
-                "EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
-                         AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\")"
-            } else {
-                "false"
-            };
-            for row in sqlx::query(&format!(
-                "SELECT e.event_id, $1 - e.published_at_ms AS age, r.topic, r.topic_id, r.partition, r.\"offset\" FROM outbox_events e
-                 JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
-                 WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 - $2 AND r.topic = ANY($5)
-                   AND NOT {passed}
-                 ORDER BY e.published_at_ms LIMIT $3"
-            ))
-            .bind(now)
-            .bind(self.config.unconsumed_after_ms)
-            .bind(limit)
-            .bind(consumer_id)
-            .bind(topics)
-            .fetch_all(pool)
-            .await?
-            {
-                let (topic, partition, offset): (String, i32, i64) = (row.try_get("topic")?, row.try_get("partition")?, row.try_get("offset")?);
-                let topic_id: Option<String> = row.try_get("topic_id")?;
-                let of_id = topic_id.map(|id| format!(" (topic id {id})")).unwrap_or_default();
-                found.push((
-                    "unconsumed_published",
-                    row.try_get("event_id")?,
-                    consumer_id.clone(),
-                    row.try_get("age")?,
-                    format!("published at {topic}{of_id}/{partition}@{offset}, not passed by the consumer's watermark of that log"),
-                ));
-            }
-        }
-
         // The bypass scan records its findings with the page that found
         // them (and the cursor that moved past it), in one transaction.
         let bypass = self.scan_at(now).await?;
-        found.extend(self.sweep_published_without_receipt(now).await?);
-        found.extend(crate::watermark_topic::stale_findings(pool, now, self.config.stale_watermark_after_ms, limit).await?);
-
-        let mut report = CompareReport { scanned_messages: bypass.scanned, ..Default::default() };
+        let mut report = self.compare_findings_at(now).await?;
+        report.scanned_messages = bypass.scanned;
         bypass.count_into(&mut report);
-        for (kind, ..) in &found {
-            match *kind {
-                "aged_pending" => report.aged_pending += 1,
-                "unconsumed_published" => report.unconsumed_published += 1,
-                "bypass_publish" => report.bypass_publish += 1,
-                "unknown_past_slo" => report.unknown_past_slo += 1,
-                "published_without_receipt" => report.published_without_receipt += 1,
-                "foreign_source" => report.foreign_source += 1,
-                "unrecorded_copy" => report.unrecorded_copy += 1,
-                "divergent_copy" => report.divergent_copy += 1,
-                "stale_watermark" => report.stale_watermark += 1,
-                _ => report.quarantined += 1,
-            }
-        }
 
         let mut tx = pool.begin().await?;
-        let kinds: Vec<&str> = found.iter().map(|f| f.0).collect();
-        let ids: Vec<&str> = found.iter().map(|f| f.1.as_str()).collect();
-        let consumers: Vec<&str> = found.iter().map(|f| f.2.as_str()).collect();
-        let ages: Vec<i64> = found.iter().map(|f| f.3).collect();
-        let details: Vec<&str> = found.iter().map(|f| f.4.as_str()).collect();
-        sqlx::query(
-            "INSERT INTO outbox_findings (kind, event_id, consumer_id, age_ms, detail, first_seen_ms, last_seen_ms)
-             SELECT k, e, c, a, d, $6, $6 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[]) AS t(k, e, c, a, d)
-             ON CONFLICT (kind, event_id, consumer_id) WHERE resolved_at_ms IS NULL
-             DO UPDATE SET age_ms = EXCLUDED.age_ms, detail = EXCLUDED.detail, last_seen_ms = EXCLUDED.last_seen_ms",
-        )
-        .bind(&kinds)
-        .bind(&ids)
-        .bind(&consumers)
-        .bind(&ages)
-        .bind(&details)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        // Conditions that no longer hold are resolved; bypass evidence stays until an operator closes it.
-        sqlx::query("UPDATE outbox_findings SET resolved_at_ms = $1 WHERE resolved_at_ms IS NULL AND last_seen_ms < $1 AND kind <> ALL($2)")
-            .bind(now)
-            .bind(crate::pg::EVIDENCE_FINDINGS)
-            .execute(&mut *tx)
-            .await?;
         sqlx::query("INSERT INTO outbox_state_snapshots (at_ms, state, count) SELECT $1, state, count(*) FROM outbox_events GROUP BY state ON CONFLICT DO NOTHING")
             .bind(now)
             .execute(&mut *tx)
@@ -677,50 +622,6 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         }
         self.record_round(self.last_examined.load(std::sync::atomic::Ordering::Relaxed), &report).await?;
         Ok(report)
-    }
-
-    /// The next `published_check_batch` events by event id after the
-    /// sweep's cursor (wrapping around at the end): each one PUBLISHED,
-    /// RETAINED or PURGED without a primary receipt is a finding. The
-    /// database refuses such rows since migration 20261201010002; the sweep
-    /// finds older ones and rows written with triggers disabled.
-    async fn sweep_published_without_receipt(&self, now: i64) -> Result<Vec<(&'static str, String, String, i64, String)>, ProducerError> {
-        let pool = self.store.pool();
-        let after: String = sqlx::query_scalar("SELECT after_event_id FROM outbox_check_cursors WHERE check_name = 'published_without_receipt'")
-            .fetch_optional(pool)
-            .await?
-            .unwrap_or_default();
-        let rows = sqlx::query(
-            "WITH page AS (SELECT event_id, state, envelope_generation, state_since_ms FROM outbox_events WHERE event_id > $1 ORDER BY event_id LIMIT $2)
-             SELECT (SELECT max(event_id) FROM page) AS last, (SELECT count(*) FROM page) AS n, p.event_id, p.state, $3 - p.state_since_ms AS age
-             FROM (SELECT 1) one LEFT JOIN page p ON p.state IN ('PUBLISHED', 'RETAINED', 'PURGED')
-               AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = p.event_id AND r.envelope_generation = p.envelope_generation)",
-        )
-        .bind(&after)
-        .bind(self.config.published_check_batch)
-        .bind(now)
-        .fetch_all(pool)
-        .await?;
-        let mut found = Vec::new();
-        let mut next = String::new();
-        for r in &rows {
-            let n: i64 = r.try_get("n")?;
-            if n >= self.config.published_check_batch {
-                next = r.try_get::<Option<String>, _>("last")?.unwrap_or_default();
-            }
-            if let Some(id) = r.try_get::<Option<String>, _>("event_id")? {
-                let state: String = r.try_get("state")?;
-                found.push(("published_without_receipt", id, String::new(), r.try_get::<Option<i64>, _>("age")?.unwrap_or(0), format!("{state} without a primary receipt")));
-            }
-        }
-        sqlx::query(
-            "INSERT INTO outbox_check_cursors (check_name, after_event_id) VALUES ('published_without_receipt', $1)
-             ON CONFLICT (check_name) DO UPDATE SET after_event_id = EXCLUDED.after_event_id",
-        )
-        .bind(&next)
-        .execute(pool)
-        .await?;
-        Ok(found)
     }
 
     /// One full round: resolve due UNKNOWNs, then compare the three sets

@@ -446,7 +446,7 @@ pub async fn register_consumer(pool: &PgPool, consumer_id: &str, topics: &[&str]
 }
 
 /// The in-memory store's rows for [`purge_with`] (the simulator's): its
-/// registry is what [`MemoryStore::set_retention_registry`] last set.
+/// registry is its consumers (`register_consumer`, `set_retention_registry`) and their watermarks.
 #[async_trait::async_trait]
 impl RetentionStore for outbox_core::MemoryStore {
     /// Every call holds the store's lock for its whole work: nothing to begin.
@@ -514,9 +514,14 @@ impl RetentionStore for outbox_core::MemoryStore {
 
     async fn registry(&self, _tx: &mut (), topics: &[&str]) -> Result<Registry, ProducerError> {
         let st = self.lock();
-        let mandatory: Vec<(String, Vec<String>)> = st.retention_consumers.iter().filter(|(_, reads)| reads.iter().any(|t| topics.contains(&t.as_str()))).cloned().collect();
+        let mandatory: Vec<(String, Vec<String>)> = st
+            .consumers
+            .iter()
+            .filter(|(_, c)| c.mandatory && c.topics.iter().any(|t| topics.contains(&t.as_str())))
+            .map(|(id, c)| (id.clone(), c.topics.clone()))
+            .collect();
         let watermarks = st
-            .retention_watermarks
+            .watermarks
             .iter()
             .filter(|w| topics.contains(&w.topic.as_str()) && mandatory.iter().any(|(id, _)| *id == w.consumer_id))
             .cloned()

@@ -76,7 +76,7 @@ pub(crate) async fn routed_topics(pool: &PgPool, cluster_id: &str) -> Result<Vec
         .await?)
 }
 
-fn to_store(e: ProducerError) -> outbox_core::StoreError {
+pub(crate) fn to_store(e: ProducerError) -> outbox_core::StoreError {
     match e {
         ProducerError::Store(e) => e,
         e => outbox_core::StoreError::Backend { message: e.to_string(), retryable: e.is_retryable() },

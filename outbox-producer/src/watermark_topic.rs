@@ -625,35 +625,6 @@ async fn record_findings(tx: &mut Transaction<'_, Postgres>, findings: &[(&'stat
     Ok(())
 }
 
-/// `stale_watermark` findings `(kind, cluster, consumer, age_ms, detail)`:
-/// declared consumers that have published over the broker and whose last
-/// acceptable record arrived more than `stale_after_ms` before `now`.
-pub(crate) async fn stale_findings(pool: &PgPool, now: i64, stale_after_ms: i64, limit: i64) -> Result<Vec<(&'static str, String, String, i64, String)>, ProducerError> {
-    let rows = sqlx::query(
-        "SELECT p.consumer_id, p.cluster_id, $1 - p.last_received_ms AS age FROM outbox_watermark_publishers p
-         JOIN outbox_consumers c ON c.consumer_id = p.consumer_id
-         WHERE p.records_accepted > 0 AND p.last_received_ms < $1 - $2 ORDER BY p.last_received_ms LIMIT $3",
-    )
-    .bind(now)
-    .bind(stale_after_ms)
-    .bind(limit)
-    .fetch_all(pool)
-    .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in rows {
-        let age: i64 = r.try_get("age")?;
-        let cluster: String = r.try_get("cluster_id")?;
-        out.push((
-            "stale_watermark",
-            cluster.clone(),
-            r.try_get("consumer_id")?,
-            age,
-            format!("no watermark record from this consumer on cluster {cluster} for {age} ms (threshold {stale_after_ms} ms); its watermark stays where it was"),
-        ));
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -109,6 +109,40 @@ impl Harness for MemoryHarness {
         Ok((report.findings.into_iter().map(|(k, e)| (k.to_owned(), e)).collect(), cursors))
     }
 
+    async fn compare_findings(
+        &self,
+        thresholds: &outbox_core::conformance::FindingThresholds,
+        consumers: &[(String, Vec<String>)],
+        watermarks: &[outbox_core::ConsumerWatermark],
+    ) -> Result<Vec<(String, String, String)>, String> {
+        for (id, topics) in consumers {
+            self.store.register_consumer(id, outbox_core::MemoryConsumer { critical: true, mandatory: false, topics: topics.clone() });
+        }
+        for w in watermarks {
+            self.store.set_watermark(outbox_core::MemoryWatermark {
+                consumer_id: w.consumer_id.clone(),
+                cluster_id: w.cluster_id.clone(),
+                topic: w.topic.clone(),
+                topic_id: w.topic_id.clone(),
+                partition: w.partition,
+                committed_offset: w.committed_offset,
+            });
+        }
+        let config = outbox_producer::ReconcilerConfig {
+            owner: "conformance-findings".into(),
+            retry: outbox_core::conformance::POLICY,
+            clock_skew_allowance_ms: 1_000,
+            aged_pending_ms: thresholds.aged_pending_ms,
+            unknown_slo_ms: thresholds.unknown_slo_ms,
+            unconsumed_after_ms: thresholds.unconsumed_after_ms,
+            ..outbox_producer::ReconcilerConfig::default()
+        };
+        let broker = outbox_core::conformance::ScanLog { cluster_id: self.policy.cluster_id.clone(), ..Default::default() };
+        let r = outbox_producer::Reconciler::new(self.store.clone(), std::sync::Arc::new(broker), config).map_err(|e| e.to_string())?;
+        r.compare_findings().await.map_err(|e| e.to_string())?;
+        Ok(self.store.lock().findings.keys().cloned().collect())
+    }
+
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
         if let Some(row) = self.store.lock().events.get_mut(id) {
             row.payload = new_payload.to_vec();

@@ -38,6 +38,9 @@ impl outbox_core::conformance::Harness for PgHarness {
         };
         let e = emit(&mut tx, &req, &EmitOptions::default()).await.expect("emit");
         tx.commit().await.expect("commit");
+        if e.inserted {
+            self.committed_now(&e.envelope.event_id).await;
+        }
         e.envelope.event_id
     }
 
@@ -46,6 +49,9 @@ impl outbox_core::conformance::Harness for PgHarness {
         match emit(&mut tx, request, &EmitOptions::default()).await {
             Ok(e) => {
                 tx.commit().await.expect("commit");
+                if e.inserted {
+                    self.committed_now(&e.envelope.event_id).await;
+                }
                 Ok(e.envelope.event_id)
             }
             Err(ProducerError::CommandKeyConflict { command_key, event_id, what }) => Err(CoreError::CommandKeyConflict { command_key, event_id, what }),
@@ -120,6 +126,53 @@ impl outbox_core::conformance::Harness for PgHarness {
         Ok((report.findings.into_iter().map(|(k, e)| (k.to_owned(), e)).collect(), cursors))
     }
 
+    async fn compare_findings(
+        &self,
+        thresholds: &outbox_core::conformance::FindingThresholds,
+        consumers: &[(String, Vec<String>)],
+        watermarks: &[outbox_core::ConsumerWatermark],
+    ) -> Result<Vec<(String, String, String)>, String> {
+        for (id, topics) in consumers {
+            let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
+            outbox_producer::register_consumer(&self.pool, id, &topics, true, false).await.map_err(|e| e.to_string())?;
+        }
+        for w in watermarks {
+            let log = "consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND topic_id IS NOT DISTINCT FROM $4 AND partition = $5";
+            sqlx::query(&format!("DELETE FROM outbox_consumer_watermarks WHERE {log}"))
+                .bind(&w.consumer_id)
+                .bind(&w.cluster_id)
+                .bind(&w.topic)
+                .bind(&w.topic_id)
+                .bind(w.partition)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, topic_id, partition, committed_offset) VALUES ($1, $2, $3, $4, $5, $6)")
+                .bind(&w.consumer_id)
+                .bind(&w.cluster_id)
+                .bind(&w.topic)
+                .bind(&w.topic_id)
+                .bind(w.partition)
+                .bind(w.committed_offset)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let config = outbox_producer::ReconcilerConfig {
+            owner: "conformance-findings".into(),
+            retry: outbox_core::conformance::POLICY,
+            clock_skew_allowance_ms: 1_000,
+            aged_pending_ms: thresholds.aged_pending_ms,
+            unknown_slo_ms: thresholds.unknown_slo_ms,
+            unconsumed_after_ms: thresholds.unconsumed_after_ms,
+            ..outbox_producer::ReconcilerConfig::default()
+        };
+        let broker = outbox_core::conformance::ScanLog { cluster_id: "sim-cluster".into(), ..Default::default() };
+        let r = outbox_producer::Reconciler::new(self.store.clone(), Arc::new(broker), config).map_err(|e| e.to_string())?;
+        r.compare_findings().await.map_err(|e| e.to_string())?;
+        sqlx::query_as("SELECT kind, event_id, consumer_id FROM outbox_findings WHERE resolved_at_ms IS NULL").fetch_all(&self.pool).await.map_err(|e| e.to_string())
+    }
+
     async fn tamper_payload(&self, id: &EventId, new_payload: &[u8]) {
         sqlx::query("UPDATE outbox_events SET payload = $2 WHERE event_id = $1").bind(id.as_str()).bind(new_payload).execute(&self.pool).await.expect("tamper");
     }
@@ -133,7 +186,23 @@ impl outbox_core::conformance::Harness for PgHarness {
     }
 }
 
+impl PgHarness {
+    /// `emit` stamps a new event with the database's clock; the suite's
+    /// ages are on the harness's clock (the store's): the event is
+    /// committed now on it.
+    async fn committed_now(&self, id: &EventId) {
+        let now = outbox_core::Clock::now_ms(&self.clock);
+        sqlx::query("UPDATE outbox_events SET created_at_ms = $2 WHERE event_id = $1")
+            .bind(id.as_str())
+            .bind(now)
+            .execute(&self.pool)
+            .await
+            .expect("commit time on the harness clock");
+    }
+}
+
 async fn harness(pool: PgPool) -> PgHarness {
+    outbox_consumer::migrate(&pool).await.expect("consumer migrations (watermarks)");
     outbox_producer::routes::revise(&pool, &outbox_core::RoutePolicy::new("order.created", "sim-cluster", "orders", 4)).await.expect("route");
     // Retention reads the consumers' watermarks.
     outbox_consumer::migrate(&pool).await.expect("consumer tables");
