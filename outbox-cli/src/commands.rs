@@ -622,6 +622,7 @@ fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
     c.stale_watermark_after_ms = a.stale_watermark_after_ms.or(f.stale_watermark_after_ms).unwrap_or(c.stale_watermark_after_ms);
     c.max_findings_per_kind = f.max_findings_per_kind.unwrap_or(c.max_findings_per_kind);
     c.history_keep_ms = f.history_keep_ms.unwrap_or(c.history_keep_ms);
+    c.compare_every_rounds = f.compare_every_rounds.unwrap_or(c.compare_every_rounds);
     let flag_sources: Vec<String> = a.declared_sources.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
     c.declared_sources = if flag_sources.is_empty() { f.declared_sources.clone().unwrap_or_default() } else { flag_sources };
     c
@@ -751,13 +752,16 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
     tracing::info!(owner = %cfg.owner, interval_ms, unknown_slo_ms = cfg.unknown_slo_ms, "reconciler running");
     let stop = shutdown_signal();
     tokio::pin!(stop);
+    let mut round_no: u64 = 0;
     loop {
         let started = std::time::Instant::now();
+        let this_round = round_no;
+        round_no += 1;
         let round = async {
             if let Some(w) = ingest().await {
                 export.watermarks(&w);
             }
-            let (resolved, compared) = reconciler.run_once().await?;
+            let (resolved, compared) = reconciler.run_round(this_round).await?;
             let report = reconciler.report().await?;
             let (_, oldest_unknown) = crate::status::unknown_open(&pool, now_ms()).await?;
             Ok::<_, anyhow::Error>((resolved, compared, report, oldest_unknown))

@@ -23,6 +23,7 @@
 //!
 //! [reconcile]
 //! interval_ms = 10000
+//! compare_every_rounds = 1     # compare the three sets every N rounds
 //! unknown_slo_ms = 900000
 //! declared_sources = []        # other outboxes writing these topics too
 //! # Verification keys of consumers' watermark records, CONSUMER_ID=KEY_ID=HEX
@@ -118,6 +119,8 @@ pub struct KafkaSection {
 pub struct ReconcileSection {
     /// Pause between rounds, ms.
     pub interval_ms: Option<u64>,
+    /// Compare the three sets every this many rounds (1: every round).
+    pub compare_every_rounds: Option<u32>,
     /// Claim owner name.
     pub owner: Option<String>,
     /// UNKNOWN events per round.

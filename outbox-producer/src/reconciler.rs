@@ -56,6 +56,11 @@ pub struct ReconcilerConfig {
     pub history_keep_ms: i64,
     /// Pause between two rounds of [`Reconciler::run`], ms.
     pub interval_ms: u64,
+    /// [`Reconciler::run`] compares the three sets (the topic scan and the
+    /// condition findings) every this many rounds, the first round
+    /// included; every round resolves due UNKNOWNs. 1 (the default): every
+    /// round. At most [`MAX_COMPARE_EVERY_ROUNDS`].
+    pub compare_every_rounds: u32,
     /// Source identities of other outboxes declared to write this outbox's
     /// topics too (two outbox databases writing one topic must be declared):
     /// the bypass scan leaves their messages alone. A message whose
@@ -63,6 +68,9 @@ pub struct ReconcilerConfig {
     /// `foreign_source`. At most [`MAX_DECLARED_SOURCES`].
     pub declared_sources: Vec<String>,
 }
+
+/// Largest [`ReconcilerConfig::compare_every_rounds`].
+pub const MAX_COMPARE_EVERY_ROUNDS: u32 = 1_000;
 
 /// Most [`ReconcilerConfig::declared_sources`].
 pub const MAX_DECLARED_SOURCES: usize = 100;
@@ -84,6 +92,7 @@ impl Default for ReconcilerConfig {
             stale_watermark_after_ms: DEFAULT_STALE_WATERMARK_AFTER_MS,
             history_keep_ms: 7 * 24 * 3_600_000,
             interval_ms: 10_000,
+            compare_every_rounds: 1,
             declared_sources: Vec::new(),
         }
     }
@@ -200,6 +209,9 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         }
         for s in &config.declared_sources {
             outbox_core::headers::validate_source(s).map_err(|e| ProducerError::Config(format!("declared_sources: {e}")))?;
+        }
+        if !(1..=MAX_COMPARE_EVERY_ROUNDS).contains(&config.compare_every_rounds) {
+            return Err(ProducerError::Config(format!("compare_every_rounds {} (1..={MAX_COMPARE_EVERY_ROUNDS})", config.compare_every_rounds)));
         }
         if config.stale_watermark_after_ms < 1_000 {
             return Err(ProducerError::Config(format!("stale_watermark_after_ms {} (at least 1000)", config.stale_watermark_after_ms)));
@@ -324,25 +336,6 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
     /// the comparison of the three sets to every round.
     pub async fn run_resolving(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
         self.rounds(shutdown, || async { Ok((self.resolve_unknown_once().await?, CompareReport::default())) }).await
-    }
-
-    /// [`Reconciler::run_resolving`] with the bypass scan
-    /// ([`Reconciler::scan_for_bypass`]) after every resolve round: over
-    /// any store with the scan's seam (the simulator runs it over the
-    /// in-memory one). The SQL store's [`Reconciler::run`] runs the same
-    /// scan inside the full comparison of the three sets.
-    pub async fn run_resolving_and_scanning(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError>
-    where
-        S: BypassScanStore,
-    {
-        self.rounds(shutdown, || async {
-            let resolved = self.resolve_unknown_once().await?;
-            let scanned = self.scan_for_bypass().await?;
-            let mut compared = CompareReport { scanned_messages: scanned.scanned, ..Default::default() };
-            scanned.count_into(&mut compared);
-            Ok((resolved, compared))
-        })
-        .await
     }
 
     /// Reads every routed topic of this broker's cluster from its cursor and
@@ -590,9 +583,10 @@ impl<B: Broker + 'static, S: ServiceStore + FindingsStore> Reconciler<B, S> {
     }
 }
 
-/// The comparison of the three sets and the reports read the SQL store's
-/// evidence tables.
-impl<B: Broker + 'static> Reconciler<B, PgStore> {
+/// The full round (resolve, then compare the three sets), over any store
+/// with the comparison's seams: production runs it over [`PgStore`], the
+/// simulator over the in-memory store.
+impl<B: Broker + 'static, S: ServiceStore + BypassScanStore + FindingsStore + RoundStore> Reconciler<B, S> {
     /// Compares the three sets — committed outbox, publish receipts and the
     /// critical consumers' watermarks — plus the topics themselves (bypass
     /// publishes), and records the findings: new ones are opened, ones no
@@ -601,7 +595,6 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
     /// [`Reconciler::compare_findings`]; the state snapshots and the round
     /// (`outbox_reconciler_rounds`) are recorded after them.
     pub async fn compare_once(&self) -> Result<CompareReport, ProducerError> {
-        let pool = self.store.pool();
         let now = self.store.now_ms();
         // The bypass scan records its findings with the page that found
         // them (and the cursor that moved past it), in one transaction.
@@ -610,17 +603,20 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         report.scanned_messages = bypass.scanned;
         bypass.count_into(&mut report);
 
-        let mut tx = pool.begin().await?;
-        sqlx::query("INSERT INTO outbox_state_snapshots (at_ms, state, count) SELECT $1, state, count(*) FROM outbox_events GROUP BY state ON CONFLICT DO NOTHING")
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query("DELETE FROM outbox_state_snapshots WHERE at_ms < $1").bind(now - self.config.history_keep_ms).execute(&mut *tx).await?;
-        tx.commit().await?;
+        self.store.record_state_snapshot(now, self.config.history_keep_ms).await?;
         if report.total() > 0 {
             tracing::warn!(?report, "reconciler findings");
         }
-        self.record_round(self.last_examined.load(std::sync::atomic::Ordering::Relaxed), &report).await?;
+        let round = RoundRecord {
+            owner: &self.config.owner,
+            cluster_id: self.broker.cluster_id(),
+            at_ms: self.store.now_ms(),
+            interval_ms: i64::try_from(self.config.interval_ms).unwrap_or(i64::MAX),
+            unknown_slo_ms: self.config.unknown_slo_ms.max(1),
+            examined: i32::try_from(self.last_examined.load(std::sync::atomic::Ordering::Relaxed)).unwrap_or(i32::MAX),
+            open_findings: i32::try_from(report.total()).unwrap_or(i32::MAX),
+        };
+        self.store.record_round(&round).await?;
         Ok(report)
     }
 
@@ -633,7 +629,83 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         Ok((resolved, compared))
     }
 
-    async fn record_round(&self, examined: usize, compared: &CompareReport) -> Result<(), ProducerError> {
+    /// Runs a round every `interval_ms` until `shutdown` resolves (the same
+    /// shape as `Dispatcher::run` and `IdempotentConsumer::run`). A round
+    /// that fails is logged and retried at the next interval; a round in
+    /// progress when `shutdown` resolves is abandoned (its claims expire
+    /// with their lease). Returns the number of rounds completed.
+    pub async fn run(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
+        let round = std::sync::atomic::AtomicU64::new(0);
+        self.rounds(shutdown, || self.run_round(round.fetch_add(1, std::sync::atomic::Ordering::Relaxed))).await
+    }
+
+    /// Round number `round` (from 0) of a running reconciler: resolves due
+    /// UNKNOWNs, and compares the three sets when `round` is a multiple of
+    /// [`ReconcilerConfig::compare_every_rounds`] (an empty report otherwise).
+    pub async fn run_round(&self, round: u64) -> Result<(ResolveReport, CompareReport), ProducerError> {
+        if round % u64::from(self.config.compare_every_rounds.max(1)) == 0 {
+            self.run_once().await
+        } else {
+            Ok((self.resolve_unknown_once().await?, CompareReport::default()))
+        }
+    }
+
+}
+
+/// The reports read the SQL store's evidence tables.
+impl<B: Broker + 'static> Reconciler<B, PgStore> {
+    /// The report, with this reconciler's SLO.
+    pub async fn report(&self) -> Result<crate::report::Report, ProducerError> {
+        let mut opts = crate::report::ReportOptions::at(self.store.now_ms());
+        opts.unknown_slo_ms = self.config.unknown_slo_ms;
+        crate::report::build_report(self.store.pool(), &opts).await
+    }
+}
+
+/// One reconciler round, as `outbox status` and the report show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoundRecord<'a> {
+    /// The reconciler.
+    pub owner: &'a str,
+    /// Its broker's cluster.
+    pub cluster_id: &'a str,
+    /// When the round ended, ms.
+    pub at_ms: i64,
+    /// The configured interval, ms.
+    pub interval_ms: i64,
+    /// The UNKNOWN SLO it judged with, ms.
+    pub unknown_slo_ms: i64,
+    /// UNKNOWN events it examined.
+    pub examined: i32,
+    /// Findings it saw.
+    pub open_findings: i32,
+}
+
+/// What a reconciler round records besides its findings: a snapshot of the
+/// state counts (the history `outbox status` draws) and the round itself
+/// (when each reconciler last ran). Records, not decisions.
+#[async_trait::async_trait]
+pub trait RoundStore: Send + Sync {
+    /// Snapshots the event counts per state at `now_ms`, dropping snapshots older than `keep_ms`.
+    async fn record_state_snapshot(&self, now_ms: i64, keep_ms: i64) -> Result<(), ProducerError>;
+    /// Records a finished round.
+    async fn record_round(&self, round: &RoundRecord<'_>) -> Result<(), ProducerError>;
+}
+
+#[async_trait::async_trait]
+impl RoundStore for PgStore {
+    async fn record_state_snapshot(&self, now_ms: i64, keep_ms: i64) -> Result<(), ProducerError> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("INSERT INTO outbox_state_snapshots (at_ms, state, count) SELECT $1, state, count(*) FROM outbox_events GROUP BY state ON CONFLICT DO NOTHING")
+            .bind(now_ms)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM outbox_state_snapshots WHERE at_ms < $1").bind(now_ms - keep_ms).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn record_round(&self, r: &RoundRecord<'_>) -> Result<(), ProducerError> {
         sqlx::query(
             "INSERT INTO outbox_reconciler_rounds (owner, cluster_id, last_round_at_ms, interval_ms, unknown_slo_ms, examined, open_findings, rounds)
              VALUES ($1, $2, $3, $4, $5, $6, $7, 1)
@@ -641,31 +713,27 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
                  interval_ms = EXCLUDED.interval_ms, unknown_slo_ms = EXCLUDED.unknown_slo_ms, examined = EXCLUDED.examined,
                  open_findings = EXCLUDED.open_findings, rounds = outbox_reconciler_rounds.rounds + 1",
         )
-        .bind(&self.config.owner)
-        .bind(self.broker.cluster_id())
-        .bind(self.store.now_ms())
-        .bind(i64::try_from(self.config.interval_ms).unwrap_or(i64::MAX))
-        .bind(self.config.unknown_slo_ms.max(1))
-        .bind(i32::try_from(examined).unwrap_or(i32::MAX))
-        .bind(i32::try_from(compared.total()).unwrap_or(i32::MAX))
-        .execute(self.store.pool())
+        .bind(r.owner)
+        .bind(r.cluster_id)
+        .bind(r.at_ms)
+        .bind(r.interval_ms)
+        .bind(r.unknown_slo_ms)
+        .bind(r.examined)
+        .bind(r.open_findings)
+        .execute(self.pool())
         .await?;
         Ok(())
     }
+}
 
-    /// Runs a round every `interval_ms` until `shutdown` resolves (the same
-    /// shape as `Dispatcher::run` and `IdempotentConsumer::run`). A round
-    /// that fails is logged and retried at the next interval; a round in
-    /// progress when `shutdown` resolves is abandoned (its claims expire
-    /// with their lease). Returns the number of rounds completed.
-    pub async fn run(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
-        self.rounds(shutdown, || self.run_once()).await
+/// The in-memory store keeps no history of states or rounds.
+#[async_trait::async_trait]
+impl RoundStore for outbox_core::MemoryStore {
+    async fn record_state_snapshot(&self, _now_ms: i64, _keep_ms: i64) -> Result<(), ProducerError> {
+        Ok(())
     }
 
-    /// The report, with this reconciler's SLO.
-    pub async fn report(&self) -> Result<crate::report::Report, ProducerError> {
-        let mut opts = crate::report::ReportOptions::at(self.store.now_ms());
-        opts.unknown_slo_ms = self.config.unknown_slo_ms;
-        crate::report::build_report(self.store.pool(), &opts).await
+    async fn record_round(&self, _round: &RoundRecord<'_>) -> Result<(), ProducerError> {
+        Ok(())
     }
 }

@@ -52,3 +52,25 @@ fn an_expired_reconcile_lease_makes_the_event_due_at_once() {
         assert_eq!(due.len(), 1, "an expired lease leaves the event due now, not at the old recheck");
     });
 }
+
+/// `compare_every_rounds`: a running reconciler compares the three sets
+/// on rounds 0, N, 2N, ... and resolves on every round; 0 is refused.
+#[test]
+fn the_reconciler_compares_every_nth_round() {
+    use outbox_core::conformance::{Harness, ScanLog};
+    use outbox_producer::{Reconciler, ReconcilerConfig};
+    let h = MemoryHarness::new();
+    now(async {
+        h.emit("every-1", "o-every", b"{}").await;
+        let mut log = ScanLog { cluster_id: "sim-cluster".into(), topic: "orders".into(), ..Default::default() };
+        let bypass = outbox_core::ScannedMessage { offset: 0, event_id: Some("evt-never-committed".into()), key: None, payload_digest: "sha256:x".into(), source: None, attempt_id: None, topic_id: None };
+        log.partitions.insert(0, vec![bypass]);
+        let cfg = |n| ReconcilerConfig { owner: "every".into(), compare_every_rounds: n, ..Default::default() };
+        assert!(Reconciler::new(h.store().clone(), std::sync::Arc::new(log.clone()), cfg(0)).is_err(), "0 is refused");
+        let r = Reconciler::new(h.store().clone(), std::sync::Arc::new(log.clone()), cfg(3)).expect("a valid config");
+        let (_, skipped) = r.run_round(1).await.expect("round 1");
+        assert_eq!((skipped.bypass_publish, skipped.scanned_messages), (0, 0), "round 1 does not compare");
+        let (_, compared) = r.run_round(3).await.expect("round 3");
+        assert_eq!((compared.bypass_publish, compared.scanned_messages), (1, 1), "round 3 compares");
+    });
+}
