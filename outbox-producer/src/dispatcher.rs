@@ -188,14 +188,19 @@ pub fn default_owner_name(prefix: &str) -> String {
     format!("{prefix}-{host}-{}", std::process::id())
 }
 
-/// This machine's host name: `HOSTNAME`, else `/proc/sys/kernel/hostname`, else `/etc/hostname`.
+/// This machine's host name: `HOSTNAME`, else `/proc/sys/kernel/hostname`,
+/// else `/etc/hostname`; read once per process (every default config asks).
 pub fn host_name() -> Option<String> {
-    let clean = |s: String| Some(s.trim().to_owned()).filter(|s| !s.is_empty());
-    std::env::var("HOSTNAME")
-        .ok()
-        .and_then(clean)
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().and_then(clean))
-        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().and_then(clean))
+    static NAME: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        let clean = |s: String| Some(s.trim().to_owned()).filter(|s| !s.is_empty());
+        std::env::var("HOSTNAME")
+            .ok()
+            .and_then(clean)
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().and_then(clean))
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok().and_then(clean))
+    })
+    .clone()
 }
 
 fn env_parse<T: std::str::FromStr>(key: &str, into: &mut T) -> Result<(), ProducerError> {
