@@ -265,6 +265,10 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
             // published without a send of its own, but the copy is in the log
             // and is never thrown away. Kept as evidence; it refutes the proof.
             AttemptState::Absent => Duplicate,
+            // A genuine message of an event quarantined meanwhile (another
+            // copy diverged): the event stays QUARANTINED for an operator,
+            // and this copy, which consumers may apply, is kept as evidence.
+            AttemptState::Sending | AttemptState::Unknown if event.state == EventState::Quarantined => Duplicate,
             AttemptState::Sending | AttemptState::Unknown => Reject { reason: RejectReason::EventNotAccepting },
             // Only a copy kept as evidence so (above) is ACKED with the slot
             // empty: the same answer again.
@@ -581,9 +585,13 @@ mod tests {
     }
 
     #[test]
-    fn a_quarantined_event_accepts_nothing() {
+    fn a_quarantined_event_takes_no_slot_but_keeps_a_genuine_copy_as_evidence() {
+        // Its genuine message is in the log (consumers may apply it): kept
+        // as a duplicate transport receipt; the slot stays empty.
         let c = Case::new().attempt(1, AttemptState::Unknown).state(EventState::Quarantined);
-        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::EventNotAccepting });
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Duplicate);
+        let c = Case::new().attempt(1, AttemptState::NotSent).state(EventState::Quarantined);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::AttemptClosed });
     }
 
     #[test]

@@ -1850,12 +1850,19 @@ fn check_acks(store: &MemoryStore, w: &mut World, late_acks: u64, violations: &m
     // Receipts the store holds, by attempt.
     let st = store.lock();
     let held: BTreeSet<String> = st.events.values().filter_map(|e| e.slot.as_ref()).chain(&st.duplicates).map(|r| r.attempt_id.to_string()).collect();
+    let event_of: BTreeMap<String, String> = st.attempts.values().flatten().map(|a| (a.attempt_id.to_string(), a.event_id.to_string())).collect();
+    // Closed by a reconciler's proof about the log as it is now (the copy
+    // went with a log since lost; a copy still there is `refuted_absence`).
+    let proven_absent: BTreeSet<String> = st.attempts.values().flatten().filter(|a| a.state == AttemptState::Absent).map(|a| a.attempt_id.to_string()).collect();
     drop(st);
     let mut dropped = Vec::new();
     for (host, attempt, at) in w.unrecorded_acks() {
         // Tried, its store call failed past the dispatcher's retry budget:
-        // the ACK is the reconciler's to find, and must have converged.
-        if w.tried_by.contains(&(*host, attempt.clone())) && held.contains(attempt) {
+        // the ACK is the reconciler's to find, and must have converged, or
+        // its event be reported (`log_unavailable`: the log cannot say), or
+        // its attempt be proven absent from the log there is now.
+        let reported = event_of.get(attempt).is_some_and(|e| w.findings.iter().any(|(k, id)| k == "log_unavailable" && id == e));
+        if w.tried_by.contains(&(*host, attempt.clone())) && (held.contains(attempt) || reported || proven_absent.contains(attempt)) {
             continue;
         }
         dropped.push(format!("ack_dropped: the ACK of attempt {attempt} at {at} reached host {host}'s dispatcher, which lived on and never recorded it"));
