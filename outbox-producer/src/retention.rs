@@ -51,26 +51,9 @@ pub struct PurgeReport {
     pub batches: u32,
 }
 
-/// One candidate past the replay window with its primary receipt's log position.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Candidate {
-    /// The event.
-    pub event_id: String,
-    /// Its state (PUBLISHED or RETAINED).
-    pub state: EventState,
-    /// When its slot was filled, ms.
-    pub published_at_ms: i64,
-    /// Its primary receipt's log: cluster.
-    pub cluster_id: String,
-    /// Topic.
-    pub topic: String,
-    /// Topic id (`None`: `destination.v1`).
-    pub topic_id: Option<String>,
-    /// Partition.
-    pub partition: i32,
-    /// Offset.
-    pub offset: i64,
-}
+/// One candidate past the replay window with its primary receipt's log
+/// position: the facts the comparison reads of a published event too.
+pub type Candidate = outbox_core::PublishedFacts;
 
 /// Where a pass's keyset stands: the last candidate read, in
 /// `(published_at_ms, event_id)` order.
