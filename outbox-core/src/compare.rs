@@ -128,10 +128,13 @@ pub fn judge_scanned(m: &ScannedMessage, own_source: Option<&str>, declared: &[S
     if m.attempt_id.as_ref().is_some_and(|a| copies.closed.contains(a)) {
         return ScanJudgement::Finding(ABSENCE_PROOF_REFUTED);
     }
-    let Some(digest) = copies.published.get(id) else { return ScanJudgement::Accounted };
+    // A copy whose attempt may still be answered is judged again later,
+    // whether its event is published yet or not: another attempt may
+    // publish the event meanwhile, and then nothing asks about this one.
     if m.attempt_id.as_ref().is_some_and(|a| copies.in_flight.contains(a)) {
         return ScanJudgement::Wait;
     }
+    let Some(digest) = copies.published.get(id) else { return ScanJudgement::Accounted };
     ScanJudgement::Finding(if *digest == m.payload_digest { UNRECORDED_COPY } else { DIVERGENT_COPY })
 }
 
@@ -278,6 +281,12 @@ mod tests {
         assert_eq!(judge_scanned(&m, None, &[], &k, &copies(std::slice::from_ref(&a), 2_000)), ScanJudgement::Finding(UNRECORDED_COPY));
         a.state = AttemptState::Acked;
         assert_eq!(judge_scanned(&m, None, &[], &k, &copies(std::slice::from_ref(&a), 1_500)), ScanJudgement::Finding(UNRECORDED_COPY), "only an open attempt is waited for");
+        // Of an event not published yet, too: judged again after the bound.
+        a.state = AttemptState::Sending;
+        let k = known(&["evt-a", "evt-b"]);
+        let unpublished = msg(14, Some("evt-b"), Some(&id), "sha256:b");
+        assert_eq!(judge_scanned(&unpublished, None, &[], &k, &copies(std::slice::from_ref(&a), 1_999)), ScanJudgement::Wait);
+        assert_eq!(judge_scanned(&unpublished, None, &[], &k, &copies(std::slice::from_ref(&a), 2_000)), ScanJudgement::Accounted);
     }
 
     /// A copy of an attempt closed without a receipt refutes what closed
