@@ -516,7 +516,7 @@ impl RetentionStore for outbox_core::MemoryStore {
         let mut st = self.lock();
         let mut n = 0;
         for id in ids {
-            let Some(ev) = st.events.values_mut().find(|e| e.envelope.event_id.as_str() == id) else { continue };
+            let Some(ev) = id.parse::<outbox_core::EventId>().ok().and_then(|id| st.events.get_mut(&id)) else { continue };
             if ev.state == EventState::Retained {
                 outbox_core::MemoryStore::transition(ev, EventState::Purged, now_ms)?;
                 ev.payload = Vec::new();

@@ -554,8 +554,6 @@ struct World {
     in_store: usize,
     /// Attempts whose write a host pause held back until its host resumed.
     late_writes: BTreeSet<String>,
-    /// Attempts a receipt of which a store call took (committed or not).
-    receipts_handed: BTreeSet<String>,
     /// (host, attempt) of every receipt a host's store call took.
     handed_by: BTreeSet<(usize, String)>,
     /// (host, attempt) of every receipt a host called the store with
@@ -830,7 +828,6 @@ impl SimStore {
     fn handed(&self, receipts: &[BrokerReceipt]) -> &Self {
         let mut w = world(&self.world);
         for r in receipts {
-            w.receipts_handed.insert(r.attempt_id.to_string());
             w.handed_by.insert((self.host.id, r.attempt_id.to_string()));
         }
         self
@@ -1606,7 +1603,6 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         in_client: 0,
         in_store: 0,
         late_writes: BTreeSet::new(),
-        receipts_handed: BTreeSet::new(),
         handed_by: BTreeSet::new(),
         tried_by: BTreeSet::new(),
         acks_delivered: Vec::new(),
@@ -2161,7 +2157,7 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
                 // scan tells the store of it. One the store was handed and
                 // left ABSENT is a genuine receipt discarded.
                 Some(AttemptState::Absent | AttemptState::Unknown | AttemptState::Sending)
-                    if late_events.contains(m.event_id.as_str()) && !w.receipts_handed.contains(&m.attempt_id) =>
+                    if late_events.contains(m.event_id.as_str()) && !w.handed_by.iter().any(|(_, a)| *a == m.attempt_id) =>
                 {
                     if reported {
                         w.figures.copies_reported += 1;
