@@ -54,6 +54,9 @@ pub struct KnownCopies {
     pub published: BTreeMap<String, String>,
     /// Open attempts that may still be answered ([`may_be_in_flight`] at the scan's time).
     pub in_flight: BTreeSet<String>,
+    /// Open attempts (SENDING, UNKNOWN) past their in-flight bound: no
+    /// dispatcher's answer will come for them.
+    pub unanswerable: BTreeSet<String>,
     /// Attempts closed without a receipt (ABSENT, NOT_SENT).
     pub closed: BTreeSet<String>,
 }
@@ -77,6 +80,11 @@ impl KnownCopies {
                 .filter(|a| OPEN_ATTEMPT_STATES.contains(&a.state) && may_be_in_flight(a, policy, now_ms))
                 .map(|a| a.attempt_id.to_string())
                 .collect(),
+            unanswerable: unanswered
+                .iter()
+                .filter(|a| OPEN_ATTEMPT_STATES.contains(&a.state) && !may_be_in_flight(a, policy, now_ms))
+                .map(|a| a.attempt_id.to_string())
+                .collect(),
             closed: unanswered.iter().filter(|a| matches!(a.state, AttemptState::Absent | AttemptState::NotSent)).map(|a| a.attempt_id.to_string()).collect(),
         }
     }
@@ -92,6 +100,10 @@ pub enum ScanJudgement {
     Accounted,
     /// A copy whose attempt may still be answered: judged again later (the cursor waits at it).
     Wait,
+    /// A copy of an unpublished event's open attempt that no answer will
+    /// reach any more: its receipt ([`ScannedMessage::receipt`]) goes to
+    /// the receipt transaction, as a lookup's finding would.
+    Submit,
     /// A finding: [`BYPASS_PUBLISH`], [`FOREIGN_SOURCE`] (both also kept as
     /// bypass evidence, [`ScanJudgement::is_bypass_message`]),
     /// [`UNRECORDED_COPY`] or [`DIVERGENT_COPY`].
@@ -134,6 +146,15 @@ pub fn judge_scanned(m: &ScannedMessage, own_source: Option<&str>, declared: &[S
     if m.attempt_id.as_ref().is_some_and(|a| copies.in_flight.contains(a)) {
         return ScanJudgement::Wait;
     }
+    // Past its bound, a copy of an open attempt of an event not published
+    // yet is what a lookup would find: the receipt transaction takes it
+    // now. Left to a lookup, it was lost when another attempt's receipt
+    // published the event first (a lookup begun before this copy was
+    // written; or a log the lookup cannot read from the attempt's floor).
+    let unpublished = !copies.published.contains_key(id);
+    if unpublished && m.receipt.is_some() && m.attempt_id.as_ref().is_some_and(|a| copies.unanswerable.contains(a)) {
+        return ScanJudgement::Submit;
+    }
     let Some(digest) = copies.published.get(id) else { return ScanJudgement::Accounted };
     ScanJudgement::Finding(if *digest == m.payload_digest { UNRECORDED_COPY } else { DIVERGENT_COPY })
 }
@@ -156,6 +177,40 @@ pub fn next_bypass_cursor(cursor: i64, scan: &PartitionScan, first_wait: Option<
         return CursorMove::Restart;
     }
     CursorMove::Advance(first_wait.unwrap_or(scan.next_offset))
+}
+
+/// What makes message `m` recognisable at its offset: a digest of its
+/// offset, eventId, attemptId and payload digest. A bypass cursor keeps the
+/// anchor of the message below it ([`crate::store::BypassCursor`]).
+pub fn scan_anchor(m: &ScannedMessage) -> String {
+    let text = format!("{}\n{}\n{}\n{}", m.offset, m.event_id.as_deref().unwrap_or(""), m.attempt_id.as_deref().unwrap_or(""), m.payload_digest);
+    crate::canonical::sha256_digest(text.as_bytes())
+}
+
+/// For a page read from `cursor.next_offset - 1` (one below the cursor,
+/// when it has an anchor): takes the message at that offset out of `scan`
+/// and says whether it is another message than the one the cursor was
+/// anchored on. `true` proves the log was replaced (a cluster come back
+/// empty, a topic recreated) and has grown past the cursor since: the
+/// offset alone cannot tell, and the new log is read from its start. A
+/// message not read there (below the log's start, compacted) proves
+/// nothing; the page is judged as it is.
+pub fn take_scan_anchor(cursor: &crate::store::BypassCursor, scan: &mut PartitionScan) -> bool {
+    let Some(anchor) = cursor.anchor.as_deref().filter(|_| cursor.next_offset > 0) else { return false };
+    let below = cursor.next_offset - 1;
+    let Some(i) = scan.messages.iter().position(|m| m.offset == below) else {
+        scan.messages.retain(|m| m.offset >= cursor.next_offset);
+        return false;
+    };
+    let m = scan.messages.remove(i);
+    scan.messages.retain(|m| m.offset >= cursor.next_offset);
+    scan_anchor(&m) != anchor
+}
+
+/// The anchor for a cursor moved to `to`: the anchor of the message at
+/// `to - 1` among `messages`, if the page read it.
+pub fn anchor_below<'a>(to: i64, messages: impl IntoIterator<Item = &'a ScannedMessage>) -> Option<String> {
+    messages.into_iter().find(|m| m.offset == to - 1).map(scan_anchor)
 }
 
 /// The offset of the first message of `judged` that is waited for.
@@ -220,6 +275,7 @@ mod tests {
             source: None,
             attempt_id: attempt.map(str::to_owned),
             topic_id: None,
+            receipt: None,
         }
     }
 
@@ -286,7 +342,15 @@ mod tests {
         let k = known(&["evt-a", "evt-b"]);
         let unpublished = msg(14, Some("evt-b"), Some(&id), "sha256:b");
         assert_eq!(judge_scanned(&unpublished, None, &[], &k, &copies(std::slice::from_ref(&a), 1_999)), ScanJudgement::Wait);
-        assert_eq!(judge_scanned(&unpublished, None, &[], &k, &copies(std::slice::from_ref(&a), 2_000)), ScanJudgement::Accounted);
+        assert_eq!(judge_scanned(&unpublished, None, &[], &k, &copies(std::slice::from_ref(&a), 2_000)), ScanJudgement::Accounted, "headers that do not parse: no receipt to hand on");
+        // Past the bound, a copy whose headers claim a receipt goes to the
+        // receipt transaction: no answer will come, and a lookup may miss it.
+        let claimed = ScannedMessage { receipt: Some(crate::receipt::sample_receipt(14)), ..unpublished.clone() };
+        assert_eq!(judge_scanned(&claimed, None, &[], &k, &copies(std::slice::from_ref(&a), 1_999)), ScanJudgement::Wait);
+        assert_eq!(judge_scanned(&claimed, None, &[], &k, &copies(std::slice::from_ref(&a), 2_000)), ScanJudgement::Submit);
+        // Of a published event it is a copy no receipt records, as before.
+        let published = ScannedMessage { receipt: Some(crate::receipt::sample_receipt(12)), ..m.clone() };
+        assert_eq!(judge_scanned(&published, None, &[], &k, &copies(std::slice::from_ref(&a), 2_000)), ScanJudgement::Finding(UNRECORDED_COPY));
     }
 
     /// A copy of an attempt closed without a receipt refutes what closed
@@ -319,6 +383,31 @@ mod tests {
         assert_eq!(next_bypass_cursor(8, &scan, None), CursorMove::Advance(8), "at the end is not beyond it");
         assert_eq!(next_bypass_cursor(9, &scan, None), CursorMove::Restart);
         assert_eq!(next_bypass_cursor(9, &PartitionScan { log_end: None, ..scan }, None), CursorMove::Advance(8), "an end the adapter does not know restarts nothing");
+    }
+
+    /// A replaced log that grew past the cursor before the scan came back
+    /// (seed 116239 of the 1,000,000-trace gate: the cluster replaced, the
+    /// new log's first message, a copy whose ACK was lost, passed over).
+    #[test]
+    fn a_cursor_recognises_its_log_by_the_message_below_it() {
+        let old = msg(4, Some("evt-a"), Some("att-1"), "sha256:a");
+        let cursor = crate::store::BypassCursor { next_offset: 5, anchor: Some(scan_anchor(&old)) };
+        let page = |below: ScannedMessage| PartitionScan { messages: vec![below, msg(5, Some("evt-b"), None, "sha256:b")], next_offset: 6, log_end: Some(6) };
+        let mut same = page(old.clone());
+        assert!(!take_scan_anchor(&cursor, &mut same), "the same message: the same log");
+        assert_eq!(same.messages.iter().map(|m| m.offset).collect::<Vec<_>>(), vec![5], "the anchor's message is not judged again");
+        for other in [msg(4, Some("evt-z"), Some("att-9"), "sha256:z"), msg(4, Some("evt-a"), Some("att-2"), "sha256:a"), msg(4, Some("evt-a"), Some("att-1"), "sha256:x")] {
+            assert!(take_scan_anchor(&cursor, &mut page(other.clone())), "{other:?}: another log");
+        }
+        // Not read (below the log's start, compacted): nothing proven.
+        let mut unread = PartitionScan { messages: vec![msg(5, Some("evt-b"), None, "sha256:b")], next_offset: 6, log_end: Some(6) };
+        assert!(!take_scan_anchor(&cursor, &mut unread));
+        assert_eq!(unread.messages.len(), 1);
+        // No anchor (a cursor at 0, or written before anchors were kept): nothing to check.
+        let bare = crate::store::BypassCursor { next_offset: 5, anchor: None };
+        assert!(!take_scan_anchor(&bare, &mut page(msg(4, Some("evt-z"), None, "sha256:z"))));
+        assert_eq!(anchor_below(6, &page(old.clone()).messages), Some(scan_anchor(&msg(5, Some("evt-b"), None, "sha256:b"))));
+        assert_eq!(anchor_below(9, &page(old).messages), None);
     }
 
     #[test]

@@ -1039,6 +1039,7 @@ fn scanned(ce: &ClaimedEvent, attempt: &AttemptRecord, offset: i64, payload: &[u
         source: None,
         attempt_id: Some(attempt.attempt_id.to_string()),
         topic_id: ce.destination.topic_id.clone(),
+        receipt: Some(BrokerReceipt { payload_digest: sha256_digest(payload), ..receipt(ce, attempt, offset) }),
     }
 }
 
@@ -1122,7 +1123,31 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     // (D's copy is read again where it shares B's partition past the
     // waiting cursor: the same finding again, which a store keeps once.)
     ensure(!ours(&findings).iter().any(|(_, e)| e == a.as_str() || e == pending.as_str()), || format!("nothing read again of A, nothing of C; findings {findings:?}"))?;
-    eq("the cursor passes the judged copy", cursors[&ce_b2.destination.partition], end(ce_b2.destination.partition))
+    eq("the cursor passes the judged copy", cursors[&ce_b2.destination.partition], end(ce_b2.destination.partition))?;
+    // C's copy, past its bound with C still unpublished, is what a lookup
+    // would find: the scan handed it to the receipt transaction.
+    c.expect_state(&pending, EventState::Published).await?;
+
+    // E: B's partition's log replaced (a cluster come back empty, a topic
+    // recreated) and grown past the cursor before the scan came back: the
+    // offset alone cannot tell. The message below the cursor is another
+    // one, so the new log is read from its start, and what it holds below
+    // the old cursor is judged.
+    let p = ce_b2.destination.partition;
+    let at = cursors[&p];
+    let (low, below) = (EventId::generate(c.h.now_ms() as u64).to_string(), EventId::generate(c.h.now_ms() as u64).to_string());
+    let stray = |id: &str, offset: i64| crate::store::ScannedMessage { event_id: Some(id.to_owned()), attempt_id: None, receipt: None, ..scanned(&ce_b1, &b1, offset, b"another log") };
+    let replaced = ScanLog { partitions: [(p, vec![stray(&low, c.offset(2)), stray(&below, at - 1)])].into_iter().collect(), ..log.clone() };
+    let (findings, cursors) = c.h.bypass_scan(&replaced).await?;
+    eq("a log holding another message below the cursor is read again from its start", cursors[&p], 0)?;
+    ensure(findings.iter().all(|(_, e)| *e != low && *e != below), || format!("the restart judges nothing yet; findings {findings:?}"))?;
+    let (findings, cursors) = c.h.bypass_scan(&replaced).await?;
+    let mut seen: Vec<(String, String)> = findings.into_iter().filter(|(_, e)| *e == low || *e == below).collect();
+    seen.sort();
+    let mut want = vec![pair("bypass_publish", &low), pair("bypass_publish", &below)];
+    want.sort();
+    eq("the new log's messages below the old cursor are judged", seen, want)?;
+    eq("the new log is read to its end", cursors[&p], at)
 }
 
 /// The comparison's condition findings (`outbox_core::findings`), on both

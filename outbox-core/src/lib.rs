@@ -71,4 +71,4 @@ pub use retention::{check_migration_fence, decide_migration, may_purge, may_reta
 pub use receipt::{decide_receipt, is_unregistered_message, refutes_absence, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
 pub use takeover::{decide_publisher, takeover_bucket, Publisher, TakeoverPolicy, TAKEOVER_BUCKETS};
-pub use store::{Broker, BypassScanStore, BypassScanWrite, ScanFinding, ConsumerWatermark, EventFacts, FindingsStore, PublishedFacts, RoundFinding, SweptEvent, WatermarkPublisherFacts, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};
+pub use store::{Broker, BypassCursor, BypassScanStore, BypassScanWrite, ScanFinding, ConsumerWatermark, EventFacts, FindingsStore, PublishedFacts, RoundFinding, SweptEvent, WatermarkPublisherFacts, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

@@ -167,7 +167,7 @@ pub struct MemoryState {
     /// The published-without-receipt sweep's cursor: the last event id of its last full page.
     pub receipt_sweep_after: String,
     /// The bypass scan's cursors, (cluster, topic, partition) -> next offset.
-    pub bypass_cursors: BTreeMap<(String, String, i32), i64>,
+    pub bypass_cursors: BTreeMap<(String, String, i32), crate::store::BypassCursor>,
     /// Bypass evidence by (cluster, topic, partition, offset): messages
     /// the outbox never committed or another outbox wrote, and when seen.
     pub bypass_messages: BTreeMap<(String, String, i32, i64), (crate::store::ScannedMessage, i64)>,
@@ -871,8 +871,8 @@ impl crate::store::BypassScanStore for MemoryStore {
         Ok(None)
     }
 
-    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<i64, StoreError> {
-        Ok(self.lock().bypass_cursors.get(&(cluster_id.to_owned(), topic.to_owned(), partition)).copied().unwrap_or(0))
+    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<crate::store::BypassCursor, StoreError> {
+        Ok(self.lock().bypass_cursors.get(&(cluster_id.to_owned(), topic.to_owned(), partition)).cloned().unwrap_or_default())
     }
 
     async fn committed_event_ids(&self, event_ids: &[String]) -> Result<std::collections::BTreeSet<String>, StoreError> {
@@ -942,10 +942,13 @@ impl crate::store::BypassScanStore for MemoryStore {
         for f in &write.findings {
             st.findings.insert((f.kind.to_owned(), f.event_id.clone(), String::new()), f.detail.clone());
         }
-        let cursor = st.bypass_cursors.entry((cluster, topic, partition)).or_insert(0);
+        let cursor = st.bypass_cursors.entry((cluster, topic, partition)).or_default();
         match write.cursor {
-            crate::compare::CursorMove::Advance(to) => *cursor = (*cursor).max(to),
-            crate::compare::CursorMove::Restart => *cursor = 0,
+            crate::compare::CursorMove::Advance(to) if to > cursor.next_offset => {
+                *cursor = crate::store::BypassCursor { next_offset: to, anchor: write.anchor.clone() };
+            }
+            crate::compare::CursorMove::Advance(_) => {}
+            crate::compare::CursorMove::Restart => *cursor = crate::store::BypassCursor::default(),
         }
         Ok(())
     }

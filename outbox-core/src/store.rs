@@ -323,6 +323,9 @@ pub struct ScannedMessage {
     /// `destination.v2` that parses; `None` otherwise): which log a receipt
     /// of it names.
     pub topic_id: Option<String>,
+    /// The receipt its outbox headers claim, when they parse: what a lookup
+    /// finding it would hand to the receipt transaction.
+    pub receipt: Option<crate::receipt::BrokerReceipt>,
 }
 
 /// The answer of [`Broker::scan_event_ids`].
@@ -370,6 +373,21 @@ pub struct BypassScanWrite {
     pub findings: Vec<ScanFinding>,
     /// Where the cursor goes.
     pub cursor: crate::compare::CursorMove,
+    /// With an [`CursorMove::Advance`](crate::compare::CursorMove::Advance):
+    /// what the message below the new cursor is
+    /// ([`scan_anchor`](crate::compare::scan_anchor)), when the page read it.
+    pub anchor: Option<String>,
+}
+
+/// Where the bypass scan reads a partition next, and what makes its log
+/// recognisable: the anchor of the message at `next_offset - 1`
+/// ([`scan_anchor`](crate::compare::scan_anchor)), when known.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BypassCursor {
+    /// The next offset to read (0 for a partition never read).
+    pub next_offset: i64,
+    /// What the message below it was; `None` when not known.
+    pub anchor: Option<String>,
 }
 
 /// The reads and the one write of the reconciler's bypass scan
@@ -384,7 +402,7 @@ pub trait BypassScanStore: Send + Sync {
     async fn source_identity(&self) -> Result<Option<String>, StoreError>;
 
     /// The next offset the scan reads in (cluster, topic, partition); 0 for one never read.
-    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<i64, StoreError>;
+    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<BypassCursor, StoreError>;
 
     /// Which of `event_ids` the outbox committed.
     async fn committed_event_ids(&self, event_ids: &[String]) -> Result<std::collections::BTreeSet<String>, StoreError>;

@@ -11,7 +11,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use outbox_core::compare::{first_wait, judge_scanned, next_bypass_cursor, receipt_position_lost, CursorMove, KnownCopies, PositionLost, ScanJudgement};
+use outbox_core::compare::{anchor_below, first_wait, judge_scanned, next_bypass_cursor, receipt_position_lost, take_scan_anchor, CursorMove, KnownCopies, PositionLost, ScanJudgement};
 use outbox_core::{BypassScanStore, BypassScanWrite, FindingsStore, RoundFinding, ScanFinding, decide_after_submit, decide_reconcile, scan_floor, scan_lower_bound, Broker, EventState, LookupOutcome, ReconcileDecision, RetryPolicy};
 
 use crate::error::ProducerError;
@@ -167,6 +167,8 @@ pub struct ResolveReport {
 pub struct BypassScanReport {
     /// Messages read.
     pub scanned: usize,
+    /// Copies handed to the receipt transaction ([`ScanJudgement::Submit`]).
+    pub submitted: usize,
     /// Findings recorded: kind, and the event (or label) each names.
     pub findings: Vec<(&'static str, String)>,
 }
@@ -367,14 +369,26 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         let mut report = BypassScanReport::default();
         for (topic, partitions) in topics {
             for partition in 0..partitions {
-                let cursor = self.store.bypass_cursor(&cluster, &topic, partition).await?;
-                let scan = match self.broker.scan_event_ids(&topic, partition, cursor, self.config.bypass_scan_max_messages).await {
+                let at = self.store.bypass_cursor(&cluster, &topic, partition).await?;
+                let cursor = at.next_offset;
+                // A cursor with an anchor reads the message below it again:
+                // a log replaced and grown past the cursor holds another
+                // message there.
+                let anchored = at.anchor.is_some() && cursor > 0;
+                let from = if anchored { cursor - 1 } else { cursor };
+                let mut scan = match self.broker.scan_event_ids(&topic, partition, from, self.config.bypass_scan_max_messages + u64::from(anchored)).await {
                     Ok(s) => s,
                     Err(e) => {
                         tracing::warn!(%topic, partition, error = %e, "bypass check could not read the partition");
                         continue;
                     }
                 };
+                if take_scan_anchor(&at, &mut scan) {
+                    tracing::error!(%topic, partition, cursor, "the partition's log holds another message below the bypass scan's cursor: the log was replaced; reading the new one from its start");
+                    let write = BypassScanWrite { cluster_id: cluster.clone(), topic: topic.clone(), partition, now_ms: now, bypass_messages: Vec::new(), findings: Vec::new(), cursor: CursorMove::Restart, anchor: None };
+                    self.store.record_bypass_scan(&write).await?;
+                    continue;
+                }
                 report.scanned += scan.messages.len();
                 let ids: Vec<String> = scan.messages.iter().filter_map(|m| m.event_id.clone()).collect();
                 let known = if ids.is_empty() { BTreeSet::new() } else { self.store.committed_event_ids(&ids).await? };
@@ -396,6 +410,18 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                     .iter()
                     .map(|m| (m, judge_scanned(m, own_source.as_deref(), &self.config.declared_sources, &known, &copies)))
                     .collect();
+                // Copies no answer will reach, of events not published yet:
+                // the receipt transaction takes them before the cursor moves
+                // past (a failure leaves the page to be read again).
+                let submit: Vec<outbox_core::BrokerReceipt> =
+                    judged.iter().filter(|(_, j)| *j == ScanJudgement::Submit).filter_map(|(m, _)| m.receipt.clone()).collect();
+                if !submit.is_empty() {
+                    let outcomes = self.store.accept_dispatch_receipts(&submit).await?;
+                    for (r, o) in submit.iter().zip(&outcomes) {
+                        tracing::warn!(event_id = %r.event_id, attempt_id = %r.attempt_id, topic = %r.topic, partition = r.partition, offset = r.offset, decision = ?o.decision, state = ?o.state, "the bypass scan found a copy of an attempt past its in-flight bound, its event unpublished: handed to the receipt transaction");
+                    }
+                    report.submitted += submit.len();
+                }
                 let mut write = BypassScanWrite {
                     cluster_id: cluster.clone(),
                     topic: topic.clone(),
@@ -404,7 +430,11 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                     bypass_messages: Vec::new(),
                     findings: Vec::new(),
                     cursor: next_bypass_cursor(cursor, &scan, first_wait(judged.iter().copied())),
+                    anchor: None,
                 };
+                if let CursorMove::Advance(to) = write.cursor {
+                    write.anchor = anchor_below(to, &scan.messages);
+                }
                 for (m, j) in &judged {
                     let ScanJudgement::Finding(kind) = *j else { continue };
                     if j.is_bypass_message() {

@@ -104,7 +104,7 @@ impl Harness for MemoryHarness {
         let report = r.scan_for_bypass().await.map_err(|e| e.to_string())?;
         let mut cursors = std::collections::BTreeMap::new();
         for p in log.partitions.keys() {
-            cursors.insert(*p, self.store.bypass_cursor(&log.cluster_id, &log.topic, *p).await.map_err(|e| e.to_string())?);
+            cursors.insert(*p, self.store.bypass_cursor(&log.cluster_id, &log.topic, *p).await.map_err(|e| e.to_string())?.next_offset);
         }
         Ok((report.findings.into_iter().map(|(k, e)| (k.to_owned(), e)).collect(), cursors))
     }

@@ -630,6 +630,9 @@ struct Stored {
     /// Written by a forger, not by the outbox: a registered attempt's
     /// headers over other payload bytes.
     forged: bool,
+    /// What the reconciler's bypass scan reads of it, computed once at
+    /// the write (the scan reads a page again while it waits at a copy).
+    scanned: outbox_core::ScannedMessage,
 }
 
 impl World {
@@ -954,7 +957,7 @@ impl outbox_core::BypassScanStore for SimStore {
     async fn source_identity(&self) -> Result<Option<String>, StoreError> {
         self.inner.source_identity().await
     }
-    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<i64, StoreError> {
+    async fn bypass_cursor(&self, cluster_id: &str, topic: &str, partition: i32) -> Result<outbox_core::BypassCursor, StoreError> {
         self.inner.bypass_cursor(cluster_id, topic, partition).await
     }
     async fn committed_event_ids(&self, event_ids: &[String]) -> Result<BTreeSet<String>, StoreError> {
@@ -1109,10 +1112,21 @@ impl SimBroker {
 
     fn write(w: &mut World, m: &OutgoingMessage) -> i64 {
         let find = |name: &str| m.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
-        let stored = Stored { event_id: find(headers::EVENT_ID), attempt_id: find(headers::ATTEMPT_ID), key: m.key.clone(), headers: m.headers.clone(), payload: m.payload.clone(), compacted: false, forged: false };
+        let text = |name: &str| m.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
         let log = w.logs.entry((m.topic.clone(), m.partition)).or_default();
+        let offset = log.len() as i64;
+        let scanned = outbox_core::ScannedMessage {
+            offset,
+            event_id: text(headers::EVENT_ID),
+            key: Some(m.key.clone()),
+            payload_digest: sha256_digest(&m.payload),
+            source: text(outbox_core::trust::SOURCE),
+            attempt_id: text(headers::ATTEMPT_ID),
+            topic_id: m.headers.iter().rev().find(|(k, _)| k == headers::DESTINATION).and_then(|(_, v)| Destination::from_canonical(v).ok()?.topic_id),
+            receipt: headers::parse(&m.headers).ok().map(|claims| claims.receipt(CLUSTER, &m.topic, m.partition, offset, &m.payload)),
+        };
+        let stored = Stored { event_id: find(headers::EVENT_ID), attempt_id: find(headers::ATTEMPT_ID), key: m.key.clone(), headers: m.headers.clone(), payload: m.payload.clone(), compacted: false, forged: false, scanned };
         log.push(stored);
-        let offset = log.len() as i64 - 1;
         let (e, a) = (find(headers::EVENT_ID), find(headers::ATTEMPT_ID));
         w.note(|| format!("log {}/p{}@{offset}: {e} attempt {a}", m.topic, m.partition));
         offset
@@ -1269,19 +1283,7 @@ impl Broker for SimBroker {
         if start >= high {
             return Ok(outbox_core::PartitionScan { messages: Vec::new(), next_offset: start.max(from_offset), log_end: Some(end) });
         }
-        let text = |hs: &[(String, Vec<u8>)], name: &str| hs.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
-        let messages = (start..high)
-            .filter_map(|o| log.get(o as usize).filter(|m| !m.compacted).map(|m| (o, m)))
-            .map(|(offset, m)| outbox_core::ScannedMessage {
-                offset,
-                event_id: text(&m.headers, headers::EVENT_ID),
-                key: Some(m.key.clone()),
-                payload_digest: sha256_digest(&m.payload),
-                source: text(&m.headers, outbox_core::trust::SOURCE),
-                attempt_id: text(&m.headers, headers::ATTEMPT_ID),
-                topic_id: m.headers.iter().rev().find(|(k, _)| k == headers::DESTINATION).and_then(|(_, v)| Destination::from_canonical(v).ok()?.topic_id),
-            })
-            .collect();
+        let messages = (start..high).filter_map(|o| log.get(o as usize).filter(|m| !m.compacted).map(|m| m.scanned.clone())).collect();
         Ok(outbox_core::PartitionScan { messages, next_offset: high, log_end: Some(end) })
     }
 }
@@ -1957,7 +1959,7 @@ fn kill_one(shared: &Shared, rng: &mut Rng, store: &SimStore, op_store: &SimStor
 /// answered, so this holds only once each such copy was judged).
 fn scanned_to_end(store: &MemoryStore, w: &World) -> bool {
     let st = store.lock();
-    w.logs.iter().all(|((topic, partition), log)| st.bypass_cursors.get(&(CLUSTER.to_owned(), topic.clone(), *partition)).is_some_and(|c| *c >= log.len() as i64))
+    w.logs.iter().all(|((topic, partition), log)| st.bypass_cursors.get(&(CLUSTER.to_owned(), topic.clone(), *partition)).is_some_and(|c| c.next_offset >= log.len() as i64))
 }
 
 /// Every event published (retained and purged included) or quarantined, or

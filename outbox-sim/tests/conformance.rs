@@ -63,7 +63,7 @@ fn the_reconciler_compares_every_nth_round() {
     now(async {
         h.emit("every-1", "o-every", b"{}").await;
         let mut log = ScanLog { cluster_id: "sim-cluster".into(), topic: "orders".into(), ..Default::default() };
-        let bypass = outbox_core::ScannedMessage { offset: 0, event_id: Some("evt-never-committed".into()), key: None, payload_digest: "sha256:x".into(), source: None, attempt_id: None, topic_id: None };
+        let bypass = outbox_core::ScannedMessage { offset: 0, event_id: Some("evt-never-committed".into()), key: None, payload_digest: "sha256:x".into(), source: None, attempt_id: None, topic_id: None, receipt: None };
         log.partitions.insert(0, vec![bypass]);
         let cfg = |n| ReconcilerConfig { owner: "every".into(), compare_every_rounds: n, ..Default::default() };
         assert!(Reconciler::new(h.store().clone(), std::sync::Arc::new(log.clone()), cfg(0)).is_err(), "0 is refused");

@@ -1,0 +1,11 @@
+-- The bypass scan's cursor recognises its log. A replaced cluster (or a
+-- topic deleted and created again) starts the partition's log at offset 0
+-- under the same cluster, topic and partition; once the new log has grown
+-- past the cursor, the offset alone cannot tell, and the scan passed over
+-- the new log's first messages for ever. The cursor now keeps what the
+-- message below it was (`outbox_core::compare::scan_anchor`): a page
+-- begins by reading that offset again, and a log that holds another
+-- message there is read from its start. NULL for a cursor at 0, for a
+-- cursor whose previous message was not read, and for cursors written
+-- before this migration (trusted as before).
+ALTER TABLE outbox_scan_cursors ADD COLUMN anchor text CHECK (anchor IS NULL OR octet_length(anchor) <= 512);
