@@ -55,7 +55,7 @@
 //! racing the dispatchers and the reconciler. Retention: a mandatory
 //! consumer reads `CLUSTER`'s logs (lagging, sometimes not at all) and a
 //! topic of the same name on `OTHER_CLUSTER` (far ahead); a retention job
-//! purges on its watermarks every few hundred ms.
+//! purges on its watermarks every 0.6–6 s.
 //!
 //! Then faults stop, the services run until every event is settled, and the
 //! checks read the store and the log (names as Jepsen's Kafka checker uses
@@ -1370,7 +1370,9 @@ fn dispatcher_config(name: String, cfg: &ServiceTraceConfig) -> DispatcherConfig
         workers: cfg.workers,
         batch_size: cfg.batch,
         lease_ms: LEASE_MS,
-        poll_interval_ms: 500,
+        // A claim wakes on a poll (LISTEN/NOTIFY is PostgreSQL's): once a
+        // second keeps the trace's wakeups, and its cost, down.
+        poll_interval_ms: 1_000,
         sweep_interval_ms: 1_000,
         listen: false,
         shutdown_grace_ms: 0,
@@ -1498,7 +1500,7 @@ fn start_operator(store: &SimStore, broker: &Arc<SimBroker>, name: String) -> Pr
 /// the same name on `OTHER_CLUSTER` (another log, far ahead); a retention
 /// job runs the shipped retention pass (`outbox_producer::retention::purge_with`,
 /// which `outbox purge` runs over PostgreSQL; its decision is `may_purge`)
-/// on its watermarks every few hundred ms, in small pages, and every event
+/// on its watermarks every 0.6–6 s, in small pages, and every event
 /// it purges is checked against the consumer's position on that event's
 /// very log.
 fn start_retention(shared: &Shared, inner: &MemoryStore) -> Process {
@@ -1506,7 +1508,7 @@ fn start_retention(shared: &Shared, inner: &MemoryStore) -> Process {
     tokio::spawn(async move {
         let mandatory = vec![(CONSUMER.to_owned(), vec![TOPIC.to_owned(), NEW_TOPIC.to_owned()])];
         loop {
-            let tick = world(&shared).rng.range(200, 2_000);
+            let tick = world(&shared).rng.range(600, 6_000);
             tokio::time::sleep(Duration::from_millis(tick as u64)).await;
             let watermarks = {
                 let mut w = world(&shared);

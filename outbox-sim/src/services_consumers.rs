@@ -537,8 +537,8 @@ async fn feed(ctx: Arc<Ctx>, key: Key, incarnation_read: usize, mut next: i64, t
         };
         if batch.is_empty() {
             // An idle fetch waits longer each time (as a consumer's fetch
-            // waits on the broker), up to two seconds.
-            idle_ms = (idle_ms * 2).clamp(200, 2_000);
+            // waits on the broker), up to five seconds.
+            idle_ms = (idle_ms * 2).clamp(200, 5_000);
             let idle = ctx.faults.range(idle_ms / 2, idle_ms);
             tokio::time::sleep(Duration::from_millis(idle as u64)).await;
             continue;
