@@ -968,7 +968,7 @@ async fn purge_waits_for_mandatory_watermarks<H: Harness>(c: &Ctx<'_, H>) -> Ver
 
 /// The registration floor (`advance_floor`) on both stores: an attempt
 /// registered after a receipt of its partition's log records the offset
-/// past that receipt, anchored at the receipt's event; a lower receipt
+/// past that receipt, anchored at the receipt's event and attempt; a lower receipt
 /// later (a late ACK of an older write) does not lower it. (The last
 /// scenario of a run: its offsets are the highest of the run.)
 async fn registration_floor<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
@@ -981,11 +981,12 @@ async fn registration_floor<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     eq("one partition", ce2.destination.partition, ce1.destination.partition)?;
     let a2 = c.register(&ce2.token).await?;
     eq("the second attempt's floor", (a2.scan_from_offset, a2.scan_anchor.clone()), (c.offset(500) + 1, Some(first.clone())))?;
+    eq("its anchor's attempt", a2.scan_anchor_attempt.clone(), Some(a1.attempt_id.clone()))?;
     c.accept(&receipt(&ce2, &a2, c.offset(400))).await?;
     let third = c.emit(3, "k").await;
     let ce3 = c.claim_some("w1", &third).await?;
     let a3 = c.register(&ce3.token).await?;
-    eq("after a lower receipt", (a3.scan_from_offset, a3.scan_anchor.clone()), (c.offset(500) + 1, Some(first)))?;
+    eq("after a lower receipt", (a3.scan_from_offset, a3.scan_anchor.clone(), a3.scan_anchor_attempt.clone()), (c.offset(500) + 1, Some(first), Some(a1.attempt_id.clone())))?;
     c.accept(&receipt(&ce3, &a3, c.offset(501))).await.map(|_| ())
 }
 

@@ -65,7 +65,7 @@ pub use headers::CloudEventsBinding;
 pub use id::{AttemptId, EventId};
 pub use memory::{MemoryConsumer, MemoryStore, MemoryWatermark};
 pub use reconcile::{
-    anchor_to_read, check_in_flight_bound, decide_after_submit, decide_reconcile, plan_absence_scan, scan_floor, scan_lower_bound, AbsenceScan, AnchorCheck, RecheckReason, ReconcileDecision, RetryPolicy, ScanFrom,
+    anchor_holds, anchor_to_read, check_in_flight_bound, decide_after_submit, decide_reconcile, plan_absence_scan, scan_floor, scan_lower_bound, AbsenceScan, AnchorCheck, RecheckReason, ReconcileDecision, RetryPolicy, ScanFrom,
 };
 pub use retention::{check_migration_fence, decide_migration, may_purge, may_retain, HoldReason, LogPosition, MigrationDecision, MigrationFence, MigrationProof, MigrationRefusal, WatermarkRef};
 pub use receipt::{decide_receipt, is_unregistered_message, refutes_absence, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};

@@ -150,7 +150,7 @@ pub struct MemoryState {
     /// again under the same name starts another log at offset 0.
     /// The value is the offset past it (an attempt's scan floor) and the
     /// event whose receipt holds it (the floor's anchor).
-    pub partition_high: BTreeMap<(String, String, Option<String>, i32), (i64, EventId)>,
+    pub partition_high: BTreeMap<(String, String, Option<String>, i32), (i64, EventId, AttemptId)>,
     /// Migration receipts, in order.
     pub migrations: Vec<MigrationRecord>,
     /// The highest version each aggregate (tenant, type, id) emitted.
@@ -623,12 +623,14 @@ impl OutboxStore for MemoryStore {
                 send_deadline_ms: Some(token.lease_until_ms),
                 scan_from_offset: 0,
                 scan_anchor: None,
+                scan_anchor_attempt: None,
             };
-            if let Some((floor, anchor)) =
+            if let Some((floor, anchor, anchor_attempt)) =
                 st.partition_high.get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.topic_id.clone(), ev.destination.partition))
             {
                 attempt.scan_from_offset = *floor;
                 attempt.scan_anchor = Some(anchor.clone());
+                attempt.scan_anchor_attempt = Some(anchor_attempt.clone());
             }
             ev.claim.attempt_id = Some(attempt.attempt_id.clone());
             st.attempts.entry(token.event_id.clone()).or_default().push(attempt.clone());
@@ -659,7 +661,7 @@ impl OutboxStore for MemoryStore {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
                 let log = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition);
-                let floor = crate::reconcile::advance_floor(st.partition_high.get(&log), receipt.offset, &receipt.event_id);
+                let floor = crate::reconcile::advance_floor(st.partition_high.get(&log), receipt.offset, &receipt.event_id, &receipt.attempt_id);
                 st.partition_high.insert(log, floor);
                 ev.claim.owner = None;
                 ev.claim.lease_until_ms = None;

@@ -129,6 +129,15 @@ pub struct AttemptRecord {
     /// as before).
     #[serde(default)]
     pub scan_anchor: Option<EventId>,
+    /// The attempt whose receipt held that offset: with the event, what
+    /// the anchor's message must be. A replaced log may hold the same
+    /// event's message at the same offset, written by another attempt (a
+    /// paused sender's late write): the event alone took it for the old
+    /// log, and proved absence above a floor that said nothing of it.
+    /// `None` when the floor is 0 and for attempts recorded before it was
+    /// kept (the event alone is checked).
+    #[serde(default)]
+    pub scan_anchor_attempt: Option<AttemptId>,
 }
 
 /// Why a receipt was quarantined.
@@ -318,6 +327,7 @@ pub(crate) fn sample_attempt(state: AttemptState, started_at_ms: i64, scan_from_
         send_deadline_ms: None,
         scan_from_offset,
         scan_anchor: None,
+        scan_anchor_attempt: None,
     }
 }
 
@@ -383,6 +393,7 @@ mod tests {
                 send_deadline_ms: None,
                 scan_from_offset: 0,
                 scan_anchor: None,
+                scan_anchor_attempt: None,
             });
             self
         }

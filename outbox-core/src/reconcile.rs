@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::id::EventId;
+use crate::id::{AttemptId, EventId};
 use crate::receipt::{AttemptRecord, BrokerReceipt};
 use crate::state::{AttemptState, EventState};
 use crate::store::LookupOutcome;
@@ -227,13 +227,26 @@ pub struct ScanFrom {
     /// `None` for a bound of 0 and for bounds recorded before anchors were
     /// kept (such a bound is trusted as it is).
     pub anchor: Option<EventId>,
+    /// The attempt whose receipt held `offset - 1`, when known: the
+    /// anchor's message must be that attempt's ([`anchor_holds`]).
+    pub anchor_attempt: Option<AttemptId>,
 }
 
 impl ScanFrom {
     /// A bound with no anchor: trusted for whatever log is read.
     pub fn at(offset: i64) -> Self {
-        ScanFrom { offset, anchor: None }
+        ScanFrom { offset, anchor: None, anchor_attempt: None }
     }
+}
+
+/// Whether the message read at a bound's anchor offset, with these
+/// `outbox-event-id` and `outbox-attempt-id` headers, is the anchor's: its
+/// event, and its attempt when the bound names one. The same event's
+/// message written by another attempt (a replaced log that a paused
+/// sender's late write reached at the same offset) is another message.
+pub fn anchor_holds(from: &ScanFrom, event_id: Option<&[u8]>, attempt_id: Option<&[u8]>) -> bool {
+    let Some(anchor) = &from.anchor else { return true };
+    event_id == Some(anchor.as_str().as_bytes()) && from.anchor_attempt.as_ref().is_none_or(|a| attempt_id == Some(a.as_str().as_bytes()))
 }
 
 /// Whether `attempt` may still be on its way (to the log, or with its ACK
@@ -261,10 +274,10 @@ pub fn may_be_in_flight(attempt: &AttemptRecord, policy: &RetryPolicy, now_ms: i
 /// registration (the highest offset of the log, by position epoch, plus
 /// one). Conformance `registration_floor_is_past_the_logs_last_receipt`
 /// runs both.
-pub fn advance_floor(current: Option<&(i64, EventId)>, offset: i64, event: &EventId) -> (i64, EventId) {
+pub fn advance_floor(current: Option<&(i64, EventId, AttemptId)>, offset: i64, event: &EventId, attempt: &AttemptId) -> (i64, EventId, AttemptId) {
     match current {
         Some(floor) if floor.0 > offset => floor.clone(),
-        _ => (offset + 1, event.clone()),
+        _ => (offset + 1, event.clone(), attempt.clone()),
     }
 }
 
@@ -275,7 +288,14 @@ pub fn scan_floor(attempts: &[AttemptRecord]) -> ScanFrom {
         .iter()
         .filter(|a| a.state.possibly_in_flight())
         .min_by_key(|a| a.scan_from_offset)
-        .map(|a| ScanFrom { offset: a.scan_from_offset.max(0), anchor: if a.scan_from_offset > 0 { a.scan_anchor.clone() } else { None } })
+        .map(|a| {
+            let anchored = a.scan_from_offset > 0;
+            ScanFrom {
+                offset: a.scan_from_offset.max(0),
+                anchor: a.scan_anchor.clone().filter(|_| anchored),
+                anchor_attempt: a.scan_anchor_attempt.clone().filter(|_| anchored),
+            }
+        })
         .unwrap_or_default()
 }
 
@@ -426,6 +446,34 @@ mod tests {
 
     const P: RetryPolicy = RetryPolicy { allow_retry: true, max_attempts: 3, in_flight_bound_ms: 1_000, recheck_ms: 500 };
 
+    /// Seed 495754 of the 1,000,000-trace gate: the cluster replaced by an
+    /// empty one, a paused sender's late write put the anchor event's
+    /// message, of another attempt, at the anchor offset of the new log.
+    /// Checked by event alone, the floor was taken for the old log's, and
+    /// an absence proof above it passed over a copy below it.
+    #[test]
+    fn an_anchor_holds_only_with_its_events_message_of_its_attempt() {
+        let (e, x, y) = (EventId::from_parts(9, 1), AttemptId::from_parts(9, 1), AttemptId::from_parts(9, 2));
+        let from = ScanFrom { offset: 5, anchor: Some(e.clone()), anchor_attempt: Some(x.clone()) };
+        let b = |s: &str| Some(s.as_bytes().to_vec());
+        let holds = |ev: Option<Vec<u8>>, at: Option<Vec<u8>>| anchor_holds(&from, ev.as_deref(), at.as_deref());
+        assert!(holds(b(e.as_str()), b(x.as_str())));
+        assert!(!holds(b(e.as_str()), b(y.as_str())), "the same event by another attempt is another message");
+        assert!(!holds(b(e.as_str()), None));
+        assert!(!holds(b(EventId::from_parts(9, 2).as_str()), b(x.as_str())));
+        assert!(!holds(None, None));
+        // A floor recorded before the attempt was kept: the event alone.
+        let old = ScanFrom { anchor_attempt: None, ..from.clone() };
+        assert!(anchor_holds(&old, Some(e.as_str().as_bytes()), Some(y.as_str().as_bytes())));
+        assert!(anchor_holds(&ScanFrom::at(5), None, None), "no anchor: nothing to tell");
+        // The floor keeps the attempt of the receipt it came from.
+        let mut a = attempt(AttemptState::Unknown, 0, 5);
+        (a.scan_anchor, a.scan_anchor_attempt) = (Some(e.clone()), Some(x.clone()));
+        assert_eq!(scan_floor(&[a]), from);
+        assert_eq!(advance_floor(None, 4, &e, &x), (5, e.clone(), x.clone()));
+        assert_eq!(advance_floor(Some(&(9, e.clone(), y.clone())), 4, &e, &x), (9, e, y), "a lower receipt keeps the floor");
+    }
+
     #[test]
     fn absent_and_settled_retries_same_destination() {
         let a = [attempt(AttemptState::Unknown, 0, 10)];
@@ -515,7 +563,7 @@ mod tests {
     fn the_floor_carries_the_anchor_of_its_attempt() {
         let anchored = |state, bound: i64, n: u128| AttemptRecord { scan_anchor: Some(EventId::from_parts(9, n)), ..attempt(state, 0, bound) };
         let a = [anchored(AttemptState::Unknown, 40, 1), anchored(AttemptState::Sending, 25, 2), anchored(AttemptState::NotSent, 3, 3)];
-        assert_eq!(scan_floor(&a), ScanFrom { offset: 25, anchor: Some(EventId::from_parts(9, 2)) });
+        assert_eq!(scan_floor(&a), ScanFrom { offset: 25, anchor: Some(EventId::from_parts(9, 2)), anchor_attempt: None });
         // A floor of 0 needs no anchor.
         assert_eq!(scan_floor(&[anchored(AttemptState::Unknown, 0, 4)]), ScanFrom::at(0));
         assert_eq!(scan_floor(&[]), ScanFrom::at(0));
@@ -524,17 +572,17 @@ mod tests {
     #[test]
     fn the_anchor_is_read_only_inside_the_log() {
         let e = EventId::from_parts(9, 1);
-        let from = ScanFrom { offset: 289, anchor: Some(e.clone()) };
+        let from = ScanFrom { offset: 289, anchor: Some(e.clone()), anchor_attempt: None };
         assert_eq!(anchor_to_read(&from, 0, 400), Ok((288, &e)));
         assert_eq!(anchor_to_read(&from, 0, 288), Err(AnchorCheck::BeyondEnd));
         assert_eq!(anchor_to_read(&from, 289, 400), Err(AnchorCheck::NoRecord));
         assert_eq!(anchor_to_read(&ScanFrom::at(289), 0, 400), Err(AnchorCheck::NoAnchor));
-        assert_eq!(anchor_to_read(&ScanFrom { offset: 0, anchor: Some(e.clone()) }, 0, 400), Err(AnchorCheck::NoAnchor));
+        assert_eq!(anchor_to_read(&ScanFrom { offset: 0, anchor: Some(e.clone()), anchor_attempt: None }, 0, 400), Err(AnchorCheck::NoAnchor));
     }
 
     #[test]
     fn a_floor_from_another_log_is_read_from_the_start_of_this_one() {
-        let from = ScanFrom { offset: 289, anchor: Some(EventId::from_parts(9, 1)) };
+        let from = ScanFrom { offset: 289, anchor: Some(EventId::from_parts(9, 1)), anchor_attempt: None };
         // The bound's own log: read from the bound.
         assert_eq!(plan_absence_scan("t", 4, &from, 0, 400, AnchorCheck::Holds), Ok(AbsenceScan { start: 289, floor_from_another_log: false }));
         // A replaced log, shorter or longer than the old one: read whole.

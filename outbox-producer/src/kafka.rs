@@ -1753,7 +1753,7 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
     let mut from_offset = req.from.offset;
     if proof {
         let check = match outbox_core::anchor_to_read(&req.from, low, high) {
-            Ok((at, anchor)) => read_anchor::<OAUTH>(config, req, at, anchor)?,
+            Ok((at, _)) => read_anchor::<OAUTH>(config, req, at, &req.from)?,
             Err(known) => known,
         };
         let plan = outbox_core::plan_absence_scan(&req.topic, req.partition, &req.from, low, high, check)?;
@@ -1826,7 +1826,7 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
 /// What offset `at` of the request's partition holds, for the anchor check
 /// of an absence proof: read with a consumer of its own (a scan that starts
 /// elsewhere must not see its prefetched records).
-fn read_anchor<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, at: i64, anchor: &EventId) -> Result<AnchorCheck, String> {
+fn read_anchor<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, at: i64, from: &ScanFrom) -> Result<AnchorCheck, String> {
     let consumer = lookup_consumer::<OAUTH>(config, req, "-anchor")?;
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(&req.topic, req.partition, Offset::Offset(at)).map_err(|e| format!("assignment: {e}"))?;
@@ -1851,7 +1851,8 @@ fn read_anchor<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, at: i
                     return Ok(AnchorCheck::NoRecord);
                 }
                 let owned = message_headers(&msg);
-                let holds = owned.iter().rev().find(|(k, _)| k == headers::EVENT_ID).is_some_and(|(_, v)| v == anchor.as_str().as_bytes());
+                let header = |name: &str| owned.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_slice());
+                let holds = outbox_core::anchor_holds(from, header(headers::EVENT_ID), header(headers::ATTEMPT_ID));
                 return Ok(if holds { AnchorCheck::Holds } else { AnchorCheck::HoldsOther });
             }
         }

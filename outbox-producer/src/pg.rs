@@ -63,6 +63,7 @@ fn attempt_from_row(r: &PgRow) -> Result<AttemptRecord, StoreError> {
         send_deadline_ms: r.try_get("send_deadline_ms").map_err(g)?,
         scan_from_offset: r.try_get("scan_from_offset").map_err(g)?,
         scan_anchor: r.try_get::<Option<&str>, _>("scan_anchor_event_id").map_err(g)?.map(parse_id).transpose()?,
+        scan_anchor_attempt: r.try_get::<Option<&str>, _>("scan_anchor_attempt_id").map_err(g)?.map(parse_id).transpose()?,
     })
 }
 
@@ -83,7 +84,7 @@ fn receipt_from_row(r: &PgRow) -> Result<BrokerReceipt, StoreError> {
 }
 
 const ATTEMPT_COLUMNS: &str =
-    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms, scan_anchor_event_id";
+    "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms, scan_anchor_event_id, scan_anchor_attempt_id";
 const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, topic_id, partition, \"offset\"";
 
 /// A log position: cluster, topic, topic id (`None` for `destination.v1`),
@@ -351,20 +352,20 @@ impl PgStore {
              -- with the event whose receipt holds it (the newest epoch), the
              -- anchor by which a lookup recognises that log.
              floors AS MATERIALIZED (
-                SELECT p.cluster_id, p.topic, p.topic_id, p.partition, coalesce(top.\"offset\" + 1, 0) AS scan_from, top.event_id AS scan_anchor
+                SELECT p.cluster_id, p.topic, p.topic_id, p.partition, coalesce(top.\"offset\" + 1, 0) AS scan_from, top.event_id AS scan_anchor, top.attempt_id AS scan_anchor_attempt
                 FROM (SELECT DISTINCT cluster_id, topic, topic_id, partition FROM dest) p
                 LEFT JOIN LATERAL (
-                    (SELECT r.\"offset\", r.event_id FROM outbox_publish_receipts r
+                    (SELECT r.\"offset\", r.event_id, r.attempt_id FROM outbox_publish_receipts r
                      WHERE p.topic_id IS NULL AND r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id IS NULL AND r.partition = p.partition
                      ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
                     UNION ALL
-                    (SELECT r.\"offset\", r.event_id FROM outbox_publish_receipts r
+                    (SELECT r.\"offset\", r.event_id, r.attempt_id FROM outbox_publish_receipts r
                      WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id = p.topic_id AND r.partition = p.partition
                      ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
                 ) top ON true)
              INSERT INTO outbox_attempts ({ATTEMPT_COLUMNS})
              SELECT u.attempt_id, u.event_id, u.envelope_generation, u.attempt_generation, u.gen, u.owner, 'SENDING',
-                    u.destination_digest, $5, f.scan_from, u.lease_until_ms, f.scan_anchor
+                    u.destination_digest, $5, f.scan_from, u.lease_until_ms, f.scan_anchor, f.scan_anchor_attempt
              FROM dest u JOIN floors f
                ON f.cluster_id = u.cluster_id AND f.topic = u.topic AND f.topic_id IS NOT DISTINCT FROM u.topic_id AND f.partition = u.partition
              RETURNING {ATTEMPT_COLUMNS}",

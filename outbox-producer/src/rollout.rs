@@ -139,6 +139,7 @@ impl ShadowDispatcher {
                 send_deadline_ms: None,
                 scan_from_offset: 0,
                 scan_anchor: None,
+                scan_anchor_attempt: None,
             };
             let message = outgoing_message(&event, &attempt);
             let payload_digest = sha256_digest(&message.payload);

@@ -1296,8 +1296,8 @@ impl SimBroker {
         let end = w.logs.get(&log_key).map_or(0, |l| l.len() as i64);
         // The anchor check as the Kafka adapter makes it, decided by the same core function.
         let check = match outbox_core::anchor_to_read(from, start, end) {
-            Ok((at, anchor)) => match w.logs.get(&log_key).and_then(|l| l.get(at as usize)).filter(|m| !m.compacted) {
-                Some(m) if m.event_id == anchor.as_str() => outbox_core::AnchorCheck::Holds,
+            Ok((at, _)) => match w.logs.get(&log_key).and_then(|l| l.get(at as usize)).filter(|m| !m.compacted) {
+                Some(m) if outbox_core::anchor_holds(from, Some(m.event_id.as_bytes()), Some(m.attempt_id.as_bytes())) => outbox_core::AnchorCheck::Holds,
                 Some(_) => outbox_core::AnchorCheck::HoldsOther,
                 None => outbox_core::AnchorCheck::NoRecord,
             },
