@@ -335,7 +335,7 @@ pub async fn compare_shadow<B: Broker + ?Sized>(store: &PgStore, broker: &B, gra
                     .await?;
             }
             count_new(&mut report, record(&mut tx, &mismatches, round_start).await?);
-            Cursors::Shadow.advance(&mut tx, &cluster, &topic, partition, next_offset).await?;
+            Cursors::Shadow.advance(&mut tx, &cluster, &topic, partition, next_offset, None).await?;
             tx.commit().await?;
         }
         if complete {

@@ -37,23 +37,7 @@ impl Cursors {
         Ok(next.unwrap_or(0))
     }
 
-    /// Moves the cursor to `next_offset`, never backwards.
-    pub(crate) async fn advance(self, tx: &mut Transaction<'_, Postgres>, cluster_id: &str, topic: &str, partition: i32, next_offset: i64) -> Result<(), ProducerError> {
-        let t = self.table();
-        sqlx::query(&format!(
-            "INSERT INTO {t} (cluster_id, topic, partition, next_offset) VALUES ($1, $2, $3, $4)
-             ON CONFLICT (cluster_id, topic, partition) DO UPDATE SET next_offset = greatest({t}.next_offset, EXCLUDED.next_offset)"
-        ))
-        .bind(cluster_id)
-        .bind(topic)
-        .bind(partition)
-        .bind(next_offset)
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
-    }
-
-    /// The bypass cursor with its anchor (`outbox_scan_cursors` only).
+    /// The bypass cursor with its anchor.
     pub(crate) async fn read_anchored(pool: &PgPool, cluster_id: &str, topic: &str, partition: i32) -> Result<outbox_core::BypassCursor, ProducerError> {
         let row: Option<(i64, Option<String>)> =
             sqlx::query_as("SELECT next_offset, anchor FROM outbox_scan_cursors WHERE cluster_id = $1 AND topic = $2 AND partition = $3")
@@ -65,15 +49,17 @@ impl Cursors {
         Ok(row.map(|(next_offset, anchor)| outbox_core::BypassCursor { next_offset, anchor }).unwrap_or_default())
     }
 
-    /// Moves the bypass cursor to `next_offset` with its anchor, never
-    /// backwards; the anchor is kept when the cursor does not move forward.
-    pub(crate) async fn advance_anchored(tx: &mut Transaction<'_, Postgres>, cluster_id: &str, topic: &str, partition: i32, next_offset: i64, anchor: Option<&str>) -> Result<(), ProducerError> {
-        sqlx::query(
-            "INSERT INTO outbox_scan_cursors AS c (cluster_id, topic, partition, next_offset, anchor) VALUES ($1, $2, $3, $4, $5)
+    /// Moves the cursor to `next_offset` with its anchor (what the message
+    /// below it is; the shadow comparison keeps none), never backwards; the
+    /// anchor is kept when the cursor does not move forward.
+    pub(crate) async fn advance(self, tx: &mut Transaction<'_, Postgres>, cluster_id: &str, topic: &str, partition: i32, next_offset: i64, anchor: Option<&str>) -> Result<(), ProducerError> {
+        sqlx::query(&format!(
+            "INSERT INTO {} AS c (cluster_id, topic, partition, next_offset, anchor) VALUES ($1, $2, $3, $4, $5)
              ON CONFLICT (cluster_id, topic, partition) DO UPDATE
              SET anchor = CASE WHEN EXCLUDED.next_offset > c.next_offset THEN EXCLUDED.anchor ELSE c.anchor END,
                  next_offset = greatest(c.next_offset, EXCLUDED.next_offset)",
-        )
+            self.table()
+        ))
         .bind(cluster_id)
         .bind(topic)
         .bind(partition)
@@ -89,8 +75,7 @@ impl Cursors {
     /// recreated, the broker came back empty): the new log is read from its
     /// start.
     pub(crate) async fn restart(self, tx: &mut Transaction<'_, Postgres>, cluster_id: &str, topic: &str, partition: i32) -> Result<(), ProducerError> {
-        let anchor = if self == Cursors::Bypass { ", anchor = NULL" } else { "" };
-        sqlx::query(&format!("UPDATE {} SET next_offset = 0{anchor} WHERE cluster_id = $1 AND topic = $2 AND partition = $3", self.table()))
+        sqlx::query(&format!("UPDATE {} SET next_offset = 0, anchor = NULL WHERE cluster_id = $1 AND topic = $2 AND partition = $3", self.table()))
             .bind(cluster_id)
             .bind(topic)
             .bind(partition)
@@ -237,7 +222,7 @@ impl outbox_core::BypassScanStore for crate::pg::PgStore {
         crate::pg::record_findings(&mut tx, &findings, write.now_ms).await?;
         match write.cursor {
             CursorMove::Restart => Cursors::Bypass.restart(&mut tx, cluster, topic, partition).await.map_err(to_store)?,
-            CursorMove::Advance(to) => Cursors::advance_anchored(&mut tx, cluster, topic, partition, to, write.anchor.as_deref()).await.map_err(to_store)?,
+            CursorMove::Advance(to) => Cursors::Bypass.advance(&mut tx, cluster, topic, partition, to, write.anchor.as_deref()).await.map_err(to_store)?,
         }
         tx.commit().await.map_err(store_err)
     }
