@@ -176,7 +176,7 @@ fn migration_without_proof_in_the_shipped_migration_decision_is_caught() {
 /// holes and refuse the proof.
 #[test]
 fn absence_across_holes_in_the_shipped_hole_check_is_caught() {
-    assert_caught("absence-across-holes", 1_500, "refuted_absence");
+    assert_caught("absence-across-holes", 3_000, "refuted_absence");
     let (f, failing, _) = run_services_gate(1, 1_500, None, 0);
     assert!(f.clean() && f.records_compacted > 0 && f.lookups_over_holes > 0, "unmutated: {failing:?}\n{}", f.lines().join("\n"));
 }
