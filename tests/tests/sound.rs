@@ -609,6 +609,53 @@ async fn broker_replaced_a_floor_from_the_lost_log_does_not_hide_a_message_below
     assert_eq!(f.log_of(b.envelope.event_id.as_str()), 1);
 }
 
+/// The broker replaced, and the new log holds the floor's anchor event at
+/// the anchor offset, written there by another attempt (a paused sender's
+/// late write reached the new log): the same event, another message. The
+/// anchor names the attempt whose receipt held the offset, so the lookup
+/// takes this log for another one, reads it from its start and finds the
+/// attempt's message below the floor. (Before: checked by event alone, the
+/// anchor held, the scan started at the floor, proved the event absent
+/// and sent it again; seed 495754 of the 1,000,000-trace gate.)
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn broker_replaced_the_anchor_event_by_another_attempt_at_the_anchor_offset_is_another_log(pool: PgPool) {
+    let f = fixture(pool).await;
+    // L: published at offset 1 of the old log by its attempt X (that log is gone).
+    let l_order = order_on(&f, 0, &[]);
+    let (l, x) = f.registered(&l_order, 1_000).await;
+    let old = outbox_core::BrokerReceipt {
+        event_id: l.envelope.event_id.clone(),
+        envelope_generation: l.envelope.envelope_generation,
+        attempt_id: x.attempt_id.clone(),
+        payload_digest: l.envelope.payload_digest.clone(),
+        destination_digest: l.destination_digest.clone(),
+        cluster_id: f.broker.cluster_id().to_owned(),
+        topic: TOPIC.into(),
+        topic_id: l.destination.topic_id.clone(),
+        partition: 0,
+        offset: 1,
+    };
+    assert_eq!(f.store.accept_dispatch_receipt(&old).await.unwrap().state, EventState::Published);
+    // B registers past it: floor 2, anchored at L's receipt (L, X).
+    let b_order = order_on(&f, 0, &[&l_order]);
+    let (b, a) = f.registered(&b_order, 1_000).await;
+    assert_eq!((a.scan_from_offset, a.scan_anchor.as_ref(), a.scan_anchor_attempt.as_ref()), (2, Some(&l.envelope.event_id), Some(&x.attempt_id)));
+    // The new log: B's message at offset 0 (its ACK lost), then L's
+    // message of another attempt Y at offset 1, the anchor offset.
+    assert_eq!(f.send_late(&b, &a).await.offset, 0);
+    let y = outbox_core::AttemptRecord { attempt_id: outbox_core::AttemptId::generate(7), ..x.clone() };
+    assert_eq!(f.send_late(&l, &y).await.offset, 1);
+    f.clock.advance(1_001);
+    f.store.expire_leases().await.unwrap();
+    f.clock.advance(BOUND_MS + 1);
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!(r.retried, 0, "B was sent again while its message sits below the floor: {r:?}");
+    assert_eq!(f.state(b.envelope.event_id.as_str()).await, EventState::Published);
+    let at: i64 = sqlx::query_scalar("SELECT \"offset\" FROM outbox_publish_receipts WHERE event_id = $1").bind(b.envelope.event_id.as_str()).fetch_one(&f.pool).await.unwrap();
+    assert_eq!(at, 0);
+    assert_eq!(f.log_of(b.envelope.event_id.as_str()), 1);
+}
+
 /// Issue 19, the broker replaced by an empty one, shorter than the old
 /// log: the floor (past the old log's offset 500) is above the new log's
 /// end, so its anchor is not there; the new log is read whole. An
