@@ -98,11 +98,35 @@ impl Tansu {
             if out.status.success() {
                 return Ok(());
             }
+            // A try whose answer was lost may have created it (or a client
+            // that reconnected at once made the broker create it): a topic
+            // already there with the partitions asked for is the topic.
+            let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            if said.contains("already exists") {
+                match self.partitions_of(topic) {
+                    Ok(n) if n == partitions => return Ok(()),
+                    Ok(n) => bail!("tansu topic {topic} already exists with {n} partitions, not {partitions}"),
+                    Err(e) if Instant::now() > deadline => return Err(e),
+                    Err(_) => {}
+                }
+            }
             if Instant::now() > deadline {
                 bail!("tansu topic create {topic}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
             }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// How many partitions `topic` has, from the broker's metadata.
+    fn partitions_of(&self, topic: &str) -> Result<u32> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let c: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", self.bootstrap()).create().context("metadata client")?;
+        let md = c.fetch_metadata(Some(topic), Duration::from_secs(5)).with_context(|| format!("metadata of {topic}"))?;
+        let t = md.topics().iter().find(|t| t.name() == topic).with_context(|| format!("{topic} not in the metadata"))?;
+        if let Some(e) = t.error() {
+            bail!("metadata of {topic}: {e:?}");
+        }
+        Ok(u32::try_from(t.partitions().len()).unwrap_or(u32::MAX))
     }
 
     /// The broker's process id (for the registry of children).
