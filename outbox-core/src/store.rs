@@ -328,6 +328,27 @@ pub struct ScannedMessage {
     pub receipt: Option<crate::receipt::BrokerReceipt>,
 }
 
+impl ScannedMessage {
+    /// What a scan reads of the message at `offset` of
+    /// `cluster_id`/`topic`/`partition`, from its key, value and headers
+    /// (the last of a repeated header counts). Both broker adapters build
+    /// their pages with it.
+    pub fn read(cluster_id: &str, topic: &str, partition: i32, offset: i64, key: Option<&[u8]>, payload: &[u8], headers: &[(String, Vec<u8>)]) -> Self {
+        let last = |name: &str| headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_slice());
+        let text = |name: &str| last(name).map(|v| String::from_utf8_lossy(v).into_owned());
+        ScannedMessage {
+            offset,
+            event_id: text(crate::headers::EVENT_ID),
+            key: key.map(<[u8]>::to_vec),
+            payload_digest: crate::canonical::sha256_digest(payload),
+            source: text(crate::trust::SOURCE),
+            attempt_id: text(crate::headers::ATTEMPT_ID),
+            topic_id: last(crate::headers::DESTINATION).and_then(|v| Destination::from_canonical(v).ok()?.topic_id),
+            receipt: crate::headers::parse(headers).ok().map(|claims| claims.receipt(cluster_id, topic, partition, offset, payload)),
+        }
+    }
+}
+
 /// The answer of [`Broker::scan_event_ids`].
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PartitionScan {

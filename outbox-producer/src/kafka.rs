@@ -1612,20 +1612,7 @@ impl Broker for KafkaBroker {
             let mut messages = Vec::new();
             let (next_offset, log_end) = scan_range(&config, &req, Some(req.max_messages), |msg| {
                 let hs = message_headers(msg);
-                let text = |name: &str| hs.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
-                let (event_id, source, attempt_id) = (text(headers::EVENT_ID), text(outbox_core::trust::SOURCE), text(headers::ATTEMPT_ID));
-                let payload = msg.payload().unwrap_or_default();
-                let receipt = headers::parse(&hs).ok().map(|claims| claims.receipt(&req.cluster_id, msg.topic(), msg.partition(), msg.offset(), payload));
-                messages.push(ScannedMessage {
-                    offset: msg.offset(),
-                    event_id,
-                    source,
-                    attempt_id,
-                    topic_id: destination_topic_id(&hs),
-                    key: msg.key().map(<[u8]>::to_vec),
-                    payload_digest: sha256_digest(payload),
-                    receipt,
-                });
+                messages.push(ScannedMessage::read(&req.cluster_id, msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.payload().unwrap_or_default(), &hs));
             })?;
             Ok(PartitionScan { messages, next_offset, log_end: Some(log_end) })
         })

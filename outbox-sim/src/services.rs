@@ -1111,24 +1111,13 @@ impl SimBroker {
     }
 
     fn write(w: &mut World, m: &OutgoingMessage) -> i64 {
-        let find = |name: &str| m.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
-        let text = |name: &str| m.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
         let log = w.logs.entry((m.topic.clone(), m.partition)).or_default();
         let offset = log.len() as i64;
-        let scanned = outbox_core::ScannedMessage {
-            offset,
-            event_id: text(headers::EVENT_ID),
-            key: Some(m.key.clone()),
-            payload_digest: sha256_digest(&m.payload),
-            source: text(outbox_core::trust::SOURCE),
-            attempt_id: text(headers::ATTEMPT_ID),
-            topic_id: m.headers.iter().rev().find(|(k, _)| k == headers::DESTINATION).and_then(|(_, v)| Destination::from_canonical(v).ok()?.topic_id),
-            receipt: headers::parse(&m.headers).ok().map(|claims| claims.receipt(CLUSTER, &m.topic, m.partition, offset, &m.payload)),
-        };
-        let stored = Stored { event_id: find(headers::EVENT_ID), attempt_id: find(headers::ATTEMPT_ID), key: m.key.clone(), headers: m.headers.clone(), payload: m.payload.clone(), compacted: false, forged: false, scanned };
-        log.push(stored);
-        let (e, a) = (find(headers::EVENT_ID), find(headers::ATTEMPT_ID));
-        w.note(|| format!("log {}/p{}@{offset}: {e} attempt {a}", m.topic, m.partition));
+        let scanned = outbox_core::ScannedMessage::read(CLUSTER, &m.topic, m.partition, offset, Some(&m.key), &m.payload, &m.headers);
+        let (event_id, attempt_id) = (scanned.event_id.clone().unwrap_or_default(), scanned.attempt_id.clone().unwrap_or_default());
+        w.note(|| format!("log {}/p{}@{offset}: {event_id} attempt {attempt_id}", m.topic, m.partition));
+        let log = w.logs.entry((m.topic.clone(), m.partition)).or_default();
+        log.push(Stored { event_id, attempt_id, key: m.key.clone(), headers: m.headers.clone(), payload: m.payload.clone(), compacted: false, forged: false, scanned });
         offset
     }
 }

@@ -68,6 +68,11 @@ impl Fixture {
     /// The attempt's genuine message, sent now: its receipt.
     async fn send_late(&self, ev: &ClaimedEvent, a: &outbox_core::AttemptRecord) -> outbox_core::BrokerReceipt {
         let SendOutcome::Acked { partition, offset } = self.broker.send(outgoing_message(ev, a)).await else { panic!("send failed") };
+        self.receipt(ev, a, partition, offset)
+    }
+
+    /// The attempt's receipt at `partition`@`offset` of this cluster's topic.
+    fn receipt(&self, ev: &ClaimedEvent, a: &outbox_core::AttemptRecord, partition: i32, offset: i64) -> outbox_core::BrokerReceipt {
         outbox_core::BrokerReceipt {
             event_id: ev.envelope.event_id.clone(),
             envelope_generation: ev.envelope.envelope_generation,
@@ -89,6 +94,11 @@ impl Fixture {
 
     async fn count(&self, sql: &str) -> i64 {
         count(&self.pool, sql).await
+    }
+
+    /// The offset of `id`'s primary receipt.
+    async fn receipt_offset(&self, id: &str) -> i64 {
+        sqlx::query_scalar("SELECT \"offset\" FROM outbox_publish_receipts WHERE event_id = $1").bind(id).fetch_one(&self.pool).await.unwrap()
     }
 
     fn log_of(&self, id: &str) -> usize {
@@ -604,8 +614,7 @@ async fn broker_replaced_a_floor_from_the_lost_log_does_not_hide_a_message_below
     let r = f.reconciler().resolve_unknown_once().await.unwrap();
     assert_eq!(r.retried, 0, "the event was sent again while its message sits in the new log: {r:?}");
     assert_eq!(f.state(b.envelope.event_id.as_str()).await, EventState::Published);
-    let at: i64 = sqlx::query_scalar("SELECT \"offset\" FROM outbox_publish_receipts WHERE event_id = $1").bind(b.envelope.event_id.as_str()).fetch_one(&f.pool).await.unwrap();
-    assert_eq!(at, 3);
+    assert_eq!(f.receipt_offset(b.envelope.event_id.as_str()).await, 3);
     assert_eq!(f.log_of(b.envelope.event_id.as_str()), 1);
 }
 
@@ -623,18 +632,7 @@ async fn broker_replaced_the_anchor_event_by_another_attempt_at_the_anchor_offse
     // L: published at offset 1 of the old log by its attempt X (that log is gone).
     let l_order = order_on(&f, 0, &[]);
     let (l, x) = f.registered(&l_order, 1_000).await;
-    let old = outbox_core::BrokerReceipt {
-        event_id: l.envelope.event_id.clone(),
-        envelope_generation: l.envelope.envelope_generation,
-        attempt_id: x.attempt_id.clone(),
-        payload_digest: l.envelope.payload_digest.clone(),
-        destination_digest: l.destination_digest.clone(),
-        cluster_id: f.broker.cluster_id().to_owned(),
-        topic: TOPIC.into(),
-        topic_id: l.destination.topic_id.clone(),
-        partition: 0,
-        offset: 1,
-    };
+    let old = f.receipt(&l, &x, 0, 1);
     assert_eq!(f.store.accept_dispatch_receipt(&old).await.unwrap().state, EventState::Published);
     // B registers past it: floor 2, anchored at L's receipt (L, X).
     let b_order = order_on(&f, 0, &[&l_order]);
@@ -651,8 +649,7 @@ async fn broker_replaced_the_anchor_event_by_another_attempt_at_the_anchor_offse
     let r = f.reconciler().resolve_unknown_once().await.unwrap();
     assert_eq!(r.retried, 0, "B was sent again while its message sits below the floor: {r:?}");
     assert_eq!(f.state(b.envelope.event_id.as_str()).await, EventState::Published);
-    let at: i64 = sqlx::query_scalar("SELECT \"offset\" FROM outbox_publish_receipts WHERE event_id = $1").bind(b.envelope.event_id.as_str()).fetch_one(&f.pool).await.unwrap();
-    assert_eq!(at, 0);
+    assert_eq!(f.receipt_offset(b.envelope.event_id.as_str()).await, 0);
     assert_eq!(f.log_of(b.envelope.event_id.as_str()), 1);
 }
 
