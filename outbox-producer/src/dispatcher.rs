@@ -39,7 +39,7 @@ use tracing::Instrument;
 
 use crate::error::ProducerError;
 use crate::pg::PgStore;
-use crate::service_store::ServiceStore;
+use crate::service_store::{Notice, ServiceStore};
 
 /// Default number of concurrent workers.
 pub const DEFAULT_WORKERS: usize = 2;
@@ -991,27 +991,29 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         let wake = Arc::new(Notify::new());
         // Owned by this future: dropping it (a cancelled run) stops every task.
         let mut tasks = tokio::task::JoinSet::new();
-        if let (true, Some(pool)) = (self.config.listen, self.store.listen_pool().cloned()) {
+        if self.config.listen {
+            let me = self.clone();
             let wake = wake.clone();
             let mut stop = shutdown.clone();
             tasks.spawn(async move {
-                let Ok(mut listener) = sqlx::postgres::PgListener::connect_with(&pool).await else {
-                    tracing::warn!("LISTEN unavailable; polling only");
-                    return Ok(BatchReport::default());
+                let mut listener = match me.store.listen().await {
+                    Ok(Some(l)) => l,
+                    Ok(None) => return Ok(BatchReport::default()),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "LISTEN unavailable; polling only");
+                        return Ok(BatchReport::default());
+                    }
                 };
-                if listener.listen("outbox_pending").await.is_err() {
-                    return Ok(BatchReport::default());
-                }
                 loop {
                     tokio::select! {
                         biased;
-                        n = listener.try_recv() => match n {
-                            Ok(Some(_)) => wake.notify_waiters(),
+                        n = listener.next() => match n {
+                            Ok(Notice::Committed) => wake.notify_waiters(),
                             // The session was lost (a restart, a failover, a
                             // killed backend) and another one listens now.
                             // What was notified meanwhile went to the lost
                             // session: the workers look once.
-                            Ok(None) => {
+                            Ok(Notice::Replaced) => {
                                 tracing::warn!("LISTEN session lost and replaced; looking for work committed meanwhile");
                                 wake.notify_waiters();
                             }

@@ -39,7 +39,7 @@ pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};
 pub use migration::{migrate_destination, MigrationOutcome, MigrationStore};
 pub use pg::PgStore;
-pub use service_store::{ClaimRound, ServiceStore};
+pub use service_store::{ClaimRound, CommitListener, Notice, ServiceStore, NOTIFY_CHANNEL};
 pub use reconciler::{BypassScanReport, CompareReport, Reconciler, ReconcilerConfig, ResolveReport, RoundRecord, RoundStore, DEFAULT_STALE_WATERMARK_AFTER_MS};
 pub use watermark_topic::{IngestReport, WatermarkTopicConfig, WatermarkTopicReader};
 pub use report::{build_report, consumer_decisions, ConsumerDecisions, ReconcilerRound, Report, ReportOptions, SloVerdict};

@@ -56,9 +56,12 @@ pub trait ServiceStore: OutboxStore + Send + Sync + 'static {
     /// (asked after a registration failed with its answer lost).
     async fn registered_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<AttemptRecord>, StoreError>;
 
-    /// The pool to LISTEN on for new work, if the store has one.
-    fn listen_pool(&self) -> Option<&sqlx::PgPool> {
-        None
+    /// A session that hears commits of new work (PostgreSQL: `LISTEN
+    /// outbox_pending`), if the store has one: `Ok(None)` means the store
+    /// notifies nothing and the dispatcher polls; an error means the
+    /// session could not be opened (the dispatcher polls as well).
+    async fn listen(&self) -> Result<Option<Box<dyn CommitListener>>, StoreError> {
+        Ok(None)
     }
 
     /// Age of the oldest PENDING event (a gauge).
@@ -119,8 +122,10 @@ impl ServiceStore for PgStore {
         PgStore::registered_attempts(self, tokens).await
     }
 
-    fn listen_pool(&self) -> Option<&sqlx::PgPool> {
-        Some(self.pool())
+    async fn listen(&self) -> Result<Option<Box<dyn CommitListener>>, StoreError> {
+        let mut listener = sqlx::postgres::PgListener::connect_with(self.pool()).await.map_err(crate::error::store_err)?;
+        listener.listen(NOTIFY_CHANNEL).await.map_err(crate::error::store_err)?;
+        Ok(Some(Box::new(PgCommitListener(listener))))
     }
 
     async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
@@ -162,6 +167,46 @@ impl ServiceStore for PgStore {
             .await
             .map_err(crate::error::store_err)?;
         Ok(())
+    }
+}
+
+/// The channel `emit` notifies on commit (`pg_notify('outbox_pending', '')`).
+pub const NOTIFY_CHANNEL: &str = "outbox_pending";
+
+/// What a dispatcher's listening session hears.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notice {
+    /// New work was committed.
+    Committed,
+    /// The session was lost and another one listens now: what was
+    /// notified in between went to the lost session, so the workers look
+    /// once.
+    Replaced,
+}
+
+/// A session that hears commits of new work ([`ServiceStore::listen`]).
+/// The dispatcher's loop over it (wake the workers on each notice, poll
+/// while the session is down) is one piece of code for PostgreSQL and the
+/// simulator.
+#[async_trait]
+pub trait CommitListener: Send {
+    /// The next notice. An error is a session lost and not replaced yet:
+    /// the next call tries to open another.
+    async fn next(&mut self) -> Result<Notice, StoreError>;
+}
+
+/// `LISTEN outbox_pending` on a connection of its own. sqlx's listener
+/// reconnects by itself and says so with `Ok(None)`.
+struct PgCommitListener(sqlx::postgres::PgListener);
+
+#[async_trait]
+impl CommitListener for PgCommitListener {
+    async fn next(&mut self) -> Result<Notice, StoreError> {
+        match self.0.try_recv().await {
+            Ok(Some(_)) => Ok(Notice::Committed),
+            Ok(None) => Ok(Notice::Replaced),
+            Err(e) => Err(crate::error::store_err(e)),
+        }
     }
 }
 

@@ -18,7 +18,7 @@
 //!
 //! Faults enter at the seams the services talk through (see
 //! [`services`]): store calls that fail, stall or commit with their answer
-//! lost; broker sends refused, timed out unwritten, written with their ACK
+//! lost; listening sessions lost with a notice; broker sends refused, timed out unwritten, written with their ACK
 //! lost, written twice, written late; hosts paused with a message in their
 //! client's buffer, clocks skewed per host; processes killed at any await;
 //! logs truncated, compacted, deleted and recreated, clusters replaced;

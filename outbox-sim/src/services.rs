@@ -99,7 +99,7 @@ use outbox_core::{
 use outbox_core::memory::MemoryWatermark;
 use outbox_core::MigrationFence;
 use outbox_producer::migration::{migrate_destination_in, MigrationOutcome, MigrationStore};
-use outbox_producer::service_store::{ClaimRound, ServiceStore};
+use outbox_producer::service_store::{ClaimRound, CommitListener, Notice, ServiceStore};
 use outbox_producer::{Dispatcher, DispatcherConfig, ProducerError, Reconciler, ReconcilerConfig};
 use tokio::time::Instant;
 
@@ -440,6 +440,8 @@ service_figures! {
         /// Forged messages the consumer group quarantined (their bytes do
         /// not match their digest).
         forged_quarantined,
+        /// Dispatchers' LISTEN sessions lost with a notice.
+        listen_sessions_lost,
     }
     violations {
         /// Committed events not published, or published at a position that does not hold them.
@@ -572,6 +574,14 @@ struct World {
     /// (0 in most traces), and the forger's own generator.
     forge: f64,
     forge_rng: Rng,
+    /// Counts the commits of new events: what dispatchers' listening
+    /// sessions hear (`NOTIFY outbox_pending` in PostgreSQL).
+    /// (tokio's watch channel is not used: it wakes its receivers in an
+    /// order drawn at random, which would make a trace differ between runs.)
+    commits: u64,
+    committed: Arc<tokio::sync::Notify>,
+    /// Listening sessions lost, drawn on their own.
+    listen_rng: Rng,
     /// Copies the reconciler's bypass scan recorded a finding about
     /// (`unrecorded_copy`, `divergent_copy`): (topic, partition, offset, attempt).
     copies_reported: BTreeSet<(String, i32, i64, String)>,
@@ -934,6 +944,12 @@ impl ServiceStore for SimStore {
     async fn registered_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<AttemptRecord>, StoreError> {
         faulty!(self, "registered_attempts", ServiceStore::registered_attempts(&self.inner, tokens))
     }
+    async fn listen(&self) -> Result<Option<Box<dyn CommitListener>>, StoreError> {
+        let fault = self.before("listen").await?;
+        let seen = world(&self.world).commits;
+        let listener = SimListener { seen, world: self.world.clone(), host: self.host.clone(), down: false };
+        self.after(fault, "listen", Ok(Some(Box::new(listener) as Box<dyn CommitListener>))).await
+    }
     async fn record_findings(&self, findings: &[(&'static str, String, String)], _now_ms: i64) -> Result<(), StoreError> {
         let fault = self.before("record_findings").await?;
         {
@@ -944,6 +960,58 @@ impl ServiceStore for SimStore {
             }
         }
         self.after(fault, "record_findings", Ok(())).await
+    }
+}
+
+/// A dispatcher's listening session: hears each commit made while it
+/// listens (several commits between two reads are one notice, as
+/// PostgreSQL folds them for a session that is busy). While faults are on,
+/// a session is lost now and then: the notice goes with it, and the next
+/// read either fails (not replaced yet) or says it was replaced.
+struct SimListener {
+    /// The commits counted when it last read.
+    seen: u64,
+    world: Shared,
+    host: Arc<Host>,
+    /// Lost and not replaced yet.
+    down: bool,
+}
+
+/// The chance that a notice finds its session lost.
+const LISTEN_LOST: f64 = 0.05;
+
+#[async_trait]
+impl CommitListener for SimListener {
+    async fn next(&mut self) -> Result<Notice, StoreError> {
+        if std::mem::take(&mut self.down) {
+            self.seen = world(&self.world).commits;
+            return Ok(Notice::Replaced);
+        }
+        loop {
+            let committed = world(&self.world).committed.clone();
+            let notified = committed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let commits = world(&self.world).commits;
+            if commits > self.seen {
+                self.seen = commits;
+                break;
+            }
+            notified.await;
+        }
+        self.host.wait_running(&self.world).await;
+        let mut w = world(&self.world);
+        if w.on && w.listen_rng.chance(LISTEN_LOST) {
+            w.figures.listen_sessions_lost += 1;
+            w.note(|| format!("host {}: its LISTEN session is lost with a notice", self.host.id));
+            if w.listen_rng.chance(0.5) {
+                self.down = true;
+                return Err(lost("LISTEN"));
+            }
+            self.seen = w.commits;
+            return Ok(Notice::Replaced);
+        }
+        Ok(Notice::Committed)
     }
 }
 
@@ -1359,11 +1427,14 @@ fn dispatcher_config(name: String, cfg: &ServiceTraceConfig) -> DispatcherConfig
         workers: cfg.workers,
         batch_size: cfg.batch,
         lease_ms: LEASE_MS,
-        // A claim wakes on a poll (LISTEN/NOTIFY is PostgreSQL's): once a
-        // second keeps the trace's wakeups, and its cost, down.
-        poll_interval_ms: 1_000,
+        // Commits wake the workers through the listening session; the poll
+        // is the fallback for work no notice names.
+        poll_interval_ms: 3_000,
         sweep_interval_ms: 1_000,
-        listen: false,
+        // The listening session is the simulated one (SimListener): a
+        // commit wakes the workers; the poll finds what no notice names
+        // (expired leases, events put back to PENDING).
+        listen: true,
         shutdown_grace_ms: 0,
         ..DispatcherConfig::default()
     }
@@ -1608,6 +1679,9 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
             if f.chance(FORGED_TRACES) { 0.1 + f.unit() * 0.4 } else { 0.0 }
         },
         forge_rng: Rng::new(cfg.seed ^ 0xf0_29ed_0002),
+        commits: 0,
+        committed: Arc::new(tokio::sync::Notify::new()),
+        listen_rng: Rng::new(cfg.seed ^ 0x11_57e2),
         copies_reported: BTreeSet::new(),
     }));
     world(&shared).note(|| format!("trace {}: {cfg:?}", cfg.seed));
@@ -1774,6 +1848,11 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         let frozen = request.validate(outbox_core::DEFAULT_MAX_PAYLOAD_BYTES).and_then(|_| request.freeze(EventId::generate(now as u64), now, i as u64 + 1, route));
         match frozen.and_then(|(env, dest)| inner.insert(&command, env, dest, payload.clone())) {
             Ok(id) => {
+                {
+                    let mut w = world(&shared);
+                    w.commits += 1;
+                    w.committed.notify_waiters();
+                }
                 world(&shared).note(|| format!("commit {id} key {key} to {}", route.topic));
                 committed.push((command.clone(), key.clone(), payload.clone(), i as i64 + 1, id.clone()));
                 emitted.push((id, key));

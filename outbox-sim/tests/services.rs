@@ -38,6 +38,7 @@ fn unmutated_services_gate_passes_and_exercises_its_faults() {
         ("consumer_store_faults", f.consumer_store_faults),
         ("log_resets", f.log_resets),
         ("receipt_positions_lost", f.receipt_positions_lost),
+        ("listen_sessions_lost", f.listen_sessions_lost),
     ] {
         assert!(v > 0, "no {what} in {TRACES} traces");
     }
@@ -173,10 +174,11 @@ fn migration_without_proof_in_the_shipped_migration_decision_is_caught() {
 /// lets a retry through while the event's first copy was there (routes
 /// without per-key order, where a later record of the key can be written
 /// while the first one's outcome is unknown). Unmutated, lookups meet
-/// holes and refuse the proof.
+/// holes and refuse the proof. It is the rarest catch: 29 of the first
+/// 100,000 traces, the first at seed 3727.
 #[test]
 fn absence_across_holes_in_the_shipped_hole_check_is_caught() {
-    assert_caught("absence-across-holes", 3_000, "refuted_absence");
+    assert_caught("absence-across-holes", 4_000, "refuted_absence");
     let (f, failing, _) = run_services_gate(1, 1_500, None, 0);
     assert!(f.clean() && f.records_compacted > 0 && f.lookups_over_holes > 0, "unmutated: {failing:?}\n{}", f.lines().join("\n"));
 }
