@@ -713,6 +713,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                 "resolved": { "examined": resolved.examined, "published": resolved.published, "quarantined": resolved.quarantined, "retried": resolved.retried, "rechecks": resolved.rechecks },
                 "compared": { "agedPending": compared.aged_pending, "unconsumedPublished": compared.unconsumed_published, "bypassPublish": compared.bypass_publish,
                               "unknownPastSlo": compared.unknown_past_slo, "quarantined": compared.quarantined, "scannedMessages": compared.scanned_messages,
+                              "bypassSubmitted": compared.bypass_submitted,
                               "foreignSource": compared.foreign_source, "unrecordedCopy": compared.unrecorded_copy, "divergentCopy": compared.divergent_copy },
                 "watermarkTopic": ingested.map(|w| serde_json::json!({
                     "read": w.read, "applied": w.applied, "outOfDate": w.out_of_date, "undeclared": w.undeclared,
@@ -727,8 +728,8 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                 );
             }
             println!(
-                "round: examined {} UNKNOWN (published {}, quarantined {}, retried {}, recheck {}); bypass check read {} messages",
-                resolved.examined, resolved.published, resolved.quarantined, resolved.retried, resolved.rechecks, compared.scanned_messages
+                "round: examined {} UNKNOWN (published {}, quarantined {}, retried {}, recheck {}); bypass check read {} messages, handed {} copies to the receipt transaction",
+                resolved.examined, resolved.published, resolved.quarantined, resolved.retried, resolved.rechecks, compared.scanned_messages, compared.bypass_submitted
             );
             print!("{}", report.to_text());
         }

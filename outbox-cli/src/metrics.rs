@@ -138,6 +138,7 @@ pub struct ReconcileExport {
     retried: IntCounter,
     rechecks: IntCounter,
     bypass_scanned: IntCounter,
+    bypass_submitted: IntCounter,
     events: IntGaugeVec,
     committed: IntGauge,
     receipts: IntGauge,
@@ -200,6 +201,11 @@ impl ReconcileExport {
             retried: counter(r, "outbox_reconcile_retried_total", "UNKNOWN events proven absent: RETRY_CLAIMED to the same destination."),
             rechecks: counter(r, "outbox_reconcile_rechecks_total", "UNKNOWN events still unprovable: next check scheduled."),
             bypass_scanned: counter(r, "outbox_reconcile_bypass_scanned_messages_total", "Messages read by the bypass-publish check."),
+            bypass_submitted: counter(
+                r,
+                "outbox_reconcile_bypass_submitted_total",
+                "Copies the bypass check handed to the receipt transaction (an attempt past its in-flight bound whose event was not published, no answer to come).",
+            ),
             events: gauge_vec(r, "outbox_events", "Outbox events per state.", &["state"]),
             committed: gauge(r, "outbox_committed_events", "Set 1: committed outbox events (all states)."),
             receipts: gauge(r, "outbox_publish_receipts", "Set 2: accepted primary publish receipts."),
@@ -262,6 +268,7 @@ impl ReconcileExport {
         self.retried.inc_by(resolved.retried as u64);
         self.rechecks.inc_by(resolved.rechecks as u64);
         self.bypass_scanned.inc_by(compared.scanned_messages as u64);
+        self.bypass_submitted.inc_by(compared.bypass_submitted as u64);
     }
 
     /// Counts a failed round.

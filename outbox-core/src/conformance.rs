@@ -84,9 +84,10 @@ pub trait Harness: Send + Sync {
     /// Runs the shipped reconciler's bypass scan (`Reconciler::scan_for_bypass`,
     /// retry policy [`POLICY`], clock skew allowance 1 000 ms) at the
     /// store's clock against `log` as its broker. Answers the findings the
-    /// scan recorded (kind, event id) and the store's scan cursor of each
-    /// partition of `log` after it.
-    async fn bypass_scan(&self, log: &ScanLog) -> Result<(Vec<(String, String)>, std::collections::BTreeMap<i32, i64>), String>;
+    /// scan recorded (kind, event id), the store's scan cursor of each
+    /// partition of `log` after it, and how many copies the scan handed to
+    /// the receipt transaction.
+    async fn bypass_scan(&self, log: &ScanLog) -> Result<ScanOutcome, String>;
 
     /// Registers `consumers` (critical, each with the topic names it reads;
     /// a registered one keeps its entry), sets each of `watermarks` on its
@@ -1108,7 +1109,8 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     };
     let pair = |k: &str, e: &str| (k.to_owned(), e.to_owned());
 
-    let (findings, cursors) = c.h.bypass_scan(&log).await?;
+    let ScanOutcome { findings, cursors, submitted } = c.h.bypass_scan(&log).await?;
+    eq("nothing handed to the receipt transaction while answers may come", submitted, 0)?;
     let mut want = vec![pair("divergent_copy", a.as_str()), pair("bypass_publish", &unknown), pair("absence_proof_refuted", d.as_str())];
     want.sort();
     eq("findings while B's retry may still be answered", ours(&findings), want)?;
@@ -1119,7 +1121,8 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     }
 
     c.h.advance_ms(POLICY.in_flight_bound_ms + LEASE_MS);
-    let (findings, cursors) = c.h.bypass_scan(&log).await?;
+    let ScanOutcome { findings, cursors, submitted } = c.h.bypass_scan(&log).await?;
+    eq("C's copy, the one past its bound of an unpublished event, is handed to the receipt transaction", submitted, 1)?;
     ensure(ours(&findings).contains(&pair("unrecorded_copy", b.as_str())), || format!("B's retry's copy past its bound is unrecorded_copy; findings {findings:?}"))?;
     // (D's copy is read again where it shares B's partition past the
     // waiting cursor: the same finding again, which a store keeps once.)
@@ -1139,16 +1142,27 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let (low, below) = (EventId::generate(c.h.now_ms() as u64).to_string(), EventId::generate(c.h.now_ms() as u64).to_string());
     let stray = |id: &str, offset: i64| crate::store::ScannedMessage { event_id: Some(id.to_owned()), attempt_id: None, receipt: None, ..scanned(&ce_b1, &b1, offset, b"another log") };
     let replaced = ScanLog { partitions: [(p, vec![stray(&low, c.offset(2)), stray(&below, at - 1)])].into_iter().collect(), ..log.clone() };
-    let (findings, cursors) = c.h.bypass_scan(&replaced).await?;
+    let ScanOutcome { findings, cursors, .. } = c.h.bypass_scan(&replaced).await?;
     eq("a log holding another message below the cursor is read again from its start", cursors[&p], 0)?;
     ensure(findings.iter().all(|(_, e)| *e != low && *e != below), || format!("the restart judges nothing yet; findings {findings:?}"))?;
-    let (findings, cursors) = c.h.bypass_scan(&replaced).await?;
+    let ScanOutcome { findings, cursors, .. } = c.h.bypass_scan(&replaced).await?;
     let mut seen: Vec<(String, String)> = findings.into_iter().filter(|(_, e)| *e == low || *e == below).collect();
     seen.sort();
     let mut want = vec![pair("bypass_publish", &low), pair("bypass_publish", &below)];
     want.sort();
     eq("the new log's messages below the old cursor are judged", seen, want)?;
     eq("the new log is read to its end", cursors[&p], at)
+}
+
+/// What one bypass scan of [`Harness::bypass_scan`] left.
+#[derive(Debug, Clone, Default)]
+pub struct ScanOutcome {
+    /// The findings it recorded: (kind, event id).
+    pub findings: Vec<(String, String)>,
+    /// The store's scan cursor of each partition after it.
+    pub cursors: std::collections::BTreeMap<i32, i64>,
+    /// Copies it handed to the receipt transaction.
+    pub submitted: usize,
 }
 
 /// The comparison's condition findings (`outbox_core::findings`), on both

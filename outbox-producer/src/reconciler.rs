@@ -118,6 +118,10 @@ pub struct CompareReport {
     pub stale_watermark: usize,
     /// Messages read by the bypass check.
     pub scanned_messages: usize,
+    /// Copies the bypass check handed to the receipt transaction: copies
+    /// of an attempt past its in-flight bound, whose event was not
+    /// published, that no answer will reach (this round).
+    pub bypass_submitted: usize,
     /// Messages whose `outbox-source` is another outbox's, not declared (this round).
     pub foreign_source: usize,
     /// Copies of a published event, byte-identical, at a position that is
@@ -631,6 +635,7 @@ impl<B: Broker + 'static, S: ServiceStore + BypassScanStore + FindingsStore + Ro
         let bypass = self.scan_at(now).await?;
         let mut report = self.compare_findings_at(now).await?;
         report.scanned_messages = bypass.scanned;
+        report.bypass_submitted = bypass.submitted;
         bypass.count_into(&mut report);
 
         self.store.record_state_snapshot(now, self.config.history_keep_ms).await?;

@@ -109,7 +109,7 @@ impl outbox_core::conformance::Harness for PgHarness {
         sqlx::query_scalar("SELECT payload FROM outbox_events WHERE event_id = $1").bind(id.as_str()).fetch_one(&self.pool).await.expect("payload")
     }
 
-    async fn bypass_scan(&self, log: &outbox_core::conformance::ScanLog) -> Result<(Vec<(String, String)>, std::collections::BTreeMap<i32, i64>), String> {
+    async fn bypass_scan(&self, log: &outbox_core::conformance::ScanLog) -> Result<outbox_core::conformance::ScanOutcome, String> {
         use outbox_core::BypassScanStore;
         let config = outbox_producer::ReconcilerConfig {
             owner: "conformance-scan".into(),
@@ -123,7 +123,7 @@ impl outbox_core::conformance::Harness for PgHarness {
         for p in log.partitions.keys() {
             cursors.insert(*p, self.store.bypass_cursor(&log.cluster_id, &log.topic, *p).await.map_err(|e| e.to_string())?.next_offset);
         }
-        Ok((report.findings.into_iter().map(|(k, e)| (k.to_owned(), e)).collect(), cursors))
+        Ok(outbox_core::conformance::ScanOutcome { findings: report.findings.into_iter().map(|(k, e)| (k.to_owned(), e)).collect(), cursors, submitted: report.submitted })
     }
 
     async fn compare_findings(
