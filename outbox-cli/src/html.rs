@@ -76,6 +76,10 @@ pub fn finding_help(kind: &str) -> (&'static str, &'static str) {
             "Stop the writer, or declare the source (--declared-source) and accept it on the consumers; check consumer receipts for effects.",
         ),
         "unrecorded_copy" => ("A byte-identical copy of a published event at a position no receipt records.", "Find the mirror or replay that wrote it; consumers see a duplicate."),
+        "scan_gap" => (
+            "Offsets of a partition deleted (retention, DeleteRecords) before the bypass check read them: copies there cannot be accounted for.",
+            "Check that the reconciler runs and keeps up; keep retention above its lag; close the finding.",
+        ),
         "divergent_copy" => ("A published event's eventId with other bytes at a position no receipt records.", "Incident: find the writer and check which bytes each consumer applied (receipts record the digest)."),
         _ => ("", ""),
     }

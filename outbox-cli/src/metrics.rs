@@ -157,7 +157,7 @@ pub struct ReconcileExport {
 }
 
 /// Finding kinds always exported (0 when none open).
-pub const FINDING_KINDS: [&str; 18] = [
+pub const FINDING_KINDS: [&str; 19] = [
     "aged_pending",
     "unconsumed_published",
     "bypass_publish",
@@ -171,6 +171,7 @@ pub const FINDING_KINDS: [&str; 18] = [
     "foreign_source",
     "unrecorded_copy",
     "divergent_copy",
+    "scan_gap",
     "stale_watermark",
     "watermark_undeclared_consumer",
     "watermark_moved_back",

@@ -28,6 +28,10 @@ pub const DIVERGENT_COPY: &str = "divergent_copy";
 pub const ABSENCE_PROOF_REFUTED: &str = "absence_proof_refuted";
 /// A receipt whose position now holds another message, or lies at or beyond the log's end.
 pub const RECEIPT_POSITION_LOST: &str = "receipt_position_lost";
+/// Offsets the bypass check had not read yet when the log's start moved
+/// past them (retention, DeleteRecords): whatever copies they held cannot
+/// be accounted for any more.
+pub const SCAN_GAP: &str = "scan_gap";
 
 /// A receipt the store recorded at a log position: the publish slot's
 /// (`primary`) or a duplicate transport receipt.
@@ -167,6 +171,26 @@ pub enum CursorMove {
     Restart,
     /// Forward to this offset (never backwards: a store keeps the greater).
     Advance(i64),
+}
+
+/// The offsets `[cursor, log start)` a page read from `cursor` could not
+/// read because the log's start had moved past them (retention,
+/// DeleteRecords): the bypass check's coverage has a gap there
+/// ([`SCAN_GAP`]). `None` when the adapter does not know the start, when
+/// nothing below it was unread, and when the log ends below the cursor (a
+/// replaced log, read again from its start: [`CursorMove::Restart`]).
+pub fn unread_range(cursor: i64, scan: &PartitionScan) -> Option<(i64, i64)> {
+    let start = scan.log_start?;
+    if scan.log_end.is_some_and(|end| cursor > end) {
+        return None;
+    }
+    (cursor < start).then_some((cursor, start))
+}
+
+/// The name a [`SCAN_GAP`] finding carries in place of an event id: the
+/// partition and its unread offsets, `topic/partition@from..to`.
+pub fn scan_gap_label(topic: &str, partition: i32, (from, to): (i64, i64)) -> String {
+    format!("{topic}/{partition}@{from}..{to}")
 }
 
 /// The cursor after a page read from `cursor`: at the first copy that was
@@ -374,7 +398,7 @@ mod tests {
 
     #[test]
     fn the_cursor_waits_at_the_first_waiting_copy_and_restarts_below_a_replaced_logs_end() {
-        let scan = PartitionScan { messages: vec![msg(5, None, None, ""), msg(6, None, None, ""), msg(7, None, None, "")], next_offset: 8, log_end: Some(8) };
+        let scan = PartitionScan { messages: vec![msg(5, None, None, ""), msg(6, None, None, ""), msg(7, None, None, "")], next_offset: 8, log_end: Some(8), log_start: None };
         let judged = [ScanJudgement::Accounted, ScanJudgement::Wait, ScanJudgement::Wait];
         let wait = first_wait(scan.messages.iter().zip(judged));
         assert_eq!(wait, Some(6));
@@ -388,11 +412,27 @@ mod tests {
     /// A replaced log that grew past the cursor before the scan came back
     /// (seed 116239 of the 1,000,000-trace gate: the cluster replaced, the
     /// new log's first message, a copy whose ACK was lost, passed over).
+    /// Offsets the log's start moved past before the scan read them are a
+    /// gap; a start the adapter does not know, one at or below the cursor,
+    /// and a log ending below the cursor (another log, read from its start)
+    /// are not.
+    #[test]
+    fn offsets_deleted_before_the_scan_read_them_are_a_gap() {
+        let scan = |start: Option<i64>, end: i64| PartitionScan { messages: Vec::new(), next_offset: end, log_end: Some(end), log_start: start };
+        assert_eq!(unread_range(3, &scan(Some(7), 9)), Some((3, 7)));
+        assert_eq!(unread_range(0, &scan(Some(1), 1)), Some((0, 1)), "a cursor at 0: history before it, or a new log's first copies");
+        assert_eq!(unread_range(7, &scan(Some(7), 9)), None);
+        assert_eq!(unread_range(8, &scan(Some(7), 9)), None);
+        assert_eq!(unread_range(3, &scan(None, 9)), None);
+        assert_eq!(unread_range(12, &scan(Some(10), 11)), None, "the log ends below the cursor: restarted, not a gap");
+        assert_eq!(scan_gap_label("orders", 2, (3, 7)), "orders/2@3..7");
+    }
+
     #[test]
     fn a_cursor_recognises_its_log_by_the_message_below_it() {
         let old = msg(4, Some("evt-a"), Some("att-1"), "sha256:a");
         let cursor = crate::store::BypassCursor { next_offset: 5, anchor: Some(scan_anchor(&old)) };
-        let page = |below: ScannedMessage| PartitionScan { messages: vec![below, msg(5, Some("evt-b"), None, "sha256:b")], next_offset: 6, log_end: Some(6) };
+        let page = |below: ScannedMessage| PartitionScan { messages: vec![below, msg(5, Some("evt-b"), None, "sha256:b")], next_offset: 6, log_end: Some(6), log_start: None };
         let mut same = page(old.clone());
         assert!(!take_scan_anchor(&cursor, &mut same), "the same message: the same log");
         assert_eq!(same.messages.iter().map(|m| m.offset).collect::<Vec<_>>(), vec![5], "the anchor's message is not judged again");
@@ -400,7 +440,7 @@ mod tests {
             assert!(take_scan_anchor(&cursor, &mut page(other.clone())), "{other:?}: another log");
         }
         // Not read (below the log's start, compacted): nothing proven.
-        let mut unread = PartitionScan { messages: vec![msg(5, Some("evt-b"), None, "sha256:b")], next_offset: 6, log_end: Some(6) };
+        let mut unread = PartitionScan { messages: vec![msg(5, Some("evt-b"), None, "sha256:b")], next_offset: 6, log_end: Some(6), log_start: None };
         assert!(!take_scan_anchor(&cursor, &mut unread));
         assert_eq!(unread.messages.len(), 1);
         // No anchor (a cursor at 0, or written before anchors were kept): nothing to check.
@@ -416,6 +456,7 @@ mod tests {
             messages: vec![msg(3, Some("evt-a"), None, ""), msg(4, None, None, ""), ScannedMessage { topic_id: Some("t-2".into()), ..msg(5, Some("evt-c"), None, "") }],
             next_offset: 6,
             log_end: Some(6),
+            log_start: None,
         };
         let r = |e: &str, offset: i64, primary: bool| RecordedReceipt { event_id: e.into(), topic_id: None, offset, primary };
         assert_eq!(receipt_position_lost(&scan, &r("evt-a", 3, true)), None);

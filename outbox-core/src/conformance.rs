@@ -1002,6 +1002,9 @@ pub struct ScanLog {
     pub topic: String,
     /// Messages per partition, in offset order.
     pub partitions: std::collections::BTreeMap<i32, Vec<crate::store::ScannedMessage>>,
+    /// Per partition, the log's start where retention moved it (else 0):
+    /// a scan reads nothing below it.
+    pub starts: std::collections::BTreeMap<i32, i64>,
 }
 
 #[async_trait]
@@ -1024,10 +1027,12 @@ impl crate::store::Broker for ScanLog {
 
     async fn scan_event_ids(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<crate::store::PartitionScan, String> {
         let Some(log) = self.partitions.get(&partition).filter(|_| topic == self.topic) else { return Err(format!("{topic}/{partition} is not in the scan log")) };
-        let end = log.last().map_or(0, |m| m.offset + 1);
-        let messages: Vec<_> = log.iter().filter(|m| m.offset >= from_offset).take(usize::try_from(max_messages).unwrap_or(usize::MAX)).cloned().collect();
-        let next_offset = if messages.len() as u64 == max_messages { messages.last().map_or(from_offset, |m| m.offset + 1) } else { from_offset.max(end) };
-        Ok(crate::store::PartitionScan { messages, next_offset, log_end: Some(end) })
+        let start = self.starts.get(&partition).copied().unwrap_or(0);
+        let end = log.last().map_or(0, |m| m.offset + 1).max(start);
+        let from = from_offset.max(start);
+        let messages: Vec<_> = log.iter().filter(|m| m.offset >= from).take(usize::try_from(max_messages).unwrap_or(usize::MAX)).cloned().collect();
+        let next_offset = if messages.len() as u64 == max_messages { messages.last().map_or(from, |m| m.offset + 1) } else { from.max(end) };
+        Ok(crate::store::PartitionScan { messages, next_offset, log_end: Some(end), log_start: Some(start) })
     }
 }
 
@@ -1151,7 +1156,22 @@ async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let mut want = vec![pair("bypass_publish", &low), pair("bypass_publish", &below)];
     want.sort();
     eq("the new log's messages below the old cursor are judged", seen, want)?;
-    eq("the new log is read to its end", cursors[&p], at)
+    eq("the new log is read to its end", cursors[&p], at)?;
+
+    // F: retention deletes offsets of that log before the scan reads them:
+    // the scan says which (`scan_gap`), once, and reads on from the log's
+    // start.
+    let (gone, kept) = (EventId::generate(c.h.now_ms() as u64).to_string(), EventId::generate(c.h.now_ms() as u64).to_string());
+    let mut truncated = replaced.clone();
+    truncated.partitions.entry(p).or_default().extend([stray(&gone, at), stray(&kept, at + 1)]);
+    truncated.starts.insert(p, at + 1);
+    let ScanOutcome { findings, cursors, .. } = c.h.bypass_scan(&truncated).await?;
+    let gap = pair(crate::compare::SCAN_GAP, &crate::compare::scan_gap_label(&log.topic, p, (at, at + 1)));
+    ensure(findings.contains(&gap), || format!("the deleted offsets are a scan_gap; findings {findings:?}"))?;
+    ensure(!findings.iter().any(|(_, e)| *e == gone) && findings.contains(&pair("bypass_publish", &kept)), || format!("the deleted message is not judged, the kept one is; findings {findings:?}"))?;
+    eq("the cursor moves past the gap to the log's end", cursors[&p], at + 2)?;
+    let ScanOutcome { findings, .. } = c.h.bypass_scan(&truncated).await?;
+    ensure(!findings.contains(&gap), || format!("the gap is said once; findings {findings:?}"))
 }
 
 /// What one bypass scan of [`Harness::bypass_scan`] left.

@@ -39,6 +39,7 @@ pub const EVIDENCE_FINDINGS: &[&str] = &[
     "foreign_source",
     "unrecorded_copy",
     "divergent_copy",
+    "scan_gap",
     "watermark_undeclared_consumer",
     "watermark_moved_back",
     "watermark_beyond_end",
@@ -207,7 +208,7 @@ mod tests {
         for kind in EVIDENCE_FINDINGS {
             assert!(!round_resolves(kind, false), "{kind}");
         }
-        for kind in [crate::compare::BYPASS_PUBLISH, crate::compare::FOREIGN_SOURCE, crate::compare::UNRECORDED_COPY, crate::compare::DIVERGENT_COPY, crate::compare::RECEIPT_POSITION_LOST] {
+        for kind in [crate::compare::BYPASS_PUBLISH, crate::compare::FOREIGN_SOURCE, crate::compare::UNRECORDED_COPY, crate::compare::DIVERGENT_COPY, crate::compare::RECEIPT_POSITION_LOST, crate::compare::SCAN_GAP] {
             assert!(EVIDENCE_FINDINGS.contains(&kind), "the scan's {kind} is evidence");
         }
     }

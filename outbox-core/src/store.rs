@@ -360,6 +360,10 @@ pub struct PartitionScan {
     /// adapter knows it: a receipt recorded at or above it, accepted before
     /// the scan, names a position the log no longer has.
     pub log_end: Option<i64>,
+    /// The partition's start (low watermark) when the scan began, when the
+    /// adapter knows it: offsets from the cursor up to it were deleted
+    /// (retention, DeleteRecords) unread.
+    pub log_start: Option<i64>,
 }
 
 /// A finding of one page of the bypass scan, with the message it names.

@@ -1610,11 +1610,11 @@ impl Broker for KafkaBroker {
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let mut messages = Vec::new();
-            let (next_offset, log_end) = scan_range(&config, &req, Some(req.max_messages), |msg| {
+            let (next_offset, log_start, log_end) = scan_range(&config, &req, Some(req.max_messages), |msg| {
                 let hs = message_headers(msg);
                 messages.push(ScannedMessage::read(&req.cluster_id, msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.payload().unwrap_or_default(), &hs));
             })?;
-            Ok(PartitionScan { messages, next_offset, log_end: Some(log_end) })
+            Ok(PartitionScan { messages, next_offset, log_end: Some(log_end), log_start: Some(log_start) })
         })
         .await
         .map_err(|e| format!("scan task failed: {e}"))?
@@ -1700,11 +1700,11 @@ fn scan_partition(config: &KafkaConfig, req: &ScanRequest) -> LookupOutcome {
 /// Reads `[max(from_offset, low), end)` of one partition with a fresh
 /// consumer, where `end` is the high watermark read at the start, or
 /// `from_offset + limit` if that is lower. Calls `on_message` for each
-/// message in order and returns the next offset to read and the high
-/// watermark read at the start. A range wider than
+/// message in order and returns the next offset to read and the low and
+/// high watermarks read at the start. A range wider than
 /// `max_messages` (with no `limit`), a deadline that runs out or any broker
 /// error is an `Err`.
-fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64), String> {
+fn scan_range(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64, i64), String> {
     if req.from.offset < 0 {
         return Err(format!("negative lower bound {}", req.from.offset));
     }
@@ -1726,7 +1726,7 @@ fn lookup_consumer<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, s
         .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))
 }
 
-fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64), String> {
+fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64, i64), String> {
     let consumer = lookup_consumer::<OAUTH>(config, req, "")?;
     let (low, high) = consumer
         .fetch_watermarks(&req.topic, req.partition, req.remaining())
@@ -1758,7 +1758,7 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
     };
     if start >= high {
         debug!(topic = %req.topic, partition = req.partition, start, low, high, "kafka scan: empty range");
-        return Ok((start.max(from_offset), log_end));
+        return Ok((start.max(from_offset), low, log_end));
     }
     let width = u64::try_from(high - start).unwrap_or(u64::MAX);
     if width > req.max_messages {
@@ -1807,7 +1807,7 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
         }
     }
     debug!(topic = %req.topic, partition = req.partition, start, high, read, "kafka scan complete");
-    Ok((next, log_end))
+    Ok((next, low, log_end))
 }
 
 /// What offset `at` of the request's partition holds, for the anchor check

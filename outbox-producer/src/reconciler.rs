@@ -439,6 +439,23 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                 if let CursorMove::Advance(to) = write.cursor {
                     write.anchor = anchor_below(to, &scan.messages);
                 }
+                // Offsets the log's start moved past before this check read
+                // them (retention, DeleteRecords): the copies they held, if
+                // any, can no longer be accounted for. Said once, with the page
+                // that moves the cursor past them.
+                if let Some(gap) = outbox_core::compare::unread_range(cursor, &scan) {
+                    tracing::warn!(%topic, partition, from = gap.0, to = gap.1, "offsets were deleted from the partition before the bypass check read them");
+                    write.findings.push(ScanFinding {
+                        kind: outbox_core::compare::SCAN_GAP,
+                        event_id: outbox_core::compare::scan_gap_label(&topic, partition, gap),
+                        detail: format!(
+                            "offsets {}..{} of {cluster}/{topic}/{partition} were deleted (retention, DeleteRecords) before the bypass check read them: copies they held cannot be accounted for (raise the topic's retention above the reconciler's lag; on a partition that held data from before the outbox, this is that history)",
+                            gap.0, gap.1
+                        ),
+                        offset: Some(gap.0),
+                        attempt_id: None,
+                    });
+                }
                 for (m, j) in &judged {
                     let ScanJudgement::Finding(kind) = *j else { continue };
                     if j.is_bypass_message() {

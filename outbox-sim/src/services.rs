@@ -582,6 +582,9 @@ struct World {
     committed: Arc<tokio::sync::Notify>,
     /// Listening sessions lost, drawn on their own.
     listen_rng: Rng,
+    /// Offsets the bypass scan reported it could not read (`scan_gap`):
+    /// (topic, partition), the log's incarnation, from, to.
+    scan_gaps: Vec<((String, i32), usize, i64, i64)>,
     /// Copies the reconciler's bypass scan recorded a finding about
     /// (`unrecorded_copy`, `divergent_copy`): (topic, partition, offset, attempt).
     copies_reported: BTreeSet<(String, i32, i64, String)>,
@@ -1062,6 +1065,14 @@ impl outbox_core::BypassScanStore for SimStore {
                     if let (Some(offset), Some(attempt)) = (f.offset, &f.attempt_id) {
                         w.copies_reported.insert((write.topic.clone(), write.partition, offset, attempt.clone()));
                     }
+                    if f.kind == outbox_core::compare::SCAN_GAP {
+                        let key = (write.topic.clone(), write.partition);
+                        let to = f.event_id.rsplit_once("..").and_then(|(_, to)| to.parse().ok());
+                        if let (Some(from), Some(to)) = (f.offset, to) {
+                            let incarnation = w.gone.iter().filter(|g| g.key == key).count();
+                            w.scan_gaps.push((key, incarnation, from, to));
+                        }
+                    }
                 }
             }
             r
@@ -1338,10 +1349,10 @@ impl Broker for SimBroker {
         let start = from_offset.max(low).max(0);
         let high = end.min(start.saturating_add(i64::try_from(max_messages).unwrap_or(i64::MAX)));
         if start >= high {
-            return Ok(outbox_core::PartitionScan { messages: Vec::new(), next_offset: start.max(from_offset), log_end: Some(end) });
+            return Ok(outbox_core::PartitionScan { messages: Vec::new(), next_offset: start.max(from_offset), log_end: Some(end), log_start: Some(low) });
         }
         let messages = (start..high).filter_map(|o| log.get(o as usize).filter(|m| !m.compacted).map(|m| m.scanned.clone())).collect();
-        Ok(outbox_core::PartitionScan { messages, next_offset: high, log_end: Some(end) })
+        Ok(outbox_core::PartitionScan { messages, next_offset: high, log_end: Some(end), log_start: Some(low) })
     }
 }
 
@@ -1682,6 +1693,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         commits: 0,
         committed: Arc::new(tokio::sync::Notify::new()),
         listen_rng: Rng::new(cfg.seed ^ 0x11_57e2),
+        scan_gaps: Vec::new(),
         copies_reported: BTreeSet::new(),
     }));
     world(&shared).note(|| format!("trace {}: {cfg:?}", cfg.seed));
@@ -2193,9 +2205,13 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
     // Every copy in the log is accounted for.
     let mut copies_per_event: BTreeMap<&str, u64> = BTreeMap::new();
     // The current logs, then those that are gone (with when they went).
-    let logs: Vec<(&String, &i32, &Vec<Stored>, Option<i64>)> =
-        w.logs.iter().map(|((t, p), l)| (t, p, l, None)).chain(w.gone.iter().map(|g| (&g.key.0, &g.key.1, &g.log, Some(g.gone_at_ms)))).collect();
-    for (t, p, log, gone_at) in logs {
+    let logs: Vec<(&String, &i32, &Vec<Stored>, Option<i64>, usize)> = w
+        .logs
+        .iter()
+        .map(|((t, p), l)| (t, p, l, None, w.gone.iter().filter(|g| g.key.0 == *t && g.key.1 == *p).count()))
+        .chain(w.gone.iter().enumerate().map(|(i, g)| (&g.key.0, &g.key.1, &g.log, Some(g.gone_at_ms), w.gone[..i].iter().filter(|o| o.key == g.key).count())))
+        .collect();
+    for (t, p, log, gone_at, incarnation) in logs {
         for (o, m) in log.iter().enumerate() {
             // Not the outbox's write: it must never fill a slot (above).
             if m.forged {
@@ -2220,7 +2236,10 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
             }
             // The reconciler's bypass scan recorded a finding naming this
             // copy (`unrecorded_copy`, `divergent_copy`): its evidence.
-            let reported = w.copies_reported.contains(&(t.clone(), *p, o as i64, m.attempt_id.clone()));
+            let reported = w.copies_reported.contains(&(t.clone(), *p, o as i64, m.attempt_id.clone()))
+                // Or deleted from the log before the scan read it, and the
+                // scan said so (`scan_gap`).
+                || w.scan_gaps.iter().any(|((gt, gp), gi, from, to)| gt == t && gp == p && *gi == incarnation && (*from..*to).contains(&(o as i64)));
             match attempt.map(|a| a.state) {
                 // A copy of an event a paused host wrote late (this copy, or
                 // the retry the refuted proof let through, whose event the

@@ -61,7 +61,7 @@ fn a_services_seed_replays_identically() {
 /// as long as it stays the same): they pass.
 #[test]
 fn seeds_that_found_defects_pass() {
-    for seed in [65_450, 134_310, 252_873, 546_909, 259_913, 477_992, 116_239, 495_754] {
+    for seed in [65_450, 134_310, 252_873, 546_909, 259_913, 477_992, 116_239, 495_754, 931_143] {
         let t = run_services_trace(seed, None, false);
         assert!(t.figures.clean(), "seed {seed}: {:?}", t.violations);
     }
