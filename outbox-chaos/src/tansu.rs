@@ -105,6 +105,15 @@ impl Tansu {
             if said.contains("already exists") {
                 match self.partitions_of(topic) {
                     Ok(n) if n == partitions => return Ok(()),
+                    // A client's metadata request made the fresh broker
+                    // create it with its default partitions: that topic is
+                    // not the drill's; it goes, and the create is tried again
+                    // (whatever was written to it is gone, as with the
+                    // broker it replaced).
+                    Ok(n) if Instant::now() <= deadline => {
+                        eprintln!("chaos: tansu topic {topic} was created with {n} partitions, not {partitions} (a client's metadata request): deleting it");
+                        let _ = self.delete_topic(topic);
+                    }
                     Ok(n) => bail!("tansu topic {topic} already exists with {n} partitions, not {partitions}"),
                     Err(e) if Instant::now() > deadline => return Err(e),
                     Err(_) => {}
@@ -117,8 +126,21 @@ impl Tansu {
         }
     }
 
+    /// `tansu topic delete`.
+    fn delete_topic(&self, topic: &str) -> Result<()> {
+        let out = Command::new(&self.bin)
+            .args(["topic", "delete", topic, "--broker", &format!("tcp://127.0.0.1:{}", self.port)])
+            .stdin(Stdio::null())
+            .output()
+            .context("tansu topic delete")?;
+        if !out.status.success() {
+            bail!("tansu topic delete {topic}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(())
+    }
+
     /// How many partitions `topic` has, from the broker's metadata.
-    fn partitions_of(&self, topic: &str) -> Result<u32> {
+    pub fn partitions_of(&self, topic: &str) -> Result<u32> {
         use rdkafka::consumer::{BaseConsumer, Consumer};
         let c: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", self.bootstrap()).create().context("metadata client")?;
         let md = c.fetch_metadata(Some(topic), Duration::from_secs(5)).with_context(|| format!("metadata of {topic}"))?;
