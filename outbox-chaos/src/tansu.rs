@@ -112,7 +112,9 @@ impl Tansu {
                     // broker it replaced).
                     Ok(n) if Instant::now() <= deadline => {
                         eprintln!("chaos: tansu topic {topic} was created with {n} partitions, not {partitions} (a client's metadata request): deleting it");
-                        let _ = self.delete_topic(topic);
+                        if let Err(e) = self.delete_topic(topic) {
+                            eprintln!("chaos: {e:#}; trying again");
+                        }
                     }
                     Ok(n) => bail!("tansu topic {topic} already exists with {n} partitions, not {partitions}"),
                     Err(e) if Instant::now() > deadline => return Err(e),

@@ -181,10 +181,13 @@ pub enum CursorMove {
 /// replaced log, read again from its start: [`CursorMove::Restart`]).
 pub fn unread_range(cursor: i64, scan: &PartitionScan) -> Option<(i64, i64)> {
     let start = scan.log_start?;
-    if scan.log_end.is_some_and(|end| cursor > end) {
-        return None;
-    }
-    (cursor < start).then_some((cursor, start))
+    (!ends_below(cursor, scan) && cursor < start).then_some((cursor, start))
+}
+
+/// The log ends below the cursor: another log than the one the cursor was
+/// moved in (the topic recreated, the cluster replaced).
+fn ends_below(cursor: i64, scan: &PartitionScan) -> bool {
+    scan.log_end.is_some_and(|end| cursor > end)
 }
 
 /// The name a [`SCAN_GAP`] finding carries in place of an event id: the
@@ -193,11 +196,18 @@ pub fn scan_gap_label(topic: &str, partition: i32, (from, to): (i64, i64)) -> St
     format!("{topic}/{partition}@{from}..{to}")
 }
 
+/// The unread offsets a [`scan_gap_label`] names.
+pub fn scan_gap_range(label: &str) -> Option<(i64, i64)> {
+    let (_, range) = label.rsplit_once('@')?;
+    let (from, to) = range.split_once("..")?;
+    Some((from.parse().ok()?, to.parse().ok()?))
+}
+
 /// The cursor after a page read from `cursor`: at the first copy that was
 /// waited for ([`ScanJudgement::Wait`], so that it is judged again), else
 /// at the page's next offset; back to the start when the log ends below the cursor.
 pub fn next_bypass_cursor(cursor: i64, scan: &PartitionScan, first_wait: Option<i64>) -> CursorMove {
-    if scan.log_end.is_some_and(|end| cursor > end) {
+    if ends_below(cursor, scan) {
         return CursorMove::Restart;
     }
     CursorMove::Advance(first_wait.unwrap_or(scan.next_offset))
@@ -409,9 +419,6 @@ mod tests {
         assert_eq!(next_bypass_cursor(9, &PartitionScan { log_end: None, ..scan }, None), CursorMove::Advance(8), "an end the adapter does not know restarts nothing");
     }
 
-    /// A replaced log that grew past the cursor before the scan came back
-    /// (seed 116239 of the 1,000,000-trace gate: the cluster replaced, the
-    /// new log's first message, a copy whose ACK was lost, passed over).
     /// Offsets the log's start moved past before the scan read them are a
     /// gap; a start the adapter does not know, one at or below the cursor,
     /// and a log ending below the cursor (another log, read from its start)
@@ -426,8 +433,13 @@ mod tests {
         assert_eq!(unread_range(3, &scan(None, 9)), None);
         assert_eq!(unread_range(12, &scan(Some(10), 11)), None, "the log ends below the cursor: restarted, not a gap");
         assert_eq!(scan_gap_label("orders", 2, (3, 7)), "orders/2@3..7");
+        assert_eq!(scan_gap_range(&scan_gap_label("a@b.c", 2, (3, 7))), Some((3, 7)));
+        assert_eq!(scan_gap_range("evt-x"), None);
     }
 
+    /// A replaced log that grew past the cursor before the scan came back
+    /// (seed 116239 of the 1,000,000-trace gate: the cluster replaced, the
+    /// new log's first message, a copy whose ACK was lost, passed over).
     #[test]
     fn a_cursor_recognises_its_log_by_the_message_below_it() {
         let old = msg(4, Some("evt-a"), Some("att-1"), "sha256:a");

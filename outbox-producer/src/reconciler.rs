@@ -178,9 +178,12 @@ pub struct BypassScanReport {
 }
 
 impl BypassScanReport {
-    /// Adds the scan's findings about messages to `report` (receipts whose
-    /// position was lost are recorded, not counted there).
+    /// Adds what the scan read, what it handed to the receipt transaction
+    /// and its findings about messages to `report` (receipts whose position
+    /// was lost are recorded, not counted there).
     pub fn count_into(&self, report: &mut CompareReport) {
+        report.scanned_messages += self.scanned;
+        report.bypass_submitted += self.submitted;
         for (kind, _) in &self.findings {
             match *kind {
                 "bypass_publish" => report.bypass_publish += 1,
@@ -651,8 +654,6 @@ impl<B: Broker + 'static, S: ServiceStore + BypassScanStore + FindingsStore + Ro
         // them (and the cursor that moved past it), in one transaction.
         let bypass = self.scan_at(now).await?;
         let mut report = self.compare_findings_at(now).await?;
-        report.scanned_messages = bypass.scanned;
-        report.bypass_submitted = bypass.submitted;
         bypass.count_into(&mut report);
 
         self.store.record_state_snapshot(now, self.config.history_keep_ms).await?;
@@ -787,5 +788,21 @@ impl RoundStore for outbox_core::MemoryStore {
 
     async fn record_round(&self, _round: &RoundRecord<'_>) -> Result<(), ProducerError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bypass scan's figures reach the round's report: what it read, what
+    /// it handed to the receipt transaction, its findings about messages.
+    #[test]
+    fn a_scan_counts_into_the_rounds_report() {
+        let scan = BypassScanReport { scanned: 7, submitted: 2, findings: vec![(outbox_core::compare::UNRECORDED_COPY, "evt-a".into()), (outbox_core::compare::SCAN_GAP, "t/0@1..3".into())] };
+        let mut report = CompareReport::default();
+        scan.count_into(&mut report);
+        scan.count_into(&mut report);
+        assert_eq!((report.scanned_messages, report.bypass_submitted, report.unrecorded_copy), (14, 4, 2));
     }
 }

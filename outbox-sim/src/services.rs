@@ -701,6 +701,12 @@ impl World {
         T0_MS + i64::try_from(self.start.elapsed().as_millis()).unwrap_or(i64::MAX / 2)
     }
 
+    /// How many logs of (topic, partition) are gone: the current one's
+    /// number among them.
+    fn incarnation(&self, key: &(String, i32)) -> usize {
+        self.gone.iter().filter(|g| g.key == *key).count()
+    }
+
     fn note(&mut self, line: impl FnOnce() -> String) {
         if self.log.is_some() {
             let at = self.now_ms() - T0_MS;
@@ -949,8 +955,11 @@ impl ServiceStore for SimStore {
     }
     async fn listen(&self) -> Result<Option<Box<dyn CommitListener>>, StoreError> {
         let fault = self.before("listen").await?;
-        let seen = world(&self.world).commits;
-        let listener = SimListener { seen, world: self.world.clone(), host: self.host.clone(), down: false };
+        let (seen, committed) = {
+            let w = world(&self.world);
+            (w.commits, w.committed.clone())
+        };
+        let listener = SimListener { seen, committed, world: self.world.clone(), host: self.host.clone(), down: false };
         self.after(fault, "listen", Ok(Some(Box::new(listener) as Box<dyn CommitListener>))).await
     }
     async fn record_findings(&self, findings: &[(&'static str, String, String)], _now_ms: i64) -> Result<(), StoreError> {
@@ -974,6 +983,8 @@ impl ServiceStore for SimStore {
 struct SimListener {
     /// The commits counted when it last read.
     seen: u64,
+    /// Woken at each commit.
+    committed: Arc<tokio::sync::Notify>,
     world: Shared,
     host: Arc<Host>,
     /// Lost and not replaced yet.
@@ -991,8 +1002,7 @@ impl CommitListener for SimListener {
             return Ok(Notice::Replaced);
         }
         loop {
-            let committed = world(&self.world).committed.clone();
-            let notified = committed.notified();
+            let notified = self.committed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let commits = world(&self.world).commits;
@@ -1066,10 +1076,9 @@ impl outbox_core::BypassScanStore for SimStore {
                         w.copies_reported.insert((write.topic.clone(), write.partition, offset, attempt.clone()));
                     }
                     if f.kind == outbox_core::compare::SCAN_GAP {
-                        let key = (write.topic.clone(), write.partition);
-                        let to = f.event_id.rsplit_once("..").and_then(|(_, to)| to.parse().ok());
-                        if let (Some(from), Some(to)) = (f.offset, to) {
-                            let incarnation = w.gone.iter().filter(|g| g.key == key).count();
+                        if let Some((from, to)) = outbox_core::compare::scan_gap_range(&f.event_id) {
+                            let key = (write.topic.clone(), write.partition);
+                            let incarnation = w.incarnation(&key);
                             w.scan_gaps.push((key, incarnation, from, to));
                         }
                     }
@@ -1864,8 +1873,8 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
                     let mut w = world(&shared);
                     w.commits += 1;
                     w.committed.notify_waiters();
+                    w.note(|| format!("commit {id} key {key} to {}", route.topic));
                 }
-                world(&shared).note(|| format!("commit {id} key {key} to {}", route.topic));
                 committed.push((command.clone(), key.clone(), payload.clone(), i as i64 + 1, id.clone()));
                 emitted.push((id, key));
             }
@@ -2208,7 +2217,7 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
     let logs: Vec<(&String, &i32, &Vec<Stored>, Option<i64>, usize)> = w
         .logs
         .iter()
-        .map(|((t, p), l)| (t, p, l, None, w.gone.iter().filter(|g| g.key.0 == *t && g.key.1 == *p).count()))
+        .map(|(key, l)| (&key.0, &key.1, l, None, w.incarnation(key)))
         .chain(w.gone.iter().enumerate().map(|(i, g)| (&g.key.0, &g.key.1, &g.log, Some(g.gone_at_ms), w.gone[..i].iter().filter(|o| o.key == g.key).count())))
         .collect();
     for (t, p, log, gone_at, incarnation) in logs {

@@ -245,9 +245,6 @@ struct Offsets {
 }
 
 /// How many logs `key` has had before its current one.
-fn incarnation(w: &super::World, key: &Key) -> usize {
-    w.gone.iter().filter(|g| g.key == *key).count()
-}
 
 impl OffsetCommit for Offsets {
     fn commit(&self, topic: &str, partition: i32, next_offset: i64) {
@@ -467,7 +464,7 @@ async fn supervise(ctx: Arc<Ctx>, key: Key) {
 /// One owner of a partition: a feeder reading the log from the committed
 /// offset, and the shipped partition loop deciding what it hands over.
 async fn own(ctx: Arc<Ctx>, key: Key, generation: u64, stop: Arc<AtomicBool>) {
-    let incarnation = incarnation(&world(&ctx.world), &key);
+    let incarnation = world(&ctx.world).incarnation(&key);
     let from = ctx.group.lock().unwrap_or_else(|e| e.into_inner()).committed.get(&(key.clone(), incarnation)).copied().unwrap_or(0);
     let (tx, mut rx) = mpsc::channel(16);
     let offsets = Offsets { ctx: ctx.clone(), generation, incarnation };
@@ -508,7 +505,7 @@ async fn feed(ctx: Arc<Ctx>, key: Key, incarnation_read: usize, mut next: i64, t
         }
         let batch: Vec<RawMessage> = {
             let w = world(&ctx.world);
-            if incarnation(&w, &key) != incarnation_read {
+            if w.incarnation(&key) != incarnation_read {
                 return;
             }
             let start = w.log_start.get(&key).copied().unwrap_or(0);
