@@ -2213,8 +2213,9 @@ fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, String)], viol
     let late_events: BTreeSet<String> = w.late_writes.iter().filter_map(|a| attempts_by_id.get(a)).map(|a| a.event_id.to_string()).collect();
     // Every copy in the log is accounted for.
     let mut copies_per_event: BTreeMap<&str, u64> = BTreeMap::new();
-    // The current logs, then those that are gone (with when they went).
-    let logs: Vec<(&String, &i32, &Vec<Stored>, Option<i64>, usize)> = w
+    // The current logs, then those that are gone (with when they went), each
+    // with its incarnation.
+    let logs: Vec<_> = w
         .logs
         .iter()
         .map(|(key, l)| (&key.0, &key.1, l, None, w.incarnation(key)))
