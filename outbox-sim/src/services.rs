@@ -1701,7 +1701,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         forge_rng: Rng::new(cfg.seed ^ 0xf0_29ed_0002),
         commits: 0,
         committed: Arc::new(tokio::sync::Notify::new()),
-        listen_rng: Rng::new(cfg.seed ^ 0x11_57e2),
+        listen_rng: Rng::new(cfg.seed ^ 0x0011_57e2),
         scan_gaps: Vec::new(),
         copies_reported: BTreeSet::new(),
     }));

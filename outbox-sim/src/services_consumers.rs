@@ -244,8 +244,6 @@ struct Offsets {
     incarnation: usize,
 }
 
-/// How many logs `key` has had before its current one.
-
 impl OffsetCommit for Offsets {
     fn commit(&self, topic: &str, partition: i32, next_offset: i64) {
         let key = (topic.to_owned(), partition);
