@@ -4,7 +4,10 @@
 //! ```text
 //! cargo run --release --example consume_bench [N]
 //! ```
-//! Prints exactly one line: `consume events=<n> events_per_s=<x>`.
+//! Prints one line: `consume events=<n> events_per_s=<x>`; comment lines on
+//! stderr (`# ...`) add the CPU the machine, the bench process and its
+//! database's PostgreSQL backends spent while the consumer ran, per event
+//! (`outbox_examples::cpu`).
 //!
 //! * N: first argument, else `OUTBOX_BENCH_EVENTS`, else 100000.
 //! * `OUTBOX_BENCH_PARTITIONS`: partitions of the topic. Default: enough
@@ -30,6 +33,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use outbox_consumer::{async_trait, ConsumedEvent, ConsumerConfig, Handler, HandlerError, IdempotentConsumer};
 use outbox_core::{headers, AttemptId, EmitRequest, EventId, RoutePolicy};
+use outbox_examples::cpu::CpuMeter;
 use outbox_examples::env::ScratchDb;
 use outbox_examples::fulfilment;
 use rdkafka::config::ClientConfig;
@@ -206,6 +210,7 @@ async fn bench(pool: &sqlx::PgPool, bootstrap: &str, messages: Vec<Event>, parti
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let start = Instant::now();
+    let meter = CpuMeter::start(pool).await;
     let (mut last, mut last_change) = (0, Instant::now());
     loop {
         let decided = metrics.snapshot().decided();
@@ -219,6 +224,9 @@ async fn bench(pool: &sqlx::PgPool, bootstrap: &str, messages: Vec<Event>, parti
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let elapsed = start.elapsed();
+    for line in meter.finish(pool).await.lines(n) {
+        eprintln!("{line}");
+    }
     let _ = stop_tx.send(());
     task.await??;
 

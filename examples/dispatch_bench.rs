@@ -33,13 +33,14 @@
 //! CPU: besides the machine's (which counts everything else running on it
 //! too), `# own cpu` counts this process and the PostgreSQL backends of its
 //! database (from `/proc/<pid>/stat`, read before and after the run), per
-//! event.
+//! event; with `--preload`, the `# drain:` lines count the drain alone.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use outbox_core::{EmitRequest, RoutePolicy};
+use outbox_examples::cpu::CpuMeter;
 use outbox_examples::env::{Kafka, ScratchDb};
 use outbox_producer::{emit_batch, Dispatcher, DispatcherConfig, EmitOptions, PgStore};
 
@@ -177,8 +178,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
         None => None,
     };
 
-    let cpu_at_start = machine_cpu_s();
-    let own_at_start = own_cpu_s(&pool).await;
+    let meter = CpuMeter::start(&pool).await;
     let started = Instant::now();
     // Emitter e owns the keys k with k % emitters == e, so each key's
     // versions are committed in order by one emitter. With a rate, emitter e
@@ -224,6 +224,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     }
     let emitted_s = started.elapsed().as_secs_f64();
     let drain_started = Instant::now();
+    let drain_meter = if args.preload { Some(CpuMeter::start(&pool).await) } else { None };
     if runs.is_empty() {
         runs = start_all(&stop_rx);
     }
@@ -242,8 +243,11 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     }
     let wall_s = started.elapsed().as_secs_f64();
     let drain_s = drain_started.elapsed().as_secs_f64();
-    let cpu_s = cpu_at_start.zip(machine_cpu_s()).map(|(a, b)| b - a);
-    let own_s = own_cpu_s(&pool).await.map(|(p, b)| (p - own_at_start.map_or(0.0, |s| s.0), b - own_at_start.map_or(0.0, |s| s.1)));
+    let spent = meter.finish(&pool).await;
+    let drain_spent = match &drain_meter {
+        Some(m) => Some(m.finish(&pool).await),
+        None => None,
+    };
     release_tx.send(true)?;
     let held_s = match holder {
         Some(h) => Some(h.await??),
@@ -275,17 +279,15 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
         args.workers,
         args.batch
     );
-    if let Some(cpu_s) = cpu_s {
-        // The whole machine's CPU (PostgreSQL, emitters, dispatcher and the
-        // in-process cluster, and whatever else runs there): comparable
-        // across machines of different speed where events/s alone is not.
-        eprintln!("# machine cpu {cpu_s:.1} s over the run ; {:.0} us of cpu per event", cpu_s * 1e6 / args.events as f64);
+    // CPU per event: comparable across machines of different speed where
+    // events/s alone is not (outbox_examples::cpu).
+    for line in spent.lines(args.events) {
+        eprintln!("{line}");
     }
-    if let Some((process_s, backends_s)) = own_s {
-        eprintln!(
-            "# own cpu: bench process {process_s:.1} s + its PostgreSQL backends {backends_s:.1} s ; {:.0} us of cpu per event",
-            (process_s + backends_s) * 1e6 / args.events as f64
-        );
+    if let Some(d) = drain_spent {
+        for line in d.lines(args.events) {
+            eprintln!("{}", line.replacen("# ", "# drain: ", 1));
+        }
     }
     if let Some(rate) = args.rate {
         eprintln!("# offered {rate:.0} events/s ; commit -> PUBLISHED p50 {p50:.0} ms, p99 {p99:.0} ms, max {max} ms");
@@ -313,39 +315,6 @@ async fn table_sizes(pool: &sqlx::PgPool) -> anyhow::Result<String> {
     .fetch_all(pool)
     .await?;
     Ok(rows.iter().map(|(t, heap, idx)| format!("{t} {heap} kB + indexes {idx} kB")).collect::<Vec<_>>().join(" ; "))
-}
-
-/// CPU seconds (user + system) of this process and of the PostgreSQL
-/// backends now connected to the bench's database, from Linux's
-/// `/proc/<pid>/stat` (USER_HZ, 100 per second); `None` elsewhere or when
-/// the server's processes are not visible (another host, a container).
-async fn own_cpu_s(pool: &sqlx::PgPool) -> Option<(f64, f64)> {
-    let process = proc_cpu_s("self")?;
-    let pids: Vec<i32> = sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE datname = current_database()").fetch_all(pool).await.ok()?;
-    let backends: Vec<f64> = pids.iter().filter_map(|p| proc_cpu_s(&p.to_string())).collect();
-    if backends.is_empty() {
-        return None;
-    }
-    Some((process, backends.iter().sum()))
-}
-
-fn proc_cpu_s(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may hold spaces) in parentheses.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let (utime, stime): (f64, f64) = (f.get(11)?.parse().ok()?, f.get(12)?.parse().ok()?);
-    Some((utime + stime) / 100.0)
-}
-
-/// CPU seconds the whole machine has spent busy since boot (user, nice,
-/// system, irq, softirq, steal), from Linux's `/proc/stat`, whose unit is
-/// USER_HZ (100 per second); `None` elsewhere.
-fn machine_cpu_s() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let fields: Vec<f64> = stat.lines().next()?.strip_prefix("cpu ")?.split_whitespace().map(|f| f.parse().unwrap_or(0.0)).collect();
-    let busy: f64 = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| fields.get(i)).sum();
-    Some(busy / 100.0)
 }
 
 fn broker_cluster(b: &outbox_producer::kafka::KafkaBroker) -> &str {

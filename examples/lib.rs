@@ -1,5 +1,6 @@
 //! Shared pieces of the runnable examples (`cargo run --example <name>`).
 
+pub mod cpu;
 pub mod env;
 pub mod fulfilment;
 
