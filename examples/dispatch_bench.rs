@@ -19,7 +19,9 @@
 //! Options: `--events N` (100000), `--keys K` (1000), `--emitters E` (2),
 //! `--txn-events T` (100), `--workers W` (4), `--batch B` (300),
 //! `--partitions P` (12); `--preload` (emit everything, then start the
-//! dispatcher), `--no-wake` (emit with `wake_dispatcher` off), `--keep-db`;
+//! dispatcher), `--no-wake` (emit with `wake_dispatcher` off), `--topic-id`
+//! (route with the topic's id, as `outbox route set` does: the events
+//! freeze `destination.v2`; without it, `destination.v1`), `--keep-db`;
 //! `--instances N` (1: N dispatcher instances, each its own `Dispatcher`,
 //! store and producer; each one's published count is printed, so an
 //! instance that starves shows); `--rate R` (the emitters together offer R
@@ -58,10 +60,11 @@ struct Args {
     instances: usize,
     rate: Option<f64>,
     hold_snapshot_s: Option<u64>,
+    topic_id: bool,
 }
 
 const USAGE: &str = "usage: dispatch_bench [--events N] [--keys K] [--emitters E] [--txn-events T] [--workers W] [--batch B] [--partitions P] \
-[--instances N] [--rate EVENTS_PER_S] [--hold-snapshot-s S] [--preload] [--no-wake] [--keep-db] [--throwaway-postgres]";
+[--instances N] [--rate EVENTS_PER_S] [--hold-snapshot-s S] [--preload] [--no-wake] [--topic-id] [--keep-db] [--throwaway-postgres]";
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut a = Args {
@@ -78,6 +81,7 @@ fn parse_args() -> anyhow::Result<Args> {
         instances: 1,
         rate: None,
         hold_snapshot_s: None,
+        topic_id: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -85,6 +89,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--preload" => a.preload = true,
             "--keep-db" => a.keep_db = true,
             "--no-wake" => a.no_wake = true,
+            "--topic-id" => a.topic_id = true,
             // Read by ScratchDb::create.
             outbox_examples::env::THROWAWAY_FLAG => {}
             "--events" | "--keys" | "--emitters" | "--txn-events" | "--workers" | "--batch" | "--partitions" | "--instances" | "--rate" | "--hold-snapshot-s" => {
@@ -130,6 +135,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     let kafka = Kafka::start(&[("orders", args.partitions)])?;
     let mut dispatchers = Vec::new();
     let mut cluster = None;
+    let mut topic_id = None;
     for i in 0..args.instances {
         let broker = kafka
             .broker(|c| {
@@ -138,6 +144,9 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
             })
             .await?;
         cluster.get_or_insert_with(|| broker_cluster(&broker).to_owned());
+        if args.topic_id && topic_id.is_none() {
+            topic_id = Some(broker.topic_id("orders").await?.context("the cluster gives no topic id")?);
+        }
         let name = if args.instances == 1 { "bench".to_owned() } else { format!("bench{i}") };
         dispatchers.push(Arc::new(Dispatcher::new(
             PgStore::new(pool.clone()),
@@ -146,7 +155,8 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
         )?));
     }
     let cluster = cluster.context("no dispatcher instance")?;
-    outbox_producer::routes::revise(&pool, &RoutePolicy::new("order.created.v2", &cluster, "orders", args.partitions as u32)).await?;
+    let route = RoutePolicy { topic_id, ..RoutePolicy::new("order.created.v2", &cluster, "orders", args.partitions as u32) };
+    outbox_producer::routes::revise(&pool, &route).await?;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let start_all = |stop_rx: &tokio::sync::watch::Receiver<bool>| -> Vec<_> {
