@@ -101,8 +101,9 @@ pub struct DispatcherConfig {
     /// A worker claims the next events of the keys it has just published
     /// ([`PgStore::claim_successors`], one index probe per key) and scans
     /// every ordering key's head ([`OutboxStore::claim_batch`](outbox_core::OutboxStore::claim_batch)) instead on
-    /// its first claim, whenever `head_scan_every - 1` claims went by
-    /// without a scan, and whenever no successor was ready. A key no
+    /// its first claim and whenever `head_scan_every - 1` claims went by
+    /// without a scan; a claim whose successors do not fill the batch is
+    /// topped up from every key's head. A key no
     /// worker has in hand waits at most `head_scan_every - 1` more batches
     /// of a worker than it would under a scan on every claim (`1`: scan on
     /// every claim, strict oldest-first across keys). 1..=64.

@@ -889,7 +889,7 @@ impl PgStore {
     /// A dispatcher's claim of up to `limit` events, in one transaction:
     /// events waiting for a retry first; then, unless `scan_due`, the
     /// successors of the events `after` ([`PgStore::claim_successors`]);
-    /// then, when a scan is due or no successor was ready, every key's head
+    /// then, when a scan is due or the batch is not full, every key's head
     /// ([`OutboxStore::claim_batch`]). All of it commits or none of it does,
     /// and the transaction's round trips are paid once. New chains are
     /// linked to heads first, in the same transaction (`link_arrivals`).
@@ -907,9 +907,13 @@ impl PgStore {
                     .claim_in(&mut tx, &CLAIM_SUCCESSORS, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, Some(&successor_ids(after)), &mut quarantined)
                     .await?;
                 round.successor_claim = true;
-                // No successor ready: look at every key now rather than wait.
-                scan = found.is_empty();
                 round.claimed.extend(found);
+                // Successors that do not fill the batch: top it up from every
+                // key's head (O(batch) since the chain heads) rather than
+                // send a smaller batch, or wait when there were none. With
+                // many workers each holds fewer keys, and successors alone
+                // made batches of a fraction of the limit.
+                scan = round.claimed.len() < limit;
             }
             if scan {
                 let heads = self.claim_in(&mut tx, &CLAIM_EVERY_HEAD, owner, limit - round.claimed.len(), lease_ms, EventState::Pending, None, &mut quarantined).await?;

@@ -393,6 +393,36 @@ async fn successor_claims_follow_only_the_named_keys(pool: PgPool) {
     assert_eq!(rest, want);
 }
 
+/// A claim whose successors do not fill its batch tops it up from every
+/// key's head in the same transaction: with many workers, each holds a few
+/// keys, and successors alone made batches a fraction of the limit (four
+/// instances of four workers on 1,000 keys claimed about 60 events a batch
+/// of 300).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn successors_that_do_not_fill_the_batch_are_topped_up_from_every_head(pool: PgPool) {
+    let (_cluster, broker) = started(&pool, 10_000).await;
+    // Keys o-0, o-1, o-2, three events each: a0 a1 a2 b0 b1 b2 c0 c1 c2.
+    let ids = emit_many(&pool, 3, 3).await;
+    let (a0, a1, b0, b1, c1) = (&ids[0], &ids[1], &ids[3], &ids[4], &ids[7]);
+    let d = Dispatcher::new(PgStore::new(pool.clone()), broker, config("topup")).unwrap();
+    assert_eq!(d.dispatch_once("w1").await.unwrap().published, 3, "the three heads");
+    let store = PgStore::new(pool.clone());
+    let claimed = |r: &outbox_producer::ClaimRound| {
+        let mut got: Vec<String> = r.claimed.iter().map(|c| c.envelope.event_id.to_string()).collect();
+        got.sort();
+        got
+    };
+    // A batch its successor fills scans no head.
+    let full = store.claim_next("w1", &[a0.parse().unwrap()], false, 1, 30_000).await.unwrap();
+    assert_eq!((claimed(&full), full.successor_claim, full.head_scan), (vec![a1.clone()], true, false));
+    // One that its successors leave short takes the other keys' heads too
+    // (o-0's head, a1, is in flight).
+    let short = store.claim_next("w1", &[b0.parse().unwrap()], false, 10, 30_000).await.unwrap();
+    let mut want = vec![b1.clone(), c1.clone()];
+    want.sort();
+    assert_eq!((claimed(&short), short.successor_claim, short.head_scan), (want, true, true));
+}
+
 /// Emits A0 A1 A2 B0 A3 .. A9 (keys `<tag>-a`, `<tag>-b`, one transaction
 /// each), dispatches them one per batch under `head_scan_every = every`, and
 /// returns where B0 went in the send order (A's order is checked).
