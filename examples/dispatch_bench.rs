@@ -302,6 +302,18 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     if let Some(rate) = args.rate {
         eprintln!("# offered {rate:.0} events/s ; commit -> PUBLISHED p50 {p50:.0} ms, p99 {p99:.0} ms, max {max} ms");
     }
+    {
+        // Claims: how full the batches were, and how they were found.
+        let sum = |f: fn(&outbox_producer::dispatcher::DispatchMetrics) -> u64| -> u64 { dispatchers.iter().map(|d| f(&d.metrics())).sum() };
+        let (batches, claimed) = (sum(|m| m.batches.load(std::sync::atomic::Ordering::Relaxed)), sum(|m| m.claimed.load(std::sync::atomic::Ordering::Relaxed)));
+        eprintln!(
+            "# batches {batches} ; {:.0} events claimed per batch (limit {}) ; successor claims {} ; head scans {}",
+            claimed as f64 / batches.max(1) as f64,
+            args.batch,
+            sum(|m| m.successor_claims.load(std::sync::atomic::Ordering::Relaxed)),
+            sum(|m| m.head_scans.load(std::sync::atomic::Ordering::Relaxed))
+        );
+    }
     if args.instances > 1 {
         let counts: Vec<String> = dispatchers.iter().enumerate().map(|(i, d)| format!("bench{i}={}", d.metrics().published.load(std::sync::atomic::Ordering::Relaxed))).collect();
         eprintln!("# published per instance: {}", counts.join(" "));
