@@ -412,6 +412,12 @@ async fn purge_never_overtakes_the_watermark(pool: PgPool) {
     assert_eq!(left, vec![3, 4]);
 }
 
+/// A pool of one connection to the test's database: its statements are
+/// the only ones a session's counters count.
+async fn one_session(pool: &PgPool) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap()
+}
+
 /// The receipts table's sequential scans and rows read (rows read by
 /// sequential scans plus index entries read by index scans), once the
 /// session `own` has reported its counters (`pg_stat_force_next_flush`:
@@ -435,7 +441,7 @@ async fn receipt_reads(pool: &PgPool, own: &PgPool) -> (i64, i64) {
 #[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
 async fn batches_planned_on_a_tiny_receipts_table_stay_index_probes(pool: PgPool) {
     create_effects_table(&pool).await;
-    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let own = one_session(&pool).await;
     let h = TestHandler::default();
     let p = processor(&own, &h);
     let all: Vec<RawMessage> = (0..2_018).map(|i| fixture(TOPIC, 1, &format!("o-{i}")).raw(i)).collect();
@@ -485,7 +491,7 @@ async fn batches_planned_on_a_tiny_receipts_table_stay_index_probes(pool: PgPool
 #[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
 async fn storing_handler_results_writes_no_index_entries(pool: PgPool) {
     create_effects_table(&pool).await;
-    let own = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
+    let own = one_session(&pool).await;
     let h = TestHandler::default();
     let p = processor(&own, &h);
     let all: Vec<RawMessage> = (0..1_000).map(|i| fixture(TOPIC, 1, &format!("o-{i}")).raw(i)).collect();
