@@ -30,7 +30,9 @@
 //! S` (a REPEATABLE READ transaction in the bench's database, its snapshot
 //! taken by a query, held open for S seconds from the first commit or until
 //! the run ends; the outbox tables' and indexes' sizes are printed before
-//! and after). An unknown option is an error.
+//! and after); `--kafka-setting K=V` (repeatable: a raw librdkafka
+//! producer setting, e.g. `linger.ms=0`, given to every instance's adapter,
+//! which refuses the settings it relies on). An unknown option is an error.
 //!
 //! CPU: besides the machine's (which counts everything else running on it
 //! too), `# own cpu` counts this process and the PostgreSQL backends of its
@@ -61,10 +63,11 @@ struct Args {
     rate: Option<f64>,
     hold_snapshot_s: Option<u64>,
     topic_id: bool,
+    kafka_settings: Vec<(String, String)>,
 }
 
 const USAGE: &str = "usage: dispatch_bench [--events N] [--keys K] [--emitters E] [--txn-events T] [--workers W] [--batch B] [--partitions P] \
-[--instances N] [--rate EVENTS_PER_S] [--hold-snapshot-s S] [--preload] [--no-wake] [--topic-id] [--keep-db] [--throwaway-postgres]";
+[--instances N] [--rate EVENTS_PER_S] [--hold-snapshot-s S] [--kafka-setting K=V]... [--preload] [--no-wake] [--topic-id] [--keep-db] [--throwaway-postgres]";
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut a = Args {
@@ -82,6 +85,7 @@ fn parse_args() -> anyhow::Result<Args> {
         rate: None,
         hold_snapshot_s: None,
         topic_id: false,
+        kafka_settings: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -90,6 +94,11 @@ fn parse_args() -> anyhow::Result<Args> {
             "--keep-db" => a.keep_db = true,
             "--no-wake" => a.no_wake = true,
             "--topic-id" => a.topic_id = true,
+            "--kafka-setting" => {
+                let raw = it.next().with_context(|| format!("{flag} needs K=V\n{USAGE}"))?;
+                let (k, v) = raw.split_once('=').filter(|(k, _)| !k.trim().is_empty()).with_context(|| format!("{flag} takes K=V, not {raw:?}\n{USAGE}"))?;
+                a.kafka_settings.push((k.trim().to_owned(), v.trim().to_owned()));
+            }
             // Read by ScratchDb::create.
             outbox_examples::env::THROWAWAY_FLAG => {}
             "--events" | "--keys" | "--emitters" | "--txn-events" | "--workers" | "--batch" | "--partitions" | "--instances" | "--rate" | "--hold-snapshot-s" => {
@@ -141,6 +150,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
             .broker(|c| {
                 c.max_in_flight = 20_000;
                 c.message_timeout_ms = 60_000;
+                c.extra.extend(args.kafka_settings.iter().cloned());
             })
             .await?;
         cluster.get_or_insert_with(|| broker_cluster(&broker).to_owned());
