@@ -90,6 +90,10 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         match flag.as_str() {
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
             "--preload" => a.preload = true,
             "--keep-db" => a.keep_db = true,
             "--no-wake" => a.no_wake = true,
