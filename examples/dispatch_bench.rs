@@ -100,8 +100,9 @@ fn parse_args() -> anyhow::Result<Args> {
             "--topic-id" => a.topic_id = true,
             "--kafka-setting" => {
                 let raw = it.next().with_context(|| format!("{flag} needs K=V\n{USAGE}"))?;
-                let (k, v) = raw.split_once('=').filter(|(k, _)| !k.trim().is_empty()).with_context(|| format!("{flag} takes K=V, not {raw:?}\n{USAGE}"))?;
-                a.kafka_settings.push((k.trim().to_owned(), v.trim().to_owned()));
+                let kv = outbox_producer::kafka::split_setting(&raw)
+                    .with_context(|| format!("{flag} takes K=V (the text is not shown: it may be a secret)\n{USAGE}"))?;
+                a.kafka_settings.push(kv);
             }
             // Read by ScratchDb::create.
             outbox_examples::env::THROWAWAY_FLAG => {}

@@ -257,10 +257,8 @@ pub struct KafkaFlags {
 
 /// Splits `KEY=VALUE`; the error never shows the text (it may be a secret).
 fn split_setting(flag: &str, n: usize, kv: &str) -> anyhow::Result<(String, String)> {
-    match kv.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
-        _ => bail!("{flag} number {n}: expected KEY=VALUE (the value is not shown: it may be a secret)"),
-    }
+    outbox_producer::kafka::split_setting(kv)
+        .ok_or_else(|| anyhow::anyhow!("{flag} number {n}: expected KEY=VALUE (the value is not shown: it may be a secret)"))
 }
 
 /// The Kafka adapter configuration: defaults < file < environment < flags.

@@ -187,6 +187,17 @@ pub fn is_secret_setting(key: &str) -> bool {
         .any(|s| k.contains(s))
 }
 
+/// Splits a raw setting given as `KEY=VALUE` (a `--kafka-setting` flag):
+/// the key trimmed, the value as given. `None` without an `=` or with an
+/// empty key; a caller's error should not echo the text (it may hold a
+/// secret).
+pub fn split_setting(kv: &str) -> Option<(String, String)> {
+    match kv.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Some((k.trim().to_owned(), v.to_owned())),
+        _ => None,
+    }
+}
+
 /// The value of `key` as it may be shown: `***` for a secret-bearing key.
 pub fn redact_setting<'a>(key: &str, value: &'a str) -> &'a str {
     if is_secret_setting(key) {
@@ -1956,6 +1967,15 @@ mod tests {
         assert_eq!(producer.get("fetch.max.bytes"), None, "lookup settings stay off the producer");
         c.lookup_extra.push(("group.id".into(), "x".into()));
         assert!(c.validate().is_err(), "protected settings are refused in lookup_extra too");
+    }
+
+    #[test]
+    fn a_setting_splits_at_its_first_equals_sign_and_keeps_its_value_as_given() {
+        assert_eq!(split_setting(" linger.ms =0"), Some(("linger.ms".to_owned(), "0".to_owned())));
+        assert_eq!(split_setting("sasl.password= a=b "), Some(("sasl.password".to_owned(), " a=b ".to_owned())));
+        assert_eq!(split_setting("client.id="), Some(("client.id".to_owned(), String::new())));
+        assert_eq!(split_setting("linger.ms"), None);
+        assert_eq!(split_setting(" =0"), None);
     }
 
     #[test]
