@@ -1,11 +1,9 @@
 # librdkafka is built from source by rdkafka-sys: make, a C/C++ compiler,
 # zlib, and OpenSSL for TLS and SASL SCRAM/OAUTHBEARER. OIDC (the
-# client-credentials token request) needs libcurl: librdkafka's configure
-# looks for it with pkg-config or by linking -lcurl, and finds neither the
-# copy curl-sys builds from source (feature curl-static) nor the runtime
-# library without its development package; without libcurl4-openssl-dev it
-# builds silently without OIDC (measured on a machine without it:
-# "checking for libcurl (by compile)... failed (disable)", then the OIDC
-# test refused "sasl.oauthbearer.client.secret not supported in this build").
+# client-credentials token request) needs libcurl, which cargo builds from
+# source too (curl-sys, feature curl-static); .cargo/config.toml points
+# librdkafka's configure at that copy (outbox-producer/build-support/pkg-config),
+# so libcurl's development package is not installed here, and the build is
+# the same whether the quickstart or this script ran first.
 # pkg-config helps the C builds find their libraries.
-apt_install make g++ pkg-config zlib1g-dev libssl-dev libcurl4-openssl-dev
+apt_install make g++ pkg-config zlib1g-dev libssl-dev
