@@ -504,11 +504,18 @@ async fn migrate(url: &str, a: &MigrateArgs) -> anyhow::Result<u8> {
         outbox_consumer::migrate(&pool).await.context("consumer migrations")?;
     }
     let after = applied(pool.clone()).await?;
-    let new: Vec<String> = after.iter().filter(|v| !before.contains(v)).map(|v| v.to_string()).collect();
-    if new.is_empty() {
-        println!("schema up to date ({} migrations applied)", after.len());
-    } else {
-        println!("applied {} migration(s): {} ({} in total)", new.len(), new.join(", "), after.len());
+    let sides = [(Side::Producer, "producer", &outbox_producer::MIGRATOR), (Side::Consumer, "consumer", &outbox_consumer::MIGRATOR)];
+    for (side, name, migrator) in sides {
+        if a.only.is_some_and(|only| only != side) {
+            continue;
+        }
+        let new: Vec<String> =
+            migrator.iter().filter(|m| after.contains(&m.version) && !before.contains(&m.version)).map(|m| format!("{} {}", m.version, m.description)).collect();
+        if new.is_empty() {
+            println!("{name} schema: up to date");
+        } else {
+            println!("{name} schema: applied {} migration(s): {}", new.len(), new.join(", "));
+        }
     }
     outbox_producer::check_protocol(&pool).await.ok();
     Ok(0)

@@ -57,11 +57,13 @@ fn help_lists_every_command_and_documents_every_flag() {
 async fn migrate_then_status_on_an_empty_outbox() {
     let env = Env::new("cli_status").await;
     let out = env.ok(&["migrate"]);
-    // Every migration of the producer and the consumer, once.
-    let all = outbox_producer::MIGRATOR.iter().count() + outbox_consumer::MIGRATOR.iter().count();
-    assert!(out.contains(&format!("applied {all} migration(s)")), "{out}");
+    // One schema file per crate, each applied once.
+    assert_eq!(outbox_producer::MIGRATOR.iter().count(), 1, "the producer's schema is one file");
+    assert_eq!(outbox_consumer::MIGRATOR.iter().count(), 1, "the consumer's schema is one file");
+    assert!(out.contains("producer schema: applied 1 migration(s): 20261206000001 "), "{out}");
+    assert!(out.contains("consumer schema: applied 1 migration(s): 20261206100001 "), "{out}");
     let out = env.ok(&["migrate"]);
-    assert!(out.contains("schema up to date"), "{out}");
+    assert!(out.contains("producer schema: up to date") && out.contains("consumer schema: up to date"), "{out}");
     let status = env.ok(&["status"]);
     assert!(status.contains("events: 0"), "{status}");
     assert!(status.contains("PENDING") && status.contains("QUARANTINED"), "{status}");
@@ -81,6 +83,38 @@ async fn migrate_then_status_on_an_empty_outbox() {
     let out = outbox_bin().arg("status").output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no database: pass --database-url, set DATABASE_URL"));
+    env.drop_now().await;
+}
+
+/// A database whose migration history records the pre-release migrations
+/// (the 38 files the two schema files replaced) is refused by `outbox
+/// migrate` with what to do, and left as it was: neither crate's schema is
+/// applied over it.
+#[tokio::test]
+async fn migrate_refuses_a_database_made_by_the_pre_release_migrations() {
+    let env = Env::new("cli_prerelease").await;
+    // sqlx's history table, as the pre-release migrations left it.
+    sqlx::query("CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, description TEXT NOT NULL, installed_on TIMESTAMPTZ NOT NULL DEFAULT now(), success BOOLEAN NOT NULL, checksum BYTEA NOT NULL, execution_time BIGINT NOT NULL)")
+        .execute(env.pool())
+        .await
+        .unwrap();
+    for (side, versions) in [("producer", &outbox_producer::PRE_RELEASE_MIGRATIONS[..2]), ("consumer", &outbox_consumer::PRE_RELEASE_MIGRATIONS[..1])] {
+        for v in versions {
+            sqlx::query("INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) VALUES ($1, 'pre-release', true, '\\x00', 1)")
+                .bind(v)
+                .execute(env.pool())
+                .await
+                .unwrap();
+        }
+        let only = format!("--only={side}");
+        let out = env.run(&["migrate", &only]);
+        assert_eq!(out.status.code(), Some(1), "{side}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("this database's {side} schema was made by pre-release migrations")), "{err}");
+        assert!(err.contains("run `outbox migrate` on a new, empty database"), "{err}");
+    }
+    assert_eq!(env.count("SELECT count(*) FROM _sqlx_migrations").await, 3, "nothing applied over it");
+    assert_eq!(env.count("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'outbox_%'").await, 0, "no table made");
     env.drop_now().await;
 }
 
@@ -426,8 +460,8 @@ async fn rollout_commands_set_the_takeover_policy_and_switch_the_alias() {
 }
 
 /// Every finding kind the reconciler records and the metrics export is one
-/// the database accepts: several migrations re-create the kind check, and a
-/// later one that forgot a kind would make that finding's insert fail.
+/// the database accepts: the schema's kind check lists them, and one that
+/// forgot a kind would make that finding's insert fail.
 #[tokio::test]
 async fn the_schema_accepts_every_finding_kind() {
     let env = Env::new("cli_finding_kinds").await;

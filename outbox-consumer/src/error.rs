@@ -21,6 +21,13 @@ pub enum ConsumerError {
     /// Applying the consumer's migrations failed.
     #[error("migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The database was made by the migrations that came before the first
+    /// release (one schema file replaced them); it cannot be upgraded in place.
+    #[error("{}", outbox_core::error::pre_release_schema_message("consumer", versions))]
+    PreReleaseSchema {
+        /// The pre-release versions its migration history records.
+        versions: Vec<i64>,
+    },
     /// A Kafka client error (creating the consumer, subscribing, polling).
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
@@ -72,6 +79,7 @@ impl ConsumerError {
             ),
             ConsumerError::Config(_)
             | ConsumerError::Migrate(_)
+            | ConsumerError::PreReleaseSchema { .. }
             | ConsumerError::InvalidBatch(_)
             | ConsumerError::CorruptRow(_)
             | ConsumerError::StoppedByHook { .. }

@@ -146,16 +146,29 @@ pub use trust::{TopicTrust, TrustPolicy, LIMIT_TRUST_ENTRIES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
 pub use watermark_publisher::{SHARED_KAFKA_PROPERTY_PREFIXES, WATERMARK_TOPIC_PARTITIONS};
 
-/// The consumer's migrations (`migrations/`, versions `20261129100001` and
-/// up), for `#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]` and tools.
+/// The consumer's schema (`migrations/`, one file, version `20261206100001`),
+/// for `#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]` and tools.
 /// In a database shared with other migration sets, use [`migrate`].
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
+
+/// Versions of the pre-release migrations (6 files, 2026-11-29 to
+/// 2026-12-04) that the one schema file replaced before any release. A
+/// database that has any of them applied is refused by [`migrate`].
+pub const PRE_RELEASE_MIGRATIONS: [i64; 6] = [20261129100001, 20261129100002, 20261201130001, 20261201190001, 20261201200001, 20261204020001];
 
 /// Applies the consumer's migrations, ignoring versions applied by other
 /// migration sets in the same database (the producer's). Run it on the
 /// consumer's database, and on the outbox database of a consumer that
 /// publishes its watermarks there.
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), ConsumerError> {
+    let has_history: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(pool).await?;
+    if has_history {
+        let found: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE version = ANY($1) ORDER BY version").bind(&PRE_RELEASE_MIGRATIONS[..]).fetch_all(pool).await?;
+        if !found.is_empty() {
+            return Err(ConsumerError::PreReleaseSchema { versions: found });
+        }
+    }
     let mut m: sqlx::migrate::Migrator = sqlx::migrate!();
     m.set_ignore_missing(true);
     m.run(pool).await?;

@@ -90,3 +90,16 @@ impl CoreError {
         matches!(self, CoreError::LeaseExpired { .. })
     }
 }
+
+/// The message for a database made by the pre-release migrations, shared by
+/// the producer's and the consumer's `migrate`.
+pub fn pre_release_schema_message(side: &str, versions: &[i64]) -> String {
+    let first = versions.first().copied().unwrap_or_default();
+    let last = versions.last().copied().unwrap_or_default();
+    format!(
+        "this database's {side} schema was made by pre-release migrations ({} of them applied, versions {first} to {last}), \
+         which one schema file replaced before the first release and which cannot be upgraded in place: \
+         run `outbox migrate` on a new, empty database (or drop this one's outbox tables and its _sqlx_migrations table first)",
+        versions.len()
+    )
+}

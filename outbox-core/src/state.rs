@@ -155,8 +155,8 @@ impl EventState {
     /// Whether an event in this state still holds its ordering key: the
     /// later events of its key chain wait until it closes (PUBLISHED,
     /// RETAINED, PURGED). An event in flight, UNKNOWN, being retried or
-    /// QUARANTINED holds it. PostgreSQL's chain-head triggers (migration
-    /// `20261201095001`) close a chain's head on the same three states;
+    /// QUARANTINED holds it. PostgreSQL's chain-head triggers (the
+    /// producer schema's section 7) close a chain's head on the same three states;
     /// `tests/tests/claims.rs::the_chain_triggers_close_a_head_on_the_core_closing_states`
     /// holds them to this.
     pub fn holds_key(self) -> bool {

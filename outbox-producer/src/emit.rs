@@ -198,7 +198,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
             SELECT pg_current_xact_id()::text::bigint AS txid,
                    (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
                    -- Index probes whatever the statistics were when this
-                   -- session planned them (migration 20261129000014).
+                   -- session planned them (schema section 6).
                    l.existing, l.last_versions, t.*
             FROM outbox_emit_lookup($1::text[], $2::text[], $3::text[], $4::text[]) l
             LEFT JOIN LATERAL (SELECT generation AS takeover_generation, event_types AS takeover_event_types,
@@ -435,7 +435,7 @@ async fn committed_for_commands<'k>(tx: &mut Transaction<'_, Postgres>, keys: im
     if keys.is_empty() {
         return Ok(HashMap::new());
     }
-    // Primary-key probes whatever the statistics (migration 20261129000014).
+    // Primary-key probes whatever the statistics (schema section 6).
     let rows = sqlx::query("SELECT * FROM outbox_emit_committed($1)").bind(&keys).fetch_all(&mut **tx).await?;
     let mut found = HashMap::with_capacity(rows.len());
     for row in &rows {

@@ -68,6 +68,14 @@ pub enum ProducerError {
     /// Schema migration failed.
     #[error("migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The database was made by the migrations that came before the first
+    /// release (one schema file per crate replaced them); it cannot be
+    /// upgraded in place.
+    #[error("{}", outbox_core::error::pre_release_schema_message("producer", versions))]
+    PreReleaseSchema {
+        /// The pre-release versions its migration history records.
+        versions: Vec<i64>,
+    },
     /// A store operation failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -111,3 +119,4 @@ pub(crate) fn is_retryable_sqlx(e: &sqlx::Error) -> bool {
 pub(crate) fn store_err(e: sqlx::Error) -> StoreError {
     StoreError::Backend { retryable: is_retryable_sqlx(&e), message: e.to_string() }
 }
+

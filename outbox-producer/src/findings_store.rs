@@ -145,8 +145,8 @@ impl outbox_core::FindingsStore for PgStore {
     }
 
     async fn receipt_sweep_page(&self, limit: i64) -> Result<Vec<SweptEvent>, StoreError> {
-        // The database refuses such rows since migration 20261201010002;
-        // the sweep finds older ones and rows written with triggers disabled.
+        // The database refuses such rows; the sweep finds rows written
+        // with triggers disabled.
         let pool = self.pool();
         let after: String = sqlx::query_scalar("SELECT after_event_id FROM outbox_check_cursors WHERE check_name = 'published_without_receipt'")
             .fetch_optional(pool)

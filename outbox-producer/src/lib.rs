@@ -47,8 +47,20 @@ pub use routes::EnsuredRoute;
 pub use rollout::{compare_shadow, set_takeover, switch_alias, ShadowDispatcher, ShadowReport};
 pub use retention::{purge, register_consumer, PurgeReport, RetentionPolicy};
 
-/// The producer's schema migrations (outbox tables, route policies, consumer registry).
+/// The producer's schema (`migrations/`, one file: outbox tables, route
+/// policies, consumer registry, reconciler evidence), as a migrator.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
+
+/// Versions of the pre-release migrations (32 files, 2026-11-29 to
+/// 2026-12-04) that the one schema file replaced before any release. A
+/// database that has any of them applied is refused by [`migrate`]: it
+/// cannot be upgraded in place.
+pub const PRE_RELEASE_MIGRATIONS: [i64; 32] = [
+    20261129000001, 20261129000002, 20261129000003, 20261129000004, 20261129000005, 20261129000006, 20261129000007, 20261129000008,
+    20261129000009, 20261129000010, 20261129000011, 20261129000012, 20261129000013, 20261129000014, 20261201010001, 20261201010002,
+    20261201030001, 20261201030002, 20261201040001, 20261201040002, 20261201050001, 20261201060001, 20261201070001, 20261201080001,
+    20261201090001, 20261201095001, 20261201300001, 20261202060001, 20261202070001, 20261202080001, 20261202090001, 20261204010001,
+];
 
 /// The protocol version this build reads and writes.
 pub const PROTOCOL_VERSION: &str = "1";
@@ -56,10 +68,24 @@ pub const PROTOCOL_VERSION: &str = "1";
 /// Applies the producer's migrations. Other migration sets (the consumer's)
 /// may share the database; their versions are ignored here.
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), ProducerError> {
+    let found = applied_among(pool, &PRE_RELEASE_MIGRATIONS).await?;
+    if !found.is_empty() {
+        return Err(ProducerError::PreReleaseSchema { versions: found });
+    }
     let mut m = sqlx::migrate::Migrator { ignore_missing: true, ..clone_migrator() };
     m.set_locking(true);
     m.run(pool).await?;
     Ok(())
+}
+
+/// Which of `versions` the database's migration history (`_sqlx_migrations`)
+/// records; none when it has no history.
+async fn applied_among(pool: &sqlx::PgPool, versions: &[i64]) -> Result<Vec<i64>, sqlx::Error> {
+    let has_history: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(pool).await?;
+    if !has_history {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE version = ANY($1) ORDER BY version").bind(versions).fetch_all(pool).await
 }
 
 fn clone_migrator() -> sqlx::migrate::Migrator {

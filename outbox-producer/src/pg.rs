@@ -1264,7 +1264,7 @@ static CLAIM_RETRIES: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// The claim over every ordering chain's head: the claimable rows of
-/// `outbox_chain_heads` (migration 20261201095001) in seq order, read from
+/// `outbox_chain_heads` (schema section 7) in seq order, read from
 /// its partial index and locked with SKIP LOCKED, `LIMIT $1`: as many index
 /// entries as the batch, whatever the backlog behind the heads or the
 /// number of open chains, and a concurrent claim takes the next heads
@@ -1329,7 +1329,7 @@ fn claim_heads_sql(heads: &str) -> String {
 const ARRIVALS_PER_CLAIM: i32 = 2_000;
 
 /// Links the chains of newly committed ordered events to heads
-/// (`outbox_link_arrivals`, migration 20261201095001) as the first
+/// (`outbox_link_arrivals`, schema section 7) as the first
 /// statement of a claim's transaction: the claim's next statement sees
 /// the new heads. It locks the arrivals it takes and the heads it inserts
 /// until the claim commits; only another linker ever waits for those.

@@ -1,10 +1,8 @@
-//! Claims over the table of ordering-chain heads (migration
-//! 20261201095001, issue 21): a claim's cost does not grow with the backlog
-//! or the number of open keys; per-key order holds while emitters and
-//! several dispatcher instances run together; events committed before the
-//! migration get their heads.
+//! Claims over the table of ordering-chain heads (`outbox_chain_heads`, the
+//! schema's section 7): a claim's cost does not grow with the backlog or the
+//! number of open keys; per-key order holds while emitters and several
+//! dispatcher instances run together.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -159,43 +157,6 @@ async fn per_key_order_holds_with_emitters_and_three_instances_running_together(
     assert_eq!(log.len() as i64, total, "every event in the log once");
     assert_eq!(logged, committed, "a key's events reached the log out of commit order");
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_chain_heads").await, 0, "no head left for a chain with no open event");
-}
-
-/// Events committed before the migration that adds the heads are claimed
-/// after it, one head per key, in order: the migration backfills a head
-/// for every open chain.
-#[sqlx::test(migrations = false)]
-async fn the_migration_gives_every_open_chain_a_head(pool: PgPool) {
-    let all = &outbox_producer::MIGRATOR;
-    let at = all.iter().position(|m| m.description.contains("chain heads")).expect("the chain heads migration");
-    let before = sqlx::migrate::Migrator { migrations: Cow::Owned(all.migrations[..at].to_vec()), ..sqlx::migrate::Migrator::DEFAULT };
-    before.run(&pool).await.unwrap();
-    business_schema(&pool).await;
-    route(&pool, ORDER_CREATED, "cluster-a", TOPIC, PARTITIONS as u32).await;
-    // Two keys, three versions each, and one more key.
-    let payload = order_payload("o", 1);
-    for v in 0..3 {
-        for k in ["o-a", "o-b"] {
-            let key = format!("c-{k}-{v}");
-            let req = EmitRequest { aggregate_version: v, ..order_request(&key, k, &payload) };
-            let mut tx = pool.begin().await.unwrap();
-            emit_batch(&mut tx, &[req], &EmitOptions::default()).await.unwrap();
-            tx.commit().await.unwrap();
-        }
-    }
-    emit_distinct_keys(&pool, 0, 1).await;
-    all.run(&pool).await.unwrap();
-    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_chain_heads WHERE claimable_at_ms IS NOT NULL").await, 3);
-
-    let store = PgStore::new(pool.clone());
-    let first: Vec<(i64,)> = {
-        let claimed = store.claim_batch("w1", 10, 30_000).await.unwrap();
-        assert_eq!(claimed.len(), 3, "one head per key");
-        let ids: Vec<String> = claimed.iter().map(|c| c.envelope.event_id.to_string()).collect();
-        sqlx::query_as("SELECT aggregate_version FROM outbox_events WHERE event_id = ANY($1)").bind(&ids).fetch_all(&pool).await.unwrap()
-    };
-    assert!(first.iter().all(|(v,)| *v == 0 || *v == 1), "each key's oldest event first: {first:?}");
-    assert!(store.claim_batch("w1", 10, 30_000).await.unwrap().is_empty(), "nothing overtakes a head in flight");
 }
 
 /// The chain-head triggers close a head on the states the core says no

@@ -1282,8 +1282,7 @@ async fn an_event_frozen_for_a_recreated_topic_is_not_sent(pool: PgPool) {
 }
 
 /// The database reads the topic id of a frozen destination as outbox-core
-/// does (migration 20261201090001: the receipts' backfill and the scan
-/// floor of an attempt use it): a destination.v2's `topicId`, whatever
+/// does (the scan floor of an attempt uses it): a destination.v2's `topicId`, whatever
 /// bytes the length-prefixed cluster id and topic before it hold; none for
 /// a destination.v1; bytes that claim destination.v2 and do not parse are
 /// refused.

@@ -1,7 +1,7 @@
 //! The references every event writes (event -> command, envelope -> event,
 //! attempt -> envelope, receipt -> attempt and envelope) are checked once
-//! per statement by triggers instead of foreign keys (migration
-//! 20261129000012). These tests hold them to what the foreign keys did:
+//! per statement by triggers instead of foreign keys (section 1 of the
+//! producer's schema). These tests hold them to what the foreign keys did:
 //! a missing reference fails the whole statement with SQLSTATE 23503 and
 //! the constraint's name, and a referenced row can neither go away nor
 //! change the key it is referred to by.

@@ -1,0 +1,1430 @@
+-- The outbox schema (producer side), protocol version 1.
+--
+-- The whole schema in one file: tables, indexes, functions, triggers and
+-- seed rows, each in its final form.
+--
+-- Invariants held by the database itself, whatever the caller does:
+--   * one event per eventId and one eventId per command idempotency key;
+--   * one publish slot per (eventId, envelopeGeneration), one event per log
+--     position;
+--   * frozen envelopes and destinations are never updated;
+--   * an event's state moves only along the closed transition table.
+--
+-- Sections:
+--    1. Shared trigger functions
+--    2. Event states and the transition table
+--    3. Commands: one event per command key
+--    4. Events
+--    5. Envelopes: frozen envelopes and destinations
+--    6. Emit lookups
+--    7. Claims: ordering-chain heads
+--    8. Attempts
+--    9. Receipts
+--   10. Quarantine and audit
+--   11. Reconciler: UNKNOWN resolutions, findings, rounds and scans
+--   12. Routes
+--   13. Rollout: takeover, shadow mode, dispatcher alias
+--   14. Destination migrations
+--   15. Consumer registry and watermarks
+--   16. Protocol version and source identity
+--
+-- Machine identifiers (event ids, attempt ids, command keys, cluster ids,
+-- topics, routing keys) of the dispatch, receipt, reconciler and rollout
+-- tables are `COLLATE "C"`: their order is their bytes' order, so every
+-- index comparison of them is a memcmp, not a call to the locale's
+-- collation routine. The dispatcher's per-key head scan and every
+-- primary-key probe compare these columns. Joining such a column to one of
+-- the default collation stays valid (the comparison uses "C"); an index on
+-- the other side is then only used if it is also "C". Not every identifier
+-- column is "C" (outbox_chain_heads, outbox_unknown_lookups, the watermark
+-- tables and outbox_route_policies.topic_id, for example, use the
+-- database's default): each table says which of its columns are.
+
+
+-- =========================================================================
+-- 1. Shared trigger functions
+-- =========================================================================
+
+-- Append-only tables refuse every UPDATE and DELETE.
+CREATE FUNCTION outbox_frozen() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION '% is append-only', TG_TABLE_NAME USING ERRCODE = 'check_violation';
+END $$;
+
+-- Referenced rows stay. Events and attempts are updated but never deleted
+-- (nothing in the outbox deletes them; retention clears payloads), and
+-- TRUNCATE is refused on every table other rows refer to. A row trigger
+-- fires only for a row being deleted, so it costs nothing else.
+CREATE FUNCTION outbox_never_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'rows of % are never deleted (% refused): other outbox rows refer to them', TG_TABLE_NAME, TG_OP
+        USING ERRCODE = 'foreign_key_violation', TABLE = TG_TABLE_NAME;
+END $$;
+
+-- The references between the tables every event writes (event -> command,
+-- envelope -> event, attempt -> envelope, receipt -> attempt and envelope)
+-- are not foreign keys but statement-level triggers (the *_references
+-- triggers below), one per table.
+--
+-- A foreign key checks each inserted row on its own: one query through SPI,
+-- with an executor started and a KEY SHARE lock taken (and written to the
+-- WAL) on the referenced row, five times per event. The lock is there so
+-- the referenced row cannot be deleted before the insert commits; here no
+-- referenced row can be deleted at all (envelopes and commands are
+-- append-only, events and attempts are never deleted, TRUNCATE is refused
+-- on all four, and their identifying columns never change). So what remains
+-- of the foreign key is "the referenced row exists when the row is
+-- inserted", and one statement-level trigger per table checks it for every
+-- row the statement inserted in a single query, one index probe per row.
+-- Measured over dispatch_bench runs (--preload, 100,000 events), per-row
+-- checks took about a fifth of the machine's CPU.
+--
+-- A missing reference is refused as by a foreign key: SQLSTATE 23503, the
+-- constraint name a foreign key would have, the same message, and the whole
+-- statement fails. The probes are LATERAL subqueries with LIMIT 1, so they
+-- never become a hash join over the whole referenced table, and the check
+-- functions plan with enable_seqscan off: a session caches a check's plan,
+-- and one made while a table held a handful of rows would otherwise go on
+-- scanning it, once per row checked, after it has grown. The checks run
+-- with the inserting role's rights, which read the referenced tables
+-- already (docs/roles.sql), and look the tables up in the schema this file
+-- ran in (search_path FROM CURRENT), whatever the caller's search_path: a
+-- session without the outbox schema on it (pg_dump's restore scripts set it
+-- empty) would otherwise fail with "relation does not exist", and one with
+-- a schema of its own ahead of the outbox's could satisfy a check with a
+-- table of that name. What a tool may see: these references are not listed
+-- in pg_constraint.
+
+-- What PostgreSQL raises for a row whose foreign key finds nothing.
+CREATE FUNCTION outbox_missing_reference(tbl text, constraint_name text, key text, referenced text) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'insert or update on table "%" violates foreign key constraint "%"', tbl, constraint_name
+        USING ERRCODE = 'foreign_key_violation', CONSTRAINT = constraint_name, TABLE = tbl,
+              DETAIL = format('Key %s is not present in table "%s".', key, referenced);
+END $$;
+
+
+-- =========================================================================
+-- 2. Event states and the transition table
+-- =========================================================================
+
+CREATE TABLE outbox_states (
+    state text PRIMARY KEY
+);
+INSERT INTO outbox_states (state) VALUES
+    ('PENDING'), ('CLAIMED'), ('SENDING'), ('PUBLISHED'), ('RETAINED'), ('PURGED'),
+    ('DISPATCH_UNKNOWN'), ('RECONCILING'), ('RETRY_CLAIMED'), ('QUARANTINED');
+
+-- The closed transition table; outbox-core's TRANSITIONS is checked against it by a test.
+CREATE TABLE outbox_transitions (
+    from_state text NOT NULL REFERENCES outbox_states,
+    to_state   text NOT NULL REFERENCES outbox_states,
+    PRIMARY KEY (from_state, to_state)
+);
+INSERT INTO outbox_transitions (from_state, to_state) VALUES
+    ('PENDING', 'CLAIMED'), ('PENDING', 'QUARANTINED'),
+    ('CLAIMED', 'SENDING'), ('CLAIMED', 'PENDING'), ('CLAIMED', 'QUARANTINED'),
+    ('SENDING', 'PUBLISHED'), ('SENDING', 'DISPATCH_UNKNOWN'), ('SENDING', 'PENDING'), ('SENDING', 'QUARANTINED'),
+    ('DISPATCH_UNKNOWN', 'RECONCILING'), ('DISPATCH_UNKNOWN', 'PUBLISHED'), ('DISPATCH_UNKNOWN', 'QUARANTINED'),
+    ('RECONCILING', 'PUBLISHED'), ('RECONCILING', 'RETRY_CLAIMED'), ('RECONCILING', 'DISPATCH_UNKNOWN'),
+    ('RECONCILING', 'PENDING'), ('RECONCILING', 'QUARANTINED'),
+    ('RETRY_CLAIMED', 'SENDING'), ('RETRY_CLAIMED', 'PUBLISHED'), ('RETRY_CLAIMED', 'DISPATCH_UNKNOWN'),
+    ('RETRY_CLAIMED', 'QUARANTINED'),
+    ('PUBLISHED', 'RETAINED'), ('RETAINED', 'PURGED');
+
+-- The closed transition table, enforced on every state change. The list is
+-- the outbox_transitions table's (a test checks both against outbox-core);
+-- it is inlined here so the check costs no query per row.
+CREATE FUNCTION outbox_transition_allowed(from_state text, to_state text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT (from_state || '>' || to_state) = ANY (ARRAY[
+        'PENDING>CLAIMED', 'PENDING>QUARANTINED',
+        'CLAIMED>SENDING', 'CLAIMED>PENDING', 'CLAIMED>QUARANTINED',
+        'SENDING>PUBLISHED', 'SENDING>DISPATCH_UNKNOWN', 'SENDING>PENDING', 'SENDING>QUARANTINED',
+        'DISPATCH_UNKNOWN>RECONCILING', 'DISPATCH_UNKNOWN>PUBLISHED', 'DISPATCH_UNKNOWN>QUARANTINED',
+        'RECONCILING>PUBLISHED', 'RECONCILING>RETRY_CLAIMED', 'RECONCILING>DISPATCH_UNKNOWN',
+        'RECONCILING>PENDING', 'RECONCILING>QUARANTINED',
+        'RETRY_CLAIMED>SENDING', 'RETRY_CLAIMED>PUBLISHED', 'RETRY_CLAIMED>DISPATCH_UNKNOWN', 'RETRY_CLAIMED>QUARANTINED',
+        'PUBLISHED>RETAINED', 'RETAINED>PURGED'])
+$$;
+
+
+-- =========================================================================
+-- 3. Commands: one event per command key
+-- =========================================================================
+
+-- Command keys and aggregate versions, in an insert-only table. They are
+-- only read at emit time, so they are not indexed on outbox_events, whose
+-- every dispatch step (claim, attempt registration, receipt) writes a new
+-- row version into each of its full indexes: here they are written once.
+--
+-- One event per command key, held by the database for every writer, not
+-- only for emit: each event row names its command row (checked once, at
+-- insert, by outbox_events_references; the columns never change), and a
+-- command row names exactly one event (outbox_commands_event_key).
+CREATE TABLE outbox_commands (
+    command_key       text COLLATE "C" PRIMARY KEY,
+    event_id          text COLLATE "C" NOT NULL,
+    tenant            text NOT NULL,
+    aggregate_type    text NOT NULL,
+    aggregate_id      text NOT NULL,
+    aggregate_version bigint NOT NULL CHECK (aggregate_version >= 0),
+    CONSTRAINT outbox_commands_event_key UNIQUE (event_id, command_key)
+);
+-- emit's "aggregate versions never go backwards" check.
+CREATE INDEX outbox_commands_aggregate ON outbox_commands (tenant, aggregate_type, aggregate_id, aggregate_version);
+CREATE TRIGGER outbox_commands_frozen BEFORE UPDATE OR DELETE ON outbox_commands
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+CREATE TRIGGER outbox_commands_never_truncated BEFORE TRUNCATE ON outbox_commands
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_never_deleted();
+
+
+-- =========================================================================
+-- 4. Events
+-- =========================================================================
+
+-- One row per event: its identity, its current state and claim, and copies
+-- of its current frozen destination.
+--
+-- fillfactor 60: room on each page for the versions a row's updates write.
+-- An event row is written four times (insert, claim, registration,
+-- publish); with free space more of those versions land on their own page,
+-- where PostgreSQL needs neither a free-space-map search nor the tuple lock
+-- it WAL-logs before moving a row to another page. Measured by pg_waldump
+-- over a 20,000-event dispatch_bench run, per event, with this table at 60
+-- and outbox_attempts at 50 against 75 and 70: index entries 17.7 against
+-- 19.0, heap-only updates 1.41 against 0.78, tuple locks 8.1 against 9.4,
+-- WAL 6.6 against 6.9 kB. The price is space: the table takes about 1/0.6
+-- of its packed size (`outbox purge` shrinks the payload, not the row
+-- count).
+CREATE TABLE outbox_events (
+    seq                 bigint GENERATED ALWAYS AS IDENTITY,
+    -- Formats of event_id, digests and traceparent are checked by the
+    -- outbox_events_formats trigger at insert (and on change): a CHECK would be
+    -- re-evaluated on each of the row's state updates.
+    event_id            text COLLATE "C" PRIMARY KEY,
+    -- Immutable (outbox_events_transition); unique through outbox_commands.
+    command_key         text COLLATE "C" NOT NULL,
+    protocol_version    smallint NOT NULL DEFAULT 1,
+    envelope_generation integer NOT NULL DEFAULT 1 CHECK (envelope_generation >= 1),
+    state               text NOT NULL CHECK (state IN ('PENDING', 'CLAIMED', 'SENDING', 'PUBLISHED', 'RETAINED', 'PURGED',
+                                                       'DISPATCH_UNKNOWN', 'RECONCILING', 'RETRY_CLAIMED', 'QUARANTINED')),
+    tenant              text NOT NULL,
+    aggregate_type      text NOT NULL,
+    aggregate_id        text NOT NULL,
+    aggregate_version   bigint NOT NULL CHECK (aggregate_version >= 0),
+    event_type          text NOT NULL,
+    traceparent         text,
+    payload             bytea CHECK (payload IS NULL OR octet_length(payload) > 0),
+    payload_digest      text NOT NULL,
+    destination_digest  text NOT NULL,
+    -- Copies of the current generation's frozen destination, for claiming and ordering.
+    cluster_id          text COLLATE "C" NOT NULL,
+    topic               text COLLATE "C" NOT NULL,
+    partition           integer NOT NULL CHECK (partition >= 0),
+    routing_key         text COLLATE "C" NOT NULL,
+    ordered             boolean NOT NULL,
+    -- The claim.
+    claim_owner         text,
+    claim_generation    bigint NOT NULL DEFAULT 0,
+    lease_until_ms      bigint,
+    claim_attempt_id    text,
+    attempt_generation  integer NOT NULL DEFAULT 0,
+    -- Clocks, ms since the epoch.
+    created_at_ms       bigint NOT NULL,
+    state_since_ms      bigint NOT NULL,
+    next_check_at_ms    bigint NOT NULL DEFAULT 0,
+    unknown_since_ms    bigint,
+    published_at_ms     bigint,
+    -- Who sends the event, frozen at emit and never changed: 'outbox' (the
+    -- dispatcher) or 'legacy' (the publisher the outbox is replacing). With
+    -- no takeover policy at all, every event is the outbox's.
+    publisher           text NOT NULL DEFAULT 'outbox' CHECK (publisher IN ('outbox', 'legacy')),
+    takeover_generation integer,
+    -- `phase` is `state` with CLAIMED and SENDING merged into INFLIGHT; the
+    -- partial indexes are on `phase`, not `state`. PostgreSQL writes a new
+    -- entry into every index for each new row version unless no indexed
+    -- column changed (a HOT update, which stays on its page and writes no
+    -- index entry). Registering an attempt (CLAIMED -> SENDING) changes
+    -- `state`, the attempt columns and `state_since_ms` but not `phase`, the
+    -- lease or the key, so it leaves every index alone when its page has
+    -- room. For every other state, `phase = X` is the same condition as
+    -- `state = X`; queries name `phase` where they want a partial index.
+    phase               text COLLATE "C" NOT NULL
+        GENERATED ALWAYS AS (CASE WHEN state IN ('CLAIMED', 'SENDING') THEN 'INFLIGHT' ELSE state END) STORED,
+    -- `key_chain` names an ordering chain: a 64-bit hash of (cluster, topic,
+    -- routing key), length-prefixed so distinct triples never concatenate to
+    -- the same text. The per-key head index is on (key_chain, seq): a scan
+    -- from chain to chain compares one integer instead of three text
+    -- columns (about half the time per step), and each entry is 16 bytes of
+    -- key. Two chains whose hashes collide (odds ~2^-64 per pair) are
+    -- ordered as one: stricter, never looser.
+    key_chain           bigint NOT NULL
+        GENERATED ALWAYS AS (hashtextextended(length(cluster_id) || ':' || cluster_id || length(topic) || ':' || topic || routing_key, 0)) STORED,
+    -- W3C `tracestate` recorded at emit alongside `traceparent`, sent as the
+    -- `tracestate` header. Its form and length (at most 512 bytes, 32
+    -- members) are checked by emit (outbox_core::trace_context::validate_tracestate).
+    tracestate          text,
+    CHECK ((state IN ('CLAIMED', 'SENDING', 'RECONCILING')) <= (claim_owner IS NOT NULL)),
+    CHECK ((state = 'PURGED') = (payload IS NULL))
+) WITH (fillfactor = 60);
+
+-- Every UPDATE of a state writes a new entry into each full index, so full
+-- indexes are few; the states the dispatcher, an operator or the reconciler
+-- looks up have small partial indexes instead. Legacy events are never
+-- PUBLISHED here: they must not hold an outbox key's ordering, and the
+-- claim indexes only hold the outbox's own events.
+CREATE INDEX outbox_events_pending ON outbox_events (seq) WHERE phase = 'PENDING';
+CREATE INDEX outbox_events_pending_unordered ON outbox_events (seq)
+    WHERE phase = 'PENDING' AND NOT ordered AND publisher = 'outbox';
+-- Per-key ordering: the oldest open event of each chain, one index descent per chain.
+CREATE INDEX outbox_events_open_by_key ON outbox_events (key_chain, seq)
+    WHERE phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox';
+CREATE INDEX outbox_events_unknown ON outbox_events (next_check_at_ms) WHERE phase = 'DISPATCH_UNKNOWN';
+CREATE INDEX outbox_events_leased ON outbox_events (lease_until_ms) WHERE claim_owner IS NOT NULL;
+CREATE INDEX outbox_events_retry ON outbox_events (seq) WHERE phase = 'RETRY_CLAIMED';
+CREATE INDEX outbox_events_published ON outbox_events (published_at_ms) WHERE phase = 'PUBLISHED';
+CREATE INDEX outbox_events_retained ON outbox_events (published_at_ms) WHERE phase = 'RETAINED';
+-- Quarantined events in the order they arrived (seq), not by
+-- state_since_ms, which every step writes.
+CREATE INDEX outbox_events_quarantined ON outbox_events (seq) WHERE phase = 'QUARANTINED';
+CREATE INDEX outbox_events_unknown_since ON outbox_events (unknown_since_ms) WHERE unknown_since_ms IS NOT NULL;
+-- The shadow dispatcher's scan: legacy events in commit order.
+CREATE INDEX outbox_events_legacy ON outbox_events (seq) WHERE publisher = 'legacy';
+
+-- The checks on outbox_events are AFTER row triggers with a WHEN condition,
+-- so they cost nothing for a legal row. A BEFORE UPDATE row trigger makes
+-- PostgreSQL lock each row before the trigger sees it (GetTupleForTrigger):
+-- one tuple lock, written to the WAL, for every row updated, even by
+-- statements that had not locked the row themselves (registering an
+-- attempt), and one PL/pgSQL call per row (measured with auto_explain
+-- during dispatch_bench, the call cost about four foreign-key checks per
+-- emitted event). With an AFTER trigger the condition is evaluated by the
+-- executor as the row is written, and an event is queued only for an
+-- offending row, whose check function then raises at the end of the
+-- statement: the statement fails, and nothing it wrote stays.
+
+-- State transitions, identity and generations.
+CREATE FUNCTION outbox_check_transition() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.state IS DISTINCT FROM OLD.state AND NOT outbox_transition_allowed(OLD.state, NEW.state) THEN
+        RAISE EXCEPTION 'illegal outbox transition % -> % for %', OLD.state, NEW.state, OLD.event_id
+            USING ERRCODE = 'check_violation';
+    END IF;
+    IF NEW.event_id <> OLD.event_id OR NEW.command_key <> OLD.command_key OR NEW.seq <> OLD.seq
+       OR NEW.payload_digest <> OLD.payload_digest THEN
+        RAISE EXCEPTION 'outbox event identity is immutable' USING ERRCODE = 'check_violation';
+    END IF;
+    IF NEW.claim_generation < OLD.claim_generation OR NEW.attempt_generation < OLD.attempt_generation
+       OR NEW.envelope_generation < OLD.envelope_generation THEN
+        RAISE EXCEPTION 'outbox generations never go backwards' USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER outbox_events_transition AFTER UPDATE ON outbox_events
+    FOR EACH ROW
+    WHEN ((OLD.state IS DISTINCT FROM NEW.state AND NOT outbox_transition_allowed(OLD.state, NEW.state))
+          OR NEW.event_id <> OLD.event_id OR NEW.command_key <> OLD.command_key OR NEW.seq <> OLD.seq
+          OR NEW.payload_digest <> OLD.payload_digest
+          OR NEW.claim_generation < OLD.claim_generation OR NEW.attempt_generation < OLD.attempt_generation
+          OR NEW.envelope_generation < OLD.envelope_generation)
+    EXECUTE FUNCTION outbox_check_transition();
+
+-- Formats of event_id, the digests and traceparent. The function raises the
+-- error for an offending row and states the formats with counted patterns.
+CREATE FUNCTION outbox_check_formats() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' OR NEW.event_id IS DISTINCT FROM OLD.event_id THEN
+        IF NEW.event_id !~ '^evt-[0-7][0-9A-HJKMNP-TV-Z]{25}$' THEN
+            RAISE EXCEPTION 'malformed event_id %', NEW.event_id USING ERRCODE = 'check_violation';
+        END IF;
+    END IF;
+    IF TG_OP = 'INSERT' OR NEW.payload_digest IS DISTINCT FROM OLD.payload_digest THEN
+        IF NEW.payload_digest !~ '^sha256:[0-9a-f]{64}$' THEN
+            RAISE EXCEPTION 'malformed payload_digest %', NEW.payload_digest USING ERRCODE = 'check_violation';
+        END IF;
+    END IF;
+    IF TG_OP = 'INSERT' OR NEW.destination_digest IS DISTINCT FROM OLD.destination_digest THEN
+        IF NEW.destination_digest !~ '^sha256:[0-9a-f]{64}$' THEN
+            RAISE EXCEPTION 'malformed destination_digest %', NEW.destination_digest USING ERRCODE = 'check_violation';
+        END IF;
+    END IF;
+    IF (TG_OP = 'INSERT' OR NEW.traceparent IS DISTINCT FROM OLD.traceparent) AND NEW.traceparent IS NOT NULL
+       AND NEW.traceparent !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$' THEN
+        RAISE EXCEPTION 'malformed traceparent %', NEW.traceparent USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+-- The insert trigger's condition is written without counted repetition.
+-- PostgreSQL's regular expressions expand a counted repetition such as
+-- `[0-9a-f]{64}` into one automaton state per repetition, and matching such
+-- a pattern costs several microseconds per value: profiled with perf during
+-- dispatch_bench, these conditions and the attempt id check were about 8%
+-- of the machine's CPU. Each check is the same condition written as a
+-- length test plus a pattern with `*`: every character the pattern admits
+-- is one byte, so "the pattern matches and the value has exactly N bytes"
+-- holds for exactly the values the counted pattern matches (the
+-- traceparent's dashes are pinned by position). These run 4-8 times faster.
+-- A test evaluates them against the counted patterns on generated and
+-- mutated values.
+CREATE TRIGGER outbox_events_formats_insert AFTER INSERT ON outbox_events
+    FOR EACH ROW
+    WHEN (octet_length(NEW.event_id) <> 30 OR NEW.event_id !~ '^evt-[0-7][0-9A-HJKMNP-TV-Z]*$'
+          OR octet_length(NEW.payload_digest) <> 71 OR NEW.payload_digest !~ '^sha256:[0-9a-f]*$'
+          OR octet_length(NEW.destination_digest) <> 71 OR NEW.destination_digest !~ '^sha256:[0-9a-f]*$'
+          OR (NEW.traceparent IS NOT NULL
+              AND (octet_length(NEW.traceparent) <> 55 OR NEW.traceparent !~ '^[0-9a-f]*-[0-9a-f]*-[0-9a-f]*-[0-9a-f]*$'
+                   OR substr(NEW.traceparent, 3, 1) <> '-' OR substr(NEW.traceparent, 36, 1) <> '-'
+                   OR substr(NEW.traceparent, 53, 1) <> '-')))
+    EXECUTE FUNCTION outbox_check_formats();
+-- Fires only when a checked column is written and changed.
+CREATE TRIGGER outbox_events_formats_update AFTER UPDATE OF event_id, payload_digest, destination_digest, traceparent ON outbox_events
+    FOR EACH ROW
+    WHEN (NEW.event_id IS DISTINCT FROM OLD.event_id OR NEW.payload_digest IS DISTINCT FROM OLD.payload_digest
+          OR NEW.destination_digest IS DISTINCT FROM OLD.destination_digest OR NEW.traceparent IS DISTINCT FROM OLD.traceparent)
+    EXECUTE FUNCTION outbox_check_formats();
+
+-- W3C Trace Context, for every writer (emit refuses the same values first,
+-- with a clearer message): a traceparent of version ff or with an all-zero
+-- trace id or parent id, a tracestate without a traceparent, empty, or
+-- longer than 512 bytes. The form of the traceparent (55 bytes, lower-case
+-- hex, dashes) is checked by outbox_events_formats_*. Updates that do not
+-- touch the two columns skip it.
+CREATE FUNCTION outbox_refuse_trace_context() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'trace context refused for %: traceparent % or a tracestate of % bytes is not valid W3C Trace Context (version ff and all-zero ids are forbidden; a tracestate needs a traceparent and holds 1..512 bytes)',
+        NEW.event_id, NEW.traceparent, octet_length(NEW.tracestate)
+        USING ERRCODE = 'check_violation';
+END $$;
+CREATE TRIGGER outbox_events_trace_context AFTER INSERT OR UPDATE OF traceparent, tracestate ON outbox_events
+    FOR EACH ROW
+    WHEN ((NEW.traceparent IS NOT NULL
+           AND (left(NEW.traceparent, 2) = 'ff'
+                OR substr(NEW.traceparent, 4, 32) = '00000000000000000000000000000000'
+                OR substr(NEW.traceparent, 37, 16) = '0000000000000000'))
+          OR (NEW.tracestate IS NOT NULL
+              AND (NEW.traceparent IS NULL OR octet_length(NEW.tracestate) NOT BETWEEN 1 AND 512)))
+    EXECUTE FUNCTION outbox_refuse_trace_context();
+
+-- Events are inserted PENDING only.
+CREATE FUNCTION outbox_check_inserted_pending() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'an outbox event is inserted PENDING, not % (event %)', NEW.state, NEW.event_id USING ERRCODE = 'check_violation';
+END $$;
+CREATE TRIGGER outbox_events_inserted_pending AFTER INSERT ON outbox_events
+    FOR EACH ROW WHEN (NEW.state <> 'PENDING')
+    EXECUTE FUNCTION outbox_check_inserted_pending();
+
+-- Each event names its command row (see section 1 for why this is a
+-- statement-level check and not a foreign key).
+CREATE FUNCTION outbox_events_check_references() RETURNS trigger LANGUAGE plpgsql
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+DECLARE bad record;
+BEGIN
+    SELECT n.event_id, n.command_key INTO bad FROM outbox_new_rows n
+    LEFT JOIN LATERAL (SELECT true AS found FROM outbox_commands c
+                       WHERE c.event_id = n.event_id AND c.command_key = n.command_key LIMIT 1) r ON true
+    WHERE r.found IS NULL LIMIT 1;
+    IF FOUND THEN
+        PERFORM outbox_missing_reference('outbox_events', 'outbox_events_command_fkey',
+            format('(event_id, command_key)=(%s, %s)', bad.event_id, bad.command_key), 'outbox_commands');
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER outbox_events_references AFTER INSERT ON outbox_events
+    REFERENCING NEW TABLE AS outbox_new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_check_references();
+
+CREATE TRIGGER outbox_events_never_deleted BEFORE DELETE ON outbox_events
+    FOR EACH ROW EXECUTE FUNCTION outbox_never_deleted();
+CREATE TRIGGER outbox_events_never_truncated BEFORE TRUNCATE ON outbox_events
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_never_deleted();
+
+
+-- =========================================================================
+-- 5. Envelopes: frozen envelopes and destinations
+-- =========================================================================
+
+-- Frozen envelopes and destinations, one row per envelope generation. Never updated.
+CREATE TABLE outbox_envelopes (
+    event_id              text COLLATE "C" NOT NULL,
+    envelope_generation   integer NOT NULL,
+    envelope_canonical    bytea NOT NULL,
+    envelope_digest       text NOT NULL,
+    destination_canonical bytea NOT NULL,
+    destination_digest    text NOT NULL,
+    payload_digest        text NOT NULL,
+    created_txid          bigint NOT NULL,
+    created_at_ms         bigint NOT NULL,
+    PRIMARY KEY (event_id, envelope_generation)
+);
+CREATE TRIGGER outbox_envelopes_frozen BEFORE UPDATE OR DELETE ON outbox_envelopes
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+CREATE TRIGGER outbox_envelopes_never_truncated BEFORE TRUNCATE ON outbox_envelopes
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_never_deleted();
+
+-- Each envelope names its event (see section 1).
+CREATE FUNCTION outbox_envelopes_check_references() RETURNS trigger LANGUAGE plpgsql
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+DECLARE bad record;
+BEGIN
+    SELECT n.event_id INTO bad FROM outbox_new_rows n
+    LEFT JOIN LATERAL (SELECT true AS found FROM outbox_events e WHERE e.event_id = n.event_id LIMIT 1) r ON true
+    WHERE r.found IS NULL LIMIT 1;
+    IF FOUND THEN
+        PERFORM outbox_missing_reference('outbox_envelopes', 'outbox_envelopes_event_id_fkey',
+            format('(event_id)=(%s)', bad.event_id), 'outbox_events');
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER outbox_envelopes_references AFTER INSERT ON outbox_envelopes
+    REFERENCING NEW TABLE AS outbox_new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_envelopes_check_references();
+
+
+-- =========================================================================
+-- 6. Emit lookups
+-- =========================================================================
+
+-- emit's lookups in outbox_commands (which command keys exist, the last
+-- version of each aggregate, the committed events of retried keys) run in
+-- functions that plan with enable_seqscan off, as the reference checks do.
+--
+-- A session caches the plan of a statement it runs often. One planned
+-- while outbox_commands held a handful of analyzed rows (autovacuum
+-- analyzes a young table after its first fifty rows; a deployment that
+-- starts at full traffic grows it by a million before the next analyze)
+-- would read the table from end to end once per key and once per
+-- aggregate: measured, 12,001 sequential scans for 6,000 events, each
+-- longer than the one before. Every lookup here has an index that answers
+-- it in one descent (the primary keys, outbox_commands_aggregate), so the
+-- setting costs nothing where statistics are current.
+--
+-- Their plans are generic (plan_cache_mode): planned once per session, as
+-- a statement without parameters is. Left to choose, PostgreSQL would plan
+-- these afresh on every call for their array parameters, which took a
+-- single-event emit's lookup from about 70 to about 190 us.
+--
+-- The functions are STABLE: they read with the snapshot of the statement
+-- that calls them, at any isolation level. They run with the caller's
+-- rights and read the schema they were created in, whatever the caller's
+-- search_path.
+
+CREATE FUNCTION outbox_emit_lookup(p_keys text[], p_tenants text[], p_aggregate_types text[], p_aggregate_ids text[],
+                                   OUT existing text[], OUT last_versions bigint[])
+    LANGUAGE plpgsql STABLE
+    SET enable_seqscan = off
+    SET plan_cache_mode = force_generic_plan
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- The keys of p_keys that have a command row, one primary-key probe each.
+    existing := ARRAY(SELECT k.key FROM UNNEST(p_keys) AS k(key)
+                      CROSS JOIN LATERAL (SELECT 1 FROM outbox_commands c WHERE c.command_key = k.key LIMIT 1) hit);
+    -- For each (tenant, type, id) in order, the highest version emitted, or
+    -- NULL: one descent of outbox_commands_aggregate each.
+    last_versions := ARRAY(SELECT m.v
+                           FROM UNNEST(p_tenants, p_aggregate_types, p_aggregate_ids) WITH ORDINALITY AS a(tenant, aggregate_type, aggregate_id, ord)
+                           CROSS JOIN LATERAL (SELECT max(c.aggregate_version) AS v FROM outbox_commands c
+                                               WHERE c.tenant = a.tenant AND c.aggregate_type = a.aggregate_type
+                                                 AND c.aggregate_id = a.aggregate_id) m
+                           ORDER BY a.ord);
+END
+$$;
+
+CREATE FUNCTION outbox_emit_committed(p_keys text[])
+    RETURNS TABLE (command_key text, envelope_canonical bytea, destination_canonical bytea, destination_digest text, publisher text)
+    LANGUAGE plpgsql STABLE
+    SET enable_seqscan = off
+    SET plan_cache_mode = force_generic_plan
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- The first envelope and the publisher of each key's event: a
+    -- primary-key probe in each of the three tables per key. Each probe is
+    -- a LATERAL subquery with LIMIT 1, so that none can become a join that
+    -- reads a table's index from end to end (with sequential scans off, a
+    -- plan made on tiny tables merge-joined whole indexes instead).
+    RETURN QUERY
+        SELECT k.key, v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
+        FROM UNNEST(p_keys) AS k(key)
+        CROSS JOIN LATERAL (SELECT c.event_id FROM outbox_commands c WHERE c.command_key = k.key LIMIT 1) c
+        CROSS JOIN LATERAL (SELECT x.publisher FROM outbox_events x WHERE x.event_id = c.event_id LIMIT 1) e
+        CROSS JOIN LATERAL (SELECT y.envelope_canonical, y.destination_canonical, y.destination_digest FROM outbox_envelopes y
+                            WHERE y.event_id = c.event_id AND y.envelope_generation = 1 LIMIT 1) v;
+END
+$$;
+
+
+-- =========================================================================
+-- 7. Claims: ordering-chain heads
+-- =========================================================================
+
+-- Claims in O(batch). Each open ordering chain has one row naming its
+-- head: the oldest open event of the chain when the head was chosen. A
+-- claim reads the claimable heads in seq order from a partial index and
+-- locks them (FOR NO KEY UPDATE SKIP LOCKED), `LIMIT n`: O(n) index
+-- entries, whatever the backlog behind the heads or the number of chains.
+-- (Walking the head of every open chain over outbox_events_open_by_key
+-- instead costs in proportion to the number of open keys: measured,
+-- 100,000 pending events on 100,000 keys drained at a fifth of the rate of
+-- the same backlog on 1,000 keys.)
+--
+-- `outbox_events` stays the record of every event's claim (owner,
+-- claim_generation, lease_until_ms, claim_attempt_id): the head row only
+-- says which event of its chain may be claimed. Every fenced write checks
+-- the event row.
+--
+-- Who keeps the heads:
+--   * an insert of an ordered event (emit) appends its chain to
+--     outbox_chain_arrivals: insert-only, so emit never waits for a
+--     dispatcher or another business transaction, whatever its isolation
+--     level;
+--   * each claim's transaction first links arrivals
+--     (outbox_link_arrivals): a chain with no visible head gets its oldest
+--     open event as head; a chain with one is left alone (its new event
+--     waits behind the head);
+--   * any update of outbox_events (claim, registration, the receipt
+--     transaction, reports, release, lease expiry, reconciliation,
+--     quarantine, retention) runs the statement trigger below, which keeps
+--     the head's claimability equal to its event's (PENDING and
+--     next_check_at_ms) and, when the head event closes (PUBLISHED,
+--     RETAINED, PURGED), moves the head to the chain's next open event in
+--     the same transaction; a row trigger moves an event whose chain
+--     changes (a destination migration) to its new chain.
+--
+-- No lost chain. A chain whose head closes and that has no next open
+-- event (in the closing transaction's snapshot) loses its head row and
+-- gets an arrival of its own, committed with that transaction. Take an
+-- event E of the chain that the closing statement did not see: it commits
+-- after that statement began. A linker that consumes E's arrival reads
+-- after E committed; if it still sees the old head, the closing
+-- transaction had not committed yet, so its own arrival is read by a
+-- linker that starts after it committed, and so after E committed, and
+-- finds E. A linker that no longer sees a head finds E itself. (Its
+-- INSERT ... ON CONFLICT waits for a transaction inserting the same head.)
+
+CREATE TABLE outbox_chain_heads (
+    key_chain        bigint PRIMARY KEY,
+    event_id         text NOT NULL,
+    seq              bigint NOT NULL,
+    -- The head's next_check_at_ms while it is PENDING; NULL while it is not
+    -- claimable (in flight, DISPATCH_UNKNOWN, RETRY_CLAIMED, QUARANTINED).
+    claimable_at_ms  bigint,
+    cluster_id       text NOT NULL,
+    protocol_version smallint NOT NULL
+) WITH (fillfactor = 70);
+CREATE INDEX outbox_chain_heads_claimable ON outbox_chain_heads (seq) WHERE claimable_at_ms IS NOT NULL;
+
+CREATE TABLE outbox_chain_arrivals (
+    id        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    key_chain bigint NOT NULL
+);
+
+-- The head a chain gets when it has none: its oldest open event.
+CREATE FUNCTION outbox_chain_heads_insert(p_chains bigint[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    -- In key_chain order, as every writer of heads goes, so two of them
+    -- waiting on each other's new rows wait in one direction.
+    INSERT INTO outbox_chain_heads (key_chain, event_id, seq, claimable_at_ms, cluster_id, protocol_version)
+    SELECT n.key_chain, n.event_id, n.seq, CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END, n.cluster_id, n.protocol_version
+    FROM (SELECT DISTINCT c FROM UNNEST(p_chains) AS c) k
+    CROSS JOIN LATERAL (
+        SELECT e.key_chain, e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
+        WHERE e.key_chain = k.c AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
+        ORDER BY e.seq LIMIT 1) n
+    ORDER BY n.key_chain
+    ON CONFLICT (key_chain) DO NOTHING;
+END
+$$;
+
+-- Links up to p_limit arrivals (oldest first, skipping those another
+-- linker holds), consuming them, and returns how many it took. A claim
+-- runs it first in its transaction; the locks it takes (on the arrivals
+-- and on the heads it inserts) only ever make another linker wait.
+CREATE FUNCTION outbox_link_arrivals(p_limit integer) RETURNS integer
+    LANGUAGE plpgsql VOLATILE
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    taken integer;
+    chains bigint[];
+BEGIN
+    WITH gone AS (
+        DELETE FROM outbox_chain_arrivals a
+        WHERE a.id IN (SELECT id FROM outbox_chain_arrivals ORDER BY id LIMIT p_limit FOR UPDATE SKIP LOCKED)
+        RETURNING a.key_chain)
+    SELECT count(*), array_agg(DISTINCT key_chain) INTO taken, chains FROM gone;
+    IF taken = 0 THEN
+        RETURN 0;
+    END IF;
+    -- One primary-key probe per chain; the chains with no visible head
+    -- get one (see the header for why a head being closed right now needs
+    -- nothing here).
+    PERFORM outbox_chain_heads_insert(ARRAY(
+        SELECT c FROM UNNEST(chains) AS c WHERE NOT EXISTS (SELECT 1 FROM outbox_chain_heads h WHERE h.key_chain = c)));
+    RETURN taken;
+END
+$$;
+
+-- Moves the heads (p_chains[i], p_events[i]), whose events closed or left
+-- their chain, to each chain's next open event; a chain with none loses
+-- its head row and gets an arrival, so that a linker looks at it again
+-- after this transaction commits (see the header).
+CREATE FUNCTION outbox_chain_advance(p_chains bigint[], p_events text[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    WITH closed AS (SELECT * FROM UNNEST(p_chains, p_events) AS c(kc, ev)),
+    nxt AS MATERIALIZED (
+        SELECT c.kc, c.ev, n.event_id, n.seq, n.state, n.next_check_at_ms, n.cluster_id, n.protocol_version
+        FROM closed c
+        LEFT JOIN LATERAL (
+            SELECT e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
+            WHERE e.key_chain = c.kc AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
+            ORDER BY e.seq LIMIT 1) n ON true),
+    moved AS (
+        UPDATE outbox_chain_heads h
+        SET event_id = x.event_id, seq = x.seq, claimable_at_ms = CASE WHEN x.state = 'PENDING' THEN x.next_check_at_ms END,
+            cluster_id = x.cluster_id, protocol_version = x.protocol_version
+        FROM nxt x WHERE x.event_id IS NOT NULL AND h.key_chain = x.kc AND h.event_id = x.ev),
+    emptied AS (
+        DELETE FROM outbox_chain_heads h USING nxt x
+        WHERE x.event_id IS NULL AND h.key_chain = x.kc AND h.event_id = x.ev
+        RETURNING h.key_chain)
+    INSERT INTO outbox_chain_arrivals (key_chain) SELECT key_chain FROM emptied ORDER BY key_chain;
+END
+$$;
+
+-- An inserted ordered event of the outbox arrives on its chain.
+CREATE FUNCTION outbox_chain_arrive() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    INSERT INTO outbox_chain_arrivals (key_chain)
+    SELECT DISTINCT key_chain FROM new_rows WHERE ordered AND publisher = 'outbox';
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER outbox_events_chain_arrive AFTER INSERT ON outbox_events
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION outbox_chain_arrive();
+
+-- Reads only the new rows, joined to outbox_chain_heads by primary key,
+-- one probe per row: a plan over the transition table is made once per
+-- session (it has no parameters) and would otherwise keep whatever join
+-- the first, perhaps one-row, statement suggested.
+CREATE FUNCTION outbox_chain_follow() RETURNS trigger
+    LANGUAGE plpgsql
+    SET enable_seqscan = off
+    SET enable_hashjoin = off
+    SET enable_mergejoin = off
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    chains bigint[];
+    events text[];
+BEGIN
+    -- Heads whose event closed (PUBLISHED; RETAINED and PURGED follow it).
+    SELECT array_agg(h.key_chain ORDER BY h.key_chain), array_agg(h.event_id ORDER BY h.key_chain) INTO chains, events
+    FROM new_rows n JOIN outbox_chain_heads h ON h.key_chain = n.key_chain AND h.event_id = n.event_id
+    WHERE n.phase IN ('PUBLISHED', 'RETAINED', 'PURGED');
+    IF chains IS NOT NULL THEN
+        PERFORM outbox_chain_advance(chains, events);
+    END IF;
+    -- A head is claimable exactly while its event is PENDING, from its
+    -- next_check_at_ms. SENDING follows only CLAIMED and RETRY_CLAIMED,
+    -- whose heads are already not claimable: registration (and renewing a
+    -- sending batch's leases) probes nothing.
+    UPDATE outbox_chain_heads h SET claimable_at_ms = CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END
+    FROM new_rows n
+    WHERE h.key_chain = n.key_chain AND h.event_id = n.event_id AND n.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND n.state <> 'SENDING'
+      AND h.claimable_at_ms IS DISTINCT FROM (CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END);
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER outbox_events_chain_follow AFTER UPDATE ON outbox_events
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION outbox_chain_follow();
+
+-- An event that moves to another chain (a destination migration freezes a
+-- new cluster or topic) or into or out of ordering leaves its old chain,
+-- which gets its next head if the event was its head, and arrives on the
+-- new one. Rare: one row at a time.
+CREATE FUNCTION outbox_chain_move() RETURNS trigger
+    LANGUAGE plpgsql
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM outbox_chain_heads WHERE key_chain = OLD.key_chain AND event_id = OLD.event_id) THEN
+        PERFORM outbox_chain_advance(ARRAY[OLD.key_chain], ARRAY[OLD.event_id]);
+    END IF;
+    IF NEW.ordered AND NEW.publisher = 'outbox' AND NEW.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') THEN
+        INSERT INTO outbox_chain_arrivals (key_chain) VALUES (NEW.key_chain);
+    END IF;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER outbox_events_chain_move AFTER UPDATE ON outbox_events FOR EACH ROW
+    WHEN (OLD.key_chain IS DISTINCT FROM NEW.key_chain OR OLD.ordered IS DISTINCT FROM NEW.ordered OR OLD.publisher IS DISTINCT FROM NEW.publisher)
+    EXECUTE FUNCTION outbox_chain_move();
+
+
+-- =========================================================================
+-- 8. Attempts
+-- =========================================================================
+
+-- One row per attempt to send an event's envelope generation.
+--
+-- fillfactor 50: an attempt row is inserted once and updated once
+-- (SENDING -> ACKED, or UNKNOWN / NOT_SENT), within a second of its insert.
+-- At 50 every page keeps room for each of its rows' second version, so the
+-- update is heap-only (no index entry; `state` is not indexed) instead of
+-- one in two at 70. The price is space: about twice the packed size.
+CREATE TABLE outbox_attempts (
+    -- Format checked by outbox_attempts_attempt_id_format (below).
+    attempt_id          text COLLATE "C" PRIMARY KEY,
+    event_id            text COLLATE "C" NOT NULL,
+    envelope_generation integer NOT NULL,
+    attempt_generation  integer NOT NULL CHECK (attempt_generation >= 1),
+    claim_generation    bigint NOT NULL,
+    owner               text NOT NULL,
+    state               text NOT NULL CHECK (state IN ('SENDING', 'UNKNOWN', 'ACKED', 'NOT_SENT', 'ABSENT')),
+    destination_digest  text NOT NULL,
+    started_at_ms       bigint NOT NULL,
+    scan_from_offset    bigint NOT NULL DEFAULT 0,
+    finished_at_ms      bigint,
+    detail              text,
+    -- The end of the lease the attempt was registered under (in the
+    -- registering dispatcher's clock, like started_at_ms): its message is
+    -- handed to the client only before it. NULL: the absence bound counts
+    -- from started_at_ms.
+    send_deadline_ms    bigint,
+    -- The registration time by the database's own clock, so that a
+    -- reconciler measures how long ago an attempt was registered without
+    -- trusting the registering host's clock.
+    registered_db_ms    bigint DEFAULT ((extract(epoch FROM clock_timestamp()) * 1000)::bigint),
+    -- The scan floor's anchor. An attempt's scan floor is the highest
+    -- receipted offset of its partition, plus one. A replaced cluster (or a
+    -- topic without a recorded id deleted and created again) starts each
+    -- partition's log at offset 0 again, under the same cluster, topic and
+    -- partition, where the floor could hide the attempt's message below it.
+    -- So the attempt records the event and the attempt whose receipt held
+    -- the offset below the floor: a lookup reads that offset first, and a
+    -- log that no longer holds that message there (of that event, written
+    -- by that attempt: `outbox_core::anchor_holds`) is read from its start.
+    -- The attempt matters too: a replaced log may hold the same event's
+    -- message at that offset, written there by another attempt (a paused
+    -- sender's late write). NULL for a floor of 0; an anchor without an
+    -- attempt id is checked by event only.
+    scan_anchor_event_id text COLLATE "C"
+        CHECK (scan_anchor_event_id IS NULL OR (octet_length(scan_anchor_event_id) = 30 AND scan_anchor_event_id ~ '^evt-[0-7][0-9A-HJKMNP-TV-Z]*$')),
+    scan_anchor_attempt_id text COLLATE "C"
+        CHECK (scan_anchor_attempt_id IS NULL OR (octet_length(scan_anchor_attempt_id) = 30 AND scan_anchor_attempt_id ~ '^att-[0-7][0-9A-HJKMNP-TV-Z]*$')),
+    UNIQUE (event_id, attempt_generation)
+) WITH (fillfactor = 50);
+
+-- The attempt id's format, without counted repetition (see the
+-- outbox_events_formats_insert trigger): `^att-[0-7][0-9A-HJKMNP-TV-Z]{25}$`.
+ALTER TABLE outbox_attempts ADD CONSTRAINT outbox_attempts_attempt_id_format
+    CHECK (octet_length(attempt_id) = 30 AND attempt_id ~ '^att-[0-7][0-9A-HJKMNP-TV-Z]*$');
+
+-- Each attempt names its envelope (see section 1).
+CREATE FUNCTION outbox_attempts_check_references() RETURNS trigger LANGUAGE plpgsql
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+DECLARE bad record;
+BEGIN
+    SELECT n.event_id, n.envelope_generation INTO bad FROM outbox_new_rows n
+    LEFT JOIN LATERAL (SELECT true AS found FROM outbox_envelopes v
+                       WHERE v.event_id = n.event_id AND v.envelope_generation = n.envelope_generation LIMIT 1) r ON true
+    WHERE r.found IS NULL LIMIT 1;
+    IF FOUND THEN
+        PERFORM outbox_missing_reference('outbox_attempts', 'outbox_attempts_event_id_envelope_generation_fkey',
+            format('(event_id, envelope_generation)=(%s, %s)', bad.event_id, bad.envelope_generation), 'outbox_envelopes');
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER outbox_attempts_references AFTER INSERT ON outbox_attempts
+    REFERENCING NEW TABLE AS outbox_new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_attempts_check_references();
+
+CREATE TRIGGER outbox_attempts_never_deleted BEFORE DELETE ON outbox_attempts
+    FOR EACH ROW EXECUTE FUNCTION outbox_never_deleted();
+CREATE TRIGGER outbox_attempts_never_truncated BEFORE TRUNCATE ON outbox_attempts
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_never_deleted();
+
+-- An attempt's identity (its id, which receipts name, and the envelope it
+-- names) never changes; the dispatcher's updates never set these columns,
+-- so the trigger is not even considered for them.
+CREATE FUNCTION outbox_attempt_identity_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'outbox attempt identity is immutable (%)', OLD.attempt_id USING ERRCODE = 'check_violation';
+END $$;
+CREATE TRIGGER outbox_attempts_identity AFTER UPDATE OF attempt_id, event_id, envelope_generation ON outbox_attempts
+    FOR EACH ROW
+    WHEN (NEW.attempt_id <> OLD.attempt_id OR NEW.event_id <> OLD.event_id OR NEW.envelope_generation <> OLD.envelope_generation)
+    EXECUTE FUNCTION outbox_attempt_identity_changed();
+
+
+-- =========================================================================
+-- 9. Receipts
+-- =========================================================================
+
+-- Receipts name the topic identity of their log position: the Kafka topic
+-- id the message's frozen destination names (`destination.v2`), NULL for a
+-- `destination.v1`. A topic deleted and created again under the same name
+-- starts a new log at offset 0: a position of the new log is not one of the
+-- old, so the position key is (cluster, topic, topic id, partition, offset),
+-- the topic id compared exactly (NULL matches only NULL). Text form of a
+-- topic id: 16 bytes in URL-safe base64 without padding (22 characters).
+
+-- The topic id a frozen destination's canonical bytes name: the `topicId`
+-- field of a `destination.v2` (third field, after the length-prefixed
+-- `clusterId` and `topic`), NULL for any other record. Bytes that claim
+-- `destination.v2` and do not parse are refused: emit only stores bytes
+-- outbox-core has parsed.
+CREATE FUNCTION outbox_destination_topic_id(canonical bytea) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+DECLARE
+    rest bytea;
+    field text;
+    digits bytea;
+    colon integer;
+    len integer;
+BEGIN
+    IF substring(canonical FROM 1 FOR 15) IS DISTINCT FROM convert_to(E'destination.v2\n', 'UTF8') THEN
+        RETURN NULL;
+    END IF;
+    rest := substring(canonical FROM 16);
+    FOREACH field IN ARRAY ARRAY['clusterId', 'topic', 'topicId'] LOOP
+        -- <field>=<byte length>:<value>\n
+        colon := position('\x3a'::bytea IN rest);
+        IF substring(rest FROM 1 FOR length(field) + 1) IS DISTINCT FROM convert_to(field || '=', 'UTF8')
+           OR colon NOT BETWEEN length(field) + 3 AND length(field) + 14 THEN
+            RAISE EXCEPTION 'malformed destination.v2: field % expected', field USING ERRCODE = 'data_exception';
+        END IF;
+        digits := substring(rest FROM length(field) + 2 FOR colon - length(field) - 2);
+        IF encode(digits, 'escape') !~ '^[0-9]{1,9}$' THEN
+            RAISE EXCEPTION 'malformed destination.v2: field % has no length', field USING ERRCODE = 'data_exception';
+        END IF;
+        len := encode(digits, 'escape')::integer;
+        IF length(rest) < colon + len + 1 OR get_byte(rest, colon + len) <> 10 THEN
+            RAISE EXCEPTION 'malformed destination.v2: field % truncated', field USING ERRCODE = 'data_exception';
+        END IF;
+        IF field = 'topicId' THEN
+            RETURN convert_from(substring(rest FROM colon + 1 FOR len), 'UTF8');
+        END IF;
+        rest := substring(rest FROM colon + len + 2);
+    END LOOP;
+    RETURN NULL;
+END $$;
+
+-- The single publish slot. Append-only.
+CREATE TABLE outbox_publish_receipts (
+    event_id            text COLLATE "C" NOT NULL,
+    envelope_generation integer NOT NULL,
+    attempt_id          text COLLATE "C" NOT NULL,
+    cluster_id          text COLLATE "C" NOT NULL,
+    topic               text COLLATE "C" NOT NULL,
+    partition           integer NOT NULL CHECK (partition >= 0),
+    "offset"            bigint NOT NULL CHECK ("offset" >= 0),
+    payload_digest      text NOT NULL,
+    destination_digest  text NOT NULL,
+    accepted_at_ms      bigint NOT NULL,
+    topic_id            text COLLATE "C"
+        CHECK (topic_id IS NULL OR (topic_id ~ '^[A-Za-z0-9_-]{21}[AQgw]$' AND topic_id <> 'AAAAAAAAAAAAAAAAAAAAAA')),
+    -- A replaced cluster (or a topic without a recorded id deleted and
+    -- created again) starts each partition's log at offset 0 again. A
+    -- genuine ACK (or a message a lookup read) at a position another
+    -- event's receipt holds proves that receipt's log is gone: offsets are
+    -- unique within one log. The new receipt is accepted one epoch above
+    -- the receipts already at that position (the old one is kept, and
+    -- reported as `receipt_position_lost`); positions are unique per epoch.
+    position_epoch      integer NOT NULL DEFAULT 0 CHECK (position_epoch >= 0),
+    PRIMARY KEY (event_id, envelope_generation),
+    -- One event per log position (per epoch), the position naming its
+    -- topic identity. With the topic id before the partition, it serves the
+    -- lookups of one log (the highest receipted offset of a partition of
+    -- one topic id, where an attempt's scan starts).
+    CONSTRAINT outbox_publish_receipts_position_key
+        UNIQUE NULLS NOT DISTINCT (cluster_id, topic, topic_id, partition, "offset", position_epoch)
+);
+-- The position without the topic id, not unique, for the lookups by
+-- position whatever the log (the bypass scan: which receipts claim the
+-- offsets it read, or offsets past the log's end).
+CREATE INDEX outbox_publish_receipts_position ON outbox_publish_receipts (cluster_id, topic, partition, "offset");
+-- The scan floor of a destination.v1 attempt in one index probe.
+-- Registration reads, per partition of its batch, the highest receipted
+-- offset of the partition's log (the attempt's scan floor, with the
+-- receipt's event and attempt as its anchor). For a destination.v2 the
+-- position key answers that with one backward probe. For a destination.v1
+-- (no topic id) neither of the indexes above can: the key cannot be read in
+-- offset order under `topic_id IS NULL`, and the position index lacks the
+-- epoch, so PostgreSQL would read every receipt of the partition and sort
+-- them, once per partition per batch (under `dispatch_bench --preload`,
+-- 100,000 events on 12 partitions, 176 us of the database's time per
+-- event, and more the longer the table). This index holds only the
+-- receipts of logs without a topic id, in the order the floor is read.
+CREATE INDEX outbox_publish_receipts_v1_floor ON outbox_publish_receipts (cluster_id, topic, partition, "offset", position_epoch)
+    WHERE topic_id IS NULL;
+CREATE TRIGGER outbox_publish_receipts_frozen BEFORE UPDATE OR DELETE ON outbox_publish_receipts
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+
+-- Each receipt names its attempt and its envelope (see section 1).
+CREATE FUNCTION outbox_publish_receipts_check_references() RETURNS trigger LANGUAGE plpgsql
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+DECLARE bad record;
+BEGIN
+    SELECT n.event_id, n.envelope_generation, n.attempt_id, a.found AS attempt_found INTO bad FROM outbox_new_rows n
+    LEFT JOIN LATERAL (SELECT true AS found FROM outbox_attempts x WHERE x.attempt_id = n.attempt_id LIMIT 1) a ON true
+    LEFT JOIN LATERAL (SELECT true AS found FROM outbox_envelopes v
+                       WHERE v.event_id = n.event_id AND v.envelope_generation = n.envelope_generation LIMIT 1) r ON true
+    WHERE a.found IS NULL OR r.found IS NULL LIMIT 1;
+    IF FOUND AND bad.attempt_found IS NULL THEN
+        PERFORM outbox_missing_reference('outbox_publish_receipts', 'outbox_publish_receipts_attempt_id_fkey',
+            format('(attempt_id)=(%s)', bad.attempt_id), 'outbox_attempts');
+    ELSIF FOUND THEN
+        PERFORM outbox_missing_reference('outbox_publish_receipts', 'outbox_publish_receipts_event_id_envelope_generation_fkey',
+            format('(event_id, envelope_generation)=(%s, %s)', bad.event_id, bad.envelope_generation), 'outbox_envelopes');
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER outbox_publish_receipts_references AFTER INSERT ON outbox_publish_receipts
+    REFERENCING NEW TABLE AS outbox_new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_publish_receipts_check_references();
+
+-- Every other genuine receipt of the same event: evidence, not an error.
+CREATE TABLE outbox_duplicate_receipts (
+    id                  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id            text COLLATE "C" NOT NULL,
+    envelope_generation integer NOT NULL,
+    attempt_id          text COLLATE "C" NOT NULL REFERENCES outbox_attempts,
+    cluster_id          text COLLATE "C" NOT NULL,
+    topic               text COLLATE "C" NOT NULL,
+    partition           integer NOT NULL,
+    "offset"            bigint NOT NULL,
+    payload_digest      text NOT NULL,
+    destination_digest  text NOT NULL,
+    received_at_ms      bigint NOT NULL,
+    topic_id            text COLLATE "C"
+        CHECK (topic_id IS NULL OR (topic_id ~ '^[A-Za-z0-9_-]{21}[AQgw]$' AND topic_id <> 'AAAAAAAAAAAAAAAAAAAAAA')),
+    CONSTRAINT outbox_duplicate_receipts_position_key
+        UNIQUE NULLS NOT DISTINCT (event_id, envelope_generation, cluster_id, topic, topic_id, partition, "offset")
+);
+
+-- PUBLISHED, RETAINED and PURGED only with a primary receipt.
+--
+-- The receipt transaction sets PUBLISHED and inserts the primary receipt in
+-- one transaction, state first: the check is a constraint trigger deferred
+-- to the commit, so it sees both. It is queued only for a row entering one
+-- of the three states (the WHEN condition), so claims, registrations and
+-- lease renewals queue nothing; a publish costs one probe of the receipts'
+-- primary key at commit. Receipts are append-only, so a receipt once there
+-- stays there.
+CREATE FUNCTION outbox_check_primary_receipt() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    st text;
+BEGIN
+    -- The row as it is at commit (it may have changed since the update that queued this).
+    SELECT e.state INTO st FROM outbox_events e
+    WHERE e.event_id = NEW.event_id AND e.state IN ('PUBLISHED', 'RETAINED', 'PURGED')
+      AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation);
+    IF FOUND THEN
+        RAISE EXCEPTION 'outbox event % is % without a primary receipt: only acceptDispatchReceipt publishes', NEW.event_id, st
+            USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER outbox_events_primary_receipt AFTER UPDATE OF state ON outbox_events
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW
+    WHEN (NEW.state IS DISTINCT FROM OLD.state AND NEW.state IN ('PUBLISHED', 'RETAINED', 'PURGED'))
+    EXECUTE FUNCTION outbox_check_primary_receipt();
+
+
+-- =========================================================================
+-- 10. Quarantine and audit
+-- =========================================================================
+
+CREATE TABLE outbox_quarantine (
+    id                  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id            text COLLATE "C" NOT NULL,
+    envelope_generation integer,
+    attempt_id          text COLLATE "C",
+    reason              text NOT NULL,
+    evidence            jsonb NOT NULL,
+    created_at_ms       bigint NOT NULL
+);
+CREATE INDEX outbox_quarantine_event ON outbox_quarantine (event_id);
+
+-- Stale writes, refused receipts, operator actions.
+CREATE TABLE outbox_audit (
+    id        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id  text COLLATE "C",
+    actor     text NOT NULL,
+    action    text NOT NULL,
+    detail    jsonb NOT NULL,
+    at_ms     bigint NOT NULL
+);
+CREATE INDEX outbox_audit_event ON outbox_audit (event_id);
+
+
+-- =========================================================================
+-- 11. Reconciler: UNKNOWN resolutions, findings, rounds and scans
+-- =========================================================================
+
+-- Every resolution of an UNKNOWN: the SLO's raw data.
+CREATE TABLE outbox_unknown_resolutions (
+    id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id         text   COLLATE "C" NOT NULL,
+    unknown_since_ms bigint NOT NULL,
+    resolved_at_ms   bigint NOT NULL,
+    outcome          text   NOT NULL CHECK (outcome IN ('PUBLISHED', 'QUARANTINED', 'MIGRATED'))
+);
+CREATE INDEX outbox_unknown_resolutions_at ON outbox_unknown_resolutions (resolved_at_ms);
+
+-- The reconciler's lookups of UNKNOWN events, as evidence for `outbox
+-- unknown show`: what the broker answered and what was decided.
+CREATE TABLE outbox_unknown_lookups (
+    id        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id  text   NOT NULL,
+    owner     text   NOT NULL,
+    at_ms     bigint NOT NULL,
+    from_offset bigint NOT NULL,
+    lookup    text   NOT NULL CHECK (length(lookup) <= 2000),
+    decision  text   NOT NULL CHECK (length(decision) <= 2000)
+);
+CREATE INDEX outbox_unknown_lookups_event ON outbox_unknown_lookups (event_id, id);
+
+-- Findings of the three-set comparison and of the other checks; open while
+-- resolved_at_ms is NULL. Kinds:
+--   aged_pending, unconsumed_published, bypass_publish, unknown_past_slo,
+--   quarantined               the three-set comparison
+--   absence_proof_refuted     a genuine message of an attempt closed ABSENT
+--   unregistered_message      a message with the event's id that no registered attempt sent
+--   receipt_position_lost     a receipt's log position no longer holds its event's message
+--   published_without_receipt PUBLISHED/RETAINED/PURGED with no primary receipt
+--   log_unavailable           a lookup could not prove anything: the log is truncated, recreated or compacted
+--   foreign_source            a message on an outbox topic whose outbox-source is another
+--                             outbox's, not declared to the reconciler
+--   unrecorded_copy           a byte-identical copy of a published event at a position
+--                             that is neither its primary nor a recorded duplicate receipt
+--   divergent_copy            the same, with bytes whose digest differs from the event's
+--   scan_gap                  offsets the log's start moved past (retention,
+--                             DeleteRecords) before the bypass check read them
+--   watermark_*, stale_watermark  raised by the watermark topic's reader (section 15)
+-- The kinds from absence_proof_refuted to divergent_copy are evidence that
+-- stays open until an operator closes it. `outbox findings ack` closes a
+-- finding and records who and why (a condition that still holds opens a new
+-- finding at the next round).
+CREATE TABLE outbox_findings (
+    id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    kind           text   NOT NULL CHECK (kind IN (
+        'aged_pending', 'unconsumed_published', 'bypass_publish', 'unknown_past_slo', 'quarantined',
+        'absence_proof_refuted', 'unregistered_message', 'receipt_position_lost', 'published_without_receipt', 'log_unavailable',
+        'foreign_source', 'unrecorded_copy', 'divergent_copy', 'scan_gap',
+        'watermark_undeclared_consumer', 'watermark_moved_back', 'watermark_beyond_end', 'watermark_rejected', 'stale_watermark')),
+    event_id       text   COLLATE "C" NOT NULL,
+    consumer_id    text   NOT NULL DEFAULT '',
+    detail         text   NOT NULL,
+    age_ms         bigint NOT NULL,
+    first_seen_ms  bigint NOT NULL,
+    last_seen_ms   bigint NOT NULL,
+    resolved_at_ms bigint,
+    acked_by       text CHECK (length(acked_by) <= 200),
+    acked_at_ms    bigint,
+    ack_note       text CHECK (length(ack_note) <= 2000)
+);
+CREATE UNIQUE INDEX outbox_findings_open ON outbox_findings (kind, event_id, consumer_id) WHERE resolved_at_ms IS NULL;
+
+-- The last round of each reconciler: `outbox status` and `outbox report`
+-- show when the reconciler last compared the three sets, and a round older
+-- than the staleness bound is a finding (a reconciler that is down cannot
+-- record findings of its own). The SLO the reconciler holds UNKNOWNs to is
+-- recorded with it, so the report judges the SLO by the same figure.
+CREATE TABLE outbox_reconciler_rounds (
+    owner             text    COLLATE "C" PRIMARY KEY,
+    cluster_id        text    NOT NULL,
+    last_round_at_ms  bigint  NOT NULL,
+    interval_ms       bigint  NOT NULL CHECK (interval_ms >= 0),
+    unknown_slo_ms    bigint  NOT NULL CHECK (unknown_slo_ms > 0),
+    examined          integer NOT NULL CHECK (examined >= 0),
+    open_findings     integer NOT NULL CHECK (open_findings >= 0),
+    rounds            bigint  NOT NULL CHECK (rounds >= 1)
+);
+
+-- Counts per state over time, one row per reconciler round.
+CREATE TABLE outbox_state_snapshots (
+    at_ms  bigint NOT NULL,
+    state  text   NOT NULL,
+    count  bigint NOT NULL,
+    PRIMARY KEY (at_ms, state)
+);
+
+-- Where the reconciler's sweep for PUBLISHED, RETAINED or PURGED events
+-- without a primary receipt (rows written with triggers disabled) has got
+-- to, by event id.
+CREATE TABLE outbox_check_cursors (
+    check_name     text PRIMARY KEY,
+    after_event_id text NOT NULL
+);
+
+-- How far the bypass scan has read each partition. The cursor recognises
+-- its log: a replaced cluster (or a topic deleted and created again) starts
+-- the partition's log at offset 0 under the same cluster, topic and
+-- partition, and once the new log has grown past the cursor, the offset
+-- alone cannot tell. So the cursor keeps what the message below it was
+-- (`anchor`, `outbox_core::compare::scan_anchor`): a page begins by reading
+-- that offset again, and a log that holds another message there is read
+-- from its start. NULL for a cursor at 0 and for a cursor whose previous
+-- message was not read (trusted as it is).
+CREATE TABLE outbox_scan_cursors (
+    cluster_id  text    COLLATE "C" NOT NULL,
+    topic       text    COLLATE "C" NOT NULL,
+    partition   integer NOT NULL,
+    next_offset bigint  NOT NULL,
+    anchor      text    CHECK (anchor IS NULL OR octet_length(anchor) <= 512),
+    PRIMARY KEY (cluster_id, topic, partition)
+);
+
+-- Messages seen in a topic that the outbox never committed (kept: evidence).
+CREATE TABLE outbox_bypass_messages (
+    cluster_id  text    COLLATE "C" NOT NULL,
+    topic       text    COLLATE "C" NOT NULL,
+    partition   integer NOT NULL,
+    "offset"    bigint  NOT NULL,
+    event_id    text    COLLATE "C",
+    seen_at_ms  bigint  NOT NULL,
+    -- The message's outbox-source header (NULL: none).
+    source      text,
+    PRIMARY KEY (cluster_id, topic, partition, "offset")
+);
+
+
+-- =========================================================================
+-- 12. Routes
+-- =========================================================================
+
+-- Route policies, one row per generation of an event type's route.
+-- Append-only: an event's destination freezes its route generation, so
+-- what an event sends is fixed at its commit.
+CREATE TABLE outbox_route_policies (
+    event_type    text    NOT NULL,
+    generation    integer NOT NULL CHECK (generation >= 1),
+    cluster_id    text    COLLATE "C" NOT NULL,
+    topic         text    COLLATE "C" NOT NULL,
+    partitions    integer NOT NULL CHECK (partitions BETWEEN 1 AND 100000),
+    partitioner   text    NOT NULL CHECK (partitioner IN ('murmur2')),
+    key_template  text    NOT NULL,
+    serializer    text    NOT NULL,
+    durability    text    NOT NULL,
+    required_acks text    NOT NULL CHECK (required_acks IN ('all', '1')),
+    ordering      text    NOT NULL CHECK (ordering IN ('key', 'none')),
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    -- CloudEvents Kafka protocol binding (binary mode): whether the
+    -- generation's messages carry the CloudEvents headers, and the
+    -- payload's media type.
+    cloudevents   boolean NOT NULL DEFAULT true,
+    content_type  text    NOT NULL DEFAULT 'application/octet-stream'
+        CHECK (octet_length(content_type) BETWEEN 3 AND 200 AND content_type ~ '^[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+ *(;[ -~]*)?$'),
+    -- The Kafka topic id of the generation's topic, learned when the route
+    -- was set against the cluster (NULL: not learned). Events routed by a
+    -- generation with an id freeze a `destination.v2` naming it, so a topic
+    -- deleted and created again under the same name is another destination;
+    -- the others freeze a `destination.v1`.
+    topic_id      text
+        CHECK (topic_id IS NULL OR (topic_id ~ '^[A-Za-z0-9_-]{21}[AQgw]$' AND topic_id <> 'AAAAAAAAAAAAAAAAAAAAAA')),
+    PRIMARY KEY (event_type, generation)
+);
+CREATE TRIGGER outbox_route_policies_frozen BEFORE UPDATE OR DELETE ON outbox_route_policies
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+
+
+-- =========================================================================
+-- 13. Rollout: takeover, shadow mode, dispatcher alias
+-- =========================================================================
+
+-- Rollout and rollback (SPEC §11): shadow mode, partial takeover by event
+-- type and eventId hash, and the dispatcher alias. Who sends each event is
+-- outbox_events.publisher.
+
+-- Takeover policies, one row per generation; the highest is current. The
+-- outbox owns an event iff its event type is listed AND
+-- takeover_bucket(eventId) < percent_bp (basis points, 0..=10000).
+-- Shadow mode is a policy that selects nothing (no event types, or 0 bp).
+CREATE TABLE outbox_takeover_policies (
+    generation  integer PRIMARY KEY CHECK (generation >= 1),
+    event_types text[]  NOT NULL,
+    percent_bp  integer NOT NULL CHECK (percent_bp BETWEEN 0 AND 10000),
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- Shadow mode: the message the dispatcher would have sent, built exactly as
+-- it would build it, never sent. headers_digest leaves out the attempt id
+-- (every attempt has its own).
+CREATE TABLE outbox_shadow_attempts (
+    event_id           text    COLLATE "C" PRIMARY KEY REFERENCES outbox_events,
+    topic              text    COLLATE "C" NOT NULL,
+    partition          integer NOT NULL,
+    key                bytea   NOT NULL,
+    payload_digest     text    NOT NULL,
+    destination_digest text    NOT NULL,
+    headers_digest     text    NOT NULL,
+    built_at_ms        bigint  NOT NULL,
+    -- Where the current publisher's first message of this eventId was seen.
+    seen_topic         text,
+    seen_partition     integer,
+    seen_offset        bigint,
+    seen_at_ms         bigint
+);
+CREATE INDEX outbox_shadow_attempts_unseen ON outbox_shadow_attempts (built_at_ms) WHERE seen_offset IS NULL;
+
+-- How far the shadow comparison has read each partition. Same shape as
+-- outbox_scan_cursors (the same code writes both), but no anchor.
+CREATE TABLE outbox_shadow_cursors (
+    cluster_id  text    COLLATE "C" NOT NULL,
+    topic       text    COLLATE "C" NOT NULL,
+    partition   integer NOT NULL,
+    next_offset bigint  NOT NULL,
+    anchor      text    CHECK (anchor IS NULL),
+    PRIMARY KEY (cluster_id, topic, partition)
+);
+
+-- What the shadow comparison found; open while resolved_at_ms is NULL (a
+-- 'missing' message that shows up late is resolved).
+CREATE TABLE outbox_shadow_mismatches (
+    event_id       text   COLLATE "C" NOT NULL,
+    kind           text   NOT NULL CHECK (kind IN ('missing', 'extra', 'different_bytes', 'different_partition')),
+    detail         text   NOT NULL,
+    found_at_ms    bigint NOT NULL,
+    resolved_at_ms bigint,
+    PRIMARY KEY (event_id, kind)
+);
+
+-- The dispatcher alias: dispatchers configured with an alias claim only
+-- while the alias names their implementation. Switching it is the rollback.
+CREATE TABLE outbox_dispatcher_aliases (
+    alias            text    PRIMARY KEY,
+    implementation   text    NOT NULL,
+    protocol_version integer NOT NULL CHECK (protocol_version >= 1),
+    switched_at_ms   bigint  NOT NULL
+);
+CREATE TABLE outbox_dispatcher_alias_history (
+    id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    alias            text    NOT NULL,
+    implementation   text    NOT NULL,
+    protocol_version integer NOT NULL,
+    previous         text,
+    switched_at_ms   bigint  NOT NULL
+);
+CREATE TRIGGER outbox_dispatcher_alias_history_frozen BEFORE UPDATE OR DELETE ON outbox_dispatcher_alias_history
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+
+
+-- =========================================================================
+-- 14. Destination migrations
+-- =========================================================================
+
+-- A destination migration: the old generation proven absent from its target,
+-- the new generation with its new frozen destination.
+CREATE TABLE outbox_migration_receipts (
+    id                      bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id                text    COLLATE "C" NOT NULL REFERENCES outbox_events,
+    from_generation         integer NOT NULL,
+    to_generation           integer NOT NULL,
+    from_destination_digest text    NOT NULL,
+    to_destination_digest   text    NOT NULL,
+    proof                   jsonb   NOT NULL,
+    operator                text    NOT NULL,
+    at_ms                   bigint  NOT NULL,
+    UNIQUE (event_id, to_generation),
+    CHECK (to_generation = from_generation + 1)
+);
+
+
+-- =========================================================================
+-- 15. Consumer registry and watermarks
+-- =========================================================================
+
+-- Consumers whose watermarks the reconciler compares (critical) and that
+-- retention waits for (mandatory), and which topics each reads (a critical
+-- consumer is compared only against events on its topics).
+CREATE TABLE outbox_consumers (
+    consumer_id text PRIMARY KEY,
+    critical    boolean NOT NULL DEFAULT true,
+    mandatory   boolean NOT NULL DEFAULT true,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    topics      text[] NOT NULL DEFAULT '{}'
+);
+
+-- Consumers publish their watermarks over the broker (the watermark topic,
+-- `outbox.watermarks` by default, one per cluster); the producer side reads
+-- it and applies the records to outbox_consumer_watermarks (the consumer
+-- crate's table). The reader keeps its read position and, per consumer and
+-- cluster, when a record last arrived (for stale_watermark); the findings
+-- it raises are the watermark_* kinds of outbox_findings.
+
+-- How far the reader has applied each partition of the watermark topic. The
+-- position moves in the transaction that applies the records below it, so a
+-- record is applied once; a first read starts at the log's start.
+CREATE TABLE outbox_watermark_topic_cursors (
+    cluster_id  text    NOT NULL,
+    topic       text    NOT NULL,
+    partition   integer NOT NULL CHECK (partition >= 0),
+    next_offset bigint  NOT NULL CHECK (next_offset >= 0),
+    PRIMARY KEY (cluster_id, topic, partition)
+);
+
+-- Per declared consumer and cluster: when its last acceptable record was
+-- read (the reader's clock), the consumer's own time in it, and counts.
+CREATE TABLE outbox_watermark_publishers (
+    consumer_id          text   NOT NULL,
+    cluster_id           text   NOT NULL,
+    last_received_ms     bigint NOT NULL,
+    last_published_at_ms bigint NOT NULL,
+    records_accepted     bigint NOT NULL DEFAULT 0 CHECK (records_accepted >= 0),
+    records_ignored      bigint NOT NULL DEFAULT 0 CHECK (records_ignored >= 0),
+    PRIMARY KEY (consumer_id, cluster_id)
+);
+
+
+-- =========================================================================
+-- 16. Protocol version and source identity
+-- =========================================================================
+
+CREATE TABLE outbox_meta (
+    key   text PRIMARY KEY,
+    value text NOT NULL
+);
+INSERT INTO outbox_meta (key, value) VALUES ('protocol_version', '1');
+
+-- The outbox's source identity (CloudEvents `ce_source`): made once, when
+-- this schema is created, and never changed, so `ce_source` + `ce_id` name
+-- an event the same way on every attempt for as long as the database
+-- lives. A copy of the database (a restored backup, a clone) keeps it.
+CREATE TABLE outbox_identity (
+    singleton  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    source     text NOT NULL CHECK (octet_length(source) BETWEEN 1 AND 200 AND source !~ '[^!-~]'),
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+INSERT INTO outbox_identity (source) VALUES ('urn:uuid:' || gen_random_uuid());
+CREATE TRIGGER outbox_identity_frozen BEFORE UPDATE OR DELETE ON outbox_identity
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+CREATE TRIGGER outbox_identity_never_truncated BEFORE TRUNCATE ON outbox_identity
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_frozen();
