@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::receipt::AttemptRecord;
 use crate::reconcile::{may_be_in_flight, RetryPolicy, OPEN_ATTEMPT_STATES};
 use crate::state::AttemptState;
-use crate::store::{PartitionScan, ScannedMessage};
+use crate::log::{PartitionScan, ScannedMessage};
 
 /// A message of a routed topic whose eventId the outbox never committed, or without one.
 pub const BYPASS_PUBLISH: &str = "bypass_publish";
@@ -215,7 +215,7 @@ pub fn next_bypass_cursor(cursor: i64, scan: &PartitionScan, first_wait: Option<
 
 /// What makes message `m` recognisable at its offset: a digest of its
 /// offset, eventId, attemptId and payload digest. A bypass cursor keeps the
-/// anchor of the message below it ([`crate::store::BypassCursor`]).
+/// anchor of the message below it ([`crate::log::BypassCursor`]).
 pub fn scan_anchor(m: &ScannedMessage) -> String {
     let text = format!("{}\n{}\n{}\n{}", m.offset, m.event_id.as_deref().unwrap_or(""), m.attempt_id.as_deref().unwrap_or(""), m.payload_digest);
     crate::canonical::sha256_digest(text.as_bytes())
@@ -229,7 +229,7 @@ pub fn scan_anchor(m: &ScannedMessage) -> String {
 /// offset alone cannot tell, and the new log is read from its start. A
 /// message not read there (below the log's start, compacted) proves
 /// nothing; the page is judged as it is.
-pub fn take_scan_anchor(cursor: &crate::store::BypassCursor, scan: &mut PartitionScan) -> bool {
+pub fn take_scan_anchor(cursor: &crate::log::BypassCursor, scan: &mut PartitionScan) -> bool {
     let Some(anchor) = cursor.anchor.as_deref().filter(|_| cursor.next_offset > 0) else { return false };
     let below = cursor.next_offset - 1;
     let Some(i) = scan.messages.iter().position(|m| m.offset == below) else {
@@ -443,7 +443,7 @@ mod tests {
     #[test]
     fn a_cursor_recognises_its_log_by_the_message_below_it() {
         let old = msg(4, Some("evt-a"), Some("att-1"), "sha256:a");
-        let cursor = crate::store::BypassCursor { next_offset: 5, anchor: Some(scan_anchor(&old)) };
+        let cursor = crate::log::BypassCursor { next_offset: 5, anchor: Some(scan_anchor(&old)) };
         let page = |below: ScannedMessage| PartitionScan { messages: vec![below, msg(5, Some("evt-b"), None, "sha256:b")], next_offset: 6, log_end: Some(6), log_start: None };
         let mut same = page(old.clone());
         assert!(!take_scan_anchor(&cursor, &mut same), "the same message: the same log");
@@ -456,7 +456,7 @@ mod tests {
         assert!(!take_scan_anchor(&cursor, &mut unread));
         assert_eq!(unread.messages.len(), 1);
         // No anchor (a cursor at 0, or written before anchors were kept): nothing to check.
-        let bare = crate::store::BypassCursor { next_offset: 5, anchor: None };
+        let bare = crate::log::BypassCursor { next_offset: 5, anchor: None };
         assert!(!take_scan_anchor(&bare, &mut page(msg(4, Some("evt-z"), None, "sha256:z"))));
         assert_eq!(anchor_below(6, &page(old.clone()).messages), Some(scan_anchor(&msg(5, Some("evt-b"), None, "sha256:b"))));
         assert_eq!(anchor_below(9, &page(old).messages), None);

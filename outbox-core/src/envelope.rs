@@ -449,7 +449,7 @@ impl RoutePolicy {
         if self.required_acks != "all" && self.required_acks != "1" {
             return Err(CoreError::InvalidDestination(format!("required acks {:?} (all or 1)", self.required_acks)));
         }
-        crate::headers::validate_content_type(&self.content_type)?;
+        validate_content_type(&self.content_type)?;
         Ok(())
     }
 
@@ -555,6 +555,23 @@ impl EmitRequest<'_> {
         };
         Ok((envelope, destination))
     }
+}
+
+
+/// Longest source identity and content type accepted, bytes.
+pub const MAX_CLOUDEVENTS_ATTRIBUTE_BYTES: usize = 200;
+
+/// A media type `type/subtype[;parameters]` of at most 200 bytes of printable ASCII.
+pub fn validate_content_type(content_type: &str) -> Result<(), CoreError> {
+    let token = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$&^_.+-".contains(&b));
+    let essence = content_type.split(';').next().unwrap_or("");
+    let ok = content_type.len() <= MAX_CLOUDEVENTS_ATTRIBUTE_BYTES
+        && content_type.bytes().all(|b| b == b' ' || b.is_ascii_graphic())
+        && essence.split_once('/').is_some_and(|(t, s)| token(t) && token(s.trim_end()));
+    if !ok {
+        return Err(CoreError::MalformedIdentifier { field: "contentType", reason: format!("{content_type:?}: a media type type/subtype[;parameters] of at most 200 bytes") });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -44,6 +44,7 @@ pub mod findings;
 pub mod headers;
 pub mod id;
 pub mod labels;
+pub mod log;
 pub mod memory;
 pub mod simulation;
 pub mod receipt;

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::id::{AttemptId, EventId};
 use crate::receipt::{AttemptRecord, BrokerReceipt};
 use crate::state::{AttemptState, EventState};
-use crate::store::LookupOutcome;
+use crate::log::LookupOutcome;
 
 /// When a reconciler may re-send, and how often it looks again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

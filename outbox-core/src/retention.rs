@@ -24,7 +24,7 @@ use crate::claim::ClaimToken;
 use crate::receipt::{AttemptRecord, BrokerReceipt};
 use crate::reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
 use crate::state::{AttemptState, EventState};
-use crate::store::LookupOutcome;
+use crate::log::LookupOutcome;
 
 /// Why an event's evidence is kept for now.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

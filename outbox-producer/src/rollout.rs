@@ -27,6 +27,7 @@ use crate::dispatcher::outgoing_message;
 use crate::error::ProducerError;
 use crate::topic_scan::Cursors;
 use crate::pg::PgStore;
+pub use crate::service_store::DispatcherAlias;
 
 /// Publishes a new takeover policy generation and returns it. `event_types`
 /// may contain `*` (every type); `percent_bp` is in basis points (500 = 5%).
@@ -402,19 +403,6 @@ pub async fn open_shadow_mismatches(pool: &PgPool) -> Result<Vec<(String, String
     Ok(sqlx::query_as("SELECT event_id, kind, detail FROM outbox_shadow_mismatches WHERE resolved_at_ms IS NULL ORDER BY found_at_ms, event_id, kind")
         .fetch_all(pool)
         .await?)
-}
-
-/// A dispatcher alias: which implementation claims under it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DispatcherAlias {
-    /// The alias.
-    pub alias: String,
-    /// The implementation whose dispatchers claim under it.
-    pub implementation: String,
-    /// The protocol version that implementation speaks.
-    pub protocol_version: i32,
-    /// When it was last switched, ms since the epoch.
-    pub switched_at_ms: i64,
 }
 
 /// Points `alias` at `implementation` (the rollout step and the rollback

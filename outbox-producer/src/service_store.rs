@@ -4,20 +4,31 @@
 //! batch lease renewal, the recovery of a registration whose answer was
 //! lost, gauges and evidence).
 //!
-//! Two implementations ship: [`PgStore`] (production) and
-//! [`MemoryStore`] (the simulator, `outbox-sim`, which runs these same
+//! Two implementations ship: [`PgStore`](crate::PgStore) (production,
+//! in `pg_service.rs`) and [`MemoryStore`] (the simulator, `outbox-sim`, which runs these same
 //! services over it in virtual time). A service is written once, generic
 //! over this trait, so that what the simulator proves is the code that runs.
 //!
 //! Where production does I/O the simulator has no use for (LISTEN/NOTIFY,
 //! the rollout alias, the evidence tables), the method has a default that
-//! does nothing and [`PgStore`] does the real thing.
+//! does nothing and `PgStore` does the real thing.
 
 use async_trait::async_trait;
 use outbox_core::memory::MemoryStore;
 use outbox_core::{AttemptRecord, AttemptState, ClaimToken, ClaimedEvent, EventId, EventState, OutboxStore, StoreError};
 
-use crate::pg::PgStore;
+/// A dispatcher alias: which implementation claims under it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DispatcherAlias {
+    /// The alias.
+    pub alias: String,
+    /// The implementation whose dispatchers claim under it.
+    pub implementation: String,
+    /// The protocol version that implementation speaks.
+    pub protocol_version: i32,
+    /// When it was last switched, ms since the epoch.
+    pub switched_at_ms: i64,
+}
 
 /// What one claim round claimed, and which claims it ran.
 #[derive(Debug, Default)]
@@ -85,7 +96,7 @@ pub trait ServiceStore: OutboxStore + Send + Sync + 'static {
     }
 
     /// Which implementation the dispatcher alias `alias` names now, if set.
-    async fn current_alias(&self, _alias: &str) -> Result<Option<crate::rollout::DispatcherAlias>, crate::ProducerError> {
+    async fn current_alias(&self, _alias: &str) -> Result<Option<DispatcherAlias>, crate::ProducerError> {
         Ok(None)
     }
 
@@ -96,76 +107,6 @@ pub trait ServiceStore: OutboxStore + Send + Sync + 'static {
 
     /// Keeps a reconciler's lookup and decision as evidence.
     async fn record_lookup(&self, _owner: &str, _event_id: &str, _now_ms: i64, _from_offset: i64, _lookup: &str, _decision: &str) -> Result<(), StoreError> {
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl ServiceStore for PgStore {
-    fn now_ms(&self) -> i64 {
-        PgStore::now_ms(self)
-    }
-
-    fn scoped_to_cluster(self, cluster_id: &str) -> Self {
-        PgStore::scoped_to_cluster(self, cluster_id)
-    }
-
-    async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
-        PgStore::claim_next(self, owner, after, scan_due, limit, lease_ms).await
-    }
-
-    async fn renew_leases(&self, tokens: &[ClaimToken], lease_ms: i64) -> Result<Vec<Option<i64>>, StoreError> {
-        PgStore::renew_leases(self, tokens, lease_ms).await
-    }
-
-    async fn registered_attempts(&self, tokens: &[ClaimToken]) -> Result<Vec<AttemptRecord>, StoreError> {
-        PgStore::registered_attempts(self, tokens).await
-    }
-
-    async fn listen(&self) -> Result<Option<Box<dyn CommitListener>>, StoreError> {
-        let mut listener = sqlx::postgres::PgListener::connect_with(self.pool()).await.map_err(crate::error::store_err)?;
-        listener.listen(NOTIFY_CHANNEL).await.map_err(crate::error::store_err)?;
-        Ok(Some(Box::new(PgCommitListener(listener))))
-    }
-
-    async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
-        PgStore::oldest_pending_age_ms(self).await
-    }
-
-    async fn clock_skew_ms(&self) -> Result<i64, StoreError> {
-        PgStore::clock_skew_ms(self).await
-    }
-
-    async fn rows_beyond_protocol(&self) -> Result<i64, StoreError> {
-        PgStore::rows_beyond_protocol(self).await
-    }
-
-    fn max_protocol_version(&self) -> i32 {
-        PgStore::max_protocol_version(self)
-    }
-
-    async fn current_alias(&self, alias: &str) -> Result<Option<crate::rollout::DispatcherAlias>, crate::ProducerError> {
-        crate::rollout::current_alias(self.pool(), alias).await
-    }
-
-    async fn record_findings(&self, findings: &[(&'static str, String, String)], now_ms: i64) -> Result<(), StoreError> {
-        let mut tx = self.pool().begin().await.map_err(crate::error::store_err)?;
-        crate::pg::record_findings(&mut tx, findings, now_ms).await?;
-        tx.commit().await.map_err(crate::error::store_err)
-    }
-
-    async fn record_lookup(&self, owner: &str, event_id: &str, now_ms: i64, from_offset: i64, lookup: &str, decision: &str) -> Result<(), StoreError> {
-        let cut = |s: &str| s.chars().take(2000).collect::<String>();
-        sqlx::query("INSERT INTO outbox_unknown_lookups (event_id, owner, at_ms, from_offset, lookup, decision) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(event_id)
-            .bind(owner)
-            .bind(now_ms)
-            .bind(from_offset)
-            .bind(cut(lookup))
-            .bind(cut(decision))
-            .execute(self.pool())
-            .await
-            .map_err(crate::error::store_err)?;
         Ok(())
     }
 }
@@ -193,21 +134,6 @@ pub trait CommitListener: Send {
     /// The next notice. An error is a session lost and not replaced yet:
     /// the next call tries to open another.
     async fn next(&mut self) -> Result<Notice, StoreError>;
-}
-
-/// `LISTEN outbox_pending` on a connection of its own. sqlx's listener
-/// reconnects by itself and says so with `Ok(None)`.
-struct PgCommitListener(sqlx::postgres::PgListener);
-
-#[async_trait]
-impl CommitListener for PgCommitListener {
-    async fn next(&mut self) -> Result<Notice, StoreError> {
-        match self.0.try_recv().await {
-            Ok(Some(_)) => Ok(Notice::Committed),
-            Ok(None) => Ok(Notice::Replaced),
-            Err(e) => Err(crate::error::store_err(e)),
-        }
-    }
 }
 
 /// The simulator's store: one cluster, one clock (set by the simulation).

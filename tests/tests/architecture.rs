@@ -1,0 +1,176 @@
+//! The dependency invariants ARCHITECTURE.md states, held by reading the
+//! crates' manifests (`cargo metadata`) and their modules' imports:
+//! - `outbox-core` does no I/O: it depends on neither sqlx, rdkafka nor tokio;
+//! - `outbox-producer` and `outbox-consumer` never depend on each other;
+//! - the decision modules of `outbox-core` import no store or broker trait;
+//! - the modules of `outbox-core` and `outbox-producer` import each other in
+//!   no circle (imports of a crate's `error` module are not counted: the
+//!   error type names domain values, and every module returns it).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_path_buf()
+}
+
+/// Every package a package depends on for its build (normal dependencies,
+/// transitively; dev- and build-dependencies left out).
+fn normal_closure(package: &str) -> BTreeSet<String> {
+    let out = std::process::Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--offline"])
+        .current_dir(workspace())
+        .output()
+        .expect("cargo metadata");
+    assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let name_of: BTreeMap<String, String> =
+        meta["packages"].as_array().unwrap().iter().map(|p| (p["id"].as_str().unwrap().to_owned(), p["name"].as_str().unwrap().to_owned())).collect();
+    let mut deps: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for node in meta["resolve"]["nodes"].as_array().unwrap() {
+        let normal = node["deps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null()))
+            .map(|d| d["pkg"].as_str().unwrap().to_owned())
+            .collect();
+        deps.insert(node["id"].as_str().unwrap().to_owned(), normal);
+    }
+    let start = name_of.iter().find(|(_, n)| n.as_str() == package).map(|(id, _)| id.clone()).unwrap_or_else(|| panic!("no package {package}"));
+    let mut seen = BTreeSet::new();
+    let mut todo = vec![start];
+    while let Some(id) = todo.pop() {
+        for d in deps.get(&id).into_iter().flatten() {
+            if seen.insert(d.clone()) {
+                todo.push(d.clone());
+            }
+        }
+    }
+    seen.into_iter().map(|id| name_of[&id].clone()).collect()
+}
+
+#[test]
+fn core_does_no_io_and_producer_and_consumer_never_depend_on_each_other() {
+    let core = normal_closure("outbox-core");
+    for io in ["sqlx", "rdkafka", "tokio"] {
+        assert!(!core.contains(io), "outbox-core depends on {io}");
+    }
+    assert!(!normal_closure("outbox-producer").contains("outbox-consumer"), "outbox-producer depends on outbox-consumer");
+    assert!(!normal_closure("outbox-consumer").contains("outbox-producer"), "outbox-consumer depends on outbox-producer");
+}
+
+/// A module's code without comments and without its `#[cfg(test)]` tail.
+fn code_of(file: &Path) -> String {
+    let text = std::fs::read_to_string(file).unwrap();
+    let tests = text.match_indices("#[cfg(test)]").find(|(i, _)| text[i + "#[cfg(test)]".len()..].trim_start().starts_with("mod "));
+    let text = match tests {
+        Some((i, _)) => &text[..i],
+        None => &text[..],
+    };
+    text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n")
+}
+
+/// The top-level modules of a crate (`src/*.rs`) and the crate modules each
+/// names (`crate::m`, `use crate::{m, ...}`).
+fn module_graph(krate: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let src = workspace().join(krate).join("src");
+    let modules: BTreeSet<String> = std::fs::read_dir(&src)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok()?.strip_suffix(".rs").map(str::to_owned))
+        .filter(|m| m != "lib" && m != "main")
+        .collect();
+    let mut graph = BTreeMap::new();
+    for m in &modules {
+        let code = code_of(&src.join(format!("{m}.rs")));
+        let mut named = BTreeSet::new();
+        for (i, _) in code.match_indices("crate::") {
+            let rest = &code[i + "crate::".len()..];
+            if let Some(group) = rest.strip_prefix('{') {
+                let group = &group[..group.find('}').unwrap_or(group.len())];
+                named.extend(group.split(',').map(|p| p.trim().split("::").next().unwrap_or("").trim().to_owned()));
+            } else {
+                named.insert(rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect());
+            }
+        }
+        named.retain(|n| n != m && modules.contains(n));
+        graph.insert(m.clone(), named);
+    }
+    graph
+}
+
+/// A circle of imports, if any (edges into `error` left out).
+fn find_circle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(m: &str, graph: &BTreeMap<String, BTreeSet<String>>, path: &mut Vec<String>, done: &mut BTreeSet<String>) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            let mut circle = path[at..].to_vec();
+            circle.push(m.to_owned());
+            return Some(circle);
+        }
+        if done.contains(m) {
+            return None;
+        }
+        path.push(m.to_owned());
+        for n in graph[m].iter().filter(|n| n.as_str() != "error") {
+            if let Some(c) = visit(n, graph, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(m.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph.keys().find_map(|m| visit(m, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn the_modules_of_core_and_producer_import_each_other_in_no_circle() {
+    for krate in ["outbox-core", "outbox-producer"] {
+        let graph = module_graph(krate);
+        assert!(graph.len() > 10, "{krate}: read only {} modules", graph.len());
+        if let Some(circle) = find_circle(&graph) {
+            panic!("{krate}: a circle of imports: {}", circle.join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn the_circle_check_sees_a_circle() {
+    let graph: BTreeMap<String, BTreeSet<String>> = [("a", vec!["b"]), ("b", vec!["c", "error"]), ("c", vec!["a"]), ("error", vec!["a"])]
+        .into_iter()
+        .map(|(m, ns)| (m.to_owned(), ns.into_iter().map(str::to_owned).collect()))
+        .collect();
+    assert_eq!(find_circle(&graph), Some(vec!["a".to_owned(), "b".to_owned(), "c".to_owned(), "a".to_owned()]));
+    let only_through_error: BTreeMap<String, BTreeSet<String>> =
+        [("a", vec!["error"]), ("error", vec!["a"])].into_iter().map(|(m, ns)| (m.to_owned(), ns.into_iter().map(str::to_owned).collect())).collect();
+    assert_eq!(find_circle(&only_through_error), None);
+}
+
+/// The modules that decide, with no I/O and no store: the stores call them.
+const DECISIONS: [&str; 10] = ["claim", "command", "compare", "findings", "receipt", "reconcile", "retention", "state", "takeover", "migration"];
+
+#[test]
+fn decision_modules_import_no_store_or_broker_trait() {
+    let src = workspace().join("outbox-core/src");
+    let traits = ["OutboxStore", "Broker", "BypassScanStore", "FindingsStore"];
+    let mut read = 0;
+    for m in DECISIONS {
+        let file = src.join(format!("{m}.rs"));
+        if !file.exists() {
+            continue;
+        }
+        read += 1;
+        let code = code_of(&file);
+        assert!(!code.contains("crate::store"), "{m} imports the store module");
+        for t in traits {
+            let uses = code.match_indices(t).any(|(i, _)| {
+                let before = code[..i].chars().next_back().is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'));
+                let after = code[i + t.len()..].chars().next().is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'));
+                before && after
+            });
+            assert!(!uses, "{m} names the trait {t}");
+        }
+    }
+    assert!(read >= 9, "read only {read} decision modules");
+}
