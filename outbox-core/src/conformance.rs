@@ -23,7 +23,7 @@ use async_trait::async_trait;
 
 use crate::canonical::sha256_digest;
 use crate::envelope::EmitRequest;
-use crate::retention::MigrationFence;
+use crate::migration::MigrationFence;
 use crate::error::CoreError;
 use crate::claim::ClaimToken;
 use crate::id::{AttemptId, EventId};

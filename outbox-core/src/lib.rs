@@ -46,6 +46,7 @@ pub mod id;
 pub mod labels;
 pub mod log;
 pub mod memory;
+pub mod migration;
 pub mod simulation;
 pub mod receipt;
 pub mod reconcile;
@@ -68,7 +69,8 @@ pub use memory::{MemoryConsumer, MemoryStore, MemoryWatermark};
 pub use reconcile::{
     anchor_holds, anchor_to_read, check_in_flight_bound, decide_after_submit, decide_reconcile, plan_absence_scan, scan_floor, scan_lower_bound, AbsenceScan, AnchorCheck, RecheckReason, ReconcileDecision, RetryPolicy, ScanFrom,
 };
-pub use retention::{check_migration_fence, decide_migration, may_purge, may_retain, HoldReason, LogPosition, MigrationDecision, MigrationFence, MigrationProof, MigrationRefusal, WatermarkRef};
+pub use retention::{may_purge, may_retain, HoldReason, LogPosition, WatermarkRef};
+pub use migration::{check_migration_fence, decide_migration, MigrationDecision, MigrationFence, MigrationProof, MigrationRefusal};
 pub use receipt::{decide_receipt, is_unregistered_message, refutes_absence, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
 pub use takeover::{decide_publisher, takeover_bucket, Publisher, TakeoverPolicy, TAKEOVER_BUCKETS};

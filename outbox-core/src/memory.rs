@@ -17,7 +17,7 @@ use crate::id::{AttemptId, EventId};
 use crate::receipt::{decide_receipt, AttemptRecord, BrokerReceipt, LockedEvent, ReceiptDecision};
 use crate::state::{AttemptState, EventState};
 use crate::reconcile::{plan_reconcile_finish, ReconcileDecision, RetryPolicy, OPEN_ATTEMPT_STATES, RECONCILE_CLAIM, RECONCILE_FROM};
-use crate::retention::{check_migration_fence, decide_migration, MigrationDecision, MigrationFence, MigrationProof};
+use crate::migration::{check_migration_fence, decide_migration, MigrationDecision, MigrationFence, MigrationProof};
 use crate::store::{ClaimedEvent, FenceOutcome, LookupOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
 
 /// One event row.

@@ -1,30 +1,17 @@
-//! Retention and destination-migration decisions (PROTOCOL §7, §9), with no I/O.
+//! Retention decisions (PROTOCOL §7), with no I/O.
 //!
-//! * [`may_retain`] / [`may_purge`]: evidence goes only after the maximum
-//!   replay window *and* after every mandatory consumer reading the topic has
-//!   committed past the event on its partition. Seeing an ACK is never a
-//!   reason to delete the only evidence. A purge drops the payload bytes and
-//!   keeps a tombstone (eventId, command key, digests, envelopes, receipts).
-//! * [`decide_migration`]: an undelivered event moves to another
-//!   cluster/topic only when the old target provably does not hold it: either
-//!   it is PENDING and no attempt may have reached the old target, or it is
-//!   DISPATCH_UNKNOWN and [`decide_reconcile`] proves absence. While the old
-//!   target is UNKNOWN and cannot be asked, the move is refused: no
-//!   cross-target re-send in disguise.
+//! [`may_retain`] / [`may_purge`]: evidence goes only after the maximum
+//! replay window *and* after every mandatory consumer reading the topic has
+//! committed past the event on its partition. Seeing an ACK is never a
+//! reason to delete the only evidence. A purge drops the payload bytes and
+//! keeps a tombstone (eventId, command key, digests, envelopes, receipts).
 //!
-//! The PostgreSQL migration (`outbox_producer::migration`), the in-memory
-//! store ([`crate::MemoryStore::migrate`], `outbox_producer::retention::purge_with` over it)
-//! and the simulator call these functions.
-
-use std::fmt;
+//! `outbox_producer::retention::purge` (over PostgreSQL and over the
+//! in-memory store) and the simulator call these functions.
 
 use serde::{Deserialize, Serialize};
 
-use crate::claim::ClaimToken;
-use crate::receipt::{AttemptRecord, BrokerReceipt};
-use crate::reconcile::{decide_reconcile, scan_lower_bound, RecheckReason, ReconcileDecision, RetryPolicy};
-use crate::state::{AttemptState, EventState};
-use crate::log::LookupOutcome;
+use crate::state::EventState;
 
 /// Why an event's evidence is kept for now.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -146,177 +133,6 @@ pub fn may_purge(
     }
     Ok(())
 }
-
-/// What proves that the old target does not hold the event.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "kind")]
-pub enum MigrationProof {
-    /// PENDING, and no attempt may be in the old target (none in flight, none acknowledged).
-    NeverPersisted,
-    /// DISPATCH_UNKNOWN, and a lookup of the frozen partition from
-    /// `lookup_from_offset` found nothing while no attempt may still be in flight.
-    ProvenAbsent {
-        /// Where the scan started ([`scan_lower_bound`]).
-        lookup_from_offset: i64,
-    },
-}
-
-/// Why a migration is refused. Nothing is sent anywhere.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "refusal")]
-pub enum MigrationRefusal {
-    /// Only PENDING or proven-absent DISPATCH_UNKNOWN events can move.
-    NotMovable {
-        /// The event's state.
-        state: EventState,
-    },
-    /// PENDING, but an earlier attempt may be in the old target (in flight or acknowledged).
-    AttemptMayBeInOldTarget,
-    /// DISPATCH_UNKNOWN and the old target cannot be asked.
-    OldTargetUnqueryable {
-        /// Why.
-        detail: String,
-    },
-    /// The old target holds the event: submit these receipts through
-    /// `acceptDispatchReceipt` instead of moving.
-    OldTargetHoldsEvent {
-        /// What the lookup found.
-        receipts: Vec<BrokerReceipt>,
-    },
-    /// Absence is not proven for another reason (an attempt may still be in
-    /// flight, retry policy, attempt budget).
-    Unproven {
-        /// The reconcile decision's reason.
-        reason: RecheckReason,
-    },
-}
-
-impl MigrationRefusal {
-    /// The reconcile recheck a migrator holding a reconcile claim finishes with.
-    pub fn recheck(&self, policy: &RetryPolicy, now_ms: i64) -> ReconcileDecision {
-        let reason = match self {
-            MigrationRefusal::Unproven { reason } => *reason,
-            MigrationRefusal::OldTargetHoldsEvent { .. } => RecheckReason::ReceiptsRefused,
-            _ => RecheckReason::BrokerUnavailable,
-        };
-        ReconcileDecision::Recheck { reason, next_check_at_ms: now_ms.saturating_add(policy.recheck_ms) }
-    }
-}
-
-impl fmt::Display for MigrationRefusal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            MigrationRefusal::NotMovable { state } => write!(f, "state {state}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move"),
-            MigrationRefusal::AttemptMayBeInOldTarget => f.write_str("an earlier attempt may be in the old target"),
-            MigrationRefusal::OldTargetUnqueryable { detail } => write!(f, "old target unknown and unqueryable ({detail})"),
-            MigrationRefusal::OldTargetHoldsEvent { receipts } => write!(f, "the old target holds the event ({} message(s))", receipts.len()),
-            MigrationRefusal::Unproven { .. } => f.write_str("an attempt may still be in flight to the old target"),
-        }
-    }
-}
-
-/// What a migration request comes to.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "decision")]
-pub enum MigrationDecision {
-    /// Move: write envelope generation + 1 with the new destination and a migration receipt carrying `proof`.
-    Move {
-        /// Why the old target does not hold the event.
-        proof: MigrationProof,
-    },
-    /// Do not move.
-    Refuse(MigrationRefusal),
-}
-
-/// Decides whether an event in `state` with `attempts` may move to another
-/// destination. `lookup` is the old target's answer for the frozen partition
-/// (from [`scan_lower_bound`]); `None` when it was not (or could not be) asked.
-///
-/// * PENDING: moves when no attempt may be in flight or was acknowledged.
-/// * DISPATCH_UNKNOWN: moves only when [`decide_reconcile`] (with a broker
-///   that can look up) answers `Retry { proven_absent: true }`.
-/// * anything else: refused.
-pub fn decide_migration(state: EventState, attempts: &[AttemptRecord], lookup: Option<&LookupOutcome>, policy: &RetryPolicy, now_ms: i64) -> MigrationDecision {
-    use MigrationDecision::{Move, Refuse};
-    match state {
-        EventState::Pending => {
-            if attempts.iter().any(|a| a.state.possibly_in_flight() || a.state == AttemptState::Acked) {
-                Refuse(MigrationRefusal::AttemptMayBeInOldTarget)
-            } else {
-                Move { proof: MigrationProof::NeverPersisted }
-            }
-        }
-        EventState::DispatchUnknown => {
-            let Some(lookup) = lookup else {
-                return Refuse(MigrationRefusal::OldTargetUnqueryable { detail: "the old target was not asked".into() });
-            };
-            let decision = if crate::simulation::mutation_active("migration-without-proof") {
-                ReconcileDecision::Retry { proven_absent: true }
-            } else {
-                decide_reconcile(attempts, lookup, true, policy, now_ms)
-            };
-            match decision {
-                ReconcileDecision::Retry { proven_absent: true } => Move { proof: MigrationProof::ProvenAbsent { lookup_from_offset: scan_lower_bound(attempts) } },
-                ReconcileDecision::Submit(receipts) => Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts }),
-                ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, .. } | ReconcileDecision::Retry { proven_absent: false } => {
-                    let detail = match lookup {
-                        LookupOutcome::Unavailable(e) => e.clone(),
-                        _ => "no absence proof".into(),
-                    };
-                    Refuse(MigrationRefusal::OldTargetUnqueryable { detail })
-                }
-                ReconcileDecision::Recheck { reason, .. } => Refuse(MigrationRefusal::Unproven { reason }),
-            }
-        }
-        other => Refuse(MigrationRefusal::NotMovable { state: other }),
-    }
-}
-
-/// What a migration's proof was made under, checked again by its commit
-/// under the row lock ([`check_migration_fence`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum MigrationFence {
-    /// PENDING at this claim generation, as first read (any claim since bumps it).
-    Generation(u64),
-    /// RECONCILING under this reconcile claim: the one the old target's
-    /// lookup was made under.
-    Claim(ClaimToken),
-}
-
-/// Whether a migration's commit may go on: the locked row (`state`,
-/// `claim_generation`, `owner`) is still what the proof was made under
-/// (`fence`). Answers the state [`decide_migration`] is re-run as on the
-/// attempts read under the lock (PENDING, or DISPATCH_UNKNOWN for a
-/// proven-absent move), or why the proof no longer holds.
-///
-/// A lookup's absence proof speaks only for the log as it was while its
-/// reconcile claim was held: once that claim is lost, another reconciler
-/// may have retried and a dispatcher sent a new attempt the lookup never
-/// saw, so the commit must be made under the very same claim.
-pub fn check_migration_fence(fence: &MigrationFence, state: EventState, claim_generation: u64, owner: Option<&str>) -> Result<EventState, String> {
-    let decide_as = match fence {
-        MigrationFence::Generation(_) => EventState::Pending,
-        MigrationFence::Claim(_) => EventState::DispatchUnknown,
-    };
-    if crate::simulation::mutation_active("migration-unfenced") {
-        return Ok(decide_as);
-    }
-    match fence {
-        MigrationFence::Generation(read) => {
-            if state != EventState::Pending || claim_generation != *read {
-                return Err(format!("the event changed meanwhile (now {state}, claim generation {claim_generation}, read at {read}): its proof no longer holds"));
-            }
-            Ok(decide_as)
-        }
-        MigrationFence::Claim(token) => {
-            if state != EventState::Reconciling || claim_generation != token.claim_generation || owner != Some(token.owner.as_str()) {
-                return Err(format!("the reconcile claim the absence proof was made under was lost (now {state}, claim generation {claim_generation})"));
-            }
-            Ok(decide_as)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -410,90 +226,5 @@ mod tests {
         // A consumer that is not mandatory on the topic does not hold.
         assert_eq!(purge(EventState::Retained, 0, &wms, &["c1"]), Ok(()));
         assert_eq!(purge(EventState::Retained, 0, &wms, &[]), Ok(()));
-    }
-
-    fn attempt(state: AttemptState, started_at_ms: i64) -> AttemptRecord {
-        crate::receipt::sample_attempt(state, started_at_ms, 4)
-    }
-
-    const P: RetryPolicy = RetryPolicy { allow_retry: true, max_attempts: 5, in_flight_bound_ms: 1_000, recheck_ms: 500 };
-
-    #[test]
-    fn pending_moves_only_without_possible_delivery() {
-        assert_eq!(decide_migration(EventState::Pending, &[], None, &P, 0), MigrationDecision::Move { proof: MigrationProof::NeverPersisted });
-        let closed = [attempt(AttemptState::NotSent, 0), attempt(AttemptState::Absent, 1)];
-        assert_eq!(decide_migration(EventState::Pending, &closed, None, &P, 0), MigrationDecision::Move { proof: MigrationProof::NeverPersisted });
-        for s in [AttemptState::Sending, AttemptState::Unknown, AttemptState::Acked] {
-            assert_eq!(decide_migration(EventState::Pending, &[attempt(s, 0)], None, &P, 0), MigrationDecision::Refuse(MigrationRefusal::AttemptMayBeInOldTarget), "{s}");
-        }
-    }
-
-    #[test]
-    fn unknown_moves_only_when_proven_absent() {
-        let a = [attempt(AttemptState::Unknown, 0)];
-        assert_eq!(
-            decide_migration(EventState::DispatchUnknown, &a, Some(&LookupOutcome::Absent), &P, 5_000),
-            MigrationDecision::Move { proof: MigrationProof::ProvenAbsent { lookup_from_offset: 4 } }
-        );
-        // Not asked, or unqueryable: refused (never a cross-target re-send while UNKNOWN).
-        assert!(matches!(decide_migration(EventState::DispatchUnknown, &a, None, &P, 5_000), MigrationDecision::Refuse(MigrationRefusal::OldTargetUnqueryable { .. })));
-        assert_eq!(
-            decide_migration(EventState::DispatchUnknown, &a, Some(&LookupOutcome::Unavailable("down".into())), &P, 5_000),
-            MigrationDecision::Refuse(MigrationRefusal::OldTargetUnqueryable { detail: "down".into() })
-        );
-        // Absent but an attempt may still land: refused.
-        let young = [attempt(AttemptState::Unknown, 4_500)];
-        assert_eq!(
-            decide_migration(EventState::DispatchUnknown, &young, Some(&LookupOutcome::Absent), &P, 5_000),
-            MigrationDecision::Refuse(MigrationRefusal::Unproven { reason: RecheckReason::AttemptInFlight })
-        );
-        // Policy forbids retries: the same rule as reconcile refuses.
-        let no = RetryPolicy { allow_retry: false, ..P };
-        assert_eq!(
-            decide_migration(EventState::DispatchUnknown, &a, Some(&LookupOutcome::Absent), &no, 5_000),
-            MigrationDecision::Refuse(MigrationRefusal::Unproven { reason: RecheckReason::RetryNotAllowed })
-        );
-    }
-
-    #[test]
-    fn found_in_the_old_target_is_refused_with_the_receipts() {
-        let r = crate::receipt::sample_receipt(11);
-        let d = decide_migration(EventState::DispatchUnknown, &[attempt(AttemptState::Unknown, 0)], Some(&LookupOutcome::Found(vec![r.clone()])), &P, 5_000);
-        assert_eq!(d, MigrationDecision::Refuse(MigrationRefusal::OldTargetHoldsEvent { receipts: vec![r] }));
-    }
-
-    #[test]
-    fn other_states_never_move() {
-        for s in crate::state::ALL_STATES {
-            if matches!(s, EventState::Pending | EventState::DispatchUnknown) {
-                continue;
-            }
-            assert_eq!(decide_migration(s, &[], Some(&LookupOutcome::Absent), &P, 5_000), MigrationDecision::Refuse(MigrationRefusal::NotMovable { state: s }));
-        }
-    }
-
-    #[test]
-    fn a_migration_commits_only_under_what_its_proof_was_made_under() {
-        use crate::id::EventId;
-        let token = ClaimToken { event_id: EventId::from_parts(1, 1), owner: "migrate-ops".into(), claim_generation: 4, lease_until_ms: 9_000 };
-        let claim = MigrationFence::Claim(token);
-        assert_eq!(check_migration_fence(&claim, EventState::Reconciling, 4, Some("migrate-ops")), Ok(EventState::DispatchUnknown));
-        // Lost: taken by another reconciler, expired, or done with.
-        assert!(check_migration_fence(&claim, EventState::Reconciling, 6, Some("r-1")).is_err());
-        assert!(check_migration_fence(&claim, EventState::Reconciling, 4, Some("r-1")).is_err());
-        assert!(check_migration_fence(&claim, EventState::DispatchUnknown, 5, None).is_err());
-        assert!(check_migration_fence(&claim, EventState::Published, 7, None).is_err());
-        let read = MigrationFence::Generation(3);
-        assert_eq!(check_migration_fence(&read, EventState::Pending, 3, None), Ok(EventState::Pending));
-        assert!(check_migration_fence(&read, EventState::Pending, 5, None).is_err());
-        assert!(check_migration_fence(&read, EventState::Claimed, 4, Some("d1")).is_err());
-    }
-
-    #[test]
-    fn refusals_recheck_like_the_reconciler() {
-        let u = MigrationRefusal::OldTargetUnqueryable { detail: "x".into() };
-        assert_eq!(u.recheck(&P, 10), ReconcileDecision::Recheck { reason: RecheckReason::BrokerUnavailable, next_check_at_ms: 510 });
-        let f = MigrationRefusal::Unproven { reason: RecheckReason::AttemptInFlight };
-        assert_eq!(f.recheck(&P, 10), ReconcileDecision::Recheck { reason: RecheckReason::AttemptInFlight, next_check_at_ms: 510 });
     }
 }
