@@ -698,21 +698,17 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
             }
         },
     };
-    let ingest = || async {
-        match &watermarks {
+    if a.once {
+        let ingested = match &watermarks {
             None => None,
             Some(r) => match r.ingest_once().await {
                 Ok(rep) => Some(rep),
                 Err(e) => {
-                    tracing::warn!(error = %e, "watermark topic round failed; reading again next round");
+                    tracing::warn!(error = %e, "watermark topic round failed");
                     None
                 }
             },
-        }
-    };
-
-    if a.once {
-        let ingested = ingest().await;
+        };
         let (resolved, compared) = reconciler.run_once().await?;
         let report = reconciler.report().await?;
         if a.json {
@@ -758,60 +754,71 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
         None => None,
     };
     tracing::info!(owner = %cfg.owner, interval_ms, unknown_slo_ms = cfg.unknown_slo_ms, "reconciler running");
-    let stop = shutdown_signal();
-    tokio::pin!(stop);
-    let mut round_no: u64 = 0;
-    loop {
-        let started = std::time::Instant::now();
-        let this_round = round_no;
-        round_no += 1;
-        let round = async {
-            if let Some(w) = ingest().await {
-                export.watermarks(&w);
-            }
-            let (resolved, compared) = reconciler.run_round(this_round).await?;
-            let report = reconciler.report().await?;
-            let (_, oldest_unknown) = crate::status::unknown_open(&pool, now_ms()).await?;
-            Ok::<_, anyhow::Error>((resolved, compared, report, oldest_unknown))
-        };
+    // Two services until a signal or a fatal producer error stops both: the
+    // reconciler's own loop (Reconciler::run_observed, the loop the
+    // simulator runs) and the watermark-topic reader beside it.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopper = async {
         tokio::select! {
-            r = round => match r {
-                Ok((resolved, compared, report, oldest_unknown)) => {
-                    last_round.store(now_ms(), std::sync::atomic::Ordering::Relaxed);
-                    export.round(&resolved, &compared, started.elapsed());
-                    export.report(&report, oldest_unknown);
-                    tracing::info!(
-                        examined = resolved.examined, published = resolved.published, retried = resolved.retried, rechecks = resolved.rechecks,
-                        findings = report.findings.len(), unknown_open = report.unknown_open, slo_met = report.unknown_slo_met(),
-                        "reconcile round"
-                    );
-                }
-                Err(e) => {
-                    export.round_failed();
-                    tracing::warn!(error = %format!("{e:#}"), "reconcile round failed; retrying next interval");
-                }
-            },
-            which = &mut stop => {
-                tracing::info!(signal = which, "reconciler stopping (round abandoned; its claims expire with their lease)");
-                break;
-            }
-            _ = fatal_rx.changed() => break,
+            which = shutdown_signal() => tracing::info!(signal = which, "reconciler stopping (a round in progress is abandoned; its claims expire with their lease)"),
+            _ = fatal_rx.changed() => {}
         }
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(interval_ms)) => {}
-            which = &mut stop => {
-                tracing::info!(signal = which, "reconciler stopping");
-                break;
-            }
-            _ = fatal_rx.changed() => break,
+        let _ = stop_tx.send(true);
+    };
+    let watermark_reader = async {
+        if let Some(reader) = &watermarks {
+            reader
+                .run(outbox_producer::until_true(stop_rx.clone()), Duration::from_millis(interval_ms), |r| {
+                    if let Ok(w) = r {
+                        export.watermarks(w);
+                    }
+                })
+                .await;
         }
-    }
+    };
+    let observer = RoundExport { export: &export, reconciler: &reconciler, pool: &pool, last_round: &last_round };
+    let rounds = reconciler.run_observed(outbox_producer::until_true(stop_rx.clone()), &observer);
+    let ((), (), rounds) = tokio::join!(stopper, watermark_reader, rounds);
+    tracing::info!(rounds = rounds.unwrap_or(0), "reconciler stopped");
     pool.close().await;
     if let Some(cause) = fatal.lock().unwrap_or_else(|p| p.into_inner()).clone() {
         tracing::error!(cause = %cause, exit_code = EXIT_PRODUCER_FATAL, "exiting: the Kafka producer could not deliver (--exit-on-fatal)");
         return Ok(EXIT_PRODUCER_FATAL);
     }
     Ok(0)
+}
+
+/// What `outbox reconcile` does after each round of the reconciler: the
+/// round's metrics, the report's gauges, and the progress readiness checks.
+struct RoundExport<'a> {
+    export: &'a ReconcileExport,
+    reconciler: &'a Reconciler<KafkaBroker, PgStore>,
+    pool: &'a PgPool,
+    last_round: &'a std::sync::atomic::AtomicI64,
+}
+
+#[async_trait::async_trait]
+impl outbox_producer::RoundObserver for RoundExport<'_> {
+    async fn round_done(&self, _round: u64, result: Result<&(outbox_producer::ResolveReport, outbox_producer::CompareReport), &outbox_producer::ProducerError>, took: Duration) {
+        let Ok((resolved, compared)) = result else {
+            self.export.round_failed();
+            return;
+        };
+        self.last_round.store(now_ms(), std::sync::atomic::Ordering::Relaxed);
+        // The report's gauges are read before the round is counted: a scrape
+        // that sees the round sees its report.
+        let report = self.reconciler.report().await;
+        let unknown = crate::status::unknown_open(self.pool, now_ms()).await;
+        self.export.round(resolved, compared, took);
+        match (report, unknown) {
+            (Ok(report), Ok((_, oldest_unknown))) => {
+                self.export.report(&report, oldest_unknown);
+                tracing::info!(findings = report.findings.len(), unknown_open = report.unknown_open, slo_met = report.unknown_slo_met(), "reconcile report");
+            }
+            (Err(e), _) => tracing::warn!(error = %e, "could not read the report after the round; its gauges keep their last values"),
+            (_, Err(e)) => tracing::warn!(error = %e, "could not read the open UNKNOWNs after the round; the gauge keeps its last value"),
+        }
+    }
 }
 
 async fn report(url: &str, file: &FileConfig, a: &ReportArgs) -> anyhow::Result<u8> {

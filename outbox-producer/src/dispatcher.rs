@@ -40,6 +40,7 @@ use tracing::Instrument;
 use crate::error::ProducerError;
 use crate::pg::PgStore;
 use crate::service_store::{Notice, ServiceStore};
+use crate::sweeper::LeaseSweeper;
 
 /// Default number of concurrent workers.
 pub const DEFAULT_WORKERS: usize = 2;
@@ -61,14 +62,7 @@ pub const MAX_RECORD_RETRY_MS: u64 = 600_000;
 /// [`RECORD_RETRY_MAX_WAIT`].
 const RECORD_RETRY_FIRST_WAIT: Duration = Duration::from_millis(50);
 const RECORD_RETRY_MAX_WAIT: Duration = Duration::from_secs(2);
-/// How often the sweeper recounts rows of a newer protocol version and
-/// compares this host's clock with PostgreSQL's.
-pub const PROTOCOL_GAUGE_EVERY: Duration = Duration::from_secs(30);
-/// A clock skew is logged as a warning from this fraction of `lease_ms`
-/// (and at least [`CLOCK_SKEW_WARN_MIN_MS`]).
-pub const CLOCK_SKEW_WARN_LEASE_FRACTION: i64 = 10;
-/// The smallest clock skew logged as a warning, ms.
-pub const CLOCK_SKEW_WARN_MIN_MS: i64 = 500;
+pub use crate::sweeper::{CLOCK_SKEW_WARN_LEASE_FRACTION, CLOCK_SKEW_WARN_MIN_MS, PROTOCOL_GAUGE_EVERY};
 /// Most workers one dispatcher runs.
 pub const MAX_WORKERS: usize = 64;
 /// Default of [`DispatcherConfig::head_scan_every`].
@@ -1034,43 +1028,23 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         }
         {
             let me = self.clone();
-            let mut stop = shutdown.clone();
+            let stop = shutdown.clone();
             tasks.spawn(async move {
-                let every = Duration::from_millis(me.config.sweep_interval_ms);
-                // Counting rows of a newer protocol visits the whole backlog:
-                // a rollout gauge, refreshed every PROTOCOL_GAUGE_EVERY.
-                let mut protocol_checked: Option<Instant> = None;
-                loop {
-                    if let Err(e) = me.store.expire_leases().await {
-                        tracing::warn!(error = %e, "lease sweep failed");
-                    }
-                    if let Ok(age) = me.store.oldest_pending_age_ms().await {
-                        me.metrics.oldest_pending_age_ms.store(age.unwrap_or(0) as u64, AtomicOrdering::Relaxed);
-                    }
-                    if protocol_checked.is_none_or(|at| at.elapsed() >= PROTOCOL_GAUGE_EVERY) {
-                        if let Ok(skew) = me.store.clock_skew_ms().await {
+                let sweeper = LeaseSweeper::new(&me.store, Duration::from_millis(me.config.sweep_interval_ms), me.config.lease_ms);
+                sweeper
+                    .run(until_true(stop), |sweep| {
+                        if let Some(age) = sweep.oldest_pending_age_ms {
+                            me.metrics.oldest_pending_age_ms.store(age.unwrap_or(0).max(0) as u64, AtomicOrdering::Relaxed);
+                        }
+                        if let Some(skew) = sweep.clock_skew_ms {
                             me.metrics.clock_skew_ms.store(skew, AtomicOrdering::Relaxed);
-                            let bound = (me.config.lease_ms / CLOCK_SKEW_WARN_LEASE_FRACTION).max(CLOCK_SKEW_WARN_MIN_MS);
-                            if skew.abs() > bound {
-                                tracing::warn!(skew_ms = skew, lease_ms = me.config.lease_ms,
-                                    "this host's clock differs from PostgreSQL's: leases held or swept here are cut short or stretched by that much (synchronise the clocks, NTP)");
-                            }
                         }
-                        if let Ok(refused) = me.store.rows_beyond_protocol().await {
-                            protocol_checked = Some(Instant::now());
-                            let before = me.metrics.refused_protocol_rows.swap(refused.max(0) as u64, AtomicOrdering::Relaxed);
-                            if refused > 0 && before != refused as u64 {
-                                tracing::warn!(refused, understood = me.store.max_protocol_version(),
-                                    "rows of a newer protocol version are waiting; this dispatcher leaves them alone (run a dispatcher that understands them)");
-                            }
+                        if let Some(refused) = sweep.rows_beyond_protocol {
+                            me.metrics.refused_protocol_rows.store(refused.max(0) as u64, AtomicOrdering::Relaxed);
                         }
-                    }
-                    tokio::select! {
-                        biased;
-                        _ = tokio::time::sleep(every) => {}
-                        _ = stop.changed() => return Ok(BatchReport::default()),
-                    }
-                }
+                    })
+                    .await;
+                Ok(BatchReport::default())
             });
         }
         for w in 0..self.config.workers {

@@ -31,6 +31,7 @@ pub mod rollout;
 pub mod routes;
 pub mod service_store;
 mod pg_service;
+pub mod sweeper;
 mod topic_scan;
 pub mod watermark_topic;
 
@@ -40,8 +41,9 @@ pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};
 pub use migration::{migrate_destination, MigrationOutcome, MigrationStore};
 pub use pg::PgStore;
+pub use sweeper::{LeaseSweeper, Sweep};
 pub use service_store::{ClaimRound, CommitListener, DispatcherAlias, Notice, ServiceStore, NOTIFY_CHANNEL};
-pub use reconciler::{BypassScanReport, CompareReport, Reconciler, ReconcilerConfig, ResolveReport, RoundRecord, RoundStore, DEFAULT_STALE_WATERMARK_AFTER_MS};
+pub use reconciler::{BypassScanReport, CompareReport, Reconciler, ReconcilerConfig, ResolveReport, RoundObserver, RoundRecord, RoundStore, DEFAULT_STALE_WATERMARK_AFTER_MS};
 pub use watermark_topic::{IngestReport, WatermarkTopicConfig, WatermarkTopicReader};
 pub use report::{build_report, consumer_decisions, ConsumerDecisions, ReconcilerRound, Report, ReportOptions, SloVerdict};
 pub use routes::EnsuredRoute;

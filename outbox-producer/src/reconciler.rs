@@ -344,7 +344,7 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
     /// simulator runs it over the in-memory one); the SQL store's `run` adds
     /// the comparison of the three sets to every round.
     pub async fn run_resolving(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
-        self.rounds(shutdown, || async { Ok((self.resolve_unknown_once().await?, CompareReport::default())) }).await
+        self.rounds(shutdown, &(), |_| async { Ok((self.resolve_unknown_once().await?, CompareReport::default())) }).await
     }
 
     /// Reads every routed topic of this broker's cluster from its cursor and
@@ -529,24 +529,33 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         Ok(report)
     }
 
-    async fn rounds<F, Fut>(&self, shutdown: impl std::future::Future<Output = ()> + Send, mut round: F) -> Result<u64, ProducerError>
+    async fn rounds<F, Fut>(&self, shutdown: impl std::future::Future<Output = ()> + Send, observer: &dyn RoundObserver, mut round: F) -> Result<u64, ProducerError>
     where
-        F: FnMut() -> Fut,
+        F: FnMut(u64) -> Fut,
         Fut: std::future::Future<Output = Result<(ResolveReport, CompareReport), ProducerError>>,
     {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut rounds = 0;
+        let mut number = 0;
         loop {
-            tokio::select! {
-                biased;
-                r = round() => match r {
+            let started = std::time::Instant::now();
+            let this = number;
+            number += 1;
+            let observed = async {
+                let r = round(this).await;
+                match &r {
                     Ok((resolved, compared)) => {
-                        rounds += 1;
                         tracing::info!(examined = resolved.examined, published = resolved.published, retried = resolved.retried,
                             findings = compared.total(), "reconcile round");
                     }
                     Err(e) => tracing::warn!(error = %e, "reconcile round failed; retrying next interval"),
-                },
+                }
+                observer.round_done(this, r.as_ref(), started.elapsed()).await;
+                r.is_ok()
+            };
+            tokio::select! {
+                biased;
+                ok = observed => rounds += u64::from(ok),
                 () = &mut shutdown => return Ok(rounds),
             }
             tokio::select! {
@@ -688,8 +697,14 @@ impl<B: Broker + 'static, S: ServiceStore + BypassScanStore + FindingsStore + Ro
     /// progress when `shutdown` resolves is abandoned (its claims expire
     /// with their lease). Returns the number of rounds completed.
     pub async fn run(&self, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<u64, ProducerError> {
-        let round = std::sync::atomic::AtomicU64::new(0);
-        self.rounds(shutdown, || self.run_round(round.fetch_add(1, std::sync::atomic::Ordering::Relaxed))).await
+        self.run_observed(shutdown, &()).await
+    }
+
+    /// [`Reconciler::run`], handing each round's outcome to `observer` as it
+    /// ends (the CLI exports metrics and the report from it; the simulator
+    /// runs [`Reconciler::run`], the same loop).
+    pub async fn run_observed(&self, shutdown: impl std::future::Future<Output = ()> + Send, observer: &dyn RoundObserver) -> Result<u64, ProducerError> {
+        self.rounds(shutdown, observer, |round| self.run_round(round)).await
     }
 
     /// Round number `round` (from 0) of a running reconciler: resolves due
@@ -713,6 +728,21 @@ impl<B: Broker + 'static> Reconciler<B, PgStore> {
         opts.unknown_slo_ms = self.config.unknown_slo_ms;
         crate::report::build_report(self.store.pool(), &opts).await
     }
+}
+
+/// Told of each round of a running reconciler as it ends
+/// ([`Reconciler::run_observed`]): its number (from 0), what it did or why it
+/// failed, and how long it took. Observing never changes what a round does.
+#[async_trait::async_trait]
+pub trait RoundObserver: Send + Sync {
+    /// Round `round` ended.
+    async fn round_done(&self, round: u64, result: Result<&(ResolveReport, CompareReport), &ProducerError>, took: std::time::Duration);
+}
+
+/// No observer.
+#[async_trait::async_trait]
+impl RoundObserver for () {
+    async fn round_done(&self, _round: u64, _result: Result<&(ResolveReport, CompareReport), &ProducerError>, _took: std::time::Duration) {}
 }
 
 /// One reconciler round, as `outbox status` and the report show it.

@@ -298,6 +298,31 @@ impl WatermarkTopicReader {
         Ok(md)
     }
 
+    /// Ingests every `interval` until `shutdown` resolves, handing each
+    /// round's report (or why it failed: it is read again next round) to
+    /// `observe`. A service beside the reconciler: `outbox reconcile` runs
+    /// it next to [`Reconciler::run_observed`](crate::Reconciler::run_observed).
+    pub async fn run(&self, shutdown: impl std::future::Future<Output = ()> + Send, interval: std::time::Duration, mut observe: impl FnMut(Result<&IngestReport, &ProducerError>) + Send) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return,
+                r = self.ingest_once() => {
+                    if let Err(e) = &r {
+                        tracing::warn!(error = %e, "watermark topic round failed; reading again next round");
+                    }
+                    observe(r.as_ref());
+                }
+            }
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+
     /// Reads what the watermark topic holds beyond the stored positions (at
     /// most `max_records_per_round`, within `round_timeout_ms`) and applies
     /// it, with its findings and the new positions, in one transaction.

@@ -174,3 +174,19 @@ fn decision_modules_import_no_store_or_broker_trait() {
     }
     assert!(read >= 9, "read only {read} decision modules");
 }
+
+/// What production runs is what the simulator runs: `outbox reconcile`
+/// loops through `Reconciler::run_observed` (the loop of `Reconciler::run`,
+/// which the simulator runs), never round by round on its own.
+#[test]
+fn the_cli_reconciles_through_the_reconcilers_own_loop() {
+    let src = workspace().join("outbox-cli/src");
+    let mut calls_run = false;
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        let code = code_of(&path);
+        assert!(!code.contains(".run_round("), "{} drives reconciler rounds itself", path.display());
+        calls_run |= code.contains(".run_observed(");
+    }
+    assert!(calls_run, "outbox-cli never calls Reconciler::run_observed");
+}
