@@ -1,4 +1,4 @@
-//! Destination-migration decisions (PROTOCOL §9), with no I/O.
+//! Destination-migration decisions (PROTOCOL §7), with no I/O.
 //!
 //! [`decide_migration`]: an undelivered event moves to another
 //! cluster/topic only when the old target provably does not hold it: either

@@ -1,4 +1,4 @@
-//! Retention decisions (PROTOCOL §7), with no I/O.
+//! Retention decisions (PROTOCOL §9), with no I/O.
 //!
 //! [`may_retain`] / [`may_purge`]: evidence goes only after the maximum
 //! replay window *and* after every mandatory consumer reading the topic has
