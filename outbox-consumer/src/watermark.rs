@@ -106,22 +106,7 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     let dead: Vec<i64> = rows.iter().map(|w| w.dead_lettered_count).collect();
     let last: Vec<Option<&str>> = rows.iter().map(|w| w.last_event_id.as_deref()).collect();
     let updated: Vec<DateTime<Utc>> = rows.iter().map(|w| w.updated_at).collect();
-    let n = sqlx::query(
-        "INSERT INTO outbox_consumer_watermarks AS w
-             (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
-         SELECT $1, u.cluster_id, u.topic, u.topic_id, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at
-         FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[], $12::text[])
-             AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id, topic_id)
-         ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
-             committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
-             applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
-             duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
-             quarantined_count = GREATEST(w.quarantined_count, EXCLUDED.quarantined_count),
-             dead_lettered_count = GREATEST(w.dead_lettered_count, EXCLUDED.dead_lettered_count),
-             last_event_id = CASE WHEN EXCLUDED.committed_offset >= w.committed_offset
-                                  THEN COALESCE(EXCLUDED.last_event_id, w.last_event_id) ELSE w.last_event_id END,
-             updated_at = GREATEST(w.updated_at, EXCLUDED.updated_at)",
-    )
+    let n = sqlx::query(outbox_core::watermark_record::COPY_UPSERT_SQL)
     .bind(consumer_id)
     .bind(&topics)
     .bind(&partitions)

@@ -262,6 +262,36 @@ pub fn verify_signature(value: &[u8], key_id: Option<&[u8]>, signature: Option<&
     }
 }
 
+
+/// The one statement that copies consumers' watermarks into the outbox
+/// database (`outbox_consumer_watermarks`), used by the consumer's direct
+/// copy (`outbox_consumer::publish_watermarks`) and by the watermark topic's
+/// reader (`outbox_producer::WatermarkTopicReader`). Monotonic: offsets and
+/// counts only grow, `updated_at` keeps the consumer's own time and never
+/// goes back, and `last_event_id` follows the committed offset (a copy whose
+/// offset is behind the stored one keeps the stored event).
+///
+/// Binds: `$1` the consumer id, then one array per column, element `i` of
+/// each describing row `i`: `$2` topic (`text[]`), `$3` partition (`int4[]`),
+/// `$4` committed offset, `$5` applied, `$6` duplicates, `$7` quarantined,
+/// `$8` dead-lettered (`int8[]` each), `$9` last event id (`text[]`),
+/// `$10` updated at (`timestamptz[]`), `$11` cluster id and `$12` topic id
+/// (`text[]`).
+pub const COPY_UPSERT_SQL: &str = "INSERT INTO outbox_consumer_watermarks AS w
+         (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
+     SELECT $1, u.cluster_id, u.topic, u.topic_id, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at
+     FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[], $12::text[])
+         AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id, topic_id)
+     ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
+         committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
+         applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
+         duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
+         quarantined_count = GREATEST(w.quarantined_count, EXCLUDED.quarantined_count),
+         dead_lettered_count = GREATEST(w.dead_lettered_count, EXCLUDED.dead_lettered_count),
+         last_event_id = CASE WHEN EXCLUDED.committed_offset >= w.committed_offset
+                              THEN COALESCE(EXCLUDED.last_event_id, w.last_event_id) ELSE w.last_event_id END,
+         updated_at = GREATEST(w.updated_at, EXCLUDED.updated_at)";
+
 #[cfg(test)]
 mod tests {
     use super::*;

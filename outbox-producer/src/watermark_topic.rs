@@ -553,33 +553,22 @@ async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord) -> Resul
             }
         }
     }
-    sqlx::query(
-        "INSERT INTO outbox_consumer_watermarks AS w
-             (consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, topic_id)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, to_timestamp($11::double precision / 1000), $12)
-         ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
-             committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
-             applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
-             duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
-             quarantined_count = GREATEST(w.quarantined_count, EXCLUDED.quarantined_count),
-             dead_lettered_count = GREATEST(w.dead_lettered_count, EXCLUDED.dead_lettered_count),
-             last_event_id = COALESCE(EXCLUDED.last_event_id, w.last_event_id),
-             updated_at = GREATEST(w.updated_at, EXCLUDED.updated_at)",
-    )
-    .bind(&r.consumer_id)
-    .bind(&r.cluster_id)
-    .bind(&r.topic)
-    .bind(r.partition)
-    .bind(r.committed_offset)
-    .bind(r.applied_count)
-    .bind(r.duplicate_count)
-    .bind(r.quarantined_count)
-    .bind(r.dead_lettered_count)
-    .bind(r.last_event_id.as_deref())
-    .bind(r.updated_at_ms)
-    .bind(r.topic_id.as_deref())
-    .execute(&mut **tx)
-    .await?;
+    let updated_at = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(r.updated_at_ms).unwrap_or_default();
+    sqlx::query(outbox_core::watermark_record::COPY_UPSERT_SQL)
+        .bind(&r.consumer_id)
+        .bind([r.topic.as_str()])
+        .bind([r.partition])
+        .bind([r.committed_offset])
+        .bind([r.applied_count])
+        .bind([r.duplicate_count])
+        .bind([r.quarantined_count])
+        .bind([r.dead_lettered_count])
+        .bind([r.last_event_id.as_deref()])
+        .bind([updated_at])
+        .bind([r.cluster_id.as_str()])
+        .bind([r.topic_id.as_deref()])
+        .execute(&mut **tx)
+        .await?;
     Ok(Applied::Yes)
 }
 
