@@ -41,16 +41,28 @@ async fn single_connection(pool: &PgPool) -> PgPool {
 async fn rows_read_by_one_claim(pool: &PgPool, backlog: usize) -> i64 {
     let own = single_connection(pool).await;
     let store = PgStore::new(own.clone());
-    emit_distinct_keys(pool, 0, backlog).await;
+    // The set-up runs on a connection of its own, closed before counting:
+    // a backend hands its table counters over up to seconds late (one of
+    // its count(*) scans once landed inside the claim's count), but always
+    // when it exits.
+    let setup = single_connection(pool).await;
+    emit_distinct_keys(&setup, 0, backlog).await;
     // Claims of one link the arrivals (up to 2,000 a claim) until every
     // key has its head.
-    while count(pool, "SELECT count(*) FROM outbox_chain_arrivals").await > 0 {
+    while count(&setup, "SELECT count(*) FROM outbox_chain_arrivals").await > 0 {
         assert_eq!(store.claim_batch("warm", 1, 30_000).await.unwrap().len(), 1);
     }
     // What autovacuum would have done by now (it is off here, so that its
     // reads do not count): the linked arrivals' dead rows are gone, and
     // the planner has statistics of the tables as they are now.
-    sqlx::query("VACUUM ANALYZE outbox_chain_arrivals, outbox_chain_heads, outbox_events").execute(pool).await.unwrap();
+    sqlx::query("VACUUM ANALYZE outbox_chain_arrivals, outbox_chain_heads, outbox_events").execute(&setup).await.unwrap();
+    let setup_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&setup).await.unwrap();
+    setup.close().await;
+    let gone = std::time::Instant::now() + Duration::from_secs(10);
+    while count(pool, &format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {setup_pid}")).await > 0 {
+        assert!(std::time::Instant::now() < gone, "the set-up connection did not end");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let before = reads(pool, &[&own], &CLAIM_TABLES).await;
     let claimed = store.claim_batch("w1", 100, 30_000).await.unwrap();
     let read = reads(pool, &[&own], &CLAIM_TABLES).await - before;
