@@ -87,22 +87,10 @@ pub struct MigrationRecord {
     pub closed_attempts: Vec<AttemptId>,
 }
 
-/// One consumer's published watermark on one log, as retention reads it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MemoryWatermark {
-    /// The consumer.
-    pub consumer_id: String,
-    /// Broker cluster of the log.
-    pub cluster_id: String,
-    /// Topic.
-    pub topic: String,
-    /// Topic id the messages it counted name (`None`: `destination.v1`).
-    pub topic_id: Option<String>,
-    /// Partition.
-    pub partition: i32,
-    /// Next offset the consumer reads.
-    pub committed_offset: i64,
-}
+/// One consumer's published watermark on one log, as retention reads it:
+/// the store traits' [`ConsumerWatermark`](crate::ConsumerWatermark), under
+/// the name the in-memory store's callers know.
+pub type MemoryWatermark = crate::store::ConsumerWatermark;
 
 /// A registered consumer (as `outbox_consumers`): whether the reconciler
 /// compares its watermarks (`critical`), whether retention waits for it
