@@ -1,0 +1,253 @@
+//! Topic ids: reading a topic's current id (DescribeTopics), the id a
+//! `destination.v2` froze, and the send-time check that refuses a send to a
+//! topic recreated under the same name.
+
+use std::time::{Duration, Instant};
+
+use outbox_core::headers;
+use outbox_core::Destination;
+use rdkafka::error::RDKafkaErrorCode;
+use tokio::sync::watch;
+use tracing::debug;
+
+use super::delivery::AnyProducer;
+use super::error::{redact_text, KafkaAdapterError};
+use super::{lock, KafkaBroker};
+#[cfg(doc)]
+use super::settings::KafkaConfig;
+
+/// How long a topic id read for the send-time check of a `destination.v2`
+/// is used, ms (see the [module documentation](super)).
+pub const TOPIC_ID_CACHE_MS: u64 = 5_000;
+
+/// One read of a topic's current id for the send-time check: when it began,
+/// and its answer once there (`Some(None)`: no id could be read: the
+/// cluster gives none, or it could not be asked).
+#[derive(Clone)]
+pub(super) struct TopicIdRead {
+    began: Instant,
+    answer: watch::Receiver<Option<Option<String>>>,
+}
+
+/// The topic id a message's `outbox-destination` header (the last one)
+/// freezes, when it is a `destination.v2` that parses.
+pub(super) fn frozen_topic_id(hs: &[(String, Vec<u8>)]) -> Option<String> {
+    let (_, bytes) = hs.iter().rev().find(|(k, _)| k == headers::DESTINATION)?;
+    if !bytes.starts_with(outbox_core::envelope::DESTINATION_SCHEMA_V2.as_bytes()) {
+        return None;
+    }
+    Destination::from_canonical(bytes).ok()?.topic_id
+}
+
+/// Why a send to `topic` with frozen topic id `frozen` is refused, when the
+/// topic's current id is known to be another.
+pub(super) fn recreated(topic: &str, current: Option<&str>, frozen: &str) -> Option<String> {
+    match current {
+        Some(now) if now != frozen => Some(format!(
+            "topic {topic} has id {now}, the destination froze id {frozen}: the topic was recreated, its log is not the destination's; nothing was sent"
+        )),
+        _ => None,
+    }
+}
+
+/// The topic id the last `outbox-destination` header names, when that
+/// header parses as a destination (`None`: a `destination.v1`, or no
+/// readable destination).
+pub fn destination_topic_id(hs: &[(String, Vec<u8>)]) -> Option<String> {
+    let (_, bytes) = hs.iter().rev().find(|(k, _)| k == headers::DESTINATION)?;
+    Destination::from_canonical(bytes).ok()?.topic_id
+}
+
+/// `topic`'s entry in `md`, or why the cluster gave none usable.
+pub(super) fn topic_in<'m>(md: &'m rdkafka::metadata::Metadata, topic: &str) -> Result<&'m rdkafka::metadata::MetadataTopic, KafkaAdapterError> {
+    let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic} not in metadata")))?;
+    match t.error() {
+        Some(e) => Err(KafkaAdapterError::Metadata(format!("topic {topic}: {}", RDKafkaErrorCode::from(e)))),
+        None => Ok(t),
+    }
+}
+
+impl KafkaBroker {
+    /// Keeps `id`, just read, as the current id of `topic` for the sends.
+    pub(super) fn remember_topic_id(&self, topic: &str, id: Option<String>) {
+        let (_, answer) = watch::channel(Some(id));
+        lock(&self.shared.topic_ids).insert(topic.to_owned(), TopicIdRead { began: Instant::now(), answer });
+    }
+
+    /// The current id of `topic` as read less than [`TOPIC_ID_CACHE_MS`]
+    /// ago, when that read has answered (no I/O): `Some(None)` when no id
+    /// could be read.
+    pub(super) fn cached_topic_id(&self, topic: &str) -> Option<Option<String>> {
+        let reads = lock(&self.shared.topic_ids);
+        let read = reads.get(topic).filter(|r| r.began.elapsed() < Duration::from_millis(TOPIC_ID_CACHE_MS))?;
+        let answer = read.answer.borrow().clone();
+        answer
+    }
+
+    /// The current id of `topic` for the send-time check: the answer of a
+    /// read begun less than [`TOPIC_ID_CACHE_MS`] ago, or of one begun now
+    /// (one read per topic at a time, its answer kept for the others),
+    /// waiting for it until `deadline`. `None`: not known (no id, no answer
+    /// in time, an error: all logged at debug).
+    pub(super) async fn topic_id_for_send(&self, topic: &str, deadline: tokio::time::Instant) -> Option<String> {
+        let mut answer = {
+            let mut reads = lock(&self.shared.topic_ids);
+            match reads.get(topic).filter(|r| r.began.elapsed() < Duration::from_millis(TOPIC_ID_CACHE_MS)) {
+                Some(r) => r.answer.clone(),
+                None => {
+                    let (tx, rx) = watch::channel(None);
+                    reads.insert(topic.to_owned(), TopicIdRead { began: Instant::now(), answer: rx.clone() });
+                    let (broker, topic) = (self.clone(), topic.to_owned());
+                    tokio::spawn(async move {
+                        let id = match broker.topic_id(&topic).await {
+                            Ok(id) => {
+                                if id.is_none() {
+                                    debug!(%topic, "the cluster gives no topic id: sends to destination.v2 are not checked against it");
+                                }
+                                id
+                            }
+                            Err(e) => {
+                                debug!(%topic, error = %e, "topic id not read: sends to destination.v2 go unchecked until it is");
+                                None
+                            }
+                        };
+                        let _ = tx.send(Some(id));
+                    });
+                    rx
+                }
+            }
+        };
+        let id = match tokio::time::timeout_at(deadline, answer.wait_for(Option::is_some)).await {
+            Ok(Ok(id)) => id.clone().flatten(),
+            _ => {
+                debug!(%topic, "topic id not read within the send's wait: sent unchecked");
+                None
+            }
+        };
+        id
+    }
+
+    /// The topic id of `topic` as the cluster reports it now (Kafka's topic
+    /// UUID, in its usual text form: URL-safe base64 without padding, 22
+    /// characters), or `None` when the cluster gives no topic ids (all-zero
+    /// id). A topic deleted and created again under the same name has a new
+    /// id. Bounded by [`KafkaConfig::connect_timeout_ms`].
+    pub async fn topic_id(&self, topic: &str) -> Result<Option<String>, KafkaAdapterError> {
+        let inner = self.inner();
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let timeout = Duration::from_millis(inner.config.connect_timeout_ms);
+            let md = inner.producer.fetch_metadata(Some(&topic), timeout)?;
+            let t = topic_in(&md, &topic)?;
+            // The leader of one of its partitions surely knows the topic.
+            let broker_id = t
+                .partitions()
+                .iter()
+                .map(|p| p.leader())
+                .find(|l| *l >= 0)
+                .or_else(|| md.brokers().first().map(|b| b.id()))
+                .ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic}: no broker in metadata")))?;
+            inner
+                .producer
+                .describe_topic_id(&topic, broker_id, timeout)
+                .map(|id| id.map(|b| outbox_core::envelope::topic_id_text(&b)))
+                .map_err(|e| KafkaAdapterError::Metadata(redact_text(&e, &inner.config.extra)))
+        })
+        .await
+        .map_err(|e| KafkaAdapterError::Task(e.to_string()))?
+    }
+}
+
+impl AnyProducer {
+    /// The topic id of `topic` (Kafka's 16-byte topic UUID) from the admin
+    /// DescribeTopics API (`rd_kafka_DescribeTopics`), or `None` when the
+    /// cluster answers the all-zero id (a broker without topic ids).
+    #[allow(unsafe_code)]
+    /// The request goes to broker `broker_id` (any broker answers it: it is
+    /// a metadata request), not to the controller librdkafka would wait for.
+    fn describe_topic_id(&self, topic: &str, broker_id: i32, timeout: Duration) -> Result<Option<[u8; 16]>, String> {
+        use rdkafka_sys as sys;
+        let name = std::ffi::CString::new(topic).map_err(|_| format!("topic name {topic:?} holds a NUL byte"))?;
+        let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
+        let rk = self.native();
+        let mut names = [name.as_ptr()];
+        // SAFETY: every object created below is destroyed exactly once on
+        // every path; `rk` is the live handle owned by `self` for the whole
+        // call; the strings librdkafka returns are copied before the event
+        // that owns them is destroyed.
+        unsafe {
+            let topics = sys::rd_kafka_TopicCollection_of_topic_names(names.as_mut_ptr(), 1);
+            if topics.is_null() {
+                return Err("DescribeTopics: no topic collection".into());
+            }
+            let options = sys::rd_kafka_AdminOptions_new(rk, sys::rd_kafka_admin_op_t::RD_KAFKA_ADMIN_OP_DESCRIBETOPICS);
+            if !options.is_null() {
+                let mut errstr = [0 as std::os::raw::c_char; 256];
+                sys::rd_kafka_AdminOptions_set_request_timeout(options, timeout_ms, errstr.as_mut_ptr(), errstr.len());
+                sys::rd_kafka_AdminOptions_set_broker(options, broker_id, errstr.as_mut_ptr(), errstr.len());
+            }
+            let queue = sys::rd_kafka_queue_new(rk);
+            sys::rd_kafka_DescribeTopics(rk, topics, options, queue);
+            // One result event per request; bounded by the timeout plus a
+            // margin (the request timeout answers first).
+            let event = sys::rd_kafka_queue_poll(queue, timeout_ms.saturating_add(1_000));
+            let out = if event.is_null() {
+                Err(format!("DescribeTopics {topic}: no answer within {timeout_ms} ms"))
+            } else {
+                let r = describe_topics_answer(event, topic);
+                sys::rd_kafka_event_destroy(event);
+                r
+            };
+            sys::rd_kafka_queue_destroy(queue);
+            if !options.is_null() {
+                sys::rd_kafka_AdminOptions_destroy(options);
+            }
+            sys::rd_kafka_TopicCollection_destroy(topics);
+            out
+        }
+    }
+}
+
+/// Reads the topic id of `topic` out of one DescribeTopics result event.
+///
+/// # Safety
+/// `event` must be a live event returned by `rd_kafka_queue_poll`.
+#[allow(unsafe_code)]
+unsafe fn describe_topics_answer(event: *mut rdkafka_sys::rd_kafka_event_t, topic: &str) -> Result<Option<[u8; 16]>, String> {
+    use rdkafka_sys as sys;
+    let text = |p: *const std::os::raw::c_char| if p.is_null() { String::new() } else { std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned() };
+    let err = sys::rd_kafka_event_error(event);
+    if RDKafkaErrorCode::from(err) != RDKafkaErrorCode::NoError {
+        return Err(format!("DescribeTopics {topic}: {}: {}", RDKafkaErrorCode::from(err), text(sys::rd_kafka_event_error_string(event))));
+    }
+    let result = sys::rd_kafka_event_DescribeTopics_result(event);
+    if result.is_null() {
+        return Err(format!("DescribeTopics {topic}: not a DescribeTopics result"));
+    }
+    let mut count = 0usize;
+    let descs = sys::rd_kafka_DescribeTopics_result_topics(result, &mut count);
+    if descs.is_null() || count == 0 {
+        return Err(format!("DescribeTopics {topic}: no topic in the answer"));
+    }
+    for i in 0..count {
+        let d = *descs.add(i);
+        if d.is_null() || text(sys::rd_kafka_TopicDescription_name(d)) != topic {
+            continue;
+        }
+        let e = sys::rd_kafka_TopicDescription_error(d);
+        if !e.is_null() && RDKafkaErrorCode::from(sys::rd_kafka_error_code(e)) != RDKafkaErrorCode::NoError {
+            return Err(format!("DescribeTopics {topic}: {}", text(sys::rd_kafka_error_string(e))));
+        }
+        let id = sys::rd_kafka_TopicDescription_topic_id(d);
+        if id.is_null() {
+            return Ok(None);
+        }
+        let hi = sys::rd_kafka_Uuid_most_significant_bits(id).to_be_bytes();
+        let lo = sys::rd_kafka_Uuid_least_significant_bits(id).to_be_bytes();
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&hi);
+        bytes[8..].copy_from_slice(&lo);
+        return Ok(if bytes == [0u8; 16] { None } else { Some(bytes) });
+    }
+    Err(format!("DescribeTopics {topic}: topic not in the answer"))
+}
