@@ -47,7 +47,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use super::{world, Shared, CLUSTER, NEW_TOPIC, PARTITIONS, T0_MS, TOPIC};
+use super::world::{world, Shared};
+use super::{CLUSTER, NEW_TOPIC, PARTITIONS, T0_MS, TOPIC};
 use crate::rng::Rng;
 
 /// The consumer group whose receipts and effects are checked.
