@@ -242,6 +242,7 @@ fn verify_code(e: &VerifyError) -> &'static str {
         VerifyError::SignatureMissing => "signature_missing",
         VerifyError::KeyUnknown(_) => "key_unknown",
         VerifyError::SignatureBad => "signature_bad",
+        VerifyError::CeSourceMismatch { .. } => "ce_source_mismatch",
         _ => "other",
     }
 }

@@ -160,6 +160,31 @@ async fn only_the_declared_source_with_a_valid_signature_has_an_effect(pool: PgP
     assert!(effects_for(&pool, "open").await.contains(&forged.event_id().to_string()));
 }
 
+/// docs/WIRE.md, "Verifying a message", item 7: a sealed message whose
+/// CloudEvents `ce_source` names another source than its `outbox-source` is
+/// quarantined before the handler, on a topic without a trust policy too
+/// (a reader going by `ce_source`, as CloudEvents tooling does, would take
+/// it for the other outbox's); the same message with the matching
+/// `ce_source` is applied.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn a_ce_source_mismatch_is_quarantined_without_a_policy(pool: PgPool) {
+    init_tracing();
+    create_effects_table(&pool).await;
+    let kafka = Kafka::new("orders", 1);
+    let mut matching = sealed(fixture("orders", 1, "o-matching"), GENUINE, None);
+    matching.headers.push((headers::CE_SOURCE.into(), GENUINE.as_bytes().to_vec()));
+    let mut mismatched = sealed(fixture("orders", 1, "o-mismatched"), GENUINE, None);
+    mismatched.headers.push((headers::CE_SOURCE.into(), FOREIGN.as_bytes().to_vec()));
+    let offsets = [kafka.send(&matching).await, kafka.send(&mismatched).await];
+
+    let h = TestHandler::default();
+    let outs = Running::start(IdempotentConsumer::new(config(&kafka, "open", "orders"), pool.clone(), h.clone()).unwrap()).stop_after(2).await;
+    assert!(matches!(by_offset(&outs, offsets[0]), Outcome::Applied { .. }), "{outs:?}");
+    assert_eq!(quarantine_code(by_offset(&outs, offsets[1])), "verify:ce_source_mismatch", "{outs:?}");
+    assert_eq!(effects_for(&pool, "open").await, vec![matching.event_id().to_string()]);
+    assert_eq!(h.calls(), 1);
+}
+
 #[test]
 fn a_policy_that_requires_signatures_needs_keys() {
     let p = TrustPolicy::default().accept("orders", &[GENUINE], true);

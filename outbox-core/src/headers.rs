@@ -216,6 +216,16 @@ pub enum VerifyError {
     /// The signature does not verify under the named key.
     #[error("the signature does not verify")]
     SignatureBad,
+    /// The CloudEvents `ce_source` header names another source than the
+    /// `outbox-source` the claims digest covers: a reader going by
+    /// `ce_source` would take the message for another outbox's.
+    #[error("ce_source {ce_source:?} is not the message's outbox-source {outbox_source:?}")]
+    CeSourceMismatch {
+        /// The `ce_source` header (at most 200 characters of it).
+        ce_source: String,
+        /// The `outbox-source` header.
+        outbox_source: String,
+    },
 }
 
 fn header<'a>(headers: &'a [(String, Vec<u8>)], name: &'static str) -> Result<&'a str, VerifyError> {

@@ -186,8 +186,10 @@ pub struct TrustClaims {
 
 /// Reads the trust headers and checks the claims digest when there is one:
 /// a message with a [`CLAIMS_DIGEST`] whose covered headers do not hash to it
-/// is refused ([`VerifyError::ClaimsDigest`]). Signatures are checked by the
-/// reader against its own keys.
+/// is refused ([`VerifyError::ClaimsDigest`]), and so is one whose CloudEvents
+/// `ce_source`, when present, is not the `outbox-source` the digest covers
+/// ([`VerifyError::CeSourceMismatch`]; docs/WIRE.md, "Verifying a message",
+/// item 7). Signatures are checked by the reader against its own keys.
 pub fn check_claims(hs: &[(String, Vec<u8>)]) -> Result<TrustClaims, VerifyError> {
     let source = header_text(hs, SOURCE)?.map(str::to_owned);
     let key_id = header_text(hs, KEY_ID)?.map(str::to_owned);
@@ -198,6 +200,12 @@ pub fn check_claims(hs: &[(String, Vec<u8>)]) -> Result<TrustClaims, VerifyError
             let bytes = claims_bytes(hs)?;
             if sha256_digest(&bytes).as_bytes() != digest {
                 return Err(VerifyError::ClaimsDigest);
+            }
+            if let Some(ce_source) = last(hs, crate::headers::CE_SOURCE) {
+                let covered = source.as_deref().unwrap_or("");
+                if ce_source != covered.as_bytes() {
+                    return Err(VerifyError::CeSourceMismatch { ce_source: String::from_utf8_lossy(ce_source).chars().take(200).collect(), outbox_source: covered.to_owned() });
+                }
             }
             Some(bytes)
         }
@@ -262,6 +270,27 @@ mod tests {
         let mut unsealed = h.clone();
         unsealed.retain(|(k, _)| k != CLAIMS_DIGEST);
         assert_eq!(check_claims(&unsealed).unwrap().claims, None);
+    }
+
+    /// docs/WIRE.md, "Verifying a message", item 7: with a claims digest,
+    /// a `ce_source` that is not the covered `outbox-source` is refused (the
+    /// digest does not cover `ce_source`, so nothing else would see it).
+    #[test]
+    fn a_ce_source_that_is_not_the_outbox_source_is_refused() {
+        let mut h = sealed(None);
+        h.push((headers::CE_SOURCE.into(), b"urn:uuid:a".to_vec()));
+        assert!(check_claims(&h).is_ok(), "the same source");
+        let mut forged = sealed(None);
+        forged.push((headers::CE_SOURCE.into(), b"urn:uuid:other".to_vec()));
+        assert_eq!(check_claims(&forged), Err(VerifyError::CeSourceMismatch { ce_source: "urn:uuid:other".into(), outbox_source: "urn:uuid:a".into() }));
+        // The last of a repeated header counts, as everywhere else.
+        forged.push((headers::CE_SOURCE.into(), b"urn:uuid:a".to_vec()));
+        assert!(check_claims(&forged).is_ok());
+        // Without a claims digest nothing is covered, so nothing is compared.
+        let mut unsealed = sealed(None);
+        unsealed.retain(|(k, _)| k != CLAIMS_DIGEST);
+        unsealed.push((headers::CE_SOURCE.into(), b"urn:uuid:other".to_vec()));
+        assert!(check_claims(&unsealed).is_ok());
     }
 
     #[test]
