@@ -340,6 +340,49 @@ impl ConsumerConfig {
     }
 }
 
+/// The variables that carry a consumer's trust policy: accepted sources per
+/// topic, topics that require a signature, verification keys. Read by
+/// [`ConsumerConfig::from_env`] and [`TrustPolicy::from_env`](crate::TrustPolicy::from_env);
+/// a consumer built otherwise is refused while any of them is set and its
+/// policy is not theirs ([`ConsumerConfig::check_trust_environment`]).
+pub const TRUST_ENV: [&str; 3] = ["OUTBOX_CONSUMER_ACCEPT_SOURCES", "OUTBOX_CONSUMER_REQUIRE_SIGNATURE", "OUTBOX_CONSUMER_VERIFY_KEYS"];
+
+impl crate::trust::TrustPolicy {
+    /// The trust policy the environment's [`TRUST_ENV`] variables describe
+    /// (formats as in [`ConsumerConfig::from_env`]); empty, accepting any
+    /// source, when none is set. For a configuration built in code:
+    /// `config.trust = TrustPolicy::from_env()?`.
+    pub fn from_env() -> Result<Self, ConsumerError> {
+        trust_from_lookup(&|k| std::env::var(k).ok())
+    }
+}
+
+impl ConsumerConfig {
+    /// Refuses this configuration when the environment sets a trust
+    /// variable ([`TRUST_ENV`]) and [`ConsumerConfig::trust`] is not the
+    /// policy the variables describe. A configuration built with
+    /// [`ConsumerConfig::new`] reads no environment: without this check a
+    /// service that sets `OUTBOX_CONSUMER_ACCEPT_SOURCES` and builds its
+    /// configuration in code would run open while its operators believe it
+    /// verifies sources. [`IdempotentConsumer::new`](crate::IdempotentConsumer::new) calls it.
+    pub fn check_trust_environment(&self) -> Result<(), ConsumerError> {
+        check_trust_lookup(&self.trust, &|k| std::env::var(k).ok())
+    }
+}
+
+fn check_trust_lookup(trust: &crate::trust::TrustPolicy, get: &impl Fn(&str) -> Option<String>) -> Result<(), ConsumerError> {
+    let set: Vec<&str> = TRUST_ENV.iter().copied().filter(|k| get(k).is_some_and(|v| !v.trim().is_empty())).collect();
+    if set.is_empty() || trust_from_lookup(get)? == *trust {
+        return Ok(());
+    }
+    Err(ConsumerError::Config(format!(
+        "{} set in the environment, but this configuration's trust policy is not the one the variables describe \
+         (a ConsumerConfig built with ConsumerConfig::new reads no environment): build it with ConsumerConfig::from_env, \
+         or set config.trust = TrustPolicy::from_env()?, or unset the variables",
+        set.join(", ")
+    )))
+}
+
 /// The trust policy from `OUTBOX_CONSUMER_ACCEPT_SOURCES`,
 /// `OUTBOX_CONSUMER_REQUIRE_SIGNATURE` and `OUTBOX_CONSUMER_VERIFY_KEYS`.
 /// Sources and key ids hold no spaces and topics no `=`, so the formats are
@@ -367,6 +410,28 @@ fn trust_from_lookup(get: &impl Fn(&str) -> Option<String>) -> Result<crate::tru
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A configuration built in code while the trust variables are set is
+    /// refused unless its policy is theirs; with none set, any policy goes.
+    #[test]
+    fn trust_variables_with_a_config_built_by_new_are_not_ignored() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_owned());
+        let open = ConsumerConfig::new("c", "b:9092", &["orders"]);
+        let set = env(&[("OUTBOX_CONSUMER_ACCEPT_SOURCES", "orders=urn:uuid:a")]);
+        let err = check_trust_lookup(&open.trust, &set).unwrap_err().to_string();
+        assert!(err.contains("OUTBOX_CONSUMER_ACCEPT_SOURCES set in the environment") && err.contains("TrustPolicy::from_env"), "{err}");
+        // The same policy given in code is accepted.
+        let mut same = open.clone();
+        same.trust = crate::trust::TrustPolicy::default().accept("orders", &["urn:uuid:a"], false);
+        check_trust_lookup(&same.trust, &set).unwrap();
+        // A stricter or other policy in code is refused too: the choice is the operator's to make in one place.
+        let mut other = open.clone();
+        other.trust = crate::trust::TrustPolicy::default().accept("orders", &["urn:uuid:b"], false);
+        assert!(check_trust_lookup(&other.trust, &set).is_err());
+        // Nothing set: whatever the code says.
+        check_trust_lookup(&other.trust, &env(&[])).unwrap();
+        check_trust_lookup(&open.trust, &env(&[("OUTBOX_CONSUMER_VERIFY_KEYS", " ")])).unwrap();
+    }
 
     #[test]
     fn backoff_doubles_and_caps() {

@@ -185,6 +185,7 @@ impl IdempotentConsumer {
     /// A consumer for `config` (validated) writing receipts to `pool`.
     pub fn new(config: ConsumerConfig, pool: PgPool, handler: impl Handler + 'static) -> Result<Self, ConsumerError> {
         config.validate()?;
+        config.check_trust_environment()?;
         let processor = Processor::new(&config.consumer_id, pool, handler)?
             .with_retry(config.retry.clone())?
             .with_max_evidence_payload_bytes(config.max_evidence_payload_bytes)
