@@ -340,6 +340,11 @@ pub struct MigrateArgs {
     /// Apply only one side's migrations.
     #[arg(long, value_enum)]
     pub only: Option<Side>,
+    /// Name the outbox's source identity (ce_source / outbox-source) when the schema is made, e.g.
+    /// urn:example:orders-prod; default a random urn:uuid:. It never changes: on a database that has
+    /// one, only the same value is accepted.
+    #[arg(long, env = "OUTBOX_SOURCE")]
+    pub source: Option<String>,
 }
 
 /// Which migration set.

@@ -498,7 +498,7 @@ async fn migrate(url: &str, a: &MigrateArgs) -> anyhow::Result<u8> {
     };
     let before = applied(pool.clone()).await?;
     if a.only != Some(Side::Consumer) {
-        outbox_producer::migrate(&pool).await.context("producer migrations")?;
+        outbox_producer::migrate_with_source(&pool, a.source.as_deref()).await.context("producer migrations")?;
     }
     if a.only != Some(Side::Producer) {
         outbox_consumer::migrate(&pool).await.context("consumer migrations")?;

@@ -86,6 +86,34 @@ async fn migrate_then_status_on_an_empty_outbox() {
     env.drop_now().await;
 }
 
+/// An operator names the source identity when the schema is made, so that
+/// consumers can be configured before the database exists; it never changes
+/// after: the same name is accepted again, another or a malformed one is
+/// refused, and a later migrate without one keeps it.
+#[tokio::test]
+async fn migrate_names_the_source_identity_and_keeps_it() {
+    let env = Env::new("cli_named_source").await;
+    let bad = env.run(&["migrate", "--source", "has space"]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("source identity"), "{bad:?}");
+    assert_eq!(env.count("SELECT count(*) FROM pg_tables WHERE tablename = 'outbox_identity'").await, 0, "nothing made for a refused name");
+
+    env.ok(&["migrate", "--source", "urn:example:orders-prod"]);
+    let source: String = sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_one(env.pool()).await.unwrap();
+    assert_eq!(source, "urn:example:orders-prod");
+    assert!(env.ok(&["status"]).contains("source:          urn:example:orders-prod"));
+    // The same name again (a deployment passes it on every run), and none.
+    env.ok(&["migrate", "--source", "urn:example:orders-prod"]);
+    env.ok(&["migrate"]);
+    let other = env.run(&["migrate", "--source", "urn:example:orders-staging"]);
+    assert_eq!(other.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert!(err.contains("\"urn:example:orders-prod\"") && err.contains("never changes"), "{err}");
+    let kept: String = sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_one(env.pool()).await.unwrap();
+    assert_eq!(kept, "urn:example:orders-prod");
+    env.drop_now().await;
+}
+
 /// A database whose migration history records the pre-release migrations
 /// (the 38 files the two schema files replaced) is refused by `outbox
 /// migrate` with what to do, and left as it was: neither crate's schema is

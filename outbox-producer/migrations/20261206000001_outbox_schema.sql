@@ -1423,7 +1423,12 @@ CREATE TABLE outbox_identity (
     source     text NOT NULL CHECK (octet_length(source) BETWEEN 1 AND 200 AND source !~ '[^!-~]'),
     created_at timestamptz NOT NULL DEFAULT now()
 );
-INSERT INTO outbox_identity (source) VALUES ('urn:uuid:' || gen_random_uuid());
+-- The operator may name it when the schema is made (`outbox migrate
+-- --source`, `outbox_producer::migrate_with_source`: the migrating
+-- session's `outbox.source` setting), so that consumers can be configured
+-- before this database exists; otherwise it is a random `urn:uuid:`.
+INSERT INTO outbox_identity (source)
+    VALUES (coalesce(nullif(current_setting('outbox.source', true), ''), 'urn:uuid:' || gen_random_uuid()));
 CREATE TRIGGER outbox_identity_frozen BEFORE UPDATE OR DELETE ON outbox_identity
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
 CREATE TRIGGER outbox_identity_never_truncated BEFORE TRUNCATE ON outbox_identity

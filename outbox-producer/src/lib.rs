@@ -71,13 +71,42 @@ pub const PROTOCOL_VERSION: &str = "1";
 /// Applies the producer's migrations. Other migration sets (the consumer's)
 /// may share the database; their versions are ignored here.
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), ProducerError> {
+    migrate_with_source(pool, None).await
+}
+
+/// [`migrate`], naming the outbox's source identity (`ce_source` and
+/// `outbox-source` of every message it sends, PROTOCOL §8) when the schema is
+/// made: consumers can then be configured with it before this database
+/// exists. `None` makes a random `urn:uuid:`. The identity never changes: on
+/// a database that has one, a different `source` is refused (the same one
+/// is accepted, so a deployment can pass it on every run).
+pub async fn migrate_with_source(pool: &sqlx::PgPool, source: Option<&str>) -> Result<(), ProducerError> {
+    if let Some(s) = source {
+        outbox_core::headers::validate_source(s).map_err(|e| ProducerError::Config(format!("source identity: {e}")))?;
+    }
     let found = applied_among(pool, &PRE_RELEASE_MIGRATIONS).await?;
     if !found.is_empty() {
         return Err(ProducerError::PreReleaseSchema { versions: found });
     }
+    let mut conn = pool.acquire().await?;
+    // The schema's seed row reads the session's `outbox.source` (empty: a
+    // random one); the setting is cleared again before the connection goes
+    // back to the pool.
+    sqlx::query("SELECT set_config('outbox.source', $1, false)").bind(source.unwrap_or("")).execute(&mut *conn).await?;
     let mut m = sqlx::migrate::Migrator { ignore_missing: true, ..clone_migrator() };
     m.set_locking(true);
-    m.run(pool).await?;
+    let ran = m.run(&mut *conn).await;
+    sqlx::query("SELECT set_config('outbox.source', '', false)").execute(&mut *conn).await?;
+    ran?;
+    if let Some(wanted) = source {
+        let have: String = sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_one(&mut *conn).await?;
+        if have != wanted {
+            return Err(ProducerError::Config(format!(
+                "this outbox's source identity is {have:?}, made when its schema was; it never changes (consumers and the messages already sent name it): \
+                 leave --source out, or pass {have:?}"
+            )));
+        }
+    }
     Ok(())
 }
 
