@@ -225,6 +225,11 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         if config.stale_watermark_after_ms < 1_000 {
             return Err(ProducerError::Config(format!("stale_watermark_after_ms {} (at least 1000)", config.stale_watermark_after_ms)));
         }
+        // Its claims are scoped to its broker's cluster, as a dispatcher's
+        // are: an UNKNOWN frozen for another cluster is that cluster's
+        // reconciler's to resolve (this broker would answer "unavailable"
+        // and hand it back, the two reconcilers taking it in turn).
+        let store = store.scoped_to_cluster(broker.cluster_id());
         Ok(Reconciler { store, broker, config, last_examined: std::sync::atomic::AtomicUsize::new(0) })
     }
 

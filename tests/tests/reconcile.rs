@@ -102,6 +102,31 @@ async fn written_but_unacked_message_is_found_by_the_scan_and_published(pool: Pg
     assert_eq!(f.log_of(TOPIC, e.event_id().as_str()), 1, "found, not re-sent");
 }
 
+/// A reconciler claims only the UNKNOWN events frozen for its own broker's
+/// cluster, as a dispatcher claims: another cluster's reconciler would get
+/// "unavailable" from its broker and hand the event back, two reconcilers
+/// taking each other's events in turn. A store scoped to the other cluster
+/// claims exactly the other event.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_reconciler_claims_only_its_own_clusters_unknowns(pool: PgPool) {
+    let f = fixture(pool).await;
+    let ours = f.unknown_never_sent("o-ours").await;
+    route(&f.pool, ORDER_CREATED, "cluster-b", TOPIC, PARTITIONS as u32).await;
+    let theirs = f.unknown_never_sent("o-theirs").await;
+
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!(r.examined, 1, "only this cluster's UNKNOWN: {r:?}");
+    assert_eq!(f.state(theirs.event_id().as_str()).await, EventState::DispatchUnknown);
+    // The reconciler records each lookup it made, with the event it asked about.
+    let asked = |id: String| format!("SELECT count(*) FROM outbox_unknown_lookups WHERE owner = 'r' AND event_id = '{id}'");
+    assert!(f.count(&asked(ours.event_id().to_string())).await >= 1, "this cluster's event was looked up");
+    assert_eq!(f.count(&asked(theirs.event_id().to_string())).await, 0, "another cluster's event was never taken");
+
+    let b = f.store.clone().scoped_to_cluster("cluster-b");
+    let tasks = b.begin_reconcile("rb", 10, 1_000).await.unwrap();
+    assert_eq!(tasks.iter().map(|t| t.event.event_id.to_string()).collect::<Vec<_>>(), vec![theirs.event_id().to_string()]);
+}
+
 /// A receipt whose payload diverges from the frozen envelope quarantines an
 /// UNKNOWN event, and the unknown outcome is recorded as resolved by
 /// quarantine, since the time it became unknown.

@@ -25,6 +25,7 @@ impl PgStore {
             "WITH c AS (
                 SELECT event_id FROM outbox_events WHERE phase = '{from}' AND protocol_version <= $6
                   AND (($5::text IS NULL AND next_check_at_ms <= $3) OR event_id = $5)
+                  AND ($7::text IS NULL OR cluster_id = $7)
                 ORDER BY next_check_at_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
              UPDATE outbox_events e SET state = '{claim}', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
@@ -38,6 +39,7 @@ impl PgStore {
         .bind(lease_ms)
         .bind(event_id.map(|e| e.as_str()))
         .bind(self.max_protocol_version)
+        .bind(self.cluster_scope.as_deref())
         .fetch_all(&mut *tx)
         .await
         .map_err(store_err)?;
