@@ -263,3 +263,41 @@ pub mod kafka {
         }
     }
 }
+
+/// The stack most integration tests run over: real PostgreSQL (the test's
+/// database, with the business table and a route for [`ORDER_CREATED`] to
+/// `topic` on the cluster), librdkafka's in-process cluster with `topic`,
+/// the Kafka adapter connected to it, and a store on a manual clock
+/// starting at the database's now.
+pub struct Stack {
+    /// The test's database.
+    pub pool: PgPool,
+    /// The in-process Kafka cluster.
+    pub cluster: kafka::TestCluster,
+    /// The Kafka adapter.
+    pub broker: std::sync::Arc<outbox_producer::KafkaBroker>,
+    /// The clock of `store`.
+    pub clock: outbox_core::ManualClock,
+    /// A store on `clock`.
+    pub store: outbox_producer::PgStore,
+}
+
+/// [`Stack`] with `topic` of `partitions` partitions; `configure` adjusts
+/// the adapter's configuration (message timeout 5 s and lookup timeout 3 s
+/// are set first).
+pub async fn stack(pool: PgPool, topic: &str, partitions: i32, configure: impl FnOnce(&mut outbox_producer::KafkaConfig)) -> Stack {
+    let cluster = kafka::TestCluster::start();
+    cluster.topic(topic, partitions);
+    let mut cfg = outbox_producer::KafkaConfig::new(cluster.bootstrap.clone());
+    cfg.message_timeout_ms = 5_000;
+    cfg.lookup_timeout_ms = 3_000;
+    configure(&mut cfg);
+    let broker = std::sync::Arc::new(outbox_producer::KafkaBroker::connect(cfg).await.unwrap());
+    business_schema(&pool).await;
+    route(&pool, ORDER_CREATED, broker.cluster_id(), topic, partitions as u32).await;
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap();
+    let clock = outbox_core::ManualClock::new(now);
+    let store = outbox_producer::PgStore::with_clock(pool.clone(), std::sync::Arc::new(clock.clone()));
+    Stack { pool, cluster, broker, clock, store }
+}
+

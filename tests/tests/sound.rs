@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use outbox_core::{headers, AttemptState, Broker, ClaimedEvent, EventState, ManualClock, OutboxStore, RetryPolicy, SendOutcome};
 use outbox_producer::dispatcher::outgoing_message;
-use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
+use outbox_producer::kafka::KafkaBroker;
 use outbox_producer::{Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig};
 use outbox_tests::kafka::{read_topic, TestCluster};
 use outbox_tests::*;
@@ -27,18 +27,7 @@ struct Fixture {
 }
 
 async fn fixture(pool: PgPool) -> Fixture {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let mut cfg = KafkaConfig::new(cluster.bootstrap.clone());
-    cfg.message_timeout_ms = 5_000;
-    cfg.lookup_timeout_ms = 3_000;
-    cfg.extra.push(("reconnect.backoff.max.ms".into(), "500".into()));
-    let broker = Arc::new(KafkaBroker::connect(cfg).await.unwrap());
-    business_schema(&pool).await;
-    route(&pool, ORDER_CREATED, broker.cluster_id(), TOPIC, PARTITIONS as u32).await;
-    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap();
-    let clock = ManualClock::new(now);
-    let store = PgStore::with_clock(pool.clone(), Arc::new(clock.clone()));
+    let Stack { pool, cluster, broker, clock, store } = stack(pool, TOPIC, PARTITIONS, |cfg| cfg.extra.push(("reconnect.backoff.max.ms".into(), "500".into()))).await;
     Fixture { pool, cluster, broker, clock, store }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use outbox_consumer::{verify_message_with, RawMessage, TrustPolicy};
 use outbox_core::trust::{self, SigningKey};
 use outbox_core::{headers, RetryPolicy, RoutePolicy};
-use outbox_producer::kafka::{KafkaBroker, KafkaConfig};
+use outbox_producer::kafka::KafkaBroker;
 use outbox_producer::{Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig, SigningConfig};
 use outbox_tests::kafka::{read_topic, LogMessage, TestCluster};
 use outbox_tests::*;
@@ -30,14 +30,7 @@ struct Fixture {
 }
 
 async fn fixture(pool: PgPool) -> Fixture {
-    let cluster = TestCluster::start();
-    cluster.topic(TOPIC, PARTITIONS);
-    let mut cfg = KafkaConfig::new(cluster.bootstrap.clone());
-    cfg.message_timeout_ms = 5_000;
-    cfg.lookup_timeout_ms = 3_000;
-    let broker = Arc::new(KafkaBroker::connect(cfg).await.unwrap());
-    business_schema(&pool).await;
-    route(&pool, ORDER_CREATED, broker.cluster_id(), TOPIC, PARTITIONS as u32).await;
+    let Stack { pool, cluster, broker, .. } = stack(pool, TOPIC, PARTITIONS, |_| {}).await;
     let source = sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_one(&pool).await.unwrap();
     Fixture { pool, cluster, broker, source }
 }
