@@ -9,8 +9,6 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use outbox_core::SweepOutcome;
-
 use crate::service_store::ServiceStore;
 
 /// How often the sweeper recounts rows of a newer protocol version and
@@ -25,8 +23,6 @@ pub const CLOCK_SKEW_WARN_MIN_MS: i64 = 500;
 /// What one sweep read (`None`: not read this time, or the read failed).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sweep {
-    /// What the sweep changed.
-    pub expired: Option<SweepOutcome>,
     /// Age of the oldest PENDING event, ms (`Some(None)`: none pending).
     pub oldest_pending_age_ms: Option<Option<i64>>,
     /// How far this host's clock is ahead of the store's, ms.
@@ -60,9 +56,8 @@ impl<'a, S: ServiceStore> LeaseSweeper<'a, S> {
         let mut refused_before: Option<i64> = None;
         loop {
             let mut sweep = Sweep::default();
-            match self.store.expire_leases().await {
-                Ok(outcome) => sweep.expired = Some(outcome),
-                Err(e) => tracing::warn!(error = %e, "lease sweep failed"),
+            if let Err(e) = self.store.expire_leases().await {
+                tracing::warn!(error = %e, "lease sweep failed");
             }
             sweep.oldest_pending_age_ms = self.store.oldest_pending_age_ms().await.ok();
             if protocol_checked.is_none_or(|at| at.elapsed() >= PROTOCOL_GAUGE_EVERY) {

@@ -196,7 +196,7 @@ pub(super) const CLAIM_FROM_C: &str = "FROM c, outbox_envelopes v
                  e.unknown_since_ms, e.state_since_ms, v.envelope_canonical, v.destination_canonical";
 
 /// A claim's owner and lease, checked before any statement runs.
-fn validate_claim(owner: &str, lease_ms: i64) -> Result<(), StoreError> {
+pub(super) fn validate_claim(owner: &str, lease_ms: i64) -> Result<(), StoreError> {
     validate_lease_ms(lease_ms)?;
     outbox_core::id::validate_identifier("owner", owner)?;
     Ok(())

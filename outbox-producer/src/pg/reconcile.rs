@@ -4,11 +4,11 @@
 
 use std::sync::LazyLock;
 
-use outbox_core::claim::{validate_lease_ms, MAX_CLAIM_BATCH};
+use outbox_core::claim::MAX_CLAIM_BATCH;
 use outbox_core::{AttemptRecord, EventId, EventState, LockedEvent, ReconcileTask, StoreError};
 use sqlx::Row;
 
-use super::claims::CLAIM_FROM_C;
+use super::claims::{validate_claim, CLAIM_FROM_C};
 use super::rows::{attempt_from_row, claim_token, frozen_records, receipt_from_row, ATTEMPT_COLUMNS, RECEIPT_COLUMNS};
 use super::PgStore;
 use crate::error::store_err;
@@ -17,8 +17,7 @@ impl PgStore {
     /// The CAS DISPATCH_UNKNOWN -> RECONCILING, for due events or, with
     /// `event_id`, for that one event whatever its next check time.
     pub async fn begin_reconcile_where(&self, owner: &str, limit: usize, lease_ms: i64, event_id: Option<&EventId>) -> Result<Vec<ReconcileTask>, StoreError> {
-        validate_lease_ms(lease_ms)?;
-        outbox_core::id::validate_identifier("owner", owner)?;
+        validate_claim(owner, lease_ms)?;
         let now = self.now_ms();
         let mut tx = self.begin().await?;
         let rows = sqlx::query(&format!(
