@@ -3,9 +3,9 @@
 //!
 //! One decision for both stores: the PostgreSQL `emit` (outbox-producer)
 //! reads the command keys and the aggregates' last versions in one query and
-//! asks [`decide_command`] per request, in order; [`crate::MemoryStore`]
-//! asks it under its lock. The conformance scenario
-//! `command_keys_and_aggregate_versions` runs it on both.
+//! asks [`decide_command`] per request, in order; the in-memory store
+//! (`outbox_memory::MemoryStore`) asks it under its lock. The conformance
+//! scenario `command_keys_and_aggregate_versions` runs it on both.
 //!
 //! ```
 //! use outbox_core::command::{decide_command, Command, CommandDecision, CommandRefusal};

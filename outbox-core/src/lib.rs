@@ -6,8 +6,8 @@
 //! `acceptDispatchReceipt`, and the store and broker traits.
 //!
 //! **Guarantee.** Decisions live here once. The PostgreSQL store, the
-//! in-memory store and the simulator all call [`decide_receipt`],
-//! [`check_fence`] and [`EventState::transition`], so what the simulator proves
+//! in-memory store (`outbox-memory`) and the simulator all call
+//! [`decide_receipt`], [`check_fence`] and [`EventState::transition`], so what the simulator proves
 //! over millions of traces is a statement about the code that runs in
 //! production.
 //!
@@ -37,7 +37,6 @@ pub mod canonical;
 pub mod claim;
 pub mod command;
 pub mod compare;
-pub mod conformance;
 pub mod envelope;
 pub mod error;
 pub mod findings;
@@ -45,7 +44,6 @@ pub mod headers;
 pub mod id;
 pub mod labels;
 pub mod log;
-pub mod memory;
 pub mod migration;
 pub mod simulation;
 pub mod receipt;
@@ -65,7 +63,6 @@ pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, Ro
 pub use error::CoreError;
 pub use headers::CloudEventsBinding;
 pub use id::{AttemptId, EventId};
-pub use memory::{MemoryConsumer, MemoryStore, MemoryWatermark};
 pub use reconcile::{
     anchor_holds, anchor_to_read, check_in_flight_bound, decide_after_submit, decide_reconcile, plan_absence_scan, scan_floor, scan_lower_bound, AbsenceScan, AnchorCheck, RecheckReason, ReconcileDecision, RetryPolicy, ScanFrom,
 };

@@ -9,8 +9,8 @@
 //! goes through only under the claim its proof was made under.
 //!
 //! The PostgreSQL migration (`outbox_producer::migration`), the in-memory
-//! store ([`crate::MemoryStore::migrate`]) and the simulator call these
-//! functions.
+//! store (`outbox_memory::MemoryStore::migrate`) and the simulator call
+//! these functions.
 
 use std::fmt;
 

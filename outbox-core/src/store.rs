@@ -1,5 +1,6 @@
-//! The store and broker traits. The PostgreSQL store, the in-memory store and
-//! the simulator implement them over the same decisions of this crate.
+//! The store and broker traits. The PostgreSQL store, the in-memory store
+//! (`outbox-memory`) and the simulator implement them over the same
+//! decisions of this crate.
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};

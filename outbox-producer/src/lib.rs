@@ -15,6 +15,7 @@
 #![warn(missing_docs)]
 
 pub mod cloudevents;
+pub mod conformance;
 pub mod dispatcher;
 pub mod emit;
 pub mod error;

@@ -9,11 +9,11 @@
 //! as one.
 
 use async_trait::async_trait;
-use outbox_core::memory::MemoryStore;
 use outbox_core::{
     check_migration_fence, decide_migration, scan_floor, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, MigrationDecision,
     MigrationFence, MigrationProof, MigrationRefusal, RecheckReason, ReconcileDecision, ReconcileTask, RetryPolicy, RoutePolicy, StoreError,
 };
+use outbox_memory::MemoryStore;
 use serde::Serialize;
 use sqlx::Row;
 

@@ -816,7 +816,7 @@ impl RoundStore for PgStore {
 
 /// The in-memory store keeps no history of states or rounds.
 #[async_trait::async_trait]
-impl RoundStore for outbox_core::MemoryStore {
+impl RoundStore for outbox_memory::MemoryStore {
     async fn record_state_snapshot(&self, _now_ms: i64, _keep_ms: i64) -> Result<(), ProducerError> {
         Ok(())
     }

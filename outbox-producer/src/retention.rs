@@ -81,7 +81,7 @@ pub struct Registry {
     /// Mandatory consumers and the topics they read.
     pub mandatory: Vec<(String, Vec<String>)>,
     /// Their watermarks.
-    pub watermarks: Vec<outbox_core::MemoryWatermark>,
+    pub watermarks: Vec<outbox_core::ConsumerWatermark>,
 }
 
 /// The reads and writes of a retention pass, in a store's transaction. The
@@ -394,7 +394,7 @@ impl RetentionStore for PgRetention {
                 registry.mandatory.push((consumer_id.clone(), topics));
             }
             if let (Some(cluster_id), Some(topic), Some(partition), Some(committed_offset)) = (cluster_id, topic, partition, committed_offset) {
-                registry.watermarks.push(outbox_core::MemoryWatermark { consumer_id, cluster_id, topic, topic_id, partition, committed_offset });
+                registry.watermarks.push(outbox_core::ConsumerWatermark { consumer_id, cluster_id, topic, topic_id, partition, committed_offset });
             }
         }
         Ok(registry)
@@ -431,7 +431,7 @@ pub async fn register_consumer(pool: &PgPool, consumer_id: &str, topics: &[&str]
 /// The in-memory store's rows for [`purge_with`] (the simulator's): its
 /// registry is its consumers (`register_consumer`, `set_retention_registry`) and their watermarks.
 #[async_trait::async_trait]
-impl RetentionStore for outbox_core::MemoryStore {
+impl RetentionStore for outbox_memory::MemoryStore {
     /// Every call holds the store's lock for its whole work: nothing to begin.
     type Tx = ();
 
@@ -456,7 +456,7 @@ impl RetentionStore for outbox_core::MemoryStore {
         let mut n = 0;
         for (_, id) in due {
             if let Some(ev) = st.events.get_mut(&id) {
-                outbox_core::MemoryStore::transition(ev, EventState::Retained, now_ms)?;
+                outbox_memory::MemoryStore::transition(ev, EventState::Retained, now_ms)?;
                 n += 1;
             }
         }
@@ -465,7 +465,7 @@ impl RetentionStore for outbox_core::MemoryStore {
 
     async fn candidates(&self, _tx: &mut (), state: EventState, before_ms: i64, after: &Cursor, limit: i64, _lock: bool) -> Result<Page, ProducerError> {
         let st = self.lock();
-        let mut events: Vec<(i64, String, &outbox_core::memory::MemoryEvent)> = st
+        let mut events: Vec<(i64, String, &outbox_memory::MemoryEvent)> = st
             .events
             .values()
             .filter(|e| e.state == state)
@@ -518,7 +518,7 @@ impl RetentionStore for outbox_core::MemoryStore {
         for id in ids {
             let Some(ev) = id.parse::<outbox_core::EventId>().ok().and_then(|id| st.events.get_mut(&id)) else { continue };
             if ev.state == EventState::Retained {
-                outbox_core::MemoryStore::transition(ev, EventState::Purged, now_ms)?;
+                outbox_memory::MemoryStore::transition(ev, EventState::Purged, now_ms)?;
                 ev.payload = Vec::new();
                 n += 1;
             }

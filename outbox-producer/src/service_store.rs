@@ -14,8 +14,8 @@
 //! does nothing and `PgStore` does the real thing.
 
 use async_trait::async_trait;
-use outbox_core::memory::MemoryStore;
 use outbox_core::{AttemptRecord, AttemptState, ClaimToken, ClaimedEvent, EventId, EventState, OutboxStore, StoreError};
+use outbox_memory::MemoryStore;
 
 /// A dispatcher alias: which implementation claims under it.
 #[derive(Debug, Clone, PartialEq, Eq)]

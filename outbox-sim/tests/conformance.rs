@@ -1,11 +1,11 @@
-//! The store conformance suite of `outbox_core::conformance`, against the in-memory store.
+//! The store conformance suite of `outbox_memory::conformance`, against the in-memory store.
 
 use outbox_sim::{now, MemoryHarness};
 
 #[test]
 fn memory_store_passes_the_conformance_suite() {
     let h = MemoryHarness::new();
-    let results = now(outbox_core::conformance::run_all(&h));
+    let results = now(outbox_memory::conformance::run_all(&h));
     assert!(results.len() >= 10, "the suite has {} scenarios", results.len());
     let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().map(|e| format!("{n}: {e}"))).collect();
     assert!(failed.is_empty(), "conformance failures:\n{}", failed.join("\n"));
@@ -17,7 +17,7 @@ fn the_suite_can_run_twice_on_one_store() {
     // run (a reused database) passes too.
     let h = MemoryHarness::new();
     for _ in 0..2 {
-        for (n, r) in now(outbox_core::conformance::run_all(&h)) {
+        for (n, r) in now(outbox_memory::conformance::run_all(&h)) {
             assert!(r.is_ok(), "{n}: {r:?}");
         }
     }
@@ -29,7 +29,7 @@ fn the_suite_can_run_twice_on_one_store() {
 /// the lease expire.
 #[test]
 fn an_expired_reconcile_lease_makes_the_event_due_at_once() {
-    use outbox_core::conformance::Harness;
+    use outbox_memory::conformance::Harness;
     use outbox_core::{EventState, OutboxStore, ReconcileDecision, RecheckReason};
     let h = MemoryHarness::new();
     let s = h.store();
@@ -57,7 +57,7 @@ fn an_expired_reconcile_lease_makes_the_event_due_at_once() {
 /// on rounds 0, N, 2N, ... and resolves on every round; 0 is refused.
 #[test]
 fn the_reconciler_compares_every_nth_round() {
-    use outbox_core::conformance::{Harness, ScanLog};
+    use outbox_memory::conformance::{Harness, ScanLog};
     use outbox_producer::{Reconciler, ReconcilerConfig};
     let h = MemoryHarness::new();
     now(async {

@@ -1,9 +1,13 @@
 //! The dependency invariants ARCHITECTURE.md states, held by reading the
 //! crates' manifests (`cargo metadata`) and their modules' imports:
 //! - `outbox-core` does no I/O: it depends on neither sqlx, rdkafka nor tokio;
+//! - `outbox-core` holds no test doubles: the in-memory store and the
+//!   conformance suite are `outbox-memory`'s, which does no I/O either and
+//!   depends on neither `outbox-producer` nor `outbox-consumer`;
 //! - `outbox-producer` and `outbox-consumer` never depend on each other;
 //! - the decision modules of `outbox-core` import no store or broker trait;
-//! - the modules of `outbox-core` and `outbox-producer` import each other in
+//! - the modules of `outbox-core`, `outbox-producer` and `outbox-memory`
+//!   (and the files of `outbox-memory`'s two modules) import each other in
 //!   no circle (imports of a crate's `error` module are not counted: the
 //!   error type names domain values, and every module returns it).
 
@@ -60,6 +64,32 @@ fn core_does_no_io_and_producer_and_consumer_never_depend_on_each_other() {
     assert!(!normal_closure("outbox-consumer").contains("outbox-producer"), "outbox-consumer depends on outbox-producer");
 }
 
+#[test]
+fn the_in_memory_stores_do_no_io_and_depend_on_no_service() {
+    let memory = normal_closure("outbox-memory");
+    assert!(memory.contains("outbox-core"), "outbox-memory is read: {memory:?}");
+    for dep in ["sqlx", "rdkafka", "tokio", "outbox-producer", "outbox-consumer"] {
+        assert!(!memory.contains(dep), "outbox-memory depends on {dep}");
+    }
+    assert!(!normal_closure("outbox-core").contains("outbox-memory"), "outbox-core depends on outbox-memory");
+}
+
+/// The test doubles left the protocol crate: no `memory` or `conformance`
+/// module in `outbox-core` (the in-memory store and the conformance suite
+/// are `outbox-memory`'s).
+#[test]
+fn core_holds_no_test_doubles() {
+    let src = workspace().join("outbox-core/src");
+    assert!(src.join("lib.rs").exists(), "outbox-core is read");
+    for m in ["memory", "conformance"] {
+        assert!(!src.join(format!("{m}.rs")).exists() && !src.join(m).exists(), "outbox-core has a {m} module again: it belongs in outbox-memory");
+        let lib = code_of(&src.join("lib.rs"));
+        assert!(!lib.contains(&format!("mod {m};")), "outbox-core's lib.rs declares `mod {m}`");
+    }
+    let memory = workspace().join("outbox-memory/src");
+    assert!(memory.join("memory/mod.rs").exists() && memory.join("conformance/mod.rs").exists(), "outbox-memory holds them");
+}
+
 /// A module's code without comments and without its `#[cfg(test)]` tail.
 fn code_of(file: &Path) -> String {
     let text = std::fs::read_to_string(file).unwrap();
@@ -91,8 +121,15 @@ fn module_code(src: &Path, m: &str) -> String {
 /// files as one module) and the crate modules each names (`crate::m`,
 /// `use crate::{m, ...}`).
 fn module_graph(krate: &str) -> BTreeMap<String, BTreeSet<String>> {
-    let src = workspace().join(krate).join("src");
-    let modules: BTreeSet<String> = std::fs::read_dir(&src)
+    modules_naming(&workspace().join(krate).join("src"), "crate::")
+}
+
+/// The modules of the directory `src` (`*.rs` but `lib`, `main` and `mod`,
+/// and `m/` with its files as one module) and which of them each names
+/// through `prefix` (`crate::` for a crate's top-level modules, `super::`
+/// for the files of a directory module).
+fn modules_naming(src: &Path, prefix: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let modules: BTreeSet<String> = std::fs::read_dir(src)
         .unwrap()
         .filter_map(|e| {
             let e = e.ok()?;
@@ -103,14 +140,14 @@ fn module_graph(krate: &str) -> BTreeMap<String, BTreeSet<String>> {
                 name.strip_suffix(".rs").map(str::to_owned)
             }
         })
-        .filter(|m| m != "lib" && m != "main")
+        .filter(|m| m != "lib" && m != "main" && m != "mod")
         .collect();
     let mut graph = BTreeMap::new();
     for m in &modules {
-        let code = module_code(&src, m);
+        let code = module_code(src, m);
         let mut named = BTreeSet::new();
-        for (i, _) in code.match_indices("crate::") {
-            let rest = &code[i + "crate::".len()..];
+        for (i, _) in code.match_indices(prefix) {
+            let rest = &code[i + prefix.len()..];
             if let Some(group) = rest.strip_prefix('{') {
                 let group = &group[..group.find('}').unwrap_or(group.len())];
                 named.extend(group.split(',').map(|p| p.trim().split("::").next().unwrap_or("").trim().to_owned()));
@@ -150,16 +187,30 @@ fn find_circle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>
 }
 
 #[test]
-fn the_modules_of_core_and_producer_import_each_other_in_no_circle() {
-    for krate in ["outbox-core", "outbox-producer"] {
+fn the_modules_of_core_producer_and_memory_import_each_other_in_no_circle() {
+    for krate in ["outbox-core", "outbox-producer", "outbox-memory"] {
         let graph = module_graph(krate);
-        assert!(graph.len() > 10, "{krate}: read only {} modules", graph.len());
+        if krate == "outbox-memory" {
+            assert!(graph.contains_key("memory") && graph.contains_key("conformance"), "{krate}: read {:?}", graph.keys());
+        } else {
+            assert!(graph.len() > 10, "{krate}: read only {} modules", graph.len());
+        }
         if krate == "outbox-producer" {
             assert!(graph.contains_key("kafka") && graph.contains_key("pg"), "the directory modules are read: {:?}", graph.keys());
             assert!(graph["pg"].contains("service_store"), "pg's files are read: {:?}", graph["pg"]);
         }
         if let Some(circle) = find_circle(&graph) {
             panic!("{krate}: a circle of imports: {}", circle.join(" -> "));
+        }
+    }
+    // outbox-memory's two modules are directories of files with one job
+    // each; their files (naming each other through `super::`) too.
+    for dir in ["memory", "conformance"] {
+        let graph = modules_naming(&workspace().join("outbox-memory/src").join(dir), "super::");
+        assert!(graph.len() > 5, "outbox-memory's {dir}: read only {} files", graph.len());
+        assert!(graph.values().any(|named| !named.is_empty()), "outbox-memory's {dir}: no file names another: {graph:?}");
+        if let Some(circle) = find_circle(&graph) {
+            panic!("outbox-memory's {dir}: a circle of imports: {}", circle.join(" -> "));
         }
     }
 }

@@ -5,8 +5,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use outbox_core::memory::MemoryStore;
 use outbox_core::{sha256_digest, AttemptRecord, AttemptState, EventId, EventState};
+use outbox_memory::MemoryStore;
 
 use super::world::World;
 

@@ -42,7 +42,7 @@ use outbox_consumer::{
     run_partition, AfterCommitHook, BatchLimits, ConsumedEvent, ConsumerError, ConsumerStore, HandlerError, HookAction, OffsetCommit, Processor, RawMessage, Receipt,
     TxHandler,
 };
-use outbox_core::memory::MemoryStore;
+use outbox_memory::MemoryStore;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;

@@ -5,8 +5,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use outbox_core::memory::{MemoryStore, MemoryWatermark};
 use outbox_core::{EventId, EventState};
+use outbox_memory::{MemoryStore, MemoryWatermark};
 
 use super::processes::Process;
 use super::world::{world, Shared};

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::memory::MemoryStore;
 use outbox_core::{
     AttemptId, AttemptRecord, AttemptState, BrokerReceipt, ClaimToken, ClaimedEvent, EventId, EventState, FenceOutcome, LookupOutcome, OutboxStore,
     ReceiptOutcome, ReconcileDecision, ReconcileTask, RetryPolicy, RoutePolicy, StoreError, SweepOutcome,
 };
 use outbox_core::MigrationFence;
+use outbox_memory::MemoryStore;
 use outbox_producer::migration::{MigrationOutcome, MigrationStore};
 use outbox_producer::service_store::{ClaimRound, CommitListener, Notice, ServiceStore};
 use outbox_producer::ProducerError;

@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_core::memory::MemoryStore;
 use outbox_core::{EmitRequest, EventId, EventState, RoutePolicy};
+use outbox_memory::MemoryStore;
 use tokio::time::Instant;
 
 use super::broker::{compact, SimBroker};

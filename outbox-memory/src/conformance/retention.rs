@@ -1,0 +1,113 @@
+//! Retention (PROTOCOL §9): a purge waits for every mandatory consumer's
+//! watermark on the event's very log.
+
+use outbox_core::id::EventId;
+use outbox_core::receipt::{BrokerReceipt, ReceiptDecision};
+use outbox_core::state::EventState;
+
+use super::ctx::{ensure, eq, receipt, Ctx};
+use super::{Harness, PurgeCounts, Verdict};
+use crate::MemoryWatermark;
+
+/// Retention's purge decision (`may_purge`, `WatermarkRef::covers_log_of`)
+/// on both stores, events published on several partitions of one log:
+/// nothing goes inside the replay window; past it, a mandatory consumer
+/// without a watermark holds everything, and so does one whose watermark
+/// has not passed an event's offset, or whose watermarks are on another
+/// cluster's topic of the same name or on another topic id; once its
+/// watermark on the very log has passed an event, the event is PURGED (a
+/// tombstone: the row and its receipt stay, the payload goes). A consumer
+/// that is not mandatory, or reads another topic, holds nothing.
+pub(super) async fn purge_waits_for_mandatory_watermarks<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    const W: i64 = 60_000;
+    let counts = |retained, purged, held| PurgeCounts { retained, purged, held };
+    // Whatever earlier scenarios published goes first, so the counts below are this scenario's.
+    c.h.advance_ms(W + 1);
+    c.h.purge(W, &[], &[]).await?;
+    let mut events: Vec<(EventId, BrokerReceipt, Vec<u8>)> = Vec::new();
+    for n in 0..64u32 {
+        let id = c.emit(n, &format!("p{n}")).await;
+        let ce = c.claim_some("w1", &id).await?;
+        let a = c.register(&ce.token).await?;
+        let r = receipt(&ce, &a, c.offset(i64::from(n)));
+        eq("publish", c.accept(&r).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+        events.push((id, r, ce.payload.clone()));
+        let mut partitions: Vec<i32> = events.iter().map(|e| e.1.partition).collect();
+        partitions.sort_unstable();
+        partitions.dedup();
+        if events.len() >= 6 && partitions.len() >= 2 {
+            break;
+        }
+    }
+    let first = &events[0].1;
+    let (cluster, topic, topic_id, p_a) = (first.cluster_id.clone(), first.topic.clone(), first.topic_id.clone(), first.partition);
+    ensure(events.iter().all(|e| (&e.1.cluster_id, &e.1.topic, &e.1.topic_id) == (&cluster, &topic, &topic_id)), || "the events are not on one log".into())?;
+    ensure(events.iter().any(|e| e.1.partition != p_a), || "the events are on one partition".into())?;
+    let n = events.len() as u64;
+    let mut partitions: Vec<i32> = events.iter().map(|e| e.1.partition).collect();
+    partitions.sort_unstable();
+    partitions.dedup();
+    let last_on = |p: i32| events.iter().filter(|e| e.1.partition == p).map(|e| e.1.offset).max().unwrap_or(0);
+    let wm = |cluster_id: &str, topic_id: Option<&str>, partition: i32, committed_offset: i64| MemoryWatermark {
+        consumer_id: format!("{}-m", c.prefix),
+        cluster_id: cluster_id.into(),
+        topic: topic.clone(),
+        topic_id: topic_id.map(Into::into),
+        partition,
+        committed_offset,
+    };
+    let (m, o, x, other_topic) = (format!("{}-m", c.prefix), format!("{}-o", c.prefix), format!("{}-x", c.prefix), format!("{}-other", c.prefix));
+    let (on_topic, on_other): (&[&str], &[&str]) = (&[topic.as_str()], &[other_topic.as_str()]);
+    let mandatory = [(m.as_str(), on_topic, true)];
+    let check = |stage: &'static str, held: Vec<bool>| {
+        let events = &events;
+        async move {
+            for ((id, r, payload), held) in events.iter().zip(held) {
+                let (state, slot) = c.state(id).await?;
+                let want = if held { EventState::Retained } else { EventState::Purged };
+                eq(&format!("{stage}: {id} on partition {} at {}", r.partition, r.offset), state, want)?;
+                eq(&format!("{stage}: {id}'s receipt"), slot.as_ref(), Some(r))?;
+                let want = if held { Some(payload.clone()) } else { None };
+                eq(&format!("{stage}: {id}'s payload"), c.h.payload(id).await, want)?;
+            }
+            Ok::<_, String>(())
+        }
+    };
+
+    eq("inside the replay window", c.h.purge(W, &mandatory, &[]).await?, counts(0, 0, 0))?;
+    for (id, _, _) in &events {
+        c.expect_state(id, EventState::Published).await?;
+    }
+    c.h.advance_ms(W + 1);
+    eq("no watermark", c.h.purge(W, &mandatory, &[]).await?, counts(n, 0, n))?;
+    check("no watermark", vec![true; events.len()]).await?;
+
+    // Far along every partition of another cluster's topic of the same
+    // name, and of another topic id on this cluster; on this very log, at
+    // the first event's offset (not past it) on its partition only.
+    let other_id = if topic_id.as_deref() == Some("AAECAwQFBgcICQoLDA0ODw") { "_____________________w" } else { "AAECAwQFBgcICQoLDA0ODw" };
+    let tid = topic_id.as_deref();
+    let other_cluster = format!("{cluster}-b");
+    let elsewhere: Vec<MemoryWatermark> = partitions.iter().flat_map(|&p| [wm(&other_cluster, tid, p, i64::MAX), wm(&cluster, Some(other_id), p, i64::MAX)]).collect();
+    let here = |committed: &dyn Fn(i32) -> i64| elsewhere.iter().cloned().chain(partitions.iter().map(|&p| wm(&cluster, tid, p, committed(p)))).collect::<Vec<_>>();
+    let mut behind = elsewhere.clone();
+    behind.push(wm(&cluster, tid, p_a, events[0].1.offset));
+    eq("watermarks not past, or of other logs", c.h.purge(W, &mandatory, &behind).await?, counts(0, 0, n))?;
+    check("watermarks not past, or of other logs", vec![true; events.len()]).await?;
+
+    // Past every event of the first partition; on each other partition at
+    // its last event's offset: that one is held, the ones before it go.
+    // A consumer that is not mandatory, without watermarks, and a mandatory
+    // one of another topic hold nothing.
+    let partly = here(&|p| if p == p_a { last_on(p) + 1 } else { last_on(p) });
+    let held: Vec<bool> = events.iter().map(|e| e.1.partition != p_a && e.1.offset == last_on(e.1.partition)).collect();
+    let still = held.iter().filter(|h| **h).count() as u64;
+    let registry = [(m.as_str(), on_topic, true), (o.as_str(), on_topic, false), (x.as_str(), on_other, true)];
+    eq("partly passed", c.h.purge(W, &registry, &partly).await?, counts(0, n - still, still))?;
+    check("partly passed", held).await?;
+
+    let passed = here(&|p| last_on(p) + 1);
+    eq("all passed", c.h.purge(W, &registry, &passed).await?, counts(0, still, 0))?;
+    check("all passed", vec![false; events.len()]).await?;
+    eq("nothing left", c.h.purge(W, &registry, &passed).await?, counts(0, 0, 0))
+}

@@ -1,0 +1,144 @@
+//! The comparison's condition findings over the in-memory records
+//! ([`FindingsStore`](outbox_core::FindingsStore)).
+
+use async_trait::async_trait;
+
+use outbox_core::state::EventState;
+use outbox_core::store::StoreError;
+
+use super::{MemoryEvent, MemoryState, MemoryStore};
+
+/// What the comparison judges of one event row.
+fn facts(ev: &MemoryEvent, st: &MemoryState) -> outbox_core::store::EventFacts {
+    let id = &ev.envelope.event_id;
+    outbox_core::store::EventFacts {
+        event_id: id.to_string(),
+        state: ev.state,
+        held_by_dispatcher: ev.claim.owner.is_some(),
+        by_outbox: true,
+        created_at_ms: ev.created_at_ms,
+        state_since_ms: ev.state_since_ms,
+        unknown_since_ms: ev.unknown_since_ms,
+        quarantine_reason: st.quarantine.iter().rev().find(|(e, _)| e == id).map(|(_, r)| r.clone()).unwrap_or_default(),
+    }
+}
+
+/// The first `limit` rows of a read, as the SQL's `LIMIT`.
+fn take<T>(mut v: Vec<T>, limit: i64) -> Vec<T> {
+    v.truncate(usize::try_from(limit.max(0)).unwrap_or(usize::MAX));
+    v
+}
+
+/// The comparison's reads and write over the in-memory records (as
+/// `PgStore`'s over its tables). Its reads pre-filter as the SQL does
+/// (time, state), so that a read's limit cuts the same rows; what is a
+/// finding is the reconciler's call (`outbox_core::findings`).
+#[async_trait]
+impl outbox_core::store::FindingsStore for MemoryStore {
+    async fn aged_candidates(&self, created_before_ms: i64, limit: i64) -> Result<Vec<outbox_core::store::EventFacts>, StoreError> {
+        let st = self.lock();
+        let mut v: Vec<&MemoryEvent> = st
+            .events
+            .values()
+            .filter(|e| e.created_at_ms < created_before_ms)
+            .filter(|e| e.state == EventState::Pending || (matches!(e.state, EventState::Claimed | EventState::Sending) && e.claim.owner.is_some()))
+            .collect();
+        v.sort_by_key(|e| e.seq);
+        Ok(take(v.into_iter().map(|e| facts(e, &st)).collect(), limit))
+    }
+
+    async fn unknown_candidates(&self, unknown_before_ms: i64, limit: i64) -> Result<Vec<outbox_core::store::EventFacts>, StoreError> {
+        let st = self.lock();
+        let closed = [EventState::Published, EventState::Retained, EventState::Purged, EventState::Quarantined];
+        let mut v: Vec<&MemoryEvent> = st.events.values().filter(|e| e.unknown_since_ms.is_some_and(|u| u < unknown_before_ms) && !closed.contains(&e.state)).collect();
+        v.sort_by_key(|e| e.unknown_since_ms);
+        Ok(take(v.into_iter().map(|e| facts(e, &st)).collect(), limit))
+    }
+
+    async fn quarantined_candidates(&self, limit: i64) -> Result<Vec<outbox_core::store::EventFacts>, StoreError> {
+        let st = self.lock();
+        let mut v: Vec<&MemoryEvent> = st.events.values().filter(|e| e.state == EventState::Quarantined).collect();
+        v.sort_by_key(|e| e.state_since_ms);
+        Ok(take(v.into_iter().map(|e| facts(e, &st)).collect(), limit))
+    }
+
+    async fn critical_consumers(&self) -> Result<Vec<(String, Vec<String>)>, StoreError> {
+        Ok(self.lock().consumers.iter().filter(|(_, c)| c.critical).map(|(id, c)| (id.clone(), c.topics.clone())).collect())
+    }
+
+    async fn published_candidates(&self, _consumer_id: &str, topics: &[String], published_before_ms: i64, limit: i64) -> Result<Vec<outbox_core::store::PublishedFacts>, StoreError> {
+        let st = self.lock();
+        let mut v: Vec<outbox_core::store::PublishedFacts> = st
+            .events
+            .values()
+            .filter(|e| matches!(e.state, EventState::Published | EventState::Retained))
+            .filter_map(|e| Some((e, e.slot.as_ref().filter(|s| s.envelope_generation == e.envelope.envelope_generation)?, e.published_at_ms?)))
+            .filter(|(_, slot, at)| *at < published_before_ms && topics.contains(&slot.topic))
+            .map(|(e, slot, at)| outbox_core::store::PublishedFacts {
+                event_id: e.envelope.event_id.to_string(),
+                state: e.state,
+                published_at_ms: at,
+                cluster_id: slot.cluster_id.clone(),
+                topic: slot.topic.clone(),
+                topic_id: slot.topic_id.clone(),
+                partition: slot.partition,
+                offset: slot.offset,
+            })
+            .collect();
+        v.sort_by_key(|p| p.published_at_ms);
+        Ok(take(v, limit))
+    }
+
+    async fn consumer_watermarks(&self, consumer_id: &str, topics: &[String]) -> Result<Vec<outbox_core::store::ConsumerWatermark>, StoreError> {
+        Ok(self
+            .lock()
+            .watermarks
+            .iter()
+            .filter(|w| w.consumer_id == consumer_id && topics.contains(&w.topic))
+            .map(|w| outbox_core::store::ConsumerWatermark {
+                consumer_id: w.consumer_id.clone(),
+                cluster_id: w.cluster_id.clone(),
+                topic: w.topic.clone(),
+                topic_id: w.topic_id.clone(),
+                partition: w.partition,
+                committed_offset: w.committed_offset,
+            })
+            .collect())
+    }
+
+    async fn receipt_sweep_page(&self, limit: i64) -> Result<Vec<outbox_core::store::SweptEvent>, StoreError> {
+        let mut st = self.lock();
+        let after = st.receipt_sweep_after.clone();
+        let mut all: Vec<outbox_core::store::SweptEvent> = st
+            .events
+            .iter()
+            .filter(|(id, _)| id.as_str() > after.as_str())
+            .map(|(id, e)| outbox_core::store::SweptEvent {
+                event_id: id.to_string(),
+                state: e.state,
+                has_primary_receipt: e.slot.as_ref().is_some_and(|s| s.envelope_generation == e.envelope.envelope_generation),
+                state_since_ms: e.state_since_ms,
+            })
+            .collect();
+        all.sort_by(|a, b| a.event_id.cmp(&b.event_id));
+        let page = take(all, limit);
+        st.receipt_sweep_after = if i64::try_from(page.len()).unwrap_or(i64::MAX) >= limit { page.last().map(|e| e.event_id.clone()).unwrap_or_default() } else { String::new() };
+        Ok(page)
+    }
+
+    async fn watermark_publishers(&self, _received_before_ms: i64, _limit: i64) -> Result<Vec<outbox_core::store::WatermarkPublisherFacts>, StoreError> {
+        // The in-memory store has no broker watermark topic.
+        Ok(Vec::new())
+    }
+
+    async fn record_round_findings(&self, _now_ms: i64, findings: &[outbox_core::store::RoundFinding]) -> Result<(), StoreError> {
+        let mut st = self.lock();
+        let seen: std::collections::BTreeSet<(String, String, String)> = findings.iter().map(|f| (f.kind.to_owned(), f.event_id.clone(), f.consumer_id.clone())).collect();
+        for f in findings {
+            st.findings.insert((f.kind.to_owned(), f.event_id.clone(), f.consumer_id.clone()), f.detail.clone());
+        }
+        // Opened first, then resolved as `round_resolves` says (as the SQL store does).
+        st.findings.retain(|key, _| !outbox_core::findings::round_resolves(&key.0, seen.contains(key)));
+        Ok(())
+    }
+}
