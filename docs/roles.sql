@@ -86,7 +86,8 @@ BEGIN
                              'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                              'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
                              'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
-                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals'] LOOP
+                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
+                             'outbox_consumer_readings', 'outbox_consumer_gaps'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -188,6 +189,8 @@ SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_route_p
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT, UPDATE', 'outbox_consumers');
 -- `outbox dead-letters requeue` asks the consumer to run a dead letter again (it sets requeue_requested_at_ms).
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, UPDATE', 'outbox_consumer_dead_letters');
+-- `outbox gaps accept` closes a consumer's gap that cannot be replayed (closed_by, close_reason).
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, UPDATE', 'outbox_consumer_gaps');
 -- Rollout and rollback: takeover policy generations and the dispatcher alias
 -- (its history is append-only).
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_takeover_policies');
@@ -203,7 +206,8 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters', 'outbox_takeover_policies',
                   'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
                   'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
-                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals']) t;
+                             'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
+                  'outbox_consumer_readings', 'outbox_consumer_gaps']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes
@@ -212,6 +216,9 @@ SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox
 SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox_consumer_watermarks');
 SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT', 'outbox_consumer_quarantine');
 SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_consumer_dead_letters');
+-- Its readings and the gaps in them (outbox_consumer::gap).
+SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox_consumer_readings');
+SELECT pg_temp.outbox_grant('outbox_consumer', 'SELECT, INSERT, UPDATE', 'outbox_consumer_gaps');
 
 -- outbox_consumer_retention: bounded deletion of receipts older than the replay
 -- window and below their partition's committed watermark (which it reads).

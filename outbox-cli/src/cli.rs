@@ -116,6 +116,9 @@ pub enum Command {
     /// Consumers' dead letters: list, show, and requeue (the running consumer runs the handler again).
     #[command(subcommand, name = "dead-letters")]
     DeadLetters(DeadLettersCommand),
+    /// Consumers' gaps: ranges of a partition a consumer skipped (a reset group, an offset out of range); list, and accept one that cannot be replayed.
+    #[command(subcommand)]
+    Gaps(GapsCommand),
     /// The reconciler's findings: list, and acknowledge (close) one.
     #[command(subcommand)]
     Findings(FindingsCommand),
@@ -225,6 +228,59 @@ pub enum DeadLettersCommand {
         /// Who asks (recorded), e.g. your login.
         #[arg(long, value_name = "NAME")]
         operator: String,
+        /// The consumer's database, if not the outbox database.
+        #[arg(long, env = "OUTBOX_CONSUMER_DATABASE_URL", hide_env_values = true, value_name = "URL")]
+        consumer_database_url: Option<String>,
+    },
+}
+
+/// `outbox gaps`.
+#[derive(Debug, Subcommand)]
+pub enum GapsCommand {
+    /// List open gaps (with --all, closed ones too), oldest first.
+    List {
+        /// Only this consumer's.
+        #[arg(long, value_name = "CONSUMER_ID")]
+        consumer: Option<String>,
+        /// Include gaps closed by a replay or accepted.
+        #[arg(long)]
+        all: bool,
+        /// Most rows, 1..=10000 [default: 100].
+        #[arg(long, value_name = "N", default_value_t = 100)]
+        limit: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// The consumer's database, if not the outbox database.
+        #[arg(long, env = "OUTBOX_CONSUMER_DATABASE_URL", hide_env_values = true, value_name = "URL")]
+        consumer_database_url: Option<String>,
+    },
+    /// Accept an open gap whose messages are gone from the log: it closes (who and why kept) and the consumer's watermark moves on with its next decision there.
+    ///
+    /// The events of the range stay unconsumed for that consumer; the
+    /// reconciler's unconsumed_published findings keep saying so.
+    Accept {
+        /// The consumer.
+        #[arg(long, value_name = "CONSUMER_ID")]
+        consumer: String,
+        /// The log: cluster id, as `gaps list` prints it.
+        #[arg(long, value_name = "CLUSTER_ID")]
+        cluster: String,
+        /// Topic.
+        #[arg(long, value_name = "TOPIC")]
+        topic: String,
+        /// Partition.
+        #[arg(long, value_name = "N")]
+        partition: i32,
+        /// Where the gap began when found (the FROM column of `gaps list`).
+        #[arg(long, value_name = "OFFSET")]
+        detected_from: i64,
+        /// Who accepts, e.g. your login.
+        #[arg(long, value_name = "NAME")]
+        operator: String,
+        /// Why (kept with the gap).
+        #[arg(long, value_name = "TEXT")]
+        reason: String,
         /// The consumer's database, if not the outbox database.
         #[arg(long, env = "OUTBOX_CONSUMER_DATABASE_URL", hide_env_values = true, value_name = "URL")]
         consumer_database_url: Option<String>,

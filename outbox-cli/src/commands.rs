@@ -110,6 +110,20 @@ pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
                 }
             }
         }
+        Command::Gaps(c) => {
+            use crate::cli::GapsCommand as G;
+            let db = |over: &Option<String>| over.clone().map(Ok).unwrap_or_else(url);
+            match c {
+                G::List { consumer, all, limit, json, consumer_database_url } => {
+                    let pool = connect(&db(consumer_database_url)?, 2).await?;
+                    crate::runbook::gaps_list(&pool, consumer.as_deref(), *all, *limit, *json).await
+                }
+                G::Accept { consumer, cluster, topic, partition, detected_from, operator, reason, consumer_database_url } => {
+                    let pool = connect(&db(consumer_database_url)?, 2).await?;
+                    crate::runbook::gaps_accept(&pool, consumer, cluster, topic, *partition, *detected_from, operator, reason).await
+                }
+            }
+        }
         Command::Findings(c) => {
             use crate::cli::FindingsCommand as F;
             let pool = connect(&url()?, 2).await?;

@@ -201,6 +201,43 @@ pub async fn dead_letters_list(pool: &PgPool, consumer: Option<&str>, limit: i64
     Ok(0)
 }
 
+/// `outbox gaps list`.
+pub async fn gaps_list(pool: &PgPool, consumer: Option<&str>, all: bool, limit: i64, as_json: bool) -> anyhow::Result<u8> {
+    check_limit(limit)?;
+    let rows = outbox_consumer::list_gaps(pool, consumer, all, limit).await.context("reading gaps (is this the consumer's database?)")?;
+    if as_json {
+        println!("{}", to_json(&json!({ "gaps": rows }))?);
+        return Ok(0);
+    }
+    if rows.is_empty() {
+        println!("{}", if all { "no gaps" } else { "no open gaps" });
+    }
+    for g in &rows {
+        let state = match (&g.closed_at, &g.closed_by, &g.close_reason) {
+            (None, _, _) => format!("OPEN: offsets {}..{} unread ({})", g.from_offset, g.to_offset, g.to_offset - g.from_offset),
+            (Some(at), Some(by), Some(why)) => format!("accepted by {by} at {at}: {why}"),
+            (Some(at), _, why) => format!("{} at {at}", why.as_deref().unwrap_or("closed")),
+        };
+        println!("{}\t{}/{}/{}\tfrom {}\tfound {}\t{}", g.consumer_id, g.cluster_id, g.topic, g.partition, g.detected_from, g.detected_at, state);
+    }
+    Ok(0)
+}
+
+/// `outbox gaps accept`.
+#[allow(clippy::too_many_arguments)]
+pub async fn gaps_accept(pool: &PgPool, consumer: &str, cluster: &str, topic: &str, partition: i32, detected_from: i64, operator: &str, reason: &str) -> anyhow::Result<u8> {
+    match outbox_consumer::accept_gap(pool, consumer, cluster, topic, partition, detected_from, operator, reason).await.context("accepting the gap")? {
+        Some(g) => {
+            println!(
+                "gap of {} on {}/{}/{} from {} accepted by {operator}: offsets {}..{} stay unread by this consumer; its watermark moves on with its next decision there",
+                g.consumer_id, g.cluster_id, g.topic, g.partition, g.detected_from, g.from_offset, g.to_offset
+            );
+            Ok(0)
+        }
+        None => bail!("no open gap of {consumer} on {cluster}/{topic}/{partition} from {detected_from} (`outbox gaps list --all` shows the gaps)"),
+    }
+}
+
 /// `outbox dead-letters show`.
 pub async fn dead_letters_show(pool: &PgPool, event_id: &str, as_json: bool) -> anyhow::Result<u8> {
     let id: EventId = event_id.parse().with_context(|| format!("{event_id:?} is not an eventId"))?;

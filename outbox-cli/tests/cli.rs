@@ -15,9 +15,9 @@ use outbox_testkit::{assert_published, KafkaFixture};
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 
-const COMMANDS: [&str; 15] = [
+const COMMANDS: [&str; 16] = [
     "migrate", "dispatch", "reconcile", "status", "trace", "report", "purge", "migrate-destination", "takeover", "alias", "shadow", "route", "dead-letters",
-    "findings", "unknown",
+    "findings", "unknown", "gaps",
 ];
 
 #[test]
@@ -59,9 +59,9 @@ async fn migrate_then_status_on_an_empty_outbox() {
     let out = env.ok(&["migrate"]);
     // One schema file per crate, each applied once.
     assert_eq!(outbox_producer::MIGRATOR.iter().count(), 1, "the producer's schema is one file");
-    assert_eq!(outbox_consumer::MIGRATOR.iter().count(), 1, "the consumer's schema is one file");
+    assert_eq!(outbox_consumer::MIGRATOR.iter().count(), 2, "the consumer's schema is one file and the readings added since");
     assert!(out.contains("producer schema: applied 1 migration(s): 20261206000001 "), "{out}");
-    assert!(out.contains("consumer schema: applied 1 migration(s): 20261206100001 "), "{out}");
+    assert!(out.contains("consumer schema: applied 2 migration(s): 20261206100001 consumer schema, 20261207100001 consumer readings"), "{out}");
     let out = env.ok(&["migrate"]);
     assert!(out.contains("producer schema: up to date") && out.contains("consumer schema: up to date"), "{out}");
     let status = env.ok(&["status"]);

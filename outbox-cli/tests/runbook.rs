@@ -359,3 +359,46 @@ async fn durations_take_units_and_plain_milliseconds() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown unit \"x\""), "{}", String::from_utf8_lossy(&bad.stderr));
     env.drop_now().await;
 }
+
+/// A consumer's gaps live in its own database: `gaps list` shows the open
+/// one (text and JSON), `gaps accept` closes it with who and why, refuses
+/// one that is not open, and `--all` shows it closed.
+#[tokio::test]
+async fn gaps_list_and_accept_with_the_consumer_database() {
+    use outbox_consumer::gap::{OffsetGap, ReadingChange};
+    use outbox_consumer::{ConsumerStore as _, PgConsumerStore};
+    let env = Env::new("cli_gaps").await;
+    env.ok(&["migrate", "--only", "producer"]);
+    let consumer_db = TestDatabase::create(env.server.url(), "cli_gaps_consumer", 2).await.unwrap();
+    outbox_consumer::migrate(&consumer_db.pool).await.unwrap();
+    // What the shipping consumer's processor stores when its offsets jump from 3 to 10.
+    let store = PgConsumerStore::new(consumer_db.pool.clone());
+    let mut tx = store.begin().await.unwrap();
+    let gap = OffsetGap { detected_from: 3, from_offset: 3, to_offset: 10 };
+    store.save_reading(&mut tx, "shipping", "cluster-a", "orders", 2, &ReadingChange { next_offset: 11, opened: vec![gap], shrunk: vec![], watermark_cap: Some(3) }).await.unwrap();
+    store.commit(tx).await.unwrap();
+
+    let db = ["--consumer-database-url", consumer_db.url.as_str()];
+    let list = env.ok(&[&["gaps", "list"][..], &db].concat());
+    assert!(list.contains("shipping\tcluster-a/orders/2\tfrom 3\t") && list.contains("OPEN: offsets 3..10 unread (7)"), "{list}");
+    let j = json(&env.ok(&[&["gaps", "list", "--json"][..], &db].concat()));
+    assert_eq!((j["gaps"][0]["fromOffset"].as_i64(), j["gaps"][0]["toOffset"].as_i64()), (Some(3), Some(10)), "{j}");
+    let accept = |from: &str| {
+        [&["gaps", "accept", "--consumer", "shipping", "--cluster", "cluster-a", "--topic", "orders", "--partition", "2", "--detected-from", from][..], &["--operator", "ops-alice", "--reason", "deleted by retention"], &db]
+            .concat()
+            .iter()
+            .map(|s| s.to_string())
+            .collect::<Vec<String>>()
+    };
+    let args = accept("4");
+    let wrong = env.run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!wrong.status.success() && String::from_utf8_lossy(&wrong.stderr).contains("no open gap of shipping"), "{wrong:?}");
+    let args = accept("3");
+    let out = env.ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.contains("accepted by ops-alice: offsets 3..10 stay unread"), "{out}");
+    assert!(env.ok(&[&["gaps", "list"][..], &db].concat()).contains("no open gaps"));
+    let all = env.ok(&[&["gaps", "list", "--all"][..], &db].concat());
+    assert!(all.contains("accepted by ops-alice at ") && all.contains("deleted by retention"), "{all}");
+    consumer_db.drop_now().await.unwrap();
+    env.drop_now().await;
+}

@@ -116,6 +116,8 @@ mod consumer;
 mod error;
 mod event;
 pub mod dead_letters;
+pub mod gap;
+mod gaps_pg;
 mod handler;
 mod metrics;
 mod otel;
@@ -134,6 +136,7 @@ pub use dead_letters::{dead_letters_of, list_dead_letters, request_requeue, Dead
 pub use consumer::{run_partition, AfterCommitHook, BatchLimits, CommittedBatch, HookAction, IdempotentConsumer, OffsetCommit};
 pub use error::{ConsumerError, HandlerError};
 pub use event::{effect_key, ConsumedEvent, RawMessage, DEFAULT_EFFECT_PURPOSE, EFFECT_KEY_SCHEMA};
+pub use gaps_pg::{accept_gap, list_gaps, GapRecord, MAX_GAP_ROWS};
 pub use handler::Handler;
 pub use metrics::{ConsumerHistograms, Metrics, MetricsSnapshot};
 /// The Prometheus client the consumer's metrics are registered with.

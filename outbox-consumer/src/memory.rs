@@ -42,6 +42,7 @@ use serde_json::Value;
 use crate::error::ConsumerError;
 use crate::event::ConsumedEvent;
 use crate::outcome::{Position, Quarantined, Receipt};
+use crate::gap::{OffsetGap, Reading, ReadingChange};
 use crate::store::{Claim, ConsumerStore, DeadLetterRow, QuarantineRow, WatermarkAdvance};
 
 /// `(consumer id, event id)`.
@@ -49,6 +50,20 @@ type ReceiptKey = (String, String);
 
 /// `(consumer id, cluster id, topic, partition, topic id)`.
 pub type WatermarkKey = (String, String, String, i32, Option<String>);
+
+/// `(consumer id, cluster id, topic, partition)`.
+pub type PartitionKey = (String, String, String, i32);
+
+/// A gap as the store keeps it: its range, and who closed it, why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GapRow {
+    /// The range as it stands.
+    pub gap: OffsetGap,
+    /// `None` while open; `replayed`, or the operator's reason.
+    pub close_reason: Option<String>,
+    /// The operator who accepted it.
+    pub closed_by: Option<String>,
+}
 
 /// What the store holds (committed state).
 #[derive(Debug, Clone, Default)]
@@ -61,6 +76,10 @@ pub struct MemoryConsumerState {
     pub quarantine: BTreeMap<(String, String, i32, i64), Quarantined>,
     /// Watermark rows; `topic_id` and the counts are in the value.
     pub watermarks: BTreeMap<WatermarkKey, WatermarkAdvance>,
+    /// Per partition: the offset after the greatest one decided.
+    pub readings: BTreeMap<PartitionKey, i64>,
+    /// Gaps by partition and `detected_from`.
+    pub gaps: BTreeMap<(PartitionKey, i64), GapRow>,
     /// The handlers' writes ([`MemoryTx::write_effect`]), by key, in commit order.
     pub effects: BTreeMap<String, Vec<Value>>,
     /// Transactions committed.
@@ -118,6 +137,7 @@ pub struct MemoryTx {
     dead_letters: Vec<(ReceiptKey, (u32, String, Position))>,
     quarantine: Vec<((String, String, i32, i64), Quarantined)>,
     watermarks: Vec<(WatermarkKey, WatermarkAdvance)>,
+    readings: Vec<(PartitionKey, ReadingChange)>,
     effects: Vec<(String, Value)>,
     open: bool,
 }
@@ -191,6 +211,7 @@ impl ConsumerStore for MemoryConsumerStore {
             dead_letters: Vec::new(),
             quarantine: Vec::new(),
             watermarks: Vec::new(),
+            readings: Vec::new(),
             effects: Vec::new(),
             open: true,
         })
@@ -224,6 +245,9 @@ impl ConsumerStore for MemoryConsumerStore {
                 if a.last_event_id.is_some() {
                     row.last_event_id = a.last_event_id;
                 }
+            }
+            for (k, c) in tx.readings.drain(..) {
+                apply_reading(&mut st, &k, &c);
             }
             for (k, v) in tx.effects.drain(..) {
                 st.effects.entry(k).or_default().push(v);
@@ -351,6 +375,29 @@ impl ConsumerStore for MemoryConsumerStore {
         Ok(true)
     }
 
+    async fn reading(&self, tx: &mut MemoryTx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32) -> Result<Reading, ConsumerError> {
+        tx.ensure_open()?;
+        let k: PartitionKey = (consumer_id.to_owned(), cluster_id.to_owned(), topic.to_owned(), partition);
+        // The committed reading with this transaction's own changes on top.
+        let mut r = reading_of(&tx.lock(), &k);
+        for (_, c) in tx.readings.iter().filter(|(pk, _)| *pk == k) {
+            r.next_offset = Some(r.next_offset.unwrap_or(0).max(c.next_offset));
+            for g in c.opened.iter().chain(c.shrunk.iter()) {
+                r.open.retain(|o| o.detected_from != g.detected_from);
+                if !g.is_closed() {
+                    r.open.push(g.clone());
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    async fn save_reading(&self, tx: &mut MemoryTx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32, change: &ReadingChange) -> Result<(), ConsumerError> {
+        tx.ensure_open()?;
+        tx.readings.push(((consumer_id.to_owned(), cluster_id.to_owned(), topic.to_owned(), partition), change.clone()));
+        Ok(())
+    }
+
     async fn advance_watermarks(
         &self,
         tx: &mut MemoryTx,
@@ -366,5 +413,54 @@ impl ConsumerStore for MemoryConsumerStore {
             tx.watermarks.push((k, r.clone()));
         }
         Ok(())
+    }
+}
+
+/// The reading of a partition in `st` (the watermark rows' greatest offset
+/// when it has none yet, as the PostgreSQL store answers).
+fn reading_of(st: &MemoryConsumerState, k: &PartitionKey) -> Reading {
+    let next = st.readings.get(k).copied().or_else(|| {
+        st.watermarks.iter().filter(|((c, cl, t, p, _), _)| (c, cl, t, p) == (&k.0, &k.1, &k.2, &k.3)).map(|(_, w)| w.committed_offset).max()
+    });
+    let open = st.gaps.range((k.clone(), i64::MIN)..=(k.clone(), i64::MAX)).filter(|(_, g)| g.close_reason.is_none()).map(|(_, g)| g.gap.clone()).collect();
+    Reading { next_offset: next, open }
+}
+
+/// Applies a committed reading change.
+fn apply_reading(st: &mut MemoryConsumerState, k: &PartitionKey, c: &ReadingChange) {
+    let next = st.readings.entry(k.clone()).or_insert(c.next_offset);
+    *next = (*next).max(c.next_offset);
+    for g in c.opened.iter().chain(c.shrunk.iter()) {
+        let row = st.gaps.entry((k.clone(), g.detected_from)).or_insert_with(|| GapRow { gap: g.clone(), close_reason: None, closed_by: None });
+        if row.close_reason.is_some() {
+            continue;
+        }
+        row.gap = g.clone();
+        if g.is_closed() {
+            row.close_reason = Some("replayed".into());
+        }
+    }
+}
+
+impl MemoryConsumerStore {
+    /// The reading of a partition, as committed.
+    pub fn committed_reading(&self, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32) -> Reading {
+        reading_of(&self.lock(), &(consumer_id.to_owned(), cluster_id.to_owned(), topic.to_owned(), partition))
+    }
+
+    /// An operator accepts the open gap of a partition that began at
+    /// `detected_from` (its messages cannot be replayed): it closes with
+    /// `by` and `reason`; answers whether there was such an open gap.
+    #[allow(clippy::too_many_arguments)]
+    pub fn accept_gap(&self, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32, detected_from: i64, by: &str, reason: &str) -> bool {
+        let mut st = self.lock();
+        match st.gaps.get_mut(&((consumer_id.to_owned(), cluster_id.to_owned(), topic.to_owned(), partition), detected_from)) {
+            Some(row) if row.close_reason.is_none() => {
+                row.close_reason = Some(reason.to_owned());
+                row.closed_by = Some(by.to_owned());
+                true
+            }
+            _ => false,
+        }
     }
 }

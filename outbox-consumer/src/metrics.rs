@@ -44,6 +44,11 @@ pub struct Metrics {
     /// Watermark publications that failed (a record refused or unanswered,
     /// or the rows unreadable); each is retried at the next interval.
     pub watermark_publish_failures: AtomicU64,
+    /// Gaps found: ranges of a partition this consumer skipped without
+    /// deciding them (module [`gap`](crate::gap)).
+    pub offset_gaps: AtomicU64,
+    /// Offsets in the gaps found, when found.
+    pub offset_gap_offsets: AtomicU64,
 }
 
 /// Buckets of commit -> consumed, seconds: 5 ms to 1 h.
@@ -153,6 +158,8 @@ const COUNTERS: &[CounterDef] = &[
     ("outbox_consumer_db_retries_total", "Database work retried after a retryable error.", |s| s.db_retries),
     ("outbox_consumer_offset_commit_failures_total", "Offset commits the broker refused or that could not be stored.", |s| s.offset_commit_failures),
     ("outbox_consumer_partitions_paused_total", "Times a partition was paused because its buffer was full.", |s| s.partitions_paused),
+    ("outbox_consumer_offset_gaps_total", "Ranges of a partition this consumer skipped without deciding them (a reset group, an offset out of range): its watermark stops at each.", |s| s.offset_gaps),
+    ("outbox_consumer_offset_gap_offsets_total", "Offsets in the gaps found, when found.", |s| s.offset_gap_offsets),
 ];
 
 /// A copy of [`Metrics`] at one moment.
@@ -182,6 +189,10 @@ pub struct MetricsSnapshot {
     pub watermark_records_published: u64,
     /// See [`Metrics::watermark_publish_failures`].
     pub watermark_publish_failures: u64,
+    /// See [`Metrics::offset_gaps`].
+    pub offset_gaps: u64,
+    /// See [`Metrics::offset_gap_offsets`].
+    pub offset_gap_offsets: u64,
 }
 
 impl MetricsSnapshot {
@@ -208,6 +219,8 @@ impl Metrics {
             partitions_paused: r(&self.partitions_paused),
             watermark_records_published: r(&self.watermark_records_published),
             watermark_publish_failures: r(&self.watermark_publish_failures),
+            offset_gaps: r(&self.offset_gaps),
+            offset_gap_offsets: r(&self.offset_gap_offsets),
         }
     }
 

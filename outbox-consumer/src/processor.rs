@@ -25,11 +25,12 @@ use outbox_core::id::validate_identifier;
 use outbox_core::{sha256_digest, EventId};
 use serde_json::{json, Value};
 use sqlx::{PgPool, Row as _};
-use tracing::{info_span, warn, Instrument as _};
+use tracing::{error, info_span, warn, Instrument as _};
 
 use crate::config::{RetryPolicy, DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES, LIMIT_MAX_BATCH_MESSAGES};
 use crate::error::{ConsumerError, HandlerError};
 use crate::event::{headers_from_json, headers_json, ConsumedEvent, RawMessage, MAX_EVIDENCE_HEADER_BYTES};
+use crate::gap::{capped_watermark, decide_reading, OffsetGap};
 use crate::handler::Handler;
 use crate::store::{receipt_from_row, Claim, ConsumerStore, DeadLetterRow, PgConsumerStore, QuarantineRow, TxHandler, WatermarkAdvance, RECEIPT_COLUMNS};
 use crate::metrics::Metrics;
@@ -118,12 +119,15 @@ struct Counts {
     last_offset: i64,
 }
 
+/// Gaps found in a transaction, reported once it committed.
+type Found = Vec<OffsetGap>;
+
 /// Per-transaction counts for the watermarks of a partition: one row per
 /// topic id the decided messages name (see [`topic_id_of`]), in order of
 /// first appearance. Each row moves to the last offset of a message with
 /// its id, plus one.
 #[derive(Default)]
-struct Tally(Vec<(Option<String>, Counts)>);
+struct Tally(Vec<(Option<String>, Counts)>, Vec<i64>);
 
 impl Tally {
     /// A tally of one message.
@@ -135,6 +139,7 @@ impl Tally {
 
     /// The counts of `topic_id`, with `offset` noted as a message of it.
     fn of(&mut self, topic_id: Option<&str>, offset: i64) -> &mut Counts {
+        self.1.push(offset);
         let i = match self.0.iter().position(|(t, _)| t.as_deref() == topic_id) {
             Some(i) => i,
             None => {
@@ -540,7 +545,7 @@ impl<S: ConsumerStore> Processor<S> {
     /// One transaction over a slice: claim, handle, record, commit.
     async fn try_slice(&self, slice: &[Prepared<'_>]) -> Result<Result<Vec<Outcome>, Fail>, ConsumerError> {
         let mut tx = self.store.begin().await?;
-        let outs = match self.decide_in(&mut tx, slice).await? {
+        let (outs, found) = match self.decide_in(&mut tx, slice).await? {
             Ok(v) => v,
             Err(fail) => {
                 self.store.rollback(tx).await;
@@ -549,6 +554,9 @@ impl<S: ConsumerStore> Processor<S> {
         };
         self.store.commit(tx).await?;
         Metrics::add(&self.metrics.transactions, 1);
+        if let Some(p) = slice.first() {
+            self.report_gaps(&p.msg().topic, p.msg().partition, &found);
+        }
         self.metrics.count_outcomes(&outs);
         self.observe_consumed(&outs);
         Ok(Ok(outs))
@@ -566,9 +574,9 @@ impl<S: ConsumerStore> Processor<S> {
     }
 
     /// The body of a decision transaction, without begin and commit.
-    async fn decide_in(&self, tx: &mut S::Tx, slice: &[Prepared<'_>]) -> Result<Result<Vec<Outcome>, Fail>, ConsumerError> {
+    async fn decide_in(&self, tx: &mut S::Tx, slice: &[Prepared<'_>]) -> Result<Result<(Vec<Outcome>, Found), Fail>, ConsumerError> {
         let Some(last) = slice.last() else {
-            return Ok(Ok(Vec::new()));
+            return Ok(Ok((Vec::new(), Vec::new())));
         };
         let last_msg = last.msg();
         // First occurrence of each eventId in the slice: the one that may be claimed.
@@ -676,14 +684,14 @@ impl<S: ConsumerStore> Processor<S> {
             }
         }
         match self.record(tx, last_msg, &results, &quarantine, tally).await {
-            Ok(()) => Ok(Ok(outs)),
+            Ok(found) => Ok(Ok((outs, found))),
             Err(e) if e.is_aborted_transaction() && !results.is_empty() => Ok(Err(Fail::Aborted)),
             Err(e) => Err(e),
         }
     }
 
     /// Stores handler results, quarantine rows and the watermark.
-    async fn record(&self, tx: &mut S::Tx, last: &RawMessage, results: &[(String, Value)], quarantine: &[Quarantine<'_>], mut tally: Tally) -> Result<(), ConsumerError> {
+    async fn record(&self, tx: &mut S::Tx, last: &RawMessage, results: &[(String, Value)], quarantine: &[Quarantine<'_>], mut tally: Tally) -> Result<Found, ConsumerError> {
         self.store.store_results(tx, &self.consumer_id, results).await?;
         if !quarantine.is_empty() {
             let rows: Vec<QuarantineRow<'_>> = quarantine
@@ -710,14 +718,22 @@ impl<S: ConsumerStore> Processor<S> {
 
     /// Moves the partition's watermark rows, one per topic id in `tally`:
     /// each to the last offset of a message of its id, plus one (never
-    /// back), adding its counts.
-    async fn advance_watermarks(&self, tx: &mut S::Tx, at: &RawMessage, tally: &Tally) -> Result<(), ConsumerError> {
+    /// back), adding its counts, but never past the start of a gap in what
+    /// this consumer read (module [`gap`](crate::gap)): answers the gaps this
+    /// transaction found.
+    async fn advance_watermarks(&self, tx: &mut S::Tx, at: &RawMessage, tally: &Tally) -> Result<Found, ConsumerError> {
+        let (cluster, topic, partition) = (self.cluster_id(), &at.topic, at.partition);
+        let before = self.store.reading(tx, &self.consumer_id, cluster, topic, partition).await?;
+        let change = decide_reading(&before, &tally.1);
+        if before.next_offset != Some(change.next_offset) || !change.opened.is_empty() || !change.shrunk.is_empty() {
+            self.store.save_reading(tx, &self.consumer_id, cluster, topic, partition, &change).await?;
+        }
         let rows: Vec<WatermarkAdvance> = tally
             .0
             .iter()
             .map(|(topic_id, c)| WatermarkAdvance {
                 topic_id: topic_id.clone(),
-                committed_offset: c.last_offset.saturating_add(1),
+                committed_offset: capped_watermark(c.last_offset.saturating_add(1), change.watermark_cap),
                 applied: c.applied,
                 duplicates: c.duplicates,
                 quarantined: c.quarantined,
@@ -725,7 +741,20 @@ impl<S: ConsumerStore> Processor<S> {
                 last_event_id: c.last_event_id.clone(),
             })
             .collect();
-        self.store.advance_watermarks(tx, &self.consumer_id, self.cluster_id(), &at.topic, at.partition, &rows).await
+        self.store.advance_watermarks(tx, &self.consumer_id, cluster, topic, partition, &rows).await?;
+        Ok(change.opened)
+    }
+
+    /// Says, once the transaction that found them committed, which ranges of
+    /// a partition this consumer skipped: an error line each and the
+    /// `offset_gaps` counters.
+    fn report_gaps(&self, topic: &str, partition: i32, found: &[OffsetGap]) {
+        for g in found {
+            Metrics::add(&self.metrics.offset_gaps, 1);
+            Metrics::add(&self.metrics.offset_gap_offsets, g.len().max(0) as u64);
+            error!(consumer = %self.consumer_id, cluster = %self.cluster_id(), topic, partition, from_offset = g.from_offset, to_offset = g.to_offset,
+                "offsets skipped: this consumer never read [from_offset, to_offset) of the partition (the group was reset, its offset fell out of range, or it started past the log's start); its watermark stays at from_offset until the range is replayed or the gap accepted (docs/OPERATIONS.md, \"A consumer gap\")");
+        }
     }
 
     /// After a database error: the error back when it is not retryable or
@@ -819,18 +848,20 @@ impl<S: ConsumerStore> Processor<S> {
         let mut found = self.store.receipts(&mut tx, &self.consumer_id, &[event.event_id.as_str()]).await?;
         if let Some(original) = found.remove(event.event_id.as_str()) {
             let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| c.duplicates = 1);
-            self.advance_watermarks(&mut tx, msg, &tally).await?;
+            let found = self.advance_watermarks(&mut tx, msg, &tally).await?;
             self.store.commit(tx).await?;
             Metrics::add(&self.metrics.transactions, 1);
+            self.report_gaps(&msg.topic, msg.partition, &found);
             return Ok(Outcome::Duplicate { original, delivery: position(msg) });
         }
         let text: String = error.to_string().chars().take(4000).collect();
         let inserted = self.store.insert_dead_letter(&mut tx, &self.consumer_id, &DeadLetterRow { msg, event, attempts, error: &text }).await?;
         let redelivery = !inserted;
         let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| if redelivery { c.duplicates = 1 } else { c.dead_lettered = 1 });
-        self.advance_watermarks(&mut tx, msg, &tally).await?;
+        let found = self.advance_watermarks(&mut tx, msg, &tally).await?;
         self.store.commit(tx).await?;
         Metrics::add(&self.metrics.transactions, 1);
+        self.report_gaps(&msg.topic, msg.partition, &found);
         warn!(event_id = %event.event_id, offset = msg.offset, attempts, error = %text, "event dead-lettered");
         Ok(Outcome::DeadLettered(DeadLettered { event_id: event.event_id.clone(), position: position(msg), attempts, error: text, redelivery }))
     }
@@ -870,9 +901,10 @@ impl Processor<PgConsumerStore> {
             return Err(ConsumerError::CorruptRow(format!("dead letter {event_id} no longer verifies: {:?}", quarantined.reason)));
         }
         match self.decide_in(&mut tx, std::slice::from_ref(&p)).await? {
-            Ok(mut outs) => {
+            Ok((mut outs, found)) => {
                 tx.commit().await?;
                 Metrics::add(&self.metrics.transactions, 1);
+                self.report_gaps(&msg.topic, msg.partition, &found);
                 self.metrics.count_outcomes(&outs);
                 Ok(outs.pop())
             }

@@ -29,6 +29,7 @@ use sqlx::{PgPool, Postgres, Row as _, Transaction};
 
 use crate::error::{ConsumerError, HandlerError};
 use crate::event::{headers_json, ConsumedEvent, RawMessage};
+use crate::gap::{OffsetGap, Reading, ReadingChange};
 use crate::handler::Handler;
 use crate::outcome::{Position, Quarantined, Receipt};
 
@@ -115,6 +116,16 @@ pub trait ConsumerStore: Send + Sync + 'static {
     /// Inserts a dead letter; answers whether it is new (false: the event
     /// was dead-lettered before).
     async fn insert_dead_letter(&self, tx: &mut Self::Tx, consumer_id: &str, row: &DeadLetterRow<'_>) -> Result<bool, ConsumerError>;
+    /// The reading of `(cluster_id, topic, partition)` for `consumer_id`: the
+    /// offset after the greatest one decided (for a partition with no reading
+    /// yet, the greatest `committed_offset` of its watermark rows, if any) and
+    /// the open gaps. A second transaction asking for the same reading waits
+    /// for this one (or sees its writes), so two deciders never both open a gap.
+    async fn reading(&self, tx: &mut Self::Tx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32) -> Result<Reading, ConsumerError>;
+    /// Stores `change` ([`decide_reading`](crate::gap::decide_reading)): the
+    /// next offset (never back), the gaps opened, and the new bounds of the
+    /// gaps shrunk (a closed one is closed as `replayed`).
+    async fn save_reading(&self, tx: &mut Self::Tx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32, change: &ReadingChange) -> Result<(), ConsumerError>;
     /// Moves the watermark rows of `(cluster_id, topic, partition)`, one per
     /// entry, each to its `committed_offset` if that is higher, adding the counts.
     async fn advance_watermarks(
@@ -366,6 +377,82 @@ impl ConsumerStore for PgConsumerStore {
         .await?
         .rows_affected();
         Ok(inserted > 0)
+    }
+
+    async fn reading(&self, tx: &mut PgTx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32) -> Result<Reading, ConsumerError> {
+        // The reading row is locked (when there is one) so that a second
+        // decider of the partition waits; a first reading falls back to the
+        // watermark rows (a database from before readings were kept).
+        let row: (Option<i64>, Option<i64>, Vec<i64>, Vec<i64>, Vec<i64>) = sqlx::query_as(
+            "WITH r AS (
+                 SELECT next_offset FROM outbox_consumer_readings
+                 WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4
+                 FOR UPDATE
+             ), g AS (
+                 SELECT detected_from, from_offset, to_offset FROM outbox_consumer_gaps
+                 WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4 AND closed_at IS NULL
+             )
+             SELECT (SELECT next_offset FROM r),
+                    (SELECT max(committed_offset) FROM outbox_consumer_watermarks
+                      WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4),
+                    COALESCE((SELECT array_agg(detected_from ORDER BY detected_from) FROM g), '{}'),
+                    COALESCE((SELECT array_agg(from_offset ORDER BY detected_from) FROM g), '{}'),
+                    COALESCE((SELECT array_agg(to_offset ORDER BY detected_from) FROM g), '{}')",
+        )
+        .bind(consumer_id)
+        .bind(cluster_id)
+        .bind(topic)
+        .bind(partition)
+        .fetch_one(&mut **tx)
+        .await?;
+        let (next, watermark, detected, from, to) = row;
+        let open = detected.into_iter().zip(from).zip(to).map(|((detected_from, from_offset), to_offset)| OffsetGap { detected_from, from_offset, to_offset }).collect();
+        Ok(Reading { next_offset: next.or(watermark), open })
+    }
+
+    async fn save_reading(&self, tx: &mut PgTx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32, change: &ReadingChange) -> Result<(), ConsumerError> {
+        sqlx::query(
+            "INSERT INTO outbox_consumer_readings AS r (consumer_id, cluster_id, topic, partition, next_offset)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (consumer_id, cluster_id, topic, partition) DO UPDATE
+                 SET next_offset = GREATEST(r.next_offset, EXCLUDED.next_offset), updated_at = now()
+                 WHERE r.next_offset < EXCLUDED.next_offset",
+        )
+        .bind(consumer_id)
+        .bind(cluster_id)
+        .bind(topic)
+        .bind(partition)
+        .bind(change.next_offset)
+        .execute(&mut **tx)
+        .await?;
+        if change.opened.is_empty() && change.shrunk.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<&OffsetGap> = change.opened.iter().chain(change.shrunk.iter()).collect();
+        let detected: Vec<i64> = rows.iter().map(|g| g.detected_from).collect();
+        let from: Vec<i64> = rows.iter().map(|g| g.from_offset).collect();
+        let to: Vec<i64> = rows.iter().map(|g| g.to_offset).collect();
+        sqlx::query(
+            "INSERT INTO outbox_consumer_gaps AS g (consumer_id, cluster_id, topic, partition, detected_from, from_offset, to_offset, closed_at, close_reason)
+             SELECT $1, $2, $3, $4, u.detected_from, u.from_offset, u.to_offset,
+                    CASE WHEN u.from_offset >= u.to_offset THEN now() END,
+                    CASE WHEN u.from_offset >= u.to_offset THEN 'replayed' END
+             FROM UNNEST($5::int8[], $6::int8[], $7::int8[]) AS u(detected_from, from_offset, to_offset)
+             ON CONFLICT (consumer_id, cluster_id, topic, partition, detected_from) DO UPDATE
+                 SET from_offset = EXCLUDED.from_offset, to_offset = EXCLUDED.to_offset,
+                     closed_at = EXCLUDED.closed_at, close_reason = EXCLUDED.close_reason
+                 WHERE g.closed_at IS NULL",
+        )
+        .bind(consumer_id)
+        .bind(cluster_id)
+        .bind(topic)
+        .bind(partition)
+        .bind(&detected)
+        .bind(&from)
+        .bind(&to)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
     }
 
     async fn advance_watermarks(

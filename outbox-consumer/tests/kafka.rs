@@ -461,3 +461,73 @@ async fn watermarks_are_published_once_more_at_shutdown(pool: PgPool) {
     };
     assert_eq!((record.committed_offset, record.applied_count), (last + 1, 5));
 }
+
+/// Commits `offset` for `group` on a partition, as `kafka-consumer-groups
+/// --reset-offsets` does: as a member of the group (the in-process cluster
+/// takes commits from members only), which then leaves.
+fn reset_group(kafka: &Kafka, group: &str, topic: &str, partition: i32, offset: i64) {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", kafka.bootstrap())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    c.subscribe(&[topic]).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while c.assignment().map(|a| a.count()).unwrap_or(0) == 0 {
+        assert!(std::time::Instant::now() < deadline, "no assignment for the reset");
+        let _ = c.poll(Duration::from_millis(100));
+    }
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).unwrap();
+    c.commit(&tpl, rdkafka::consumer::CommitMode::Sync).expect("offset reset");
+    c.unsubscribe();
+    drop(c);
+    assert_eq!(committed_offset(kafka, group, topic, partition), Some(offset));
+}
+
+async fn open_gaps(pool: &PgPool, consumer: &str) -> Vec<(String, i32, i64, i64)> {
+    outbox_consumer::list_gaps(pool, Some(consumer), false, 100).await.unwrap().into_iter().map(|g| (g.topic, g.partition, g.from_offset, g.to_offset)).collect()
+}
+
+async fn watermark_of(pool: &PgPool, consumer: &str, partition: i32) -> i64 {
+    outbox_consumer::watermarks(pool, consumer).await.unwrap().iter().filter(|w| w.partition == partition).map(|w| w.committed_offset).max().unwrap()
+}
+
+/// An operator resets the group to the end of the log while five messages
+/// were still unread: the consumer resumes past them. Its watermark stays
+/// where its reading stopped and the skipped range is an open gap, counted.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn a_group_reset_to_the_end_is_a_gap_the_watermark_does_not_pass(pool: PgPool) {
+    init_tracing();
+    create_effects_table(&pool).await;
+    let kafka = Kafka::new("orders", 1);
+    let h = TestHandler::default();
+    for i in 0..3 {
+        kafka.send(&fixture("orders", 1, &format!("read-{i}"))).await;
+    }
+    let c = Running::start(IdempotentConsumer::new(config(&kafka, "fulfilment", "orders"), pool.clone(), h.clone()).unwrap());
+    c.wait_decided(3).await;
+    c.stop().await;
+    assert_eq!(committed_offset(&kafka, "fulfilment", "orders", 0), Some(3));
+
+    let mut end = 0;
+    for i in 0..5 {
+        end = kafka.send(&fixture("orders", 1, &format!("skipped-{i}"))).await + 1;
+    }
+    reset_group(&kafka, "fulfilment", "orders", 0, end);
+    let later: Vec<Fixture> = (0..2).map(|i| fixture("orders", 1, &format!("later-{i}"))).collect();
+    for f in &later {
+        kafka.send(f).await;
+    }
+    let c = Running::start(IdempotentConsumer::new(config(&kafka, "fulfilment", "orders"), pool.clone(), h.clone()).unwrap());
+    c.wait_decided(2).await;
+    let metrics = c.metrics.clone();
+    let outs = c.stop().await;
+    let applied: Vec<String> = outs.iter().filter_map(|o| o.receipt()).map(|r| r.event_id.to_string()).collect();
+    assert_eq!(applied, later.iter().map(|f| f.event_id().to_string()).collect::<Vec<_>>(), "only the messages after the reset were read");
+    assert_eq!(open_gaps(&pool, "fulfilment").await, vec![("orders".to_owned(), 0, 3, 8)]);
+    assert_eq!(watermark_of(&pool, "fulfilment", 0).await, 3, "the watermark stays below the unread messages");
+    assert_eq!(metrics.snapshot().offset_gaps, 1);
+}

@@ -179,7 +179,7 @@ async fn always_failing_handler_is_dead_lettered_then_redriven(pool: PgPool) {
     assert!(d.error.contains("always fails"));
     let calls = h.calls();
 
-    let again = p.process_message(&fs[1].raw(7)).await.unwrap();
+    let again = p.process_message(&fs[1].raw(3)).await.unwrap();
     let Outcome::DeadLettered(d) = &again else { panic!("{again:?}") };
     assert!(d.redelivery);
     assert_eq!(h.calls(), calls, "a dead-lettered event is not retried on redelivery");
@@ -197,10 +197,10 @@ async fn always_failing_handler_is_dead_lettered_then_redriven(pool: PgPool) {
     let o = p.redrive_dead_letter(fs[1].event_id()).await.unwrap().unwrap();
     assert_eq!(o.kind(), "applied");
     assert!(p.redrive_dead_letter(fs[1].event_id()).await.unwrap().is_none());
-    assert_eq!(p.process_message(&fs[1].raw(8)).await.unwrap().kind(), "duplicate");
+    assert_eq!(p.process_message(&fs[1].raw(4)).await.unwrap().kind(), "duplicate");
     assert_eq!(effects(&pool).await, (3, 3));
     let w = &outbox_consumer::watermarks(&pool, "billing").await.unwrap()[0];
-    assert_eq!((w.committed_offset, w.applied_count, w.dead_lettered_count), (9, 3, 1));
+    assert_eq!((w.committed_offset, w.applied_count, w.dead_lettered_count), (5, 3, 1));
 }
 
 /// Permanent errors skip the retries; panics and swallowed query errors are
@@ -504,4 +504,87 @@ async fn storing_handler_results_writes_no_index_entries(pool: PgPool) {
     assert_eq!((inserted, updated), (1_000, 1_000), "one insert and one result update per event");
     assert!(heap_only * 100 >= updated * 95, "{heap_only} of {updated} result updates were heap-only");
     assert_eq!(effects(&pool).await, (1_000, 1_000));
+}
+
+async fn gaps(pool: &PgPool) -> Vec<(i64, i64, i64, Option<String>)> {
+    outbox_consumer::list_gaps(pool, Some("billing"), true, 100).await.unwrap().into_iter().map(|g| (g.detected_from, g.from_offset, g.to_offset, g.close_reason)).collect()
+}
+
+async fn watermark(pool: &PgPool) -> i64 {
+    outbox_consumer::watermarks(pool, "billing").await.unwrap().iter().map(|w| w.committed_offset).max().unwrap()
+}
+
+/// The group's offset was reset past messages this consumer never read (an
+/// operator reset it to the end, or its offset fell out of range below the
+/// log's start and librdkafka jumped to the new start; the in-process
+/// cluster cannot delete records, so this is the processor's view of it):
+/// the fetched offsets jump. The range
+/// is a recorded gap, counted and logged; the watermark stays at its start
+/// (so retention cannot purge what it holds); a replay of the range closes
+/// the gap and the watermark moves on.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn an_offset_reset_or_out_of_range_jump_is_a_gap_the_watermark_does_not_pass(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let fs: Vec<_> = (0..12).map(|i| fixture_on(TOPIC, 4, 2, &format!("g{i}"))).collect();
+    let raw = |i: usize| fs[i].raw(i as i64);
+    p.process_batch(&[raw(0), raw(1), raw(2)]).await.unwrap();
+    assert_eq!(watermark(&pool).await, 3);
+
+    // Offsets 3..=9 are skipped: the next fetch starts at 10.
+    let outs = p.process_batch(&[raw(10), raw(11)]).await.unwrap();
+    assert_eq!(kinds(&outs), ["applied", "applied"]);
+    assert_eq!(watermark(&pool).await, 3, "the watermark does not pass offsets never decided");
+    assert_eq!(gaps(&pool).await, vec![(3, 3, 10, None)]);
+    let m = p.metrics().snapshot();
+    assert_eq!((m.offset_gaps, m.offset_gap_offsets), (1, 7));
+    // Later messages keep the watermark at the gap; no second gap is found.
+    p.process_message(&raw(11)).await.unwrap();
+    assert_eq!((watermark(&pool).await, gaps(&pool).await.len()), (3, 1));
+
+    // A replay from the gap's start shrinks it, then closes it.
+    p.process_batch(&[raw(3), raw(4), raw(5)]).await.unwrap();
+    assert_eq!(gaps(&pool).await, vec![(3, 6, 10, None)]);
+    assert_eq!(watermark(&pool).await, 6);
+    p.process_batch(&(6..12).map(raw).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!(gaps(&pool).await, vec![(3, 10, 10, Some("replayed".into()))]);
+    assert_eq!(watermark(&pool).await, 12);
+    assert_eq!(effects(&pool).await, (12, 12), "every event applied once");
+    assert_eq!(p.metrics().snapshot().offset_gaps, 1);
+}
+
+/// A consumer whose first read of a partition begins past offset 0 (a new
+/// group started at the end, or the log's start moved on) never read what
+/// lies before: a gap from 0, and a watermark at 0.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn a_first_read_past_the_log_start_is_a_gap(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let f = fixture_on(TOPIC, 4, 0, "late");
+    p.process_message(&f.raw(40)).await.unwrap();
+    assert_eq!(gaps(&pool).await, vec![(0, 0, 40, None)]);
+    assert_eq!(watermark(&pool).await, 0);
+}
+
+/// A gap whose messages are gone for good: an operator accepts it (who and
+/// why are kept) and the watermark moves on with the next decision.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn a_gap_that_cannot_be_replayed_is_accepted_by_an_operator(pool: PgPool) {
+    create_effects_table(&pool).await;
+    let h = TestHandler::default();
+    let p = processor(&pool, &h);
+    let fs: Vec<_> = (0..3).map(|i| fixture_on(TOPIC, 4, 1, &format!("a{i}"))).collect();
+    p.process_message(&fs[0].raw(0)).await.unwrap();
+    p.process_message(&fs[1].raw(5)).await.unwrap();
+    assert_eq!(watermark(&pool).await, 1);
+    let (cluster, topic) = (p.cluster_id().to_owned(), TOPIC);
+    assert!(outbox_consumer::accept_gap(&pool, "billing", &cluster, topic, 1, 1, "", "x").await.is_err(), "an operator is named");
+    assert_eq!(outbox_consumer::accept_gap(&pool, "billing", &cluster, topic, 1, 2, "ops", "gone").await.unwrap(), None, "no such gap");
+    let g = outbox_consumer::accept_gap(&pool, "billing", &cluster, topic, 1, 1, "ops@example", "offsets 1..4 deleted by retention").await.unwrap().unwrap();
+    assert_eq!((g.closed_by.as_deref(), g.close_reason.as_deref()), (Some("ops@example"), Some("offsets 1..4 deleted by retention")));
+    assert_eq!(outbox_consumer::list_gaps(&pool, Some("billing"), false, 10).await.unwrap(), vec![], "no gap open");
+    p.process_message(&fs[2].raw(6)).await.unwrap();
+    assert_eq!(watermark(&pool).await, 7);
 }

@@ -193,6 +193,14 @@ impl ConsumerStore for SimConsumerStore {
         self.inner.insert_dead_letter(tx, consumer_id, row).await
     }
 
+    async fn reading(&self, tx: &mut MemoryTx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32) -> Result<outbox_consumer::gap::Reading, ConsumerError> {
+        self.inner.reading(tx, consumer_id, cluster_id, topic, partition).await
+    }
+
+    async fn save_reading(&self, tx: &mut MemoryTx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32, change: &outbox_consumer::gap::ReadingChange) -> Result<(), ConsumerError> {
+        self.inner.save_reading(tx, consumer_id, cluster_id, topic, partition, change).await
+    }
+
     async fn advance_watermarks(
         &self,
         tx: &mut MemoryTx,
