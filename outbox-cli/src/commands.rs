@@ -731,7 +731,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                 "compared": { "agedPending": compared.aged_pending, "unconsumedPublished": compared.unconsumed_published, "bypassPublish": compared.bypass_publish,
                               "unknownPastSlo": compared.unknown_past_slo, "quarantined": compared.quarantined, "scannedMessages": compared.scanned_messages,
                               "bypassSubmitted": compared.bypass_submitted,
-                              "foreignSource": compared.foreign_source, "unrecordedCopy": compared.unrecorded_copy, "divergentCopy": compared.divergent_copy },
+                              "foreignSource": compared.foreign_source, "unrecordedCopy": compared.unrecorded_copy, "divergentCopy": compared.divergent_copy, "partitionCountChanged": compared.partition_count_changed },
                 "watermarkTopic": ingested.map(|w| serde_json::json!({
                     "read": w.read, "applied": w.applied, "outOfDate": w.out_of_date, "undeclared": w.undeclared,
                     "movedBack": w.moved_back, "beyondEnd": w.beyond_end, "rejected": w.rejected, "badSignature": w.bad_signature })),

@@ -81,6 +81,10 @@ pub fn finding_help(kind: &str) -> (&'static str, &'static str) {
             "Check that the reconciler runs and keeps up; keep retention above its lag; close the finding.",
         ),
         "divergent_copy" => ("A published event's eventId with other bytes at a position no receipt records.", "Incident: find the writer and check which bytes each consumer applied (receipts record the digest)."),
+        "partition_count_changed" => (
+            "A routed topic has another partition count than its routes froze: events routed to partitions it lacks cannot be sent and wait.",
+            "Bring the partitions back (raise the topic's partition count) or migrate the waiting events to a route that matches the topic; docs/OPERATIONS.md, A changed partition count.",
+        ),
         _ => ("", ""),
     }
 }

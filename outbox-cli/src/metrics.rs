@@ -157,7 +157,7 @@ pub struct ReconcileExport {
 }
 
 /// Finding kinds always exported (0 when none open).
-pub const FINDING_KINDS: [&str; 19] = [
+pub const FINDING_KINDS: [&str; 20] = [
     "aged_pending",
     "unconsumed_published",
     "bypass_publish",
@@ -172,6 +172,7 @@ pub const FINDING_KINDS: [&str; 19] = [
     "unrecorded_copy",
     "divergent_copy",
     "scan_gap",
+    "partition_count_changed",
     "stale_watermark",
     "watermark_undeclared_consumer",
     "watermark_moved_back",

@@ -73,6 +73,9 @@ pub struct Status {
     /// Open reconciler findings by kind (empty if the reconciler never ran).
     #[serde(serialize_with = "outbox_producer::report::pairs::kinds")]
     pub open_findings: Vec<(String, i64)>,
+    /// What the open findings that stall events say, in words (a topic
+    /// whose partition count is not what its routes froze), at most 20.
+    pub stalls: Vec<String>,
     /// Registered consumers (critical ones with their lag).
     pub consumers: Vec<ConsumerStatus>,
     /// Whether `outbox_consumer_watermarks` exists in this database.
@@ -121,10 +124,15 @@ pub async fn status(pool: &PgPool, reconciler_stale_ms: i64) -> Result<Status, o
     // own events (a legacy publisher's stay PENDING here), one index descent.
     let oldest_pending = outbox_producer::pg::oldest_pending_created_ms(pool).await?;
     let (unknown_open, oldest_unknown_age_ms) = unknown_open(pool, now_ms).await?;
-    let open_findings: Vec<(String, i64)> = if exists(pool, "outbox_findings").await? {
-        sqlx::query_as("SELECT kind, count(*) FROM outbox_findings WHERE resolved_at_ms IS NULL GROUP BY kind ORDER BY kind").fetch_all(pool).await?
+    let (open_findings, stalls): (Vec<(String, i64)>, Vec<String>) = if exists(pool, "outbox_findings").await? {
+        (
+            sqlx::query_as("SELECT kind, count(*) FROM outbox_findings WHERE resolved_at_ms IS NULL GROUP BY kind ORDER BY kind").fetch_all(pool).await?,
+            sqlx::query_scalar("SELECT detail FROM outbox_findings WHERE resolved_at_ms IS NULL AND kind = 'partition_count_changed' ORDER BY first_seen_ms, id LIMIT 20")
+                .fetch_all(pool)
+                .await?,
+        )
     } else {
-        Vec::new()
+        (Vec::new(), Vec::new())
     };
 
     let watermarks_table = exists(pool, "outbox_consumer_watermarks").await?;
@@ -198,6 +206,7 @@ pub async fn status(pool: &PgPool, reconciler_stale_ms: i64) -> Result<Status, o
         unknown_open,
         oldest_unknown_age_ms,
         open_findings,
+        stalls,
         consumers,
         watermarks_table,
         consumer_decisions: outbox_producer::consumer_decisions(pool).await.map_err(|e| sqlx::Error::Protocol(e.to_string()))?,
@@ -242,6 +251,9 @@ impl Status {
         } else {
             let f: Vec<String> = self.open_findings.iter().map(|(k, n)| format!("{k}={n}")).collect();
             let _ = writeln!(o, "open findings:   {}", f.join(" "));
+        }
+        for s in &self.stalls {
+            let _ = writeln!(o, "  STALLED: {s}");
         }
         if self.consumers.is_empty() {
             let _ = writeln!(o, "consumers:       none registered");

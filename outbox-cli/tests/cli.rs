@@ -58,9 +58,9 @@ async fn migrate_then_status_on_an_empty_outbox() {
     let env = Env::new("cli_status").await;
     let out = env.ok(&["migrate"]);
     // One schema file per crate, each applied once.
-    assert_eq!(outbox_producer::MIGRATOR.iter().count(), 1, "the producer's schema is one file");
+    assert_eq!(outbox_producer::MIGRATOR.iter().count(), 2, "the producer's schema is one file and the finding kind added since");
     assert_eq!(outbox_consumer::MIGRATOR.iter().count(), 2, "the consumer's schema is one file and the readings added since");
-    assert!(out.contains("producer schema: applied 1 migration(s): 20261206000001 "), "{out}");
+    assert!(out.contains("producer schema: applied 2 migration(s): 20261206000001 outbox schema, 20261207000001 partition count finding"), "{out}");
     assert!(out.contains("consumer schema: applied 2 migration(s): 20261206100001 consumer schema, 20261207100001 consumer readings"), "{out}");
     let out = env.ok(&["migrate"]);
     assert!(out.contains("producer schema: up to date") && out.contains("consumer schema: up to date"), "{out}");
@@ -505,6 +505,14 @@ async fn the_schema_accepts_every_finding_kind() {
         .execute(env.pool())
         .await;
     assert!(refused.is_err(), "the check still refuses unknown kinds");
+    // A finding that stalls events is spelled out by `outbox status`, with what to do.
+    sqlx::query("INSERT INTO outbox_findings (kind, event_id, detail, age_ms, first_seen_ms, last_seen_ms) VALUES ('partition_count_changed', 'orders/partitions', $1, 0, 0, 0)")
+        .bind(outbox_core::compare::partition_count_finding("kafka-a", "orders", 4, &[("order.created".into(), 6)]).unwrap())
+        .execute(env.pool())
+        .await
+        .unwrap();
+    let status = env.ok(&["status"]);
+    assert!(status.contains("  STALLED: topic kafka-a/orders has 4 partitions; its route policies froze more: order.created (6)") && status.contains("increase the topic's partition count to 6"), "{status}");
     env.drop_now().await;
 }
 

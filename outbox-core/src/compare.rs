@@ -32,6 +32,9 @@ pub const RECEIPT_POSITION_LOST: &str = "receipt_position_lost";
 /// past them (retention, DeleteRecords): whatever copies they held cannot
 /// be accounted for any more.
 pub const SCAN_GAP: &str = "scan_gap";
+/// A routed topic whose partition count is not the one its current route
+/// policies froze: events routed to a partition the topic lacks wait.
+pub const PARTITION_COUNT_CHANGED: &str = "partition_count_changed";
 
 /// A receipt the store recorded at a log position: the publish slot's
 /// (`primary`) or a duplicate transport receipt.
@@ -194,6 +197,36 @@ fn ends_below(cursor: i64, scan: &PartitionScan) -> bool {
 /// partition and its unread offsets, `topic/partition@from..to`.
 pub fn scan_gap_label(topic: &str, partition: i32, (from, to): (i64, i64)) -> String {
     format!("{topic}/{partition}@{from}..{to}")
+}
+
+/// The name a [`PARTITION_COUNT_CHANGED`] finding carries in place of an
+/// event id: the topic, `topic/partitions`.
+pub fn partition_count_label(topic: &str) -> String {
+    format!("{topic}/partitions")
+}
+
+/// Whether the partition count `actual` the cluster reports for `topic`
+/// differs from what its current routes froze (`routes`: event type and
+/// frozen count); answers the finding's words. Fewer partitions than a
+/// route froze stalls its events on the missing ones (a send there is
+/// refused; they stay PENDING); more leaves the extra ones unused by the
+/// outbox (the partition of an event is frozen with it), which an operator
+/// should still know of.
+pub fn partition_count_finding(cluster_id: &str, topic: &str, actual: u32, routes: &[(String, i32)]) -> Option<String> {
+    let differ: Vec<&(String, i32)> = routes.iter().filter(|(_, frozen)| i64::from(*frozen) != i64::from(actual)).collect();
+    let most = differ.iter().map(|(_, n)| *n).max()?;
+    let named: Vec<String> = differ.iter().map(|(t, n)| format!("{t} ({n})")).collect();
+    Some(if i64::from(most) > i64::from(actual) {
+        format!(
+            "topic {cluster_id}/{topic} has {actual} partitions; its route policies froze more: {}. Events routed to partitions {actual}..{most} cannot be sent and wait (PENDING), and receipts there name positions the cluster no longer has. Bring the partitions back (increase the topic's partition count to {most}) or migrate the waiting events to a route that matches the topic (docs/OPERATIONS.md, \"A changed partition count\")",
+            named.join(", ")
+        )
+    } else {
+        format!(
+            "topic {cluster_id}/{topic} has {actual} partitions; its route policies froze fewer: {}. The outbox sends nothing to the extra partitions (each event's partition is frozen with it); revise the route (`outbox route set`) if new events should use them (docs/OPERATIONS.md, \"A changed partition count\")",
+            named.join(", ")
+        )
+    })
 }
 
 /// The unread offsets a [`scan_gap_label`] names.
@@ -433,6 +466,13 @@ mod tests {
         assert_eq!(unread_range(3, &scan(None, 9)), None);
         assert_eq!(unread_range(12, &scan(Some(10), 11)), None, "the log ends below the cursor: restarted, not a gap");
         assert_eq!(scan_gap_label("orders", 2, (3, 7)), "orders/2@3..7");
+        let routes = vec![("order.created".to_owned(), 6), ("order.paid".to_owned(), 4)];
+        let fewer = partition_count_finding("k", "orders", 4, &routes).unwrap();
+        assert!(fewer.contains("has 4 partitions") && fewer.contains("order.created (6)") && !fewer.contains("order.paid") && fewer.contains("partitions 4..6"), "{fewer}");
+        let more = partition_count_finding("k", "orders", 8, &routes).unwrap();
+        assert!(more.contains("froze fewer") && more.contains("order.created (6), order.paid (4)"), "{more}");
+        assert_eq!(partition_count_finding("k", "orders", 6, &routes[..1]), None);
+        assert_eq!(partition_count_finding("k", "orders", 6, &[]), None);
         assert_eq!(scan_gap_range(&scan_gap_label("a@b.c", 2, (3, 7))), Some((3, 7)));
         assert_eq!(scan_gap_range("evt-x"), None);
     }

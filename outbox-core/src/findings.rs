@@ -40,6 +40,7 @@ pub const EVIDENCE_FINDINGS: &[&str] = &[
     "unrecorded_copy",
     "divergent_copy",
     "scan_gap",
+    "partition_count_changed",
     "watermark_undeclared_consumer",
     "watermark_moved_back",
     "watermark_beyond_end",

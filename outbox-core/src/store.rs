@@ -263,6 +263,14 @@ pub trait Broker: Send + Sync {
         let _ = (topic, partition, from_offset, max_messages);
         Err("this broker adapter cannot read the log".into())
     }
+
+    /// The partition count the cluster reports for `topic` now (`Ok(None)`:
+    /// this adapter cannot tell). The reconciler compares it with what the
+    /// topic's routes froze.
+    async fn partition_count(&self, topic: &str) -> Result<Option<u32>, String> {
+        let _ = topic;
+        Ok(None)
+    }
 }
 
 /// A finding of one page of the bypass scan, with the message it names.
@@ -310,6 +318,11 @@ pub struct BypassScanWrite {
 pub trait BypassScanStore: Send + Sync {
     /// The topics routed to `cluster_id`, with their partition counts, by topic.
     async fn routed_topics(&self, cluster_id: &str) -> Result<Vec<(String, i32)>, StoreError>;
+
+    /// The current route policies (the latest generation of each event
+    /// type) that send to `topic` on `cluster_id`: event type and frozen
+    /// partition count.
+    async fn routes_to(&self, cluster_id: &str, topic: &str) -> Result<Vec<(String, i32)>, StoreError>;
 
     /// This outbox's source identity, if the store has one.
     async fn source_identity(&self) -> Result<Option<String>, StoreError>;

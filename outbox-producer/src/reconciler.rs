@@ -129,6 +129,8 @@ pub struct CompareReport {
     pub unrecorded_copy: usize,
     /// Messages with a published event's id whose bytes differ from the event's (this round).
     pub divergent_copy: usize,
+    /// Routed topics whose partition count is not what their routes froze (this round).
+    pub partition_count_changed: usize,
 }
 
 impl CompareReport {
@@ -144,6 +146,7 @@ impl CompareReport {
             + self.unrecorded_copy
             + self.divergent_copy
             + self.stale_watermark
+            + self.partition_count_changed
     }
 }
 
@@ -190,6 +193,7 @@ impl BypassScanReport {
                 "foreign_source" => report.foreign_source += 1,
                 "unrecorded_copy" => report.unrecorded_copy += 1,
                 "divergent_copy" => report.divergent_copy += 1,
+                "partition_count_changed" => report.partition_count_changed += 1,
                 _ => {}
             }
         }
@@ -380,7 +384,37 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
         let own_source = self.store.source_identity().await?;
         let mut report = BypassScanReport::default();
         for (topic, partitions) in topics {
-            for partition in 0..partitions {
+            // A topic with another partition count than its routes froze
+            // (brought back by auto-creation after a broker replacement, or
+            // recreated): a finding naming both counts; the partitions it
+            // lacks are not read (their events wait, visibly).
+            let readable = match self.broker.partition_count(&topic).await {
+                Ok(Some(actual)) => {
+                    let routes = self.store.routes_to(&cluster, &topic).await?;
+                    if let Some(detail) = outbox_core::compare::partition_count_finding(&cluster, &topic, actual, &routes) {
+                        tracing::error!(%topic, actual, frozen = partitions, "{detail}");
+                        let finding = ScanFinding {
+                            kind: outbox_core::compare::PARTITION_COUNT_CHANGED,
+                            event_id: outbox_core::compare::partition_count_label(&topic),
+                            detail,
+                            offset: None,
+                            attempt_id: None,
+                        };
+                        // Recorded with partition 0's page; a cursor never
+                        // moves back, so Advance(0) leaves it (and its anchor) as it is.
+                        let write = BypassScanWrite { cluster_id: cluster.clone(), topic: topic.clone(), partition: 0, now_ms: now, bypass_messages: Vec::new(), findings: vec![finding], cursor: CursorMove::Advance(0), anchor: None };
+                        self.store.record_bypass_scan(&write).await?;
+                        report.findings.push((outbox_core::compare::PARTITION_COUNT_CHANGED, outbox_core::compare::partition_count_label(&topic)));
+                    }
+                    partitions.min(i32::try_from(actual).unwrap_or(i32::MAX))
+                }
+                Ok(None) => partitions,
+                Err(e) => {
+                    tracing::warn!(%topic, error = %e, "could not read the topic's partition count");
+                    partitions
+                }
+            };
+            for partition in 0..readable {
                 let at = self.store.bypass_cursor(&cluster, &topic, partition).await?;
                 let cursor = at.next_offset;
                 // A cursor with an anchor reads the message below it again:

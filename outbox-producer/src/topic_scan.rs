@@ -108,6 +108,19 @@ impl outbox_core::BypassScanStore for crate::pg::PgStore {
         routed_topics(self.pool(), cluster_id).await.map_err(to_store)
     }
 
+    async fn routes_to(&self, cluster_id: &str, topic: &str) -> Result<Vec<(String, i32)>, outbox_core::StoreError> {
+        sqlx::query_as(
+            "SELECT event_type, partitions FROM (SELECT DISTINCT ON (event_type) event_type, cluster_id, topic, partitions
+                                                  FROM outbox_route_policies ORDER BY event_type, generation DESC) AS current
+             WHERE cluster_id = $1 AND topic = $2 ORDER BY event_type",
+        )
+        .bind(cluster_id)
+        .bind(topic)
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_err)
+    }
+
     async fn source_identity(&self) -> Result<Option<String>, outbox_core::StoreError> {
         crate::cloudevents::source(self.pool()).await.map(Some)
     }

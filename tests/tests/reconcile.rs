@@ -669,3 +669,46 @@ async fn a_watermark_of_another_topic_id_does_not_consume_the_events(pool: PgPoo
     assert_eq!(rec.compare_once().await.unwrap().unconsumed_published, 0);
     assert_eq!(rec.report().await.unwrap().consumer_lag.iter().map(|l| l.lag_events).sum::<i64>(), 0);
 }
+
+/// The topic came back with fewer partitions than its route froze (a broker
+/// replacement, then auto-creation with the broker's default count): events
+/// routed to the missing partitions cannot be sent and wait. The reconciler
+/// says so: one `partition_count_changed` finding naming the topic, the
+/// route and both counts, kept (not repeated) round after round; it reads
+/// only the partitions the topic has, and the rest of the topic is checked
+/// as before.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_topic_with_fewer_partitions_than_its_route_froze_is_a_finding(pool: PgPool) {
+    let f = fixture(pool).await;
+    // The route freezes 6 partitions; the cluster's topic has 3.
+    route(&f.pool, ORDER_CREATED, f.broker.cluster_id(), TOPIC, 6).await;
+    let mut stalled = 0;
+    for i in 0..12 {
+        let e = create_order(&f.pool, &format!("o-{i}"), i).await;
+        let p: i32 = sqlx::query_scalar("SELECT partition FROM outbox_events WHERE event_id = $1").bind(e.event_id().as_str()).fetch_one(&f.pool).await.unwrap();
+        stalled += i32::from(p >= PARTITIONS);
+    }
+    assert!(stalled > 0 && stalled < 12, "the keys spread over the six frozen partitions ({stalled} on missing ones)");
+    let d = f.dispatcher();
+    let r = d.dispatch_once("w").await.unwrap();
+    assert_eq!(r.published, 12 - stalled as usize, "{r:?}");
+    assert_eq!(f.count("SELECT count(*) FROM outbox_events WHERE state = 'PENDING' AND partition >= 3").await, i64::from(stalled));
+
+    let rec = f.reconciler();
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!(c.partition_count_changed, 1, "{c:?}");
+    assert_eq!(c.scanned_messages, 12 - stalled as usize, "the partitions the topic has are read");
+    assert_eq!(c.bypass_publish + c.unrecorded_copy, 0, "{c:?}");
+    let report = rec.report().await.unwrap();
+    let found: Vec<_> = report.findings.iter().filter(|x| x.kind == "partition_count_changed").collect();
+    assert_eq!(found.len(), 1, "{:?}", report.findings);
+    assert_eq!(found[0].event_id, "orders/partitions");
+    let detail = &found[0].detail;
+    assert!(detail.contains("has 3 partitions") && detail.contains(&format!("{ORDER_CREATED} (6)")) && detail.contains("partitions 3..6") && detail.contains("PENDING"), "{detail}");
+    // Round after round: the same finding, not a new one.
+    rec.compare_once().await.unwrap();
+    assert_eq!(f.count("SELECT count(*) FROM outbox_findings WHERE kind = 'partition_count_changed'").await, 1);
+    // The route matching the topic again: no new finding.
+    route(&f.pool, ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32).await;
+    assert_eq!(rec.compare_once().await.unwrap().partition_count_changed, 0);
+}

@@ -20,6 +20,11 @@ impl outbox_core::store::BypassScanStore for MemoryStore {
         Ok(self.lock().routes.iter().filter(|((c, _), _)| c == cluster_id).map(|((_, t), n)| (t.clone(), *n)).collect())
     }
 
+    async fn routes_to(&self, cluster_id: &str, topic: &str) -> Result<Vec<(String, i32)>, StoreError> {
+        // Routes are kept per topic here, not per event type.
+        Ok(self.lock().routes.get(&(cluster_id.to_owned(), topic.to_owned())).map(|n| vec![("every event type".to_owned(), *n)]).unwrap_or_default())
+    }
+
     async fn source_identity(&self) -> Result<Option<String>, StoreError> {
         // The in-memory store has no source identity (its messages carry no `outbox-source`).
         Ok(None)

@@ -448,4 +448,8 @@ impl Broker for KafkaBroker {
         .await
         .map_err(|e| format!("scan task failed: {e}"))?
     }
+
+    async fn partition_count(&self, topic: &str) -> Result<Option<u32>, String> {
+        KafkaBroker::partition_count(self, topic).await.map(Some).map_err(|e| e.to_string())
+    }
 }

@@ -319,6 +319,9 @@ impl outbox_core::BypassScanStore for SimStore {
     async fn routed_topics(&self, cluster_id: &str) -> Result<Vec<(String, i32)>, StoreError> {
         self.inner.routed_topics(cluster_id).await
     }
+    async fn routes_to(&self, cluster_id: &str, topic: &str) -> Result<Vec<(String, i32)>, StoreError> {
+        self.inner.routes_to(cluster_id, topic).await
+    }
     async fn source_identity(&self) -> Result<Option<String>, StoreError> {
         self.inner.source_identity().await
     }
