@@ -446,7 +446,8 @@ pub fn render(r: &Report) -> String {
         o.push_str(r#"<h2>Consumer quarantines and dead letters</h2><table id="consumer-decisions"><tr><th>consumer</th><th>quarantined</th><th>by reason</th><th>dead-lettered</th></tr>"#);
         for c in &r.consumer_decisions {
             let reasons: Vec<String> = c.quarantined_by_reason.iter().map(|(k, n)| format!("{}={n}", esc(k))).collect();
-            let _ = write!(o, "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", esc(&c.consumer_id), c.quarantined, reasons.join(" "), c.dead_lettered);
+            let everything = if c.quarantines_everything() { " <strong>every message quarantined, none applied: check its trust policy</strong>" } else { "" };
+            let _ = write!(o, "<tr><td>{}</td><td>{}</td><td>{}{everything}</td><td>{}</td></tr>", esc(&c.consumer_id), c.quarantined_total(), reasons.join(" "), c.dead_lettered_total());
         }
         o.push_str("</table>");
     }
@@ -566,6 +567,7 @@ mod tests {
             quarantined: 3,
             quarantined_by_reason: vec![("verify:source_unknown".into(), 2), ("verify:signature_bad".into(), 1)],
             dead_lettered: 1,
+            watermark_counts: None,
         });
         let html = render(&r);
         assert!(html.contains("id=\"consumer-decisions\"") && html.contains("billing&lt;b&gt;") && html.contains("verify:source_unknown=2 verify:signature_bad=1"), "{html}");

@@ -286,6 +286,5 @@ impl Status {
 }
 
 fn decisions_line(d: &outbox_producer::ConsumerDecisions) -> String {
-    let reasons: Vec<String> = d.quarantined_by_reason.iter().map(|(r, n)| format!("{r}={n}")).collect();
-    format!("quarantined {}{} dead-lettered {}", d.quarantined, if reasons.is_empty() { String::new() } else { format!(" ({})", reasons.join(" ")) }, d.dead_lettered)
+    d.describe()
 }

@@ -583,3 +583,51 @@ async fn a_signing_consumer_is_verified_by_outbox_reconcile() {
     drop(two);
     rig.env.drop_now().await;
 }
+
+/// A consumer with its own database whose trust policy names a mistyped
+/// source quarantines every message and applies none. Its quarantine rows
+/// are out of the outbox's reach, but its watermarks count them: after
+/// `outbox reconcile` read the watermark topic, `outbox status` and `outbox
+/// report` show the quarantines and say loudly that nothing was applied.
+#[tokio::test]
+async fn a_consumer_that_quarantines_everything_is_shown_from_its_watermarks() {
+    let rig = rig("wm_quarantine").await;
+    let server = pick_database().await.unwrap_or_else(|e| panic!("{e}"));
+    let two = TwoDatabases::create(server.url()).await;
+    let shipping = PgPoolOptions::new().max_connections(6).connect(&two.url(1, 1)).await.unwrap();
+    outbox_consumer::migrate(&shipping).await.unwrap();
+    sqlx::query("CREATE TABLE shipments (event_id text PRIMARY KEY)").execute(&shipping).await.unwrap();
+    let mut cfg = ConsumerConfig::new("shipping", rig.kafka.bootstrap(), &[&rig.topic]);
+    cfg.watermark_publish_interval_ms = 200;
+    cfg.watermark_topic = Some(rig.wm_topic.clone());
+    cfg.trust = outbox_consumer::TrustPolicy::default().accept(&rig.topic, &["urn:uuid:00000000-0000-4000-8000-00000000000f"], false);
+    let consumer = IdempotentConsumer::new(cfg, shipping.clone(), Ship).unwrap();
+    let metrics = consumer.metrics();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(async move {
+        let _ = stopped.await;
+    }));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while metrics.snapshot().quarantined < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "the consumer did not decide the messages: {:?}", metrics.snapshot());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(metrics.snapshot().applied, 0);
+    assert!(metrics.snapshot().watermark_records_published >= 1, "{:?}", metrics.snapshot());
+    // The outbox database has no quarantine row of this consumer.
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_quarantine").fetch_one(rig.env.pool()).await.unwrap();
+    assert_eq!(rows, 0);
+
+    let url = rig.env.db.url.clone();
+    run_outbox(&url, &["reconcile", "--once", "--kafka-bootstrap", rig.kafka.bootstrap(), "--watermark-topic", &rig.wm_topic]);
+    let status = run_outbox(&url, &["status"]);
+    let line = status.lines().find(|l| l.contains("quarantined 3")).unwrap_or_else(|| panic!("no quarantine line: {status}"));
+    assert!(line.contains("counted by its watermarks") && line.contains("EVERY MESSAGE QUARANTINED, NONE APPLIED"), "{line}");
+    let report = run_outbox(&url, &["report"]);
+    assert!(report.contains("consumer shipping quarantined 3") && report.contains("EVERY MESSAGE QUARANTINED"), "{report}");
+    shipping.close().await;
+    drop(two);
+    rig.env.drop_now().await;
+}

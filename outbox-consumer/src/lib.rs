@@ -123,6 +123,7 @@ mod metrics;
 mod otel;
 mod outcome;
 mod processor;
+mod quarantine_log;
 pub mod memory;
 pub mod store;
 pub mod readiness;
@@ -142,6 +143,7 @@ pub use metrics::{ConsumerHistograms, Metrics, MetricsSnapshot};
 /// The Prometheus client the consumer's metrics are registered with.
 pub use prometheus;
 pub use outcome::{DeadLettered, Outcome, Position, QuarantineReason, Quarantined, Receipt};
+pub use quarantine_log::{QUARANTINE_LOG_LINES_PER_WINDOW, QUARANTINE_LOG_WINDOW, QUARANTINE_RUN_ALARM};
 pub use readiness::ConsumerReadiness;
 pub use store::{ConsumerStore, PgConsumerStore, TxHandler};
 pub use processor::{purge_receipts_before, receipt, verify_message, verify_message_with, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};

@@ -32,6 +32,7 @@ use crate::error::{ConsumerError, HandlerError};
 use crate::event::{headers_from_json, headers_json, ConsumedEvent, RawMessage, MAX_EVIDENCE_HEADER_BYTES};
 use crate::gap::{capped_watermark, decide_reading, OffsetGap};
 use crate::handler::Handler;
+use crate::quarantine_log::QuarantineLog;
 use crate::store::{receipt_from_row, Claim, ConsumerStore, DeadLetterRow, PgConsumerStore, QuarantineRow, TxHandler, WatermarkAdvance, RECEIPT_COLUMNS};
 use crate::metrics::Metrics;
 use crate::outcome::{DeadLettered, Outcome, Position, Quarantined, QuarantineReason, Receipt};
@@ -65,6 +66,7 @@ pub struct Processor<S: ConsumerStore = PgConsumerStore> {
     max_evidence_payload_bytes: usize,
     metrics: Arc<Metrics>,
     trust: Arc<TrustPolicy>,
+    quarantine_log: QuarantineLog,
 }
 
 impl<S: ConsumerStore> std::fmt::Debug for Processor<S> {
@@ -349,6 +351,7 @@ impl<S: ConsumerStore> Processor<S> {
             max_evidence_payload_bytes: DEFAULT_MAX_EVIDENCE_PAYLOAD_BYTES,
             metrics: Arc::new(Metrics::default()),
             trust: Arc::new(TrustPolicy::default()),
+            quarantine_log: QuarantineLog::default(),
         })
     }
 
@@ -559,6 +562,7 @@ impl<S: ConsumerStore> Processor<S> {
         }
         self.metrics.count_outcomes(&outs);
         self.observe_consumed(&outs);
+        self.quarantine_log.observe(&self.consumer_id, &outs);
         Ok(Ok(outs))
     }
 

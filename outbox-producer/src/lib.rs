@@ -46,7 +46,7 @@ pub use sweeper::{LeaseSweeper, Sweep};
 pub use service_store::{ClaimRound, CommitListener, DispatcherAlias, Notice, ServiceStore, NOTIFY_CHANNEL};
 pub use reconciler::{BypassScanReport, CompareReport, Reconciler, ReconcilerConfig, ResolveReport, RoundObserver, RoundRecord, RoundStore, DEFAULT_STALE_WATERMARK_AFTER_MS};
 pub use watermark_topic::{IngestReport, WatermarkTopicConfig, WatermarkTopicReader};
-pub use report::{build_report, consumer_decisions, ConsumerDecisions, ReconcilerRound, Report, ReportOptions, SloVerdict};
+pub use report::{build_report, consumer_decisions, ConsumerDecisions, DecisionCounts, ReconcilerRound, Report, ReportOptions, SloVerdict};
 pub use routes::EnsuredRoute;
 pub use rollout::{compare_shadow, set_takeover, switch_alias, ShadowDispatcher, ShadowReport};
 pub use retention::{purge, register_consumer, PurgeReport, RetentionPolicy};

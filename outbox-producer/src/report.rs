@@ -110,18 +110,74 @@ pub struct LostLog {
 /// What one consumer decided without an effect: its quarantines (by reason)
 /// and dead letters, from `outbox_consumer_quarantine` and
 /// `outbox_consumer_dead_letters` where those tables are in the outbox
-/// database (a consumer sharing it, or one that copies them there).
+/// database (a consumer sharing it, or one that copies them there), and the
+/// counts its watermarks carry (every consumer that publishes its
+/// watermarks, whatever database its rows live in).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerDecisions {
     /// Consumer.
     pub consumer_id: String,
-    /// Quarantined messages.
+    /// Quarantined messages (rows in the outbox database).
     pub quarantined: i64,
     /// Quarantines per reason (`verify:source_unknown`, `divergent_duplicate`, ...).
     pub quarantined_by_reason: Vec<(String, i64)>,
-    /// Dead-lettered events.
+    /// Dead-lettered events (rows in the outbox database).
     pub dead_lettered: i64,
+    /// What its watermarks count, summed over its logs (`None`: no watermark here).
+    pub watermark_counts: Option<DecisionCounts>,
+}
+
+/// A consumer's decisions as its watermarks count them (cumulative).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DecisionCounts {
+    /// Events applied.
+    pub applied: i64,
+    /// Redeliveries answered without a second effect.
+    pub duplicates: i64,
+    /// Messages quarantined.
+    pub quarantined: i64,
+    /// Events dead-lettered.
+    pub dead_lettered: i64,
+}
+
+impl ConsumerDecisions {
+    /// Quarantined messages: the rows here, or what its watermarks count
+    /// when more (its rows live in its own database).
+    pub fn quarantined_total(&self) -> i64 {
+        self.quarantined.max(self.watermark_counts.map_or(0, |c| c.quarantined))
+    }
+
+    /// Dead-lettered events, the same way.
+    pub fn dead_lettered_total(&self) -> i64 {
+        self.dead_lettered.max(self.watermark_counts.map_or(0, |c| c.dead_lettered))
+    }
+
+    /// Whether it quarantined messages and applied none: a trust policy that
+    /// refuses what the producer sends (a mistyped accepted source, a
+    /// missing key).
+    pub fn quarantines_everything(&self) -> bool {
+        self.watermark_counts.is_some_and(|c| c.quarantined > 0 && c.applied == 0 && c.duplicates == 0 && c.dead_lettered == 0)
+    }
+
+    /// One line for `outbox status` and the report.
+    pub fn describe(&self) -> String {
+        let reasons: Vec<String> = self.quarantined_by_reason.iter().map(|(r, n)| format!("{r}={n}")).collect();
+        let detail = if !reasons.is_empty() {
+            format!(" ({})", reasons.join(" "))
+        } else if self.quarantined_total() > 0 {
+            " (counted by its watermarks; the rows, with reasons and evidence, are in its own database: outbox trace --consumer-database-url)".to_owned()
+        } else {
+            String::new()
+        };
+        let loud = if self.quarantines_everything() {
+            " -- EVERY MESSAGE QUARANTINED, NONE APPLIED: check its trust policy (accepted sources, verification keys) against what the producer sends"
+        } else {
+            ""
+        };
+        format!("quarantined {}{detail} dead-lettered {}{loud}", self.quarantined_total(), self.dead_lettered_total())
+    }
 }
 
 /// Most consumers [`consumer_decisions`] lists.
@@ -131,15 +187,16 @@ pub const MAX_CONSUMER_DECISIONS: i64 = 1_000;
 /// (empty where the consumer tables are not there or this role may not read them).
 pub async fn consumer_decisions(pool: &PgPool) -> Result<Vec<ConsumerDecisions>, ProducerError> {
     // Absent, or not readable by this role: nothing to show (never an error).
-    let (q, d): (bool, bool) = sqlx::query_as(
+    let (q, d, w): (bool, bool, bool) = sqlx::query_as(
         "SELECT coalesce(has_table_privilege(to_regclass('outbox_consumer_quarantine'), 'SELECT'), false),
-                coalesce(has_table_privilege(to_regclass('outbox_consumer_dead_letters'), 'SELECT'), false)",
+                coalesce(has_table_privilege(to_regclass('outbox_consumer_dead_letters'), 'SELECT'), false),
+                coalesce(has_table_privilege(to_regclass('outbox_consumer_watermarks'), 'SELECT'), false)",
     )
         .fetch_one(pool)
         .await?;
     let mut out: std::collections::BTreeMap<String, ConsumerDecisions> = std::collections::BTreeMap::new();
     fn entry<'a>(out: &'a mut std::collections::BTreeMap<String, ConsumerDecisions>, c: String) -> &'a mut ConsumerDecisions {
-        out.entry(c.clone()).or_insert_with(|| ConsumerDecisions { consumer_id: c, quarantined: 0, quarantined_by_reason: Vec::new(), dead_lettered: 0 })
+        out.entry(c.clone()).or_insert_with(|| ConsumerDecisions { consumer_id: c, quarantined: 0, quarantined_by_reason: Vec::new(), dead_lettered: 0, watermark_counts: None })
     }
     if q {
         let rows: Vec<(String, String, i64)> = sqlx::query_as(
@@ -161,6 +218,21 @@ pub async fn consumer_decisions(pool: &PgPool) -> Result<Vec<ConsumerDecisions>,
             sqlx::query_as("SELECT consumer_id, count(*) FROM outbox_consumer_dead_letters GROUP BY consumer_id ORDER BY consumer_id LIMIT $1").bind(MAX_CONSUMER_DECISIONS).fetch_all(pool).await?;
         for (c, n) in rows {
             entry(&mut out, c).dead_lettered += n;
+        }
+    }
+    if w {
+        // Only consumers whose watermarks count something without an effect.
+        let rows: Vec<(String, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT consumer_id, sum(applied_count)::int8, sum(duplicate_count)::int8, sum(quarantined_count)::int8, sum(dead_lettered_count)::int8
+             FROM outbox_consumer_watermarks GROUP BY consumer_id
+             HAVING sum(quarantined_count) > 0 OR sum(dead_lettered_count) > 0
+             ORDER BY consumer_id LIMIT $1",
+        )
+        .bind(MAX_CONSUMER_DECISIONS)
+        .fetch_all(pool)
+        .await?;
+        for (c, applied, duplicates, quarantined, dead_lettered) in rows {
+            entry(&mut out, c).watermark_counts = Some(DecisionCounts { applied, duplicates, quarantined, dead_lettered });
         }
     }
     Ok(out.into_values().collect())
@@ -615,8 +687,7 @@ impl Report {
             );
         }
         for c in &self.consumer_decisions {
-            let reasons: Vec<String> = c.quarantined_by_reason.iter().map(|(r, n)| format!("{r}={n}")).collect();
-            let _ = writeln!(out, "  consumer {} quarantined {} [{}] dead-lettered {}", c.consumer_id, c.quarantined, reasons.join(" "), c.dead_lettered);
+            let _ = writeln!(out, "  consumer {} {}", c.consumer_id, c.describe());
         }
         for l in &self.lost_logs {
             let of_id = l.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
