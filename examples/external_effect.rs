@@ -14,6 +14,12 @@
 //! a later redelivery is answered from the receipt without calling the
 //! provider at all.
 //!
+//! The consumer is configured as in production: it accepts on `orders` only
+//! messages of the order service's outbox (its source identity) signed with
+//! that outbox's key, and the message below is sealed and signed as its
+//! dispatcher would. The key's secret is read from
+//! `OUTBOX_EXAMPLE_SIGNING_SECRET_HEX` or generated for the run, never printed.
+//!
 //! ```text
 //! cargo run --example external_effect
 //! ```
@@ -25,9 +31,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::ensure;
-use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Outcome, Processor, RawMessage, RetryPolicy};
+use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Outcome, Processor, RawMessage, RetryPolicy, TrustPolicy};
+use outbox_core::trust::{seal, SigningKey};
 use outbox_core::{headers, AttemptId, EmitRequest, EventId, RoutePolicy};
 use outbox_examples::env::ScratchDb;
+use outbox_examples::keys::{ExampleKey, SIGNING_SECRET_ENV};
 use serde_json::{json, Value};
 use sqlx::{Postgres, Transaction};
 
@@ -92,8 +100,13 @@ impl Handler for BillingHandler {
     }
 }
 
-/// The message a dispatcher would send for one `order.created` event.
-fn order_created(order: &str) -> anyhow::Result<RawMessage> {
+/// The order service's outbox: its source identity (`outbox status` shows an
+/// outbox's; `outbox migrate --source` names it), on every message it sends.
+const ORDERS_SOURCE: &str = "urn:example:order-service";
+
+/// The message a dispatcher of [`ORDERS_SOURCE`] signing with `key` would
+/// send for one `order.created` event.
+fn order_created(order: &str, key: &SigningKey) -> anyhow::Result<RawMessage> {
     let payload = serde_json::to_vec(&json!({ "order": order, "amount_cents": 4_200 }))?;
     let now = 1_800_000_000_000u64;
     let request = EmitRequest {
@@ -107,7 +120,8 @@ fn order_created(order: &str) -> anyhow::Result<RawMessage> {
         payload: &payload,
     };
     let (envelope, destination) = request.freeze(EventId::generate(now), now as i64, 1, &RoutePolicy::new("order.created.v2", "kafka-prod", "orders", 12))?;
-    let hs = headers::build(&envelope, &destination, &destination.digest(), &AttemptId::generate(now), None);
+    let mut hs = headers::build(&envelope, &destination, &destination.digest(), &AttemptId::generate(now), None);
+    seal(&mut hs, ORDERS_SOURCE, Some(key))?;
     Ok(RawMessage {
         topic: destination.topic.clone(),
         partition: destination.partition,
@@ -133,9 +147,13 @@ async fn run(pool: &sqlx::PgPool) -> anyhow::Result<()> {
 
     let provider = Arc::new(PaymentProvider::default());
     let retry = RetryPolicy { max_attempts: 5, initial_backoff_ms: 100, max_backoff_ms: 1_000, ..RetryPolicy::default() };
-    let billing = Processor::new("billing", pool.clone(), BillingHandler { provider: provider.clone() })?.with_retry(retry)?;
+    // The order service's dispatchers sign with this key; the consumer verifies with it.
+    let signing = ExampleKey::from_env_or_random("order-service-k1", SIGNING_SECRET_ENV)?;
+    let trust = TrustPolicy::default().accept("orders", &[ORDERS_SOURCE], /* require_signature */ true).with_key(ORDERS_SOURCE, signing.signing_key()?);
+    let billing = Processor::new("billing", pool.clone(), BillingHandler { provider: provider.clone() })?.with_retry(retry)?.with_trust(trust)?;
+    println!("billing accepts only signed messages from source {ORDERS_SOURCE} (key id {}) on orders", signing.key_id());
 
-    let msg = order_created("o-42")?;
+    let msg = order_created("o-42", &signing.signing_key()?)?;
     println!("delivery 1 (the provider will lose its first reply):");
     provider.lose_next_reply.store(true, Ordering::SeqCst);
     let first = billing.process_message(&msg).await?;

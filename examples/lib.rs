@@ -3,6 +3,7 @@
 pub mod cpu;
 pub mod env;
 pub mod fulfilment;
+pub mod keys;
 
 /// The README's snippets, compiled as doctests (`cargo test -p outbox-examples --doc`).
 #[cfg(doctest)]

@@ -1,17 +1,30 @@
 //! Quickstart: `cargo run --example quickstart`.
 //!
-//! The whole path of an order event, end to end:
+//! The whole path of an order event, end to end, in the secure form (copy
+//! this one, not an open consumer):
 //! 1. an order service commits each order row and its `order.created.v2`
-//!    event in one PostgreSQL transaction (`emit`);
-//! 2. the dispatcher delivers the events to Kafka under fenced claims, and
-//!    the receipt transaction marks each PUBLISHED with its broker receipt;
-//! 3. the fulfilment consumer, on a database of its own, reserves stock once
-//!    per event, writing its `(consumerId, eventId)` receipt and the
-//!    reservation in one transaction, and publishes its watermarks over the
-//!    broker (the watermark topic `outbox.watermarks`);
+//!    event in one PostgreSQL transaction (`emit`); the outbox's source
+//!    identity was named when its schema was made (`migrate_with_source`,
+//!    as `outbox migrate --source` does);
+//! 2. the dispatcher delivers the events to Kafka under fenced claims,
+//!    signing every message (`DispatcherConfig::signing`), and the receipt
+//!    transaction marks each PUBLISHED with its broker receipt;
+//! 3. the fulfilment consumer, on a database of its own, accepts on `orders`
+//!    only messages of that source signed with its key
+//!    (`ConsumerConfig::trust`), reserves stock once per event, writing its
+//!    `(consumerId, eventId)` receipt and the reservation in one
+//!    transaction, and publishes its watermarks, signed with a key of its
+//!    own, over the broker (the watermark topic `outbox.watermarks`);
 //! 4. the reconciler reads the watermark topic into the outbox database,
-//!    compares the three sets (outbox, receipts, consumer watermarks) and
-//!    prints its report.
+//!    verifying the consumer's signature on every record, compares the three
+//!    sets (outbox, receipts, consumer watermarks) and prints its report;
+//! 5. two forged orders are written straight to the topic, one unsigned
+//!    that names this outbox and one from another outbox: the consumer
+//!    quarantines both and reserves nothing.
+//!
+//! The secrets are never in the source nor printed: each is read from
+//! `OUTBOX_EXAMPLE_SIGNING_SECRET_HEX` / `OUTBOX_EXAMPLE_WATERMARK_SECRET_HEX`
+//! (hex) when set, else generated for the run ([`outbox_examples::keys`]).
 //!
 //! PostgreSQL: `DATABASE_URL`, else the local server, else a throwaway one
 //! (`--throwaway-postgres` forces it). Kafka: `OUTBOX_KAFKA_BOOTSTRAP`, else
@@ -24,11 +37,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_consumer::{ConsumerConfig, IdempotentConsumer};
-use outbox_core::{EmitRequest, RoutePolicy};
+use outbox_consumer::{ConsumerConfig, IdempotentConsumer, TrustPolicy};
+use outbox_core::trust::{seal, SigningKey};
+use outbox_core::{headers, AttemptId, EmitRequest, EventId, RoutePolicy};
 use outbox_examples::env::{Kafka, ScratchDb};
 use outbox_examples::fulfilment::{self, FulfilmentHandler};
+use outbox_examples::keys::{ExampleKey, SIGNING_SECRET_ENV, WATERMARK_SECRET_ENV};
 use outbox_producer::{emit, register_consumer, Dispatcher, DispatcherConfig, EmitOptions, PgStore, Reconciler, ReconcilerConfig, WatermarkTopicConfig, WatermarkTopicReader};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
 
 const TOPIC: &str = "orders";
@@ -60,7 +77,19 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
     println!("== setup");
     println!("outbox   : {}", db.describe());
     println!("consumer : {}", consumer_db.describe());
-    outbox_producer::migrate(&pool).await?;
+    // The outbox's source identity, named when its schema is made (`outbox
+    // migrate --source`; without it a random urn:uuid, which `outbox status`
+    // shows): every message names it, and consumers accept it by name.
+    let source = format!("urn:example:order-service:{}", db.name);
+    outbox_producer::migrate_with_source(&pool, Some(&source)).await?;
+    println!("source   : {source} (this outbox's identity, named at migrate time)");
+    // The dispatcher's signing key (consumers verify with it) and the
+    // fulfilment consumer's watermark key (the reconciler's reader verifies
+    // with it): from the environment, else generated for this run.
+    let signing = ExampleKey::from_env_or_random("order-service-k1", SIGNING_SECRET_ENV)?;
+    let watermark_key = ExampleKey::from_env_or_random("fulfilment-wm-k1", WATERMARK_SECRET_ENV)?;
+    println!("signing  : the dispatcher signs every message with {}", signing.describe());
+    println!("           {} signs its watermark records with {}", fulfilment::CONSUMER_ID, watermark_key.describe());
     // In the outbox database: the table the reconciler applies published watermarks to.
     outbox_consumer::migrate(&pool).await?;
     outbox_consumer::migrate(&consumer_pool).await?;
@@ -128,7 +157,8 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
     println!("retried command place-order-o-41 -> {} (inserted: {})", retried.event_id(), retried.inserted);
 
     println!("\n== 2. dispatcher: fenced claims, Kafka, the receipt transaction");
-    let dispatcher = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), DispatcherConfig { name: "quickstart".into(), ..Default::default() })?;
+    let dispatcher_cfg = DispatcherConfig { name: "quickstart".into(), signing: Some(signing.signing_config()), ..Default::default() };
+    let dispatcher = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), dispatcher_cfg)?;
     for _ in 0..50 {
         let r = dispatcher.dispatch_once("quickstart-0").await?;
         if r.claimed == 0 {
@@ -149,7 +179,13 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
     println!("\n== 3. fulfilment consumer (its own database): one receipt and one effect per event");
     let mut consumer_cfg = ConsumerConfig::new(fulfilment::CONSUMER_ID, kafka.bootstrap.clone(), &[TOPIC]);
     consumer_cfg.watermark_publish_interval_ms = 500;
-    let consumer = IdempotentConsumer::new(consumer_cfg, consumer_pool.clone(), FulfilmentHandler::default())?;
+    // Only this outbox's messages, and only signed ones: anything else is
+    // quarantined before the handler runs.
+    consumer_cfg.trust = TrustPolicy::default().accept(TOPIC, &[&source], /* require_signature */ true).with_key(&source, signing.signing_key()?);
+    // Its watermarks go over the broker signed: only it can speak for itself.
+    consumer_cfg.watermark_signing_key = Some(watermark_key.signing_key()?);
+    println!("{} accepts only signed messages from source {source} (key id {}) on {TOPIC}", fulfilment::CONSUMER_ID, signing.key_id());
+    let consumer = IdempotentConsumer::new(consumer_cfg.clone(), consumer_pool.clone(), FulfilmentHandler::default())?;
     let consumer_metrics = consumer.metrics();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(consumer.run(async move {
@@ -174,7 +210,9 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
     anyhow::ensure!(effects == ORDERS as i64, "expected one effect per order");
 
     println!("\n== 4. reconciler: the watermark topic, three sets, findings, UNKNOWN SLO");
-    let watermarks = WatermarkTopicReader::connect(pool.clone(), WatermarkTopicConfig::new(kafka.bootstrap.clone())).await?;
+    // A record that names fulfilment is applied only when signed with its key.
+    let watermark_cfg = WatermarkTopicConfig::new(kafka.bootstrap.clone()).with_key(fulfilment::CONSUMER_ID, watermark_key.signing_key()?);
+    let watermarks = WatermarkTopicReader::connect(pool.clone(), watermark_cfg).await?;
     let ingested = watermarks.ingest_once().await?;
     println!(
         "watermark topic {}: read {} records, applied {}, ignored with a finding {}",
@@ -183,6 +221,7 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
         ingested.applied,
         ingested.findings()
     );
+    println!("    a record of {} is applied only when signed with key id {}", fulfilment::CONSUMER_ID, watermark_key.key_id());
     anyhow::ensure!(ingested.applied > 0 && ingested.findings() == 0, "the consumer's watermarks arrive over the broker");
     let reconciler = Reconciler::new(PgStore::new(pool.clone()), broker.clone(), ReconcilerConfig { owner: "quickstart-reconciler".into(), ..Default::default() })?;
     let (resolved, compared) = reconciler.run_once().await?;
@@ -191,8 +230,85 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
     println!("this round: {} unknowns examined, {} messages scanned for bypass publishes\n", resolved.examined, compared.scanned_messages);
     print!("{}", report.to_text());
     anyhow::ensure!(report.findings.is_empty(), "a healthy run has no findings");
+
+    println!("\n== 5. two forged orders written straight to the topic: quarantined, no effect");
+    // What anyone allowed to produce to the topic could write: messages whose
+    // digests are all right, one naming this outbox but unsigned, one from
+    // another outbox, signed with that outbox's own key.
+    let other_source = "urn:example:another-service";
+    let other_key = ExampleKey::random("another-service-k1")?.signing_key()?;
+    let forgeries = [
+        (forge(&kafka.bootstrap, &policy, "o-666", &source, None).await?, "names this outbox, unsigned"),
+        (forge(&kafka.bootstrap, &policy, "o-667", other_source, Some(&other_key)).await?, "from another outbox"),
+    ];
+    let consumer = IdempotentConsumer::new(consumer_cfg, consumer_pool.clone(), FulfilmentHandler::default())?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(async move {
+        let _ = stop_rx.await;
+    }));
+    let quarantined = wait_quarantined(&consumer_pool, forgeries.len()).await;
+    let _ = stop_tx.send(());
+    running.await.context("consumer task")??;
+    let quarantined = quarantined?;
+    for ((partition, offset), what) in &forgeries {
+        let reason = quarantined.iter().find(|(p, o, _)| (p, o) == (partition, offset)).map_or("not quarantined", |(_, _, r)| r.as_str());
+        println!("{TOPIC}/{partition}@{offset}  {what}: quarantined {reason}");
+    }
+    let reasons: Vec<&str> = quarantined.iter().map(|(_, _, r)| r.as_str()).collect();
+    anyhow::ensure!(
+        reasons.contains(&"verify:signature_missing") && reasons.contains(&"verify:source_unknown"),
+        "both forgeries are quarantined for what they are: {reasons:?}"
+    );
+    let (effects, orders_reserved) = fulfilment::count_effects(&consumer_pool).await?;
+    println!("stock reservations: still {effects} effects for {orders_reserved} orders");
+    anyhow::ensure!(effects == ORDERS as i64, "a forgery had an effect");
     let _ = Arc::strong_count(&broker);
     Ok(())
+}
+
+/// Writes an `order.created.v2` message for `order` to the partition the
+/// route prescribes, bypassing the outbox: headers built and sealed as a
+/// dispatcher does, naming `source`, signed with `key` if given. Returns
+/// (partition, offset).
+async fn forge(bootstrap: &str, policy: &RoutePolicy, order: &str, source: &str, key: Option<&SigningKey>) -> anyhow::Result<(i32, i64)> {
+    let payload = serde_json::to_vec(&serde_json::json!({ "order": order, "sku": "sku-1", "quantity": 1 }))?;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as u64;
+    let command_key = format!("place-order-{order}");
+    let request = EmitRequest {
+        command_key: &command_key,
+        tenant: "tenant-7",
+        aggregate_type: "order",
+        aggregate_id: order,
+        aggregate_version: 1,
+        event_type: "order.created.v2",
+        payload_schema: "order-v2",
+        payload: &payload,
+    };
+    let (envelope, destination) = request.freeze(EventId::generate(now), now as i64, 1, policy)?;
+    let mut hs = headers::build(&envelope, &destination, &destination.digest(), &AttemptId::generate(now), None);
+    seal(&mut hs, source, key)?;
+    let headers = hs.iter().fold(OwnedHeaders::new(), |h, (k, v)| h.insert(Header { key: k, value: Some(v) }));
+    let producer: FutureProducer = rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).set("message.timeout.ms", "10000").create()?;
+    let record = FutureRecord::to(&destination.topic).partition(destination.partition).key(&destination.routing_key).payload(&payload).headers(headers);
+    let delivered = producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
+    Ok((delivered.partition, delivered.offset))
+}
+
+/// Waits until the fulfilment consumer has quarantined `n` messages;
+/// returns (partition, offset, reason) of each.
+async fn wait_quarantined(pool: &PgPool, n: usize) -> anyhow::Result<Vec<(i32, i64, String)>> {
+    for _ in 0..600 {
+        let rows: Vec<(i32, i64, String)> =
+            sqlx::query_as("SELECT partition, \"offset\", reason FROM outbox_consumer_quarantine WHERE consumer_id = $1 ORDER BY partition, \"offset\"")
+                .bind(fulfilment::CONSUMER_ID)
+                .fetch_all(pool)
+                .await?;
+        if rows.len() >= n {
+            return Ok(rows);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("the fulfilment consumer did not quarantine {n} messages within 60 s")
 }
 
 async fn wait_consumed(pool: &PgPool, n: i64) -> anyhow::Result<()> {

@@ -1,17 +1,24 @@
 //! What a service team's own end-to-end test looks like with outbox-testkit:
-//! its own database, topic and consumer group; no polling loops.
+//! its own database, topic and consumer group; no polling loops. Configured
+//! as in production: the dispatcher signs, the consumer accepts only signed
+//! messages of this outbox's source and signs the watermarks it publishes.
 use std::time::Duration;
 
-use outbox_consumer::IdempotentConsumer;
+use outbox_consumer::{IdempotentConsumer, TrustPolicy};
 use outbox_core::EmitRequest;
 use outbox_examples::fulfilment::{count_effects, create_tables, FulfilmentHandler};
-use outbox_testkit::{check_consumed_once, run_consumer_until, wait_published, OutboxTest};
+use outbox_examples::keys::{ExampleKey, SIGNING_SECRET_ENV, WATERMARK_SECRET_ENV};
+use outbox_producer::{cloudevents, Dispatcher, DispatcherConfig, PgStore};
+use outbox_testkit::{check_consumed_once, drain, run_consumer_until, wait_published, OutboxTest};
 
 #[tokio::test]
 async fn an_order_is_emitted_published_and_fulfilled_once() {
     let t = OutboxTest::start("orders_e2e").await.unwrap();
     t.route("order.created.v2").await.unwrap();
     create_tables(t.pool()).await.unwrap();
+    // Secrets from the environment, else generated for the run; the source is the one `outbox status` shows.
+    let signing = ExampleKey::from_env_or_random("orders-k1", SIGNING_SECRET_ENV).unwrap();
+    let source = cloudevents::source(t.pool()).await.unwrap();
 
     let mut tx = t.pool().begin().await.unwrap();
     let request = EmitRequest {
@@ -21,11 +28,17 @@ async fn an_order_is_emitted_published_and_fulfilled_once() {
     let event = outbox_producer::emit(&mut tx, &request, &Default::default()).await.unwrap();
     tx.commit().await.unwrap();
 
-    t.drain(Duration::from_secs(20)).await.unwrap();
+    let dispatcher_config = DispatcherConfig { name: "orders-e2e".into(), signing: Some(signing.signing_config()), ..Default::default() };
+    let dispatcher = Dispatcher::new(PgStore::new(t.pool().clone()), t.broker.clone(), dispatcher_config).unwrap();
+    drain(&dispatcher, Duration::from_secs(20)).await.unwrap();
     let receipt = wait_published(t.pool(), event.event_id(), Duration::from_secs(10)).await;
     assert_eq!(receipt.topic, t.topic);
 
-    let consumer = IdempotentConsumer::new(t.consumer_config("fulfilment"), t.pool().clone(), FulfilmentHandler::default()).unwrap();
+    let mut config = t.consumer_config("fulfilment");
+    config.trust = TrustPolicy::default().accept(&t.topic, &[&source], /* require_signature */ true).with_key(&source, signing.signing_key().unwrap());
+    // It also publishes its watermarks over the broker (the default): signed, for the reconciler's reader to verify.
+    config.watermark_signing_key = Some(ExampleKey::from_env_or_random("fulfilment-wm-k1", WATERMARK_SECRET_ENV).unwrap().signing_key().unwrap());
+    let consumer = IdempotentConsumer::new(config, t.pool().clone(), FulfilmentHandler::default()).unwrap();
     let (pool, id) = (t.pool(), event.event_id());
     run_consumer_until(consumer, Duration::from_secs(30), || async move { check_consumed_once(pool, "fulfilment", id).await.is_ok() }).await.unwrap();
     assert_eq!(count_effects(t.pool()).await.unwrap(), (1, 1), "one reservation for one order");
