@@ -728,7 +728,12 @@ impl<S: ConsumerStore> Processor<S> {
     async fn advance_watermarks(&self, tx: &mut S::Tx, at: &RawMessage, tally: &Tally) -> Result<Found, ConsumerError> {
         let (cluster, topic, partition) = (self.cluster_id(), &at.topic, at.partition);
         let before = self.store.reading(tx, &self.consumer_id, cluster, topic, partition).await?;
-        let change = decide_reading(&before, &tally.1);
+        let mut change = decide_reading(&before, &tally.1);
+        if outbox_core::simulation::mutation_active("watermark-passes-gaps") {
+            // The deliberate defect: the watermark moves to the last offset
+            // decided plus one, past a range this consumer never read.
+            change.watermark_cap = None;
+        }
         if before.next_offset != Some(change.next_offset) || !change.opened.is_empty() || !change.shrunk.is_empty() {
             self.store.save_reading(tx, &self.consumer_id, cluster, topic, partition, &change).await?;
         }

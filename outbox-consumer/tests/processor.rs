@@ -588,3 +588,20 @@ async fn a_gap_that_cannot_be_replayed_is_accepted_by_an_operator(pool: PgPool) 
     p.process_message(&fs[2].raw(6)).await.unwrap();
     assert_eq!(watermark(&pool).await, 7);
 }
+
+/// The deliberate defect `watermark-passes-gaps` (the watermark moves past
+/// a range of offsets this consumer never read) turns the gap test red.
+#[test]
+fn the_gap_test_catches_a_watermark_that_passes_a_gap() {
+    let out = run_mutant("an_offset_reset_or_out_of_range_jump_is_a_gap_the_watermark_does_not_pass", "watermark-passes-gaps");
+    assert!(out.contains("the watermark does not pass offsets never decided"), "{out}");
+}
+
+/// The deliberate defect `payload-digest-from-header` (a message's payload
+/// digest taken from its header instead of hashed from its bytes) turns the
+/// tampering test red.
+#[test]
+fn the_tampering_test_catches_a_digest_taken_from_the_header() {
+    let out = run_mutant("tampered_messages_are_quarantined_and_the_partition_moves_on", "payload-digest-from-header");
+    assert!(out.contains("panicked"), "{out}");
+}

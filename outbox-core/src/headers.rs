@@ -270,7 +270,13 @@ impl MessageClaims {
     /// to its digest, the destination to its digest, and the message sits on
     /// the topic, partition and key its destination prescribes.
     pub fn check(&self, payload: &[u8], topic: &str, partition: i32, key: Option<&[u8]>) -> Result<(), VerifyError> {
-        let actual = sha256_digest(payload);
+        let actual = if crate::simulation::mutation_active("payload-digest-from-header") {
+            // The deliberate defect: the digest the header claims is taken
+            // for the payload's own, so changed bytes pass.
+            self.payload_digest.clone()
+        } else {
+            sha256_digest(payload)
+        };
         if actual != self.payload_digest {
             return Err(VerifyError::PayloadDigest { claimed: self.payload_digest.clone(), actual });
         }

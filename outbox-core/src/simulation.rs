@@ -4,7 +4,11 @@
 //!
 //! - Deliberate defects the gate must catch (`outbox-sim --mutation NAME`):
 //!   each is a one-line switch in shipped code, asked with
-//!   [`mutation_active`], set for the thread a trace runs on.
+//!   [`mutation_active`], set for the thread a trace runs on. Defects that a
+//!   component's own test catches instead (the Kafka adapter's, the
+//!   consumer's) are switched for a whole test process by the environment
+//!   variable [`MUTATION_ENV`]: the catching test runs itself again in a
+//!   child process with it set and expects to fail.
 //! - Deterministic identifiers: with [`seed_ids`], event and attempt ids
 //!   generated on this thread come from a seeded generator, so that one seed
 //!   gives the same trace, ids included.
@@ -15,12 +19,23 @@ thread_local! {
     static IDS: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether the defect `name` is switched on for this thread.
+/// The environment variable that switches one defect on for a whole
+/// process (read once; only with the `simulation` feature).
+pub const MUTATION_ENV: &str = "OUTBOX_MUTATION";
+
+#[cfg(feature = "simulation")]
+fn process_mutation() -> Option<&'static str> {
+    static FROM_ENV: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    FROM_ENV.get_or_init(|| std::env::var(MUTATION_ENV).ok().filter(|v| !v.is_empty())).as_deref()
+}
+
+/// Whether the defect `name` is switched on for this thread (or, by
+/// [`MUTATION_ENV`], for this process).
 #[inline]
 pub fn mutation_active(name: &str) -> bool {
     #[cfg(feature = "simulation")]
     {
-        MUTATION.with(|a| a.get() == Some(name))
+        MUTATION.with(|a| a.get() == Some(name)) || process_mutation() == Some(name)
     }
     #[cfg(not(feature = "simulation"))]
     {

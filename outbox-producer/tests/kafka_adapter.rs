@@ -557,3 +557,23 @@ async fn a_destination_frozen_with_another_topic_id_is_not_sent() {
     // A destination.v1 names no id: sent as before.
     acked(&broker.send(event(&broker, "orders", "o-v1").message).await);
 }
+
+/// The deliberate defect `possibly-persisted-as-not-persisted` (librdkafka's
+/// "possibly persisted" read as "not persisted": a message that may be in
+/// the log would be sent again as if it never was) turns the test of an
+/// ACK slower than the message timeout red. The test runs itself again,
+/// alone, in a child process with the defect switched on
+/// (`outbox_core::simulation::MUTATION_ENV`).
+#[test]
+fn the_slow_ack_test_catches_possibly_persisted_read_as_not_persisted() {
+    let test = "ack_slower_than_message_timeout_is_unknown_but_written";
+    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args([test, "--exact", "--test-threads", "1", "--nocapture"])
+        .env(outbox_core::simulation::MUTATION_ENV, "possibly-persisted-as-not-persisted")
+        .output()
+        .expect("the test binary runs again");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("running 1 test"), "the child ran no test named {test}: {text}");
+    assert!(!out.status.success(), "{test} passed with the defect switched on: it does not catch it\n{text}");
+    assert!(text.contains("expected Unknown, got NotPersisted"), "{text}");
+}

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use outbox_sim::services::{run_services_gate_report, run_services_trace, SERVICE_MUTATIONS, UNKNOWN_P99_LIMIT_MS};
+use outbox_sim::services::{run_services_gate_report, run_services_trace, COMPONENT_MUTATIONS, SERVICE_MUTATIONS, UNKNOWN_P99_LIMIT_MS};
 
 const USAGE: &str = "usage: outbox-sim [--traces N] [--first-seed S] [--threads T] [--mutation NAME]
        outbox-sim --seed S [--log] [--mutation NAME]
@@ -60,6 +60,11 @@ fn main() -> ExitCode {
                     if n == "list" {
                         list = true;
                     } else {
+                        if let Some((_, _, test)) = COMPONENT_MUTATIONS.iter().find(|(m, ..)| *m == n) {
+                            let mut t = test.split(' ');
+                            let (package, binary, name) = (t.next().unwrap_or(""), t.next().unwrap_or(""), t.next().unwrap_or(""));
+                            return Err(format!("mutation {n} is caught by a component test, not the gate: cargo test -p {package} --test {binary} {name}"));
+                        }
                         let (name, _) = SERVICE_MUTATIONS.iter().find(|(m, _)| *m == n).ok_or_else(|| format!("unknown mutation {n} (--mutation list prints them)"))?;
                         mutation = Some(name);
                     }
@@ -78,8 +83,13 @@ fn main() -> ExitCode {
         }
     }
     if list {
+        println!("caught by the gate (outbox-sim --mutation NAME):");
         for (name, what) in SERVICE_MUTATIONS {
-            println!("{name:<30} {what}");
+            println!("  {name:<36} {what}");
+        }
+        println!("caught by a component test (cargo test -p PACKAGE --test BINARY TEST):");
+        for (name, what, test) in COMPONENT_MUTATIONS {
+            println!("  {name:<36} {what}\n  {:<36} test: {test}", "");
         }
         return ExitCode::SUCCESS;
     }

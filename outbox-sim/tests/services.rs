@@ -3,7 +3,7 @@
 //! replays a seed bit for bit, and each defect switched on in shipped code
 //! turns it red.
 
-use outbox_sim::services::{run_services_gate, run_services_trace, SERVICE_MUTATIONS};
+use outbox_sim::services::{run_services_gate, run_services_trace, COMPONENT_MUTATIONS, SERVICE_MUTATIONS};
 
 /// Traces per run in these tests (a debug build).
 const TRACES: u64 = 1_500;
@@ -204,6 +204,23 @@ fn the_services_engine_runs_the_shipped_consumer() {
     let (f, failing, _) = run_services_gate(1, 300, None, 0);
     assert!(f.clean(), "violations:\n{}\nfailing seeds {failing:?}", f.lines().join("\n"));
     assert!(f.consumer_applied > 0 && f.consumer_redeliveries > 0 && f.rebalances > 0 && f.consumer_crashes > 0, "{}", f.lines().join("\n"));
+}
+
+/// Each component mutation names a test that exists, in the package and
+/// binary it says, and that runs its test again with that very defect.
+#[test]
+fn every_component_mutation_has_a_test() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace");
+    for (name, _, test) in COMPONENT_MUTATIONS {
+        let parts: Vec<&str> = test.split(' ').collect();
+        let [package, binary, test_name] = parts[..] else { panic!("{test}: not `package binary test`") };
+        let source = std::fs::read_to_string(root.join(package).join("tests").join(format!("{binary}.rs"))).unwrap_or_else(|e| panic!("{test}: {e}"));
+        let body = source.split(&format!("fn {test_name}()")).nth(1).unwrap_or_else(|| panic!("no test {test_name} in {package}/tests/{binary}.rs"));
+        let body = body.split("\n}\n").next().unwrap_or_default();
+        assert!(body.contains(&format!("\"{name}\"")), "{test_name} does not switch on {name}");
+    }
+    let gate: Vec<&str> = SERVICE_MUTATIONS.iter().map(|(n, _)| *n).collect();
+    assert!(COMPONENT_MUTATIONS.iter().all(|(n, ..)| !gate.contains(n)), "a mutation is in both lists");
 }
 
 #[test]

@@ -268,3 +268,19 @@ pub fn config(kafka: &Kafka, consumer_id: &str, topic: &str) -> outbox_consumer:
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_test_writer().try_init();
 }
+
+/// Runs the test `test` of this test binary again, alone, in a child process
+/// with the deliberate defect `mutation` switched on
+/// (`outbox_core::simulation::MUTATION_ENV`), and expects it to fail: the
+/// test catches that defect. Answers the child's output.
+pub fn run_mutant(test: &str, mutation: &str) -> String {
+    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args([test, "--exact", "--test-threads", "1", "--nocapture"])
+        .env(outbox_core::simulation::MUTATION_ENV, mutation)
+        .output()
+        .expect("the test binary runs again");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("running 1 test"), "the child ran no test named {test}: {text}");
+    assert!(!out.status.success(), "{test} passed with the defect {mutation} switched on: it does not catch it\n{text}");
+    text
+}

@@ -209,6 +209,11 @@ fn delivery_outcome(result: &DeliveryResult<'_>) -> SendOutcome {
         Ok(msg) => SendOutcome::Unknown(format!("acknowledged without an offset on partition {}", msg.partition())),
         Err((err, msg)) => match persistence_status(msg) {
             rd_kafka_msg_status_t::RD_KAFKA_MSG_STATUS_NOT_PERSISTED => SendOutcome::NotPersisted(format!("{err} (not persisted)")),
+            rd_kafka_msg_status_t::RD_KAFKA_MSG_STATUS_POSSIBLY_PERSISTED if outbox_core::simulation::mutation_active("possibly-persisted-as-not-persisted") => {
+                // The deliberate defect: a message that may be in the log is
+                // reported as never written (and would be sent again).
+                SendOutcome::NotPersisted(format!("{err} (possibly persisted)"))
+            }
             rd_kafka_msg_status_t::RD_KAFKA_MSG_STATUS_POSSIBLY_PERSISTED => SendOutcome::Unknown(format!("{err} (possibly persisted)")),
             // An error report with status PERSISTED: the message is in the
             // log but we have no trustworthy position for it.

@@ -121,7 +121,7 @@ pub use broker::SimBroker;
 pub use config::{ServiceFaults, ServiceTraceConfig, MAX_CLOCK_SKEW_MS};
 pub use figures::{ServiceFigures, ServiceOutcome};
 pub use gate::{run_services_gate, run_services_gate_report, ServicesGate, UNKNOWN_P99_LIMIT_MS};
-pub use mutations::SERVICE_MUTATIONS;
+pub use mutations::{COMPONENT_MUTATIONS, SERVICE_MUTATIONS};
 pub use store::SimStore;
 pub use trace::run_services_trace;
 

@@ -20,3 +20,28 @@ pub const SERVICE_MUTATIONS: [(&str, &str); 15] = [
     ("late-acks-dropped", "the dispatcher drops an ACK that arrives after its claim's lease ran out instead of recording it"),
     ("ack-without-digest-check", "acceptDispatchReceipt takes a receipt whose payload digest is not the frozen one (no quarantine)"),
 ];
+
+/// Deliberate defects in shipped code that a component's own test catches
+/// rather than the gate (the gate runs neither librdkafka nor forged
+/// payload bytes through those lines): name, defect, and the test, as
+/// `package test-binary test-name`. The test runs itself again in a child
+/// process with the defect switched on (`outbox_core::simulation::MUTATION_ENV`)
+/// and expects it to fail; `every_component_mutation_has_a_test` holds this
+/// list to the tests.
+pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 3] = [
+    (
+        "watermark-passes-gaps",
+        "the consumer's watermark moves to the last offset decided plus one, past a range of offsets it never read (a reset group, an offset out of range)",
+        "outbox-consumer processor the_gap_test_catches_a_watermark_that_passes_a_gap",
+    ),
+    (
+        "payload-digest-from-header",
+        "a message's payload digest is taken from its header instead of hashed from its bytes, so changed bytes verify",
+        "outbox-consumer processor the_tampering_test_catches_a_digest_taken_from_the_header",
+    ),
+    (
+        "possibly-persisted-as-not-persisted",
+        "the Kafka adapter reads librdkafka's \"possibly persisted\" as \"not persisted\": a message that may be in the log is reported never written",
+        "outbox-producer kafka_adapter the_slow_ack_test_catches_possibly_persisted_read_as_not_persisted",
+    ),
+];
