@@ -577,3 +577,51 @@ fn the_slow_ack_test_catches_possibly_persisted_read_as_not_persisted() {
     assert!(!out.status.success(), "{test} passed with the defect switched on: it does not catch it\n{text}");
     assert!(text.contains("expected Unknown, got NotPersisted"), "{text}");
 }
+
+/// A producer the cluster rejects (every produce request refused, as a
+/// replaced broker refuses an old producer, or an authorization taken away)
+/// used to look ready until the 60 s stall bound: it kept failing thousands
+/// of sends while `/readyz` said ready. Now a run of failed deliveries makes
+/// it not ready within seconds, and supervision rebuilds it at once while
+/// the cluster answers; the rebuilt producer delivers.
+#[tokio::test]
+async fn a_rejected_producer_is_not_ready_and_rebuilt_while_the_cluster_answers() {
+    let cluster = mock("orders");
+    let mut c = config(&cluster, 5_000);
+    c.producer_stall_ms = 60_000;
+    let broker = KafkaBroker::connect(c).await.expect("connect");
+    acked(&broker.send(event(&broker, "orders", "o-warm").message).await);
+    let errors = [RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED; 40];
+    cluster.request_errors(RDKafkaApiKey::Produce, &errors);
+    let started = Instant::now();
+    let mut failed = 0;
+    while broker.ready().is_ok() {
+        assert!(started.elapsed() < Duration::from_secs(20), "still ready after {failed} failed sends over {:?}", started.elapsed());
+        let outcome = broker.send(event(&broker, "orders", &format!("o-{failed}")).message).await;
+        assert!(!matches!(outcome, SendOutcome::Acked { .. }), "{outcome:?}");
+        failed += 1;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let why = broker.ready().unwrap_err();
+    assert!(why.contains("every delivery failed") && why.contains("in a row"), "{why}");
+    assert!(started.elapsed() < Duration::from_secs(15), "not ready only after {:?}", started.elapsed());
+    let h = broker.producer_health();
+    assert!(h.failing && !h.stalled && h.failures_in_a_row >= 5, "{h:?}");
+    // The cluster answers: rebuilt now, not at the stall bound.
+    match broker.supervise_once(true).await {
+        outbox_producer::kafka::SupervisionStep::Rebuilt { cause } => assert!(cause.contains("every delivery failed"), "{cause}"),
+        other => panic!("expected a rebuild, got {other:?}"),
+    }
+    assert_eq!(broker.producer_health().rebuilds, 1);
+    assert_eq!(broker.ready(), Ok(()), "a new producer starts ready");
+    // The cluster accepts produce requests again (the injected refusals run out).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let SendOutcome::Acked { .. } = broker.send(event(&broker, "orders", "o-after").message).await {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the rebuilt producer never delivered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(broker.ready(), Ok(()));
+}

@@ -298,7 +298,11 @@ impl Inner {
             }
             Err((e, _record)) => {
                 warn!(topic = %m.topic, partition = m.partition, error = %e, "kafka refused to enqueue");
-                Enqueue::Refused(SendOutcome::NotPersisted(format!("not enqueued: {e}")))
+                let outcome = SendOutcome::NotPersisted(format!("not enqueued: {e}"));
+                // A refusal of the client counts as a failed delivery (an
+                // authorization the cluster took away is refused here once known).
+                self.health.note_outcome(&outcome);
+                Enqueue::Refused(outcome)
             }
         }
     }

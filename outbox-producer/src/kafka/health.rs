@@ -36,6 +36,32 @@ pub(super) struct HealthState {
     rebuilds: AtomicU64,
     /// The client's last error (connection, TLS, authentication...).
     pub(super) last_client_error: Mutex<Option<String>>,
+    /// When the current run of failed deliveries began, ms since the epoch
+    /// (0: the last delivery report was an acknowledgement, or none failed).
+    failing_since_ms: AtomicI64,
+    /// Delivery reports that failed since the last acknowledgement.
+    failures_in_a_row: AtomicU64,
+    /// When a producer was last rebuilt because its deliveries kept failing.
+    failure_rebuild_ms: AtomicI64,
+}
+
+/// Failed delivery reports in a row (no acknowledgement between them) that,
+/// once they span [`failing_bound_ms`], make a producer one that cannot
+/// deliver: the cluster rejects it (a replaced broker that does not know
+/// its producer id, an authorization taken away), so readiness says not
+/// ready and supervision rebuilds it as soon as the cluster answers.
+pub const FAILURES_IN_A_ROW: u64 = 5;
+/// The longest a run of failed deliveries must last to count (shorter when
+/// [`KafkaConfig::producer_stall_ms`] is), ms.
+pub const FAILING_AFTER_MS: u64 = 5_000;
+/// The least time between two rebuilds caused by failing deliveries, ms: a
+/// topic that refuses every message (its authorization gone) fails on a new
+/// producer too, and is not worth a producer a few seconds.
+pub const FAILURE_REBUILD_BACKOFF_MS: i64 = 30_000;
+
+/// How long a run of failed deliveries must last to count.
+fn failing_bound_ms(producer_stall_ms: u64) -> u64 {
+    FAILING_AFTER_MS.min(producer_stall_ms)
 }
 
 impl HealthState {
@@ -48,8 +74,14 @@ impl HealthState {
             SendOutcome::Acked { .. } => {
                 self.last_ack_ms.store(outbox_core::SystemClock.now_ms(), AtomicOrdering::Release);
                 self.waiting_since_ms.store(0, AtomicOrdering::Release);
+                self.failing_since_ms.store(0, AtomicOrdering::Release);
+                self.failures_in_a_row.store(0, AtomicOrdering::Release);
             }
-            SendOutcome::NotPersisted(why) | SendOutcome::Unknown(why) => *lock(&self.last_failure) = Some(why.clone()),
+            SendOutcome::NotPersisted(why) | SendOutcome::Unknown(why) => {
+                *lock(&self.last_failure) = Some(why.clone());
+                let _ = self.failing_since_ms.compare_exchange(0, outbox_core::SystemClock.now_ms(), AtomicOrdering::AcqRel, AtomicOrdering::Acquire);
+                self.failures_in_a_row.fetch_add(1, AtomicOrdering::AcqRel);
+            }
         }
     }
 }
@@ -64,6 +96,14 @@ pub struct ProducerHealth {
     pub waiting_ms: Option<u64>,
     /// Whether `waiting_ms` exceeds [`KafkaConfig::producer_stall_ms`].
     pub stalled: bool,
+    /// Delivery reports that failed since the last acknowledgement.
+    pub failures_in_a_row: u64,
+    /// How long they have been failing, ms (`None`: the last report was an
+    /// acknowledgement, or none failed).
+    pub failing_ms: Option<u64>,
+    /// Whether every delivery failed, [`FAILURES_IN_A_ROW`] or more of them
+    /// over at least [`FAILING_AFTER_MS`] (or `producer_stall_ms` if shorter).
+    pub failing: bool,
     /// The last failed delivery.
     pub last_failure: Option<String>,
     /// When the last message was acknowledged, ms since the epoch.
@@ -80,9 +120,12 @@ impl ProducerHealth {
         if let Some(f) = &self.fatal {
             return Some(format!("fatal producer error: {f}"));
         }
+        let last = self.last_failure.as_deref().map(|f| format!(" (last failure: {f})")).unwrap_or_default();
         if self.stalled {
-            let last = self.last_failure.as_deref().map(|f| format!(" (last failure: {f})")).unwrap_or_default();
             return Some(format!("no delivery acknowledged for {} ms{last}", self.waiting_ms.unwrap_or(0)));
+        }
+        if self.failing {
+            return Some(format!("every delivery failed for {} ms, {} in a row{last}", self.failing_ms.unwrap_or(0), self.failures_in_a_row));
         }
         None
     }
@@ -118,10 +161,16 @@ impl KafkaBroker {
         let fatal = lock(&h.fatal).clone().or_else(|| inner.producer.fatal_error());
         let last_failure = lock(&h.last_failure).clone();
         let last_probe = lock(&h.probe).as_ref().map(|(at, e)| (now.saturating_sub(*at).max(0) as u64, e.clone()));
+        let failing_since = h.failing_since_ms.load(AtomicOrdering::Acquire);
+        let failing_ms = (failing_since > 0).then(|| now.saturating_sub(failing_since).max(0) as u64);
+        let failures_in_a_row = h.failures_in_a_row.load(AtomicOrdering::Acquire);
         ProducerHealth {
             fatal,
             waiting_ms,
             stalled: waiting_ms.is_some_and(|w| w > inner.config.producer_stall_ms),
+            failures_in_a_row,
+            failing_ms,
+            failing: failures_in_a_row >= FAILURES_IN_A_ROW && failing_ms.is_some_and(|f| f >= failing_bound_ms(inner.config.producer_stall_ms)),
             last_failure,
             last_ack_ms: (last_ack > 0).then_some(last_ack),
             last_probe,
@@ -187,6 +236,8 @@ impl KafkaBroker {
         let h = &new.health;
         *lock(&h.fatal) = None;
         h.waiting_since_ms.store(0, AtomicOrdering::Release);
+        h.failing_since_ms.store(0, AtomicOrdering::Release);
+        h.failures_in_a_row.store(0, AtomicOrdering::Release);
         let n = h.rebuilds.fetch_add(1, AtomicOrdering::Relaxed) + 1;
         warn!(cause, rebuilds = n, cluster_id = %new.cluster_id, "kafka producer rebuilt");
         *self.shared.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
@@ -198,12 +249,28 @@ impl KafkaBroker {
     /// say so. Call it every second or so (the CLI does).
     pub async fn supervise_once(&self, rebuild: bool) -> SupervisionStep {
         let probe = self.probe().await;
-        let cannot = self.producer_health().cannot_deliver();
+        let health = self.producer_health();
+        let cannot = health.cannot_deliver();
+        // A producer whose deliveries only fail (not fatal, not stalled) is
+        // rebuilt at most once per backoff: a topic that refuses every
+        // message refuses a new producer's too.
+        let only_failing = health.failing && health.fatal.is_none() && !health.stalled;
+        let now = outbox_core::SystemClock.now_ms();
+        let last_failure_rebuild = self.inner().health.failure_rebuild_ms.load(AtomicOrdering::Acquire);
+        let backing_off = only_failing && last_failure_rebuild > 0 && now - last_failure_rebuild < FAILURE_REBUILD_BACKOFF_MS;
         match (probe, cannot) {
             (Err(e), _) => SupervisionStep::BrokerUnreachable(e),
             (Ok(()), None) => SupervisionStep::Healthy,
+            (Ok(()), Some(cause)) if rebuild && backing_off => {
+                SupervisionStep::CannotDeliver(format!("{cause}; rebuilt {} ms ago for the same reason, not again before {FAILURE_REBUILD_BACKOFF_MS} ms", now - last_failure_rebuild))
+            }
             (Ok(()), Some(cause)) if rebuild => match self.rebuild(&cause).await {
-                Ok(()) => SupervisionStep::Rebuilt { cause },
+                Ok(()) => {
+                    if only_failing {
+                        self.inner().health.failure_rebuild_ms.store(now, AtomicOrdering::Release);
+                    }
+                    SupervisionStep::Rebuilt { cause }
+                }
                 Err(e) => {
                     error!(cause = %cause, error = %e, "kafka producer could not be rebuilt");
                     SupervisionStep::CannotDeliver(format!("{cause}; rebuild failed: {e}"))
