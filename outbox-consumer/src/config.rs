@@ -172,6 +172,11 @@ pub struct ConsumerConfig {
     /// Accepted sources per topic and verification keys per source. Empty
     /// (the default): any source is accepted, and the consumer says so at start.
     pub trust: crate::trust::TrustPolicy,
+    /// A replay (a scratch run: a new group, another database, the same
+    /// consumer id): it publishes no watermark record, whatever
+    /// `watermark_topic` says, so the production consumer's watermarks are
+    /// not moved by what the replay decided. Default `false`.
+    pub replay: bool,
 }
 
 impl ConsumerConfig {
@@ -196,6 +201,7 @@ impl ConsumerConfig {
             watermark_signing_key: None,
             kafka: BTreeMap::new(),
             trust: crate::trust::TrustPolicy::default(),
+            replay: false,
         }
     }
 
@@ -222,6 +228,7 @@ impl ConsumerConfig {
     /// | `OUTBOX_CONSUMER_WATERMARK_PUBLISH_INTERVAL_MS` | `watermark_publish_interval_ms` | 5000 |
     /// | `OUTBOX_CONSUMER_WATERMARK_PUBLISH_TIMEOUT_MS` | `watermark_publish_timeout_ms` | 5000 |
     /// | `OUTBOX_CONSUMER_WATERMARK_SIGNING_KEY_ID` with `OUTBOX_CONSUMER_WATERMARK_SIGNING_SECRET_HEX` (32..=128 hex digits; both or neither) | `watermark_signing_key` | unsigned |
+    /// | `OUTBOX_CONSUMER_REPLAY` (`true`/`1`: a replay that publishes no watermark record) | `replay` | `false` |
     /// | `OUTBOX_CONSUMER_KAFKA_<PROPERTY>` | `kafka`: `<property>` lower-cased, `_` → `.` | |
     /// | `OUTBOX_CONSUMER_ACCEPT_SOURCES` (space-separated `TOPIC=SOURCE`) | `trust.topics` | any source |
     /// | `OUTBOX_CONSUMER_REQUIRE_SIGNATURE` (comma-separated topics) | `trust.topics[..].require_signature` | none |
@@ -266,6 +273,13 @@ impl ConsumerConfig {
         c.trust = trust_from_lookup(&get)?;
         if let Some(t) = get("OUTBOX_CONSUMER_WATERMARK_TOPIC") {
             c.watermark_topic = Some(t.trim().to_owned()).filter(|t| !t.is_empty());
+        }
+        if let Some(v) = get("OUTBOX_CONSUMER_REPLAY") {
+            c.replay = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "0" | "false" | "no" => false,
+                "1" | "true" | "yes" => true,
+                _ => return Err(ConsumerError::Config(format!("OUTBOX_CONSUMER_REPLAY={v:?} is not true or false"))),
+            };
         }
         num(&get, "OUTBOX_CONSUMER_WATERMARK_PUBLISH_INTERVAL_MS", &mut c.watermark_publish_interval_ms)?;
         num(&get, "OUTBOX_CONSUMER_WATERMARK_PUBLISH_TIMEOUT_MS", &mut c.watermark_publish_timeout_ms)?;
@@ -497,6 +511,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!((off.watermark_topic, off.watermark_publish_interval_ms), (None, 250));
+        assert!(!c.replay);
+        let replay = |v: &str| ConsumerConfig::from_lookup(|k| if k == "OUTBOX_CONSUMER_REPLAY" { Some(v.to_owned()) } else { get(k) }, std::iter::empty());
+        assert!(replay("true").unwrap().replay && replay("1").unwrap().replay && !replay("false").unwrap().replay);
+        assert!(replay("maybe").unwrap_err().to_string().contains("OUTBOX_CONSUMER_REPLAY"));
         let bad = ConsumerConfig::from_lookup(|k| if k == "OUTBOX_CONSUMER_ID" { None } else { get(k) }, std::iter::empty());
         assert!(bad.is_err());
         // The old name still works (deprecated), and the new one wins over it.

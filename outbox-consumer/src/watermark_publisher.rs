@@ -84,6 +84,10 @@ pub(crate) fn start(config: &ConsumerConfig, pool: PgPool, metrics: Arc<Metrics>
     let Some(topic) = config.watermark_topic.clone() else {
         return Ok(None);
     };
+    if config.replay {
+        warn!(consumer = %config.consumer_id, watermark_topic = %topic, "replay: this consumer publishes no watermark record (its watermarks stay in its own database)");
+        return Ok(None);
+    }
     let timeout_ms = config.watermark_publish_timeout_ms;
     let mut k = ClientConfig::new();
     k.set("bootstrap.servers", &config.bootstrap_servers)

@@ -531,3 +531,34 @@ async fn a_group_reset_to_the_end_is_a_gap_the_watermark_does_not_pass(pool: PgP
     assert_eq!(watermark_of(&pool, "fulfilment", 0).await, 3, "the watermark stays below the unread messages");
     assert_eq!(metrics.snapshot().offset_gaps, 1);
 }
+
+/// A scratch replay (a new group, its own database, the production
+/// consumer's id) in replay mode publishes no watermark record: the
+/// production consumer's watermarks on the watermark topic are left alone
+/// (a replay once published under the production name and moved them).
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn a_replay_under_the_same_consumer_id_publishes_no_watermark(pool: PgPool) {
+    use outbox_core::watermark_record::DEFAULT_TOPIC;
+
+    create_effects_table(&pool).await;
+    let kafka = Kafka::new("orders", 1);
+    kafka.cluster.create_topic(DEFAULT_TOPIC, 1, 1).unwrap();
+    for i in 0..3 {
+        kafka.send(&fixture("orders", 1, &format!("o-replay-{i}"))).await;
+    }
+    let mut cfg = config(&kafka, "fulfilment", "orders");
+    cfg.group_id = "fulfilment-replay-1".into();
+    cfg.watermark_publish_interval_ms = 200;
+    cfg.replay = true;
+    let c = Running::start(IdempotentConsumer::new(cfg, pool.clone(), TestHandler::default()).unwrap());
+    c.wait_decided(3).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let m = c.metrics.clone();
+    c.stop().await;
+    assert_eq!((m.snapshot().applied, m.snapshot().watermark_records_published), (3, 0), "{:?}", m.snapshot());
+    // Its own database has its watermark; the topic has nothing.
+    assert_eq!(outbox_consumer::watermarks(&pool, "fulfilment").await.unwrap()[0].committed_offset, 3);
+    let reader: BaseConsumer = ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).set("group.id", "wm-check").create().unwrap();
+    let (low, high) = reader.fetch_watermarks(DEFAULT_TOPIC, 0, Duration::from_secs(10)).unwrap();
+    assert_eq!(high - low, 0, "no record on the watermark topic");
+}
