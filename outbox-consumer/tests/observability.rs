@@ -25,12 +25,23 @@ impl Write for Captured {
     }
 }
 
-#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
-async fn handler_failures_log_at_warn_with_event_id_and_attempt_and_are_exported(pool: PgPool) {
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+/// Every INFO-and-above line of this thread, without colours, until the guard drops.
+fn capture_logs() -> (Captured, tracing::subscriber::DefaultGuard) {
     let logs = Captured::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt().with_ansi(false).with_max_level(tracing::Level::INFO).with_writer(move || writer.clone()).finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    (logs, tracing::subscriber::set_default(subscriber))
+}
+
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn handler_failures_log_at_warn_with_event_id_and_attempt_and_are_exported(pool: PgPool) {
+    let (logs, _guard) = capture_logs();
 
     create_effects_table(&pool).await;
     let h = TestHandler::default();
@@ -47,7 +58,7 @@ async fn handler_failures_log_at_warn_with_event_id_and_attempt_and_are_exported
     let outs = p.process_batch(&msgs).await.unwrap();
     assert!(outs.iter().all(|o| o.kind() == "applied"));
 
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let failed: Vec<&str> = text.lines().filter(|l| l.contains("handler failed")).collect();
     assert_eq!(failed.len(), 2, "{text}");
     for (line, attempt) in failed.iter().zip([1, 2]) {
@@ -77,10 +88,7 @@ async fn handler_failures_log_at_warn_with_event_id_and_attempt_and_are_exported
 /// quarantined all 3,007 messages of a replay without one line.)
 #[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
 async fn quarantines_are_logged_rate_limited_and_counted_and_a_run_of_them_is_an_error(pool: PgPool) {
-    let logs = Captured::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_max_level(tracing::Level::INFO).with_writer(move || writer.clone()).finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = capture_logs();
 
     create_effects_table(&pool).await;
     let h = TestHandler::default();
@@ -101,7 +109,7 @@ async fn quarantines_are_logged_rate_limited_and_counted_and_a_run_of_them_is_an
     assert!(outs.iter().all(|o| o.kind() == "quarantined"), "{outs:?}");
     assert_eq!(h.calls(), 0);
 
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let lines: Vec<&str> = text.lines().filter(|l| l.contains("message quarantined")).collect();
     assert_eq!(lines.len(), outbox_consumer::QUARANTINE_LOG_LINES_PER_WINDOW as usize, "at most the window's budget: {text}");
     assert!(lines[0].contains(" WARN ") && lines[0].contains("consumer=audit") && lines[0].contains("partition=2") && lines[0].contains("offset=0"), "{}", lines[0]);
@@ -126,6 +134,6 @@ async fn quarantines_are_logged_rate_limited_and_counted_and_a_run_of_them_is_an
         })
         .collect();
     p.process_batch(&more).await.unwrap();
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     assert_eq!(text.lines().filter(|l| l.contains("every one of the last 10 messages")).count(), 2, "{text}");
 }
