@@ -559,6 +559,13 @@ pub struct ReconcileArgs {
     /// Do not read the watermark topic (consumers copy their watermarks into the outbox database themselves).
     #[arg(long)]
     pub no_watermark_topic: bool,
+    /// A consumer whose watermark records are applied unsigned, an explicit
+    /// opt-out of verification (repeat, or comma-separated in the
+    /// environment; replaces the file's `watermark_unsigned`). Records of a
+    /// declared consumer with no key in OUTBOX_RECONCILE_WATERMARK_KEYS that
+    /// is not named here are refused [default: none].
+    #[arg(long = "watermark-unsigned", env = "OUTBOX_RECONCILE_WATERMARK_UNSIGNED", value_delimiter = ',', value_name = "CONSUMER")]
+    pub watermark_unsigned: Vec<String>,
     /// A declared consumer whose watermark records stopped arriving this long ago is `stale_watermark` [default: 60000].
     #[arg(long, value_name = "MS")]
     pub stale_watermark_after_ms: Option<i64>,

@@ -652,6 +652,9 @@ fn reconciler_config(a: &ReconcileArgs, file: &FileConfig) -> ReconcilerConfig {
 /// Environment variable of the watermark records' verification keys
 /// (space-separated `CONSUMER_ID=KEY_ID=HEX`); it replaces the file's `watermark_keys`.
 pub const WATERMARK_KEYS_ENV: &str = "OUTBOX_RECONCILE_WATERMARK_KEYS";
+/// Environment variable of `--watermark-unsigned` (comma-separated consumer
+/// ids); flag or variable replace the file's `watermark_unsigned`.
+pub const WATERMARK_UNSIGNED_ENV: &str = "OUTBOX_RECONCILE_WATERMARK_UNSIGNED";
 
 /// The watermark topic the reconciler reads, unless turned off.
 fn watermark_topic_config(a: &ReconcileArgs, file: &FileConfig, kafka: &KafkaConfig) -> anyhow::Result<Option<outbox_producer::WatermarkTopicConfig>> {
@@ -672,6 +675,11 @@ fn watermark_topic_config(a: &ReconcileArgs, file: &FileConfig, kafka: &KafkaCon
     c.verify_keys = match std::env::var(WATERMARK_KEYS_ENV).ok().filter(|v| !v.trim().is_empty()) {
         Some(text) => outbox_producer::WatermarkTopicConfig::parse_keys(WATERMARK_KEYS_ENV, text.split_whitespace())?,
         None => outbox_producer::WatermarkTopicConfig::parse_keys("[reconcile] watermark_keys", file.reconcile.watermark_keys.iter().flatten().map(String::as_str))?,
+    };
+    c.allow_unsigned = if a.watermark_unsigned.iter().any(|s| !s.trim().is_empty()) {
+        outbox_producer::WatermarkTopicConfig::parse_unsigned(&format!("--watermark-unsigned ({WATERMARK_UNSIGNED_ENV})"), a.watermark_unsigned.iter().map(String::as_str))?
+    } else {
+        outbox_producer::WatermarkTopicConfig::parse_unsigned("[reconcile] watermark_unsigned", file.reconcile.watermark_unsigned.iter().flatten().map(String::as_str))?
     };
     c.validate()?;
     Ok(Some(c))
@@ -694,6 +702,7 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
         table.insert("watermark_topic".into(), toml::Value::String(watermark_cfg.as_ref().map(|w| w.topic.clone()).unwrap_or_else(|| "off".into())));
         if let Some(w) = &watermark_cfg {
             table.insert("watermark_keys".into(), watermark_keys_value(w));
+            table.insert("watermark_unsigned".into(), toml::Value::Array(w.allow_unsigned.iter().cloned().map(toml::Value::String).collect()));
         }
         print!("{}", config_toml(url().ok().as_deref(), &kafka, metrics_addr.as_deref(), ("reconcile", table))?);
         return Ok(0);
@@ -734,14 +743,14 @@ async fn reconcile(url: &dyn Fn() -> anyhow::Result<String>, file: &FileConfig, 
                               "foreignSource": compared.foreign_source, "unrecordedCopy": compared.unrecorded_copy, "divergentCopy": compared.divergent_copy, "partitionCountChanged": compared.partition_count_changed },
                 "watermarkTopic": ingested.map(|w| serde_json::json!({
                     "read": w.read, "applied": w.applied, "outOfDate": w.out_of_date, "undeclared": w.undeclared,
-                    "movedBack": w.moved_back, "beyondEnd": w.beyond_end, "rejected": w.rejected, "badSignature": w.bad_signature })),
+                    "movedBack": w.moved_back, "beyondEnd": w.beyond_end, "rejected": w.rejected, "badSignature": w.bad_signature, "noKey": w.no_key })),
                 "report": report,
             }))?);
         } else {
             if let Some(w) = ingested {
                 println!(
-                    "watermark topic: read {} records, applied {}, out of date {}; ignored with a finding: undeclared {}, moved back {}, beyond end {}, rejected {} (signature check {})",
-                    w.read, w.applied, w.out_of_date, w.undeclared, w.moved_back, w.beyond_end, w.rejected, w.bad_signature
+                    "watermark topic: read {} records, applied {}, out of date {}; ignored with a finding: undeclared {}, moved back {}, beyond end {}, rejected {} (signature check {}, no key {})",
+                    w.read, w.applied, w.out_of_date, w.undeclared, w.moved_back, w.beyond_end, w.rejected, w.bad_signature, w.no_key
                 );
             }
             println!(

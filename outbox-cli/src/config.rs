@@ -29,6 +29,10 @@
 //! # Verification keys of consumers' watermark records, CONSUMER_ID=KEY_ID=HEX
 //! # (or OUTBOX_RECONCILE_WATERMARK_KEYS, space-separated; --print-config masks the secrets)
 //! watermark_keys = ["shipping=wm-2026-12=…"]
+//! # Consumers whose watermark records are applied unsigned (explicit opt-out;
+//! # or --watermark-unsigned / OUTBOX_RECONCILE_WATERMARK_UNSIGNED, which replace it).
+//! # Any other declared consumer without a key has its records refused.
+//! watermark_unsigned = []
 //!
 //! [retention]
 //! replay_window_ms = 604800000
@@ -150,6 +154,10 @@ pub struct ReconcileSection {
     /// Verification keys of watermark records, `CONSUMER_ID=KEY_ID=HEX` each
     /// (`OUTBOX_RECONCILE_WATERMARK_KEYS` replaces them).
     pub watermark_keys: Option<Vec<String>>,
+    /// Consumers whose watermark records are applied unsigned (explicit
+    /// opt-out; `--watermark-unsigned` / `OUTBOX_RECONCILE_WATERMARK_UNSIGNED`
+    /// replace them).
+    pub watermark_unsigned: Option<Vec<String>>,
     /// Most findings of one kind recorded per round.
     pub max_findings_per_kind: Option<i64>,
     /// State snapshots kept, ms.

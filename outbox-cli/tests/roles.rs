@@ -166,7 +166,8 @@ async fn every_service_works_under_its_role_and_nothing_more() {
         .await
         .map_err(|(e, _)| e)
         .unwrap();
-    let reader = outbox_producer::WatermarkTopicReader::connect(pool("reconciler"), outbox_producer::WatermarkTopicConfig::new(kafka.bootstrap())).await.unwrap();
+    // The record is unsigned: its consumer is opted out of signatures by name.
+    let reader = outbox_producer::WatermarkTopicReader::connect(pool("reconciler"), outbox_producer::WatermarkTopicConfig::new(kafka.bootstrap()).allow_unsigned("shipping")).await.unwrap();
     assert_eq!(reader.ingest_once().await.expect("watermark topic as outbox_reconciler").applied, 1);
 
     // The CLI under least privilege: reader inspects, operator purges and migrates.

@@ -124,7 +124,11 @@ async fn dispatch_all(pool: &PgPool, broker: &Arc<KafkaBroker>, want: i64) {
 }
 
 fn run_outbox(database_url: &str, args: &[&str]) -> String {
-    let out = outbox_bin().env("DATABASE_URL", database_url).args(args).output().expect("run outbox");
+    run_outbox_with(database_url, &[], args)
+}
+
+fn run_outbox_with(database_url: &str, env: &[(&str, &str)], args: &[&str]) -> String {
+    let out = outbox_bin().env("DATABASE_URL", database_url).envs(env.iter().copied()).args(args).output().expect("run outbox");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
     eprintln!("$ outbox {}\n{stdout}{stderr}", args.join(" "));
     assert!(out.status.success(), "outbox {} failed: {stderr}", args.join(" "));
@@ -166,10 +170,13 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     }
     dispatch_all(&orders, &broker, 6).await;
 
-    // The shipping service: its own database, publishing over the broker.
+    // The shipping service: its own database, publishing signed watermark
+    // records over the broker (the reconciler refuses unsigned ones).
+    let secret = "4c".repeat(32);
     let mut cfg = ConsumerConfig::new("shipping", kafka.bootstrap(), &[&topic]);
     cfg.watermark_publish_interval_ms = 200;
     cfg.watermark_topic = Some(wm_topic.clone());
+    cfg.watermark_signing_key = Some(SigningKey::from_hex("wm-1", &secret).unwrap());
     let consumer = IdempotentConsumer::new(cfg, shipping.clone(), Ship).unwrap();
     let metrics = consumer.metrics();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -201,8 +208,14 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     let status = outbox_cli::status::status(&orders, outbox_producer::report::DEFAULT_RECONCILER_STALE_MS).await.unwrap();
     assert_eq!(status.consumers[0].total_lag_events, 6);
 
-    // The producer side's reconciler reads the watermark topic and reports the consumer caught up.
-    let out = run_outbox(&orders_url, &["reconcile", "--once", "--json", "--kafka-bootstrap", kafka.bootstrap(), "--watermark-topic", &wm_topic, "--unconsumed-after-ms", "0"]);
+    // The producer side's reconciler reads the watermark topic (with the
+    // consumer's verification key) and reports the consumer caught up.
+    let keys = format!("shipping=wm-1={secret}");
+    let out = run_outbox_with(
+        &orders_url,
+        &[("OUTBOX_RECONCILE_WATERMARK_KEYS", &keys)],
+        &["reconcile", "--once", "--json", "--kafka-bootstrap", kafka.bootstrap(), "--watermark-topic", &wm_topic, "--unconsumed-after-ms", "0"],
+    );
     let round: Value = serde_json::from_str(&out).unwrap();
     assert!(round["watermarkTopic"]["applied"].as_u64().unwrap() >= 2, "{round}");
     assert_eq!(round["watermarkTopic"]["movedBack"], 0, "{round}");
@@ -244,7 +257,9 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
 
 /// One declared consumer ("shipping") on a single-partition topic with
 /// three published events, and a raw producer to write records to the
-/// watermark topic as any client with write access could.
+/// watermark topic as any client with write access could; `key` is
+/// shipping's watermark signing key, which [`Rig::send`] signs with and
+/// [`Rig::reader`] verifies with.
 struct Rig {
     env: Env,
     kafka: KafkaFixture,
@@ -253,6 +268,7 @@ struct Rig {
     clock: ManualClock,
     topic: String,
     wm_topic: String,
+    key: SigningKey,
 }
 
 async fn rig(prefix: &str) -> Rig {
@@ -272,7 +288,8 @@ async fn rig(prefix: &str) -> Rig {
     dispatch_all(env.pool(), &broker, 3).await;
     let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).create().unwrap();
     let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(env.pool()).await.unwrap();
-    Rig { env, kafka, broker, producer, clock: ManualClock::new(now), topic, wm_topic }
+    let key = SigningKey::from_hex("wm-rig", &"5a".repeat(32)).unwrap();
+    Rig { env, kafka, broker, producer, clock: ManualClock::new(now), topic, wm_topic, key }
 }
 
 impl Rig {
@@ -300,7 +317,13 @@ impl Rig {
         self.producer.send(FutureRecord::to(&self.wm_topic).key(key).payload(value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
     }
 
+    /// A record signed with the rig's key (the one [`Rig::reader`] holds for shipping).
     async fn send(&self, r: &WatermarkRecord) {
+        self.send_signed(r, self.key.key_id(), &r.signature(&self.key)).await;
+    }
+
+    /// A record without signature headers.
+    async fn send_unsigned(&self, r: &WatermarkRecord) {
         self.send_raw(&r.key_bytes(), &r.value_bytes()).await;
     }
 
@@ -314,8 +337,9 @@ impl Rig {
         self.producer.send(FutureRecord::to(&self.wm_topic).key(&key).payload(&value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
     }
 
+    /// A reader holding shipping's key.
     async fn reader(&self) -> WatermarkTopicReader {
-        self.reader_with(WatermarkTopicConfig::new(self.kafka.bootstrap())).await
+        self.reader_with(WatermarkTopicConfig::new(self.kafka.bootstrap()).with_key("shipping", self.key.clone())).await
     }
 
     async fn reader_with(&self, mut cfg: WatermarkTopicConfig) -> WatermarkTopicReader {
@@ -394,6 +418,134 @@ async fn bad_watermark_records_are_ignored_and_reported() {
     rig.env.drop_now().await;
 }
 
+/// The defect: with no verification key for a declared consumer, an
+/// unsigned record written by anyone with write access to the watermark
+/// topic moved that consumer's watermark (and retention then purged what
+/// the consumer never read). Now it moves nothing and is a
+/// `watermark_rejected` finding saying how to configure a key or opt out;
+/// more such records keep one open finding per consumer and log. With the
+/// consumer opted out explicitly, the same record is applied.
+#[tokio::test]
+async fn an_unsigned_watermark_record_moves_nothing_without_an_opt_out() {
+    let rig = rig("wm_nokey").await;
+    let t = rig.clock.now_ms();
+    rig.send_unsigned(&rig.record("shipping", 3, t)).await;
+    let reader = rig.reader_with(WatermarkTopicConfig::new(rig.kafka.bootstrap())).await;
+    let report = reader.ingest_once().await.unwrap();
+    assert_eq!((report.read, report.applied, report.rejected, report.no_key, report.bad_signature), (1, 0, 1, 1, 0), "{report:?}");
+    assert_eq!(rig.committed("shipping").await, None, "an unsigned record of a consumer without a key moved its watermark");
+    let rejected = rig.details("watermark_rejected").await;
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    let (consumer, detail) = &rejected[0];
+    assert_eq!(consumer, "shipping");
+    for want in ["no watermark verification key is configured for this consumer", "OUTBOX_RECONCILE_WATERMARK_KEYS", "--watermark-unsigned shipping", "allow_unsigned"] {
+        assert!(detail.contains(want), "{want}: {detail}");
+    }
+    let log = format!("{}/{}/0", rig.broker.cluster_id(), rig.topic);
+    assert_eq!(rig.open_findings("watermark_rejected").await, vec![(log, "shipping".to_owned())], "the finding names the log, not the record");
+    // A signed record is refused too: the reader holds no key to check it with.
+    let r = rig.record("shipping", 3, t + 10);
+    rig.send_signed(&r, rig.key.key_id(), &r.signature(&rig.key)).await;
+    rig.send_unsigned(&rig.record("shipping", 3, t + 20)).await;
+    let report = reader.ingest_once().await.unwrap();
+    assert_eq!((report.read, report.applied, report.no_key), (2, 0, 2), "{report:?}");
+    assert_eq!(rig.committed("shipping").await, None);
+    let rejected = rig.details("watermark_rejected").await;
+    assert_eq!(rejected.len(), 1, "still one open finding for the consumer's log: {rejected:?}");
+    assert!(rejected[0].1.contains(&format!("{}/0@2 ignored", rig.wm_topic)), "the detail names the last record: {rejected:?}");
+    // Retention is not fooled: nothing is purged for shipping.
+    let policy = RetentionPolicy { replay_window_ms: 0, ..Default::default() };
+    let purged = purge(rig.env.pool(), rig.clock.now_ms() + 1_000, &policy, false, |_| {}).await.unwrap();
+    assert_eq!((purged.purged, purged.held_by_consumers), (0, 3), "{purged:?}");
+
+    // Opted out explicitly: the same records, read again from the start, are applied.
+    sqlx::query("DELETE FROM outbox_watermark_topic_cursors").execute(rig.env.pool()).await.unwrap();
+    let opted = rig.reader_with(WatermarkTopicConfig::new(rig.kafka.bootstrap()).allow_unsigned("shipping")).await;
+    let report = opted.ingest_once().await.unwrap();
+    assert_eq!((report.read, report.applied, report.rejected, report.no_key), (3, 3, 0, 0), "{report:?}");
+    assert_eq!(rig.committed("shipping").await, Some(3));
+    rig.env.drop_now().await;
+}
+
+/// `outbox reconcile` refuses a declared consumer's unsigned records by
+/// default (`noKey` in `--json`, the hint on stderr), applies them with the
+/// consumer named in OUTBOX_RECONCILE_WATERMARK_UNSIGNED (or
+/// `--watermark-unsigned`, or `[reconcile] watermark_unsigned`), prints the
+/// opt-out in `--print-config`, and refuses keys and an opt-out for one
+/// consumer as a configuration error.
+#[tokio::test]
+async fn outbox_reconcile_applies_unsigned_records_only_of_consumers_opted_out() {
+    let rig = rig("wm_nokey_cli").await;
+    register_consumer(rig.env.pool(), "billing", &[&rig.topic], true, true).await.unwrap();
+    let t = rig.clock.now_ms();
+    rig.send_unsigned(&rig.record("shipping", 2, t)).await;
+    rig.send_unsigned(&rig.record("billing", 1, t)).await;
+    let url = rig.env.db.url.clone();
+    let reconcile = |env: &[(&str, &str)], extra: &[&str]| {
+        let out = outbox_bin()
+            .env("DATABASE_URL", &url)
+            .envs(env.iter().copied())
+            .args(["reconcile", "--once", "--kafka-bootstrap", rig.kafka.bootstrap(), "--watermark-topic", &rig.wm_topic])
+            .args(extra)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+        eprintln!("{stdout}{stderr}");
+        (out.status.code(), stdout, stderr)
+    };
+
+    let (code, out, err) = reconcile(&[], &["--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let round: Value = serde_json::from_str(&out).unwrap();
+    let w = &round["watermarkTopic"];
+    assert_eq!((w["read"].as_u64(), w["applied"].as_u64(), w["rejected"].as_u64(), w["noKey"].as_u64(), w["badSignature"].as_u64()), (Some(2), Some(0), Some(2), Some(2), Some(0)), "{round}");
+    assert!(err.contains("without a verification key refused"), "{err}");
+    assert_eq!((rig.committed("shipping").await, rig.committed("billing").await), (None, None));
+
+    // Billing opted out through the environment (shipping still not): billing's record applied.
+    sqlx::query("DELETE FROM outbox_watermark_topic_cursors").execute(rig.env.pool()).await.unwrap();
+    let (code, out, err) = reconcile(&[("OUTBOX_RECONCILE_WATERMARK_UNSIGNED", "billing")], &["--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let round: Value = serde_json::from_str(&out).unwrap();
+    let w = &round["watermarkTopic"];
+    assert_eq!((w["applied"].as_u64(), w["noKey"].as_u64()), (Some(1), Some(1)), "{round}");
+    assert!(err.contains("applied unsigned (opted out of verification)") && err.contains("billing"), "{err}");
+    assert_eq!((rig.committed("shipping").await, rig.committed("billing").await), (None, Some(1)));
+
+    // Both opted out with the flag (repeatable, comma-separated too): the text line counts them.
+    sqlx::query("DELETE FROM outbox_watermark_topic_cursors").execute(rig.env.pool()).await.unwrap();
+    let (code, out, err) = reconcile(&[], &["--watermark-unsigned", "shipping,billing"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("watermark topic: read 2 records, applied 2, out of date 0;") && out.contains("rejected 0 (signature check 0, no key 0)"), "{out}");
+    assert_eq!(rig.committed("shipping").await, Some(2));
+
+    // --print-config shows the opt-out; from the file, replaced by the flag.
+    let file = std::env::temp_dir().join(format!("{}.toml", unique("wm-unsigned")));
+    std::fs::write(&file, "[reconcile]\nwatermark_unsigned = [\"billing\"]\n").unwrap();
+    let print = |extra: &[&str]| {
+        let out = outbox_bin().env("DATABASE_URL", &url).args(["reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1", "--config"]).arg(&file).args(extra).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let doc: toml::Table = String::from_utf8_lossy(&out.stdout).parse().unwrap();
+        doc["reconcile"]["watermark_unsigned"].clone()
+    };
+    assert_eq!(print(&[]), toml::Value::Array(vec![toml::Value::String("billing".into())]));
+    assert_eq!(print(&["--watermark-unsigned", "shipping"]), toml::Value::Array(vec![toml::Value::String("shipping".into())]));
+    // Keys and an opt-out for one consumer: refused before anything runs.
+    let out = outbox_bin()
+        .env("DATABASE_URL", &url)
+        .env("OUTBOX_RECONCILE_WATERMARK_KEYS", format!("billing=wm-1={}", "6b".repeat(32)))
+        .args(["reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("consumer billing has watermark verification keys and is also allowed unsigned"), "{err}");
+    let out = outbox_bin().env("DATABASE_URL", &url).args(["reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1", "--watermark-unsigned", "bad id"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--watermark-unsigned"), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_file(&file);
+    rig.env.drop_now().await;
+}
+
 /// A topic deleted and created again under the same name is two logs: a
 /// consumer's records of each (`.v1` of no topic id, `.v2` naming an id) are
 /// applied to the row of their own log, and a lower offset of the new log
@@ -425,7 +577,11 @@ async fn records_of_two_topic_ids_are_applied_to_their_own_rows() {
 async fn a_record_with_a_non_utf8_header_name_is_read_without_panicking() {
     let rig = rig("wm_header").await;
     let r = rig.record("shipping", 2, rig.clock.now_ms());
-    let headers = OwnedHeaders::new().insert(Header { key: SCHEMA_HEADER, value: Some(SCHEMA) });
+    let signature = r.signature(&rig.key);
+    let headers = OwnedHeaders::new()
+        .insert(Header { key: SCHEMA_HEADER, value: Some(SCHEMA) })
+        .insert(Header { key: KEY_ID_HEADER, value: Some(rig.key.key_id()) })
+        .insert(Header { key: SIGNATURE_HEADER, value: Some(&signature) });
     let native = headers.as_borrowed() as *const rdkafka::message::BorrowedHeaders as *mut rdkafka::bindings::rd_kafka_headers_t;
     let name = [b'x', 0xff, 0xfe];
     // SAFETY: `headers` owns the list; librdkafka copies name and value.
@@ -475,7 +631,7 @@ async fn a_consumer_that_stops_publishing_is_stale() {
 /// one with a wrong signature (a forged secret, or a genuine signature moved
 /// onto another value) and one signed under an unknown key id are each
 /// ignored and are `watermark_rejected` with the reason. "billing" has no
-/// keys: its unsigned records are applied as before.
+/// keys and is opted out explicitly: its unsigned records are applied.
 #[tokio::test]
 async fn watermark_signatures_are_verified_per_consumer() {
     let rig = rig("wm_sig").await;
@@ -487,7 +643,7 @@ async fn watermark_signatures_are_verified_per_consumer() {
     let t = rig.clock.now_ms();
     let r1 = rig.record("shipping", 1, t);
     rig.send_signed(&r1, "wm-new", &r1.signature(&new)).await; // applied
-    rig.send(&rig.record("shipping", 2, t + 10)).await; // unsigned
+    rig.send_unsigned(&rig.record("shipping", 2, t + 10)).await; // unsigned
     let r3 = rig.record("shipping", 2, t + 20);
     rig.send_signed(&r3, "wm-new", &r3.signature(&forged)).await; // wrong secret
     let r4 = rig.record("shipping", 3, t + 30);
@@ -496,11 +652,11 @@ async fn watermark_signatures_are_verified_per_consumer() {
     rig.send_signed(&r5, "wm-stranger", &r5.signature(&stranger)).await; // unknown key id
     let r6 = rig.record("shipping", 2, t + 50);
     rig.send_signed(&r6, "wm-old", &r6.signature(&old)).await; // old key, during the rotation: applied
-    rig.send(&rig.record("billing", 1, t)).await; // no keys for billing: applied
-    let cfg = WatermarkTopicConfig::new(rig.kafka.bootstrap()).with_key("shipping", new.clone()).with_key("shipping", old.clone());
+    rig.send_unsigned(&rig.record("billing", 1, t)).await; // no keys for billing, opted out: applied
+    let cfg = WatermarkTopicConfig::new(rig.kafka.bootstrap()).with_key("shipping", new.clone()).with_key("shipping", old.clone()).allow_unsigned("billing");
     let reader = rig.reader_with(cfg).await;
     let report = reader.ingest_once().await.unwrap();
-    assert_eq!((report.read, report.applied, report.rejected, report.bad_signature), (7, 3, 4, 4), "{report:?}");
+    assert_eq!((report.read, report.applied, report.rejected, report.bad_signature, report.no_key), (7, 3, 4, 4, 0), "{report:?}");
     assert_eq!(rig.committed("shipping").await, Some(2), "only the signed records moved the watermark (the forged ones said 2 and 3 earlier)");
     assert_eq!(rig.committed("billing").await, Some(1));
     let rejected = rig.details("watermark_rejected").await;
@@ -621,7 +777,9 @@ async fn a_consumer_that_quarantines_everything_is_shown_from_its_watermarks() {
     assert_eq!(rows, 0);
 
     let url = rig.env.db.url.clone();
-    run_outbox(&url, &["reconcile", "--once", "--kafka-bootstrap", rig.kafka.bootstrap(), "--watermark-topic", &rig.wm_topic]);
+    // This consumer publishes unsigned records (what is shown here is its
+    // quarantine counts, not signing): opted out explicitly.
+    run_outbox(&url, &["reconcile", "--once", "--kafka-bootstrap", rig.kafka.bootstrap(), "--watermark-topic", &rig.wm_topic, "--watermark-unsigned", "shipping"]);
     let status = run_outbox(&url, &["status"]);
     let line = status.lines().find(|l| l.contains("quarantined 3")).unwrap_or_else(|| panic!("no quarantine line: {status}"));
     assert!(line.contains("counted by its watermarks") && line.contains("EVERY MESSAGE QUARANTINED, NONE APPLIED"), "{line}");

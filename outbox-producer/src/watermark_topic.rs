@@ -19,7 +19,14 @@
 //!   it names: it is signed (headers `outbox-watermark-key-id` and
 //!   `outbox-watermark-signature`) by one of those keys, over its exact
 //!   value bytes (`watermark_rejected` otherwise, with the reason: unsigned,
-//!   unknown key id, bad signature). A consumer without keys is not checked;
+//!   unknown key id, bad signature);
+//! - when the reader holds no key for the consumer: the consumer is opted
+//!   out of verification by name ([`WatermarkTopicConfig::allow_unsigned`]),
+//!   and its records are then not checked. A declared consumer neither keyed
+//!   nor opted out has every record refused, signed or not
+//!   (`watermark_rejected`, saying that no key is configured for it and how
+//!   to configure one or opt it out; one open finding per consumer and log,
+//!   however many records arrive);
 //! - the consumer is declared in `outbox_consumers`
 //!   (`watermark_undeclared_consumer` otherwise);
 //! - its committed offset is not beyond the end (high watermark) of the
@@ -36,10 +43,13 @@
 //! again); its watermark stays where it was, so a mandatory consumer's
 //! stale watermark holds retention.
 //!
-//! **Authentication.** For a consumer without verification keys the reader
-//! trusts any producer with write access to the watermark topic, within the
-//! rules above. For one with keys, only a holder of one of them can speak
-//! for it; a replayed genuine record is still bounded by the rules above (an
+//! **Authentication.** By default a record moves a consumer's watermark only
+//! when signed by a key the reader holds for that consumer. For a consumer
+//! opted out ([`WatermarkTopicConfig::allow_unsigned`]; the reader logs them
+//! at WARN when it connects) the reader trusts any producer with write
+//! access to the watermark topic, within the rules above. For one with keys,
+//! only a holder of one of them can speak for it; a replayed genuine record
+//! is still bounded by the rules above (an
 //! older record is out of date, a lower offset moves back), and the value
 //! names the consumer, cluster, topic, topic id and partition, so a signed
 //! record cannot be moved to another of them.
@@ -49,7 +59,7 @@
 //! partition's end it is checked against is the end of the topic's current
 //! log, whatever id the record names.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,6 +92,8 @@ pub const MAX_FINDINGS_PER_ROUND: usize = 1_000;
 pub const LIMIT_KEYS_PER_CONSUMER: usize = 16;
 /// Most consumers with verification keys.
 pub const LIMIT_KEYED_CONSUMERS: usize = 10_000;
+/// Most consumers in [`WatermarkTopicConfig::allow_unsigned`].
+pub const LIMIT_UNSIGNED_CONSUMERS: usize = 10_000;
 /// Finding kinds raised by the reader; evidence, left open until an operator resolves them.
 pub const READER_FINDINGS: &[&str] = &["watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected"];
 
@@ -103,9 +115,15 @@ pub struct WatermarkTopicConfig {
     pub kafka: BTreeMap<String, String>,
     /// Verification keys per consumer id: a record naming a consumer listed
     /// here is applied only when signed by one of its keys (several during a
-    /// rotation). Consumers not listed are not checked. `Debug` never shows
-    /// the secrets.
+    /// rotation). The records of a declared consumer listed neither here nor
+    /// in [`Self::allow_unsigned`] are refused. `Debug` never shows the
+    /// secrets.
     pub verify_keys: BTreeMap<String, Vec<SigningKey>>,
+    /// Consumer ids explicitly opted out of verification: their records are
+    /// applied without a signature check (signed or not), so anyone who can
+    /// write the watermark topic can speak for them. A consumer may not be
+    /// both here and in [`Self::verify_keys`] ([`Self::validate`] refuses it).
+    pub allow_unsigned: BTreeSet<String>,
 }
 
 impl WatermarkTopicConfig {
@@ -119,6 +137,7 @@ impl WatermarkTopicConfig {
             round_timeout_ms: DEFAULT_ROUND_TIMEOUT_MS,
             kafka: BTreeMap::new(),
             verify_keys: BTreeMap::new(),
+            allow_unsigned: BTreeSet::new(),
         }
     }
 
@@ -126,6 +145,30 @@ impl WatermarkTopicConfig {
     pub fn with_key(mut self, consumer_id: &str, key: SigningKey) -> Self {
         self.verify_keys.entry(consumer_id.to_owned()).or_default().push(key);
         self
+    }
+
+    /// Opts `consumer_id` out of verification: its records are applied
+    /// unsigned (see [`Self::allow_unsigned`]). Only for a consumer that
+    /// cannot sign yet, and with writes to the watermark topic restricted to
+    /// the consumers' principals.
+    pub fn allow_unsigned(mut self, consumer_id: &str) -> Self {
+        self.allow_unsigned.insert(consumer_id.to_owned());
+        self
+    }
+
+    /// Parses consumer ids opted out of verification (entries trimmed, empty
+    /// ones skipped; `what` names where they come from in errors).
+    pub fn parse_unsigned<'a>(what: &str, entries: impl IntoIterator<Item = &'a str>) -> Result<BTreeSet<String>, ProducerError> {
+        let mut out = BTreeSet::new();
+        for (i, entry) in entries.into_iter().enumerate() {
+            let consumer = entry.trim();
+            if consumer.is_empty() {
+                continue;
+            }
+            outbox_core::id::validate_identifier("consumerId", consumer).map_err(|e| ProducerError::Config(format!("{what}: entry {}: {e}", i + 1)))?;
+            out.insert(consumer.to_owned());
+        }
+        Ok(out)
     }
 
     /// Parses verification keys written `CONSUMER_ID=KEY_ID=HEX`, one per
@@ -171,8 +214,31 @@ impl WatermarkTopicConfig {
                 }
             }
         }
+        if self.allow_unsigned.len() > LIMIT_UNSIGNED_CONSUMERS {
+            return Err(ProducerError::Config(format!("{} consumers allowed unsigned watermark records (..={LIMIT_UNSIGNED_CONSUMERS})", self.allow_unsigned.len())));
+        }
+        for consumer in &self.allow_unsigned {
+            outbox_core::id::validate_identifier("consumerId", consumer)?;
+            if self.verify_keys.contains_key(consumer) {
+                return Err(ProducerError::Config(format!(
+                    "consumer {consumer} has watermark verification keys and is also allowed unsigned watermark records: remove one of the two (with keys its records are verified)"
+                )));
+            }
+        }
         Ok(())
     }
+}
+
+/// Why a declared consumer's record is refused when the reader holds no key
+/// for it and it is not opted out: what to configure, in code and in `outbox
+/// reconcile`.
+fn no_key_reason(consumer: &str) -> String {
+    format!(
+        "consumer {consumer}: no watermark verification key is configured for this consumer, so its records are refused (signed or not); \
+         give the reconciler the consumer's key (OUTBOX_RECONCILE_WATERMARK_KEYS=\"{consumer}=KEY_ID=HEX\", [reconcile] watermark_keys, \
+         WatermarkTopicConfig::with_key), or opt the consumer out of verification explicitly (--watermark-unsigned {consumer}, \
+         OUTBOX_RECONCILE_WATERMARK_UNSIGNED, [reconcile] watermark_unsigned, WatermarkTopicConfig::allow_unsigned)"
+    )
 }
 
 /// What one round of [`WatermarkTopicReader::ingest_once`] did.
@@ -190,11 +256,17 @@ pub struct IngestReport {
     pub moved_back: usize,
     /// Records beyond the end of their partition, ignored.
     pub beyond_end: usize,
-    /// Records that do not decode, name another cluster, or fail their
-    /// consumer's signature check, ignored.
+    /// Records that do not decode, name another cluster, fail their
+    /// consumer's signature check, or are of a declared consumer the reader
+    /// holds no key for, ignored.
     pub rejected: usize,
-    /// Of [`Self::rejected`], those that failed the signature check.
+    /// Of [`Self::rejected`], those that failed the signature check of a
+    /// consumer with keys (unsigned, unknown key id, bad signature).
     pub bad_signature: usize,
+    /// Of [`Self::rejected`], those of a declared consumer that has no
+    /// verification key and is not opted out
+    /// ([`WatermarkTopicConfig::allow_unsigned`]), signed or not.
+    pub no_key: usize,
 }
 
 impl IngestReport {
@@ -253,6 +325,13 @@ impl WatermarkTopicReader {
             .map_err(|e| kafka_err("cluster id task", e))?
             .filter(|id| !id.is_empty())
             .ok_or_else(|| kafka_err("cluster id", format!("the broker did not tell it within {} ms", config.round_timeout_ms)))?;
+        if !config.allow_unsigned.is_empty() {
+            tracing::warn!(
+                topic = %config.topic,
+                consumers = ?config.allow_unsigned,
+                "watermark records of these consumers are applied unsigned (opted out of verification): anyone who can write the watermark topic can move their watermarks"
+            );
+        }
         Ok(WatermarkTopicReader { pool, client, cluster_id, config, clock: Arc::new(SystemClock) })
     }
 
@@ -402,15 +481,25 @@ impl WatermarkTopicReader {
         let mut data_ends: HashMap<(String, i32), Result<i64, String>> = HashMap::new();
         for m in messages {
             let (p, off) = (m.partition, m.offset);
-            let r = WatermarkRecord::decode(m.key.as_deref(), m.value.as_deref()).map_err(|e| Rejected { why: e.to_string(), consumer: None, signature: false }).and_then(|r| {
+            let r = WatermarkRecord::decode(m.key.as_deref(), m.value.as_deref()).map_err(|e| Rejected { why: e.to_string(), consumer: None, cause: Cause::Format }).and_then(|r| {
                 if r.cluster_id != self.cluster_id {
-                    return Err(Rejected { why: format!("names cluster {:?} but was read from cluster {:?}", r.cluster_id, self.cluster_id), consumer: None, signature: false });
+                    return Err(Rejected { why: format!("names cluster {:?} but was read from cluster {:?}", r.cluster_id, self.cluster_id), consumer: None, cause: Cause::Format });
                 }
-                if let Some(keys) = self.config.verify_keys.get(&r.consumer_id) {
-                    let value = m.value.as_deref().unwrap_or_default();
-                    if let Err(e) = watermark_record::verify_signature(value, m.key_id.as_deref(), m.signature.as_deref(), keys) {
-                        return Err(Rejected { why: format!("consumer {}: {e}", r.consumer_id), consumer: Some(r.consumer_id.clone()), signature: true });
+                match self.config.verify_keys.get(&r.consumer_id) {
+                    Some(keys) => {
+                        let value = m.value.as_deref().unwrap_or_default();
+                        if let Err(e) = watermark_record::verify_signature(value, m.key_id.as_deref(), m.signature.as_deref(), keys) {
+                            return Err(Rejected { why: format!("consumer {}: {e}", r.consumer_id), consumer: Some(r.consumer_id.clone()), cause: Cause::Signature });
+                        }
                     }
+                    // Opted out by name: not checked.
+                    None if self.config.allow_unsigned.contains(&r.consumer_id) => {}
+                    // Neither keyed nor opted out: refused. (An undeclared
+                    // consumer's record is `watermark_undeclared_consumer` below.)
+                    None if declared.contains(&r.consumer_id) => {
+                        return Err(Rejected { why: no_key_reason(&r.consumer_id), consumer: Some(r.consumer_id.clone()), cause: Cause::NoKey(log_of(&r)) });
+                    }
+                    None => {}
                 }
                 Ok(r)
             });
@@ -425,21 +514,42 @@ impl WatermarkTopicReader {
         let now = self.clock.now_ms();
         let mut tx = self.pool.begin().await?;
         let mut findings: Vec<(&'static str, String, String, String)> = Vec::new();
+        let mut unkeyed: BTreeSet<String> = BTreeSet::new();
+        // Index in `findings` of the no-key finding of each (log, consumer):
+        // the last record's position wins.
+        let mut no_key_at: HashMap<(String, String), usize> = HashMap::new();
         for (p, off, r) in decoded {
             let at = format!("{}/{}/{p}@{off}", self.cluster_id, topic);
             let record = match r {
                 Ok(r) => r,
-                Err(Rejected { why, consumer, signature }) => {
+                Err(Rejected { why, consumer, cause }) => {
                     report.rejected += 1;
-                    report.bad_signature += usize::from(signature);
-                    findings.push(("watermark_rejected", at, consumer.unwrap_or_default(), format!("watermark record ignored: {why}")));
+                    let consumer = consumer.unwrap_or_default();
+                    match cause {
+                        Cause::Format => findings.push(("watermark_rejected", at, consumer, format!("watermark record ignored: {why}"))),
+                        Cause::Signature => {
+                            report.bad_signature += 1;
+                            findings.push(("watermark_rejected", at, consumer, format!("watermark record ignored: {why}")));
+                        }
+                        Cause::NoKey(log) => {
+                            // One open finding per consumer and log, not per
+                            // record: such a consumer publishes every few seconds.
+                            report.no_key += 1;
+                            let detail = format!("watermark record at {at} ignored: {why}");
+                            match no_key_at.entry((log.clone(), consumer.clone())) {
+                                std::collections::hash_map::Entry::Occupied(i) => findings[*i.get()].3 = detail,
+                                std::collections::hash_map::Entry::Vacant(slot) => {
+                                    slot.insert(findings.len());
+                                    findings.push(("watermark_rejected", log, consumer.clone(), detail));
+                                }
+                            }
+                            unkeyed.insert(consumer);
+                        }
+                    }
                     continue;
                 }
             };
-            let log = match &record.topic_id {
-                None => format!("{}/{}/{}", record.cluster_id, record.topic, record.partition),
-                Some(id) => format!("{}/{} (topic id {id})/{}", record.cluster_id, record.topic, record.partition),
-            };
+            let log = log_of(&record);
             if !declared.contains(&record.consumer_id) {
                 report.undeclared += 1;
                 findings.push(("watermark_undeclared_consumer", log, record.consumer_id.clone(), format!("watermark record at {at} from a consumer not declared in outbox_consumers, ignored")));
@@ -492,6 +602,12 @@ impl WatermarkTopicReader {
         if report.findings() > 0 {
             tracing::warn!(?report, "watermark records ignored");
         }
+        if !unkeyed.is_empty() {
+            tracing::warn!(
+                consumers = ?unkeyed,
+                "watermark records of declared consumers without a verification key refused: configure their keys (OUTBOX_RECONCILE_WATERMARK_KEYS) or opt them out explicitly (--watermark-unsigned)"
+            );
+        }
         Ok(report)
     }
 }
@@ -512,7 +628,26 @@ struct ReadRecord {
 struct Rejected {
     why: String,
     consumer: Option<String>,
-    signature: bool,
+    cause: Cause,
+}
+
+/// What a rejection counts as.
+enum Cause {
+    /// Does not decode, or names another cluster.
+    Format,
+    /// Fails the signature check of a consumer with keys.
+    Signature,
+    /// Of a declared consumer without keys that is not opted out; the log
+    /// the record is about (what its finding names).
+    NoKey(String),
+}
+
+/// The log a record is about, as findings name it.
+fn log_of(r: &WatermarkRecord) -> String {
+    match &r.topic_id {
+        None => format!("{}/{}/{}", r.cluster_id, r.topic, r.partition),
+        Some(id) => format!("{}/{} (topic id {id})/{}", r.cluster_id, r.topic, r.partition),
+    }
 }
 
 enum Applied {
@@ -667,5 +802,35 @@ mod tests {
         let mut empty = WatermarkTopicConfig::new("k:9092");
         empty.verify_keys.insert("s".into(), Vec::new());
         assert!(empty.validate().is_err());
+    }
+
+    #[test]
+    fn unsigned_consumers_are_opted_out_by_name_and_validated() {
+        assert!(WatermarkTopicConfig::new("k:9092").allow_unsigned.is_empty(), "nobody is opted out by default");
+        let c = WatermarkTopicConfig::new("k:9092").allow_unsigned("billing").allow_unsigned("audit");
+        c.validate().unwrap();
+        assert_eq!(c.allow_unsigned.iter().map(String::as_str).collect::<Vec<_>>(), vec!["audit", "billing"]);
+        let parsed = WatermarkTopicConfig::parse_unsigned("OUTBOX_RECONCILE_WATERMARK_UNSIGNED", [" billing", "", "audit ", "billing"]).unwrap();
+        assert_eq!(parsed, c.allow_unsigned);
+        for bad in ["*", "bad id", "a,b"] {
+            let err = WatermarkTopicConfig::parse_unsigned("OUTBOX_RECONCILE_WATERMARK_UNSIGNED", [bad]).unwrap_err().to_string();
+            assert!(err.contains("OUTBOX_RECONCILE_WATERMARK_UNSIGNED: entry 1"), "{bad}: {err}");
+            assert!(WatermarkTopicConfig::new("k:9092").allow_unsigned(bad).validate().is_err(), "{bad}");
+        }
+        // Keys and an opt-out for one consumer: a configuration error.
+        let both = WatermarkTopicConfig::new("k:9092").with_key("billing", SigningKey::from_hex("k", &"0a".repeat(32)).unwrap()).allow_unsigned("billing");
+        let err = both.validate().unwrap_err().to_string();
+        assert!(err.contains("consumer billing has watermark verification keys and is also allowed unsigned"), "{err}");
+        let mut many = WatermarkTopicConfig::new("k:9092");
+        many.allow_unsigned = (0..=LIMIT_UNSIGNED_CONSUMERS).map(|i| format!("c{i}")).collect();
+        assert!(many.validate().is_err());
+    }
+
+    #[test]
+    fn the_no_key_reason_says_how_to_configure_a_key_or_opt_out() {
+        let why = no_key_reason("shipping");
+        for want in ["no watermark verification key is configured", "OUTBOX_RECONCILE_WATERMARK_KEYS=\"shipping=KEY_ID=HEX\"", "with_key", "--watermark-unsigned shipping", "OUTBOX_RECONCILE_WATERMARK_UNSIGNED", "allow_unsigned"] {
+            assert!(why.contains(want), "{want}: {why}");
+        }
     }
 }
