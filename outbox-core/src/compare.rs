@@ -302,6 +302,23 @@ pub enum PositionLost {
         /// The log's end when the scan began.
         end: i64,
     },
+    /// The position holds the message another event's primary receipt
+    /// recorded there, of the same topic id, in an earlier position epoch
+    /// than this receipt's: the log was not replaced since that receipt (it
+    /// still holds what that receipt recorded), so this receipt, accepted
+    /// as if in a later log, never matched the log. It was written without
+    /// the broker's acknowledgement (a forged or corrupted row), or the log
+    /// was restored from an older copy; it is not a lost log, and its
+    /// event's message may never have been written. Decided by
+    /// [`never_matched`] for a [`PositionLost::HoldsOther`].
+    NeverMatched {
+        /// The event whose message is there, and whose receipt recorded it.
+        holder: String,
+        /// The position epoch of that receipt.
+        holder_epoch: i32,
+        /// The position epoch of the receipt that never matched.
+        epoch: i32,
+    },
 }
 
 /// Whether primary receipt `r` of the scanned partition names a position
@@ -309,6 +326,8 @@ pub enum PositionLost {
 /// message (receipts of any topic id: the log read is the topic's current
 /// one), or at or beyond the log's end. Duplicate receipts are not judged.
 /// Receipts at offsets the page did not read are not judged either.
+/// Whether a [`PositionLost::HoldsOther`] is a receipt that never matched
+/// the log instead is [`never_matched`]'s decision.
 pub fn receipt_position_lost(scan: &PartitionScan, r: &RecordedReceipt) -> Option<PositionLost> {
     if !r.primary {
         return None;
@@ -320,12 +339,81 @@ pub fn receipt_position_lost(scan: &PartitionScan, r: &RecordedReceipt) -> Optio
     scan.log_end.filter(|end| r.offset >= *end).map(|end| PositionLost::BeyondEnd { end })
 }
 
+/// A primary receipt at a log position with its position epoch, as the
+/// store recorded it: the receipts of one position (cluster, topic, topic
+/// id, partition, offset) in the order it accepted them, each one epoch
+/// above the receipts whose log it found gone there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PositionEpoch {
+    /// Its event.
+    pub event_id: String,
+    /// The topic id it names (`None`: `destination.v1`).
+    pub topic_id: Option<String>,
+    /// Its offset.
+    pub offset: i64,
+    /// Its position epoch.
+    pub position_epoch: i32,
+}
+
+/// Whether primary receipt `r`, whose position holds another message
+/// (`lost` is [`PositionLost::HoldsOther`]), never matched the log rather
+/// than lost it: the message there is the one another event's primary
+/// receipt of the same topic id recorded there in an earlier position epoch
+/// than `r`'s (`epochs`: the primary receipts the store holds at `r`'s
+/// position, any topic id, `r` among them). A receipt is accepted one epoch
+/// above the receipts of its position only when a genuine message of a
+/// later log sits there, and a log never goes back to an earlier one; so
+/// the log was not replaced since that earlier receipt, and `r` was written
+/// without a genuine ACK (forged, or a corrupted row) or the log restored
+/// from an older copy. Answers [`PositionLost::NeverMatched`] then, `None`
+/// otherwise: a message no earlier receipt recorded (a bypass publish, a
+/// message without an eventId, a later epoch's) cannot tell a replaced log
+/// from a receipt that never matched, and stays a lost position.
+pub fn never_matched(lost: &PositionLost, r: &RecordedReceipt, epochs: &[PositionEpoch]) -> Option<PositionLost> {
+    let PositionLost::HoldsOther { holder: Some(holder), topic_id } = lost else { return None };
+    if !r.primary || *topic_id != r.topic_id {
+        return None;
+    }
+    let at = |e: &PositionEpoch, event: &str| e.offset == r.offset && e.topic_id == r.topic_id && e.event_id == event;
+    let own = epochs.iter().find(|e| at(e, &r.event_id))?.position_epoch;
+    let earlier = epochs.iter().find(|e| at(e, holder) && e.position_epoch < own)?;
+    Some(PositionLost::NeverMatched { holder: holder.clone(), holder_epoch: earlier.position_epoch, epoch: own })
+}
+
 /// Receipts at or beyond the log's end are judged only when accepted
 /// before this time (the scan's time less the clock skew allowance): a
 /// receipt accepted just now may name a position the scan's end, fetched
 /// first, did not reach yet.
 pub fn beyond_end_accepted_before_ms(now_ms: i64, clock_skew_allowance_ms: i64) -> i64 {
     now_ms.saturating_sub(clock_skew_allowance_ms)
+}
+
+// A broker whose reported end is below records it serves (issue 48.6).
+
+/// The read past a partition's reported end `end` that can tell whether the
+/// primary receipts `beyond` (at or beyond it) still hold their events: from
+/// the lowest such offset, as many messages as reach the highest, at most
+/// `max_messages`. `None` when no primary receipt is at or beyond `end`.
+/// Receipts above the range read stay unverified ([`served_past_reported_end`]
+/// is false for them).
+pub fn past_end_read(end: i64, beyond: &[RecordedReceipt], max_messages: u64) -> Option<(i64, u64)> {
+    let offsets = beyond.iter().filter(|r| r.primary && r.offset >= end).map(|r| r.offset);
+    let (low, high) = offsets.fold(None, |acc: Option<(i64, i64)>, o| Some(acc.map_or((o, o), |(l, h)| (l.min(o), h.max(o)))))?;
+    let span = u64::try_from(high - low).unwrap_or(u64::MAX).saturating_add(1);
+    Some((low, span.min(max_messages.max(1))))
+}
+
+/// Whether primary receipt `r`, at or beyond the partition's reported end
+/// ([`PositionLost::BeyondEnd`]), names a message the broker still serves:
+/// `served`, read past that end
+/// ([`Broker::read_past_reported_end`](crate::Broker::read_past_reported_end)),
+/// holds at the receipt's offset the receipt's event, of the receipt's topic
+/// id. Then the log is not lost but its end under-reported (tansu 0.6
+/// reports a partition's end as its last produce batch's base offset + 1):
+/// no `receipt_position_lost`. A receipt whose offset holds another message,
+/// or nothing, or that was not read, is not served.
+pub fn served_past_reported_end(r: &RecordedReceipt, served: &[ScannedMessage]) -> bool {
+    r.primary && served.iter().any(|m| m.offset == r.offset && m.event_id.as_deref() == Some(r.event_id.as_str()) && m.topic_id == r.topic_id)
 }
 
 #[cfg(test)]
@@ -502,6 +590,45 @@ mod tests {
         assert_eq!(anchor_below(9, &page(old).messages), None);
     }
 
+    /// Defect (outside read): a receipt row written without a genuine ACK
+    /// (forged by the dispatcher role, or corrupted) at a position that
+    /// holds another event's message was reported as a lost log. When the
+    /// message there is the one another event's receipt of the same log
+    /// recorded in an earlier position epoch, the log was not replaced: the
+    /// later receipt never matched it. A later epoch's holder (the genuine
+    /// ACK of a new log that found this receipt's log gone), another topic
+    /// id, a message no receipt recorded, or a message without an eventId
+    /// still read as a lost log.
+    #[test]
+    fn a_receipt_above_the_epoch_of_the_message_there_never_matched_the_log() {
+        let scan = PartitionScan { messages: vec![msg(3, Some("evt-a"), None, ""), msg(4, None, None, "")], next_offset: 5, log_end: Some(5), log_start: None };
+        let r = |e: &str, offset: i64| RecordedReceipt { event_id: e.into(), topic_id: None, offset, primary: true };
+        let at = |e: &str, epoch: i32, topic_id: Option<&str>| PositionEpoch { event_id: e.into(), topic_id: topic_id.map(Into::into), offset: 3, position_epoch: epoch };
+        let forged = r("evt-x", 3);
+        let lost = receipt_position_lost(&scan, &forged).unwrap();
+        assert_eq!(lost, PositionLost::HoldsOther { holder: Some("evt-a".into()), topic_id: None });
+        assert_eq!(
+            never_matched(&lost, &forged, &[at("evt-a", 0, None), at("evt-x", 1, None)]),
+            Some(PositionLost::NeverMatched { holder: "evt-a".into(), holder_epoch: 0, epoch: 1 })
+        );
+        // The genuine lost log: the receipt there is older than the holder's.
+        assert_eq!(never_matched(&lost, &forged, &[at("evt-x", 0, None), at("evt-a", 1, None)]), None);
+        // No receipt recorded the message there: nothing tells the cases apart.
+        assert_eq!(never_matched(&lost, &forged, &[at("evt-x", 1, None)]), None);
+        assert_eq!(never_matched(&lost, &forged, &[]), None, "a store that keeps no epochs");
+        // The holder's receipt of another log (another topic id) says nothing of this one.
+        assert_eq!(never_matched(&lost, &forged, &[at("evt-a", 0, Some("AAECAwQFBgcICQoLDA0ODw")), at("evt-x", 1, None)]), None);
+        // A receipt naming another topic id than the message there: another log.
+        let other_log = RecordedReceipt { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), ..forged.clone() };
+        let lost_other = receipt_position_lost(&scan, &other_log).unwrap();
+        assert_eq!(never_matched(&lost_other, &other_log, &[at("evt-a", 0, None), at("evt-x", 1, Some("AAECAwQFBgcICQoLDA0ODw"))]), None);
+        // A message without an eventId, and the other kinds of loss.
+        let at4 = r("evt-x", 4);
+        let lost4 = receipt_position_lost(&scan, &at4).unwrap();
+        assert_eq!(never_matched(&lost4, &at4, &[PositionEpoch { offset: 4, ..at("evt-x", 1, None) }]), None);
+        assert_eq!(never_matched(&PositionLost::BeyondEnd { end: 5 }, &r("evt-x", 9), &[]), None);
+    }
+
     #[test]
     fn a_receipt_whose_position_holds_another_message_or_lies_beyond_the_end_is_lost() {
         let scan = PartitionScan {
@@ -520,5 +647,65 @@ mod tests {
         assert_eq!(receipt_position_lost(&scan, &r("evt-d", 2, true)), None, "an offset the page did not read");
         assert_eq!(receipt_position_lost(&PartitionScan { log_end: None, ..scan }, &r("evt-d", 60, true)), None);
         assert_eq!(beyond_end_accepted_before_ms(10_000, 2_000), 8_000);
+    }
+}
+
+#[cfg(test)]
+mod under_reported_end_tests {
+    use super::*;
+
+    fn served(offset: i64, event_id: Option<&str>, topic_id: Option<&str>) -> ScannedMessage {
+        ScannedMessage {
+            offset,
+            event_id: event_id.map(str::to_owned),
+            key: None,
+            payload_digest: String::new(),
+            source: None,
+            attempt_id: None,
+            topic_id: topic_id.map(str::to_owned),
+            receipt: None,
+        }
+    }
+
+    fn r(event_id: &str, offset: i64, primary: bool) -> RecordedReceipt {
+        RecordedReceipt { event_id: event_id.into(), topic_id: None, offset, primary }
+    }
+
+    /// A broker that reports its end at 1 after one batch of offsets 0..=4
+    /// (tansu 0.6) and serves them all: the receipts at 1..=4 are beyond
+    /// the reported end, and served.
+    #[test]
+    fn a_receipt_served_past_an_under_reported_end_is_not_lost() {
+        let scan = PartitionScan { messages: vec![served(0, Some("evt-0"), None)], next_offset: 1, log_end: Some(1), log_start: Some(0) };
+        let beyond: Vec<RecordedReceipt> = (1..=4).map(|o| r(&format!("evt-{o}"), o, true)).collect();
+        assert_eq!(past_end_read(1, &beyond, 10_000), Some((1, 4)));
+        let read: Vec<ScannedMessage> = (1..=4).map(|o| served(o, Some(&format!("evt-{o}")), None)).collect();
+        for receipt in &beyond {
+            assert_eq!(receipt_position_lost(&scan, receipt), Some(PositionLost::BeyondEnd { end: 1 }), "beyond the reported end");
+            assert!(served_past_reported_end(receipt, &read), "{receipt:?} is served: the end under-reports");
+        }
+    }
+
+    /// A lost log: nothing served there, another event's message, the same
+    /// event of another topic id, or an offset the read did not reach.
+    #[test]
+    fn a_receipt_whose_offset_holds_other_or_nothing_stays_lost() {
+        let receipt = RecordedReceipt { event_id: "evt-a".into(), topic_id: Some("t-1".into()), offset: 7, primary: true };
+        assert!(!served_past_reported_end(&receipt, &[]), "nothing served");
+        assert!(!served_past_reported_end(&receipt, &[served(7, Some("evt-b"), Some("t-1"))]), "another event there");
+        assert!(!served_past_reported_end(&receipt, &[served(7, None, None)]), "a message without an eventId");
+        assert!(!served_past_reported_end(&receipt, &[served(7, Some("evt-a"), Some("t-2"))]), "the event of another topic id: another log");
+        assert!(!served_past_reported_end(&receipt, &[served(6, Some("evt-a"), Some("t-1"))]), "the event at another offset");
+        assert!(served_past_reported_end(&receipt, &[served(6, Some("evt-x"), Some("t-1")), served(7, Some("evt-a"), Some("t-1"))]));
+        assert!(!served_past_reported_end(&RecordedReceipt { primary: false, ..receipt }, &[served(7, Some("evt-a"), Some("t-1"))]), "duplicates are not judged");
+    }
+
+    #[test]
+    fn the_read_past_the_end_spans_the_receipts_beyond_it() {
+        assert_eq!(past_end_read(10, &[], 100), None);
+        assert_eq!(past_end_read(10, &[r("a", 9, true), r("b", 12, false)], 100), None, "below the end, or not primary");
+        assert_eq!(past_end_read(10, &[r("a", 14, true), r("b", 10, true), r("c", 11, true)], 100), Some((10, 5)));
+        assert_eq!(past_end_read(10, &[r("a", 10, true), r("b", 5_000, true)], 100), Some((10, 100)), "bounded");
+        assert_eq!(past_end_read(0, &[r("a", 3, true)], 0), Some((3, 1)), "at least the lowest");
     }
 }

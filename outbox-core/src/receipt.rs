@@ -148,7 +148,8 @@ pub enum QuarantineReason {
     PayloadDigestMismatch,
     /// The message claims another destination digest.
     DestinationDigestMismatch,
-    /// Cluster, topic or partition are not the ones the frozen routing gives.
+    /// Cluster, topic, topic id or partition are not the ones the frozen
+    /// routing gives.
     PlacementMismatch,
 }
 
@@ -219,7 +220,8 @@ impl ReceiptDecision {
 /// publish, headers that do not parse) is refused as evidence and never
 /// quarantines or moves the event; then divergence of a registered
 /// attempt's message (payload digest, destination digest, placement against
-/// the frozen routing), which quarantines; then the slot. A genuine message
+/// the frozen routing: cluster, topic, topic id and partition), which
+/// quarantines; then the slot. A genuine message
 /// of an attempt that was proven ABSENT refutes that proof: it competes for
 /// the slot like any other (see [`refutes_absence`]).
 pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: &BrokerReceipt) -> ReceiptDecision {
@@ -246,7 +248,14 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
     if receipt.destination_digest != event.destination_digest || attempt.destination_digest != event.destination_digest {
         return quarantine(QuarantineReason::DestinationDigestMismatch);
     }
-    if !event.destination.admits(&receipt.cluster_id, &receipt.topic, receipt.partition) {
+    // The log the receipt names must be the frozen destination's: cluster,
+    // topic and partition, and the topic id exactly (`None`, a
+    // `destination.v1`, matches only `None`), as `same_placement` and the
+    // watermarks' `covers_log_of` compare it. A topic deleted and created
+    // again under the same name is another log; a lookup takes the id from
+    // the message's own destination header, so a header that names another
+    // id than the digest it carries is caught here.
+    if !event.destination.admits(&receipt.cluster_id, &receipt.topic, receipt.partition) || receipt.topic_id != event.destination.topic_id {
         return quarantine(QuarantineReason::PlacementMismatch);
     }
     match &event.slot {
@@ -500,6 +509,42 @@ mod tests {
             mutate(&mut r);
             assert!(matches!(decide_receipt(&c.event, &c.attempts, &r), ReceiptDecision::Quarantine { reason: QuarantineReason::PlacementMismatch, .. }));
         }
+    }
+
+    /// Defect (outside read): the decision compared cluster, topic and
+    /// partition with the frozen destination but not the topic id, so a
+    /// receipt naming another incarnation of the topic (deleted and created
+    /// again: another log) was accepted as the event's publication. The
+    /// topic id is compared exactly, as `same_placement` and the
+    /// watermarks' `covers_log_of` do: `None` (a `destination.v1`) matches
+    /// only `None`.
+    #[test]
+    fn a_receipt_naming_another_topic_id_is_not_the_events_publication() {
+        const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
+        const NEW: &str = "_____________________w";
+        let placement = ReceiptDecision::Quarantine { reason: QuarantineReason::PlacementMismatch, move_event: true };
+        // A destination.v1 (no topic id): a receipt naming one is another log's.
+        let c = Case::new().attempt(1, AttemptState::Sending);
+        assert_eq!(c.event.destination.topic_id, None);
+        let r = BrokerReceipt { topic_id: Some(OLD.into()), ..c.receipt(1, 5) };
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &r), placement);
+        // A destination.v2: another id, or none, is not its log.
+        let mut c = Case::new().attempt(1, AttemptState::Sending);
+        c.event.destination.topic_id = Some(OLD.into());
+        c.event.destination_digest = c.event.destination.digest();
+        c.attempts[0].destination_digest = c.event.destination_digest.clone();
+        for other in [Some(NEW.to_owned()), None] {
+            let r = BrokerReceipt { topic_id: other.clone(), ..c.receipt(1, 5) };
+            assert_eq!(decide_receipt(&c.event, &c.attempts, &r), placement, "{other:?}");
+        }
+        // Its own id is its publication.
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Accept { from: EventState::Sending });
+        // After the slot is filled, such a receipt is evidence and leaves the event alone.
+        let r = c.receipt(1, 5);
+        c.apply(&r);
+        let stray = BrokerReceipt { topic_id: Some(NEW.into()), ..c.receipt(1, 6) };
+        assert_eq!(c.apply(&stray), ReceiptDecision::Quarantine { reason: QuarantineReason::PlacementMismatch, move_event: false });
+        assert_eq!(c.event.slot.as_ref(), Some(&r));
     }
 
     #[test]

@@ -264,6 +264,19 @@ pub trait Broker: Send + Sync {
         Err("this broker adapter cannot read the log".into())
     }
 
+    /// Reads up to `max_messages` messages of a partition from `from_offset`
+    /// as the broker serves them, **not** stopping at the end (high
+    /// watermark) it reports; stops where it serves nothing more. For the
+    /// reconciler's check of receipts at or beyond that end
+    /// (`outbox_core::compare::served_past_reported_end`): a broker that
+    /// reports its end below records it still serves (tansu 0.6 after a
+    /// multi-record produce batch) has not lost them. Adapters that cannot
+    /// read the log answer `Err` (such receipts stay `receipt_position_lost`).
+    async fn read_past_reported_end(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<Vec<ScannedMessage>, String> {
+        let _ = (topic, partition, from_offset, max_messages);
+        Err("this broker adapter cannot read the log".into())
+    }
+
     /// The partition count the cluster reports for `topic` now (`Ok(None)`:
     /// this adapter cannot tell). The reconciler compares it with what the
     /// topic's routes froze.
@@ -356,6 +369,18 @@ pub trait BypassScanStore: Send + Sync {
         accepted_before_ms: i64,
         limit: i64,
     ) -> Result<Vec<crate::compare::RecordedReceipt>, StoreError>;
+
+    /// The primary receipts at `offset` of (cluster, topic, partition), of
+    /// any topic id, with their position epochs: what tells a receipt that
+    /// never matched the log from a lost position
+    /// ([`crate::compare::never_matched`]). Read only for a receipt whose
+    /// position holds another event's message. A store that keeps no
+    /// position epochs answers none (the default): such receipts stay lost
+    /// positions.
+    async fn receipt_epochs_at(&self, cluster_id: &str, topic: &str, partition: i32, offset: i64) -> Result<Vec<crate::compare::PositionEpoch>, StoreError> {
+        let _ = (cluster_id, topic, partition, offset);
+        Ok(Vec::new())
+    }
 
     /// Records the page's bypass messages and findings and moves the cursor, in one transaction.
     async fn record_bypass_scan(&self, write: &BypassScanWrite) -> Result<(), StoreError>;

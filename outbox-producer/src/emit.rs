@@ -186,6 +186,13 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     // One round trip for everything the freeze needs: the transaction id and
     // clock, which command keys exist, the last version of each aggregate,
     // the current takeover policy and one row per event type's current route.
+    // The lookup first takes a transaction-scoped advisory lock per
+    // aggregate (in key order; migration 20261207000002): a concurrent emit
+    // of the same aggregate waits here until this transaction ends and then
+    // reads the version it committed, so the versions check below holds at
+    // READ COMMITTED. An advisory lock writes nothing, where a row lock on an
+    // aggregate head row would cost each emit one more row version and its
+    // WAL; taken inside this query, it adds no round trip.
     let keys: Vec<&str> = requests.iter().map(|r| r.command_key).collect();
     let mut aggregates: Vec<(&str, &str, &str)> = requests.iter().map(|r| (r.tenant, r.aggregate_type, r.aggregate_id)).collect();
     aggregates.sort_unstable();

@@ -36,7 +36,7 @@ pub mod sweeper;
 mod topic_scan;
 pub mod watermark_topic;
 
-pub use dispatcher::{until_true, BatchReport, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch, SigningConfig};
+pub use dispatcher::{until_true, BatchReport, IntoShutdown, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch, SigningConfig};
 pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
 pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};

@@ -178,6 +178,10 @@ pub struct BypassScanReport {
     pub submitted: usize,
     /// Findings recorded: kind, and the event (or label) each names.
     pub findings: Vec<(&'static str, String)>,
+    /// What the scan saw that is no finding, in words, each also logged at
+    /// WARN: a partition whose broker reports its end below receipts whose
+    /// events it still serves there (one note per partition per scan).
+    pub notes: Vec<String>,
 }
 
 impl BypassScanReport {
@@ -531,12 +535,38 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                 // is gone. Those already reported beyond the end are skipped,
                 // so that a round's limit moves on to the next ones.
                 let mut beyond = Vec::new();
+                // What the broker serves past its reported end, from the
+                // lowest receipt beyond it: a broker may report an end below
+                // records it serves (tansu 0.6: its last produce batch's base
+                // offset + 1), which is no lost log.
+                let mut served = Vec::new();
+                let mut under_reported: Vec<i64> = Vec::new();
                 if let Some(end) = scan.log_end {
                     let before = outbox_core::compare::beyond_end_accepted_before_ms(now, self.config.clock_skew_allowance_ms);
                     beyond = self.store.receipts_from(&cluster, &topic, partition, end, before, self.config.max_findings_per_kind).await?;
+                    if let Some((from, max)) = outbox_core::compare::past_end_read(end, &beyond, self.config.bypass_scan_max_messages) {
+                        match self.broker.read_past_reported_end(&topic, partition, from, max).await {
+                            Ok(m) => served = m,
+                            Err(e) => tracing::debug!(%topic, partition, from, error = %e, "could not read past the partition's reported end"),
+                        }
+                    }
                 }
                 for r in receipts.iter().chain(&beyond) {
                     let Some(lost) = receipt_position_lost(&scan, r) else { continue };
+                    if matches!(lost, PositionLost::BeyondEnd { .. }) && outbox_core::compare::served_past_reported_end(r, &served) {
+                        under_reported.push(r.offset);
+                        continue;
+                    }
+                    // Another event's message there, which that event's
+                    // receipt recorded in an earlier position epoch: the log
+                    // was not replaced, this receipt never matched it
+                    // (`outbox_core::compare::never_matched`).
+                    let lost = if matches!(lost, PositionLost::HoldsOther { holder: Some(_), .. }) {
+                        let epochs = self.store.receipt_epochs_at(&cluster, &topic, partition, r.offset).await?;
+                        outbox_core::compare::never_matched(&lost, r, &epochs).unwrap_or(lost)
+                    } else {
+                        lost
+                    };
                     let offset = r.offset;
                     let detail = match lost {
                         PositionLost::HoldsOther { holder, topic_id } => {
@@ -551,8 +581,25 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                         PositionLost::BeyondEnd { end } => format!(
                             "its receipt's position {cluster}/{topic}/{partition}@{offset} is beyond the log's end {end}: the log it was recorded in is gone (broker replaced, topic recreated)"
                         ),
+                        PositionLost::NeverMatched { holder, holder_epoch, epoch } => {
+                            let of_id = r.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
+                            format!(
+                                "its receipt's position {cluster}/{topic}{of_id}/{partition}@{offset} (position epoch {epoch}) holds event {holder}'s message, which that event's receipt recorded there in epoch {holder_epoch}: the log was not replaced since, so this receipt never matched the log: a forged or corrupted receipt row (written without the broker's acknowledgement), not a lost log, unless the log was restored from an older copy. Its event's message may never have been written: find what wrote the row (database audit logs) and look the event up (`outbox trace`)"
+                            )
+                        }
                     };
                     write.findings.push(ScanFinding { kind: outbox_core::compare::RECEIPT_POSITION_LOST, event_id: r.event_id.clone(), detail, offset: None, attempt_id: None });
+                }
+                // Receipts beyond the reported end whose events the broker
+                // still serves at their offsets: no finding; said once per
+                // partition per round, in the log and the scan's report.
+                if let (Some(end), Some(low), Some(high)) = (scan.log_end, under_reported.iter().min(), under_reported.iter().max()) {
+                    let note = format!(
+                        "{cluster}/{topic}/{partition} reports its end at {end}, yet serves the events of {} receipts at offsets {low}..={high} there: the broker under-reports its end (tansu 0.6 after a multi-record produce batch), the log is not lost; no receipt_position_lost. Have dispatchers send one record per batch (`batch.num.messages=1`) to such a broker (docs/OPERATIONS.md, `receipt_position_lost`)",
+                        under_reported.len()
+                    );
+                    tracing::warn!(%topic, partition, log_end = end, receipts = under_reported.len(), from_offset = low, to_offset = high, "{note}");
+                    report.notes.push(note);
                 }
                 if write.cursor == CursorMove::Restart {
                     tracing::error!(%topic, partition, cursor, log_end = ?scan.log_end, "the partition's log ends below the bypass scan's cursor: the log was replaced; reading the new one from its start");
@@ -868,7 +915,7 @@ mod tests {
     /// it handed to the receipt transaction, its findings about messages.
     #[test]
     fn a_scan_counts_into_the_rounds_report() {
-        let scan = BypassScanReport { scanned: 7, submitted: 2, findings: vec![(outbox_core::compare::UNRECORDED_COPY, "evt-a".into()), (outbox_core::compare::SCAN_GAP, "t/0@1..3".into())] };
+        let scan = BypassScanReport { scanned: 7, submitted: 2, findings: vec![(outbox_core::compare::UNRECORDED_COPY, "evt-a".into()), (outbox_core::compare::SCAN_GAP, "t/0@1..3".into())], notes: Vec::new() };
         let mut report = CompareReport::default();
         scan.count_into(&mut report);
         scan.count_into(&mut report);

@@ -212,6 +212,32 @@ impl outbox_core::BypassScanStore for crate::pg::PgStore {
         .map_err(store_err)
     }
 
+    async fn receipt_epochs_at(&self, cluster_id: &str, topic: &str, partition: i32, offset: i64) -> Result<Vec<outbox_core::compare::PositionEpoch>, outbox_core::StoreError> {
+        // One probe of outbox_publish_receipts_position.
+        sqlx::query(
+            "SELECT event_id, topic_id, \"offset\", position_epoch FROM outbox_publish_receipts
+             WHERE cluster_id = $1 AND topic = $2 AND partition = $3 AND \"offset\" = $4",
+        )
+        .bind(cluster_id)
+        .bind(topic)
+        .bind(partition)
+        .bind(offset)
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_err)?
+        .iter()
+        .map(|r| {
+            Ok(outbox_core::compare::PositionEpoch {
+                event_id: r.try_get("event_id")?,
+                topic_id: r.try_get("topic_id")?,
+                offset: r.try_get("offset")?,
+                position_epoch: r.try_get("position_epoch")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(store_err)
+    }
+
     async fn record_bypass_scan(&self, write: &outbox_core::BypassScanWrite) -> Result<(), outbox_core::StoreError> {
         let mut tx = self.pool().begin().await.map_err(store_err)?;
         let (cluster, topic, partition) = (&write.cluster_id, &write.topic, write.partition);

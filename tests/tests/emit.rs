@@ -545,3 +545,119 @@ async fn the_schema_refuses_a_trace_context_the_w3c_forbids_written_by_hand(pool
     assert!(err.to_string().contains("W3C"), "{err}");
     set(Some(ok), Some("k=v".into())).await.unwrap();
 }
+
+/// Whether the session `pid` waits on a lock (a row, a key, an advisory lock).
+async fn waits_on_a_lock(pool: &PgPool, pid: i32) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock')").bind(pid).fetch_one(pool).await.unwrap()
+}
+
+/// Defect (outside read): two concurrent emits of one aggregate could commit
+/// an aggregate version below one already committed. `emit` read the
+/// aggregate's last version and inserted its event with no lock between
+/// (READ COMMITTED, the default): neither transaction saw the other's
+/// uncommitted row, so both passed `decide_command`'s rule "a new command's
+/// version is not below the aggregate's last one", and whichever order they
+/// committed in, one of the orders the events carry went backwards.
+///
+/// Transaction A emits and holds its commit; B, on another connection,
+/// emits the other version of the same aggregate and commits if it can; A
+/// commits. Each committed event, in commit order and in `seq` order (the
+/// order its chain is delivered in), must not be below one committed
+/// before it: B waits for A and is then decided against A's version.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn concurrent_emits_of_one_aggregate_never_commit_a_version_backwards(pool: PgPool) {
+    setup(&pool).await;
+    // (aggregate, A's version, B's version): B's higher, then B's lower.
+    for (aggregate, a_version, b_version) in [("o-race-up", 2_i64, 3_i64), ("o-race-down", 3, 2)] {
+        let payload = order_payload(aggregate, 1);
+        let a_key = format!("{aggregate}-a");
+        let mut a = pool.begin().await.unwrap();
+        emit(&mut a, &EmitRequest { aggregate_version: a_version, ..order_request(&a_key, aggregate, &payload) }, &EmitOptions::default()).await.unwrap();
+
+        let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
+        let b = {
+            let (pool, payload, aggregate) = (pool.clone(), payload.clone(), aggregate.to_owned());
+            tokio::spawn(async move {
+                let mut b = pool.begin().await.unwrap();
+                let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *b).await.unwrap();
+                pid_tx.send(pid).unwrap();
+                let key = format!("{aggregate}-b");
+                let out = emit(&mut b, &EmitRequest { aggregate_version: b_version, ..order_request(&key, &aggregate, &payload) }, &EmitOptions::default()).await;
+                match out {
+                    Ok(_) => b.commit().await.map(|_| true).map_err(|e| e.to_string()),
+                    Err(e) => {
+                        b.rollback().await.unwrap();
+                        Err(e.to_string())
+                    }
+                }
+            })
+        };
+        // B either commits while A is open (the race) or waits for A.
+        let b_pid = pid_rx.await.unwrap();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !b.is_finished() && !waits_on_a_lock(&pool, b_pid).await {
+            assert!(tokio::time::Instant::now() < deadline, "{aggregate}: B neither finished nor waited");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let b_first = b.is_finished();
+        a.commit().await.unwrap();
+        let b_out = b.await.unwrap();
+
+        let mut commit_order = Vec::new();
+        if b_first && b_out.is_ok() {
+            commit_order.push(b_version);
+        }
+        commit_order.push(a_version);
+        if !b_first && b_out.is_ok() {
+            commit_order.push(b_version);
+        }
+        let seq_order: Vec<i64> = sqlx::query_scalar("SELECT aggregate_version FROM outbox_events WHERE aggregate_id = $1 ORDER BY seq")
+            .bind(aggregate)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        for (what, order) in [("commit", &commit_order), ("seq", &seq_order)] {
+            assert!(
+                order.windows(2).all(|w| w[0] <= w[1]),
+                "{aggregate}: versions committed in {what} order {order:?} go backwards (B committed before A: {b_first}; B answered {b_out:?})"
+            );
+        }
+        // A lower version that had to wait is refused against the committed one.
+        if b_version < a_version {
+            let err = b_out.expect_err("B's lower version committed after A's");
+            assert!(err.contains("backwards") || err.contains(&format!("{a_version}")), "{err}");
+        } else {
+            assert_eq!(b_out, Ok(true), "B's higher version is a new event");
+        }
+    }
+}
+
+/// Batches over the same aggregates in opposite orders take the aggregates'
+/// locks in one order (sorted), so they wait for each other and never
+/// deadlock; each commits, in turn.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn emit_batches_over_the_same_aggregates_in_opposite_orders_do_not_deadlock(pool: PgPool) {
+    setup(&pool).await;
+    let payload = order_payload("o", 1);
+    let ids: Vec<String> = (0..20).map(|i| format!("o-{i}")).collect();
+    let mut tasks = Vec::new();
+    for round in 0..8_i64 {
+        let (pool, payload, ids) = (pool.clone(), payload.clone(), ids.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut order: Vec<&String> = ids.iter().collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            let keys: Vec<String> = order.iter().map(|id| format!("{id}-{round}")).collect();
+            let requests: Vec<EmitRequest> =
+                order.iter().zip(&keys).map(|(id, key)| EmitRequest { aggregate_version: 1, ..order_request(key, id, &payload) }).collect();
+            let mut tx = pool.begin().await.unwrap();
+            emit_batch(&mut tx, &requests, &EmitOptions::default()).await.map_err(|e| e.to_string())?;
+            tx.commit().await.map_err(|e| e.to_string())
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().expect("a batch failed (deadlock?)");
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 8 * 20);
+}

@@ -469,8 +469,13 @@ async fn item6_published_without_receipt_is_a_finding(pool: PgPool) {
 // ---------------------------------------------------------------- item 10
 
 async fn emit_in(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, command_key: &str, version: i64) -> outbox_core::EventId {
-    let payload = order_payload("o-same", version);
-    let mut req = order_request(command_key, "o-same", &payload);
+    emit_for(tx, command_key, "o-same", version).await
+}
+
+/// Emits version `version` of order `aggregate` in `tx`.
+async fn emit_for(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, command_key: &str, aggregate: &str, version: i64) -> outbox_core::EventId {
+    let payload = order_payload(aggregate, version);
+    let mut req = order_request(command_key, aggregate, &payload);
     req.aggregate_version = version;
     outbox_producer::emit(tx, &req, &outbox_producer::EmitOptions::default()).await.unwrap().event_id().clone()
 }
@@ -487,10 +492,18 @@ fn log_order(f: &Fixture) -> Vec<String> {
 /// committed before another was inserted is always published first (and
 /// events of one transaction in insert order). Two transactions that
 /// overlap get no order between them: here the later insert commits first,
-/// is claimed alone and is published first.
+/// is claimed alone and is published first. (Two emits of one aggregate
+/// never overlap: emit's aggregate lock makes the second wait for the
+/// first. The overlapping events here are of two aggregates that share a
+/// key: the route's key template is per aggregate type.)
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn item10_per_key_order_is_insert_order_among_committed_events(pool: PgPool) {
     let f = fixture(pool).await;
+    let one_key = outbox_core::RoutePolicy {
+        key_template: "{tenant}.{aggregate_type}".into(),
+        ..outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32)
+    };
+    outbox_producer::routes::revise(&f.pool, &one_key).await.unwrap();
     let d = f.dispatcher(&f.store, 5_000);
     // Serialized: A commits before B is inserted -> A before B, whenever the dispatcher runs.
     let mut t = f.pool.begin().await.unwrap();
@@ -503,9 +516,9 @@ async fn item10_per_key_order_is_insert_order_among_committed_events(pool: PgPoo
     // Overlapping: T1 inserts C, T2 inserts D (later seq) and commits first;
     // the dispatcher runs in between.
     let mut t1 = f.pool.begin().await.unwrap();
-    let c = emit_in(&mut t1, "cmd-c", 3).await;
+    let c = emit_for(&mut t1, "cmd-c", "o-c", 1).await;
     let mut t2 = f.pool.begin().await.unwrap();
-    let dd = emit_in(&mut t2, "cmd-d", 4).await;
+    let dd = emit_for(&mut t2, "cmd-d", "o-d", 1).await;
     t2.commit().await.unwrap();
     assert_eq!(d.dispatch_once("w").await.unwrap().published, 1, "D is the only committed open event of the key");
     t1.commit().await.unwrap();
@@ -742,6 +755,15 @@ async fn item4_a_receipt_colliding_with_a_lost_position_does_not_drop_its_batch(
     };
     assert_eq!(report.lost_logs, vec![lost]);
     assert!(report.to_text().contains(&format!("lost log {}/{TOPIC}/0: 1 receipts (offsets 1..1)", f.broker.cluster_id())), "{}", report.to_text());
+    // The bypass scan reads the same at 0/1: the newer epoch's message, so
+    // the older receipt lost its log (it is not one that never matched).
+    f.reconciler().compare_once().await.unwrap();
+    let detail: String = sqlx::query_scalar("SELECT detail FROM outbox_findings WHERE kind = 'receipt_position_lost' AND event_id = $1")
+        .bind(old.event_id().as_str())
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    assert!(detail.contains("is gone (topic recreated, cluster replaced)") && !detail.contains("never matched"), "the scan did not judge it a lost log: {detail}");
 }
 
 /// A topic deleted and created again under the same name starts a new log
@@ -861,6 +883,87 @@ async fn item4_the_bypass_scan_reports_a_receipt_whose_position_was_lost(pool: P
     assert!(matches!(f.broker.send(stray).await, SendOutcome::Acked { offset: 1, .. }));
     rec.compare_once().await.unwrap();
     assert_eq!(f.findings("receipt_position_lost", e.event_id().as_str()).await, 1);
+}
+
+/// docs/roles.sql: the roles the services run under.
+const ROLES_SQL: &str = include_str!("../../docs/roles.sql");
+
+/// Defect (outside read): a receipt row forged by the dispatcher role (its
+/// grants allow inserting receipts and publishing events) at a position
+/// that holds another event's message was reported as
+/// `receipt_position_lost` with the cause "the log it was recorded in is
+/// gone", sending the operator to the runbook of a recreated topic. The
+/// log was never replaced: the bypass scan's anchor holds, and the
+/// position still holds the very message the other event's receipt
+/// recorded there, in an earlier position epoch of the same log. The
+/// forged receipt (it must take a later epoch: positions are unique per
+/// epoch) never matched the log, and its event's message was never
+/// written: the finding names that cause.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_forged_receipt_at_another_messages_position_is_not_reported_as_a_lost_log(pool: PgPool) {
+    let f = fixture(pool).await;
+    sqlx::raw_sql(ROLES_SQL).execute(&f.pool).await.expect("roles.sql applies");
+    let d = f.dispatcher(&f.store, 5_000);
+    let first = create_order(&f.pool, &order_on(&f, 0, &[]), 1).await;
+    assert_eq!(d.dispatch_once("w").await.unwrap().published, 1);
+    let rec = f.reconciler();
+    assert_eq!(rec.compare_once().await.unwrap().total(), 0);
+    // The next message of the partition, published genuinely at 0/1.
+    let not = [first.envelope.aggregate_id.as_str()];
+    let holder = create_order(&f.pool, &order_on(&f, 0, &not), 1).await;
+    assert_eq!(d.dispatch_once("w").await.unwrap().published, 1);
+    assert_eq!(f.receipt_offset(holder.event_id().as_str()).await, 1);
+    // An event claimed and registered, never sent.
+    let not = [first.envelope.aggregate_id.as_str(), holder.envelope.aggregate_id.as_str()];
+    let (forged, a) = f.registered(&order_on(&f, 0, &not), 5_000).await;
+    let id = forged.envelope.event_id.as_str().to_owned();
+
+    // As the dispatcher role: a receipt for it at 0/1 (epoch 0 is the
+    // holder's there) and the event PUBLISHED, triggers and all.
+    let now = outbox_core::Clock::now_ms(&f.clock);
+    let mut tx = f.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL ROLE outbox_dispatcher").execute(&mut *tx).await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, cluster_id, topic, topic_id, partition, \"offset\",
+                                              payload_digest, destination_digest, accepted_at_ms, position_epoch)
+         VALUES ($1, 1, $2, $3, $4, NULL, 0, 1, $5, $6, $7, 1)",
+    )
+    .bind(&id)
+    .bind(a.attempt_id.as_str())
+    .bind(f.broker.cluster_id())
+    .bind(TOPIC)
+    .bind(&forged.envelope.payload_digest)
+    .bind(&forged.destination_digest)
+    .bind(now)
+    .execute(&mut *tx)
+    .await
+    .expect("the dispatcher role may insert a receipt");
+    sqlx::query(
+        "UPDATE outbox_events SET state = 'PUBLISHED', claim_owner = NULL, lease_until_ms = NULL, published_at_ms = $2, state_since_ms = $2
+         WHERE event_id = $1",
+    )
+    .bind(&id)
+    .bind(now)
+    .execute(&mut *tx)
+    .await
+    .expect("the dispatcher role may publish an event");
+    tx.commit().await.unwrap();
+    assert_eq!(f.state(&id).await, EventState::Published);
+    assert_eq!(f.log_of(&id), 0, "the forged receipt's event was never sent");
+
+    // The bypass scan reads 0/1 (its anchor, 0/0, holds: the same log).
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!((c.bypass_publish, c.unrecorded_copy, c.divergent_copy), (0, 0, 0), "{c:?}");
+    assert_eq!(f.findings("receipt_position_lost", holder.event_id().as_str()).await, 0, "the holder's receipt matches the log");
+    assert_eq!(f.findings("receipt_position_lost", &id).await, 1, "the forged receipt was not reported");
+    let detail: String = sqlx::query_scalar("SELECT detail FROM outbox_findings WHERE kind = 'receipt_position_lost' AND event_id = $1")
+        .bind(&id)
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    assert!(detail.contains("never matched the log") && detail.contains("forged or corrupted"), "the finding names another cause: {detail}");
+    assert!(!detail.contains("is gone"), "the finding blames a lost log: {detail}");
+    assert!(detail.contains(&format!("event {}'s message", holder.event_id())), "{detail}");
 }
 
 /// Issue 19 item 4: the broker came back with a shorter log: a receipt

@@ -58,6 +58,26 @@ pub(super) async fn divergent_payload_receipt_quarantines<H: Harness>(c: &Ctx<'_
     eq("slot", slot, None)
 }
 
+/// A receipt of a registered attempt that names another topic id than the
+/// frozen destination (here a `destination.v1`, which names none) is
+/// another log's position, not the event's publication: quarantined as a
+/// placement mismatch, the slot left empty; the genuine receipt that
+/// follows is kept as evidence.
+pub(super) async fn receipt_of_another_topic_id_quarantines<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    eq("frozen topic id", &ce.destination.topic_id, &None)?;
+    let a = c.register(&ce.token).await?;
+    let genuine = receipt(&ce, &a, c.offset(1));
+    let recreated = BrokerReceipt { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), offset: c.offset(2), ..genuine.clone() };
+    eq("another topic id", c.accept(&recreated).await?, ReceiptDecision::Quarantine { reason: QuarantineReason::PlacementMismatch, move_event: true })?;
+    c.expect_state(&id, EventState::Quarantined).await?;
+    eq("genuine receipt after quarantine", c.accept(&genuine).await?, ReceiptDecision::Duplicate)?;
+    let (state, slot) = c.state(&id).await?;
+    eq("state", state, EventState::Quarantined)?;
+    eq("slot", slot, None)
+}
+
 pub(super) async fn unregistered_attempt_is_rejected<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let id = c.emit(1, "a").await;
     let ce = c.claim_some("w1", &id).await?;

@@ -57,7 +57,9 @@ pub use config::{
 pub use gate::ClaimGate;
 pub use message::{outgoing_message, outgoing_message_signed, TRACESTATE_HEADER};
 pub use metrics::DispatchMetrics;
-pub use run::until_true;
+pub use run::{until_true, IntoShutdown, ShutdownFuture};
+#[allow(deprecated)]
+pub use run::ShutdownWatch;
 pub use crate::sweeper::{CLOCK_SKEW_WARN_LEASE_FRACTION, CLOCK_SKEW_WARN_MIN_MS, PROTOCOL_GAUGE_EVERY};
 
 /// The dispatcher service.

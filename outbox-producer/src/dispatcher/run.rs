@@ -36,7 +36,29 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
     /// then stops claiming, drains outstanding answers (bounded by
     /// `shutdown_grace_ms`) and returns the totals. A `watch::Receiver<bool>`
     /// becomes a shutdown future with [`until_true`].
-    pub async fn run(self: Arc<Self>, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<BatchReport, ProducerError> {
+    ///
+    /// `shutdown` is any `Future<Output = ()> + Send` ([`IntoShutdown`]'s
+    /// form [`ShutdownFuture`]). **Deprecated form:** a
+    /// `tokio::sync::watch::Receiver<bool>`, what `run` took before it took
+    /// a future, is still accepted ([`ShutdownWatch`]) and stops the run when
+    /// it holds `true` or its sender is dropped, as it did; each such call
+    /// logs a WARN naming the caller's file and line and the replacement,
+    /// `run(outbox_producer::until_true(rx))`. It is not a compiler warning:
+    /// rustc gives none for the choice of a trait impl (`#[deprecated]` on an
+    /// impl or its items has no effect, rust-lang/rust#39935), and `run`'s
+    /// name is the same in both forms.
+    #[track_caller]
+    pub fn run<Form>(
+        self: Arc<Self>,
+        shutdown: impl IntoShutdown<Form>,
+    ) -> impl std::future::Future<Output = Result<BatchReport, ProducerError>> {
+        // Converted here, not when first polled: a deprecated form's warning
+        // names the caller's line (`#[track_caller]`).
+        let shutdown = shutdown.into_shutdown();
+        self.run_until(shutdown)
+    }
+
+    async fn run_until(self: Arc<Self>, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<BatchReport, ProducerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let run = self.run_with(stop_rx);
         let mut run = std::pin::pin!(run);
@@ -195,4 +217,61 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
 /// dropped.
 pub async fn until_true(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// What [`Dispatcher::run`] takes as its shutdown signal. `Form` is never
+/// written by a caller: it is inferred from the argument's type, which picks
+/// one of the two implementations.
+///
+/// - [`ShutdownFuture`]: any `Future<Output = ()> + Send`, e.g.
+///   `async { let _ = tokio::signal::ctrl_c().await; }` or
+///   [`until_true(rx)`](until_true). The form to use.
+/// - [`ShutdownWatch`] (deprecated): a `tokio::sync::watch::Receiver<bool>`,
+///   as `run` took before; the run stops once it holds `true` or its sender
+///   is dropped ([`until_true`]). Each use logs a WARN with the caller's file
+///   and line (`Dispatcher::run` is `#[track_caller]`) and the replacement.
+///   The compiler cannot warn here: `#[deprecated]` on a trait impl has no
+///   effect (rust-lang/rust#39935), so the warning is at run time.
+pub trait IntoShutdown<Form>: Send + Sized {
+    /// The shutdown future.
+    type Future: std::future::Future<Output = ()> + Send;
+
+    /// Turns `self` into the shutdown future.
+    #[track_caller]
+    fn into_shutdown(self) -> Self::Future;
+}
+
+/// [`IntoShutdown`]'s form for a shutdown future (the form to use).
+#[derive(Debug)]
+pub enum ShutdownFuture {}
+
+/// [`IntoShutdown`]'s form for a `watch::Receiver<bool>` handed to
+/// [`Dispatcher::run`]: accepted for callers of the old signature, with a
+/// WARN at run time naming the caller.
+#[deprecated(note = "pass a shutdown future: `run(outbox_producer::until_true(rx))` instead of `run(rx)`")]
+#[derive(Debug)]
+pub enum ShutdownWatch {}
+
+impl<F: std::future::Future<Output = ()> + Send> IntoShutdown<ShutdownFuture> for F {
+    type Future = F;
+
+    fn into_shutdown(self) -> F {
+        self
+    }
+}
+
+/// The run-time warning of [`ShutdownWatch`].
+const WATCH_SHUTDOWN_DEPRECATED: &str =
+    "Dispatcher::run(watch::Receiver<bool>) is deprecated: pass a shutdown future, `run(outbox_producer::until_true(rx))`; the receiver still stops the run when it holds true";
+
+#[allow(deprecated)]
+impl IntoShutdown<ShutdownWatch> for watch::Receiver<bool> {
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+    #[track_caller]
+    fn into_shutdown(self) -> Self::Future {
+        let caller = std::panic::Location::caller();
+        tracing::warn!(caller = %caller, "{WATCH_SHUTDOWN_DEPRECATED}");
+        Box::pin(until_true(self))
+    }
 }

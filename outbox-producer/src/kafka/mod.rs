@@ -449,6 +449,39 @@ impl Broker for KafkaBroker {
         .map_err(|e| format!("scan task failed: {e}"))?
     }
 
+    /// Reads up to `max_messages` messages of `topic`/`partition` from
+    /// `from_offset` as the broker serves them, past the end it reports
+    /// (for the reconciler's check of receipts at or beyond that end).
+    async fn read_past_reported_end(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<Vec<ScannedMessage>, String> {
+        let timeout = Duration::from_millis(self.shared.config.lookup_timeout_ms);
+        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner().lookups).acquire_owned()).await {
+            Ok(Ok(p)) => p,
+            _ => return Err("no lookup slot".into()),
+        };
+        let req = ScanRequest {
+            tokens: self.inner().tokens.clone(),
+            cluster_id: self.shared.cluster_id.clone(),
+            topic: topic.to_owned(),
+            partition,
+            event_id: EventId::from_parts(0, 0),
+            from: ScanFrom::at(from_offset),
+            max_messages: max_messages.min(self.shared.config.lookup_max_messages),
+            deadline: Instant::now() + timeout,
+        };
+        let config = self.shared.config.clone();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let mut messages = Vec::new();
+            scan::read_past_reported_end(&config, &req, |msg| {
+                let hs = message_headers(msg);
+                messages.push(ScannedMessage::read(&req.cluster_id, msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.payload().unwrap_or_default(), &hs));
+            })?;
+            Ok(messages)
+        })
+        .await
+        .map_err(|e| format!("read task failed: {e}"))?
+    }
+
     async fn partition_count(&self, topic: &str) -> Result<Option<u32>, String> {
         KafkaBroker::partition_count(self, topic).await.map(Some).map_err(|e| e.to_string())
     }

@@ -262,6 +262,61 @@ fn read_anchor<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, at: i
     }
 }
 
+/// Reads up to `req.max_messages` messages of the request's partition from
+/// `req.from.offset` as the broker serves them, **without** stopping at the
+/// high watermark it reports (`Broker::read_past_reported_end`): until the
+/// consumer reaches the partition's end (EOF), `max_messages`, or the
+/// deadline. A broker that reports its end below records it serves (tansu
+/// 0.6) serves them here; a broker whose log really ends there serves
+/// nothing (or answers an offset out of range: an `Err`, as `auto.offset.reset`
+/// is `error`). Calls `on_message` for each message at or above the offset.
+pub(super) fn read_past_reported_end(config: &KafkaConfig, req: &ScanRequest, on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(), String> {
+    if req.from.offset < 0 {
+        return Err(format!("negative offset {}", req.from.offset));
+    }
+    if req.tokens.is_some() {
+        read_past_reported_end_with::<true>(config, req, on_message)
+    } else {
+        read_past_reported_end_with::<false>(config, req, on_message)
+    }
+}
+
+fn read_past_reported_end_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(), String> {
+    let group_id = format!("outbox-lookup-{}-{}-past-end", std::process::id(), LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed));
+    let mut settings = config.lookup_config(&group_id);
+    // The one place the partition's end is read from the consumer's fetches,
+    // not from the watermark the broker reports.
+    settings.set("enable.partition.eof", "true");
+    let consumer: BaseConsumer<LookupContext<OAUTH>> = settings
+        .create_with_context(LookupContext::<OAUTH> { tokens: req.tokens.clone() })
+        .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))?;
+    let at = req.from.offset;
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(&req.topic, req.partition, Offset::Offset(at)).map_err(|e| format!("assignment: {e}"))?;
+    consumer.assign(&tpl).map_err(|e| format!("assign {}/{}: {e}", req.topic, req.partition))?;
+    let mut read: u64 = 0;
+    while read < req.max_messages {
+        let remaining = req.remaining();
+        if remaining.is_zero() {
+            return Err(format!("reading {}/{} past its reported end from offset {at} timed out after {read} messages", req.topic, req.partition));
+        }
+        match consumer.poll(remaining.min(Duration::from_millis(LOOKUP_POLL_SLICE_MS))) {
+            None => {}
+            Some(Err(KafkaError::PartitionEOF(_))) => break,
+            Some(Err(e)) => return Err(format!("reading {}/{} past its reported end at offset {at}: {e}", req.topic, req.partition)),
+            Some(Ok(msg)) => {
+                if msg.topic() != req.topic || msg.partition() != req.partition || msg.offset() < at {
+                    continue;
+                }
+                read += 1;
+                on_message(&msg);
+            }
+        }
+    }
+    debug!(topic = %req.topic, partition = req.partition, from = at, read, "kafka read past the reported end");
+    Ok(())
+}
+
 fn position_of<const OAUTH: bool>(consumer: &BaseConsumer<LookupContext<OAUTH>>, topic: &str, partition: i32) -> Option<i64> {
     let tpl = consumer.position().ok()?;
     match tpl.find_partition(topic, partition)?.offset() {
