@@ -46,7 +46,7 @@ pub(super) struct HealthState {
 }
 
 /// Failed delivery reports in a row (no acknowledgement between them) that,
-/// once they span [`failing_bound_ms`], make a producer one that cannot
+/// once they span [`FAILING_AFTER_MS`] (or `producer_stall_ms` if shorter), make a producer one that cannot
 /// deliver: the cluster rejects it (a replaced broker that does not know
 /// its producer id, an authorization taken away), so readiness says not
 /// ready and supervision rebuilds it as soon as the cluster answers.

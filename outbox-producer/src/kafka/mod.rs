@@ -132,7 +132,7 @@ use scan::{scan_partition, scan_range, ScanRequest};
 use topic_id::{frozen_topic_id, recreated, topic_in, TopicIdRead};
 
 pub use error::{describe_kafka_error, redact_text, KafkaAdapterError};
-pub use health::{ProducerHealth, SupervisionStep};
+pub use health::{ProducerHealth, SupervisionStep, FAILING_AFTER_MS, FAILURES_IN_A_ROW, FAILURE_REBUILD_BACKOFF_MS};
 pub use oauth::{OAuthBearerToken, OAuthTokenProvider};
 pub use scan::{is_log_incomplete, message_headers, LOG_INCOMPLETE};
 pub use settings::{
