@@ -119,6 +119,9 @@ pub enum Command {
     /// Consumers' gaps: ranges of a partition a consumer skipped (a reset group, an offset out of range); list, and accept one that cannot be replayed.
     #[command(subcommand)]
     Gaps(GapsCommand),
+    /// Consumers' watermark records over the broker: which database each consumer's records are taken from.
+    #[command(subcommand)]
+    Watermarks(WatermarksCommand),
     /// The reconciler's findings: list, and acknowledge (close) one.
     #[command(subcommand)]
     Findings(FindingsCommand),
@@ -231,6 +234,23 @@ pub enum DeadLettersCommand {
         /// The consumer's database, if not the outbox database.
         #[arg(long, env = "OUTBOX_CONSUMER_DATABASE_URL", hide_env_values = true, value_name = "URL")]
         consumer_database_url: Option<String>,
+    },
+}
+
+/// `outbox watermarks`.
+#[derive(Debug, Subcommand)]
+pub enum WatermarksCommand {
+    /// Forget the database pinned as a consumer's watermark writer (its records name it): the next record's database is pinned. For a consumer whose database really moved.
+    ///
+    /// Records of another database than the pinned one (a scratch replay
+    /// under the production consumer's id) are refused as a second writer.
+    Repin {
+        /// The consumer.
+        #[arg(long, value_name = "CONSUMER_ID")]
+        consumer: String,
+        /// Who asks (logged), e.g. your login.
+        #[arg(long, value_name = "NAME")]
+        operator: String,
     },
 }
 

@@ -14,7 +14,7 @@ use outbox_core::watermark_record::{WatermarkRecord, KEY_ID_HEADER, SCHEMA, SCHE
 use outbox_core::{Clock as _, ManualClock};
 use outbox_producer::kafka::KafkaBroker;
 use outbox_producer::{purge, register_consumer, Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig, RetentionPolicy, WatermarkTopicConfig, WatermarkTopicReader};
-use outbox_testkit::{pick_database, KafkaFixture};
+use outbox_testkit::{pick_database, KafkaFixture, TestDatabase};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
@@ -177,21 +177,9 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     cfg.watermark_publish_interval_ms = 200;
     cfg.watermark_topic = Some(wm_topic.clone());
     cfg.watermark_signing_key = Some(SigningKey::from_hex("wm-1", &secret).unwrap());
-    let consumer = IdempotentConsumer::new(cfg, shipping.clone(), Ship).unwrap();
-    let metrics = consumer.metrics();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(consumer.run(async move {
-        let _ = stopped.await;
-    }));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM shipments").fetch_one(&shipping).await.unwrap() < 6 {
-        assert!(tokio::time::Instant::now() < deadline, "the consumer did not apply the events");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
-    let published = metrics.snapshot().watermark_records_published;
-    assert!(published >= 1, "{:?}", metrics.snapshot());
+    let counters = run_shipping_until(cfg, &shipping, "the consumer did not apply the events", |_, shipped| shipped >= 6).await;
+    let published = counters.watermark_records_published;
+    assert!(published >= 1, "{counters:?}");
     let rows = |pool: PgPool| async move {
         sqlx::query_as::<_, (String, i32, i64, i64)>("SELECT topic, partition, committed_offset, applied_count FROM outbox_consumer_watermarks WHERE consumer_id = 'shipping' ORDER BY 1, 2")
             .fetch_all(&pool)
@@ -253,6 +241,31 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     orders.close().await;
     shipping.close().await;
     drop(two);
+}
+
+/// Runs the shipping consumer of `cfg` over `db` until `done` holds for its
+/// counters and the shipments it made (checked every 100 ms, at most 60 s;
+/// `what` says what was awaited), then stops it gracefully (it publishes its
+/// watermarks once more); answers its counters.
+async fn run_shipping_until(cfg: ConsumerConfig, db: &PgPool, what: &str, done: impl Fn(&outbox_consumer::MetricsSnapshot, i64) -> bool) -> outbox_consumer::MetricsSnapshot {
+    let consumer = IdempotentConsumer::new(cfg, db.clone(), Ship).unwrap();
+    let metrics = consumer.metrics();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(async move {
+        let _ = stopped.await;
+    }));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let shipments = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM shipments").fetch_one(db).await.unwrap();
+        if done(&metrics.snapshot(), shipments) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: {:?}", metrics.snapshot());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    metrics.snapshot()
 }
 
 /// One declared consumer ("shipping") on a single-partition topic with
@@ -333,6 +346,18 @@ impl Rig {
             .insert(Header { key: SCHEMA_HEADER, value: Some(SCHEMA) })
             .insert(Header { key: KEY_ID_HEADER, value: Some(key_id) })
             .insert(Header { key: SIGNATURE_HEADER, value: Some(signature) });
+        let (key, value) = (r.key_bytes(), r.value_bytes());
+        self.producer.send(FutureRecord::to(&self.wm_topic).key(&key).payload(&value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
+    }
+
+    /// A record signed with the rig's key, naming the database that decided it.
+    async fn send_decided(&self, r: &WatermarkRecord, decider: &str) {
+        let signature = r.signature(&self.key);
+        let headers = OwnedHeaders::new()
+            .insert(Header { key: SCHEMA_HEADER, value: Some(SCHEMA) })
+            .insert(Header { key: KEY_ID_HEADER, value: Some(self.key.key_id()) })
+            .insert(Header { key: SIGNATURE_HEADER, value: Some(signature.as_str()) })
+            .insert(Header { key: outbox_core::watermark_record::DECIDER_HEADER, value: Some(decider) });
         let (key, value) = (r.key_bytes(), r.value_bytes());
         self.producer.send(FutureRecord::to(&self.wm_topic).key(&key).payload(&value).headers(headers), Duration::from_secs(10)).await.map_err(|(e, _)| e).unwrap();
     }
@@ -695,20 +720,8 @@ async fn a_signing_consumer_is_verified_by_outbox_reconcile() {
     cfg.watermark_publish_interval_ms = 200;
     cfg.watermark_topic = Some(rig.wm_topic.clone());
     cfg.watermark_signing_key = Some(SigningKey::from_hex("wm-1", &secret).unwrap());
-    let consumer = IdempotentConsumer::new(cfg, shipping.clone(), Ship).unwrap();
-    let metrics = consumer.metrics();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(consumer.run(async move {
-        let _ = stopped.await;
-    }));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM shipments").fetch_one(&shipping).await.unwrap() < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "the consumer did not apply the events");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
-    assert!(metrics.snapshot().watermark_records_published >= 1, "{:?}", metrics.snapshot());
+    let counters = run_shipping_until(cfg, &shipping, "the consumer did not apply the events", |_, shipped| shipped >= 3).await;
+    assert!(counters.watermark_records_published >= 1, "{counters:?}");
 
     let url = rig.env.db.url.clone();
     let reconcile = |keys: String| {
@@ -757,21 +770,9 @@ async fn a_consumer_that_quarantines_everything_is_shown_from_its_watermarks() {
     cfg.watermark_publish_interval_ms = 200;
     cfg.watermark_topic = Some(rig.wm_topic.clone());
     cfg.trust = outbox_consumer::TrustPolicy::default().accept(&rig.topic, &["urn:uuid:00000000-0000-4000-8000-00000000000f"], false);
-    let consumer = IdempotentConsumer::new(cfg, shipping.clone(), Ship).unwrap();
-    let metrics = consumer.metrics();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(consumer.run(async move {
-        let _ = stopped.await;
-    }));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while metrics.snapshot().quarantined < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "the consumer did not decide the messages: {:?}", metrics.snapshot());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    stop.send(()).unwrap();
-    running.await.unwrap().unwrap();
-    assert_eq!(metrics.snapshot().applied, 0);
-    assert!(metrics.snapshot().watermark_records_published >= 1, "{:?}", metrics.snapshot());
+    let counters = run_shipping_until(cfg, &shipping, "the consumer did not decide the messages", |m, _| m.quarantined >= 3).await;
+    assert_eq!(counters.applied, 0);
+    assert!(counters.watermark_records_published >= 1, "{counters:?}");
     // The outbox database has no quarantine row of this consumer.
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_quarantine").fetch_one(rig.env.pool()).await.unwrap();
     assert_eq!(rows, 0);
@@ -787,5 +788,77 @@ async fn a_consumer_that_quarantines_everything_is_shown_from_its_watermarks() {
     assert!(report.contains("consumer shipping quarantined 3") && report.contains("EVERY MESSAGE QUARANTINED"), "{report}");
     shipping.close().await;
     drop(two);
+    rig.env.drop_now().await;
+}
+
+/// A scratch replay under the production consumer's id (its own database,
+/// another group) publishes records its own database decided. The reader
+/// pins the database of the consumer's first record; the replay's records
+/// are a second writer: one `watermark_rejected` finding naming both
+/// databases, and the watermark does not move. After `outbox watermarks
+/// repin` (the consumer's database really moved), the next database is
+/// pinned and its records apply.
+#[tokio::test]
+async fn a_replay_under_the_same_consumer_id_is_a_finding_not_a_moved_watermark() {
+    let rig = rig("wm_second_writer").await;
+    let t = rig.clock.now_ms();
+    rig.send_decided(&rig.record("shipping", 2, t), "7716/shipping").await;
+    let reader = rig.reader().await;
+    let r = reader.ingest_once().await.unwrap();
+    assert_eq!((r.applied, r.second_writer), (1, 0), "{r:?}");
+    assert_eq!(rig.committed("shipping").await, Some(2));
+
+    // The replay: further along, decided by another database.
+    rig.send_decided(&rig.record("shipping", 3, t + 1_000), "9001/shipping_replay").await;
+    rig.send_decided(&rig.record("shipping", 3, t + 2_000), "9001/shipping_replay").await;
+    let r = reader.ingest_once().await.unwrap();
+    assert_eq!((r.applied, r.rejected, r.second_writer), (0, 2, 2), "{r:?}");
+    assert_eq!(rig.committed("shipping").await, Some(2), "the replay moved nothing");
+    let found = rig.details("watermark_rejected").await;
+    assert_eq!(found.len(), 1, "one finding per consumer and log: {found:?}");
+    assert!(found[0].1.contains("second writer") && found[0].1.contains("9001/shipping_replay") && found[0].1.contains("7716/shipping") && found[0].1.contains("OUTBOX_CONSUMER_REPLAY"), "{found:?}");
+    // The production consumer goes on.
+    rig.send_decided(&rig.record("shipping", 3, t + 3_000), "7716/shipping").await;
+    assert_eq!(reader.ingest_once().await.unwrap().applied, 1);
+    assert_eq!(rig.committed("shipping").await, Some(3));
+
+    // The consumer's database moved: the operator forgets the old one.
+    let out = run_outbox(&rig.env.db.url, &["watermarks", "repin", "--consumer", "shipping", "--operator", "ops-alice"]);
+    assert!(out.contains("7716/shipping forgotten by ops-alice"), "{out}");
+    rig.send_decided(&rig.record("shipping", 3, t + 4_000), "5555/shipping").await;
+    let r = reader.ingest_once().await.unwrap();
+    assert_eq!((r.applied + r.out_of_date, r.second_writer), (1, 0), "{r:?}");
+    let pinned: Option<String> = sqlx::query_scalar("SELECT decider FROM outbox_watermark_publishers WHERE consumer_id = 'shipping'").fetch_one(rig.env.pool()).await.unwrap();
+    assert_eq!(pinned.as_deref(), Some("5555/shipping"));
+    rig.env.drop_now().await;
+}
+
+/// A consumer names the database that decided its records.
+#[tokio::test]
+async fn a_consumer_names_the_database_that_decided_its_records() {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use rdkafka::message::{Headers as _, Message as _};
+    let rig = rig("wm_decider_header").await;
+    let shipping_db = TestDatabase::create(rig.env.server.url(), "wm_decider_shipping", 2).await.unwrap();
+    outbox_consumer::migrate(&shipping_db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE shipments (event_id text PRIMARY KEY)").execute(&shipping_db.pool).await.unwrap();
+    let mut cfg = ConsumerConfig::new("shipping", rig.kafka.bootstrap(), &[&rig.topic]);
+    cfg.watermark_publish_interval_ms = 200;
+    cfg.watermark_topic = Some(rig.wm_topic.clone());
+    run_shipping_until(cfg, &shipping_db.pool, "nothing published", |m, _| m.watermark_records_published > 0).await;
+    let expected: String = sqlx::query_scalar("SELECT (SELECT system_identifier FROM pg_control_system())::text || '/' || current_database()").fetch_one(&shipping_db.pool).await.unwrap();
+    let reader: BaseConsumer = ClientConfig::new().set("bootstrap.servers", rig.kafka.bootstrap()).set("group.id", "decider-check").set("auto.offset.reset", "earliest").create().unwrap();
+    reader.subscribe(&[&rig.wm_topic]).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let decider = loop {
+        assert!(std::time::Instant::now() < deadline, "no record read");
+        if let Some(Ok(m)) = reader.poll(Duration::from_millis(200)) {
+            let hs = m.headers().expect("headers");
+            break hs.iter().find(|h| h.key == outbox_core::watermark_record::DECIDER_HEADER).and_then(|h| h.value).map(|v| String::from_utf8_lossy(v).into_owned());
+        }
+    };
+    assert_eq!(decider.as_deref(), Some(expected.as_str()));
+    drop(reader);
+    shipping_db.drop_now().await.unwrap();
     rig.env.drop_now().await;
 }

@@ -111,6 +111,7 @@ pub(crate) fn start(config: &ConsumerConfig, pool: PgPool, metrics: Arc<Metrics>
         cluster_id,
         timeout: Duration::from_millis(timeout_ms),
         signing_key: config.watermark_signing_key.clone(),
+        decider: tokio::sync::OnceCell::new(),
     };
     let interval = Duration::from_millis(config.watermark_publish_interval_ms);
     let (stop, mut stop_rx) = oneshot::channel();
@@ -145,6 +146,9 @@ struct Publisher {
     cluster_id: String,
     timeout: Duration,
     signing_key: Option<outbox_core::trust::SigningKey>,
+    /// The database that decided the rows, read once
+    /// ([`watermark_record::DECIDER_HEADER`]); `None` when it cannot be read.
+    decider: tokio::sync::OnceCell<Option<String>>,
 }
 
 impl Publisher {
@@ -180,6 +184,15 @@ impl Publisher {
                 return;
             }
         };
+        let decider = self
+            .decider
+            .get_or_init(|| async {
+                let d: Result<String, sqlx::Error> =
+                    sqlx::query_scalar("SELECT (SELECT system_identifier FROM pg_control_system())::text || '/' || current_database()").fetch_one(&self.pool).await;
+                d.map_err(|e| warn!(error = %e, "the database's identity is unreadable: watermark records name no decider")).ok()
+            })
+            .await
+            .as_ref();
         let now_ms = chrono::Utc::now().timestamp_millis();
         let mut pending = Vec::with_capacity(rows.len());
         for w in rows {
@@ -205,6 +218,9 @@ impl Publisher {
             }
             let (key, value) = (record.key_bytes(), record.value_bytes());
             let mut headers = OwnedHeaders::new().insert(Header { key: watermark_record::SCHEMA_HEADER, value: Some(record.schema()) });
+            if let Some(d) = decider {
+                headers = headers.insert(Header { key: watermark_record::DECIDER_HEADER, value: Some(d.as_str()) });
+            }
             if let Some(k) = &self.signing_key {
                 let signature = k.sign(&value);
                 headers = headers

@@ -48,6 +48,48 @@ pub const SCHEMA_HEADER: &str = "outbox-watermark-schema";
 pub const SIGNATURE_HEADER: &str = "outbox-watermark-signature";
 /// The id of the key that signed the record (only on signed records).
 pub const KEY_ID_HEADER: &str = "outbox-watermark-key-id";
+/// Header naming the database that decided what a record counts (its
+/// PostgreSQL system identifier and database name, `<id>/<name>`): the
+/// reader pins the first one it sees per consumer and cluster, and a record
+/// of another is a second writer under the same consumer id (a replay, a
+/// copy of the consumer's database), not a moved watermark.
+pub const DECIDER_HEADER: &str = "outbox-watermark-decider";
+/// Longest decider name accepted, bytes.
+pub const MAX_DECIDER_BYTES: usize = 200;
+
+/// What the reader does with a record given the decider pinned for its
+/// consumer ([`decide_writer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriterDecision {
+    /// The first decider seen: pin it and apply the record.
+    Pin(String),
+    /// The pinned decider (or a record that names none, from a consumer
+    /// older than the header): apply.
+    Same,
+    /// Another database decided it than the pinned one: a second writer;
+    /// the record moves nothing.
+    Second {
+        /// The decider pinned for the consumer.
+        pinned: String,
+        /// The one the record names (or why it is unreadable).
+        found: String,
+    },
+}
+
+/// Whether a record whose [`DECIDER_HEADER`] is `found` comes from the
+/// writer pinned for its consumer (`pinned`).
+pub fn decide_writer(pinned: Option<&str>, found: Option<&[u8]>) -> WriterDecision {
+    let Some(found) = found else {
+        return WriterDecision::Same;
+    };
+    let readable = std::str::from_utf8(found).ok().filter(|f| !f.is_empty() && f.len() <= MAX_DECIDER_BYTES && !f.chars().any(char::is_control));
+    match (pinned, readable) {
+        (_, None) => WriterDecision::Second { pinned: pinned.unwrap_or("").to_owned(), found: format!("an unreadable decider header ({} bytes)", found.len()) },
+        (None, Some(f)) => WriterDecision::Pin(f.to_owned()),
+        (Some(p), Some(f)) if p == f => WriterDecision::Same,
+        (Some(p), Some(f)) => WriterDecision::Second { pinned: p.to_owned(), found: f.to_owned() },
+    }
+}
 /// Default name of the watermark topic (one per cluster).
 pub const DEFAULT_TOPIC: &str = "outbox.watermarks";
 /// Largest key or value accepted, bytes.
@@ -291,6 +333,27 @@ pub const COPY_UPSERT_SQL: &str = "INSERT INTO outbox_consumer_watermarks AS w
          last_event_id = CASE WHEN EXCLUDED.committed_offset >= w.committed_offset
                               THEN COALESCE(EXCLUDED.last_event_id, w.last_event_id) ELSE w.last_event_id END,
          updated_at = GREATEST(w.updated_at, EXCLUDED.updated_at)";
+
+#[cfg(test)]
+mod writer_tests {
+    use super::*;
+
+    #[test]
+    fn the_first_decider_is_pinned_and_another_is_a_second_writer() {
+        assert_eq!(decide_writer(None, Some(b"7716/orders")), WriterDecision::Pin("7716/orders".into()));
+        assert_eq!(decide_writer(Some("7716/orders"), Some(b"7716/orders")), WriterDecision::Same);
+        assert_eq!(decide_writer(Some("7716/orders"), None), WriterDecision::Same, "a record of an older consumer names none");
+        assert_eq!(decide_writer(None, None), WriterDecision::Same);
+        assert_eq!(
+            decide_writer(Some("7716/orders"), Some(b"9001/orders_replay")),
+            WriterDecision::Second { pinned: "7716/orders".into(), found: "9001/orders_replay".into() }
+        );
+        assert_eq!(decide_writer(None, Some("7716/bestellungen ü".as_bytes())), WriterDecision::Pin("7716/bestellungen ü".into()), "any database name");
+        assert!(matches!(decide_writer(None, Some(b"a\nb")), WriterDecision::Second { .. }), "unreadable");
+        assert!(matches!(decide_writer(None, Some(&[0xff, 0xfe])), WriterDecision::Second { .. }), "not UTF-8");
+        assert!(matches!(decide_writer(Some("a"), Some(&[b'x'; MAX_DECIDER_BYTES + 1])), WriterDecision::Second { .. }), "too long");
+    }
+}
 
 #[cfg(test)]
 mod tests {

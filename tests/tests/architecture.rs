@@ -259,16 +259,23 @@ fn decision_modules_import_no_store_or_broker_trait() {
 /// which the simulator runs), never round by round on its own.
 #[test]
 fn the_cli_reconciles_through_the_reconcilers_own_loop() {
-    let src = workspace().join("outbox-cli/src");
+    // Every file of the crate, directory modules (`src/commands/`) too.
+    let mut dirs = vec![workspace().join("outbox-cli/src")];
     let mut calls_run = false;
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|x| x != "rs") {
-            continue;
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|x| x != "rs") {
+                continue;
+            }
+            let code = code_of(&path);
+            assert!(!code.contains(".run_round("), "{} drives reconciler rounds itself", path.display());
+            calls_run |= code.contains(".run_observed(");
         }
-        let code = code_of(&path);
-        assert!(!code.contains(".run_round("), "{} drives reconciler rounds itself", path.display());
-        calls_run |= code.contains(".run_observed(");
     }
     assert!(calls_run, "outbox-cli never calls Reconciler::run_observed");
 }

@@ -1,0 +1,477 @@
+//! The reader: the Kafka client of one cluster's watermark topic, and a
+//! round that reads what is new, decides about each record and applies
+//! the round in one transaction.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::watermark_record::{self, WatermarkRecord, WriterDecision};
+use outbox_core::{Clock, SystemClock};
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::Message;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use sqlx::PgPool;
+
+use super::apply::{apply, arrived, ignored, pin, record_findings, Applied};
+use super::config::{no_key_reason, WatermarkTopicConfig};
+use crate::error::ProducerError;
+
+/// How long a round goes on reading after the reported ends of the
+/// watermark topic's partitions while nothing more arrives, ms.
+pub const READ_PAST_END_IDLE_MS: u64 = 200;
+
+/// Finding kinds raised by the reader; evidence, left open until an operator resolves them.
+pub const READER_FINDINGS: &[&str] = &["watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected"];
+
+/// What one round of [`WatermarkTopicReader::ingest_once`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IngestReport {
+    /// Records read.
+    pub read: usize,
+    /// Records applied (the stored watermark now says what they say).
+    pub applied: usize,
+    /// Records older than the stored watermark (reordered earlier publications), ignored.
+    pub out_of_date: usize,
+    /// Records of consumers not declared in `outbox_consumers`, ignored.
+    pub undeclared: usize,
+    /// Records that would move an offset or a count back, ignored.
+    pub moved_back: usize,
+    /// Records beyond the end of their partition, ignored.
+    pub beyond_end: usize,
+    /// Records that do not decode, name another cluster, fail their
+    /// consumer's signature check, or are of a declared consumer the reader
+    /// holds no key for, ignored.
+    pub rejected: usize,
+    /// Of [`Self::rejected`], those that failed the signature check of a
+    /// consumer with keys (unsigned, unknown key id, bad signature).
+    pub bad_signature: usize,
+    /// Of [`Self::rejected`], those of a declared consumer that has no
+    /// verification key and is not opted out
+    /// ([`WatermarkTopicConfig::allow_unsigned`]), signed or not.
+    pub no_key: usize,
+    /// Of [`Self::rejected`], those decided by another database than the
+    /// one pinned for their consumer (a second writer under its id: a
+    /// replay; [`watermark_record::DECIDER_HEADER`]).
+    pub second_writer: usize,
+}
+
+impl IngestReport {
+    /// Records ignored with a finding.
+    pub fn findings(&self) -> usize {
+        self.undeclared + self.moved_back + self.beyond_end + self.rejected
+    }
+}
+
+/// Reads the watermark topic of one cluster into the outbox database.
+pub struct WatermarkTopicReader {
+    pool: PgPool,
+    client: Arc<StreamConsumer>,
+    cluster_id: String,
+    config: WatermarkTopicConfig,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for WatermarkTopicReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatermarkTopicReader").field("cluster_id", &self.cluster_id).field("config", &self.config).finish()
+    }
+}
+
+fn kafka_err(what: &str, e: impl std::fmt::Display) -> ProducerError {
+    ProducerError::Config(format!("watermark topic: {what}: {e}"))
+}
+
+impl WatermarkTopicReader {
+    /// Connects to the cluster and learns its id. The outbox database must
+    /// hold `outbox_consumer_watermarks` (`outbox migrate`, or
+    /// `outbox_consumer::migrate`, on the outbox database).
+    pub async fn connect(pool: PgPool, config: WatermarkTopicConfig) -> Result<Self, ProducerError> {
+        config.validate()?;
+        if !crate::report::has_watermarks(&pool).await? {
+            return Err(ProducerError::Config(
+                "the outbox database has no outbox_consumer_watermarks table (run `outbox migrate`, or outbox_consumer::migrate, on it)".into(),
+            ));
+        }
+        let mut k = ClientConfig::new();
+        k.set("bootstrap.servers", &config.bootstrap_servers)
+            .set("group.id", &config.group_id)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("isolation.level", "read_committed");
+        for (key, value) in &config.kafka {
+            k.set(key, value);
+        }
+        let client: Arc<StreamConsumer> = Arc::new(k.create().map_err(|e| kafka_err("client", e))?);
+        let timeout = Duration::from_millis(config.round_timeout_ms);
+        let c = client.clone();
+        let cluster_id = tokio::task::spawn_blocking(move || c.client().fetch_cluster_id(timeout))
+            .await
+            .map_err(|e| kafka_err("cluster id task", e))?
+            .filter(|id| !id.is_empty())
+            .ok_or_else(|| kafka_err("cluster id", format!("the broker did not tell it within {} ms", config.round_timeout_ms)))?;
+        if !config.allow_unsigned.is_empty() {
+            tracing::warn!(
+                topic = %config.topic,
+                consumers = ?config.allow_unsigned,
+                "watermark records of these consumers are applied unsigned (opted out of verification): anyone who can write the watermark topic can move their watermarks"
+            );
+        }
+        Ok(WatermarkTopicReader { pool, client, cluster_id, config, clock: Arc::new(SystemClock) })
+    }
+
+    /// Uses `clock` for the arrival times that `stale_watermark` is judged by
+    /// (the reconciler's clock, so both agree).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The id of the cluster read.
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &WatermarkTopicConfig {
+        &self.config
+    }
+
+    /// Low and high watermark of a partition (blocking call on a worker thread).
+    async fn offsets(&self, topic: &str, partition: i32) -> Result<(i64, i64), ProducerError> {
+        let c = self.client.clone();
+        let topic = topic.to_owned();
+        let timeout = Duration::from_millis(self.config.round_timeout_ms);
+        tokio::task::spawn_blocking(move || c.fetch_watermarks(&topic, partition, timeout))
+            .await
+            .map_err(|e| kafka_err("offsets task", e))?
+            .map_err(|e| kafka_err("offsets", e))
+    }
+
+    /// The partitions of the watermark topic (empty when it does not exist yet).
+    async fn partitions(&self) -> Result<Vec<i32>, ProducerError> {
+        let c = self.client.clone();
+        let topic = self.config.topic.clone();
+        let timeout = Duration::from_millis(self.config.round_timeout_ms);
+        let md = tokio::task::spawn_blocking(move || c.fetch_metadata(Some(&topic), timeout).map(|md| {
+            md.topics().iter().filter(|t| t.name() == topic && t.error().is_none()).flat_map(|t| t.partitions().iter().map(|p| p.id())).collect::<Vec<i32>>()
+        }))
+        .await
+        .map_err(|e| kafka_err("metadata task", e))?
+        .map_err(|e| kafka_err("metadata", e))?;
+        Ok(md)
+    }
+
+    /// Ingests every `interval` until `shutdown` resolves, handing each
+    /// round's report (or why it failed: it is read again next round) to
+    /// `observe`. A service beside the reconciler: `outbox reconcile` runs
+    /// it next to [`Reconciler::run_observed`](crate::Reconciler::run_observed).
+    pub async fn run(&self, shutdown: impl std::future::Future<Output = ()> + Send, interval: std::time::Duration, mut observe: impl FnMut(Result<&IngestReport, &ProducerError>) + Send) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return,
+                r = self.ingest_once() => {
+                    if let Err(e) = &r {
+                        tracing::warn!(error = %e, "watermark topic round failed; reading again next round");
+                    }
+                    observe(r.as_ref());
+                }
+            }
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+
+    /// Reads what the watermark topic holds beyond the stored positions (at
+    /// most `max_records_per_round`, within `round_timeout_ms`) and applies
+    /// it, with its findings and the new positions, in one transaction.
+    pub async fn ingest_once(&self) -> Result<IngestReport, ProducerError> {
+        let topic = self.config.topic.clone();
+        let mut report = IngestReport::default();
+        let partitions = self.partitions().await?;
+        if partitions.is_empty() {
+            tracing::debug!(topic = %topic, "watermark topic not there yet");
+            return Ok(report);
+        }
+        let stored: HashMap<i32, i64> = sqlx::query_as::<_, (i32, i64)>("SELECT partition, next_offset FROM outbox_watermark_topic_cursors WHERE cluster_id = $1 AND topic = $2")
+            .bind(&self.cluster_id)
+            .bind(&topic)
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .collect();
+        let mut tpl = TopicPartitionList::new();
+        let mut ends: HashMap<i32, i64> = HashMap::new();
+        let mut starts: HashMap<i32, i64> = HashMap::new();
+        for p in partitions {
+            let (low, high) = self.offsets(&topic, p).await?;
+            // Below the log's start (retention or compaction removed them): start there.
+            let from = stored.get(&p).copied().unwrap_or(low).max(low);
+            tpl.add_partition_offset(&topic, p, Offset::Offset(from)).map_err(|e| kafka_err("assign", e))?;
+            starts.insert(p, from);
+            if from < high {
+                ends.insert(p, high);
+            }
+        }
+        self.client.assign(&tpl).map_err(|e| kafka_err("assign", e))?;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(self.config.round_timeout_ms);
+        let mut messages: Vec<ReadRecord> = Vec::new();
+        let mut next: HashMap<i32, i64> = HashMap::new();
+        let mut last_read = tokio::time::Instant::now();
+        while messages.len() < self.config.max_records_per_round {
+            // Up to the reported ends, then on while records keep coming: a
+            // broker may report a high watermark below its last record.
+            let until = if ends.is_empty() { deadline.min(last_read + Duration::from_millis(READ_PAST_END_IDLE_MS)) } else { deadline };
+            let m = match tokio::time::timeout_at(until, self.client.recv()).await {
+                Err(_) => break,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "watermark topic read error");
+                    continue;
+                }
+                Ok(Ok(m)) => m,
+            };
+            let (p, off) = (m.partition(), m.offset());
+            if m.topic() != topic || starts.get(&p).is_none_or(|&from| off < from) {
+                // Left over from an earlier assignment: read again from the stored position.
+                continue;
+            }
+            next.insert(p, off + 1);
+            last_read = tokio::time::Instant::now();
+            if ends.get(&p).is_some_and(|&end| off + 1 >= end) {
+                ends.remove(&p);
+            }
+            // Read without rdkafka's accessors, which panic on a header name
+            // that is not UTF-8; the last header of each name counts.
+            let hs = crate::kafka::message_headers(&m);
+            let last = |name: &str| hs.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+            let (key_id, signature, decider) = (last(watermark_record::KEY_ID_HEADER), last(watermark_record::SIGNATURE_HEADER), last(watermark_record::DECIDER_HEADER));
+            messages.push(ReadRecord { partition: p, offset: off, key: m.key().map(<[u8]>::to_vec), value: m.payload().map(<[u8]>::to_vec), key_id, signature, decider });
+        }
+        let _ = self.client.unassign();
+        report.read = messages.len();
+        if messages.is_empty() {
+            return Ok(report);
+        }
+
+        // Decode, and learn the end of every partition the records of
+        // registered consumers speak about (only theirs: a record of anybody
+        // else costs no broker request).
+        let declared: Vec<String> = sqlx::query_scalar("SELECT consumer_id FROM outbox_consumers").fetch_all(&self.pool).await?;
+        let mut decoded = Vec::with_capacity(messages.len());
+        let mut data_ends: HashMap<(String, i32), Result<i64, String>> = HashMap::new();
+        for m in messages {
+            let (p, off) = (m.partition, m.offset);
+            let r = WatermarkRecord::decode(m.key.as_deref(), m.value.as_deref()).map_err(|e| Rejected { why: e.to_string(), consumer: None, cause: Cause::Format }).and_then(|r| {
+                if r.cluster_id != self.cluster_id {
+                    return Err(Rejected { why: format!("names cluster {:?} but was read from cluster {:?}", r.cluster_id, self.cluster_id), consumer: None, cause: Cause::Format });
+                }
+                match self.config.verify_keys.get(&r.consumer_id) {
+                    Some(keys) => {
+                        let value = m.value.as_deref().unwrap_or_default();
+                        if let Err(e) = watermark_record::verify_signature(value, m.key_id.as_deref(), m.signature.as_deref(), keys) {
+                            return Err(Rejected { why: format!("consumer {}: {e}", r.consumer_id), consumer: Some(r.consumer_id.clone()), cause: Cause::Signature });
+                        }
+                    }
+                    // Opted out by name: not checked.
+                    None if self.config.allow_unsigned.contains(&r.consumer_id) => {}
+                    // Neither keyed nor opted out: refused. (An undeclared
+                    // consumer's record is `watermark_undeclared_consumer` below.)
+                    None if declared.contains(&r.consumer_id) => {
+                        return Err(Rejected { why: no_key_reason(&r.consumer_id), consumer: Some(r.consumer_id.clone()), cause: Cause::NoKey(log_of(&r)) });
+                    }
+                    None => {}
+                }
+                Ok(r)
+            });
+            if let Some(r) = r.as_ref().ok().filter(|r| declared.contains(&r.consumer_id)) {
+                if let std::collections::hash_map::Entry::Vacant(slot) = data_ends.entry((r.topic.clone(), r.partition)) {
+                    slot.insert(self.offsets(&r.topic, r.partition).await.map(|(_, high)| high).map_err(|e| e.to_string()));
+                }
+            }
+            decoded.push((p, off, r, m.decider));
+        }
+
+        let now = self.clock.now_ms();
+        let mut tx = self.pool.begin().await?;
+        // The database pinned as each consumer's writer on this cluster.
+        let mut pinned: HashMap<String, String> =
+            sqlx::query_as::<_, (String, String)>("SELECT consumer_id, decider FROM outbox_watermark_publishers WHERE cluster_id = $1 AND decider IS NOT NULL")
+                .bind(&self.cluster_id)
+                .fetch_all(&mut *tx)
+                .await?
+                .into_iter()
+                .collect();
+        // Index in `findings` of the second-writer finding of each (log, consumer).
+        let mut second_at: HashMap<(String, String), usize> = HashMap::new();
+        let mut findings: Vec<(&'static str, String, String, String)> = Vec::new();
+        let mut unkeyed: BTreeSet<String> = BTreeSet::new();
+        // Index in `findings` of the no-key finding of each (log, consumer):
+        // the last record's position wins.
+        let mut no_key_at: HashMap<(String, String), usize> = HashMap::new();
+        for (p, off, r, decider) in decoded {
+            let at = format!("{}/{}/{p}@{off}", self.cluster_id, topic);
+            let record = match r {
+                Ok(r) => r,
+                Err(Rejected { why, consumer, cause }) => {
+                    report.rejected += 1;
+                    let consumer = consumer.unwrap_or_default();
+                    match cause {
+                        Cause::Format => findings.push(("watermark_rejected", at, consumer, format!("watermark record ignored: {why}"))),
+                        Cause::Signature => {
+                            report.bad_signature += 1;
+                            findings.push(("watermark_rejected", at, consumer, format!("watermark record ignored: {why}")));
+                        }
+                        Cause::NoKey(log) => {
+                            // One open finding per consumer and log, not per
+                            // record: such a consumer publishes every few seconds.
+                            report.no_key += 1;
+                            let detail = format!("watermark record at {at} ignored: {why}");
+                            match no_key_at.entry((log.clone(), consumer.clone())) {
+                                std::collections::hash_map::Entry::Occupied(i) => findings[*i.get()].3 = detail,
+                                std::collections::hash_map::Entry::Vacant(slot) => {
+                                    slot.insert(findings.len());
+                                    findings.push(("watermark_rejected", log, consumer.clone(), detail));
+                                }
+                            }
+                            unkeyed.insert(consumer);
+                        }
+                    }
+                    continue;
+                }
+            };
+            let log = log_of(&record);
+            if !declared.contains(&record.consumer_id) {
+                report.undeclared += 1;
+                findings.push(("watermark_undeclared_consumer", log, record.consumer_id.clone(), format!("watermark record at {at} from a consumer not declared in outbox_consumers, ignored")));
+                continue;
+            }
+            match watermark_record::decide_writer(pinned.get(&record.consumer_id).map(String::as_str), decider.as_deref()) {
+                WriterDecision::Same => {}
+                WriterDecision::Pin(d) => {
+                    pin(&mut tx, &record, &d, now).await?;
+                    pinned.insert(record.consumer_id.clone(), d);
+                }
+                WriterDecision::Second { pinned, found } => {
+                    // One open finding per consumer and log: a replay
+                    // publishes every few seconds.
+                    report.rejected += 1;
+                    report.second_writer += 1;
+                    ignored(&mut tx, &record, now).await?;
+                    let detail = format!(
+                        "watermark record at {at} ignored: a second writer under consumer id {c}: decided by database {found}, while {pinned} is this consumer's. A replay under the production consumer's id? Run it with OUTBOX_CONSUMER_REPLAY=true. If the consumer's database really moved, `outbox watermarks repin --consumer {c}` takes the next record's database",
+                        c = record.consumer_id
+                    );
+                    match second_at.entry((log.clone(), record.consumer_id.clone())) {
+                        std::collections::hash_map::Entry::Occupied(i) => findings[*i.get()].3 = detail,
+                        std::collections::hash_map::Entry::Vacant(slot) => {
+                            slot.insert(findings.len());
+                            findings.push(("watermark_rejected", log, record.consumer_id.clone(), detail));
+                        }
+                    }
+                    continue;
+                }
+            }
+            match data_ends.get(&(record.topic.clone(), record.partition)) {
+                Some(Ok(end)) if record.committed_offset <= *end => {}
+                other => {
+                    report.beyond_end += 1;
+                    let why = match other {
+                        Some(Ok(end)) => format!("committed offset {} is beyond the partition's end {end}", record.committed_offset),
+                        Some(Err(e)) => format!("the partition's end could not be read ({e})"),
+                        None => "the partition's end is unknown".to_owned(),
+                    };
+                    ignored(&mut tx, &record, now).await?;
+                    findings.push(("watermark_beyond_end", log, record.consumer_id.clone(), format!("watermark record at {at} ignored: {why}")));
+                    continue;
+                }
+            }
+            match apply(&mut tx, &record).await? {
+                Applied::Yes => {
+                    report.applied += 1;
+                    arrived(&mut tx, &record, now).await?;
+                }
+                Applied::OutOfDate => {
+                    report.out_of_date += 1;
+                    arrived(&mut tx, &record, now).await?;
+                }
+                Applied::MovedBack(why) => {
+                    report.moved_back += 1;
+                    ignored(&mut tx, &record, now).await?;
+                    findings.push(("watermark_moved_back", log, record.consumer_id.clone(), format!("watermark record at {at} ignored: {why}")));
+                }
+            }
+        }
+        for (p, n) in &next {
+            sqlx::query(
+                "INSERT INTO outbox_watermark_topic_cursors (cluster_id, topic, partition, next_offset) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (cluster_id, topic, partition) DO UPDATE SET next_offset = GREATEST(outbox_watermark_topic_cursors.next_offset, EXCLUDED.next_offset)",
+            )
+            .bind(&self.cluster_id)
+            .bind(&topic)
+            .bind(p)
+            .bind(n)
+            .execute(&mut *tx)
+            .await?;
+        }
+        record_findings(&mut tx, &findings, now).await?;
+        tx.commit().await?;
+        if report.findings() > 0 {
+            tracing::warn!(?report, "watermark records ignored");
+        }
+        if !unkeyed.is_empty() {
+            tracing::warn!(
+                consumers = ?unkeyed,
+                "watermark records of declared consumers without a verification key refused: configure their keys (OUTBOX_RECONCILE_WATERMARK_KEYS) or opt them out explicitly (--watermark-unsigned)"
+            );
+        }
+        Ok(report)
+    }
+}
+
+/// A record read from the watermark topic.
+struct ReadRecord {
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+    value: Option<Vec<u8>>,
+    /// The last `outbox-watermark-key-id` header.
+    key_id: Option<Vec<u8>>,
+    /// The last `outbox-watermark-signature` header.
+    signature: Option<Vec<u8>>,
+    /// The last `outbox-watermark-decider` header.
+    decider: Option<Vec<u8>>,
+}
+
+/// Why a record was rejected, and the consumer it named when it decoded.
+struct Rejected {
+    why: String,
+    consumer: Option<String>,
+    cause: Cause,
+}
+
+/// What a rejection counts as.
+enum Cause {
+    /// Does not decode, or names another cluster.
+    Format,
+    /// Fails the signature check of a consumer with keys.
+    Signature,
+    /// Of a declared consumer without keys that is not opted out; the log
+    /// the record is about (what its finding names).
+    NoKey(String),
+}
+
+/// The log a record is about, as findings name it.
+fn log_of(r: &WatermarkRecord) -> String {
+    match &r.topic_id {
+        None => format!("{}/{}/{}", r.cluster_id, r.topic, r.partition),
+        Some(id) => format!("{}/{} (topic id {id})/{}", r.cluster_id, r.topic, r.partition),
+    }
+}
