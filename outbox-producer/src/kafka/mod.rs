@@ -292,6 +292,28 @@ impl KafkaBroker {
         }
     }
 
+    /// A lookup slot (waited for at most the lookup timeout) and the request
+    /// of a read of `topic`/`partition` from `from_offset`, of up to
+    /// `max_messages` (capped by the configuration), for any event.
+    async fn read_request(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<(tokio::sync::OwnedSemaphorePermit, ScanRequest), String> {
+        let timeout = Duration::from_millis(self.shared.config.lookup_timeout_ms);
+        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner().lookups).acquire_owned()).await {
+            Ok(Ok(p)) => p,
+            _ => return Err("no lookup slot".into()),
+        };
+        let req = ScanRequest {
+            tokens: self.inner().tokens.clone(),
+            cluster_id: self.shared.cluster_id.clone(),
+            topic: topic.to_owned(),
+            partition,
+            event_id: EventId::from_parts(0, 0),
+            from: ScanFrom::at(from_offset),
+            max_messages: max_messages.min(self.shared.config.lookup_max_messages),
+            deadline: Instant::now() + timeout,
+        };
+        Ok((permit, req))
+    }
+
     /// The partition count of `topic`, from the cluster's metadata (for
     /// checking route policies against the real topic).
     pub async fn partition_count(&self, topic: &str) -> Result<u32, KafkaAdapterError> {
@@ -420,21 +442,7 @@ impl Broker for KafkaBroker {
     /// Reads the eventId header of up to `max_messages` messages of
     /// `topic`/`partition` from `from_offset`, for the bypass check.
     async fn scan_event_ids(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<PartitionScan, String> {
-        let timeout = Duration::from_millis(self.shared.config.lookup_timeout_ms);
-        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner().lookups).acquire_owned()).await {
-            Ok(Ok(p)) => p,
-            _ => return Err("no lookup slot".into()),
-        };
-        let req = ScanRequest {
-            tokens: self.inner().tokens.clone(),
-            cluster_id: self.shared.cluster_id.clone(),
-            topic: topic.to_owned(),
-            partition,
-            event_id: EventId::from_parts(0, 0),
-            from: ScanFrom::at(from_offset),
-            max_messages: max_messages.min(self.shared.config.lookup_max_messages),
-            deadline: Instant::now() + timeout,
-        };
+        let (permit, req) = self.read_request(topic, partition, from_offset, max_messages).await?;
         let config = self.shared.config.clone();
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
@@ -453,21 +461,7 @@ impl Broker for KafkaBroker {
     /// `from_offset` as the broker serves them, past the end it reports
     /// (for the reconciler's check of receipts at or beyond that end).
     async fn read_past_reported_end(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<Vec<ScannedMessage>, String> {
-        let timeout = Duration::from_millis(self.shared.config.lookup_timeout_ms);
-        let permit = match tokio::time::timeout(timeout, Arc::clone(&self.inner().lookups).acquire_owned()).await {
-            Ok(Ok(p)) => p,
-            _ => return Err("no lookup slot".into()),
-        };
-        let req = ScanRequest {
-            tokens: self.inner().tokens.clone(),
-            cluster_id: self.shared.cluster_id.clone(),
-            topic: topic.to_owned(),
-            partition,
-            event_id: EventId::from_parts(0, 0),
-            from: ScanFrom::at(from_offset),
-            max_messages: max_messages.min(self.shared.config.lookup_max_messages),
-            deadline: Instant::now() + timeout,
-        };
+        let (permit, req) = self.read_request(topic, partition, from_offset, max_messages).await?;
         let config = self.shared.config.clone();
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
