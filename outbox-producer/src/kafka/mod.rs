@@ -109,6 +109,10 @@
 mod delivery;
 mod error;
 mod health;
+
+/// The longest the reconciler's read past a partition's reported end waits
+/// for messages, ms: a broker serves at once what it holds there.
+pub const PAST_END_READ_MS: u64 = 2_000;
 mod oauth;
 mod scan;
 mod settings;
@@ -461,7 +465,12 @@ impl Broker for KafkaBroker {
     /// `from_offset` as the broker serves them, past the end it reports
     /// (for the reconciler's check of receipts at or beyond that end).
     async fn read_past_reported_end(&self, topic: &str, partition: i32, from_offset: i64, max_messages: u64) -> Result<Vec<ScannedMessage>, String> {
-        let (permit, req) = self.read_request(topic, partition, from_offset, max_messages).await?;
+        let (permit, mut req) = self.read_request(topic, partition, from_offset, max_messages).await?;
+        // A broker serves at once what it holds past the end it reports; one
+        // that holds nothing there (a replaced log) may answer nothing at
+        // all, and the reconciler's round must not wait a lookup timeout per
+        // partition for it.
+        req.deadline = req.deadline.min(Instant::now() + Duration::from_millis(PAST_END_READ_MS));
         let config = self.shared.config.clone();
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
