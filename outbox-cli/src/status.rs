@@ -265,7 +265,7 @@ impl Status {
                 let _ = writeln!(o, "  nothing published on its topics yet{}", if self.watermarks_table { "" } else { " (no watermark table here)" });
             }
             if let Some(d) = self.consumer_decisions.iter().find(|d| d.consumer_id == c.consumer_id) {
-                let _ = writeln!(o, "  {}", decisions_line(d));
+                let _ = writeln!(o, "  {}", d.describe());
             }
             for p in &c.partitions {
                 let seen = p.watermark_updated_at_ms.map(|t| format!("watermark moved {} ago", age((self.now_ms - t).max(0)))).unwrap_or_else(|| "no watermark".into());
@@ -279,12 +279,9 @@ impl Status {
         }
         // Consumers that quarantined or dead-lettered without being registered.
         for d in self.consumer_decisions.iter().filter(|d| !self.consumers.iter().any(|c| c.consumer_id == d.consumer_id)) {
-            let _ = writeln!(o, "consumer {} (not registered): {}", d.consumer_id, decisions_line(d));
+            let _ = writeln!(o, "consumer {} (not registered): {}", d.consumer_id, d.describe());
         }
         o
     }
 }
 
-fn decisions_line(d: &outbox_producer::ConsumerDecisions) -> String {
-    d.describe()
-}
