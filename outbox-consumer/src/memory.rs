@@ -54,15 +54,13 @@ pub type WatermarkKey = (String, String, String, i32, Option<String>);
 /// `(consumer id, cluster id, topic, partition)`.
 pub type PartitionKey = (String, String, String, i32);
 
-/// A gap as the store keeps it: its range, and who closed it, why.
+/// A gap as the store keeps it: its range, and why it closed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GapRow {
     /// The range as it stands.
     pub gap: OffsetGap,
-    /// `None` while open; `replayed`, or the operator's reason.
+    /// `None` while open; `replayed` once every offset of it was decided.
     pub close_reason: Option<String>,
-    /// The operator who accepted it.
-    pub closed_by: Option<String>,
 }
 
 /// What the store holds (committed state).
@@ -431,36 +429,13 @@ fn apply_reading(st: &mut MemoryConsumerState, k: &PartitionKey, c: &ReadingChan
     let next = st.readings.entry(k.clone()).or_insert(c.next_offset);
     *next = (*next).max(c.next_offset);
     for g in c.opened.iter().chain(c.shrunk.iter()) {
-        let row = st.gaps.entry((k.clone(), g.detected_from)).or_insert_with(|| GapRow { gap: g.clone(), close_reason: None, closed_by: None });
+        let row = st.gaps.entry((k.clone(), g.detected_from)).or_insert_with(|| GapRow { gap: g.clone(), close_reason: None });
         if row.close_reason.is_some() {
             continue;
         }
         row.gap = g.clone();
         if g.is_closed() {
             row.close_reason = Some("replayed".into());
-        }
-    }
-}
-
-impl MemoryConsumerStore {
-    /// The reading of a partition, as committed.
-    pub fn committed_reading(&self, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32) -> Reading {
-        reading_of(&self.lock(), &(consumer_id.to_owned(), cluster_id.to_owned(), topic.to_owned(), partition))
-    }
-
-    /// An operator accepts the open gap of a partition that began at
-    /// `detected_from` (its messages cannot be replayed): it closes with
-    /// `by` and `reason`; answers whether there was such an open gap.
-    #[allow(clippy::too_many_arguments)]
-    pub fn accept_gap(&self, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32, detected_from: i64, by: &str, reason: &str) -> bool {
-        let mut st = self.lock();
-        match st.gaps.get_mut(&((consumer_id.to_owned(), cluster_id.to_owned(), topic.to_owned(), partition), detected_from)) {
-            Some(row) if row.close_reason.is_none() => {
-                row.close_reason = Some(reason.to_owned());
-                row.closed_by = Some(by.to_owned());
-                true
-            }
-            _ => false,
         }
     }
 }
