@@ -46,7 +46,9 @@ impl std::ops::Sub for Reads {
 /// (one-connection pools) has reported its counters: a session reports
 /// pending counters when a transaction ends, and `pg_stat_force_next_flush`
 /// makes the next report unconditional, so they are in the views before
-/// the session answers.
+/// the session answers. Any other connection reports its reads when it is
+/// next idle for a second, possibly inside a measured window: read the
+/// tables only through `sessions` until the figure is taken.
 pub async fn reads(pool: &PgPool, sessions: &[&PgPool], tables: &[&str]) -> Reads {
     for session in sessions {
         sqlx::query("SELECT pg_stat_force_next_flush()").execute(*session).await.expect("flush counters");
