@@ -73,6 +73,13 @@ macro_rules! ulid_id {
                 decode_ulid($field, &self.0[$prefix.len()..]).map(|v| (v >> 80) as u64).unwrap_or(0)
             }
 
+            /// The 80 bits after the time: random for a generated id, or
+            /// what [`Self::from_parts`] was given.
+            pub fn random_bits(&self) -> u128 {
+                // Parsed ids are valid by construction.
+                decode_ulid($field, &self.0[$prefix.len()..]).map(|v| v & ((1u128 << 80) - 1)).unwrap_or(0)
+            }
+
             /// The rendered id.
             pub fn as_str(&self) -> &str {
                 &self.0

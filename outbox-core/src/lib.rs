@@ -51,6 +51,7 @@ pub mod reconcile;
 pub mod retention;
 pub mod state;
 pub mod store;
+pub mod stream;
 pub mod takeover;
 pub mod trace_context;
 pub mod trust;

@@ -228,7 +228,7 @@ fn the_circle_check_sees_a_circle() {
 }
 
 /// The modules that decide, with no I/O and no store: the stores call them.
-const DECISIONS: [&str; 10] = ["claim", "command", "compare", "findings", "receipt", "reconcile", "retention", "state", "takeover", "migration"];
+const DECISIONS: [&str; 11] = ["claim", "command", "compare", "findings", "receipt", "reconcile", "retention", "state", "stream", "takeover", "migration"];
 
 #[test]
 fn decision_modules_import_no_store_or_broker_trait() {
