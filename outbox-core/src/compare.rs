@@ -355,6 +355,22 @@ pub struct PositionEpoch {
     pub position_epoch: i32,
 }
 
+/// The position epoch of a primary receipt being accepted at its position
+/// (cluster, topic, topic id, partition, offset), from the newest primary
+/// receipt the store holds there (`newest_here`: its event and epoch;
+/// `None`: none). Another event's receipt there means the log that receipt
+/// was written to is gone (offsets are unique within one log): the new
+/// receipt is accepted one epoch above it, the old one stays as evidence.
+/// Otherwise (no receipt there, or `event_id`'s own) the epoch is 0. Both
+/// stores assign epochs with it; retention reads them
+/// ([`crate::LogPosition::on_replaced_unnamed_log`]).
+pub fn next_position_epoch(newest_here: Option<(&str, i32)>, event_id: &str) -> i32 {
+    match newest_here {
+        Some((holder, epoch)) if holder != event_id => epoch.saturating_add(1),
+        _ => 0,
+    }
+}
+
 /// Whether primary receipt `r`, whose position holds another message
 /// (`lost` is [`PositionLost::HoldsOther`]), never matched the log rather
 /// than lost it: the message there is the one another event's primary
@@ -447,6 +463,14 @@ mod tests {
         ];
         let published = [("evt-a".to_owned(), "sha256:a".to_owned())].into_iter().collect();
         KnownCopies::new(&receipts, published, open, &P, now_ms)
+    }
+
+    #[test]
+    fn a_receipt_at_another_events_position_is_one_epoch_above_it() {
+        assert_eq!(next_position_epoch(None, "evt-b"), 0);
+        assert_eq!(next_position_epoch(Some(("evt-a", 0)), "evt-b"), 1);
+        assert_eq!(next_position_epoch(Some(("evt-b", 1)), "evt-c"), 2);
+        assert_eq!(next_position_epoch(Some(("evt-b", 1)), "evt-b"), 0);
     }
 
     #[test]

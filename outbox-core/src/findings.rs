@@ -166,7 +166,7 @@ mod tests {
     #[test]
     fn unconsumed_is_judged_on_the_very_log() {
         let topics = vec!["orders".to_owned()];
-        let at = LogPosition { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2, offset: 10 };
+        let at = LogPosition { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2, offset: 10, position_epoch: 0 };
         let wm = |cluster_id, topic_id, partition, committed_offset| WatermarkRef { consumer_id: "c", cluster_id, topic: "orders", topic_id, partition, committed_offset };
         let judge = |wms: &[WatermarkRef<'_>]| unconsumed_published(Published, NOW - 100, NOW, 50, &at, "c", &topics, wms);
         assert_eq!(judge(&[]), Some(100), "no watermark");

@@ -36,6 +36,22 @@ pub enum HoldReason {
         /// Its committed offset (the next offset it will read).
         committed_offset: i64,
     },
+    /// The event's primary receipt names no topic id (`destination.v1`)
+    /// and was accepted in a position epoch above 0: another event's
+    /// receipt held its position, so the log it was written to replaced an
+    /// earlier one of the same cluster, topic and partition (the topic
+    /// deleted and created again, or the cluster replaced), whose offsets
+    /// it reuses. A watermark of that partition cannot say which of the
+    /// logs it counted (and never moves back, so it may still stand where
+    /// the old log left it): no watermark lets the event go. Held until an
+    /// operator confirms the consumer processed it (docs/OPERATIONS.md,
+    /// *A topic was recreated, or the cluster replaced by an empty one*).
+    ReplacedLog {
+        /// The mandatory consumer whose watermark cannot be trusted for it.
+        consumer_id: String,
+        /// The receipt's position epoch.
+        position_epoch: i32,
+    },
 }
 
 /// Whether an event published at `published_at_ms` is past the replay
@@ -62,6 +78,22 @@ pub struct LogPosition<'a> {
     pub partition: i32,
     /// Offset.
     pub offset: i64,
+    /// The receipt's position epoch (0: the first receipt at its position;
+    /// above 0: accepted at a position another event's receipt held, in a
+    /// log that replaced that receipt's log; see
+    /// [`crate::compare::next_position_epoch`]).
+    pub position_epoch: i32,
+}
+
+impl LogPosition<'_> {
+    /// Whether this position is of a log that replaced another one under the
+    /// same name (cluster, topic, partition) that watermarks cannot tell
+    /// apart: a `destination.v1` position (no topic id) of a position epoch
+    /// above 0. A `destination.v2` position names its topic id, and a
+    /// recreated topic's new id starts watermarks of its own.
+    pub fn on_replaced_unnamed_log(&self) -> bool {
+        self.topic_id.is_none() && self.position_epoch > 0
+    }
 }
 
 /// One consumer's watermark on one partition of one cluster's topic: every
@@ -104,7 +136,10 @@ impl WatermarkRef<'_> {
 /// without a watermark on that very log (same cluster, topic, topic id and
 /// partition) holds the event: a watermark on another cluster's topic of
 /// the same name, or on another incarnation of the topic (another topic id),
-/// says nothing about this one.
+/// says nothing about this one. Nor does any watermark about a
+/// `destination.v1` receipt of a position epoch above 0
+/// ([`LogPosition::on_replaced_unnamed_log`]): a mandatory consumer on the
+/// topic holds it with [`HoldReason::ReplacedLog`].
 pub fn may_purge(
     state: EventState,
     published_at_ms: i64,
@@ -122,6 +157,9 @@ pub fn may_purge(
     }
     let consumers = if crate::simulation::mutation_active("purge-ignores-watermarks") { &[][..] } else { mandatory_consumers_on_topic };
     for &consumer in consumers {
+        if placement.on_replaced_unnamed_log() {
+            return Err(HoldReason::ReplacedLog { consumer_id: consumer.to_owned(), position_epoch: placement.position_epoch });
+        }
         let committed = mandatory_watermarks.iter().find(|w| w.covers_log_of(consumer, &placement)).map(|w| w.committed_offset);
         match committed {
             None => return Err(HoldReason::NoWatermark { consumer_id: consumer.to_owned() }),
@@ -155,12 +193,12 @@ mod tests {
             .iter()
             .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, cluster_id: "k-a", topic, topic_id: None, partition, committed_offset })
             .collect();
-        may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7 }, &wms, mandatory)
+        may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0 }, &wms, mandatory)
     }
 
     #[test]
     fn a_watermark_on_another_cluster_holds_nothing_up() {
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7 };
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0 };
         let far_on_b = [WatermarkRef { consumer_id: "c1", cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2, committed_offset: 1_000 }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &far_on_b, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let past_on_a = [WatermarkRef { cluster_id: "k-a", ..far_on_b[0] }];
@@ -176,7 +214,7 @@ mod tests {
     fn a_watermark_of_another_topic_id_holds_nothing_up() {
         const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
         const NEW: &str = "_____________________w";
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2, offset: 7 };
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2, offset: 7, position_epoch: 0 };
         let on_new = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2, committed_offset: 1_000 }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_new, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let without_id = [WatermarkRef { topic_id: None, ..on_new[0] }];
@@ -187,6 +225,39 @@ mod tests {
         let v1 = LogPosition { topic_id: None, ..at };
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v1, &on_old, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v1, &without_id, &["c1"]), Ok(()));
+    }
+
+    /// Issue 46: a `destination.v1` receipt accepted one position epoch
+    /// above another event's receipt at its position is of a log that
+    /// replaced that one under the same cluster, topic and partition; a
+    /// watermark of the partition, however far, does not let it go while a
+    /// mandatory consumer reads the topic. Epoch 0, and a `destination.v2`
+    /// receipt of any epoch (its topic id tells the logs apart), are judged
+    /// by the watermark as before.
+    #[test]
+    fn a_v1_receipt_of_a_replaced_log_is_held_whatever_the_watermark() {
+        const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 1 };
+        let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX }];
+        let held = Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 1 });
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), held);
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &["c1"]), held);
+        let epoch3 = LogPosition { position_epoch: 3, ..at };
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, epoch3, &past, &["c1"]), Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 3 }));
+        // No mandatory consumer on the topic: nothing to wait for.
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &[]), Ok(()));
+        // The window and the state come first.
+        assert_eq!(may_purge(EventState::Retained, 9_500, 10_000, W, at, &past, &["c1"]), Err(HoldReason::WithinReplayWindow));
+        // Epoch 0: as before.
+        let epoch0 = LogPosition { position_epoch: 0, ..at };
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, epoch0, &past, &["c1"]), Ok(()));
+        // destination.v2, any epoch: its own topic id's watermark decides.
+        let v2 = LogPosition { topic_id: Some(ID), ..at };
+        let on_id = [WatermarkRef { topic_id: Some(ID), committed_offset: 8, ..past[0] }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()));
+        let behind = [WatermarkRef { committed_offset: 7, ..on_id[0] }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &behind, &["c1"]), Err(HoldReason::WatermarkBehind { consumer_id: "c1".into(), committed_offset: 7 }));
+        assert!(at.on_replaced_unnamed_log() && !epoch0.on_replaced_unnamed_log() && !v2.on_replaced_unnamed_log());
     }
 
     #[test]

@@ -427,6 +427,23 @@ pub struct PublishedFacts {
     pub partition: i32,
     /// Its offset.
     pub offset: i64,
+    /// Its position epoch (above 0: accepted at a position another event's
+    /// receipt held, in a log that replaced that one).
+    pub position_epoch: i32,
+}
+
+impl PublishedFacts {
+    /// The primary receipt's log position.
+    pub fn position(&self) -> crate::LogPosition<'_> {
+        crate::LogPosition {
+            cluster_id: &self.cluster_id,
+            topic: &self.topic,
+            topic_id: self.topic_id.as_deref(),
+            partition: self.partition,
+            offset: self.offset,
+            position_epoch: self.position_epoch,
+        }
+    }
 }
 
 /// A consumer's watermark on one log, owned (see [`crate::WatermarkRef`]).

@@ -97,7 +97,7 @@ impl outbox_core::FindingsStore for PgStore {
             "false"
         };
         let rows = sqlx::query(&format!(
-            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\" FROM outbox_events e
+            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch FROM outbox_events e
              JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
              WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 AND r.topic = ANY($3)
                AND NOT {passed}
@@ -121,6 +121,7 @@ impl outbox_core::FindingsStore for PgStore {
                     topic_id: r.try_get("topic_id").map_err(store_err)?,
                     partition: r.try_get("partition").map_err(store_err)?,
                     offset: r.try_get("offset").map_err(store_err)?,
+                    position_epoch: r.try_get("position_epoch").map_err(store_err)?,
                 })
             })
             .collect()

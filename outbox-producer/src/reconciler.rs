@@ -694,7 +694,7 @@ impl<B: Broker + 'static, S: ServiceStore + FindingsStore> Reconciler<B, S> {
             let watermarks = self.store.consumer_watermarks(&consumer_id, &topics).await?;
             let refs: Vec<outbox_core::WatermarkRef<'_>> = watermarks.iter().map(|w| w.watermark_ref()).collect();
             for p in self.store.published_candidates(&consumer_id, &topics, now.saturating_sub(c.unconsumed_after_ms), limit).await? {
-                let at = outbox_core::LogPosition { cluster_id: &p.cluster_id, topic: &p.topic, topic_id: p.topic_id.as_deref(), partition: p.partition, offset: p.offset };
+                let at = p.position();
                 let Some(age) = f::unconsumed_published(p.state, p.published_at_ms, now, c.unconsumed_after_ms, &at, &consumer_id, &topics, &refs) else { continue };
                 let of_id = p.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
                 let detail = format!("published at {}{of_id}/{}@{}, not passed by the consumer's watermark of that log", p.topic, p.partition, p.offset);

@@ -9,7 +9,7 @@
 //! publish receipt — so a late duplicate ACK still meets its slot and a
 //! retried command still meets its first eventId after the purge.
 
-use outbox_core::{may_purge, EventState, HoldReason, LogPosition, WatermarkRef};
+use outbox_core::{may_purge, EventState, HoldReason, WatermarkRef};
 use sqlx::{PgPool, Row};
 
 use crate::error::ProducerError;
@@ -47,6 +47,11 @@ pub struct PurgeReport {
     /// mandatory consumer has not passed them (in a dry run, PUBLISHED ones
     /// past the window too, judged as if retained).
     pub held_by_consumers: u64,
+    /// Of `held_by_consumers`, the `destination.v1` events whose receipt is
+    /// of a log that replaced another under the same cluster, topic and
+    /// partition (`HoldReason::ReplacedLog`): no watermark lets them go; an
+    /// operator confirms each consumer processed them (docs/OPERATIONS.md).
+    pub held_on_replaced_log: u64,
     /// Batches run: retain statements and purge pages (in a dry run, pages read).
     pub batches: u32,
 }
@@ -116,6 +121,8 @@ pub trait RetentionStore: Send + Sync {
 struct Decided {
     purge: Vec<String>,
     held: u64,
+    /// Of `held`, by `HoldReason::ReplacedLog`.
+    replaced_log: u64,
 }
 
 /// Decides a page with `outbox_core::may_purge` on `registry`.
@@ -136,11 +143,16 @@ fn decide(page: &[Candidate], registry: &Registry, now_ms: i64, policy: &Retenti
     let mut out = Decided::default();
     for c in page {
         let on_topic: Vec<&str> = registry.mandatory.iter().filter(|(_, topics)| topics.iter().any(|t| *t == c.topic)).map(|(id, _)| id.as_str()).collect();
-        let at = LogPosition { cluster_id: &c.cluster_id, topic: &c.topic, topic_id: c.topic_id.as_deref(), partition: c.partition, offset: c.offset };
         let state = if as_retained && c.state == EventState::Published { EventState::Retained } else { c.state };
-        match may_purge(state, c.published_at_ms, now_ms, policy.replay_window_ms, at, &wms, &on_topic) {
+        match may_purge(state, c.published_at_ms, now_ms, policy.replay_window_ms, c.position(), &wms, &on_topic) {
             Ok(()) => out.purge.push(c.event_id.clone()),
             Err(HoldReason::NoWatermark { .. } | HoldReason::WatermarkBehind { .. }) => out.held += 1,
+            Err(HoldReason::ReplacedLog { consumer_id, position_epoch }) => {
+                tracing::warn!(event_id = %c.event_id, consumer_id, topic = %c.topic, partition = c.partition, offset = c.offset, position_epoch,
+                    "retention holds an event of a replaced log: no watermark of its partition can say the consumer processed it");
+                out.held += 1;
+                out.replaced_log += 1;
+            }
             Err(HoldReason::NotRetained { .. } | HoldReason::WithinReplayWindow) => {}
         }
     }
@@ -224,6 +236,7 @@ pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &Rete
                 }
                 report.purged += decided.purge.len() as u64;
                 report.held_by_consumers += decided.held;
+                report.held_on_replaced_log += decided.replaced_log;
                 report.batches += 1;
                 progress(&report);
                 match page.next() {
@@ -254,6 +267,7 @@ pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &Rete
         store.commit(tx).await?;
         report.purged += n;
         report.held_by_consumers += decided.held;
+        report.held_on_replaced_log += decided.replaced_log;
         report.batches += 1;
         progress(&report);
         match page.next() {
@@ -333,7 +347,7 @@ impl RetentionStore for PgRetention {
         }
         let ids: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
         let rows = sqlx::query(
-            "SELECT event_id, envelope_generation, cluster_id, topic, topic_id, partition, \"offset\" FROM outbox_publish_receipts WHERE event_id = ANY($1)",
+            "SELECT event_id, envelope_generation, cluster_id, topic, topic_id, partition, \"offset\", position_epoch FROM outbox_publish_receipts WHERE event_id = ANY($1)",
         )
         .bind(&ids)
         .fetch_all(&mut **tx)
@@ -355,6 +369,7 @@ impl RetentionStore for PgRetention {
                 topic_id: r.try_get("topic_id")?,
                 partition: r.try_get("partition")?,
                 offset: r.try_get("offset")?,
+                position_epoch: r.try_get("position_epoch")?,
                 event_id,
             });
         }
@@ -489,6 +504,7 @@ impl RetentionStore for outbox_memory::MemoryStore {
                     topic_id: slot.topic_id.clone(),
                     partition: slot.partition,
                     offset: slot.offset,
+                    position_epoch: e.slot_epoch,
                 })
             })
             .collect();

@@ -518,10 +518,10 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         let wm_rows: Vec<(String, String, String, Option<String>, i32, i64)> =
             sqlx::query_as("SELECT consumer_id, cluster_id, topic, topic_id, partition, committed_offset FROM outbox_consumer_watermarks").fetch_all(&f.pool).await.unwrap();
         let registry: Vec<(String, bool, Vec<String>)> = sqlx::query_as("SELECT consumer_id, mandatory, topics FROM outbox_consumers").fetch_all(&f.pool).await.unwrap();
-        // (event id, state, published at, and the receipt's cluster, topic, topic id, partition, offset)
-        type EventRow = (String, String, i64, String, String, Option<String>, i32, i64);
+        // (event id, state, published at, and the receipt's cluster, topic, topic id, partition, offset, position epoch)
+        type EventRow = (String, String, i64, String, String, Option<String>, i32, i64, i32);
         let events: Vec<EventRow> = sqlx::query_as(
-            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\"
+            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch
              FROM outbox_events e JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation",
         )
         .fetch_all(&f.pool)
@@ -537,13 +537,13 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
             let watermarks: Vec<outbox_core::WatermarkRef<'_>> = watermarks.iter().map(|w| outbox_core::WatermarkRef { topic_id: w.topic_id.filter(|_| !blind), ..*w }).collect();
             let mut ids: Vec<String> = events
                 .iter()
-                .filter(|(_, state, published_at, cluster, topic, topic_id, partition, offset)| {
+                .filter(|(_, state, published_at, cluster, topic, topic_id, partition, offset, position_epoch)| {
                     let state = EventState::parse(state).unwrap();
                     let state =
                         if state == EventState::Published && outbox_core::may_retain(*published_at, later, policy.replay_window_ms) { EventState::Retained } else { state };
                     let on_topic: Vec<&str> = registry.iter().filter(|(_, m, topics)| *m && topics.iter().any(|t| t == topic)).map(|(c, _, _)| c.as_str()).collect();
                     let topic_id = topic_id.as_deref().filter(|_| !blind);
-                    let at = outbox_core::LogPosition { cluster_id: cluster, topic, topic_id, partition: *partition, offset: *offset };
+                    let at = outbox_core::LogPosition { cluster_id: cluster, topic, topic_id, partition: *partition, offset: *offset, position_epoch: *position_epoch };
                     outbox_core::may_purge(state, *published_at, later, policy.replay_window_ms, at, &watermarks, &on_topic).is_ok()
                 })
                 .map(|e| e.0.clone())

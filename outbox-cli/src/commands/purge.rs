@@ -41,5 +41,11 @@ pub(super) async fn purge_cmd(url: &str, file: &FileConfig, a: &PurgeArgs) -> an
     println!("{} event(s) {verb} retained (PUBLISHED -> RETAINED)", result.retained);
     println!("{} event(s) {verb} purged (payload deleted; tombstone, digests and receipt kept)", result.purged);
     println!("{} event(s) past the replay window held back by a mandatory consumer's watermark", result.held_by_consumers);
+    if result.held_on_replaced_log > 0 {
+        println!(
+            "  of which {} destination.v1 event(s) of a replaced log (position epoch above 0): no watermark lets them go; confirm each mandatory consumer processed them (docs/OPERATIONS.md, a topic was recreated)",
+            result.held_on_replaced_log
+        );
+    }
     Ok(0)
 }

@@ -172,6 +172,8 @@ pub struct PurgeCounts {
     pub purged: u64,
     /// RETAINED events past the window held back by a mandatory consumer.
     pub held: u64,
+    /// Of `held`, the events of a replaced log (`HoldReason::ReplacedLog`).
+    pub replaced_log: u64,
 }
 
 /// The thresholds of a comparison round ([`Harness::compare_findings`]), ms.
@@ -217,6 +219,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("migration_commit_is_fenced", migration::migration_commit_is_fenced(&ctx("migrate")).await),
         ("a_key_is_held_until_its_event_closes", claims::a_key_is_held_until_its_event_closes(&ctx("held")).await),
         ("purge_waits_for_every_mandatory_watermark_on_the_same_log", retention::purge_waits_for_mandatory_watermarks(&ctx("purge")).await),
+        ("purge_holds_an_event_of_a_replaced_log", retention::purge_holds_an_event_of_a_replaced_log(&ctx("replacedlog")).await),
         ("registration_floor_is_past_the_logs_last_receipt", claims::registration_floor(&ctx("floor")).await),
         ("the_bypass_scan_judges_every_message_of_a_page", scans::bypass_scan_judgement(&ctx("scan")).await),
         ("the_comparison_judges_each_condition_and_resolves_what_no_longer_holds", findings::comparison_findings(&ctx("findings")).await),

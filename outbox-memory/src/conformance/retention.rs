@@ -20,7 +20,7 @@ use crate::MemoryWatermark;
 /// that is not mandatory, or reads another topic, holds nothing.
 pub(super) async fn purge_waits_for_mandatory_watermarks<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     const W: i64 = 60_000;
-    let counts = |retained, purged, held| PurgeCounts { retained, purged, held };
+    let counts = |retained, purged, held| PurgeCounts { retained, purged, held, replaced_log: 0 };
     // Whatever earlier scenarios published goes first, so the counts below are this scenario's.
     c.h.advance_ms(W + 1);
     c.h.purge(W, &[], &[]).await?;
@@ -110,4 +110,69 @@ pub(super) async fn purge_waits_for_mandatory_watermarks<H: Harness>(c: &Ctx<'_,
     eq("all passed", c.h.purge(W, &registry, &passed).await?, counts(0, still, 0))?;
     check("all passed", vec![false; events.len()]).await?;
     eq("nothing left", c.h.purge(W, &registry, &passed).await?, counts(0, 0, 0))
+}
+
+/// A log replaced under a `destination.v1` receipt (issue 46) on both
+/// stores: a topic without a recorded id deleted and created again (or the
+/// cluster replaced) restarts each partition at offset 0, and a receipt of
+/// the new log at a position an old receipt holds is accepted one position
+/// epoch above it. A consumer's watermark of "(cluster, topic, partition)"
+/// cannot say which log it counted (it never moves back, so after the
+/// replacement it still stands where the old log left it): it holds the
+/// epoch-1 event however far it is (`HoldReason::ReplacedLog`), while the
+/// events of epoch 0 on that partition go as its watermark passes them. A
+/// consumer that is not mandatory holds nothing.
+pub(super) async fn purge_holds_an_event_of_a_replaced_log<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    const W: i64 = 60_000;
+    let counts = |retained, purged, held, replaced_log| PurgeCounts { retained, purged, held, replaced_log };
+    // Whatever earlier scenarios published goes first, so the counts below are this scenario's.
+    c.h.advance_ms(W + 1);
+    c.h.purge(W, &[], &[]).await?;
+    // One key, so one partition: the first event at offset 0 of the old
+    // log, the second at offset 0 of the new one (the same position), the
+    // third at offset 1.
+    let mut events: Vec<(EventId, BrokerReceipt)> = Vec::new();
+    for (n, at) in [(0u32, 0i64), (1, 0), (2, 1)] {
+        let id = c.emit(n, "replaced").await;
+        let ce = c.claim_some("w1", &id).await?;
+        let a = c.register(&ce.token).await?;
+        let r = receipt(&ce, &a, c.offset(at));
+        eq(&format!("publish {n} at offset {at}"), c.accept(&r).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+        events.push((id, r));
+    }
+    let first = &events[0].1;
+    eq("the route's topic id", first.topic_id.as_deref(), None)?;
+    ensure(events.iter().all(|e| e.1.partition == first.partition), || "the events are not on one partition".into())?;
+    let (m, o, topic) = (format!("{}-m", c.prefix), format!("{}-o", c.prefix), first.topic.clone());
+    let on_topic: &[&str] = &[topic.as_str()];
+    let wm = |consumer_id: &str, committed_offset: i64| MemoryWatermark {
+        consumer_id: consumer_id.into(),
+        cluster_id: first.cluster_id.clone(),
+        topic: topic.clone(),
+        topic_id: None,
+        partition: first.partition,
+        committed_offset,
+    };
+    let check = |stage: &'static str, want: [EventState; 3]| {
+        let events = &events;
+        async move {
+            for ((id, r), want) in events.iter().zip(want) {
+                eq(&format!("{stage}: {id} at {}", r.offset), c.state(id).await?.0, want)?;
+            }
+            Ok::<_, String>(())
+        }
+    };
+    c.h.advance_ms(W + 1);
+    // Past every offset of the partition: the events of epoch 0 go, the
+    // new log's event is held.
+    let past = [wm(&m, c.offset(2)), wm(&o, c.offset(2))];
+    let registry = [(m.as_str(), on_topic, true), (o.as_str(), on_topic, false)];
+    eq("a watermark past the replaced log's positions", c.h.purge(W, &registry, &past).await?, counts(3, 2, 1, 1))?;
+    check("a watermark past the replaced log's positions", [EventState::Purged, EventState::Retained, EventState::Purged]).await?;
+    let far = [wm(&m, i64::MAX)];
+    eq("a watermark far past", c.h.purge(W, &registry, &far).await?, counts(0, 0, 1, 1))?;
+    check("a watermark far past", [EventState::Purged, EventState::Retained, EventState::Purged]).await?;
+    // Without a mandatory consumer on the topic nothing holds it.
+    eq("no mandatory consumer", c.h.purge(W, &[(o.as_str(), on_topic, false)], &[]).await?, counts(0, 1, 0, 0))?;
+    check("no mandatory consumer", [EventState::Purged, EventState::Purged, EventState::Purged]).await
 }

@@ -53,6 +53,7 @@ impl MemoryStore {
                 claim: Claim { owner: None, claim_generation: 0, lease_until_ms: None, attempt_id: None },
                 attempt_generation: 0,
                 slot: None,
+                slot_epoch: 0,
                 state_since_ms: now,
                 next_check_at_ms: 0,
                 unknown_since_ms: None,

@@ -83,6 +83,7 @@ impl outbox_core::store::FindingsStore for MemoryStore {
                 topic_id: slot.topic_id.clone(),
                 partition: slot.partition,
                 offset: slot.offset,
+                position_epoch: e.slot_epoch,
             })
             .collect();
         v.sort_by_key(|p| p.published_at_ms);

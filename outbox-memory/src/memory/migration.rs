@@ -160,6 +160,7 @@ impl MemoryStore {
         // what keep a moved event from having been delivered.
         ev.state = EventState::Pending;
         ev.slot = None;
+        ev.slot_epoch = 0;
         ev.published_at_ms = None;
         ev.state_since_ms = now;
         // A migration resolves an unknown outcome too (proven absent, moved).

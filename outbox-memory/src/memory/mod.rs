@@ -55,6 +55,13 @@ pub struct MemoryState {
     /// The value is the offset past it (an attempt's scan floor) and the
     /// event whose receipt holds it (the floor's anchor).
     pub partition_high: BTreeMap<(String, String, Option<String>, i32), (i64, EventId, AttemptId)>,
+    /// The newest primary receipt at each log position (cluster, topic,
+    /// topic id, partition, offset), of any event or envelope generation
+    /// (kept after a migration, as the receipts table keeps its rows): its
+    /// event and position epoch, from which the next receipt there takes its
+    /// epoch (`outbox_core::compare::next_position_epoch`, as PostgreSQL's
+    /// receipt transaction does).
+    pub position_holders: BTreeMap<(String, String, Option<String>, i32, i64), (EventId, i32)>,
     /// Migration receipts, in order.
     pub migrations: Vec<MigrationRecord>,
     /// The highest version each aggregate (tenant, type, id) emitted.

@@ -118,6 +118,10 @@ impl OutboxStore for MemoryStore {
             ReceiptDecision::Accept { .. } => {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
+                let position = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition, receipt.offset);
+                let newest = st.position_holders.get(&position).map(|(holder, epoch)| (holder.as_str(), *epoch));
+                ev.slot_epoch = outbox_core::compare::next_position_epoch(newest, receipt.event_id.as_str());
+                st.position_holders.insert(position, (receipt.event_id.clone(), ev.slot_epoch));
                 let log = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition);
                 let floor = outbox_core::reconcile::advance_floor(st.partition_high.get(&log), receipt.offset, &receipt.event_id, &receipt.attempt_id);
                 st.partition_high.insert(log, floor);

@@ -30,6 +30,10 @@ pub struct MemoryEvent {
     pub attempt_generation: u32,
     /// The publish slot.
     pub slot: Option<BrokerReceipt>,
+    /// The publish slot's position epoch (as the receipts table's
+    /// `position_epoch`: above 0 when the receipt was accepted at a position
+    /// another event's receipt held; 0 without a slot).
+    pub slot_epoch: i32,
     /// When the event entered its current state, ms.
     pub state_since_ms: i64,
     /// When a DISPATCH_UNKNOWN event is due for reconciliation, ms.

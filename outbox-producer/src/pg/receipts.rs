@@ -175,7 +175,7 @@ impl PgStore {
             let mut epoch = 0;
             if let Some((holder, holder_epoch)) = held.get(&position).filter(|h| h.0.as_str() != receipt.event_id.as_str()) {
                 if matches!(decision, ReceiptDecision::Accept { .. }) {
-                    epoch = holder_epoch + 1;
+                    epoch = outbox_core::compare::next_position_epoch(Some((holder.as_str(), *holder_epoch)), receipt.event_id.as_str());
                     tracing::error!(event_id = %receipt.event_id, holder = %holder, topic = %receipt.topic, partition = receipt.partition, offset = receipt.offset, epoch,
                         "a receipt's position is held by another event's receipt from a log that is gone: the old position is lost, the receipt accepted in the next position epoch");
                     findings.push((
