@@ -4,7 +4,8 @@
 //! duplicate receipts, quarantine, audit), with a clock the caller sets.
 //!
 //! Its parts, one job each: the records (`records.rs`), the emit
-//! transaction (`emit.rs`), the protocol's claims, receipts, reports and
+//! transaction (`emit.rs`) and emitting transactions that overlap
+//! (`transactions.rs`), the protocol's claims, receipts, reports and
 //! reconcile (`outbox.rs`, the [`OutboxStore`] implementation, with the row
 //! writes they share in `rows.rs`), destination migration (`migration.rs`),
 //! the consumer registry and watermarks (`consumers.rs`), and the
@@ -20,6 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use outbox_core::id::{AttemptId, EventId};
 use outbox_core::receipt::{AttemptRecord, BrokerReceipt};
 use outbox_core::store::{BypassCursor, ScannedMessage};
+use outbox_core::stream::Xid;
 
 mod bypass_scan;
 mod consumers;
@@ -29,8 +31,10 @@ mod migration;
 mod outbox;
 mod records;
 mod rows;
+mod transactions;
 
 pub use records::{AuditRecord, MemoryConsumer, MemoryEvent, MemoryWatermark, MigrationRecord};
+pub use transactions::EmitTx;
 
 /// Everything the store holds; public for the simulator's invariant checks.
 #[derive(Debug, Default)]
@@ -82,7 +86,13 @@ pub struct MemoryState {
     /// Bypass evidence by (cluster, topic, partition, offset): messages
     /// the outbox never committed or another outbox wrote, and when seen.
     pub bypass_messages: BTreeMap<(String, String, i32, i64), (ScannedMessage, i64)>,
+    /// Emitting transactions not yet ended, by transaction id: their events
+    /// (with their command keys), invisible to every read.
+    pub open_transactions: BTreeMap<Xid, Vec<(String, MemoryEvent)>>,
+    /// The transaction that created each committed event.
+    pub created_by: BTreeMap<EventId, Xid>,
     next_seq: u64,
+    next_xid: Xid,
 }
 
 /// The in-memory store. Cheap to clone; clones share state.

@@ -279,3 +279,17 @@ pub(super) fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, Str
         }
     }
 }
+
+/// Nothing of an aborted emitting transaction is ever seen: its event is
+/// not in the store, and no log, current or gone, holds a message of it.
+pub(super) fn check_aborted(store: &MemoryStore, w: &mut World, aborted: &[EventId], violations: &mut Vec<String>) {
+    let st = store.lock();
+    for id in aborted {
+        let in_store = st.events.contains_key(id);
+        let in_log = w.logs.values().chain(w.gone.iter().map(|g| &g.log)).flatten().any(|m| m.event_id == id.as_str());
+        if in_store || in_log {
+            w.figures.aborted_visible += 1;
+            violations.push(format!("aborted_visible: {id} of an aborted transaction is {}", if in_store { "in the store" } else { "in a log" }));
+        }
+    }
+}

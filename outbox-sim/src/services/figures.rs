@@ -133,6 +133,11 @@ service_figures! {
         forged_quarantined,
         /// Dispatchers' LISTEN sessions lost with a notice.
         listen_sessions_lost,
+        /// Emitting transactions that stayed open after inserting (others
+        /// that took later positions may have committed first).
+        transactions_held_open,
+        /// Emitting transactions that aborted after inserting.
+        transactions_aborted,
     }
     violations {
         /// Committed events not published, or published at a position that does not hold them.
@@ -175,6 +180,8 @@ service_figures! {
         /// A shipped service answered an error no fault explains (an
         /// illegal transition, a refused write of its own).
         service_error,
+        /// An event of an aborted transaction seen in the store or a log.
+        aborted_visible,
     }
 }
 

@@ -7,6 +7,15 @@
 //! whose decision is `outbox_core::may_purge`), over the in-memory store, against a
 //! simulated broker, on a seeded single-threaded executor in virtual time.
 //!
+//! Emitting transactions overlap as they do in PostgreSQL: an event takes
+//! its position (transaction id, sequence) when it is inserted, and most
+//! transactions commit at once, but about a fifth stay open for up to two
+//! seconds, a few for one to three leases, and some abort; transactions
+//! commit in another order than they took their positions. A key's
+//! transactions run one after another (emitters of one aggregate
+//! serialize on its lock). Nothing of an aborted transaction may ever be
+//! seen (`aborted_visible`).
+//!
 //! Faults are injected at the seams the services talk through:
 //! - the store ([`SimStore`]): calls that fail before doing anything, that
 //!   commit and lose their answer, and that stall (a paused process, a

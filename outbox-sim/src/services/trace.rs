@@ -8,11 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_core::{EmitRequest, EventId, EventState, RoutePolicy};
-use outbox_memory::MemoryStore;
+use outbox_memory::{EmitTx, MemoryStore};
 use tokio::time::Instant;
 
 use super::broker::{compact, SimBroker};
-use super::checks::{check, check_acks};
+use super::checks::{check, check_aborted, check_acks};
 use super::config::ServiceTraceConfig;
 use super::consumers;
 use super::figures::{ServiceFigures, ServiceOutcome};
@@ -20,7 +20,7 @@ use super::processes::{kill_one, new_route, start_dispatcher, start_operator, st
 use super::retention::start_retention;
 use super::store::SimStore;
 use super::world::{world, Host, Shared, World};
-use super::{CLUSTER, FAULT_PHASE_MS, NEW_TOPIC, PARTITIONS, T0_MS, TOPIC};
+use super::{CLUSTER, FAULT_PHASE_MS, LEASE_MS, NEW_TOPIC, PARTITIONS, T0_MS, TOPIC};
 use crate::rng::Rng;
 
 // For the doc link of `run_services_trace` only.
@@ -196,10 +196,17 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
     // the trace draws as it did before retries were added.
     let mut retry_rng = Rng::new(cfg.seed ^ 0xc0_ffee_5eed);
     let mut committed: Vec<(String, String, Vec<u8>, i64, EventId)> = Vec::new();
+    // Emitting transactions: most commit at once; some stay open a while,
+    // a few past a lease, and some abort, so that transactions commit in
+    // another order than they took their positions. Their own generator too.
+    let mut tx_rng = Rng::new(cfg.seed ^ 0x0be7_7a5c_7105);
+    let mut open: Vec<OpenEmit> = Vec::new();
+    let mut aborted: Vec<EventId> = Vec::new();
     loop {
         let emit_due = emit_at.get(i).copied().unwrap_or(i64::MAX);
         let end = if i >= emit_at.len() { FAULT_PHASE_MS.max(clock) } else { i64::MAX };
-        let until = emit_due.min(next_kill).min(migrate_at).min(end).min(consumers.next_due());
+        let tx_due = open.iter().map(|o| o.due).min().unwrap_or(i64::MAX);
+        let until = emit_due.min(next_kill).min(migrate_at).min(end).min(consumers.next_due()).min(tx_due);
         tokio::time::sleep(Duration::from_millis((until - clock).max(0) as u64)).await;
         clock = until;
         if consumers.next_due() == until {
@@ -220,10 +227,21 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
             procs.operator = Some(start_operator(&op_store, &broker, format!("ops-{}", procs.incarnation)));
             continue;
         }
+        if tx_due == until {
+            if let Some(at) = open.iter().position(|o| o.due == until) {
+                end_emit(&shared, &inner, open.swap_remove(at), &mut emitted, &mut committed, &mut aborted);
+            }
+            continue;
+        }
         if emit_due != until {
             break;
         }
         let key = format!("o-{}", rng.below(cfg.keys as u64));
+        // Emitters of one aggregate serialize (PostgreSQL: its advisory
+        // lock): one still open on this key ends first.
+        if let Some(at) = open.iter().position(|o| o.key == key) {
+            end_emit(&shared, &inner, open.swap_remove(at), &mut emitted, &mut committed, &mut aborted);
+        }
         let payload = format!("{{\"order\":\"{key}\",\"n\":{i}}}").into_bytes();
         let now = world(&shared).now_ms();
         inner.set_now_ms(now);
@@ -244,18 +262,29 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         };
         let route = if route_moved { &moved_policy } else { &policy };
         let frozen = request.validate(outbox_core::DEFAULT_MAX_PAYLOAD_BYTES).and_then(|_| request.freeze(EventId::generate(now as u64), now, i as u64 + 1, route));
-        match frozen.and_then(|(env, dest)| inner.insert(&command, env, dest, payload.clone())) {
+        let tx = inner.begin_emit();
+        match frozen.and_then(|(env, dest)| inner.insert_in(&tx, &command, env, dest, payload.clone())) {
             Ok(id) => {
-                {
+                let (due, abort) = match tx_rng.below(100) {
+                    0..=3 => (clock + tx_rng.range(0, 2_000), true),
+                    4..=23 => (clock + tx_rng.range(1, 2_000), false),
+                    24..=26 => (clock + tx_rng.range(LEASE_MS, 3 * LEASE_MS), false),
+                    _ => (clock, false),
+                };
+                let emit = OpenEmit { due, tx, abort, id, key, command: command.clone(), payload: payload.clone(), version: i as i64 + 1, topic: route.topic.clone() };
+                if due == clock {
+                    end_emit(&shared, &inner, emit, &mut emitted, &mut committed, &mut aborted);
+                } else {
                     let mut w = world(&shared);
-                    w.commits += 1;
-                    w.committed.notify_waiters();
-                    w.note(|| format!("commit {id} key {key} to {}", route.topic));
+                    w.figures.transactions_held_open += 1;
+                    w.note(|| format!("insert {} key {} in transaction {}, open until {due}", emit.id, emit.key, emit.tx.xid()));
+                    open.push(emit);
                 }
-                committed.push((command.clone(), key.clone(), payload.clone(), i as i64 + 1, id.clone()));
-                emitted.push((id, key));
             }
-            Err(e) => world(&shared).note(|| format!("emit refused: {e}")),
+            Err(e) => {
+                inner.abort(tx);
+                world(&shared).note(|| format!("emit refused: {e}"));
+            }
         }
         i += 1;
     }
@@ -293,6 +322,7 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         violations.push(format!("stuck: not settled within {SETTLE_LIMIT_MS} ms of the faults stopping"));
     }
     check(&inner, &mut w, &emitted, &mut violations);
+    check_aborted(&inner, &mut w, &aborted, &mut violations);
     check_acks(&inner, &mut w, late_acks, &mut violations);
     drop(w);
     consumers.finish(&inner, &mut violations);
@@ -304,6 +334,41 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         }
     }
     ServiceOutcome { seed: cfg.seed, figures: w.figures.clone(), violations, log: w.log.take(), unknown_resolved_ms }
+}
+
+/// An emitting transaction that has inserted its event and not ended.
+struct OpenEmit {
+    /// When it ends.
+    due: i64,
+    tx: EmitTx,
+    /// Whether it ends by aborting.
+    abort: bool,
+    id: EventId,
+    key: String,
+    command: String,
+    payload: Vec<u8>,
+    version: i64,
+    topic: String,
+}
+
+/// Ends an emitting transaction as drawn: a commit wakes the dispatchers
+/// and makes the event one the checks expect published; an abort leaves
+/// an event that nothing may ever show.
+fn end_emit(shared: &Shared, store: &MemoryStore, o: OpenEmit, emitted: &mut Vec<(EventId, String)>, committed: &mut Vec<(String, String, Vec<u8>, i64, EventId)>, aborted: &mut Vec<EventId>) {
+    let mut w = world(shared);
+    if o.abort {
+        store.abort(o.tx);
+        w.figures.transactions_aborted += 1;
+        w.note(|| format!("abort {} key {}", o.id, o.key));
+        aborted.push(o.id);
+        return;
+    }
+    store.commit(o.tx);
+    w.commits += 1;
+    w.committed.notify_waiters();
+    w.note(|| format!("commit {} key {} to {}", o.id, o.key, o.topic));
+    committed.push((o.command, o.key.clone(), o.payload, o.version, o.id.clone()));
+    emitted.push((o.id, o.key));
 }
 
 /// The share of traces whose route has no per-key order.
