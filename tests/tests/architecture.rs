@@ -18,11 +18,19 @@ fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_path_buf()
 }
 
+/// The host's target triple (`rustc -vV`).
+fn host_triple() -> String {
+    let out = std::process::Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into())).arg("-vV").output().expect("rustc -vV");
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| l.strip_prefix("host: ").map(str::to_owned)).expect("rustc -vV names the host")
+}
+
 /// Every package a package depends on for its build (normal dependencies,
-/// transitively; dev- and build-dependencies left out).
+/// transitively; dev- and build-dependencies left out), on this host: a
+/// fresh machine's registry holds only the crates the host builds, and an
+/// unfiltered `cargo metadata --offline` wants every platform's.
 fn normal_closure(package: &str) -> BTreeSet<String> {
     let out = std::process::Command::new(env!("CARGO"))
-        .args(["metadata", "--format-version", "1", "--offline"])
+        .args(["metadata", "--format-version", "1", "--offline", "--filter-platform", &host_triple()])
         .current_dir(workspace())
         .output()
         .expect("cargo metadata");
