@@ -29,7 +29,7 @@
 //! | leaseUntil | the bucket's lease while the batch is the bucket's open batch |
 //! | attemptId | derived from (batch id, index in the batch): [`batch_attempt_id`] |
 //! | registration | the batch's insert, under a live lease of the current generation |
-//! | lease expiry | takeover: every event of the open batch with neither a receipt nor a lane row becomes DISPATCH_UNKNOWN ([`plan_takeover`]) |
+//! | lease expiry | takeover: every registered event of the open batch with neither a receipt nor a lane row becomes DISPATCH_UNKNOWN; the unregistered ones go to the new holder ([`plan_takeover`]) |
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -272,8 +272,11 @@ pub fn release_lease(current: &BucketLease, owner: &str, generation: u64, now_ms
 }
 
 /// Where an event of a batch stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BatchEvent {
+    /// Its attempt was registered: it may have been handed to the client,
+    /// so it may be in the log.
+    pub registered: bool,
     /// Its receipt fills the publish slot of its current envelope generation.
     pub receipted: bool,
     /// It has a row in the exception lane.
@@ -287,19 +290,41 @@ impl BatchEvent {
     }
 }
 
-/// Takeover of an expired lease: the indexes of the open batch's events
-/// that become DISPATCH_UNKNOWN in the lane. Each was registered when the
-/// batch was inserted and may be in the log; only a receipt or a lane row
-/// (whose own machinery decides it) says otherwise. Nothing is sent again
-/// before a reconciler resolves each one.
-pub fn plan_takeover(open_batch: &[BatchEvent]) -> Vec<usize> {
-    open_batch.iter().enumerate().filter(|(_, e)| !e.settled()).map(|(i, _)| i).collect()
+/// What a takeover of an expired lease does to the bucket's open batch.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TakeoverPlan {
+    /// Indexes of the events that become DISPATCH_UNKNOWN in the lane:
+    /// registered, so possibly in the log, and neither receipted nor in the
+    /// lane. Nothing is sent again before a reconciler resolves each one.
+    pub unknown: Vec<usize>,
+    /// Indexes of the events never registered: nothing of them was sent,
+    /// and the new holder sends them, in a batch of its own generation.
+    pub unsent: Vec<usize>,
+}
+
+/// Takeover of an expired lease (the generation goes up): which events of
+/// the open batch become unknown and which remain to be sent (PROTOCOL §4's
+/// rule for a lease that ran out, per batch: a SENDING event becomes
+/// DISPATCH_UNKNOWN, a CLAIMED one is claimable again).
+pub fn plan_takeover(open_batch: &[BatchEvent]) -> TakeoverPlan {
+    let mut plan = TakeoverPlan::default();
+    for (i, e) in open_batch.iter().enumerate().filter(|(_, e)| !e.settled()) {
+        if !e.registered {
+            plan.unsent.push(i);
+        } else if !crate::simulation::mutation_active("stream-takeover-leaves-sending") {
+            plan.unknown.push(i);
+        }
+    }
+    plan
 }
 
 /// Whether a bucket's next batch may be cut: the open one (if any) is
 /// settled, every event receipted or handed to the lane. Batches of a
 /// bucket run one after another, so a key's events go out in their order.
 pub fn may_cut_next_batch(open_batch: Option<&[BatchEvent]>) -> bool {
+    if crate::simulation::mutation_active("stream-cut-before-settled") {
+        return true;
+    }
     open_batch.is_none_or(|events| events.iter().all(|e| e.settled()))
 }
 
@@ -380,7 +405,7 @@ pub fn sendable_now(events: &[(Option<&str>, BatchEvent, bool)]) -> Vec<usize> {
             Some(k) => blocked.insert(k),
             None => true,
         };
-        if first_of_key && !in_flight {
+        if (first_of_key || crate::simulation::mutation_active("stream-two-sends-per-key")) && !in_flight {
             out.push(i);
         }
     }
@@ -492,12 +517,14 @@ mod tests {
     }
 
     #[test]
-    fn takeover_makes_every_unsettled_event_of_the_open_batch_unknown() {
-        let r = BatchEvent { receipted: true, in_lane: false };
-        let l = BatchEvent { receipted: false, in_lane: true };
-        let open = BatchEvent { receipted: false, in_lane: false };
-        assert_eq!(plan_takeover(&[r, open, l, open]), vec![1, 3]);
-        assert!(!may_cut_next_batch(Some(&[r, open])));
+    fn takeover_makes_every_registered_unsettled_event_unknown_and_leaves_the_unsent_to_the_new_holder() {
+        let r = BatchEvent { registered: true, receipted: true, in_lane: false };
+        let l = BatchEvent { registered: true, receipted: false, in_lane: true };
+        let sending = BatchEvent { registered: true, ..Default::default() };
+        let unsent = BatchEvent::default();
+        assert_eq!(plan_takeover(&[r, sending, l, unsent, sending]), TakeoverPlan { unknown: vec![1, 4], unsent: vec![3] });
+        assert!(!may_cut_next_batch(Some(&[r, sending])));
+        assert!(!may_cut_next_batch(Some(&[r, unsent])));
         assert!(may_cut_next_batch(Some(&[r, l])));
         assert!(may_cut_next_batch(None));
     }
@@ -533,8 +560,8 @@ mod tests {
 
     #[test]
     fn one_send_in_flight_per_key() {
-        let open = BatchEvent { receipted: false, in_lane: false };
-        let done = BatchEvent { receipted: true, in_lane: false };
+        let open = BatchEvent { registered: true, ..Default::default() };
+        let done = BatchEvent { registered: true, receipted: true, in_lane: false };
         let batch = [
             (Some("a"), done, false),
             (Some("a"), open, true),

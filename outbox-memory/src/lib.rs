@@ -47,4 +47,4 @@
 pub mod conformance;
 mod memory;
 
-pub use memory::{AuditRecord, EmitTx, MemoryConsumer, MemoryEvent, MemoryState, MemoryStore, MemoryWatermark, MigrationRecord};
+pub use memory::{AuditRecord, EmitTx, MemoryBatch, MemoryConsumer, MemoryEvent, MemoryState, MemoryStore, MemoryWatermark, MigrationRecord, StreamState};

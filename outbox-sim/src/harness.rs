@@ -23,6 +23,14 @@ impl MemoryHarness {
         store.set_now_ms(1_700_000_000_000);
         MemoryHarness { store }
     }
+
+    /// As [`MemoryHarness::new`], over a store that runs the insert-only
+    /// stream ([`MemoryStore::with_stream`]).
+    pub fn stream() -> Self {
+        let store = MemoryStore::new().with_stream();
+        store.set_now_ms(1_700_000_000_000);
+        MemoryHarness { store }
+    }
 }
 
 impl Default for MemoryHarness {

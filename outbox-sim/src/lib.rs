@@ -36,7 +36,7 @@ pub mod rng;
 pub mod services;
 
 pub use harness::MemoryHarness;
-pub use services::{run_services_gate, run_services_gate_report, run_services_trace, ServiceFigures, ServicesGate, COMPONENT_MUTATIONS, SERVICE_MUTATIONS};
+pub use services::{run_services_gate, run_services_gate_in, run_services_gate_report, run_services_trace, run_services_trace_in, ServiceFigures, ServicesGate, StoreMode, COMPONENT_MUTATIONS, SERVICE_MUTATIONS, STREAM_MUTATIONS};
 
 use std::future::Future;
 use std::pin::pin;

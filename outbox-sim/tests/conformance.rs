@@ -12,6 +12,14 @@ fn memory_store_passes_the_conformance_suite() {
 }
 
 #[test]
+fn memory_store_in_stream_mode_passes_the_conformance_suite() {
+    let h = MemoryHarness::stream();
+    let results = now(outbox_memory::conformance::run_all(&h));
+    let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().map(|e| format!("{n}: {e}"))).collect();
+    assert!(failed.is_empty(), "conformance failures in stream mode:\n{}", failed.join("\n"));
+}
+
+#[test]
 fn the_suite_can_run_twice_on_one_store() {
     // Scenarios use unique keys and hand foreign claims back, so a second
     // run (a reused database) passes too.

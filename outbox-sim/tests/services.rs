@@ -3,7 +3,7 @@
 //! replays a seed bit for bit, and each defect switched on in shipped code
 //! turns it red.
 
-use outbox_sim::services::{run_services_gate, run_services_trace, COMPONENT_MUTATIONS, SERVICE_MUTATIONS};
+use outbox_sim::services::{run_services_gate, run_services_gate_in, run_services_trace, run_services_trace_in, StoreMode, COMPONENT_MUTATIONS, SERVICE_MUTATIONS, STREAM_MUTATIONS};
 
 /// Traces per run in these tests (a debug build).
 const TRACES: u64 = 1_500;
@@ -82,13 +82,80 @@ fn send_after_lease_in_the_shipped_dispatcher_is_caught_and_replays() {
 /// zero and the first failing seed replays the failure (and passes without
 /// the defect).
 fn assert_caught(mutation: &'static str, traces: u64, counter: &str) {
-    let (f, failing, _) = run_services_gate(1, traces, Some(mutation), 0);
+    assert_caught_in(StoreMode::Claims, mutation, traces, counter);
+}
+
+/// [`assert_caught`] over the store path `mode`.
+fn assert_caught_in(mode: StoreMode, mutation: &'static str, traces: u64, counter: &str) {
+    let g = run_services_gate_in(mode, 1, traces, Some(mutation), 0);
+    let (f, failing) = (g.figures, g.failing_seeds);
     let v = f.violations().iter().find(|(n, _)| *n == counter).map(|(_, v)| *v).unwrap_or(0);
     assert!(v > 0, "{mutation} not caught by {counter} in {traces} traces:\n{}", f.lines().join("\n"));
     let first = *failing.first().expect("a failing seed");
-    let replay = run_services_trace(first, Some(mutation), true);
+    let replay = run_services_trace_in(mode, first, Some(mutation), true);
     assert!(!replay.figures.clean(), "seed {first} did not fail again under {mutation}");
-    assert!(run_services_trace(first, None, false).figures.clean(), "seed {first} fails without {mutation}");
+    assert!(run_services_trace_in(mode, first, None, false).figures.clean(), "seed {first} fails without {mutation}");
+}
+
+/// The stream path (bucket leases, batches cut by snapshots, the exception
+/// lane) passes the gate with every fault of the claims path, and with
+/// emitting transactions that commit out of the order of their positions.
+#[test]
+fn unmutated_stream_gate_passes_with_overlapping_commits_and_takeovers() {
+    let g = run_services_gate_in(StoreMode::Stream, 1, TRACES, None, 0);
+    let f = &g.figures;
+    assert!(f.clean(), "violations:\n{}\nfailing seeds {:?}", f.lines().join("\n"), g.failing_seeds);
+    for (what, v) in [
+        ("kills", f.kills),
+        ("store_faults", f.store_faults),
+        ("unknown_attempts", f.unknown_attempts),
+        ("migrations", f.migrations),
+        ("purged", f.purged),
+        ("host_pauses", f.host_pauses),
+        ("log_resets", f.log_resets),
+        ("transactions_held_open", f.transactions_held_open),
+        ("transactions_aborted", f.transactions_aborted),
+    ] {
+        assert!(v > 0, "no {what} in {TRACES} stream traces");
+    }
+}
+
+/// A batch cut by position ("above the last cut's horizon") skips a
+/// transaction that took its id before the cut and committed after it:
+/// its events are in no batch, and the trace never settles.
+#[test]
+fn stream_cut_by_position_in_the_shipped_stream_decisions_is_caught() {
+    assert_caught_in(StoreMode::Stream, "stream-cut-by-position", 60, "stuck");
+}
+
+/// A takeover that leaves the open batch's registered events SENDING: no
+/// reconciler ever asks about them.
+#[test]
+fn stream_takeover_leaves_sending_in_the_shipped_stream_decisions_is_caught() {
+    assert_caught_in(StoreMode::Stream, "stream-takeover-leaves-sending", 100, "stuck");
+}
+
+/// Two sends of one key in flight at once: a refused or slow first send
+/// lets the second into the log ahead of it.
+#[test]
+fn stream_two_sends_per_key_in_the_shipped_stream_decisions_is_caught() {
+    assert_caught_in(StoreMode::Stream, "stream-two-sends-per-key", 200, "order_violation");
+}
+
+/// A bucket's next batch cut before the open one settled: the open one's
+/// unsent events are left in a batch nobody hands out.
+#[test]
+fn stream_cut_before_settled_in_the_shipped_stream_decisions_is_caught() {
+    assert_caught_in(StoreMode::Stream, "stream-cut-before-settled", 60, "stuck");
+}
+
+#[test]
+fn every_stream_mutation_has_a_test() {
+    let this = include_str!("services.rs");
+    for (name, _) in STREAM_MUTATIONS {
+        let test = format!("fn {}_in_the_shipped_stream_decisions_is_caught", name.replace('-', "_"));
+        assert!(this.contains(&test), "no test named like {test}");
+    }
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //!
 //! Its parts, one job each: the records (`records.rs`), the emit
 //! transaction (`emit.rs`) and emitting transactions that overlap
-//! (`transactions.rs`), the protocol's claims, receipts, reports and
+//! (`transactions.rs`), the stream mode (`stream.rs`), the protocol's claims, receipts, reports and
 //! reconcile (`outbox.rs`, the [`OutboxStore`] implementation, with the row
 //! writes they share in `rows.rs`), destination migration (`migration.rs`),
 //! the consumer registry and watermarks (`consumers.rs`), and the
@@ -31,9 +31,11 @@ mod migration;
 mod outbox;
 mod records;
 mod rows;
+mod stream;
 mod transactions;
 
 pub use records::{AuditRecord, MemoryConsumer, MemoryEvent, MemoryWatermark, MigrationRecord};
+pub use stream::{MemoryBatch, StreamState};
 pub use transactions::EmitTx;
 
 /// Everything the store holds; public for the simulator's invariant checks.
@@ -91,6 +93,12 @@ pub struct MemoryState {
     pub open_transactions: BTreeMap<Xid, Vec<(String, MemoryEvent)>>,
     /// The transaction that created each committed event.
     pub created_by: BTreeMap<EventId, Xid>,
+    /// The key bucket of each committed event, from the destination it was
+    /// committed with (`outbox_core::stream::stream_bucket`): the stream
+    /// row's column, which a later migration does not move.
+    pub stream_buckets: BTreeMap<EventId, u32>,
+    /// The stream's records, when the store runs the stream ([`MemoryStore::with_stream`]).
+    pub stream: Option<StreamState>,
     next_seq: u64,
     next_xid: Xid,
 }

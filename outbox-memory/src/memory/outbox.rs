@@ -14,6 +14,7 @@ use outbox_core::state::{AttemptState, EventState};
 use outbox_core::store::{ClaimedEvent, FenceOutcome, OutboxStore, ReceiptOutcome, ReconcileTask, StoreError, SweepOutcome};
 
 use super::rows::to_outcome;
+use super::stream::{self, with_stream};
 use super::{AuditRecord, MemoryStore};
 
 #[async_trait]
@@ -22,6 +23,9 @@ impl OutboxStore for MemoryStore {
         validate_lease_ms(lease_ms)?;
         let now = self.now_ms();
         let mut st = self.lock();
+        if let Some(r) = with_stream(&mut st, |st, s| stream::claim(st, s, owner, limit, lease_ms, now)) {
+            return r;
+        }
         // PENDING and due first (cheap), then the key (a scan of the store).
         let mut candidates: Vec<(u64, EventId)> =
             st.events.values().filter(|e| is_claimable(e.state, e.next_check_at_ms, false, now)).map(|e| (e.seq, e.envelope.event_id.clone())).collect();
@@ -64,6 +68,9 @@ impl OutboxStore for MemoryStore {
 
     async fn register_attempt(&self, token: &ClaimToken) -> Result<AttemptRecord, StoreError> {
         let r = self.fenced_write(token, FencedWrite::Send, "register_attempt", |st, now| {
+            if let Some(r) = with_stream(st, |st, s| stream::register(st, s, token, now)).flatten() {
+                return r;
+            }
             let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
             check_registration(ev.state, &ev.claim, token, now)?;
             Self::transition(ev, EventState::Sending, now)?;
@@ -167,7 +174,7 @@ impl OutboxStore for MemoryStore {
             st.audit.push(AuditRecord { event_id: token.event_id.clone(), action: "unknown".into(), detail: detail.to_owned() });
             Ok(FenceOutcome::Applied)
         })?;
-        to_outcome(r)
+        self.left_stream(token, to_outcome(r))
     }
 
     async fn report_not_sent(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
@@ -194,7 +201,7 @@ impl OutboxStore for MemoryStore {
             st.audit.push(AuditRecord { event_id: token.event_id.clone(), action: "not_sent".into(), detail: detail.to_owned() });
             Ok(FenceOutcome::Applied)
         })?;
-        to_outcome(r)
+        self.left_stream(token, to_outcome(r))
     }
 
     async fn release(&self, token: &ClaimToken) -> Result<FenceOutcome, StoreError> {
@@ -209,7 +216,7 @@ impl OutboxStore for MemoryStore {
             ev.claim.lease_until_ms = None;
             Ok(FenceOutcome::Applied)
         })?;
-        to_outcome(r)
+        self.left_stream(token, to_outcome(r))
     }
 
     async fn quarantine_claimed(&self, token: &ClaimToken, reason: &str, evidence: serde_json::Value) -> Result<FenceOutcome, StoreError> {
@@ -220,11 +227,18 @@ impl OutboxStore for MemoryStore {
             st.quarantine.push((token.event_id.clone(), format!("{reason}: {evidence}")));
             Ok(FenceOutcome::Applied)
         })?;
-        to_outcome(r)
+        self.left_stream(token, to_outcome(r))
     }
 
     async fn renew_lease(&self, token: &ClaimToken, lease_ms: i64) -> Result<Option<i64>, StoreError> {
         validate_lease_ms(lease_ms)?;
+        {
+            let now = self.now_ms();
+            let mut st = self.lock();
+            if let Some(r) = with_stream(&mut st, |st, s| stream::renew(st, s, token, lease_ms, now)).flatten() {
+                return r;
+            }
+        }
         let r = self.fenced_write(token, FencedWrite::Send, "renew_lease", |st, now| {
             let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
             let until = now + lease_ms;
@@ -243,7 +257,9 @@ impl OutboxStore for MemoryStore {
         let mut st = self.lock();
         let st = &mut *st;
         let mut out = SweepOutcome::default();
-        for ev in st.events.values_mut() {
+        // Stream mode: buckets first; the events of open batches are theirs.
+        let batched = with_stream(st, |st, s| stream::expire(st, s, now, &mut out)).transpose()?.unwrap_or_default();
+        for ev in st.events.values_mut().filter(|e| !batched.contains(&e.envelope.event_id)) {
             let expired = ev.claim.lease_until_ms.is_some_and(|l| l <= now) && ev.claim.owner.is_some();
             if !expired {
                 continue;

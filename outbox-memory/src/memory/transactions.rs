@@ -122,6 +122,7 @@ impl MemoryStore {
             st.commands.insert(command_key, id.clone());
             st.routes.insert((row.destination.cluster_id.clone(), row.destination.topic.clone()), row.destination.partitions as i32);
             st.created_by.insert(id.clone(), tx.xid);
+            st.stream_buckets.insert(id.clone(), outbox_core::stream::stream_bucket(&row.destination, &id));
             st.events.insert(id.clone(), row);
             ids.push(id);
         }

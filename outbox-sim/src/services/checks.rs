@@ -153,13 +153,23 @@ pub(super) fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, Str
     if w.log.is_some() {
         let mut lines = Vec::new();
         for ev in st.events.values() {
+            let stream = st.stream.as_ref().map(|s| {
+                let id = &ev.envelope.event_id;
+                let batch = s.batch_of.get(id).map(|b| format!("batch {b}{}", if s.open.values().any(|o| o == b) { " (open)" } else { "" }));
+                format!(" [{}{}]", batch.unwrap_or_else(|| "unbatched".into()), if s.lane.contains(id) { ", lane" } else { "" })
+            });
             lines.push(format!(
-                "final {} seq {} {:?} gen {} slot {:?}",
+                "final {} seq {} key {} {:?} gen {} claim {:?}/{}/{:?} slot {:?}{}",
                 ev.envelope.event_id,
                 ev.seq,
+                ev.envelope.aggregate_id,
                 ev.state,
                 ev.envelope.envelope_generation,
-                ev.slot.as_ref().map(|r| (r.topic.clone(), r.partition, r.offset, r.attempt_id.to_string()))
+                ev.claim.owner,
+                ev.claim.claim_generation,
+                ev.claim.lease_until_ms,
+                ev.slot.as_ref().map(|r| (r.topic.clone(), r.partition, r.offset, r.attempt_id.to_string())),
+                stream.unwrap_or_default()
             ));
             for a in st.attempts.get(&ev.envelope.event_id).into_iter().flatten() {
                 lines.push(format!("      attempt {} by {} gen {} envelope gen {} {:?}", a.attempt_id, a.owner, a.claim_generation, a.envelope_generation, a.state));

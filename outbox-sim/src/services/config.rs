@@ -3,6 +3,36 @@
 use super::FAULT_PHASE_MS;
 use crate::rng::Rng;
 
+/// Which path the in-memory store runs: today's per-event claims, or the
+/// insert-only stream with its exception lane (`MemoryStore::with_stream`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StoreMode {
+    /// Per-event claims (the default until the stream's cutover).
+    #[default]
+    Claims,
+    /// Bucket leases and snapshot-cut batches.
+    Stream,
+}
+
+impl StoreMode {
+    /// `claims` or `stream`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreMode::Claims => "claims",
+            StoreMode::Stream => "stream",
+        }
+    }
+
+    /// Parses [`StoreMode::as_str`].
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "claims" => Ok(StoreMode::Claims),
+            "stream" => Ok(StoreMode::Stream),
+            other => Err(format!("unknown mode {other:?} (claims or stream)")),
+        }
+    }
+}
+
 /// Fault probabilities of one trace.
 #[derive(Debug, Clone, Copy)]
 pub struct ServiceFaults {

@@ -3,7 +3,8 @@
 //! outcomes resolved in time).
 
 use super::figures::ServiceFigures;
-use super::trace::run_services_trace;
+use super::config::StoreMode;
+use super::trace::run_services_trace_in;
 
 /// SPEC §10's bound on the time to resolve an unknown outcome: p99 within
 /// 15 minutes (of simulated time).
@@ -42,8 +43,13 @@ pub fn run_services_gate(first_seed: u64, traces: u64, mutation: Option<&'static
 }
 
 /// The services gate over `traces` seeds from `first_seed`, on `threads`
-/// threads (0: all cores).
+/// threads (0: all cores), over the claims path.
 pub fn run_services_gate_report(first_seed: u64, traces: u64, mutation: Option<&'static str>, threads: usize) -> ServicesGate {
+    run_services_gate_in(StoreMode::Claims, first_seed, traces, mutation, threads)
+}
+
+/// The services gate over the store path `mode`.
+pub fn run_services_gate_in(mode: StoreMode, first_seed: u64, traces: u64, mutation: Option<&'static str>, threads: usize) -> ServicesGate {
     let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
     let start = std::time::Instant::now();
     let next = std::sync::atomic::AtomicU64::new(0);
@@ -60,7 +66,7 @@ pub fn run_services_gate_report(first_seed: u64, traces: u64, mutation: Option<&
                             break;
                         }
                         for i in from..(from + 64).min(traces) {
-                            let out = run_services_trace(first_seed + i, mutation, false);
+                            let out = run_services_trace_in(mode, first_seed + i, mutation, false);
                             if !out.figures.clean() {
                                 failing.push(first_seed + i);
                                 failing.sort_unstable();

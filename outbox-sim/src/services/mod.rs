@@ -127,12 +127,12 @@ mod trace;
 mod world;
 
 pub use broker::SimBroker;
-pub use config::{ServiceFaults, ServiceTraceConfig, MAX_CLOCK_SKEW_MS};
+pub use config::{ServiceFaults, ServiceTraceConfig, StoreMode, MAX_CLOCK_SKEW_MS};
 pub use figures::{ServiceFigures, ServiceOutcome};
-pub use gate::{run_services_gate, run_services_gate_report, ServicesGate, UNKNOWN_P99_LIMIT_MS};
-pub use mutations::{COMPONENT_MUTATIONS, SERVICE_MUTATIONS};
+pub use gate::{run_services_gate, run_services_gate_in, run_services_gate_report, ServicesGate, UNKNOWN_P99_LIMIT_MS};
+pub use mutations::{COMPONENT_MUTATIONS, SERVICE_MUTATIONS, STREAM_MUTATIONS};
 pub use store::SimStore;
-pub use trace::run_services_trace;
+pub use trace::{run_services_trace, run_services_trace_in};
 
 /// Simulated time at the start of every trace (ms since the epoch).
 const T0_MS: i64 = 1_700_000_000_000;

@@ -21,6 +21,16 @@ pub const SERVICE_MUTATIONS: [(&str, &str); 15] = [
     ("ack-without-digest-check", "acceptDispatchReceipt takes a receipt whose payload digest is not the frozen one (no quarantine)"),
 ];
 
+/// Deliberate defects in the insert-only stream's shipped decisions
+/// (`outbox_core::stream`), each caught by the gate over the stream path
+/// (`outbox-sim --mode stream`).
+pub const STREAM_MUTATIONS: [(&str, &str); 4] = [
+    ("stream-cut-by-position", "a batch holds the transactions above the last cut's horizon instead of those completed since the last cut: a transaction that took its id before the cut and committed after it is in no batch"),
+    ("stream-takeover-leaves-sending", "a takeover of an expired bucket lease leaves the open batch's registered events SENDING instead of making them DISPATCH_UNKNOWN"),
+    ("stream-two-sends-per-key", "a batch hands out a key's next event while the key's previous send is still in flight"),
+    ("stream-cut-before-settled", "a bucket's next batch is cut before the open one is settled"),
+];
+
 /// Deliberate defects in shipped code that a component's own test catches
 /// rather than the gate (the gate runs neither librdkafka nor forged
 /// payload bytes through those lines): name, defect, and the test, as

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::broker::{compact, SimBroker};
 use super::checks::{check, check_aborted, check_acks};
-use super::config::ServiceTraceConfig;
+use super::config::{ServiceTraceConfig, StoreMode};
 use super::consumers;
 use super::figures::{ServiceFigures, ServiceOutcome};
 use super::processes::{kill_one, new_route, start_dispatcher, start_operator, start_reconciler, DispatcherProcess, Processes};
@@ -30,20 +30,25 @@ use super::mutations::SERVICE_MUTATIONS;
 /// Longest fault-free phase before a trace counts as stuck.
 const SETTLE_LIMIT_MS: i64 = 3_600_000;
 
-/// Runs the services trace `seed` names; `mutation` switches one defect of
-/// [`SERVICE_MUTATIONS`] on in the shipped code.
+/// Runs the services trace `seed` names over the claims path; `mutation`
+/// switches one defect of [`SERVICE_MUTATIONS`] on in the shipped code.
 pub fn run_services_trace(seed: u64, mutation: Option<&'static str>, log: bool) -> ServiceOutcome {
+    run_services_trace_in(StoreMode::Claims, seed, mutation, log)
+}
+
+/// Runs the services trace `seed` names over the store path `mode`.
+pub fn run_services_trace_in(mode: StoreMode, seed: u64, mutation: Option<&'static str>, log: bool) -> ServiceOutcome {
     let cfg = ServiceTraceConfig::from_seed(seed);
     outbox_core::simulation::set_mutation(mutation);
     outbox_core::simulation::seed_ids(Some(seed));
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a current-thread runtime");
-    let out = rt.block_on(trace(cfg, log));
+    let out = rt.block_on(trace(cfg, mode, log));
     outbox_core::simulation::set_mutation(None);
     outbox_core::simulation::seed_ids(None);
     out
 }
 
-async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
+async fn trace(cfg: ServiceTraceConfig, mode: StoreMode, log: bool) -> ServiceOutcome {
     let mut rng = Rng::new(cfg.seed);
     let shared: Shared = Arc::new(Mutex::new(World {
         rng: Rng::new(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 1),
@@ -82,8 +87,11 @@ async fn trace(cfg: ServiceTraceConfig, log: bool) -> ServiceOutcome {
         scan_gaps: Vec::new(),
         copies_reported: BTreeSet::new(),
     }));
-    world(&shared).note(|| format!("trace {}: {cfg:?}", cfg.seed));
-    let inner = MemoryStore::new();
+    world(&shared).note(|| format!("trace {} ({} path): {cfg:?}", cfg.seed, mode.as_str()));
+    let inner = match mode {
+        StoreMode::Claims => MemoryStore::new(),
+        StoreMode::Stream => MemoryStore::new().with_stream(),
+    };
     inner.set_now_ms(T0_MS);
     let store = SimStore { inner: inner.clone(), world: shared.clone(), pause: 0.0, host: Arc::new(Host::default()) };
     let op_store = SimStore { pause: cfg.faults.operator_pause, ..store.clone() };
