@@ -590,7 +590,10 @@ mod tests {
         s.commit(tx);
         let claimed = claim(&s, "w1");
         assert_eq!(ids(&claimed), vec![first.clone()], "one send in flight per key");
-        assert!(claim(&s, "w1").is_empty(), "the second waits for the first's outcome");
+        // Claiming again, the holder gets the first back (it claims again, so
+        // it lost that answer), never the second, which waits for the first's outcome.
+        assert_eq!(ids(&claim(&s, "w1")), vec![first.clone()]);
+        assert!(claim(&s, "w2").is_empty(), "the bucket is w1's");
         let a = now(s.register_attempt(&claimed[0].token)).unwrap();
         now(s.report_unknown(&claimed[0].token, &a.attempt_id, "timeout")).unwrap();
         // The first is unknown in the lane; the second follows it there, and so
