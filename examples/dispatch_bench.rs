@@ -38,6 +38,16 @@
 //! too), `# own cpu` counts this process and the PostgreSQL backends of its
 //! database (from `/proc/<pid>/stat`, read before and after the run), per
 //! event; with `--preload`, the `# drain:` lines count the drain alone.
+//!
+//! Writes: `# writes:` counts the row writes of the outbox tables over the
+//! run (inserts, updates and deletes, from `pg_stat_user_tables`, read
+//! after every connection of the run has closed, so that each reported
+//! its counters), per event and per table, the share of updates that were
+//! HOT, and the WAL the server wrote over the run, per event (the whole
+//! server's WAL: keep other work off it while measuring). The result line
+//! carries `row_writes_per_event`, `hot_share` and `wal_bytes_per_event`.
+//! `--path chains` (the default) is today's claims path over chain heads;
+//! the PostgreSQL stream path is not built yet and `--path stream` says so.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -66,7 +76,59 @@ struct Args {
     kafka_settings: Vec<(String, String)>,
 }
 
-const USAGE: &str = "usage: dispatch_bench [--events N] [--keys K] [--emitters E] [--txn-events T] [--workers W] [--batch B] [--partitions P] \
+/// The outbox tables' write counters and the server's WAL position at one moment.
+#[derive(Debug, Clone, Default)]
+struct Writes {
+    /// (table, inserts, updates, deletes, HOT updates).
+    tables: Vec<(String, i64, i64, i64, i64)>,
+    wal_lsn: String,
+}
+
+impl Writes {
+    async fn read(conn: &sqlx::PgPool) -> anyhow::Result<Self> {
+        let tables = sqlx::query_as(
+            "SELECT relname::text, n_tup_ins, n_tup_upd, n_tup_del, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname LIKE 'outbox\\_%' ORDER BY relname",
+        )
+        .fetch_all(conn)
+        .await?;
+        let wal_lsn: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text").fetch_one(conn).await?;
+        Ok(Writes { tables, wal_lsn })
+    }
+
+    /// What was written from `before` to `self`, as comment lines and the
+    /// result line's fields.
+    async fn since(&self, before: &Writes, conn: &sqlx::PgPool, events: usize) -> anyhow::Result<(Vec<String>, String)> {
+        let was = |t: &str| before.tables.iter().find(|b| b.0 == t).cloned().unwrap_or_default();
+        let mut per_table = Vec::new();
+        let (mut ins, mut upd, mut del, mut hot) = (0i64, 0i64, 0i64, 0i64);
+        for (t, i, u, d, h) in &self.tables {
+            let (_, bi, bu, bd, bh) = was(t);
+            let (i, u, d, h) = (i - bi, u - bu, d - bd, h - bh);
+            if i + u + d > 0 {
+                per_table.push(format!("{t} +{i} ~{u} -{d}"));
+            }
+            (ins, upd, del, hot) = (ins + i, upd + u, del + d, hot + h);
+        }
+        let wal: i64 = sqlx::query_scalar("SELECT pg_wal_lsn_diff($1::pg_lsn, $2::pg_lsn)::bigint").bind(&self.wal_lsn).bind(&before.wal_lsn).fetch_one(conn).await?;
+        let n = events.max(1) as f64;
+        let hot_share = if upd > 0 { hot as f64 / upd as f64 } else { 0.0 };
+        let lines = vec![
+            format!(
+                "# writes: {:.2} row writes per event ({:.2} inserts, {:.2} updates ({:.0}% HOT), {:.2} deletes) ; WAL {:.0} bytes per event (the whole server's)",
+                (ins + upd + del) as f64 / n,
+                ins as f64 / n,
+                upd as f64 / n,
+                hot_share * 100.0,
+                del as f64 / n,
+                wal as f64 / n
+            ),
+            format!("# writes by table: {}", per_table.join(" ; ")),
+        ];
+        Ok((lines, format!(" row_writes_per_event={:.2} hot_share={hot_share:.2} wal_bytes_per_event={:.0}", (ins + upd + del) as f64 / n, wal as f64 / n)))
+    }
+}
+
+const USAGE: &str = "usage: dispatch_bench [--path chains|stream] [--events N] [--keys K] [--emitters E] [--txn-events T] [--workers W] [--batch B] [--partitions P] \
 [--instances N] [--rate EVENTS_PER_S] [--hold-snapshot-s S] [--kafka-setting K=V]... [--preload] [--no-wake] [--topic-id] [--keep-db] [--throwaway-postgres]";
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -95,6 +157,11 @@ fn parse_args() -> anyhow::Result<Args> {
                 std::process::exit(0);
             }
             "--preload" => a.preload = true,
+            "--path" => match it.next().as_deref() {
+                Some("chains") => {}
+                Some("stream") => anyhow::bail!("--path stream: the PostgreSQL stream path is not built yet; --path chains is today's claims path\n{USAGE}"),
+                other => anyhow::bail!("--path takes chains or stream, not {other:?}\n{USAGE}"),
+            },
             "--keep-db" => a.keep_db = true,
             "--no-wake" => a.no_wake = true,
             "--topic-id" => a.topic_id = true,
@@ -203,6 +270,7 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
         None => None,
     };
 
+    let writes_before = Writes::read(&pool).await?;
     let meter = CpuMeter::start(&pool).await;
     let started = Instant::now();
     // Emitter e owns the keys k with k % emitters == e, so each key's
@@ -294,6 +362,12 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     let receipts: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_publish_receipts").fetch_one(&pool).await?;
     anyhow::ensure!(receipts as usize == args.events, "{receipts} receipts for {} events", args.events);
     let span_s = ((last - first).max(1) as f64) / 1000.0;
+    // Every connection of the run reports its write counters when it
+    // closes; a fresh one reads them.
+    let options = (*pool.connect_options()).clone();
+    pool.close().await;
+    let reader = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await?;
+    let (write_lines, write_fields) = Writes::read(&reader).await?.since(&writes_before, &reader, args.events).await?;
     eprintln!(
         "# {} ; emit {:.0} events/s ; wall {:.1} s ; dispatch-only drain {:.0} events/s (meaningful with --preload) ; keys {} ; workers {} ; batch {} ; ordering on",
         kafka.describe(),
@@ -333,11 +407,14 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
         let counts: Vec<String> = dispatchers.iter().enumerate().map(|(i, d)| format!("bench{i}={}", d.metrics().published.load(std::sync::atomic::Ordering::Relaxed))).collect();
         eprintln!("# published per instance: {}", counts.join(" "));
     }
+    for line in &write_lines {
+        eprintln!("{line}");
+    }
     if let Some(held_s) = held_s {
         eprintln!("# held a REPEATABLE READ snapshot for {held_s:.1} s");
-        eprintln!("# sizes after: {}", table_sizes(&pool).await?);
+        eprintln!("# sizes after: {}", table_sizes(&reader).await?);
     }
-    println!("dispatch events={} events_per_s={:.0} p50_ms={:.0} p99_ms={:.0}", args.events, args.events as f64 / span_s, p50, p99);
+    println!("dispatch events={} events_per_s={:.0} p50_ms={:.0} p99_ms={:.0}{write_fields}", args.events, args.events as f64 / span_s, p50, p99);
     Ok(())
 }
 
