@@ -261,7 +261,7 @@ pub(super) fn check(store: &MemoryStore, w: &mut World, emitted: &[(EventId, Str
                 // records it. The reconciler's bypass scan reports it
                 // (`unrecorded_copy`) once the attempt is past its in-flight
                 // bound (`outbox_core::compare::judge_scanned`; test
-                // `sound.rs::a_copy_of_an_attempt_left_open_by_a_late_ack_is_a_finding`).
+                // `sound/late_acks.rs::a_copy_of_an_attempt_left_open_by_a_late_ack_is_a_finding`).
                 Some(AttemptState::Unknown | AttemptState::Sending) if reported => {
                     w.figures.copies_reported += 1;
                 }
