@@ -6,13 +6,13 @@
 
 use std::collections::BTreeMap;
 
-use outbox_core::claim::{check_fence, grant, ClaimToken, FencedWrite};
+use outbox_core::claim::{check_fence, check_registration, grant, ClaimToken, FencedWrite};
 use outbox_core::envelope::Ordering;
 use outbox_core::error::CoreError;
-use outbox_core::id::EventId;
+use outbox_core::id::{AttemptId, EventId};
 use outbox_core::receipt::{AttemptRecord, LockedEvent};
 use outbox_core::reconcile::RECONCILE_CLAIM;
-use outbox_core::state::EventState;
+use outbox_core::state::{AttemptState, EventState};
 use outbox_core::store::{ClaimedEvent, FenceOutcome, ReconcileTask, StoreError};
 
 use super::{AuditRecord, MemoryEvent, MemoryState, MemoryStore};
@@ -79,6 +79,37 @@ impl MemoryStore {
             tracestate: None,
             source: None,
         }
+    }
+
+    /// Registers `attempt_id` for `token`'s claim, as every registration
+    /// does: the registration guard (`check_registration`), CLAIMED or
+    /// RETRY_CLAIMED to SENDING, the attempt with the scan floor and anchor
+    /// of the event's log, named on the event's claim.
+    pub(super) fn register_in(st: &mut MemoryState, token: &ClaimToken, attempt_id: AttemptId, now: i64) -> Result<AttemptRecord, StoreError> {
+        let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
+        check_registration(ev.state, &ev.claim, token, now)?;
+        Self::transition(ev, EventState::Sending, now)?;
+        ev.attempt_generation += 1;
+        let log = (ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.topic_id.clone(), ev.destination.partition);
+        let floor = st.partition_high.get(&log);
+        let attempt = AttemptRecord {
+            attempt_id,
+            event_id: token.event_id.clone(),
+            envelope_generation: ev.envelope.envelope_generation,
+            attempt_generation: ev.attempt_generation,
+            claim_generation: token.claim_generation,
+            owner: token.owner.clone(),
+            state: AttemptState::Sending,
+            destination_digest: ev.destination_digest.clone(),
+            started_at_ms: now,
+            send_deadline_ms: Some(token.lease_until_ms),
+            scan_from_offset: floor.map_or(0, |f| f.0),
+            scan_anchor: floor.map(|f| f.1.clone()),
+            scan_anchor_attempt: floor.map(|f| f.2.clone()),
+        };
+        ev.claim.attempt_id = Some(attempt.attempt_id.clone());
+        st.attempts.entry(token.event_id.clone()).or_default().push(attempt.clone());
+        Ok(attempt)
     }
 
     /// Whether an earlier event of the same destination and key holds the key.

@@ -28,7 +28,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use outbox_core::claim::{check_registration, grant, is_claimable, validate_lease_ms, Claim, ClaimToken, MAX_CLAIM_BATCH};
+use outbox_core::claim::{grant, is_claimable, validate_lease_ms, Claim, ClaimToken, MAX_CLAIM_BATCH};
 use outbox_core::envelope::Ordering;
 use outbox_core::error::CoreError;
 use outbox_core::id::EventId;
@@ -395,32 +395,7 @@ pub(super) fn register(st: &mut MemoryState, s: &mut StreamState, token: &ClaimT
         }
         let index = batch.events.iter().position(|e| e == &token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
         let attempt_id = batch_attempt_id(id, index, batch.cut_at_ms.max(0) as u64)?;
-        let ev = st.events.get_mut(&token.event_id).ok_or_else(|| StoreError::NotFound(token.event_id.clone()))?;
-        check_registration(ev.state, &ev.claim, token, now)?;
-        MemoryStore::transition(ev, EventState::Sending, now)?;
-        ev.attempt_generation += 1;
-        let mut attempt = AttemptRecord {
-            attempt_id,
-            event_id: token.event_id.clone(),
-            envelope_generation: ev.envelope.envelope_generation,
-            attempt_generation: ev.attempt_generation,
-            claim_generation: token.claim_generation,
-            owner: token.owner.clone(),
-            state: AttemptState::Sending,
-            destination_digest: ev.destination_digest.clone(),
-            started_at_ms: now,
-            send_deadline_ms: Some(token.lease_until_ms),
-            scan_from_offset: 0,
-            scan_anchor: None,
-            scan_anchor_attempt: None,
-        };
-        if let Some((floor, anchor, anchor_attempt)) = st.partition_high.get(&(ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.topic_id.clone(), ev.destination.partition)) {
-            attempt.scan_from_offset = *floor;
-            attempt.scan_anchor = Some(anchor.clone());
-            attempt.scan_anchor_attempt = Some(anchor_attempt.clone());
-        }
-        ev.claim.attempt_id = Some(attempt.attempt_id.clone());
-        st.attempts.entry(token.event_id.clone()).or_default().push(attempt.clone());
+        let attempt = MemoryStore::register_in(st, token, attempt_id, now)?;
         if let Some(b) = s.batches.get_mut(&id) {
             b.registered.insert(index);
         }
