@@ -37,13 +37,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_consumer::{ConsumerConfig, IdempotentConsumer, TrustPolicy};
+use outbox_consumer::IdempotentConsumer;
 use outbox_core::trust::{seal, SigningKey};
 use outbox_core::{headers, AttemptId, EmitRequest, EventId, RoutePolicy};
 use outbox_examples::env::{Kafka, ScratchDb};
 use outbox_examples::fulfilment::{self, FulfilmentHandler};
 use outbox_examples::keys::{ExampleKey, SIGNING_SECRET_ENV, WATERMARK_SECRET_ENV};
-use outbox_producer::{emit, register_consumer, Dispatcher, DispatcherConfig, EmitOptions, PgStore, Reconciler, ReconcilerConfig, WatermarkTopicConfig, WatermarkTopicReader};
+use outbox_producer::{emit, register_consumer, Dispatcher, EmitOptions, KafkaBroker, PgStore, Reconciler, ReconcilerConfig, WatermarkTopicReader};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
@@ -95,7 +95,15 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
     outbox_consumer::migrate(&consumer_pool).await?;
     let kafka = Kafka::start(&[(TOPIC, PARTITIONS)])?;
     println!("kafka    : {}", kafka.describe());
-    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await?;
+    // The one configuration (`outbox_config`): the file the `outbox` CLI
+    // reads too (`examples/outbox.toml` documents every section). A service
+    // reads it with `Config::from_file("outbox.toml")` or, as variables,
+    // `Config::from_env()`; here it is written with this run's databases,
+    // cluster and keys. Loading validates it: among others, that fulfilment
+    // holds the dispatcher's key id and the reconciler fulfilment's.
+    let config = outbox_config::Config::from_toml(&config_toml(&db.url(), &consumer_db.url(), &kafka.bootstrap, &source, &signing, &watermark_key))?;
+    println!("config   : {} consumer section(s), dispatcher signing key id {}", config.consumer_ids().len(), signing.key_id());
+    let broker = Arc::new(KafkaBroker::connect(config.kafka_config()?).await.context("connecting the Kafka adapter")?);
     let policy = outbox_producer::routes::revise(&pool, &RoutePolicy::new("order.created.v2", broker.cluster_id(), TOPIC, PARTITIONS as u32)).await?;
     println!("route    : order.created.v2 -> {}/{} ({} partitions, key {}, generation {})", policy.cluster_id, policy.topic, policy.partitions, policy.key_template, policy.generation);
     register_consumer(&pool, fulfilment::CONSUMER_ID, &[TOPIC], true, true).await?;
@@ -157,7 +165,7 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
     println!("retried command place-order-o-41 -> {} (inserted: {})", retried.event_id(), retried.inserted);
 
     println!("\n== 2. dispatcher: fenced claims, Kafka, the receipt transaction");
-    let dispatcher_cfg = DispatcherConfig { name: "quickstart".into(), signing: Some(signing.signing_config()), ..Default::default() };
+    let dispatcher_cfg = config.dispatcher_config()?; // [dispatch], [dispatch.signing]
     let dispatcher = Dispatcher::new(PgStore::new(pool.clone()), broker.clone(), dispatcher_cfg)?;
     for _ in 0..50 {
         let r = dispatcher.dispatch_once("quickstart-0").await?;
@@ -177,13 +185,10 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
     anyhow::ensure!(receipts.len() == ORDERS, "{} of {ORDERS} events published", receipts.len());
 
     println!("\n== 3. fulfilment consumer (its own database): one receipt and one effect per event");
-    let mut consumer_cfg = ConsumerConfig::new(fulfilment::CONSUMER_ID, kafka.bootstrap.clone(), &[TOPIC]);
-    consumer_cfg.watermark_publish_interval_ms = 500;
-    // Only this outbox's messages, and only signed ones: anything else is
-    // quarantined before the handler runs.
-    consumer_cfg.trust = TrustPolicy::default().accept(TOPIC, &[&source], /* require_signature */ true).with_key(&source, signing.signing_key()?);
-    // Its watermarks go over the broker signed: only it can speak for itself.
-    consumer_cfg.watermark_signing_key = Some(watermark_key.signing_key()?);
+    // [consumer.fulfilment]: only this outbox's messages, and only signed
+    // ones (anything else is quarantined before the handler runs); its
+    // watermarks go over the broker signed: only it can speak for itself.
+    let consumer_cfg = config.consumer_config(fulfilment::CONSUMER_ID)?;
     println!("{} accepts only signed messages from source {source} (key id {}) on {TOPIC}", fulfilment::CONSUMER_ID, signing.key_id());
     let consumer = IdempotentConsumer::new(consumer_cfg.clone(), consumer_pool.clone(), FulfilmentHandler::default())?;
     let consumer_metrics = consumer.metrics();
@@ -211,7 +216,7 @@ async fn run(db: &ScratchDb, consumer_db: &ScratchDb) -> anyhow::Result<()> {
 
     println!("\n== 4. reconciler: the watermark topic, three sets, findings, UNKNOWN SLO");
     // A record that names fulfilment is applied only when signed with its key.
-    let watermark_cfg = WatermarkTopicConfig::new(kafka.bootstrap.clone()).with_key(fulfilment::CONSUMER_ID, watermark_key.signing_key()?);
+    let watermark_cfg = config.watermark_topic_config()?.context("[reconcile] reads the watermark topic")?; // [reconcile.watermark_keys]
     let watermarks = WatermarkTopicReader::connect(pool.clone(), watermark_cfg).await?;
     let ingested = watermarks.ingest_once().await?;
     println!(
@@ -324,4 +329,43 @@ async fn wait_consumed(pool: &PgPool, n: i64) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     anyhow::bail!("the fulfilment consumer did not consume {n} events within 60 s")
+}
+
+/// The run's `outbox.toml`: the dispatcher signs, fulfilment accepts only
+/// signed messages of this outbox and signs its watermark records, the
+/// reconciler verifies them. One key format throughout: `{ key_id, secret_hex }`.
+fn config_toml(database_url: &str, consumer_database_url: &str, bootstrap: &str, source: &str, signing: &ExampleKey, watermark: &ExampleKey) -> String {
+    let (s, w) = (signing.signing_config(), watermark.signing_config());
+    let (s_id, s_hex, w_id, w_hex) = (s.key_id, s.secret_hex, w.key_id, w.secret_hex);
+    let consumer = fulfilment::CONSUMER_ID;
+    format!(
+        r#"
+database_url = "{database_url}"
+
+[kafka]
+bootstrap = "{bootstrap}"
+message_timeout_ms = 10000
+
+[dispatch]
+name = "quickstart"
+
+[dispatch.signing]
+key_id = "{s_id}"
+secret_hex = "{s_hex}"
+
+[reconcile.watermark_keys]
+{consumer} = [{{ key_id = "{w_id}", secret_hex = "{w_hex}" }}]
+
+[consumer.{consumer}]
+database_url = "{consumer_database_url}"
+topics = ["{TOPIC}"]
+watermark_publish_interval_ms = 500
+watermark_signing = {{ key_id = "{w_id}", secret_hex = "{w_hex}" }}
+accept = {{ {TOPIC} = ["{source}"] }}
+require_signature = ["{TOPIC}"]
+
+[consumer.{consumer}.keys]
+"{source}" = [{{ key_id = "{s_id}", secret_hex = "{s_hex}" }}]
+"#
+    )
 }

@@ -45,6 +45,9 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> std::process::ExitCo
         eprintln!("outbox: error: {e:#}");
         return ExitCode::from(1);
     }
+    for note in file.warnings() {
+        tracing::warn!("{note}");
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {

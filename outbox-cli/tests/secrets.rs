@@ -63,7 +63,8 @@ async fn no_output_path_shows_a_secret() {
         assert_eq!(settings["sasl.username"].as_str(), Some("orders"));
         assert!(doc["database_url"].as_str().unwrap().contains(":***@"), "{text}");
         if command == "reconcile" {
-            assert_eq!(doc["reconcile"]["watermark_keys"].as_array().map(Vec::as_slice), Some(&[toml::Value::String("shipping=wm-1=***".into())][..]), "{text}");
+            let key = &doc["reconcile"]["watermark_keys"]["shipping"][0];
+            assert_eq!((key["key_id"].as_str(), key["secret_hex"].as_str()), (Some("wm-1"), Some("***")), "{text}");
         }
     }
     // Verification keys from the file (no environment variable): masked too.
@@ -72,7 +73,12 @@ async fn no_output_path_shows_a_secret() {
     let (code, text) = run(&["--database-url", &url, "--config", keyed.to_str().unwrap(), "reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1"], &[]);
     assert_eq!(code, Some(0), "{text}");
     assert_clean("reconcile --print-config, keys from the file", &text);
-    assert!(text.contains("\"billing=wm-f=***\""), "{text}");
+    // The former string form is still read, with a deprecation warning in the log.
+    assert!(text.contains("reconcile.watermark_keys: the array of \"CONSUMER_ID=KEY_ID=HEX\" strings is deprecated"), "{text}");
+    let printed: String = text.lines().filter(|l| !l.contains(" WARN ")).map(|l| format!("{l}\n")).collect();
+    let doc: toml::Table = toml::from_str(printed.trim()).unwrap_or_else(|e| panic!("not TOML: {e}\n{text}"));
+    assert_eq!(doc["reconcile"]["watermark_keys"]["billing"][0]["key_id"].as_str(), Some("wm-f"), "{text}");
+    assert_eq!(doc["reconcile"]["watermark_keys"]["billing"][0]["secret_hex"].as_str(), Some("***"), "{text}");
     // A malformed verification key: the error names the entry, not the secret.
     let short = format!("shipping=wm-1={}", &PLANTED_HEX[..20]);
     let (code, text) = run(&["--database-url", &url, "reconcile", "--print-config", "--kafka-bootstrap", "127.0.0.1:1"], &[("OUTBOX_RECONCILE_WATERMARK_KEYS", short.as_str())]);

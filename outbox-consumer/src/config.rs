@@ -123,7 +123,9 @@ impl RetryPolicy {
 }
 
 /// Everything an [`IdempotentConsumer`](crate::IdempotentConsumer) needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// `Debug` never shows a secret: neither a key nor the value of a
+/// secret-bearing librdkafka property ([`is_secret_kafka_property`]).
+#[derive(Clone, PartialEq, Eq)]
 pub struct ConsumerConfig {
     /// Logical consumer identity: the first half of every receipt key. Keep it
     /// stable for the life of the consumer; changing it replays everything.
@@ -177,6 +179,42 @@ pub struct ConsumerConfig {
     /// `watermark_topic` says, so the production consumer's watermarks are
     /// not moved by what the replay decided. Default `false`.
     pub replay: bool,
+}
+
+/// Whether a librdkafka property carries a secret (a password, a private
+/// key, a token, a configuration that may hold one): its value is shown as
+/// `***` by `ConsumerConfig`'s `Debug`.
+pub fn is_secret_kafka_property(key: &str) -> bool {
+    let k = key.trim().to_ascii_lowercase();
+    ["password", "secret", "token", "jaas", "oauthbearer.config", "ssl.key.pem", "ssl_key", "keystore", "sasl.oauthbearer.extensions", "credential"]
+        .iter()
+        .any(|s| k.contains(s))
+}
+
+impl std::fmt::Debug for ConsumerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kafka: BTreeMap<&str, &str> = self.kafka.iter().map(|(k, v)| (k.as_str(), if is_secret_kafka_property(k) { "***" } else { v.as_str() })).collect();
+        f.debug_struct("ConsumerConfig")
+            .field("consumer_id", &self.consumer_id)
+            .field("group_id", &self.group_id)
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("topics", &self.topics)
+            .field("max_batch_messages", &self.max_batch_messages)
+            .field("max_batch_bytes", &self.max_batch_bytes)
+            .field("max_buffered_per_partition", &self.max_buffered_per_partition)
+            .field("retry", &self.retry)
+            .field("session_timeout_ms", &self.session_timeout_ms)
+            .field("shutdown_timeout_ms", &self.shutdown_timeout_ms)
+            .field("max_evidence_payload_bytes", &self.max_evidence_payload_bytes)
+            .field("watermark_topic", &self.watermark_topic)
+            .field("watermark_publish_interval_ms", &self.watermark_publish_interval_ms)
+            .field("watermark_publish_timeout_ms", &self.watermark_publish_timeout_ms)
+            .field("watermark_signing_key", &self.watermark_signing_key)
+            .field("kafka", &kafka)
+            .field("trust", &self.trust)
+            .field("replay", &self.replay)
+            .finish()
+    }
 }
 
 impl ConsumerConfig {
@@ -301,6 +339,26 @@ impl ConsumerConfig {
         }
         c.validate()?;
         Ok(c)
+    }
+
+    /// The librdkafka configuration of this consumer's client: its group,
+    /// offsets stored and committed by the consumer only, then
+    /// [`ConsumerConfig::kafka`]. Shown for checks (e.g. that TLS settings
+    /// reach the client); its secrets are not masked.
+    pub fn client_config(&self) -> rdkafka::config::ClientConfig {
+        let mut k = rdkafka::config::ClientConfig::new();
+        k.set("bootstrap.servers", &self.bootstrap_servers)
+            .set("group.id", &self.group_id)
+            .set("client.id", &self.consumer_id)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", self.session_timeout_ms.to_string());
+        for (key, value) in &self.kafka {
+            k.set(key, value);
+        }
+        k
     }
 
     /// Checks identifiers and every limit.

@@ -239,20 +239,7 @@ impl IdempotentConsumer {
     }
 
     fn client_config(&self) -> ClientConfig {
-        let c = &self.config;
-        let mut k = ClientConfig::new();
-        k.set("bootstrap.servers", &c.bootstrap_servers)
-            .set("group.id", &c.group_id)
-            .set("client.id", &c.consumer_id)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("enable.partition.eof", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("session.timeout.ms", c.session_timeout_ms.to_string());
-        for (key, value) in &c.kafka {
-            k.set(key, value);
-        }
-        k
+        self.config.client_config()
     }
 
     /// Subscribes and consumes until `shutdown` resolves or a fatal error

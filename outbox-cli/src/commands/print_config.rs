@@ -105,7 +105,21 @@ pub(super) fn reconcile_table(c: &ReconcilerConfig, interval_ms: u64) -> toml::T
     t
 }
 
-/// `watermark_keys` as --print-config shows them: consumer and key id, the secret `***`.
+/// `watermark_keys` as --print-config shows them, in the file's key format:
+/// a table of consumer id to `{ key_id, secret_hex = "***" }`.
 pub(super) fn watermark_keys_value(c: &outbox_producer::WatermarkTopicConfig) -> toml::Value {
-    toml::Value::Array(c.verify_keys.iter().flat_map(|(consumer, keys)| keys.iter().map(move |k| toml::Value::String(format!("{consumer}={}=***", k.key_id())))).collect())
+    let mut t = toml::Table::new();
+    for (consumer, keys) in &c.verify_keys {
+        let list = keys
+            .iter()
+            .map(|k| {
+                let mut key = toml::Table::new();
+                key.insert("key_id".into(), toml::Value::String(k.key_id().to_owned()));
+                key.insert("secret_hex".into(), toml::Value::String("***".into()));
+                toml::Value::Table(key)
+            })
+            .collect();
+        t.insert(consumer.clone(), toml::Value::Array(list));
+    }
+    toml::Value::Table(t)
 }

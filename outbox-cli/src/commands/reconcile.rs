@@ -74,7 +74,7 @@ fn watermark_topic_config(a: &ReconcileArgs, file: &FileConfig, kafka: &KafkaCon
     }
     c.verify_keys = match std::env::var(WATERMARK_KEYS_ENV).ok().filter(|v| !v.trim().is_empty()) {
         Some(text) => outbox_producer::WatermarkTopicConfig::parse_keys(WATERMARK_KEYS_ENV, text.split_whitespace())?,
-        None => outbox_producer::WatermarkTopicConfig::parse_keys("[reconcile] watermark_keys", file.reconcile.watermark_keys.iter().flatten().map(String::as_str))?,
+        None => file.reconcile.watermark_verify_keys()?,
     };
     c.allow_unsigned = if a.watermark_unsigned.iter().any(|s| !s.trim().is_empty()) {
         outbox_producer::WatermarkTopicConfig::parse_unsigned(&format!("--watermark-unsigned ({WATERMARK_UNSIGNED_ENV})"), a.watermark_unsigned.iter().map(String::as_str))?

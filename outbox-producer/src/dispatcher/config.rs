@@ -159,8 +159,8 @@ pub fn host_name() -> Option<String> {
     .clone()
 }
 
-fn env_parse<T: std::str::FromStr>(key: &str, into: &mut T) -> Result<(), ProducerError> {
-    if let Ok(v) = std::env::var(key) {
+fn env_parse<T: std::str::FromStr>(get: &impl Fn(&str) -> Option<String>, key: &str, into: &mut T) -> Result<(), ProducerError> {
+    if let Some(v) = get(key) {
         *into = v.trim().parse().map_err(|_| ProducerError::Config(format!("{key}={v:?} is not a valid value")))?;
     }
     Ok(())
@@ -179,23 +179,29 @@ impl DispatcherConfig {
     /// `_POLL_INTERVAL_MS`, `_SWEEP_INTERVAL_MS`, `_HEAD_SCAN_EVERY`,
     /// `_SHUTDOWN_GRACE_MS`, `_RECORD_RETRY_MS`, `_LISTEN`, `_ALIAS`, `_IMPLEMENTATION`,
     /// `_SIGNING_KEY_ID` with `_SIGNING_SECRET_HEX` (both or neither).
-    pub fn with_env(mut self) -> Result<Self, ProducerError> {
-        env_parse("OUTBOX_DISPATCH_NAME", &mut self.name)?;
-        env_parse("OUTBOX_DISPATCH_WORKERS", &mut self.workers)?;
-        env_parse("OUTBOX_DISPATCH_BATCH_SIZE", &mut self.batch_size)?;
-        env_parse("OUTBOX_DISPATCH_LEASE_MS", &mut self.lease_ms)?;
-        env_parse("OUTBOX_DISPATCH_POLL_INTERVAL_MS", &mut self.poll_interval_ms)?;
-        env_parse("OUTBOX_DISPATCH_SWEEP_INTERVAL_MS", &mut self.sweep_interval_ms)?;
-        env_parse("OUTBOX_DISPATCH_HEAD_SCAN_EVERY", &mut self.head_scan_every)?;
-        env_parse("OUTBOX_DISPATCH_SHUTDOWN_GRACE_MS", &mut self.shutdown_grace_ms)?;
-        env_parse("OUTBOX_DISPATCH_RECORD_RETRY_MS", &mut self.record_retry_ms)?;
-        env_parse("OUTBOX_DISPATCH_LISTEN", &mut self.listen)?;
-        if let Ok(a) = std::env::var("OUTBOX_DISPATCH_ALIAS") {
+    pub fn with_env(self) -> Result<Self, ProducerError> {
+        self.with_env_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`DispatcherConfig::with_env`] over `get` (a variable's value by
+    /// name) instead of the process environment.
+    pub fn with_env_lookup(mut self, get: impl Fn(&str) -> Option<String>) -> Result<Self, ProducerError> {
+        env_parse(&get, "OUTBOX_DISPATCH_NAME", &mut self.name)?;
+        env_parse(&get, "OUTBOX_DISPATCH_WORKERS", &mut self.workers)?;
+        env_parse(&get, "OUTBOX_DISPATCH_BATCH_SIZE", &mut self.batch_size)?;
+        env_parse(&get, "OUTBOX_DISPATCH_LEASE_MS", &mut self.lease_ms)?;
+        env_parse(&get, "OUTBOX_DISPATCH_POLL_INTERVAL_MS", &mut self.poll_interval_ms)?;
+        env_parse(&get, "OUTBOX_DISPATCH_SWEEP_INTERVAL_MS", &mut self.sweep_interval_ms)?;
+        env_parse(&get, "OUTBOX_DISPATCH_HEAD_SCAN_EVERY", &mut self.head_scan_every)?;
+        env_parse(&get, "OUTBOX_DISPATCH_SHUTDOWN_GRACE_MS", &mut self.shutdown_grace_ms)?;
+        env_parse(&get, "OUTBOX_DISPATCH_RECORD_RETRY_MS", &mut self.record_retry_ms)?;
+        env_parse(&get, "OUTBOX_DISPATCH_LISTEN", &mut self.listen)?;
+        if let Some(a) = get("OUTBOX_DISPATCH_ALIAS") {
             self.alias = Some(a.trim().to_owned()).filter(|a| !a.is_empty());
         }
-        env_parse("OUTBOX_DISPATCH_IMPLEMENTATION", &mut self.implementation)?;
-        let key_id = std::env::var("OUTBOX_DISPATCH_SIGNING_KEY_ID").ok().filter(|v| !v.trim().is_empty());
-        let secret = std::env::var("OUTBOX_DISPATCH_SIGNING_SECRET_HEX").ok().filter(|v| !v.trim().is_empty());
+        env_parse(&get, "OUTBOX_DISPATCH_IMPLEMENTATION", &mut self.implementation)?;
+        let key_id = get("OUTBOX_DISPATCH_SIGNING_KEY_ID").filter(|v| !v.trim().is_empty());
+        let secret = get("OUTBOX_DISPATCH_SIGNING_SECRET_HEX").filter(|v| !v.trim().is_empty());
         match (key_id, secret) {
             (Some(key_id), Some(secret_hex)) => self.signing = Some(SigningConfig { key_id: key_id.trim().to_owned(), secret_hex }),
             (None, None) => {}

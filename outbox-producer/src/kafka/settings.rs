@@ -283,7 +283,10 @@ impl KafkaConfig {
         self.extra.iter().filter(|(k, _)| is_connection_setting(k)).chain(&self.lookup_extra).cloned().collect()
     }
 
-    pub(super) fn producer_config(&self) -> ClientConfig {
+    /// The librdkafka configuration of the producer: [`KafkaConfig::extra`]
+    /// first, then the settings the adapter relies on. Shown for checks
+    /// (e.g. that TLS settings reach the client); its secrets are not masked.
+    pub fn producer_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
         for (k, v) in &self.extra {
             c.set(k, v);
@@ -297,7 +300,9 @@ impl KafkaConfig {
         c
     }
 
-    pub(super) fn lookup_config(&self, group_id: &str) -> ClientConfig {
+    /// The librdkafka configuration of a lookup consumer of group
+    /// `group_id`: [`KafkaConfig::lookup_settings`], then the adapter's own.
+    pub fn lookup_config(&self, group_id: &str) -> ClientConfig {
         let mut c = ClientConfig::new();
         for (k, v) in self.lookup_settings() {
             c.set(k, v);
