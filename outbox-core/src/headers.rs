@@ -290,9 +290,10 @@ impl MessageClaims {
         Ok(())
     }
 
-    /// The broker receipt of this message at a log position; its topic id
-    /// is the one the claimed destination names.
-    pub fn receipt(&self, cluster_id: &str, topic: &str, partition: i32, offset: i64, payload: &[u8]) -> BrokerReceipt {
+    /// The broker receipt of this message at a log position, under `key`
+    /// (the message's key as read; a message without one reads as the
+    /// empty key); its topic id is the one the claimed destination names.
+    pub fn receipt(&self, cluster_id: &str, topic: &str, partition: i32, offset: i64, key: Option<&[u8]>, payload: &[u8]) -> BrokerReceipt {
         BrokerReceipt {
             event_id: self.event_id.clone(),
             envelope_generation: self.envelope_generation,
@@ -304,6 +305,7 @@ impl MessageClaims {
             topic_id: self.destination.topic_id.clone(),
             partition,
             offset,
+            key: Some(key.unwrap_or_default().to_vec()),
         }
     }
 }
@@ -326,8 +328,11 @@ mod tests {
         let h = build(&e, &d, &d.digest(), &AttemptId::from_parts(1, 1), Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"));
         let c = verify(&h, &p, "orders", d.partition, Some(d.routing_key.as_bytes())).unwrap();
         assert_eq!(c.event_id, e.event_id);
-        let r = c.receipt("c1", "orders", d.partition, 7, &p);
+        let r = c.receipt("c1", "orders", d.partition, 7, Some(d.routing_key.as_bytes()), &p);
         assert_eq!(r.payload_digest, e.payload_digest);
+        assert_eq!(r.key.as_deref(), Some(d.routing_key.as_bytes()));
+        // A message without a key reads as the empty key, never as "not known".
+        assert_eq!(c.receipt("c1", "orders", d.partition, 7, None, &p).key, Some(Vec::new()));
     }
 
     #[test]

@@ -89,7 +89,7 @@ impl ScannedMessage {
             source: text(crate::trust::SOURCE),
             attempt_id: text(crate::headers::ATTEMPT_ID),
             topic_id: last(crate::headers::DESTINATION).and_then(|v| Destination::from_canonical(v).ok()?.topic_id),
-            receipt: crate::headers::parse(headers).ok().map(|claims| claims.receipt(cluster_id, topic, partition, offset, payload)),
+            receipt: crate::headers::parse(headers).ok().map(|claims| claims.receipt(cluster_id, topic, partition, offset, key, payload)),
         }
     }
 }

@@ -40,6 +40,29 @@ pub struct BrokerReceipt {
     pub partition: i32,
     /// Offset assigned.
     pub offset: i64,
+    /// The message's key as written (the dispatcher's ACK: the key it sent;
+    /// a lookup or a scan: the key read back). A message without a key
+    /// reads as the empty key, which no frozen destination has (a routing
+    /// key never renders empty). `None` only for receipts recorded before
+    /// the key was kept: the key is then not compared. Serialized as hex.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "key_hex")]
+    pub key: Option<Vec<u8>>,
+}
+
+/// A message key as lowercase hex in serialized receipts.
+mod key_hex {
+    use serde::{de::Error as _, Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(key: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        match key {
+            Some(k) => s.serialize_some(&hex::encode(k)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
+        Option::<String>::deserialize(d)?.map(|h| hex::decode(h).map_err(D::Error::custom)).transpose()
+    }
 }
 
 impl AttemptRecord {
@@ -151,6 +174,10 @@ pub enum QuarantineReason {
     /// Cluster, topic, topic id or partition are not the ones the frozen
     /// routing gives.
     PlacementMismatch,
+    /// The message's key is not the frozen destination's routing key: a
+    /// consumer partitioning work by key would see the event under another
+    /// key, and the copy sits in another key's compaction chain.
+    KeyMismatch,
 }
 
 /// Why a receipt was refused without quarantine. Refusals are audited.
@@ -220,8 +247,9 @@ impl ReceiptDecision {
 /// publish, headers that do not parse) is refused as evidence and never
 /// quarantines or moves the event; then divergence of a registered
 /// attempt's message (payload digest, destination digest, placement against
-/// the frozen routing: cluster, topic, topic id and partition), which
-/// quarantines; then the slot. A genuine message
+/// the frozen routing: cluster, topic, topic id and partition; then the
+/// message key against the frozen routing key), which quarantines; then
+/// the slot. A genuine message
 /// of an attempt that was proven ABSENT refutes that proof: it competes for
 /// the slot like any other (see [`refutes_absence`]).
 pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: &BrokerReceipt) -> ReceiptDecision {
@@ -257,6 +285,13 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
     // id than the digest it carries is caught here.
     if !event.destination.admits(&receipt.cluster_id, &receipt.topic, receipt.partition) || receipt.topic_id != event.destination.topic_id {
         return quarantine(QuarantineReason::PlacementMismatch);
+    }
+    // The key the message carries must be the frozen routing key: the
+    // headers and payload say nothing of it, and a copy under another key
+    // reaches consumers under that key. A receipt that does not know its
+    // key (recorded before the key was kept) is not judged by it.
+    if receipt.key.as_deref().is_some_and(|k| k != event.destination.routing_key.as_bytes()) && !crate::simulation::mutation_active("receipt-key-unchecked") {
+        return quarantine(QuarantineReason::KeyMismatch);
     }
     match &event.slot {
         Some(primary) if primary.same_placement(receipt) => {
@@ -355,6 +390,7 @@ pub(crate) fn sample_receipt(offset: i64) -> BrokerReceipt {
         topic_id: None,
         partition: 0,
         offset,
+        key: None,
     }
 }
 
@@ -424,6 +460,7 @@ mod tests {
                 topic_id: self.event.destination.topic_id.clone(),
                 partition: self.event.destination.partition,
                 offset,
+                key: Some(self.event.destination.routing_key.as_bytes().to_vec()),
             }
         }
 
@@ -545,6 +582,48 @@ mod tests {
         let stray = BrokerReceipt { topic_id: Some(NEW.into()), ..c.receipt(1, 6) };
         assert_eq!(c.apply(&stray), ReceiptDecision::Quarantine { reason: QuarantineReason::PlacementMismatch, move_event: false });
         assert_eq!(c.event.slot.as_ref(), Some(&r));
+    }
+
+    /// Issue 47: a message naming a registered attempt, with the frozen
+    /// payload and destination digests, on the frozen partition, but under
+    /// another key than the frozen routing key was accepted as the event's
+    /// publication: the receipt carried no key. It is quarantined as a key
+    /// mismatch; a receipt recorded before the key was kept (`None`) is not
+    /// judged by it.
+    #[test]
+    fn a_receipt_under_another_key_is_not_the_events_publication() {
+        let mut c = Case::new().attempt(1, AttemptState::Sending);
+        for other in [b"tenant-9.order.someone-else".to_vec(), Vec::new()] {
+            let r = BrokerReceipt { key: Some(other.clone()), ..c.receipt(1, 5) };
+            assert_eq!(
+                decide_receipt(&c.event, &c.attempts, &r),
+                ReceiptDecision::Quarantine { reason: QuarantineReason::KeyMismatch, move_event: true },
+                "{other:?}"
+            );
+        }
+        let unkeyed = BrokerReceipt { key: None, ..c.receipt(1, 5) };
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &unkeyed), ReceiptDecision::Accept { from: EventState::Sending });
+        let r = c.receipt(1, 5);
+        assert!(matches!(c.apply(&r), ReceiptDecision::Accept { .. }));
+        // After the slot is filled, such a copy is evidence and leaves the event alone.
+        let stray = BrokerReceipt { key: Some(b"tenant-9.order.someone-else".to_vec()), ..c.receipt(1, 6) };
+        assert_eq!(c.apply(&stray), ReceiptDecision::Quarantine { reason: QuarantineReason::KeyMismatch, move_event: false });
+        assert_eq!(c.event.slot.as_ref(), Some(&r));
+    }
+
+    /// The key is serialized as hex; a receipt serialized before it was
+    /// kept (no `key`) still parses, with no key.
+    #[test]
+    fn a_receipt_serialized_without_a_key_still_parses() {
+        let c = Case::new();
+        let r = c.receipt(1, 5);
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["key"], serde_json::json!(hex::encode(c.event.destination.routing_key.as_bytes())));
+        assert_eq!(serde_json::from_value::<BrokerReceipt>(json.clone()).unwrap(), r);
+        let mut old = json;
+        old.as_object_mut().unwrap().remove("key");
+        assert_eq!(serde_json::from_value::<BrokerReceipt>(old).unwrap(), BrokerReceipt { key: None, ..r });
+        assert_eq!(serde_json::to_value(QuarantineReason::KeyMismatch).unwrap(), serde_json::json!("key_mismatch"));
     }
 
     #[test]

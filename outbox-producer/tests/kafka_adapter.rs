@@ -95,6 +95,7 @@ async fn assert_found_once(broker: &KafkaBroker, e: &Event) -> i64 {
             assert_eq!(r.destination_digest, e.destination.digest());
             assert_eq!(r.cluster_id, broker.cluster_id());
             assert!(e.destination.admits(&r.cluster_id, &r.topic, r.partition));
+            assert_eq!(r.key.as_deref(), Some(e.destination.routing_key.as_bytes()), "the key read back");
             r.offset
         }
         other => panic!("expected Found, got {other:?}"),
@@ -402,6 +403,84 @@ async fn divergent_and_unreadable_matches_are_reported_not_hidden() {
         }
         other => panic!("expected Found, got {other:?}"),
     }
+}
+
+/// Issue 47: a forged message naming a registered attempt (its headers)
+/// with the frozen payload, on the frozen partition, but under another
+/// message key than the frozen destination's routing key. A consumer that
+/// partitions work by key sees the event under the wrong key; it is not the
+/// event's publication. The lookup's receipt says which key the message
+/// carries, and the receipt decision quarantines it as a key mismatch.
+#[tokio::test]
+async fn a_forged_message_under_another_key_is_not_the_events_publication() {
+    let cluster = mock("orders");
+    let broker = connect(&cluster, 5_000).await;
+
+    let e = event(&broker, "orders", "o-47");
+    let mut forged = e.message.clone();
+    forged.key = b"tenant-9.order.someone-else".to_vec();
+    assert_ne!(forged.key, e.destination.routing_key.as_bytes());
+    let (_, offset) = acked(&broker.send(forged).await);
+    let found = match broker.lookup(&e.destination, &e.envelope.event_id, &outbox_core::ScanFrom::at(0)).await {
+        LookupOutcome::Found(r) => r,
+        other => panic!("expected Found, got {other:?}"),
+    };
+    assert_eq!(found.len(), 1, "{found:?}");
+    let receipt = &found[0];
+    assert_eq!(receipt.offset, offset);
+    // Headers and payload are the frozen ones: only the key differs.
+    assert_eq!(receipt.payload_digest, e.envelope.payload_digest);
+    assert_eq!(receipt.destination_digest, e.destination.digest());
+    assert!(e.destination.admits(&receipt.cluster_id, &receipt.topic, receipt.partition));
+
+    let attempt = outbox_core::AttemptRecord {
+        attempt_id: e.attempt.clone(),
+        event_id: e.envelope.event_id.clone(),
+        envelope_generation: e.envelope.envelope_generation,
+        attempt_generation: 1,
+        claim_generation: 1,
+        owner: "w1".into(),
+        state: outbox_core::AttemptState::Unknown,
+        destination_digest: e.destination.digest(),
+        started_at_ms: 0,
+        send_deadline_ms: None,
+        scan_from_offset: 0,
+        scan_anchor: None,
+        scan_anchor_attempt: None,
+    };
+    let locked = outbox_core::LockedEvent {
+        event_id: e.envelope.event_id.clone(),
+        envelope_generation: e.envelope.envelope_generation,
+        state: outbox_core::EventState::Reconciling,
+        payload_digest: e.envelope.payload_digest.clone(),
+        destination_digest: e.destination.digest(),
+        destination: e.destination.clone(),
+        slot: None,
+    };
+    let decision = outbox_core::decide_receipt(&locked, &[attempt], receipt);
+    assert!(
+        !decision.is_primary(),
+        "a message under key {:?} was accepted as the publication of an event frozen with routing key {:?}: {decision:?}",
+        "tenant-9.order.someone-else",
+        e.destination.routing_key
+    );
+}
+
+/// The forged-key test catches the receipt decision not comparing the key:
+/// it runs alone, in a child process with that defect switched on
+/// (`outbox_core::simulation::MUTATION_ENV`), and fails.
+#[test]
+fn the_forged_key_test_catches_a_receipt_key_left_unchecked() {
+    let test = "a_forged_message_under_another_key_is_not_the_events_publication";
+    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args([test, "--exact", "--test-threads", "1", "--nocapture"])
+        .env(outbox_core::simulation::MUTATION_ENV, "receipt-key-unchecked")
+        .output()
+        .expect("the test binary runs again");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("running 1 test"), "the child ran no test named {test}: {text}");
+    assert!(!out.status.success(), "{test} passed with the defect switched on: it does not catch it\n{text}");
+    assert!(text.contains("was accepted as the publication"), "{text}");
 }
 
 #[tokio::test]

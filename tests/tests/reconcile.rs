@@ -137,6 +137,7 @@ async fn divergent_receipt_for_an_unknown_event_quarantines_it_and_records_the_r
         topic_id: e.destination.topic_id.clone(),
         partition: e.destination.partition,
         offset: 0,
+        key: Some(e.destination.routing_key.as_bytes().to_vec()),
     };
     let out = f.store.accept_dispatch_receipt(&tampered).await.unwrap();
     assert!(matches!(out.decision, outbox_core::ReceiptDecision::Quarantine { move_event: true, .. }), "{out:?}");
@@ -144,6 +145,41 @@ async fn divergent_receipt_for_an_unknown_event_quarantines_it_and_records_the_r
     let resolutions: Vec<(String, i64, String)> =
         sqlx::query_as("SELECT event_id, unknown_since_ms, outcome FROM outbox_unknown_resolutions").fetch_all(&f.pool).await.unwrap();
     assert_eq!(resolutions, vec![(id.to_owned(), since, "QUARANTINED".to_owned())]);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_publish_receipts").await, 0);
+}
+
+/// Issue 47: a forger writes the registered attempt's very headers and the
+/// frozen payload to the frozen partition, under another key than the
+/// frozen routing key, while the attempt's own outcome is unknown. The
+/// reconciler's lookup finds that message; it is not the event's
+/// publication (consumers partitioning by key would see the event under the
+/// forged key): the receipt transaction quarantines it as `key_mismatch`,
+/// with the key found in the evidence, and nothing fills the slot.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_copy_under_another_key_found_by_the_lookup_is_quarantined_not_published(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = create_order(&f.pool, "o-1", 1).await;
+    let id = e.event_id().as_str();
+    let claimed = f.store.claim_batch("crashed", 10, 1_000).await.unwrap();
+    let mine = claimed.iter().find(|c| &c.envelope.event_id == e.event_id()).unwrap();
+    let attempt = f.store.register_attempt(&mine.token).await.unwrap();
+    for c in claimed.iter().filter(|c| &c.envelope.event_id != e.event_id()) {
+        f.store.release(&c.token).await.unwrap();
+    }
+    use outbox_core::Broker as _;
+    let mut forged = outbox_producer::dispatcher::outgoing_message(mine, &attempt);
+    assert_eq!(forged.key, mine.destination.routing_key.as_bytes());
+    forged.key = b"tenant-9.order.someone-else".to_vec();
+    assert!(matches!(f.broker.send(forged.clone()).await, outbox_core::SendOutcome::Acked { .. }));
+    f.clock.advance(1_500);
+    assert_eq!(f.store.expire_leases().await.unwrap().unknown, 1);
+
+    let r = f.reconciler().resolve_unknown_once().await.unwrap();
+    assert_eq!(f.state(id).await, EventState::Quarantined, "a copy under another key was taken for the publication: {r:?}");
+    assert_eq!((r.published, r.quarantined), (0, 1), "{r:?}");
+    let (reason, key): (String, Option<String>) =
+        sqlx::query_as("SELECT reason, evidence->'receipt'->>'key' FROM outbox_quarantine WHERE event_id = $1").bind(id).fetch_one(&f.pool).await.unwrap();
+    assert_eq!((reason.as_str(), key), ("key_mismatch", Some(hex::encode(&forged.key))));
     assert_eq!(f.count("SELECT count(*) FROM outbox_publish_receipts").await, 0);
 }
 
@@ -384,6 +420,7 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
         topic_id: None,
         partition: primary.2,
         offset: primary.3 + 10_000,
+        key: None,
     };
     let out = f.store.accept_dispatch_receipt(&dup).await.unwrap();
     assert_eq!(out.decision, outbox_core::ReceiptDecision::Duplicate);

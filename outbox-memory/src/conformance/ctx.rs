@@ -178,6 +178,7 @@ pub(super) fn receipt(ce: &ClaimedEvent, attempt: &AttemptRecord, offset: i64) -
         topic_id: ce.destination.topic_id.clone(),
         partition: ce.destination.partition,
         offset,
+        key: Some(ce.destination.routing_key.as_bytes().to_vec()),
     }
 }
 

@@ -202,6 +202,7 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("not_sent_retry_after_blind_retry_stays_unknown", reconcile::not_sent_retry_after_blind_retry(&ctx("blindnotsent")).await),
         ("divergent_payload_receipt_quarantines", receipts::divergent_payload_receipt_quarantines(&ctx("diverge")).await),
         ("receipt_of_another_topic_id_quarantines", receipts::receipt_of_another_topic_id_quarantines(&ctx("topicid")).await),
+        ("receipt_under_another_key_quarantines", receipts::receipt_under_another_key_quarantines(&ctx("rekeyed")).await),
         ("unregistered_attempt_is_rejected", receipts::unregistered_attempt_is_rejected(&ctx("unreg")).await),
         ("same_receipt_twice_same_answer", receipts::same_receipt_twice_same_answer(&ctx("twice")).await),
         ("not_sent_is_pending_again_same_destination", reconcile::not_sent_is_pending_again(&ctx("notsent")).await),

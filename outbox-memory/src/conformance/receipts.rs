@@ -78,6 +78,44 @@ pub(super) async fn receipt_of_another_topic_id_quarantines<H: Harness>(c: &Ctx<
     eq("slot", slot, None)
 }
 
+/// Issue 47: a message naming a registered attempt, with the frozen payload
+/// and destination, on the frozen partition, under another key than the
+/// frozen routing key (a forged or re-keyed copy a lookup found) is not the
+/// event's publication: consumers partitioning by key would see it under
+/// that key. Quarantined as a key mismatch, the slot left empty; the
+/// genuine receipt that follows is kept as evidence. A receipt recorded
+/// before the key was kept (no key) is not judged by it, and after the slot
+/// is filled a re-keyed copy is evidence that leaves the event alone. The
+/// slot a store reads back carries the key it was accepted with.
+pub(super) async fn receipt_under_another_key_quarantines<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let id = c.emit(1, "a").await;
+    let ce = c.claim_some("w1", &id).await?;
+    let a = c.register(&ce.token).await?;
+    let genuine = receipt(&ce, &a, c.offset(1));
+    eq("genuine key", genuine.key.as_deref(), Some(ce.destination.routing_key.as_bytes()))?;
+    let rekeyed = BrokerReceipt { key: Some(b"another-tenant.order.someone-else".to_vec()), offset: c.offset(2), ..genuine.clone() };
+    eq("another key", c.accept(&rekeyed).await?, ReceiptDecision::Quarantine { reason: QuarantineReason::KeyMismatch, move_event: true })?;
+    c.expect_state(&id, EventState::Quarantined).await?;
+    // No key at all reads as the empty key: not the routing key either.
+    let keyless = BrokerReceipt { key: Some(Vec::new()), offset: c.offset(3), ..genuine.clone() };
+    eq("no key", c.accept(&keyless).await?, ReceiptDecision::Quarantine { reason: QuarantineReason::KeyMismatch, move_event: false })?;
+    eq("genuine receipt after quarantine", c.accept(&genuine).await?, ReceiptDecision::Duplicate)?;
+    let (state, slot) = c.state(&id).await?;
+    eq("state", state, EventState::Quarantined)?;
+    eq("slot", slot, None)?;
+
+    let other = c.emit(2, "b").await;
+    let ce = c.claim_some("w1", &other).await?;
+    let a = c.register(&ce.token).await?;
+    let unkeyed = BrokerReceipt { key: None, ..receipt(&ce, &a, c.offset(4)) };
+    eq("receipt without a recorded key", c.accept(&unkeyed).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    let stray = BrokerReceipt { key: Some(b"another-tenant.order.someone-else".to_vec()), ..receipt(&ce, &a, c.offset(5)) };
+    eq("another key after publish", c.accept(&stray).await?, ReceiptDecision::Quarantine { reason: QuarantineReason::KeyMismatch, move_event: false })?;
+    let (state, slot) = c.state(&other).await?;
+    eq("state after publish", state, EventState::Published)?;
+    eq("slot after publish", slot, Some(unkeyed))
+}
+
 pub(super) async fn unregistered_attempt_is_rejected<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let id = c.emit(1, "a").await;
     let ce = c.claim_some("w1", &id).await?;

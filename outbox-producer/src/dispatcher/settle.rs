@@ -115,6 +115,8 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                     topic_id: ev.destination.topic_id.clone(),
                     partition: *partition,
                     offset: *offset,
+                    // The key the message was sent under (`outgoing_message`).
+                    key: Some(ev.destination.routing_key.as_bytes().to_vec()),
                     });
                 }
                 SendOutcome::NotPersisted(why) => reports.push((ev, attempt, false, why)),

@@ -371,7 +371,7 @@ fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>
             if let Err(e) = claims.check(payload, topic, partition, msg.key()) {
                 warn!(event_id = %event_id, topic, partition, offset, error = %e, "kafka lookup: matching message does not verify");
             }
-            claims.receipt(cluster_id, topic, partition, offset, payload)
+            claims.receipt(cluster_id, topic, partition, offset, msg.key(), payload)
         }
         Err(e) => {
             warn!(event_id = %event_id, topic, partition, offset, error = %e, "kafka lookup: matching message has unreadable headers");
@@ -387,6 +387,7 @@ fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>
                 topic_id: destination_topic_id(&owned),
                 partition,
                 offset,
+                key: Some(msg.key().unwrap_or_default().to_vec()),
             }
         }
     })

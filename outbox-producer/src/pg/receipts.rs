@@ -357,13 +357,14 @@ async fn insert_receipts(
     let ti: Vec<Option<&str>> = receipts.iter().map(|r| r.topic_id.as_deref()).collect();
     let pa: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
     let of: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
+    let ky: Vec<Option<&[u8]>> = receipts.iter().map(|r| r.key.as_deref()).collect();
     let (epoch_column, epoch_values) = match epochs {
-        Some(_) => (", position_epoch", ", $12::int[]"),
+        Some(_) => (", position_epoch", ", $13::int[]"),
         None => ("", ""),
     };
     let sql = format!(
         "INSERT INTO {table} ({RECEIPT_COLUMNS}{epoch_column}, {at_column})
-         SELECT *, $11 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::int[], $10::bigint[]{epoch_values})
+         SELECT *, $11 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::int[], $10::bigint[], $12::bytea[]{epoch_values})
          {conflict}"
     );
     let query = sqlx::query(&sql)
@@ -377,7 +378,8 @@ async fn insert_receipts(
     .bind(&ti)
     .bind(&pa)
     .bind(&of)
-    .bind(now);
+    .bind(now)
+    .bind(&ky);
     let query = match epochs {
         Some(e) => query.bind(e),
         None => query,

@@ -270,6 +270,7 @@ impl SimBroker {
                 topic_id: claims.destination.topic_id.clone(),
                 partition: destination.partition,
                 offset: offset as i64,
+                key: Some(m.key.clone()),
             });
         }
         if found.is_empty() {

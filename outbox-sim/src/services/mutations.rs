@@ -38,7 +38,7 @@ pub const STREAM_MUTATIONS: [(&str, &str); 4] = [
 /// process with the defect switched on (`outbox_core::simulation::MUTATION_ENV`)
 /// and expects it to fail; `every_component_mutation_has_a_test` holds this
 /// list to the tests.
-pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 3] = [
+pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 4] = [
     (
         "watermark-passes-gaps",
         "the consumer's watermark moves to the last offset decided plus one, past a range of offsets it never read (a reset group, an offset out of range)",
@@ -53,5 +53,10 @@ pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 3] = [
         "possibly-persisted-as-not-persisted",
         "the Kafka adapter reads librdkafka's \"possibly persisted\" as \"not persisted\": a message that may be in the log is reported never written",
         "outbox-producer kafka_adapter the_slow_ack_test_catches_possibly_persisted_read_as_not_persisted",
+    ),
+    (
+        "receipt-key-unchecked",
+        "acceptDispatchReceipt takes a receipt whose message key is not the frozen routing key (no quarantine): a forged or re-keyed copy becomes the event's publication",
+        "outbox-producer kafka_adapter the_forged_key_test_catches_a_receipt_key_left_unchecked",
     ),
 ];

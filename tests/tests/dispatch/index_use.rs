@@ -103,6 +103,7 @@ fn receipt_on_cluster_a(c: &outbox_core::ClaimedEvent, a: &outbox_core::AttemptR
         topic_id: c.destination.topic_id.clone(),
         partition: c.destination.partition,
         offset,
+        key: Some(c.destination.routing_key.as_bytes().to_vec()),
     }
 }
 

@@ -239,7 +239,7 @@ async fn receipts_of_a_recreated_topic_do_not_collide_with_the_old_logs(pool: Pg
     let old = if current == "AAECAwQFBgcICQoLDA0ODw" { "_____________________w" } else { "AAECAwQFBgcICQoLDA0ODw" };
     let policy = |id: &str| outbox_core::RoutePolicy { topic_id: Some(id.to_owned()), ..outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32) };
     let receipt_at = |c: &ClaimedEvent, a: &outbox_core::AttemptRecord, offset: i64| {
-        headers::parse(&outgoing_message(c, a).headers).unwrap().receipt(f.broker.cluster_id(), TOPIC, 0, offset, &c.payload)
+        headers::parse(&outgoing_message(c, a).headers).unwrap().receipt(f.broker.cluster_id(), TOPIC, 0, offset, Some(c.destination.routing_key.as_bytes()), &c.payload)
     };
     // The old topic: an event frozen with the old id, published at 0/0 of the old log.
     outbox_producer::routes::revise(&f.pool, &policy(old)).await.unwrap();
@@ -284,7 +284,7 @@ async fn the_bypass_scan_tells_the_logs_of_a_recreated_topic_apart(pool: PgPool)
     let policy = |id: &str| outbox_core::RoutePolicy { topic_id: Some(id.to_owned()), ..outbox_core::RoutePolicy::new(ORDER_CREATED, f.broker.cluster_id(), TOPIC, PARTITIONS as u32) };
     outbox_producer::routes::revise(&f.pool, &policy(old)).await.unwrap();
     let (on_old, a) = f.registered(&order_on(&f, 0, &[]), 5_000).await;
-    let receipt = headers::parse(&outgoing_message(&on_old, &a).headers).unwrap().receipt(f.broker.cluster_id(), TOPIC, 0, 0, &on_old.payload);
+    let receipt = headers::parse(&outgoing_message(&on_old, &a).headers).unwrap().receipt(f.broker.cluster_id(), TOPIC, 0, 0, Some(on_old.destination.routing_key.as_bytes()), &on_old.payload);
     assert_eq!(f.store.accept_dispatch_receipt(&receipt).await.unwrap().state, EventState::Published);
     outbox_producer::routes::revise(&f.pool, &policy(&current)).await.unwrap();
     let on_new = create_order(&f.pool, &order_on(&f, 0, &[&on_old.envelope.aggregate_id]), 1).await;

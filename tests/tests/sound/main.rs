@@ -80,6 +80,7 @@ impl Fixture {
             topic_id: ev.destination.topic_id.clone(),
             partition,
             offset,
+            key: Some(ev.destination.routing_key.as_bytes().to_vec()),
         }
     }
 
