@@ -82,7 +82,9 @@ pub fn quarantined(state: EventState, state_since_ms: i64, now_ms: i64) -> Optio
 /// on a topic `consumer_id` reads (`consumer_topics`), that no watermark
 /// of the consumer on that very log (same cluster, topic, topic id and
 /// partition: [`WatermarkRef::covers_log_of`]) has passed (committed
-/// offset above the event's offset). Answers its age.
+/// offset above the event's offset). No watermark passes an event of a
+/// replaced `destination.v1` log ([`LogPosition::on_replaced_unnamed_log`]):
+/// one under that name may be the old log's. Answers its age.
 #[allow(clippy::too_many_arguments)]
 pub fn unconsumed_published(
     state: EventState,
@@ -100,7 +102,9 @@ pub fn unconsumed_published(
     if !consumer_topics.iter().any(|t| t == placement.topic) {
         return None;
     }
-    let passed = watermarks.iter().any(|w| w.covers_log_of(consumer_id, placement) && w.committed_offset > placement.offset);
+    // A watermark under the name of a replaced log may be the old log's:
+    // it proves nothing about an event of the new one.
+    let passed = !placement.on_replaced_unnamed_log() && watermarks.iter().any(|w| w.covers_log_of(consumer_id, placement) && w.committed_offset > placement.offset);
     (!passed).then(|| now_ms - published_at_ms)
 }
 
@@ -181,6 +185,22 @@ mod tests {
         assert_eq!(unconsumed_published(Purged, NOW - 100, NOW, 50, &at, "c", &topics, &[]), None);
         assert_eq!(unconsumed_published(Published, NOW - 50, NOW, 50, &at, "c", &topics, &[]), None, "within the threshold");
         assert_eq!(unconsumed_published(Published, NOW - 100, NOW, 50, &at, "c", &["payments".to_owned()], &[]), None, "a topic it does not read");
+    }
+
+    /// Issue 46: a `destination.v1` receipt of a position epoch above 0 sits
+    /// in a log that replaced another one under the same name; a watermark
+    /// of that name may be the old log's, so it proves nothing about the
+    /// event (retention holds it as `ReplacedLog` for the same reason), and
+    /// the comparison reports it unconsumed. A `destination.v2` receipt of
+    /// any epoch is judged by its topic id's watermarks as before.
+    #[test]
+    fn no_watermark_passes_an_event_of_a_replaced_unnamed_log() {
+        let topics = vec!["orders".to_owned()];
+        let wm = |topic_id| WatermarkRef { consumer_id: "c", cluster_id: "k1", topic: "orders", topic_id, partition: 2, committed_offset: 1_000 };
+        let replaced = LogPosition { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2, offset: 10, position_epoch: 1 };
+        assert_eq!(unconsumed_published(Published, NOW - 100, NOW, 50, &replaced, "c", &topics, &[wm(None)]), Some(100));
+        let named = LogPosition { topic_id: Some("AAAAAAAAAAAAAAAAAAAAAQ"), ..replaced };
+        assert_eq!(unconsumed_published(Published, NOW - 100, NOW, 50, &named, "c", &topics, &[wm(Some("AAAAAAAAAAAAAAAAAAAAAQ"))]), None);
     }
 
     #[test]

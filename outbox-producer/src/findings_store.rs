@@ -90,9 +90,11 @@ impl outbox_core::FindingsStore for PgStore {
         // Events the consumer's watermark of their very log has passed are
         // left out here (the set form of `unconsumed_published`, so that the
         // limit cuts among the unconsumed ones); the reconciler judges the rest.
+        // No watermark passes a receipt of a replaced destination.v1 log
+        // (`LogPosition::on_replaced_unnamed_log`).
         let passed = if crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
-            "EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
-                     AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\")"
+            "(NOT (r.topic_id IS NULL AND r.position_epoch > 0) AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
+                     AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\"))"
         } else {
             "false"
         };

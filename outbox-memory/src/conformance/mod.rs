@@ -224,5 +224,6 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("registration_floor_is_past_the_logs_last_receipt", claims::registration_floor(&ctx("floor")).await),
         ("the_bypass_scan_judges_every_message_of_a_page", scans::bypass_scan_judgement(&ctx("scan")).await),
         ("the_comparison_judges_each_condition_and_resolves_what_no_longer_holds", findings::comparison_findings(&ctx("findings")).await),
+        ("an_event_of_a_replaced_log_is_unconsumed_whatever_a_watermark_of_its_name_says", findings::unconsumed_on_a_replaced_log(&ctx("replacedfind")).await),
     ]
 }

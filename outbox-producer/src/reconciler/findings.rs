@@ -46,7 +46,14 @@ impl<B: Broker + 'static, S: ServiceStore + FindingsStore> Reconciler<B, S> {
                 let at = p.position();
                 let Some(age) = f::unconsumed_published(p.state, p.published_at_ms, now, c.unconsumed_after_ms, &at, &consumer_id, &topics, &refs) else { continue };
                 let of_id = p.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
-                let detail = format!("published at {}{of_id}/{}@{}, not passed by the consumer's watermark of that log", p.topic, p.partition, p.offset);
+                let detail = if at.on_replaced_unnamed_log() {
+                    format!(
+                        "published at {}/{}@{} in a log that replaced another under the same name (position epoch {}): no watermark can say the consumer read it; check its receipts (runbook: a topic was recreated)",
+                        p.topic, p.partition, p.offset, p.position_epoch
+                    )
+                } else {
+                    format!("published at {}{of_id}/{}@{}, not passed by the consumer's watermark of that log", p.topic, p.partition, p.offset)
+                };
                 push(f::UNCONSUMED_PUBLISHED, p.event_id, consumer_id.clone(), age, detail);
             }
         }
