@@ -14,7 +14,9 @@
 //! a later redelivery is answered from the receipt without calling the
 //! provider at all.
 //!
-//! The consumer is configured as in production: it accepts on `orders` only
+//! The consumer is configured as in production, from its `[consumer.billing]`
+//! section of the one configuration (`outbox.toml`, read with
+//! `outbox_config`; see [`config_toml`]): it accepts on `orders` only
 //! messages of the order service's outbox (its source identity) signed with
 //! that outbox's key, and the message below is sealed and signed as its
 //! dispatcher would. The key's secret is read from
@@ -31,7 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::ensure;
-use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Outcome, Processor, RawMessage, RetryPolicy, TrustPolicy};
+use outbox_consumer::{async_trait, ConsumedEvent, Handler, HandlerError, Outcome, Processor, RawMessage};
 use outbox_core::trust::{seal, SigningKey};
 use outbox_core::{headers, AttemptId, EmitRequest, EventId, RoutePolicy};
 use outbox_examples::env::ScratchDb;
@@ -146,11 +148,17 @@ async fn run(pool: &sqlx::PgPool) -> anyhow::Result<()> {
     sqlx::query("CREATE TABLE payments (order_id text NOT NULL, charge_id text NOT NULL, idempotency_key text NOT NULL)").execute(pool).await?;
 
     let provider = Arc::new(PaymentProvider::default());
-    let retry = RetryPolicy { max_attempts: 5, initial_backoff_ms: 100, max_backoff_ms: 1_000, ..RetryPolicy::default() };
     // The order service's dispatchers sign with this key; the consumer verifies with it.
     let signing = ExampleKey::from_env_or_random("order-service-k1", SIGNING_SECRET_ENV)?;
-    let trust = TrustPolicy::default().accept("orders", &[ORDERS_SOURCE], /* require_signature */ true).with_key(ORDERS_SOURCE, signing.signing_key()?);
-    let billing = Processor::new("billing", pool.clone(), BillingHandler { provider: provider.clone() })?.with_retry(retry)?.with_trust(trust)?;
+    // The one configuration: a service reads it with
+    // `Config::from_file_and_env("outbox.toml")`; here it is written with this
+    // run's key. [consumer.billing] gives the retry policy and the trust policy.
+    let config = outbox_config::Config::from_toml(&config_toml(&signing))?.consumer_config("billing")?;
+    // What `IdempotentConsumer::new` builds from it; the messages are handed to it directly here.
+    let billing = Processor::new(&config.consumer_id, pool.clone(), BillingHandler { provider: provider.clone() })?
+        .with_retry(config.retry)?
+        .with_max_evidence_payload_bytes(config.max_evidence_payload_bytes)
+        .with_trust(config.trust)?;
     println!("billing accepts only signed messages from source {ORDERS_SOURCE} (key id {}) on orders", signing.key_id());
 
     let msg = order_created("o-42", &signing.signing_key()?)?;
@@ -171,4 +179,29 @@ async fn run(pool: &sqlx::PgPool) -> anyhow::Result<()> {
     ensure!(charges == 1 && rows == 1, "the card was charged {charges} times");
     ensure!(original == receipt, "the duplicate did not return the original receipt");
     Ok(())
+}
+
+/// The run's `outbox.toml`: billing retries with backoff and accepts on
+/// `orders` only messages of [`ORDERS_SOURCE`] signed with its dispatchers'
+/// key (the format of `examples/outbox.toml`: a key is `{ key_id, secret_hex }`).
+fn config_toml(signing: &ExampleKey) -> String {
+    let s = signing.signing_config();
+    let (key_id, secret_hex) = (s.key_id, s.secret_hex);
+    format!(
+        r#"
+[kafka]
+bootstrap = "kafka:9092"     # the cluster a running consumer reads; not contacted here
+
+[consumer.billing]
+topics = ["orders"]
+max_attempts = 5
+initial_backoff_ms = 100
+max_backoff_ms = 1000
+accept = {{ orders = ["{ORDERS_SOURCE}"] }}
+require_signature = ["orders"]
+
+[consumer.billing.keys]
+"{ORDERS_SOURCE}" = [{{ key_id = "{key_id}", secret_hex = "{secret_hex}" }}]
+"#
+    )
 }
