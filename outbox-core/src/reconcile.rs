@@ -189,6 +189,29 @@ pub fn check_absence_range(topic: &str, partition: i32, from_offset: i64, log_st
     Ok(())
 }
 
+/// The end of a partition as far as the broker serves it: the end it
+/// reports, or past the last record it served at or beyond that end. A
+/// broker may report an end below records it serves (tansu 0.6: its last
+/// produce batch's base offset + 1).
+pub fn served_end(reported_end: i64, last_served: Option<i64>) -> i64 {
+    last_served.map_or(reported_end, |last| reported_end.max(last.saturating_add(1)))
+}
+
+/// Where an absence proof of `topic`/`partition` must read to: the end the
+/// broker reports, or past what a read from that end still served (its last
+/// offset, `None` when it served nothing and reached the partition's end).
+/// A proof that stopped at an under-reported end would call a message
+/// beyond it absent, and the event would be sent again: a duplicate. A read
+/// past the end that failed, ran out of time or stopped before the
+/// partition's end cannot tell where the log ends, and proves nothing
+/// (`Err`, the reason: the broker could not be asked, not an incomplete log).
+pub fn absence_proof_end(topic: &str, partition: i32, reported_end: i64, served_past: Result<Option<i64>, String>) -> Result<i64, String> {
+    match served_past {
+        Ok(last) => Ok(served_end(reported_end, last)),
+        Err(e) => Err(format!("{topic}/{partition} reports its end at {reported_end}, and what it serves past that end could not be read to its end: {e}")),
+    }
+}
+
 /// Whether an absence proof's read may go on when, expecting offset
 /// `next`, it gets the record at `got`: a record above the next expected
 /// offset means the offsets between hold no record (a compacted topic,
@@ -414,6 +437,22 @@ pub fn decide_reconcile(attempts: &[AttemptRecord], lookup: &LookupOutcome, brok
         return recheck(RecheckReason::AttemptsExhausted);
     }
     ReconcileDecision::Retry { proven_absent }
+}
+
+#[cfg(test)]
+mod served_end_tests {
+    use super::*;
+
+    #[test]
+    fn an_absence_proof_reads_to_the_served_end() {
+        assert_eq!(served_end(1, None), 1);
+        assert_eq!(served_end(1, Some(4)), 5);
+        assert_eq!(served_end(5, Some(2)), 5, "a record below the reported end moves nothing");
+        assert_eq!(absence_proof_end("t", 0, 1, Ok(Some(4))), Ok(5));
+        assert_eq!(absence_proof_end("t", 0, 3, Ok(None)), Ok(3));
+        let refused = absence_proof_end("t", 0, 1, Err("timed out".into())).unwrap_err();
+        assert!(refused.contains("reports its end at 1") && refused.contains("timed out") && !refused.starts_with(LOG_INCOMPLETE), "{refused}");
+    }
 }
 
 #[cfg(test)]

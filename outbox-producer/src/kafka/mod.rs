@@ -7,8 +7,9 @@
 //! everything else, notably a request that timed out after the broker may
 //! have written it, is [`SendOutcome::Unknown`]. A lookup answers
 //! [`LookupOutcome::Absent`] only after reading every offset of the frozen
-//! partition from the lower bound to the high watermark captured when the
-//! scan began.
+//! partition from the lower bound to its end as captured when the scan
+//! began: the high watermark, or past the records the broker serves beyond
+//! it.
 //!
 //! Pieces:
 //! - [`KafkaConfig`]: bootstrap servers and every limit, with units in names.
@@ -26,9 +27,16 @@
 //! A fresh consumer (unique `group.id`, `enable.auto.commit=false`, manual
 //! `assign`, `read_uncommitted` since this producer is never transactional)
 //! reads the frozen partition:
-//! - The range is `[from.offset, high watermark)`, both watermarks read
-//!   first. An empty range is `Absent`; the answer says nothing of messages
-//!   written after the scan began.
+//! - The range is `[from.offset, end)`, both watermarks read first. The
+//!   end is the high watermark unless the broker serves records past it (a
+//!   broker that under-reports its end, tansu 0.6 after a multi-record
+//!   produce batch): the partition is read from the high watermark with a
+//!   consumer of its own until the broker says it ends (at most
+//!   [`PAST_END_READ_MS`]), and the end is past the last record served
+//!   ([`outbox_core::reconcile::absence_proof_end`]; a WARN once per
+//!   partition). A read that does not reach the partition's end is
+//!   `Unavailable`. An empty range is `Absent`; the answer says nothing of
+//!   messages written after the scan began.
 //! - The lower bound is sound only on the log it was read from. When it
 //!   has an anchor (the event whose receipt held `from.offset - 1`), that
 //!   offset is read first, with a consumer of its own: when it holds
@@ -110,8 +118,9 @@ mod delivery;
 mod error;
 mod health;
 
-/// The longest the reconciler's read past a partition's reported end waits
-/// for messages, ms: a broker serves at once what it holds there.
+/// The longest a read past a partition's reported end (the bypass scan's,
+/// a lookup's, the watermark reader's) waits for messages, ms: a broker
+/// serves at once what it holds there.
 pub const PAST_END_READ_MS: u64 = 2_000;
 mod oauth;
 mod scan;
@@ -133,6 +142,7 @@ use rdkafka::{consumer::BaseConsumer, producer::ThreadedProducer};
 use delivery::Inner;
 use oauth::TokenSource;
 use scan::{scan_partition, scan_range, ScanRequest};
+pub(crate) use scan::{last_served_past, warn_under_reported};
 use topic_id::{frozen_topic_id, recreated, topic_in, TopicIdRead};
 
 pub use error::{describe_kafka_error, redact_text, KafkaAdapterError};

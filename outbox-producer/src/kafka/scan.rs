@@ -2,17 +2,19 @@
 //! lookup's absence proof (with the anchor check of its lower bound) and
 //! its matches, and the bypass check's reads of eventId headers.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use outbox_core::headers;
 use outbox_core::{sha256_digest, AnchorCheck, AttemptId, BrokerReceipt, EventId, LookupOutcome, ScanFrom};
 use rdkafka::client::OAuthToken;
 use rdkafka::config::RDKafkaLogLevel;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
-use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use tracing::{debug, warn};
 
 use super::delivery::forward_log;
@@ -20,6 +22,7 @@ use super::error::describe_kafka_error;
 use super::oauth::{oauth_token, TokenSource};
 use super::settings::KafkaConfig;
 use super::topic_id::destination_topic_id;
+use super::PAST_END_READ_MS;
 
 /// Longest single consumer poll during a lookup.
 const LOOKUP_POLL_SLICE_MS: u64 = 100;
@@ -81,8 +84,10 @@ pub fn is_log_incomplete(reason: &str) -> bool {
 
 /// Scans one partition with a fresh consumer; see the module documentation.
 ///
-/// - The range is `[max(from_offset, low watermark), high watermark)`, with
-///   both watermarks read first; an empty range is `Absent`. A range wider
+/// - The range is `[max(from_offset, low watermark), end)`, with both
+///   watermarks read first, where `end` is the high watermark or past the
+///   records the broker serves beyond it (read first, [`served_past_end`]);
+///   an empty range is `Absent`. A range wider
 ///   than `lookup_max_messages` offsets, a deadline that runs out or any
 ///   broker or consumer error is `Unavailable`.
 /// - A message matches when its last `outbox-event-id` header equals the
@@ -114,8 +119,9 @@ pub(super) fn scan_partition(config: &KafkaConfig, req: &ScanRequest) -> LookupO
 }
 
 /// Reads `[max(from_offset, low), end)` of one partition with a fresh
-/// consumer, where `end` is the high watermark read at the start, or
-/// `from_offset + limit` if that is lower. Calls `on_message` for each
+/// consumer, where `end` is the high watermark read at the start (for a
+/// lookup, with no `limit`: past the records the broker serves beyond it),
+/// or `from_offset + limit` if that is lower. Calls `on_message` for each
 /// message in order and returns the next offset to read and the low and
 /// high watermarks read at the start. A range wider than
 /// `max_messages` (with no `limit`), a deadline that runs out or any broker
@@ -144,7 +150,7 @@ fn lookup_consumer<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, s
 
 fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, limit: Option<u64>, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(i64, i64, i64), String> {
     let consumer = lookup_consumer::<OAUTH>(config, req, "")?;
-    let (low, high) = consumer
+    let (low, reported_end) = consumer
         .fetch_watermarks(&req.topic, req.partition, req.remaining())
         .map_err(|e| format!("watermarks of {}/{}: {e}", req.topic, req.partition))?;
     // A lookup (no limit) is an absence proof: it must read every offset
@@ -153,6 +159,19 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
     // to another log (the topic was recreated, the cluster replaced, the
     // partition truncated): either way messages may be gone unseen.
     let proof = limit.is_none();
+    // Its end is the end the broker serves, not the one it reports: a
+    // broker may report an end below records it serves (tansu 0.6), and a
+    // proof that stopped there would call a message beyond it absent.
+    let high = if proof {
+        let past = served_past_end::<OAUTH>(config, req, reported_end);
+        let end = outbox_core::reconcile::absence_proof_end(&req.topic, req.partition, reported_end, past)?;
+        if end > reported_end {
+            warn_under_reported(&req.cluster_id, &req.topic, req.partition, reported_end, end, "lookups read to the records served");
+        }
+        end
+    } else {
+        reported_end
+    };
     let mut from_offset = req.from.offset;
     if proof {
         let check = match outbox_core::anchor_to_read(&req.from, low, high) {
@@ -167,7 +186,7 @@ fn scan_range_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, l
         from_offset = plan.start;
     }
     let start = from_offset.max(low).max(0);
-    let log_end = high;
+    let log_end = reported_end;
     let high = match limit {
         Some(l) => high.min(start.saturating_add(i64::try_from(l).unwrap_or(i64::MAX))),
         None => high,
@@ -281,7 +300,7 @@ pub(super) fn read_past_reported_end(config: &KafkaConfig, req: &ScanRequest, on
     }
 }
 
-fn read_past_reported_end_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, mut on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(), String> {
+fn read_past_reported_end_with<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, on_message: impl FnMut(&BorrowedMessage<'_>)) -> Result<(), String> {
     let group_id = format!("outbox-lookup-{}-{}-past-end", std::process::id(), LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed));
     let mut settings = config.lookup_config(&group_id);
     // The one place the partition's end is read from the consumer's fetches,
@@ -290,22 +309,61 @@ fn read_past_reported_end_with<const OAUTH: bool>(config: &KafkaConfig, req: &Sc
     let consumer: BaseConsumer<LookupContext<OAUTH>> = settings
         .create_with_context(LookupContext::<OAUTH> { tokens: req.tokens.clone() })
         .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))?;
-    let at = req.from.offset;
+    read_served(&consumer, &req.topic, req.partition, req.from.offset, req.max_messages, req.deadline, on_message).map(|_| ())
+}
+
+/// What an absence proof's broker serves at or past its reported end
+/// `reported_end`: the last offset served (`None`: nothing, the partition
+/// ends there), read within [`PAST_END_READ_MS`] of the lookup's deadline.
+/// A read that does not reach the partition's end is an `Err`.
+fn served_past_end<const OAUTH: bool>(config: &KafkaConfig, req: &ScanRequest, reported_end: i64) -> Result<Option<i64>, String> {
+    let deadline = req.deadline.min(Instant::now() + Duration::from_millis(PAST_END_READ_MS));
+    let group_id = format!("outbox-lookup-{}-{}-past-end", std::process::id(), LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed));
+    let mut settings = config.lookup_config(&group_id);
+    settings.set("enable.partition.eof", "true");
+    let consumer: BaseConsumer<LookupContext<OAUTH>> = settings
+        .create_with_context(LookupContext::<OAUTH> { tokens: req.tokens.clone() })
+        .map_err(|e| format!("lookup consumer: {}", describe_kafka_error(&e, &config.lookup_settings())))?;
+    let mut last = None;
+    let at_end = read_served(&consumer, &req.topic, req.partition, reported_end.max(0), req.max_messages, deadline, |msg| last = Some(msg.offset()))?;
+    if !at_end {
+        return Err(format!("more than {} messages past the reported end", req.max_messages));
+    }
+    Ok(last)
+}
+
+/// Reads `topic`/`partition` from offset `at` as the broker serves it, with
+/// a consumer whose `enable.partition.eof` is on: until the partition's end
+/// (EOF: `Ok(true)`), `max_messages` (`Ok(false)`) or the deadline (`Err`).
+/// Calls `on_message` for each message at or above `at`.
+fn read_served<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    partition: i32,
+    at: i64,
+    max_messages: u64,
+    deadline: Instant,
+    mut on_message: impl FnMut(&BorrowedMessage<'_>),
+) -> Result<bool, String> {
     let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&req.topic, req.partition, Offset::Offset(at)).map_err(|e| format!("assignment: {e}"))?;
-    consumer.assign(&tpl).map_err(|e| format!("assign {}/{}: {e}", req.topic, req.partition))?;
+    tpl.add_partition_offset(topic, partition, Offset::Offset(at)).map_err(|e| format!("assignment: {e}"))?;
+    consumer.assign(&tpl).map_err(|e| format!("assign {topic}/{partition}: {e}"))?;
     let mut read: u64 = 0;
-    while read < req.max_messages {
-        let remaining = req.remaining();
+    let mut at_end = false;
+    while read < max_messages {
+        let remaining = deadline.saturating_duration_since(Instant::now());
         if remaining.is_zero() {
-            return Err(format!("reading {}/{} past its reported end from offset {at} timed out after {read} messages", req.topic, req.partition));
+            return Err(format!("reading {topic}/{partition} past its reported end from offset {at} timed out after {read} messages"));
         }
         match consumer.poll(remaining.min(Duration::from_millis(LOOKUP_POLL_SLICE_MS))) {
             None => {}
-            Some(Err(KafkaError::PartitionEOF(_))) => break,
-            Some(Err(e)) => return Err(format!("reading {}/{} past its reported end at offset {at}: {e}", req.topic, req.partition)),
+            Some(Err(KafkaError::PartitionEOF(_))) => {
+                at_end = true;
+                break;
+            }
+            Some(Err(e)) => return Err(format!("reading {topic}/{partition} past its reported end at offset {at}: {e}")),
             Some(Ok(msg)) => {
-                if msg.topic() != req.topic || msg.partition() != req.partition || msg.offset() < at {
+                if msg.topic() != topic || msg.partition() != partition || msg.offset() < at {
                     continue;
                 }
                 read += 1;
@@ -313,8 +371,47 @@ fn read_past_reported_end_with<const OAUTH: bool>(config: &KafkaConfig, req: &Sc
             }
         }
     }
-    debug!(topic = %req.topic, partition = req.partition, from = at, read, "kafka read past the reported end");
-    Ok(())
+    debug!(topic, partition, from = at, read, at_end, "kafka read past the reported end");
+    Ok(at_end)
+}
+
+/// The last offset of `topic`/`partition` served at or past `from`, reading
+/// at most `max_messages` messages until `deadline`, with a group-less
+/// consumer of `settings` (the connection settings; the rest is set here);
+/// `None` when nothing is served there. For the watermark-topic reader's
+/// check of a committed offset beyond a partition's reported end. What was
+/// read before an error or the deadline still counts.
+pub(crate) fn last_served_past(mut settings: ClientConfig, topic: &str, partition: i32, from: i64, max_messages: u64, deadline: Instant) -> (Option<i64>, Result<(), String>) {
+    let group_id = format!("outbox-past-end-{}-{}", std::process::id(), LOOKUP_SEQ.fetch_add(1, AtomicOrdering::Relaxed));
+    settings
+        .set("group.id", group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "error")
+        .set("enable.partition.eof", "true")
+        .set("isolation.level", "read_uncommitted");
+    let consumer: BaseConsumer = match settings.create() {
+        Ok(c) => c,
+        Err(e) => return (None, Err(format!("consumer: {e}"))),
+    };
+    let mut last = None;
+    let read = read_served(&consumer, topic, partition, from.max(0), max_messages, deadline, |msg| last = Some(msg.offset())).map(|_| ());
+    (last, read)
+}
+
+/// Partitions already said to under-report their end (cluster, topic, partition).
+static UNDER_REPORTED: Mutex<BTreeSet<(String, String, i32)>> = Mutex::new(BTreeSet::new());
+
+/// Logs, once per partition per process, that the broker reports the
+/// partition's end at `reported_end` while it serves records up to
+/// `served_end`: it under-reports its end (tansu 0.6 after a multi-record
+/// produce batch). `what` says what reads past it.
+pub(crate) fn warn_under_reported(cluster: &str, topic: &str, partition: i32, reported_end: i64, served_end: i64, what: &str) {
+    let first = UNDER_REPORTED.lock().map(|mut seen| seen.insert((cluster.to_owned(), topic.to_owned(), partition))).unwrap_or(true);
+    if first {
+        warn!(cluster, topic, partition, reported_end, served_end,
+            "{cluster}/{topic}/{partition} reports its end at {reported_end}, yet serves records up to offset {}: the broker under-reports its end (tansu 0.6 after a multi-record produce batch); {what}. Have producers send one record per batch (`batch.num.messages=1`) to such a broker", served_end - 1);
+    }
 }
 
 fn position_of<const OAUTH: bool>(consumer: &BaseConsumer<LookupContext<OAUTH>>, topic: &str, partition: i32) -> Option<i64> {

@@ -17,6 +17,7 @@ use sqlx::PgPool;
 use super::apply::{apply, arrived, ignored, pin, record_findings, Applied};
 use super::config::{no_key_reason, WatermarkTopicConfig};
 use crate::error::ProducerError;
+use crate::kafka::PAST_END_READ_MS;
 
 /// How long a round goes on reading after the reported ends of the
 /// watermark topic's partitions while nothing more arrives, ms.
@@ -149,6 +150,31 @@ impl WatermarkTopicReader {
             .await
             .map_err(|e| kafka_err("offsets task", e))?
             .map_err(|e| kafka_err("offsets", e))
+    }
+
+    /// The end of `topic`/`partition` as far as the broker serves it, its
+    /// reported end being `reported`: read from there (a blocking read on a
+    /// worker thread, at most [`PAST_END_READ_MS`] and up to the record
+    /// before `committed`). A broker whose log ends there serves nothing.
+    async fn served_end(&self, topic: &str, partition: i32, reported: i64, committed: i64) -> i64 {
+        let mut settings = ClientConfig::new();
+        settings.set("bootstrap.servers", &self.config.bootstrap_servers);
+        for (key, value) in &self.config.kafka {
+            settings.set(key, value);
+        }
+        let deadline = std::time::Instant::now() + Duration::from_millis(PAST_END_READ_MS.min(self.config.round_timeout_ms));
+        let max = u64::try_from(committed.saturating_sub(reported)).unwrap_or(0);
+        let t = topic.to_owned();
+        let read = tokio::task::spawn_blocking(move || crate::kafka::last_served_past(settings, &t, partition, reported, max, deadline)).await;
+        let (last, outcome) = read.unwrap_or_else(|e| (None, Err(format!("read task failed: {e}"))));
+        if let Err(e) = outcome {
+            tracing::debug!(topic, partition, reported, error = %e, "could not read past the partition's reported end");
+        }
+        let served = outbox_core::reconcile::served_end(reported, last);
+        if served > reported {
+            crate::kafka::warn_under_reported(&self.cluster_id, topic, partition, reported, served, "the watermark reader checks committed offsets against the records served");
+        }
+        served
     }
 
     /// The partitions of the watermark topic (empty when it does not exist yet).
@@ -297,6 +323,25 @@ impl WatermarkTopicReader {
                 }
             }
             decoded.push((p, off, r, m.decider));
+        }
+        // A committed offset past a partition's reported end is checked
+        // against what the broker serves there: a broker may report an end
+        // below records it serves (tansu 0.6).
+        let mut beyond: HashMap<(String, i32), i64> = HashMap::new();
+        for (_, _, r, _) in &decoded {
+            if let Ok(r) = r {
+                if let Some(Ok(end)) = data_ends.get(&(r.topic.clone(), r.partition)) {
+                    if r.committed_offset > *end {
+                        let highest = beyond.entry((r.topic.clone(), r.partition)).or_insert(r.committed_offset);
+                        *highest = (*highest).max(r.committed_offset);
+                    }
+                }
+            }
+        }
+        for ((data_topic, partition), highest) in beyond {
+            let Some(Ok(reported)) = data_ends.get(&(data_topic.clone(), partition)).cloned() else { continue };
+            let served = self.served_end(&data_topic, partition, reported, highest).await;
+            data_ends.insert((data_topic, partition), Ok(served));
         }
 
         let now = self.clock.now_ms();
