@@ -32,7 +32,10 @@ pub fn main_with(args: impl IntoIterator<Item = String>) -> std::process::ExitCo
     use std::process::ExitCode;
     let cli = cli::Cli::parse_from(args);
     let file = match &cli.config {
-        Some(path) => match config::FileConfig::load(path) {
+        // The file as written is validated at start (every section it has,
+        // and the key ids across them); flags and variables merged over it
+        // are checked where each command uses them.
+        Some(path) => match config::FileConfig::load(path).and_then(|f| f.validate().map(|()| f)) {
             Ok(f) => f,
             Err(e) => {
                 eprintln!("outbox: error: {e:#}");

@@ -179,3 +179,25 @@ async fn the_edges_fail_clearly() {
     drop(tx);
     env.drop_now().await;
 }
+
+/// Issue 48: the one configuration file is validated when `outbox` starts,
+/// as an embedding service's `Config::from_file` validates it: a consumer
+/// section that holds none of the dispatcher's key ids is refused, the
+/// error names both settings and never a secret.
+#[test]
+fn the_cli_refuses_a_file_whose_consumer_lacks_the_dispatchers_key_id() {
+    let dir = std::env::temp_dir().join(format!("outbox-cli-keyids-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("outbox.toml");
+    let example = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/outbox.toml")).unwrap();
+    std::fs::write(&file, &example).unwrap();
+    let (code, text) = run(&["--config", file.to_str().unwrap(), "dispatch", "--print-config"], &[]);
+    assert_eq!(code, Some(0), "the example file as it is: {text}");
+    let broken = example.replacen("key_id = \"orders-2026-12\", secret_hex", "key_id = \"orders-2026-11\", secret_hex", 1);
+    assert_ne!(broken, example, "the example names the dispatcher's key id");
+    std::fs::write(&file, &broken).unwrap();
+    let (code, text) = run(&["--config", file.to_str().unwrap(), "dispatch", "--print-config"], &[]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("dispatch.signing.key_id") && text.contains("keys"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
