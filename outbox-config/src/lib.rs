@@ -19,7 +19,7 @@
 //! `OUTBOX_CONSUMER_VERIFY_KEYS: entry 2 …`) and never shows a secret;
 //! `Debug` and `Display` mask secrets. The file's sections, the environment
 //! variables and the key format are documented in the workspace's
-//! `examples/outbox.toml`, in [`env`] and in [`keys`].
+//! `examples/outbox.toml`, in [`mod@env`] and in [`keys`].
 #![warn(missing_docs)]
 
 use std::collections::BTreeMap;
@@ -160,7 +160,7 @@ impl Config {
         Ok(c)
     }
 
-    /// The same settings from the environment only (names in [`env`]),
+    /// The same settings from the environment only (names in [`mod@env`]),
     /// validated.
     pub fn from_env() -> Result<Self, ConfigError> {
         let c = Config::default().with_env()?;
@@ -176,7 +176,7 @@ impl Config {
         Ok(c)
     }
 
-    /// Applies the environment's variables over this configuration (see [`env`]).
+    /// Applies the environment's variables over this configuration (see [`mod@env`]).
     pub fn with_env(self) -> Result<Self, ConfigError> {
         self.with_env_lookup(|k| std::env::var(k).ok(), std::env::vars())
     }
