@@ -151,15 +151,16 @@ pub use trust::{TopicTrust, TrustPolicy, LIMIT_TRUST_ENTRIES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
 pub use watermark_publisher::{SHARED_KAFKA_PROPERTY_PREFIXES, WATERMARK_TOPIC_PARTITIONS};
 
-/// The consumer's schema (`migrations/`, one file, version `20261206100001`),
+/// The consumer's schema (`migrations/`, one file, version `20261208200001`),
 /// for `#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]` and tools.
 /// In a database shared with other migration sets, use [`migrate`].
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
-/// Versions of the pre-release migrations (6 files, 2026-11-29 to
-/// 2026-12-04) that the one schema file replaced before any release. A
+/// Versions of the pre-release migrations (8 files, 2026-11-29 to
+/// 2026-12-07) that the one schema file replaced before any release. A
 /// database that has any of them applied is refused by [`migrate`].
-pub const PRE_RELEASE_MIGRATIONS: [i64; 6] = [20261129100001, 20261129100002, 20261201130001, 20261201190001, 20261201200001, 20261204020001];
+pub const PRE_RELEASE_MIGRATIONS: [i64; 8] =
+    [20261129100001, 20261129100002, 20261201130001, 20261201190001, 20261201200001, 20261204020001, 20261206100001, 20261207100001];
 
 /// Applies the consumer's migrations, ignoring versions applied by other
 /// migration sets in the same database (the producer's). Run it on the

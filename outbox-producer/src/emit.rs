@@ -187,7 +187,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     // clock, which command keys exist, the last version of each aggregate,
     // the current takeover policy and one row per event type's current route.
     // The lookup first takes a transaction-scoped advisory lock per
-    // aggregate (in key order; migration 20261207000002): a concurrent emit
+    // aggregate (in key order; `outbox_emit_lookup` in the schema): a concurrent emit
     // of the same aggregate waits here until this transaction ends and then
     // reads the version it committed, so the versions check below holds at
     // READ COMMITTED. An advisory lock writes nothing, where a row lock on an

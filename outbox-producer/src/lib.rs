@@ -55,15 +55,16 @@ pub use retention::{purge, register_consumer, PurgeReport, RetentionPolicy};
 /// policies, consumer registry, reconciler evidence), as a migrator.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
-/// Versions of the pre-release migrations (32 files, 2026-11-29 to
-/// 2026-12-04) that the one schema file replaced before any release. A
+/// Versions of the pre-release migrations (37 files, 2026-11-29 to
+/// 2026-12-08) that the one schema file replaced before any release. A
 /// database that has any of them applied is refused by [`migrate`]: it
 /// cannot be upgraded in place.
-pub const PRE_RELEASE_MIGRATIONS: [i64; 32] = [
+pub const PRE_RELEASE_MIGRATIONS: [i64; 37] = [
     20261129000001, 20261129000002, 20261129000003, 20261129000004, 20261129000005, 20261129000006, 20261129000007, 20261129000008,
     20261129000009, 20261129000010, 20261129000011, 20261129000012, 20261129000013, 20261129000014, 20261201010001, 20261201010002,
     20261201030001, 20261201030002, 20261201040001, 20261201040002, 20261201050001, 20261201060001, 20261201070001, 20261201080001,
     20261201090001, 20261201095001, 20261201300001, 20261202060001, 20261202070001, 20261202080001, 20261202090001, 20261204010001,
+    20261206000001, 20261207000001, 20261207000002, 20261207000003, 20261208000001,
 ];
 
 /// The protocol version this build reads and writes.

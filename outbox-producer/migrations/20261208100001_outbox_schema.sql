@@ -510,19 +510,61 @@ CREATE TRIGGER outbox_envelopes_references AFTER INSERT ON outbox_envelopes
 -- these afresh on every call for their array parameters, which took a
 -- single-event emit's lookup from about 70 to about 190 us.
 --
--- The functions are STABLE: they read with the snapshot of the statement
--- that calls them, at any isolation level. They run with the caller's
+-- outbox_emit_committed is STABLE: it reads with the snapshot of the
+-- statement that calls it, at any isolation level (outbox_emit_lookup is
+-- VOLATILE, below, so that it reads after its lock). They run with the caller's
 -- rights and read the schema they were created in, whatever the caller's
 -- search_path.
 
+-- outbox_emit_lookup: emit's "aggregate versions never go backwards" check
+-- holds under concurrency: it takes a transaction-scoped advisory lock
+-- per aggregate of the batch before it reads the aggregates' last versions.
+--
+-- Before, emit read the last version and inserted its event with no lock
+-- between: two transactions emitting for one aggregate at READ COMMITTED
+-- each read the version before the other's uncommitted insert, both passed
+-- the check, and one committed a version below the other's (in commit order,
+-- or in seq order, which is the order the aggregate's chain is delivered in).
+-- Now the second waits at the lock until the first ends, then reads with a
+-- fresh snapshot (a VOLATILE function takes one per statement at READ
+-- COMMITTED) and is decided against the first's committed version.
+--
+-- Why an advisory lock and not a row lock on a per-aggregate head row: the
+-- lock lives in shared memory and is released at commit or rollback; it
+-- writes nothing (no heap tuple, no index entry, no WAL, nothing to vacuum),
+-- where a head row would cost every emit an upsert of one more row per
+-- aggregate: a new row version, its WAL and index upkeep, on the hot path.
+-- It is taken inside the lookup emit already runs, so it adds no round trip.
+-- The locks of a batch are taken in key order, so two batches over the same
+-- aggregates in any orders wait for each other instead of deadlocking. The
+-- key is a 64-bit hash of the length-prefixed (tenant, type, id) under an
+-- `outbox_aggregate:` prefix (the route policies' lock uses another
+-- prefix); two aggregates whose keys collide (odds ~2^-64 per pair) only
+-- wait for each other.
+--
+-- Isolation: at READ COMMITTED (the default) the check now holds. At
+-- SERIALIZABLE the database's own conflict detection refuses one of two such
+-- transactions (both read the aggregate's versions and wrote one). At
+-- REPEATABLE READ the reads use the transaction's snapshot, taken before
+-- the lock, so a version committed after that snapshot is not seen: only a
+-- row both transactions write (the head row above) would turn that into a
+-- serialization failure, and it is not taken here.
+--
 CREATE FUNCTION outbox_emit_lookup(p_keys text[], p_tenants text[], p_aggregate_types text[], p_aggregate_ids text[],
                                    OUT existing text[], OUT last_versions bigint[])
-    LANGUAGE plpgsql STABLE
+    LANGUAGE plpgsql VOLATILE
     SET enable_seqscan = off
     SET plan_cache_mode = force_generic_plan
     SET search_path FROM CURRENT
 AS $$
 BEGIN
+    -- One lock per distinct aggregate, in key order (the subquery's ORDER BY
+    -- keeps it from being flattened: the locks are taken in that order).
+    PERFORM pg_advisory_xact_lock(l.k)
+    FROM (SELECT DISTINCT hashtextextended('outbox_aggregate:' || length(a.tenant) || ':' || a.tenant
+                                           || length(a.aggregate_type) || ':' || a.aggregate_type || a.aggregate_id, 0) AS k
+          FROM UNNEST(p_tenants, p_aggregate_types, p_aggregate_ids) AS a(tenant, aggregate_type, aggregate_id)
+          ORDER BY 1) l;
     -- The keys of p_keys that have a command row, one primary-key probe each.
     existing := ARRAY(SELECT k.key FROM UNNEST(p_keys) AS k(key)
                       CROSS JOIN LATERAL (SELECT 1 FROM outbox_commands c WHERE c.command_key = k.key LIMIT 1) hit);
@@ -955,6 +997,10 @@ CREATE TABLE outbox_publish_receipts (
     -- the receipts already at that position (the old one is kept, and
     -- reported as `receipt_position_lost`); positions are unique per epoch.
     position_epoch      integer NOT NULL DEFAULT 0 CHECK (position_epoch >= 0),
+    -- The key the receipt's message carries: the receipt decision compares
+    -- it with the frozen routing key (quarantine reason key_mismatch). NULL
+    -- for a receipt recorded without it (not compared).
+    message_key         bytea,
     PRIMARY KEY (event_id, envelope_generation),
     -- One event per log position (per epoch), the position naming its
     -- topic identity. With the topic id before the partition, it serves the
@@ -1024,6 +1070,7 @@ CREATE TABLE outbox_duplicate_receipts (
     received_at_ms      bigint NOT NULL,
     topic_id            text COLLATE "C"
         CHECK (topic_id IS NULL OR (topic_id ~ '^[A-Za-z0-9_-]{21}[AQgw]$' AND topic_id <> 'AAAAAAAAAAAAAAAAAAAAAA')),
+    message_key         bytea,
     CONSTRAINT outbox_duplicate_receipts_position_key
         UNIQUE NULLS NOT DISTINCT (event_id, envelope_generation, cluster_id, topic, topic_id, partition, "offset")
 );
@@ -1139,7 +1186,8 @@ CREATE TABLE outbox_findings (
         'aged_pending', 'unconsumed_published', 'bypass_publish', 'unknown_past_slo', 'quarantined',
         'absence_proof_refuted', 'unregistered_message', 'receipt_position_lost', 'published_without_receipt', 'log_unavailable',
         'foreign_source', 'unrecorded_copy', 'divergent_copy', 'scan_gap',
-        'watermark_undeclared_consumer', 'watermark_moved_back', 'watermark_beyond_end', 'watermark_rejected', 'stale_watermark')),
+        'watermark_undeclared_consumer', 'watermark_moved_back', 'watermark_beyond_end', 'watermark_rejected', 'stale_watermark',
+        'partition_count_changed')),
     event_id       text   COLLATE "C" NOT NULL,
     consumer_id    text   NOT NULL DEFAULT '',
     detail         text   NOT NULL,
@@ -1400,6 +1448,14 @@ CREATE TABLE outbox_watermark_publishers (
     last_published_at_ms bigint NOT NULL,
     records_accepted     bigint NOT NULL DEFAULT 0 CHECK (records_accepted >= 0),
     records_ignored      bigint NOT NULL DEFAULT 0 CHECK (records_ignored >= 0),
+    -- The database that decided a consumer's watermark records (the
+    -- outbox-watermark-decider header: its PostgreSQL system identifier and
+    -- database name). The watermark topic's reader pins the first one it sees
+    -- per consumer and cluster; a record of another database under the same
+    -- consumer id (a scratch replay, a copy of the consumer's database) is a
+    -- watermark_rejected finding and moves nothing. `outbox watermarks repin`
+    -- clears it when the consumer's database really moved.
+    decider              text CHECK (decider IS NULL OR length(decider) BETWEEN 1 AND 200),
     PRIMARY KEY (consumer_id, cluster_id)
 );
 
