@@ -458,7 +458,7 @@ mod tests {
     use std::task::{Context, Poll, Waker};
 
     use outbox_core::stream::{batch_position, bucket_of_key};
-    use outbox_core::{EmitRequest, OutboxStore, RoutePolicy};
+    use outbox_core::OutboxStore;
 
     use super::super::EmitTx;
     use super::*;
@@ -485,20 +485,7 @@ mod tests {
     }
 
     fn insert(s: &MemoryStore, tx: &EmitTx, aggregate: &str, version: i64) -> EventId {
-        let command = format!("c-{aggregate}-{version}");
-        let request = EmitRequest {
-            command_key: &command,
-            tenant: "t",
-            aggregate_type: "order",
-            aggregate_id: aggregate,
-            aggregate_version: version,
-            event_type: "order.created",
-            payload_schema: "order-v1",
-            payload: b"{}",
-        };
-        let id = EventId::generate(s.now_ms() as u64);
-        let (env, dest) = request.freeze(id, s.now_ms(), version as u64, &RoutePolicy::new("order.created", "k", "orders", 3)).unwrap();
-        s.insert_in(tx, &command, env, dest, b"{}".to_vec()).unwrap()
+        super::super::transactions::insert_order(s, tx, &format!("c-{aggregate}-{version}"), aggregate, version).unwrap()
     }
 
     fn claim(s: &MemoryStore, owner: &str) -> Vec<ClaimedEvent> {

@@ -150,37 +150,36 @@ pub(super) fn snapshot_of(st: &MemoryState) -> Snapshot {
     Snapshot::new(open.first().copied().unwrap_or(xmax), xmax, open).unwrap_or_else(|_| Snapshot::origin())
 }
 
+/// Test support: emitting one `order.created` event of `aggregate` (tenant
+/// `t`, routing key `t.order.<aggregate>`) under `command` in `tx`.
+#[cfg(test)]
+pub(super) fn insert_order(store: &MemoryStore, tx: &EmitTx, command: &str, aggregate: &str, version: i64) -> Result<EventId, CoreError> {
+    let request = outbox_core::EmitRequest {
+        command_key: command,
+        tenant: "t",
+        aggregate_type: "order",
+        aggregate_id: aggregate,
+        aggregate_version: version,
+        event_type: "order.created",
+        payload_schema: "order-v1",
+        payload: b"{}",
+    };
+    let now = store.now_ms();
+    let (env, dest) = request.freeze(EventId::generate(now.max(0) as u64), now, version.max(0) as u64, &outbox_core::RoutePolicy::new("order.created", "k", "orders", 3))?;
+    store.insert_in(tx, command, env, dest, b"{}".to_vec())
+}
+
 #[cfg(test)]
 mod tests {
-    use outbox_core::{EmitRequest, RoutePolicy};
-
     use super::*;
-
-    fn request<'a>(command: &'a str, aggregate: &'a str, version: i64) -> EmitRequest<'a> {
-        EmitRequest {
-            command_key: command,
-            tenant: "t",
-            aggregate_type: "order",
-            aggregate_id: aggregate,
-            aggregate_version: version,
-            event_type: "order.created",
-            payload_schema: "order-v1",
-            payload: b"{}",
-        }
-    }
-
-    fn insert(store: &MemoryStore, tx: &EmitTx, command: &str, aggregate: &str, version: i64, n: u128) -> Result<EventId, CoreError> {
-        let (env, dest) = request(command, aggregate, version).freeze(EventId::from_parts(1, n), 1, 1, &RoutePolicy::new("order.created", "k", "orders", 3))?;
-        store.insert_in(tx, command, env, dest, b"{}".to_vec())
-    }
 
     #[test]
     fn an_event_is_invisible_until_its_transaction_commits_and_keeps_its_earlier_position() {
         let store = MemoryStore::new();
         let slow = store.begin_emit();
         let fast = store.begin_emit();
-        let a = insert(&store, &slow, "c-a", "o-1", 1, 1).unwrap();
-        let b = insert(&store, &fast, "c-b", "o-2", 1, 2).unwrap();
+        let a = insert_order(&store, &slow, "c-a", "o-1", 1).unwrap();
+        let b = insert_order(&store, &fast, "c-b", "o-2", 1).unwrap();
         assert_eq!(store.snapshot().to_string(), format!("{}:{}:{},{}", slow.xid(), fast.xid() + 1, slow.xid(), fast.xid()));
         assert_eq!(store.commit(fast), vec![b.clone()]);
         assert!(!store.lock().events.contains_key(&a), "an open transaction's event is visible");
@@ -198,14 +197,14 @@ mod tests {
     fn an_aborted_transaction_leaves_nothing() {
         let store = MemoryStore::new();
         let tx = store.begin_emit();
-        let a = insert(&store, &tx, "c-a", "o-1", 5, 1).unwrap();
+        let a = insert_order(&store, &tx, "c-a", "o-1", 5).unwrap();
         store.abort(tx);
         let st = store.lock();
         assert!(!st.events.contains_key(&a) && st.commands.is_empty() && st.aggregate_versions.is_empty());
         drop(st);
         // The command and the version are free again.
         let tx = store.begin_emit();
-        assert!(insert(&store, &tx, "c-a", "o-1", 2, 3).is_ok());
+        assert!(insert_order(&store, &tx, "c-a", "o-1", 2).is_ok());
         store.commit(tx);
     }
 
@@ -213,9 +212,9 @@ mod tests {
     fn a_transaction_sees_its_own_commands_and_versions() {
         let store = MemoryStore::new();
         let tx = store.begin_emit();
-        let a = insert(&store, &tx, "c-a", "o-1", 5, 1).unwrap();
-        assert_eq!(insert(&store, &tx, "c-a", "o-1", 5, 1).unwrap(), a, "a repeated command answers its first event");
-        assert!(matches!(insert(&store, &tx, "c-b", "o-1", 4, 2), Err(CoreError::AggregateVersionBackwards { last: 5, .. })));
+        let a = insert_order(&store, &tx, "c-a", "o-1", 5).unwrap();
+        assert_eq!(insert_order(&store, &tx, "c-a", "o-1", 5).unwrap(), a, "a repeated command answers its first event");
+        assert!(matches!(insert_order(&store, &tx, "c-b", "o-1", 4), Err(CoreError::AggregateVersionBackwards { last: 5, .. })));
         assert_eq!(store.commit(tx), vec![a]);
     }
 }
