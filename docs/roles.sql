@@ -177,7 +177,9 @@ SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT, INSERT, DELETE', 'outb
 
 -- outbox_operator: retention (PUBLISHED -> RETAINED -> PURGED clears the
 -- payload by UPDATE), destination migration (a new envelope generation and a
--- migration receipt), route policy revisions, the consumer registry.
+-- migration receipt), route policy revisions, the consumer registry, and
+-- `outbox skip` (QUARANTINED or DISPATCH_UNKNOWN -> SKIPPED and its
+-- outbox_audit row: the dispatcher's state columns and audit INSERT, inherited).
 GRANT outbox_reconciler TO outbox_operator;
 -- Purge clears the payload; a destination migration re-points the event at
 -- its new envelope generation's frozen destination.

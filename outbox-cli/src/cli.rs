@@ -22,7 +22,7 @@ TIMESTAMPS: RFC 3339 UTC (2026-12-01T09:00:00.000Z); --json output is always one
 
 EXIT CODES:
   0 success; 1 error; 2 findings present (reconcile --once, status or report with --fail-on-findings);
-  3 destination migration refused; 4 the Kafka producer could not deliver (with --exit-on-fatal);
+  3 destination migration or skip refused; 4 the Kafka producer could not deliver (with --exit-on-fatal);
   130 interrupted twice (no graceful drain).";
 
 /// Operate a transactional outbox on PostgreSQL + Kafka.
@@ -32,7 +32,8 @@ EXIT CODES:
 /// sets where event types go; `dead-letters`, `findings` and `unknown` are
 /// the runbook's steps; `purge` applies retention; `migrate-destination`
 /// moves an undelivered event to a new destination with proof that the old
-/// one never received it.
+/// one never received it; `skip` closes a key's blocked head so that the
+/// key goes on.
 #[derive(Debug, Parser)]
 #[command(name = "outbox", version, about, long_about, after_long_help = AFTER_HELP, after_help = "Configuration precedence: flags > environment > --config file > defaults (see --help).")]
 pub struct Cli {
@@ -100,6 +101,15 @@ pub enum Command {
     /// Kafka connection must be to the event's frozen cluster). Otherwise
     /// refused (exit 3) and nothing changes.
     MigrateDestination(MigrateDestinationArgs),
+    /// Close a QUARANTINED or DISPATCH_UNKNOWN event as SKIPPED, so that the later events of its key go on.
+    ///
+    /// The way out of a blocked key (see docs/OPERATIONS.md, "A blocked
+    /// key"): the event is never published by the outbox and consumers see a
+    /// gap in its key's sequence. Recorded in outbox_audit (action skip: the
+    /// operator, the reason, the state it left). Any other state, or a
+    /// reconciler's lease in flight (RECONCILING), is refused (exit 3) and
+    /// nothing changes.
+    Skip(SkipArgs),
     /// Rollout: which events the outbox sends (event types and a share by eventId hash); the rest stays with the legacy publisher.
     #[command(subcommand)]
     Takeover(TakeoverCommand),
@@ -675,6 +685,23 @@ pub struct PurgeArgs {
     /// Most batches per phase in this run (bounds the run's work) [default: 100].
     #[arg(long, value_name = "N")]
     pub max_batches: Option<u32>,
+}
+
+/// `outbox skip`.
+#[derive(Debug, Args)]
+pub struct SkipArgs {
+    /// The event to skip, e.g. evt-01J....
+    #[arg(value_name = "EVENT_ID")]
+    pub event_id: String,
+    /// Who skips it (recorded as the audit row's actor), e.g. your login.
+    #[arg(long, value_name = "NAME")]
+    pub operator: String,
+    /// Why (recorded; at most 1000 bytes), e.g. the ticket and what consumers were told.
+    #[arg(long, value_name = "TEXT")]
+    pub reason: String,
+    /// Print the outcome as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `outbox migrate-destination`.

@@ -46,6 +46,7 @@ pub fn state_color(state: &str) -> &'static str {
         "RECONCILING" => "#fd8d3c",
         "RETRY_CLAIMED" => "#9e9ac8",
         "QUARANTINED" => "#cb181d",
+        "SKIPPED" => "#8c6d31",
         _ => "#636363",
     }
 }
@@ -62,7 +63,7 @@ pub fn finding_help(kind: &str) -> (&'static str, &'static str) {
         ),
         "bypass_publish" => ("A message in a routed topic whose eventId the outbox never committed.", "Find who writes to the topic outside the outbox; the evidence is in outbox_bypass_messages."),
         "unknown_past_slo" => ("Dispatch outcome unknown for longer than the SLO.", "Page: check the broker, then `outbox trace <eventId>`; the reconciler keeps looking."),
-        "quarantined" => ("Payload or destination diverged from what was frozen; nothing was sent.", "Investigate the evidence with `outbox trace <eventId>`; never edit the row to force it through."),
+        "quarantined" => ("Payload or destination diverged from what was frozen; nothing was sent.", "Investigate the evidence with `outbox trace <eventId>`; never edit the row to force it through. If later events of its key wait behind it: `outbox skip` (OPERATIONS.md, A blocked key)."),
         "absence_proof_refuted" => (
             "A genuine message of an attempt proven absent is in the log: the proof was wrong.",
             "It converged (primary or duplicate receipt); check the dispatcher hosts' pauses and clocks around the attempt (`outbox trace <eventId>`).",

@@ -15,9 +15,9 @@ use outbox_testkit::{assert_published, KafkaFixture};
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 
-const COMMANDS: [&str; 17] = [
+const COMMANDS: [&str; 18] = [
     "migrate", "dispatch", "reconcile", "status", "trace", "report", "purge", "migrate-destination", "takeover", "alias", "shadow", "route", "dead-letters",
-    "findings", "unknown", "gaps", "watermarks",
+    "findings", "unknown", "gaps", "watermarks", "skip",
 ];
 
 #[test]
@@ -70,7 +70,7 @@ async fn migrate_then_status_on_an_empty_outbox() {
     assert!(status.contains("oldest PENDING:  none") && status.contains("UNKNOWN open:    0"), "{status}");
     let json: Value = serde_json::from_str(&env.ok(&["status", "--json"])).unwrap();
     assert_eq!(json["totalEvents"], 0);
-    assert_eq!(json["stateCounts"].as_array().unwrap().len(), 10);
+    assert_eq!(json["stateCounts"].as_array().unwrap().len(), outbox_core::ALL_STATES.len());
     // The source identity made at migrate time (the CloudEvents ce_source), shown and frozen.
     let source: String = sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_one(env.pool()).await.unwrap();
     assert!(source.starts_with("urn:uuid:") && source.len() == 45, "{source}");
@@ -513,6 +513,72 @@ async fn the_schema_accepts_every_finding_kind() {
         .unwrap();
     let status = env.ok(&["status"]);
     assert!(status.contains("  STALLED: topic kafka-a/orders has 4 partitions; its route policies froze more: order.created (6)") && status.contains("increase the topic's partition count to 6"), "{status}");
+    env.drop_now().await;
+}
+
+/// `outbox skip` (issue 47): a QUARANTINED head holds its key, so the key's
+/// next event is not claimable; the skip of a PENDING event (or without a
+/// reason) is refused with exit 3 and changes nothing; the skip of the head
+/// closes it SKIPPED, records who and why in outbox_audit, and the next
+/// event is claimable; `outbox trace` and `outbox status` show SKIPPED.
+#[tokio::test]
+async fn skip_frees_a_key_blocked_by_its_quarantined_head() {
+    use outbox_core::{EmitRequest, OutboxStore};
+    let env = Env::new("cli_skip").await;
+    env.ok(&["migrate"]);
+    route(env.pool(), "cluster-x", "orders", 3).await;
+    // Two events of one order (one key), versions 1 and 2.
+    let mut ids = Vec::new();
+    for v in 1..=2i64 {
+        let key = format!("skip-o-1-v{v}");
+        let request = EmitRequest {
+            command_key: &key,
+            tenant: "tenant-7",
+            aggregate_type: "order",
+            aggregate_id: "o-1",
+            aggregate_version: v,
+            event_type: "order.created.v2",
+            payload_schema: "order-v2",
+            payload: br#"{"order":"o-1"}"#,
+        };
+        let mut tx = env.pool().begin().await.unwrap();
+        ids.push(outbox_producer::emit(&mut tx, &request, &outbox_producer::EmitOptions::default()).await.unwrap().envelope.event_id);
+        tx.commit().await.unwrap();
+    }
+    let (head, next) = (ids[0].as_str(), ids[1].as_str());
+
+    let pending = env.run(&["skip", head, "--operator", "ops-alice", "--reason", "too early"]);
+    assert_eq!(pending.status.code(), Some(3), "the skip of a PENDING event was not refused");
+    let out = String::from_utf8_lossy(&pending.stdout);
+    assert!(out.contains("refused:") && out.contains("PENDING"), "{out}");
+    assert_eq!(env.count("SELECT count(*) FROM outbox_audit WHERE action = 'skip'").await, 0);
+
+    sqlx::query("UPDATE outbox_events SET state = 'QUARANTINED' WHERE event_id = $1").bind(head).execute(env.pool()).await.unwrap();
+    let store = PgStore::new(env.pool().clone());
+    assert!(store.claim_batch("cli-skip-d", 10, 30_000).await.unwrap().is_empty(), "the next event was claimable behind a QUARANTINED head");
+
+    let no_reason = env.run(&["skip", head, "--operator", "ops-alice", "--reason", " "]);
+    assert_eq!(no_reason.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&no_reason.stdout).contains("needs a reason"));
+    let missing = env.run(&["skip", head, "--operator", "ops-alice"]);
+    assert!(!missing.status.success() && String::from_utf8_lossy(&missing.stderr).contains("--reason"), "--reason is required");
+
+    let out = env.ok(&["skip", head, "--operator", "ops-alice", "--reason", "poison payload, OPS-47"]);
+    assert!(out.contains(&format!("skipped: {head} QUARANTINED -> SKIPPED by ops-alice")), "{out}");
+    let (actor, detail): (String, Value) = sqlx::query_as("SELECT actor, detail FROM outbox_audit WHERE event_id = $1 AND action = 'skip'").bind(head).fetch_one(env.pool()).await.unwrap();
+    assert_eq!(actor, "ops-alice");
+    assert_eq!(detail["reason"], "poison payload, OPS-47");
+    assert_eq!(detail["from_state"], "QUARANTINED");
+
+    let claimed = store.claim_batch("cli-skip-d", 10, 30_000).await.unwrap();
+    assert_eq!(claimed.iter().map(|c| c.token.event_id.as_str()).collect::<Vec<_>>(), vec![next], "the next event of the key is claimable after the skip");
+
+    let again: Value = serde_json::from_str(&String::from_utf8_lossy(&env.run(&["skip", head, "--operator", "ops-alice", "--reason", "again", "--json"]).stdout)).unwrap();
+    assert_eq!(again["outcome"], "refused");
+    assert!(again["reason"].as_str().unwrap().contains("already SKIPPED"), "{again}");
+    let t = env.ok(&["trace", head]);
+    assert!(t.contains("state              SKIPPED") && t.contains("ops-alice"), "{t}");
+    assert!(env.ok(&["status"]).contains("SKIPPED"));
     env.drop_now().await;
 }
 

@@ -188,6 +188,14 @@ async fn every_service_works_under_its_role_and_nothing_more() {
     assert!(text.contains("1 event(s) were retained"), "{text}");
     let (code, text) = as_role("operator", &["migrate-destination", later.as_str(), "--operator", "ops", "--to-topic", "orders-eu", "--kafka-bootstrap", kafka.bootstrap()]);
     assert_eq!(code, Some(0), "migrate-destination as outbox_operator: {text}");
+    // An operator skips a quarantined event (issue 47); the reader cannot.
+    let blocked = emit_as_app(&pool("app"), "o-3").await;
+    sqlx::query("UPDATE outbox_events SET state = 'QUARANTINED' WHERE event_id = $1").bind(blocked.as_str()).execute(&owner).await.unwrap();
+    let (code, text) = as_role("reader", &["skip", blocked.as_str(), "--operator", "ops", "--reason", "roles test"]);
+    assert_eq!(code, Some(1), "the reader cannot skip: {text}");
+    assert!(text.contains("permission denied"), "{text}");
+    let (code, text) = as_role("operator", &["skip", blocked.as_str(), "--operator", "ops", "--reason", "roles test"]);
+    assert_eq!(code, Some(0), "skip as outbox_operator: {text}");
 
     // And nothing more.
     let (dispatcher, app, reader, consumer) = (pool("dispatcher"), pool("app"), pool("reader"), pool("consumer"));

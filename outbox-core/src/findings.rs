@@ -63,10 +63,10 @@ pub fn aged_pending(state: EventState, held_by_dispatcher: bool, by_outbox: bool
 }
 
 /// `unknown_past_slo`: unknown since more than `unknown_slo_ms` ago and
-/// not closed yet (neither published, retained, purged nor quarantined;
-/// a retry or reconcile in progress still counts). Answers its age.
+/// not closed yet (neither published, retained, purged, skipped nor
+/// quarantined; a retry or reconcile in progress still counts). Answers its age.
 pub fn unknown_past_slo(state: EventState, unknown_since_ms: Option<i64>, now_ms: i64, unknown_slo_ms: i64) -> Option<i64> {
-    let closed = matches!(state, EventState::Published | EventState::Retained | EventState::Purged | EventState::Quarantined);
+    let closed = state.is_closed() || state == EventState::Quarantined;
     let since = unknown_since_ms?;
     (!closed && older_than(since, now_ms, unknown_slo_ms)).then(|| now_ms - since)
 }
@@ -156,7 +156,7 @@ mod tests {
         for s in [Reconciling, RetryClaimed, Sending, Pending] {
             assert_eq!(unknown_past_slo(s, Some(NOW - 11), NOW, 10), Some(11), "{s:?} is not closed");
         }
-        for s in [Published, Retained, Purged, Quarantined] {
+        for s in [Published, Retained, Purged, Quarantined, Skipped] {
             assert_eq!(unknown_past_slo(s, Some(NOW - 11), NOW, 10), None, "{s:?} is closed");
         }
     }

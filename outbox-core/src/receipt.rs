@@ -321,7 +321,9 @@ pub fn decide_receipt(event: &LockedEvent, attempts: &[AttemptRecord], receipt: 
             // A genuine message of an event quarantined meanwhile (another
             // copy diverged): the event stays QUARANTINED for an operator,
             // and this copy, which consumers may apply, is kept as evidence.
-            AttemptState::Sending | AttemptState::Unknown if event.state == EventState::Quarantined => Duplicate,
+            // So is a late copy of an UNKNOWN an operator skipped: the event
+            // stays SKIPPED (its key has moved on), the copy is on record.
+            AttemptState::Sending | AttemptState::Unknown if matches!(event.state, EventState::Quarantined | EventState::Skipped) => Duplicate,
             AttemptState::Sending | AttemptState::Unknown => Reject { reason: RejectReason::EventNotAccepting },
             // Only a copy kept as evidence so (above) is ACKED with the slot
             // empty: the same answer again.
@@ -727,6 +729,15 @@ mod tests {
         assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Duplicate);
         let c = Case::new().attempt(1, AttemptState::NotSent).state(EventState::Quarantined);
         assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Reject { reason: RejectReason::AttemptClosed });
+    }
+
+    #[test]
+    fn a_skipped_event_takes_no_slot_but_keeps_a_late_copy_as_evidence() {
+        // An UNKNOWN skipped by an operator whose send did reach the log:
+        // the key has moved on, the event stays SKIPPED, the copy is kept.
+        let c = Case::new().attempt(1, AttemptState::Unknown).state(EventState::Skipped);
+        assert_eq!(decide_receipt(&c.event, &c.attempts, &c.receipt(1, 5)), ReceiptDecision::Duplicate);
+        assert!(!EventState::Skipped.accepts_receipt());
     }
 
     #[test]

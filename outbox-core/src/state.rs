@@ -30,10 +30,16 @@ pub enum EventState {
     RetryClaimed,
     /// Payload or destination divergence; evidence kept, nothing sent.
     Quarantined,
+    /// Closed by an operator (`outbox skip`, [`crate::skip`]) from
+    /// QUARANTINED or DISPATCH_UNKNOWN: never published by the outbox, it no
+    /// longer holds its ordering key, and the later events of its key go on.
+    /// Terminal. Consumers see a gap in the key's sequence (and, for a
+    /// skipped DISPATCH_UNKNOWN, perhaps a late copy the send left in the log).
+    Skipped,
 }
 
 /// Every state, in the order of PROTOCOL §3.
-pub const ALL_STATES: [EventState; 10] = [
+pub const ALL_STATES: [EventState; 11] = [
     EventState::Pending,
     EventState::Claimed,
     EventState::Sending,
@@ -44,6 +50,7 @@ pub const ALL_STATES: [EventState; 10] = [
     EventState::Reconciling,
     EventState::RetryClaimed,
     EventState::Quarantined,
+    EventState::Skipped,
 ];
 
 /// The closed transition table. Anything not listed is illegal.
@@ -73,6 +80,12 @@ pub const ALL_STATES: [EventState; 10] = [
 /// | RETRY_CLAIMED | QUARANTINED | divergent receipt |
 /// | PUBLISHED | RETAINED | replay window passed |
 /// | RETAINED | PURGED | every mandatory consumer's watermark passed |
+/// | QUARANTINED | SKIPPED | an operator's skip ([`crate::skip::decide_skip`]) |
+/// | DISPATCH_UNKNOWN | SKIPPED | an operator's skip of an unknown nothing can prove |
+///
+/// RECONCILING -> SKIPPED is deliberately absent: a reconciler holds a
+/// fenced lease then, and may be about to fill the slot; the operator waits
+/// for it to finish (or for its lease to run out, back to DISPATCH_UNKNOWN).
 pub const TRANSITIONS: &[(EventState, EventState)] = {
     use EventState::*;
     &[
@@ -99,6 +112,8 @@ pub const TRANSITIONS: &[(EventState, EventState)] = {
         (RetryClaimed, Quarantined),
         (Published, Retained),
         (Retained, Purged),
+        (Quarantined, Skipped),
+        (DispatchUnknown, Skipped),
     ]
 };
 
@@ -116,6 +131,7 @@ impl EventState {
             EventState::Reconciling => "RECONCILING",
             EventState::RetryClaimed => "RETRY_CLAIMED",
             EventState::Quarantined => "QUARANTINED",
+            EventState::Skipped => "SKIPPED",
         }
     }
 
@@ -154,13 +170,20 @@ impl EventState {
 
     /// Whether an event in this state still holds its ordering key: the
     /// later events of its key chain wait until it closes (PUBLISHED,
-    /// RETAINED, PURGED). An event in flight, UNKNOWN, being retried or
-    /// QUARANTINED holds it. PostgreSQL's chain-head triggers (the
-    /// producer schema's section 7) close a chain's head on the same three states;
+    /// RETAINED, PURGED, or SKIPPED by an operator). An event in flight,
+    /// UNKNOWN, being retried or QUARANTINED holds it. PostgreSQL's
+    /// chain-head triggers (the producer schema's section 7) close a chain's
+    /// head on the same four states;
     /// `tests/tests/claims.rs::the_chain_triggers_close_a_head_on_the_core_closing_states`
     /// holds them to this.
     pub fn holds_key(self) -> bool {
-        !self.is_published()
+        !self.is_closed()
+    }
+
+    /// The event is done with: published (and after) or SKIPPED. Nothing
+    /// moves it but retention (PUBLISHED -> RETAINED -> PURGED).
+    pub fn is_closed(self) -> bool {
+        self.is_published() || self == EventState::Skipped
     }
 }
 
@@ -244,14 +267,14 @@ mod tests {
                 }
             }
         }
-        assert_eq!(illegal, 100 - TRANSITIONS.len());
+        assert_eq!(illegal, ALL_STATES.len() * ALL_STATES.len() - TRANSITIONS.len());
     }
 
     #[test]
     fn the_dangerous_shortcuts_are_illegal() {
         // Published without going through a send; a blind re-send from UNKNOWN;
         // deleting evidence before it was retained; resurrecting a purged event.
-        for (from, to) in [(Pending, Published), (Claimed, Published), (DispatchUnknown, Sending), (DispatchUnknown, Pending), (Published, Purged), (Purged, Pending), (Quarantined, Pending), (Published, Sending)] {
+        for (from, to) in [(Pending, Published), (Claimed, Published), (DispatchUnknown, Sending), (DispatchUnknown, Pending), (Published, Purged), (Purged, Pending), (Quarantined, Pending), (Published, Sending), (Skipped, Pending), (Skipped, Published), (Skipped, Claimed), (Reconciling, Skipped), (Pending, Skipped), (Published, Skipped), (RetryClaimed, Skipped)] {
             assert!(from.transition(to).is_err(), "{from} -> {to}");
         }
     }
@@ -262,6 +285,16 @@ mod tests {
             assert_eq!(EventState::parse(s.as_str()), Ok(s));
         }
         assert!(EventState::parse("LOST").is_err());
+    }
+
+    #[test]
+    fn skipped_is_terminal_closed_and_not_published() {
+        assert!(TRANSITIONS.iter().all(|&(f, _)| f != Skipped), "SKIPPED has no way out");
+        assert!(!Skipped.holds_key() && Skipped.is_closed() && !Skipped.is_published() && !Skipped.accepts_receipt());
+        let into: Vec<EventState> = TRANSITIONS.iter().filter(|&&(_, t)| t == Skipped).map(|&(f, _)| f).collect();
+        assert_eq!(into, vec![Quarantined, DispatchUnknown]);
+        // QUARANTINED still holds the key: only the operator's skip releases it.
+        assert!(Quarantined.holds_key() && DispatchUnknown.holds_key());
     }
 
     #[test]

@@ -114,7 +114,7 @@ CREATE TABLE outbox_states (
 );
 INSERT INTO outbox_states (state) VALUES
     ('PENDING'), ('CLAIMED'), ('SENDING'), ('PUBLISHED'), ('RETAINED'), ('PURGED'),
-    ('DISPATCH_UNKNOWN'), ('RECONCILING'), ('RETRY_CLAIMED'), ('QUARANTINED');
+    ('DISPATCH_UNKNOWN'), ('RECONCILING'), ('RETRY_CLAIMED'), ('QUARANTINED'), ('SKIPPED');
 
 -- The closed transition table; outbox-core's TRANSITIONS is checked against it by a test.
 CREATE TABLE outbox_transitions (
@@ -131,7 +131,9 @@ INSERT INTO outbox_transitions (from_state, to_state) VALUES
     ('RECONCILING', 'PENDING'), ('RECONCILING', 'QUARANTINED'),
     ('RETRY_CLAIMED', 'SENDING'), ('RETRY_CLAIMED', 'PUBLISHED'), ('RETRY_CLAIMED', 'DISPATCH_UNKNOWN'),
     ('RETRY_CLAIMED', 'QUARANTINED'),
-    ('PUBLISHED', 'RETAINED'), ('RETAINED', 'PURGED');
+    ('PUBLISHED', 'RETAINED'), ('RETAINED', 'PURGED'),
+    -- An operator's skip (`outbox skip`): the way out of a blocked key.
+    ('QUARANTINED', 'SKIPPED'), ('DISPATCH_UNKNOWN', 'SKIPPED');
 
 -- The closed transition table, enforced on every state change. The list is
 -- the outbox_transitions table's (a test checks both against outbox-core);
@@ -146,7 +148,8 @@ CREATE FUNCTION outbox_transition_allowed(from_state text, to_state text) RETURN
         'RECONCILING>PUBLISHED', 'RECONCILING>RETRY_CLAIMED', 'RECONCILING>DISPATCH_UNKNOWN',
         'RECONCILING>PENDING', 'RECONCILING>QUARANTINED',
         'RETRY_CLAIMED>SENDING', 'RETRY_CLAIMED>PUBLISHED', 'RETRY_CLAIMED>DISPATCH_UNKNOWN', 'RETRY_CLAIMED>QUARANTINED',
-        'PUBLISHED>RETAINED', 'RETAINED>PURGED'])
+        'PUBLISHED>RETAINED', 'RETAINED>PURGED',
+        'QUARANTINED>SKIPPED', 'DISPATCH_UNKNOWN>SKIPPED'])
 $$;
 
 
@@ -209,7 +212,7 @@ CREATE TABLE outbox_events (
     protocol_version    smallint NOT NULL DEFAULT 1,
     envelope_generation integer NOT NULL DEFAULT 1 CHECK (envelope_generation >= 1),
     state               text NOT NULL CHECK (state IN ('PENDING', 'CLAIMED', 'SENDING', 'PUBLISHED', 'RETAINED', 'PURGED',
-                                                       'DISPATCH_UNKNOWN', 'RECONCILING', 'RETRY_CLAIMED', 'QUARANTINED')),
+                                                       'DISPATCH_UNKNOWN', 'RECONCILING', 'RETRY_CLAIMED', 'QUARANTINED', 'SKIPPED')),
     tenant              text NOT NULL,
     aggregate_type      text NOT NULL,
     aggregate_id        text NOT NULL,
@@ -280,7 +283,7 @@ CREATE INDEX outbox_events_pending_unordered ON outbox_events (seq)
     WHERE phase = 'PENDING' AND NOT ordered AND publisher = 'outbox';
 -- Per-key ordering: the oldest open event of each chain, one index descent per chain.
 CREATE INDEX outbox_events_open_by_key ON outbox_events (key_chain, seq)
-    WHERE phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND ordered AND publisher = 'outbox';
+    WHERE phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND ordered AND publisher = 'outbox';
 CREATE INDEX outbox_events_unknown ON outbox_events (next_check_at_ms) WHERE phase = 'DISPATCH_UNKNOWN';
 CREATE INDEX outbox_events_leased ON outbox_events (lease_until_ms) WHERE claim_owner IS NOT NULL;
 CREATE INDEX outbox_events_retry ON outbox_events (seq) WHERE phase = 'RETRY_CLAIMED';
@@ -636,9 +639,9 @@ $$;
 --     quarantine, retention) runs the statement trigger below, which keeps
 --     the head's claimability equal to its event's (PENDING and
 --     next_check_at_ms) and, when the head event closes (PUBLISHED,
---     RETAINED, PURGED), moves the head to the chain's next open event in
---     the same transaction; a row trigger moves an event whose chain
---     changes (a destination migration) to its new chain.
+--     RETAINED, PURGED, or SKIPPED by an operator), moves the head to the
+--     chain's next open event in the same transaction; a row trigger moves
+--     an event whose chain changes (a destination migration) to its new chain.
 --
 -- No lost chain. A chain whose head closes and that has no next open
 -- event (in the closing transaction's snapshot) loses its head row and
@@ -682,7 +685,7 @@ BEGIN
     FROM (SELECT DISTINCT c FROM UNNEST(p_chains) AS c) k
     CROSS JOIN LATERAL (
         SELECT e.key_chain, e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
-        WHERE e.key_chain = k.c AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
+        WHERE e.key_chain = k.c AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND e.ordered AND e.publisher = 'outbox'
         ORDER BY e.seq LIMIT 1) n
     ORDER BY n.key_chain
     ON CONFLICT (key_chain) DO NOTHING;
@@ -735,7 +738,7 @@ BEGIN
         FROM closed c
         LEFT JOIN LATERAL (
             SELECT e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
-            WHERE e.key_chain = c.kc AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND e.ordered AND e.publisher = 'outbox'
+            WHERE e.key_chain = c.kc AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND e.ordered AND e.publisher = 'outbox'
             ORDER BY e.seq LIMIT 1) n ON true),
     moved AS (
         UPDATE outbox_chain_heads h
@@ -779,10 +782,11 @@ DECLARE
     chains bigint[];
     events text[];
 BEGIN
-    -- Heads whose event closed (PUBLISHED; RETAINED and PURGED follow it).
+    -- Heads whose event closed (PUBLISHED, RETAINED and PURGED following
+    -- it; or SKIPPED by an operator).
     SELECT array_agg(h.key_chain ORDER BY h.key_chain), array_agg(h.event_id ORDER BY h.key_chain) INTO chains, events
     FROM new_rows n JOIN outbox_chain_heads h ON h.key_chain = n.key_chain AND h.event_id = n.event_id
-    WHERE n.phase IN ('PUBLISHED', 'RETAINED', 'PURGED');
+    WHERE n.phase IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED');
     IF chains IS NOT NULL THEN
         PERFORM outbox_chain_advance(chains, events);
     END IF;
@@ -792,7 +796,7 @@ BEGIN
     -- sending batch's leases) probes nothing.
     UPDATE outbox_chain_heads h SET claimable_at_ms = CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END
     FROM new_rows n
-    WHERE h.key_chain = n.key_chain AND h.event_id = n.event_id AND n.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') AND n.state <> 'SENDING'
+    WHERE h.key_chain = n.key_chain AND h.event_id = n.event_id AND n.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND n.state <> 'SENDING'
       AND h.claimable_at_ms IS DISTINCT FROM (CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END);
     RETURN NULL;
 END
@@ -813,7 +817,7 @@ BEGIN
     IF EXISTS (SELECT 1 FROM outbox_chain_heads WHERE key_chain = OLD.key_chain AND event_id = OLD.event_id) THEN
         PERFORM outbox_chain_advance(ARRAY[OLD.key_chain], ARRAY[OLD.event_id]);
     END IF;
-    IF NEW.ordered AND NEW.publisher = 'outbox' AND NEW.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED') THEN
+    IF NEW.ordered AND NEW.publisher = 'outbox' AND NEW.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') THEN
         INSERT INTO outbox_chain_arrivals (key_chain) VALUES (NEW.key_chain);
     END IF;
     RETURN NULL;
@@ -1489,3 +1493,4 @@ CREATE TRIGGER outbox_identity_frozen BEFORE UPDATE OR DELETE ON outbox_identity
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
 CREATE TRIGGER outbox_identity_never_truncated BEFORE TRUNCATE ON outbox_identity
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_frozen();
+

@@ -1,6 +1,6 @@
 //! The shipped services' side of the store conformance suite
 //! ([`outbox_memory::conformance`]): the migration commit, a retention
-//! pass, and the reconciler's bypass scan and comparison, run over any store
+//! pass, an operator's skip, and the reconciler's bypass scan and comparison, run over any store
 //! the same way.
 //!
 //! Each store's [`Harness`] (the in-memory store's, `outbox_sim::MemoryHarness`,
@@ -21,6 +21,7 @@ use crate::migration::{MigrationOutcome, MigrationStore};
 use crate::reconciler::{Reconciler, ReconcilerConfig};
 use crate::retention::{purge_with, RetentionPolicy, RetentionStore};
 use crate::service_store::ServiceStore;
+use crate::skip::{SkipOutcome, SkipStore};
 
 /// [`Harness::commit_migration`](outbox_memory::conformance::Harness::commit_migration):
 /// the store's migration commit ([`MigrationStore::commit_migration`]) of
@@ -33,6 +34,22 @@ pub async fn commit_migration<S: MigrationStore>(store: &S, id: &EventId, to_top
         Ok(other) => Err(format!("not a dry run, yet {other:?}")),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// [`Harness::skip_event`](outbox_memory::conformance::Harness::skip_event):
+/// the store's skip ([`SkipStore::skip_event`]).
+pub async fn skip_event<S: SkipStore>(store: &S, id: &EventId, operator: &str, reason: &str) -> Result<Result<outbox_core::SkipRecord, String>, String> {
+    match store.skip_event(id, operator, reason).await {
+        Ok(SkipOutcome::Skipped { record }) => Ok(Ok(record)),
+        Ok(SkipOutcome::Refused { reason }) => Ok(Err(reason)),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// [`Harness::skip_records`](outbox_memory::conformance::Harness::skip_records):
+/// the store's skip records ([`SkipStore::skip_records`]).
+pub async fn skip_records<S: SkipStore>(store: &S, id: &EventId) -> Result<Vec<outbox_core::SkipRecord>, String> {
+    store.skip_records(id).await.map_err(|e| e.to_string())
 }
 
 /// The pass of [`Harness::purge`](outbox_memory::conformance::Harness::purge),

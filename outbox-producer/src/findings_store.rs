@@ -58,7 +58,7 @@ impl outbox_core::FindingsStore for PgStore {
         let rows = sqlx::query(&format!(
             "SELECT {EVENT_FACTS} FROM outbox_events e
              WHERE e.unknown_since_ms IS NOT NULL AND e.unknown_since_ms < $1
-               AND e.state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'QUARANTINED')
+               AND e.state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'QUARANTINED', 'SKIPPED')
              ORDER BY e.unknown_since_ms LIMIT $2"
         ))
         .bind(unknown_before_ms)

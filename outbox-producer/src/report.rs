@@ -472,7 +472,7 @@ pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report,
 
     let unknown_since: Vec<i64> = sqlx::query_scalar(
         "SELECT unknown_since_ms FROM outbox_events
-         WHERE unknown_since_ms IS NOT NULL AND state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'QUARANTINED')",
+         WHERE unknown_since_ms IS NOT NULL AND state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'QUARANTINED', 'SKIPPED')",
     )
     .fetch_all(pool)
     .await?;

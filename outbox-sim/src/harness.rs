@@ -61,6 +61,14 @@ impl Harness for MemoryHarness {
         conformance::commit_migration(&self.store, id, to_topic, fence, lookup).await
     }
 
+    async fn skip_event(&self, id: &EventId, operator: &str, reason: &str) -> Result<Result<outbox_core::SkipRecord, String>, String> {
+        conformance::skip_event(&self.store, id, operator, reason).await
+    }
+
+    async fn skip_records(&self, id: &EventId) -> Result<Vec<outbox_core::SkipRecord>, String> {
+        conformance::skip_records(&self.store, id).await
+    }
+
     async fn purge(&self, replay_window_ms: i64, consumers: &[(&str, &[&str], bool)], watermarks: &[MemoryWatermark]) -> Result<PurgeCounts, String> {
         let mandatory: Vec<(String, Vec<String>)> =
             consumers.iter().filter(|c| c.2).map(|(id, topics, _)| ((*id).to_owned(), topics.iter().map(|t| (*t).to_owned()).collect())).collect();

@@ -49,6 +49,14 @@ impl Harness for PgHarness {
         conformance::commit_migration(&self.store, id, to_topic, fence, lookup).await
     }
 
+    async fn skip_event(&self, id: &EventId, operator: &str, reason: &str) -> Result<Result<outbox_core::SkipRecord, String>, String> {
+        conformance::skip_event(&self.store, id, operator, reason).await
+    }
+
+    async fn skip_records(&self, id: &EventId) -> Result<Vec<outbox_core::SkipRecord>, String> {
+        conformance::skip_records(&self.store, id).await
+    }
+
     async fn purge(&self, replay_window_ms: i64, consumers: &[(&str, &[&str], bool)], watermarks: &[MemoryWatermark]) -> Result<PurgeCounts, String> {
         let e = |what: &'static str| move |e: sqlx::Error| format!("{what}: {e}");
         for (id, topics, mandatory) in consumers {

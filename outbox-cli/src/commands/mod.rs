@@ -9,8 +9,8 @@
 //! `reconcile` (with the watermark topic's configuration and the round
 //! export), `inspect` (`status`, `trace`, `report`), `runbook`
 //! (`dead-letters`, `watermarks`, `gaps`, `findings`, `unknown`), `route`,
-//! `rollout` (`takeover`, `alias`, `shadow`), `purge` and
-//! `migrate_destination`.
+//! `rollout` (`takeover`, `alias`, `shadow`), `purge`,
+//! `migrate_destination` and `skip`.
 
 mod broker;
 mod db;
@@ -25,6 +25,7 @@ mod rollout;
 mod route;
 mod runbook;
 mod service;
+mod skip;
 
 use anyhow::{bail, Context};
 
@@ -36,7 +37,7 @@ pub use reconcile::{WATERMARK_KEYS_ENV, WATERMARK_UNSIGNED_ENV};
 
 /// Exit code: findings are open.
 pub const EXIT_FINDINGS: u8 = 2;
-/// Exit code: a destination migration was refused.
+/// Exit code: a destination migration (or a skip) was refused.
 pub const EXIT_REFUSED: u8 = 3;
 /// Exit code: interrupted twice.
 pub const EXIT_INTERRUPTED: u8 = 130;
@@ -84,6 +85,7 @@ pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
         Command::Report(a) => inspect::report(&url()?, &file, a).await,
         Command::Purge(a) => purge::purge_cmd(&url()?, &file, a).await,
         Command::MigrateDestination(a) => migrate_destination::migrate_destination_cmd(&url()?, &file, a).await,
+        Command::Skip(a) => skip::skip_cmd(&url()?, a).await,
         Command::Takeover(c) => rollout::takeover_cmd(&url()?, c).await,
         Command::Alias(c) => rollout::alias_cmd(&url()?, c).await,
         Command::Shadow(a) => rollout::shadow_cmd(&url()?, &file, a).await,

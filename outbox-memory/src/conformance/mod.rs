@@ -19,7 +19,8 @@
 //! unknown outcomes and reconciliation (`reconcile.rs`), the emit command
 //! (`emit.rs`), destination migration (`migration.rs`), retention
 //! (`retention.rs`), the bypass scan with its [`ScanLog`] broker
-//! (`scans.rs`) and the comparison's findings (`findings.rs`); `ctx.rs`
+//! (`scans.rs`), the comparison's findings (`findings.rs`) and an
+//! operator's skip of a blocked key's head (`skip.rs`); `ctx.rs`
 //! holds what they share.
 //!
 //! ```ignore
@@ -34,6 +35,7 @@ use outbox_core::error::CoreError;
 use outbox_core::id::EventId;
 use outbox_core::migration::MigrationFence;
 use outbox_core::reconcile::RetryPolicy;
+use outbox_core::skip::SkipRecord;
 use outbox_core::store::{ConsumerWatermark, LookupOutcome, OutboxStore};
 
 use crate::MemoryWatermark;
@@ -47,6 +49,7 @@ mod receipts;
 mod reconcile;
 mod retention;
 mod scans;
+mod skip;
 
 use ctx::{offset_block, Ctx};
 pub use scans::{ScanLog, ScanOutcome};
@@ -123,6 +126,15 @@ pub trait Harness: Send + Sync {
     /// `Ok(Err(reason))` when it was refused (nothing changed), `Err` when
     /// the store failed.
     async fn commit_migration(&self, id: &EventId, to_topic: &str, fence: &MigrationFence, lookup: Option<&LookupOutcome>) -> Result<Result<u32, String>, String>;
+
+    /// The store's operator skip (`outbox skip`, `outbox_core::skip`) of
+    /// `id` by `operator` for `reason`: `Ok(Ok(record))` when the event was
+    /// closed SKIPPED (the record as stored), `Ok(Err(reason))` when the
+    /// skip was refused (nothing changed), `Err` when the store failed.
+    async fn skip_event(&self, id: &EventId, operator: &str, reason: &str) -> Result<Result<SkipRecord, String>, String>;
+
+    /// The skip records (evidence) the store keeps for `id`, oldest first.
+    async fn skip_records(&self, id: &EventId) -> Result<Vec<SkipRecord>, String>;
 
     /// One retention pass (PROTOCOL §9) at the store's clock with
     /// `replay_window_ms`, under exactly this consumer registry
@@ -219,6 +231,8 @@ pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Verdict)> {
         ("reconcile_finish_writes_its_plan", reconcile::reconcile_finish_writes_its_plan(&ctx("finish")).await),
         ("migration_commit_is_fenced", migration::migration_commit_is_fenced(&ctx("migrate")).await),
         ("a_key_is_held_until_its_event_closes", claims::a_key_is_held_until_its_event_closes(&ctx("held")).await),
+        ("skip_of_a_quarantined_head_frees_its_key", skip::skip_of_a_quarantined_head_frees_its_key(&ctx("skipq")).await),
+        ("skip_of_an_unprovable_unknown_head_is_fenced_and_frees_its_key", skip::skip_of_an_unprovable_unknown_head_is_fenced_and_frees_its_key(&ctx("skipu")).await),
         ("purge_waits_for_every_mandatory_watermark_on_the_same_log", retention::purge_waits_for_mandatory_watermarks(&ctx("purge")).await),
         ("purge_holds_an_event_of_a_replaced_log", retention::purge_holds_an_event_of_a_replaced_log(&ctx("replacedlog")).await),
         ("registration_floor_is_past_the_logs_last_receipt", claims::registration_floor(&ctx("floor")).await),

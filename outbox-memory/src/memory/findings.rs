@@ -49,7 +49,7 @@ impl outbox_core::store::FindingsStore for MemoryStore {
 
     async fn unknown_candidates(&self, unknown_before_ms: i64, limit: i64) -> Result<Vec<outbox_core::store::EventFacts>, StoreError> {
         let st = self.lock();
-        let closed = [EventState::Published, EventState::Retained, EventState::Purged, EventState::Quarantined];
+        let closed = [EventState::Published, EventState::Retained, EventState::Purged, EventState::Quarantined, EventState::Skipped];
         let mut v: Vec<&MemoryEvent> = st.events.values().filter(|e| e.unknown_since_ms.is_some_and(|u| u < unknown_before_ms) && !closed.contains(&e.state)).collect();
         v.sort_by_key(|e| e.unknown_since_ms);
         Ok(take(v.into_iter().map(|e| facts(e, &st)).collect(), limit))

@@ -7,7 +7,7 @@
 //! transaction (`emit.rs`) and emitting transactions that overlap
 //! (`transactions.rs`), the stream mode (`stream.rs`), the protocol's claims, receipts, reports and
 //! reconcile (`outbox.rs`, the [`OutboxStore`] implementation, with the row
-//! writes they share in `rows.rs`), destination migration (`migration.rs`),
+//! writes they share in `rows.rs`), destination migration (`migration.rs`), an operator's skip (`skip.rs`),
 //! the consumer registry and watermarks (`consumers.rs`), and the
 //! reconciler's reads: the bypass scan (`bypass_scan.rs`) and the
 //! comparison's findings (`findings.rs`).
@@ -31,6 +31,7 @@ mod migration;
 mod outbox;
 mod records;
 mod rows;
+mod skip;
 mod stream;
 mod transactions;
 

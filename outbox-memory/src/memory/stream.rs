@@ -156,7 +156,7 @@ pub(super) fn to_lane(st: &MemoryState, s: &mut StreamState, event: &EventId) {
                 .events
                 .iter()
                 .skip(at.saturating_add(1))
-                .filter(|e| st.events.get(*e).is_some_and(|ev| !ev.state.is_published() && chain_key(ev).as_ref() == Some(&key)))
+                .filter(|e| st.events.get(*e).is_some_and(|ev| !ev.state.is_closed() && chain_key(ev).as_ref() == Some(&key)))
                 .cloned()
                 .collect();
             s.lane.extend(later);
@@ -173,7 +173,7 @@ fn sync_lane(st: &MemoryState, s: &mut StreamState) {
         .values()
         .flat_map(|id| s.batches[id].events.iter())
         .filter(|e| !s.lane.contains(*e))
-        .filter(|e| st.events.get(*e).is_some_and(|ev| !ev.state.is_published() && !matches!(ev.state, EventState::Pending | EventState::Claimed | EventState::Sending)))
+        .filter(|e| st.events.get(*e).is_some_and(|ev| !ev.state.is_closed() && !matches!(ev.state, EventState::Pending | EventState::Claimed | EventState::Sending)))
         .cloned()
         .collect();
     for e in left {

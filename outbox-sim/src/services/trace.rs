@@ -437,7 +437,8 @@ fn all_settled(store: &MemoryStore, reported: &BTreeSet<String>) -> bool {
     for ev in by_seq {
         let key = (ev.destination.topic.clone(), ev.destination.routing_key.clone());
         match ev.state {
-            s if s.is_published() => {}
+            // An operator's skip closed it: it holds no key.
+            s if s.is_closed() => {}
             EventState::Quarantined => {
                 blocked_keys.insert(key);
             }

@@ -1,0 +1,153 @@
+//! An operator's way out of a blocked key (issue 47): skip a QUARANTINED
+//! or DISPATCH_UNKNOWN event, closing it SKIPPED (`outbox skip`).
+//!
+//! With per-key ordering every later event of a key waits while its head
+//! holds the key; a QUARANTINED head has no way out of its own, nor has a
+//! DISPATCH_UNKNOWN head whose absence cannot be proven (it can be neither
+//! retried nor migrated). The skip is decided by the core
+//! ([`outbox_core::skip::decide_skip`]) on the row as locked, and writes the
+//! transition and its evidence (an `outbox_audit` row, action `skip`: who,
+//! when, why, from which state) in one transaction. It bumps the claim
+//! generation, so every earlier claim holder is fenced; a RECONCILING event
+//! (a reconciler's lease in flight) is refused. The chain-head triggers
+//! move the key's head to its next open event in the same transaction.
+//!
+//! The event is never published by the outbox: consumers see a gap in the
+//! key's sequence. A skipped DISPATCH_UNKNOWN event may yet have reached
+//! the log; a late genuine copy is kept as evidence (a duplicate transport
+//! receipt), the event stays SKIPPED.
+
+use async_trait::async_trait;
+use outbox_core::id::validate_identifier;
+use outbox_core::skip::{decide_skip, SkipRecord, SKIP_ACTION};
+use outbox_core::{EventId, EventState, StoreError};
+use outbox_memory::MemoryStore;
+use serde::Serialize;
+use sqlx::Row;
+
+use crate::error::ProducerError;
+use crate::pg::PgStore;
+
+/// What a skip request came to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "outcome")]
+pub enum SkipOutcome {
+    /// Closed SKIPPED; the record is its evidence as stored.
+    Skipped {
+        /// The evidence.
+        record: SkipRecord,
+    },
+    /// Not skipped, and why. Nothing changed.
+    Refused {
+        /// The reason ([`outbox_core::SkipRefusal`]'s text).
+        reason: String,
+    },
+}
+
+/// The stores an operator skips an event in: [`PgStore`] in production,
+/// [`MemoryStore`] in the simulator and the conformance suite.
+#[async_trait]
+pub trait SkipStore: Send + Sync {
+    /// Skips `event_id` for `operator` (an identifier) with `reason`: under
+    /// the row lock, [`decide_skip`]; then QUARANTINED or DISPATCH_UNKNOWN
+    /// -> SKIPPED (claim generation bumped, claim cleared) and the evidence,
+    /// in one transaction.
+    async fn skip_event(&self, event_id: &EventId, operator: &str, reason: &str) -> Result<SkipOutcome, ProducerError>;
+
+    /// The skip records of `event_id`, oldest first.
+    async fn skip_records(&self, event_id: &EventId) -> Result<Vec<SkipRecord>, ProducerError>;
+}
+
+#[async_trait]
+impl SkipStore for PgStore {
+    async fn skip_event(&self, event_id: &EventId, operator: &str, reason: &str) -> Result<SkipOutcome, ProducerError> {
+        validate_identifier("operator", operator)?;
+        let now = self.now_ms();
+        let mut tx = self.pool().begin().await?;
+        let Some(row) = sqlx::query("SELECT state, claim_owner, unknown_since_ms FROM outbox_events WHERE event_id = $1 FOR UPDATE")
+            .bind(event_id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Err(StoreError::NotFound(event_id.clone()).into());
+        };
+        let state = EventState::parse(row.try_get("state")?)?;
+        let owner: Option<String> = row.try_get("claim_owner")?;
+        let from = match decide_skip(state, owner.as_deref(), reason) {
+            Ok(from) => from,
+            Err(refusal) => return Ok(SkipOutcome::Refused { reason: refusal.to_string() }),
+        };
+        let unknown_since_ms: Option<i64> = row.try_get("unknown_since_ms")?;
+        let generation: i64 = sqlx::query_scalar(
+            "UPDATE outbox_events SET state = 'SKIPPED', claim_owner = NULL, lease_until_ms = NULL, claim_attempt_id = NULL,
+                    claim_generation = claim_generation + 1, unknown_since_ms = NULL, state_since_ms = $2
+             WHERE event_id = $1 RETURNING claim_generation",
+        )
+        .bind(event_id.as_str())
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+        let record = SkipRecord {
+            event_id: event_id.to_string(),
+            from_state: from,
+            operator: operator.to_owned(),
+            reason: reason.to_owned(),
+            at_ms: now,
+            claim_generation: generation as u64,
+            unknown_since_ms,
+        };
+        let detail = serde_json::json!({
+            "from_state": from.as_str(), "reason": reason, "claim_generation": generation, "unknown_since_ms": unknown_since_ms,
+        });
+        sqlx::query("INSERT INTO outbox_audit (event_id, actor, action, detail, at_ms) VALUES ($1, $2, $3, $4, $5)")
+            .bind(event_id.as_str())
+            .bind(operator)
+            .bind(SKIP_ACTION)
+            .bind(&detail)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        tracing::warn!(%event_id, from = %from, operator, reason, "event skipped by an operator: its key moves on without it");
+        Ok(SkipOutcome::Skipped { record })
+    }
+
+    async fn skip_records(&self, event_id: &EventId) -> Result<Vec<SkipRecord>, ProducerError> {
+        let rows = sqlx::query("SELECT actor, detail, at_ms FROM outbox_audit WHERE event_id = $1 AND action = $2 ORDER BY id")
+            .bind(event_id.as_str())
+            .bind(SKIP_ACTION)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(|r| pg_record(event_id, r)).collect()
+    }
+}
+
+/// A skip record from its `outbox_audit` row.
+fn pg_record(event_id: &EventId, r: &sqlx::postgres::PgRow) -> Result<SkipRecord, ProducerError> {
+    let detail: serde_json::Value = r.try_get("detail")?;
+    let bad = || ProducerError::Store(StoreError::Backend { message: format!("skip record of {event_id} unreadable: {detail}"), retryable: false });
+    Ok(SkipRecord {
+        event_id: event_id.to_string(),
+        from_state: EventState::parse(detail["from_state"].as_str().ok_or_else(bad)?)?,
+        operator: r.try_get("actor")?,
+        reason: detail["reason"].as_str().ok_or_else(bad)?.to_owned(),
+        at_ms: r.try_get("at_ms")?,
+        claim_generation: detail["claim_generation"].as_u64().ok_or_else(bad)?,
+        unknown_since_ms: detail["unknown_since_ms"].as_i64(),
+    })
+}
+
+/// The simulator's store: the same decision, in [`MemoryStore::skip_event`].
+#[async_trait]
+impl SkipStore for MemoryStore {
+    async fn skip_event(&self, event_id: &EventId, operator: &str, reason: &str) -> Result<SkipOutcome, ProducerError> {
+        Ok(match MemoryStore::skip_event(self, event_id, operator, reason)? {
+            Ok(record) => SkipOutcome::Skipped { record },
+            Err(refusal) => SkipOutcome::Refused { reason: refusal.to_string() },
+        })
+    }
+
+    async fn skip_records(&self, event_id: &EventId) -> Result<Vec<SkipRecord>, ProducerError> {
+        Ok(MemoryStore::skip_records(self, event_id))
+    }
+}
