@@ -87,7 +87,8 @@ BEGIN
                              'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
                              'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
-                             'outbox_consumer_readings', 'outbox_consumer_gaps'] LOOP
+                             'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream',
+                             'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -99,7 +100,7 @@ END $$;
 -- closed transition table (the transition trigger reads it as the caller).
 SELECT pg_temp.outbox_grant(r, 'SELECT', t)
 FROM unnest(ARRAY['outbox_app', 'outbox_dispatcher', 'outbox_reconciler', 'outbox_operator', 'outbox_reader']) r,
-     unnest(ARRAY['outbox_meta', 'outbox_states', 'outbox_transitions']) t;
+     unnest(ARRAY['outbox_meta', 'outbox_states', 'outbox_transitions', 'outbox_settings']) t;
 
 -- outbox_app: emit inside the service's own transaction (insert the event and
 -- its frozen envelope, read the route policy; a retried command reads its
@@ -113,6 +114,15 @@ SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_takeover_policies');
 -- The insert trigger on outbox_events appends each new ordered event's
 -- chain to the arrivals the dispatcher links (insert-only).
 SELECT pg_temp.outbox_grant('outbox_app', 'INSERT', 'outbox_chain_arrivals');
+-- On the stream path (outbox_settings.dispatch_path = 'stream') emit inserts
+-- one stream row per event instead, its seq drawn from outbox_events' sequence.
+SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_stream');
+DO $$
+BEGIN
+    IF to_regclass('outbox_events_seq_seq') IS NOT NULL THEN
+        GRANT USAGE ON SEQUENCE outbox_events_seq_seq TO outbox_app;
+    END IF;
+END $$;
 
 -- outbox_dispatcher: claim (UPDATE with row locks), register attempts, the
 -- receipt transaction, not-sent / unknown reports, lease sweeps, quarantine
@@ -146,6 +156,15 @@ SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_route_policie
 -- move heads and re-queue emptied chains.
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_chain_heads');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_chain_arrivals');
+-- The stream path: claims read the stream, hold the buckets' leases (a row
+-- per cluster and bucket, made on first use), insert a batch per cut and a
+-- step per hand-out or registration. An event leaving the happy path is
+-- copied into outbox_events by outbox_stream_to_lane (below), never by an
+-- insert of the dispatcher's own.
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_stream');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE', 'outbox_bucket_leases');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_batches');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_batch_steps');
 
 -- outbox_reconciler: the dispatcher's rights (it resolves UNKNOWNs through
 -- the same receipt transaction), plus the three-set comparison and report.
@@ -209,7 +228,8 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_shadow_attempts', 'outbox_shadow_cursors', 'outbox_shadow_mismatches',
                   'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
-                  'outbox_consumer_readings', 'outbox_consumer_gaps']) t;
+                  'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream', 'outbox_bucket_leases',
+                  'outbox_batches', 'outbox_batch_steps']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes
@@ -232,8 +252,10 @@ SELECT pg_temp.outbox_grant('outbox_watermark_publisher', 'SELECT, INSERT, UPDAT
 
 -- Functions. The outbox's functions (emit's and the consumer's lookups,
 -- the checks its triggers and constraints call) run with the caller's
--- rights, none SECURITY DEFINER: executing one gives nothing the caller's
--- table grants do not. PostgreSQL lets PUBLIC execute new functions; a
+-- rights: executing one gives nothing the caller's table grants do not.
+-- One is SECURITY DEFINER: outbox_stream_to_lane copies stream events into
+-- outbox_events as PENDING, only what the stream holds, only once; the
+-- dispatcher's roles execute it (below), nobody else. PostgreSQL lets PUBLIC execute new functions; a
 -- database hardened against that (REVOKE EXECUTE ... FROM PUBLIC, or
 -- default privileges) still needs every role to execute them.
 DO $$
@@ -244,6 +266,14 @@ BEGIN
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                         outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', f);
     END LOOP;
+END $$;
+
+DO $$
+BEGIN
+    IF to_regprocedure('outbox_stream_to_lane(text[])') IS NOT NULL THEN
+        REVOKE EXECUTE ON FUNCTION outbox_stream_to_lane(text[]) FROM PUBLIC;
+        GRANT EXECUTE ON FUNCTION outbox_stream_to_lane(text[]) TO outbox_dispatcher, outbox_reconciler, outbox_operator;
+    END IF;
 END $$;
 
 -- Row-level security on outbox_events (see the top of this file): reads and

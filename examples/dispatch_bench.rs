@@ -47,7 +47,8 @@
 //! server's WAL: keep other work off it while measuring). The result line
 //! carries `row_writes_per_event`, `hot_share` and `wal_bytes_per_event`.
 //! `--path chains` (the default) is today's claims path over chain heads;
-//! the PostgreSQL stream path is not built yet and `--path stream` says so.
+//! `--path stream` sets the database's dispatch path to the insert-only
+//! stream (`outbox_producer::set_dispatch_path`) before anything is emitted.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -74,6 +75,7 @@ struct Args {
     hold_snapshot_s: Option<u64>,
     topic_id: bool,
     kafka_settings: Vec<(String, String)>,
+    stream: bool,
 }
 
 /// The outbox tables' write counters and the server's WAL position at one moment.
@@ -148,6 +150,7 @@ fn parse_args() -> anyhow::Result<Args> {
         hold_snapshot_s: None,
         topic_id: false,
         kafka_settings: Vec::new(),
+        stream: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -158,8 +161,8 @@ fn parse_args() -> anyhow::Result<Args> {
             }
             "--preload" => a.preload = true,
             "--path" => match it.next().as_deref() {
-                Some("chains") => {}
-                Some("stream") => anyhow::bail!("--path stream: the PostgreSQL stream path is not built yet; --path chains is today's claims path\n{USAGE}"),
+                Some("chains") => a.stream = false,
+                Some("stream") => a.stream = true,
                 other => anyhow::bail!("--path takes chains or stream, not {other:?}\n{USAGE}"),
             },
             "--keep-db" => a.keep_db = true,
@@ -213,6 +216,9 @@ async fn main() -> anyhow::Result<()> {
 async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     let pool = db.pool.clone();
     outbox_producer::migrate(&pool).await?;
+    if args.stream {
+        outbox_producer::set_dispatch_path(&pool, outbox_producer::DispatchPath::Stream).await?;
+    }
     let kafka = Kafka::start(&[("orders", args.partitions)])?;
     let mut dispatchers = Vec::new();
     let mut cluster = None;
@@ -352,10 +358,16 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
     }
 
     let (p50, p99, max, first, last): (f64, f64, i64, i64, i64) = sqlx::query_as(
-        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY published_at_ms - created_at_ms),
-                percentile_cont(0.99) WITHIN GROUP (ORDER BY published_at_ms - created_at_ms),
-                max(published_at_ms - created_at_ms), min(created_at_ms), max(published_at_ms)
-         FROM outbox_events",
+        // Events of the lane (and the chains path), and of the stream: published by their receipt.
+        "WITH t AS (
+            SELECT created_at_ms AS c, published_at_ms AS p FROM outbox_events WHERE published_at_ms IS NOT NULL
+            UNION ALL
+            SELECT s.created_at_ms, r.accepted_at_ms FROM outbox_stream s
+            JOIN outbox_publish_receipts r ON r.event_id = s.event_id AND r.envelope_generation = 1
+            WHERE NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id))
+         SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY p - c), percentile_cont(0.99) WITHIN GROUP (ORDER BY p - c),
+                max(p - c), min(c), max(p)
+         FROM t",
     )
     .fetch_one(&pool)
     .await?;
@@ -423,7 +435,8 @@ async fn table_sizes(pool: &sqlx::PgPool) -> anyhow::Result<String> {
     let rows: Vec<(String, i64, i64)> = sqlx::query_as(
         "SELECT c.relname::text, pg_relation_size(c.oid) / 1024, pg_indexes_size(c.oid) / 1024 FROM pg_class c
          WHERE c.relkind = 'r' AND c.relname IN ('outbox_events', 'outbox_chain_heads', 'outbox_chain_arrivals', 'outbox_attempts',
-                                                 'outbox_envelopes', 'outbox_publish_receipts', 'outbox_commands')
+                                                 'outbox_envelopes', 'outbox_publish_receipts', 'outbox_commands', 'outbox_stream_p0',
+                                                 'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps')
          ORDER BY c.relname",
     )
     .fetch_all(pool)

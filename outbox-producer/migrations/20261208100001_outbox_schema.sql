@@ -596,12 +596,18 @@ BEGIN
     -- reads a table's index from end to end (with sequential scans off, a
     -- plan made on tiny tables merge-joined whole indexes instead).
     RETURN QUERY
-        SELECT k.key, v.envelope_canonical, v.destination_canonical, v.destination_digest, e.publisher
+        -- A stream event (section 17) has its first envelope inline and is the outbox's.
+        SELECT k.key, v.envelope_canonical, v.destination_canonical, v.destination_digest, v.publisher
         FROM UNNEST(p_keys) AS k(key)
         CROSS JOIN LATERAL (SELECT c.event_id FROM outbox_commands c WHERE c.command_key = k.key LIMIT 1) c
-        CROSS JOIN LATERAL (SELECT x.publisher FROM outbox_events x WHERE x.event_id = c.event_id LIMIT 1) e
-        CROSS JOIN LATERAL (SELECT y.envelope_canonical, y.destination_canonical, y.destination_digest FROM outbox_envelopes y
-                            WHERE y.event_id = c.event_id AND y.envelope_generation = 1 LIMIT 1) v;
+        CROSS JOIN LATERAL (
+            (SELECT y.envelope_canonical, y.destination_canonical, y.destination_digest, x.publisher
+             FROM outbox_events x JOIN outbox_envelopes y ON y.event_id = x.event_id AND y.envelope_generation = 1
+             WHERE x.event_id = c.event_id LIMIT 1)
+            UNION ALL
+            (SELECT s.envelope_canonical, s.destination_canonical, s.destination_digest, 'outbox'::text
+             FROM outbox_stream s WHERE s.event_id = c.event_id LIMIT 1)
+            LIMIT 1) v;
 END
 $$;
 
@@ -1005,6 +1011,9 @@ CREATE TABLE outbox_publish_receipts (
     -- it with the frozen routing key (quarantine reason key_mismatch). NULL
     -- for a receipt recorded without it (not compared).
     message_key         bytea,
+    -- A receipt of a stream event's attempt: the batch that registered it
+    -- (section 17), where other receipts name a row of outbox_attempts.
+    batch_id            bigint,
     PRIMARY KEY (event_id, envelope_generation),
     -- One event per log position (per epoch), the position naming its
     -- topic identity. With the topic id before the partition, it serves the
@@ -1042,9 +1051,15 @@ AS $$
 DECLARE bad record;
 BEGIN
     SELECT n.event_id, n.envelope_generation, n.attempt_id, a.found AS attempt_found INTO bad FROM outbox_new_rows n
-    LEFT JOIN LATERAL (SELECT true AS found FROM outbox_attempts x WHERE x.attempt_id = n.attempt_id LIMIT 1) a ON true
+    LEFT JOIN LATERAL (SELECT true AS found FROM outbox_attempts x WHERE n.batch_id IS NULL AND x.attempt_id = n.attempt_id
+                       UNION ALL
+                       SELECT true FROM outbox_batches b WHERE b.id = n.batch_id AND n.event_id = ANY(b.event_ids)
+                       LIMIT 1) a ON true
     LEFT JOIN LATERAL (SELECT true AS found FROM outbox_envelopes v
-                       WHERE v.event_id = n.event_id AND v.envelope_generation = n.envelope_generation LIMIT 1) r ON true
+                       WHERE v.event_id = n.event_id AND v.envelope_generation = n.envelope_generation
+                       UNION ALL
+                       SELECT true FROM outbox_stream s WHERE n.batch_id IS NOT NULL AND n.envelope_generation = 1 AND s.event_id = n.event_id
+                       LIMIT 1) r ON true
     WHERE a.found IS NULL OR r.found IS NULL LIMIT 1;
     IF FOUND AND bad.attempt_found IS NULL THEN
         PERFORM outbox_missing_reference('outbox_publish_receipts', 'outbox_publish_receipts_attempt_id_fkey',
@@ -1494,3 +1509,242 @@ CREATE TRIGGER outbox_identity_frozen BEFORE UPDATE OR DELETE ON outbox_identity
 CREATE TRIGGER outbox_identity_never_truncated BEFORE TRUNCATE ON outbox_identity
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_frozen();
 
+
+-- =========================================================================
+-- 17. The stream: the insert-only dispatch path
+-- =========================================================================
+
+-- Which path new events take (ARCHITECTURE.md, "The stream"): 'chains'
+-- (each event a row of outbox_events, claimed through the chain heads) or
+-- 'stream' (each event a row of outbox_stream, dispatched in batches cut
+-- by snapshot per key bucket; an event that leaves the happy path is
+-- copied into outbox_events, the exception lane, and goes on there).
+-- `outbox_producer::set_dispatch_path` switches it.
+CREATE TABLE outbox_settings (
+    singleton     boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    dispatch_path text NOT NULL DEFAULT 'chains' CHECK (dispatch_path IN ('chains', 'stream'))
+);
+INSERT INTO outbox_settings DEFAULT VALUES;
+
+-- One row per event, inserted by emit and never updated: the envelope and
+-- the destination inline, the creating transaction's id (a batch is the
+-- bucket's rows whose transaction completed between two snapshots,
+-- `outbox_core::stream::in_batch`), the key bucket. `seq` is drawn from
+-- outbox_events' sequence, so an event keeps its place when it is copied
+-- into the lane. Partitioned by range of seq, so that retention can drop
+-- whole partitions; the default partition takes what no range holds.
+CREATE TABLE outbox_stream (
+    seq                   bigint NOT NULL DEFAULT nextval('outbox_events_seq_seq'),
+    xid                   xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    bucket                smallint NOT NULL CHECK (bucket >= 0 AND bucket < 64),
+    event_id              text COLLATE "C" NOT NULL,
+    command_key           text COLLATE "C" NOT NULL,
+    protocol_version      smallint NOT NULL DEFAULT 1,
+    tenant                text NOT NULL,
+    aggregate_type        text NOT NULL,
+    aggregate_id          text NOT NULL,
+    aggregate_version     bigint NOT NULL CHECK (aggregate_version >= 0),
+    event_type            text NOT NULL,
+    traceparent           text,
+    tracestate            text,
+    payload               bytea NOT NULL CHECK (octet_length(payload) > 0),
+    payload_digest        text NOT NULL,
+    cluster_id            text COLLATE "C" NOT NULL,
+    topic                 text COLLATE "C" NOT NULL,
+    -- The frozen destination's topic id (NULL: destination.v1).
+    topic_id              text COLLATE "C",
+    partition             integer NOT NULL CHECK (partition >= 0),
+    routing_key           text COLLATE "C" NOT NULL,
+    ordered               boolean NOT NULL,
+    envelope_canonical    bytea NOT NULL,
+    envelope_digest       text NOT NULL,
+    destination_canonical bytea NOT NULL,
+    destination_digest    text NOT NULL,
+    created_txid          bigint NOT NULL,
+    created_at_ms         bigint NOT NULL,
+    takeover_generation   integer,
+    -- outbox_events.key_chain's expression: the lane and the stream name a key alike.
+    key_chain             bigint NOT NULL
+        GENERATED ALWAYS AS (hashtextextended(length(cluster_id) || ':' || cluster_id || length(topic) || ':' || topic || routing_key, 0)) STORED
+) PARTITION BY RANGE (seq);
+CREATE TABLE outbox_stream_p0 PARTITION OF outbox_stream FOR VALUES FROM (MINVALUE) TO (16777216);
+CREATE TABLE outbox_stream_p1 PARTITION OF outbox_stream FOR VALUES FROM (16777216) TO (33554432);
+CREATE TABLE outbox_stream_default PARTITION OF outbox_stream DEFAULT;
+-- A cut reads one bucket's transactions in a range of ids.
+CREATE INDEX outbox_stream_cut ON outbox_stream (cluster_id, bucket, xid);
+-- Readers of one event (state, trace, receipts).
+CREATE INDEX outbox_stream_event ON outbox_stream (event_id);
+CREATE TRIGGER outbox_stream_frozen BEFORE UPDATE OR DELETE ON outbox_stream
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+
+-- Each bucket of a cluster's keys has one lease: who cuts and sends its
+-- batches, until when, under which generation (every grant raises it and
+-- fences the holders before). `prev_cut`..`cut` is the window the bucket's
+-- batches are taken from, `after_seq` how far into it (a batch takes at
+-- most the claim's limit); `window_done` says the next batch needs a new
+-- snapshot. `open_batch` is the batch being sent. Written per grant,
+-- renewal and cut, never per event.
+CREATE TABLE outbox_bucket_leases (
+    cluster_id     text COLLATE "C" NOT NULL,
+    bucket         smallint NOT NULL CHECK (bucket >= 0 AND bucket < 64),
+    owner          text,
+    generation     bigint NOT NULL DEFAULT 0,
+    lease_until_ms bigint NOT NULL DEFAULT 0,
+    prev_cut       pg_snapshot NOT NULL DEFAULT '1:1:',
+    cut            pg_snapshot NOT NULL DEFAULT '1:1:',
+    after_seq      bigint NOT NULL DEFAULT 0,
+    window_done    boolean NOT NULL DEFAULT true,
+    open_batch     bigint,
+    PRIMARY KEY (cluster_id, bucket)
+) WITH (fillfactor = 50);
+
+-- One row per batch, inserted by the cut (its registration: every event of
+-- it may be sent from then on). The id is the claim generation of its
+-- events; an attempt id names (batch, index) (`outbox_core::stream::batch_attempt_id`).
+-- `floors` holds each partition log's scan floor at the cut, as an
+-- attempt's registration records it.
+CREATE TABLE outbox_batches (
+    id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    cluster_id       text COLLATE "C" NOT NULL,
+    bucket           smallint NOT NULL,
+    lease_generation bigint NOT NULL,
+    owner            text NOT NULL,
+    prev_cut         pg_snapshot NOT NULL,
+    cut              pg_snapshot NOT NULL,
+    after_seq        bigint NOT NULL,
+    event_ids        text[] NOT NULL,
+    -- Per event: its ordering key (NULL: unordered), and its log's entry in `floors`.
+    keys             text[] NOT NULL,
+    floor_of         integer[] NOT NULL,
+    cut_at_ms        bigint NOT NULL,
+    registered_db_ms bigint NOT NULL DEFAULT ((extract(epoch FROM clock_timestamp()) * 1000)::bigint),
+    floors           jsonb NOT NULL DEFAULT '[]'
+);
+CREATE TRIGGER outbox_batches_frozen BEFORE UPDATE OR DELETE ON outbox_batches
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+
+-- The steps of a batch's events, one row per claim round or registration,
+-- never per event: `handed` (given to the owner in a claim: one send in
+-- flight per key, so a key's next event is handed out once the previous
+-- one is settled) and `registered` (the owner registered their attempts:
+-- they may be sent). A registered event without a receipt when the lease
+-- runs out is DISPATCH_UNKNOWN; a handed one that was not registered was
+-- never sent.
+CREATE TABLE outbox_batch_steps (
+    batch_id  bigint NOT NULL,
+    kind      text NOT NULL CHECK (kind IN ('handed', 'registered')),
+    round     integer NOT NULL,
+    positions integer[] NOT NULL,
+    at_ms     bigint NOT NULL,
+    PRIMARY KEY (batch_id, kind, round)
+);
+CREATE TRIGGER outbox_batch_steps_frozen BEFORE UPDATE OR DELETE ON outbox_batch_steps
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+
+-- The next events of each bucket's window, buckets in the order given,
+-- at most `p_per_bucket` of each and `p_limit` in all: for the i-th bucket, its events whose
+-- transaction is visible in p_cut[i] and not in p_prev[i] (the batch rule,
+-- `outbox_core::stream::in_batch`; tests/tests/stream_snapshots.rs holds
+-- this SQL to it), past p_after[i], in seq order. `to_lane` marks an event
+-- whose key has an open event in the lane (it waits behind it there) or
+-- whose protocol version is newer than the claimer understands.
+CREATE FUNCTION outbox_stream_window(p_clusters text[], p_buckets smallint[], p_prev pg_snapshot[], p_cut pg_snapshot[],
+                                     p_after bigint[], p_limit integer, p_per_bucket integer, p_max_protocol integer)
+    RETURNS TABLE (ord integer, seq bigint, event_id text, key_chain bigint, routing_key text, ordered boolean, to_lane boolean,
+                   topic text, topic_id text, partition integer)
+    LANGUAGE plpgsql STABLE
+    SET enable_seqscan = off
+    -- A plan that must read a table whole with sequential scans off is
+    -- costed past the JIT threshold, and compiling it took 0.9 s per bucket.
+    SET jit = off
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    i integer;
+    left_ integer := p_limit;
+    n integer;
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(p_buckets), 0) LOOP
+        EXIT WHEN left_ <= 0;
+        RETURN QUERY
+            SELECT i, s.seq, s.event_id::text, s.key_chain, s.routing_key::text, s.ordered,
+                   (s.protocol_version > p_max_protocol
+                    -- Moved to the lane before its cut (an operator's write): it is the lane's.
+                    OR EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
+                    OR (s.ordered AND EXISTS (SELECT 1 FROM outbox_events e
+                                              WHERE e.key_chain = s.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
+                                                AND e.ordered AND e.publisher = 'outbox'))),
+                   s.topic::text, s.topic_id::text, s.partition
+            FROM outbox_stream s
+            WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
+              AND s.xid >= pg_snapshot_xmin(p_prev[i]) AND s.xid < pg_snapshot_xmax(p_cut[i])
+              AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
+              AND s.seq > p_after[i]
+            ORDER BY s.seq
+            LIMIT least(left_, p_per_bucket);
+        GET DIAGNOSTICS n = ROW_COUNT;
+        left_ := left_ - n;
+    END LOOP;
+END
+$$;
+
+-- The exception lane: copies stream events into outbox_events (PENDING,
+-- with their seq) and their envelopes, once; the caller then moves each to
+-- where its claim left it. It copies only what the stream holds, so the
+-- dispatcher may run it without inserting events itself.
+CREATE FUNCTION outbox_stream_to_lane(p_events text[]) RETURNS SETOF text
+    LANGUAGE sql VOLATILE SECURITY DEFINER
+    SET search_path FROM CURRENT
+AS $$
+    WITH src AS (
+        SELECT s.* FROM outbox_stream s
+        WHERE s.event_id = ANY(p_events)
+          AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
+        ORDER BY s.seq),
+    ins AS (
+        INSERT INTO outbox_events (seq, event_id, command_key, protocol_version, envelope_generation, state, tenant, aggregate_type,
+             aggregate_id, aggregate_version, event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition,
+             routing_key, ordered, created_at_ms, state_since_ms, traceparent, tracestate, publisher, takeover_generation)
+        OVERRIDING SYSTEM VALUE
+        SELECT seq, event_id, command_key, protocol_version, 1, 'PENDING', tenant, aggregate_type, aggregate_id, aggregate_version,
+               event_type, payload, payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered,
+               created_at_ms, created_at_ms, traceparent, tracestate, 'outbox', takeover_generation
+        FROM src ORDER BY seq
+        RETURNING event_id),
+    env AS (
+        INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest,
+             destination_canonical, destination_digest, payload_digest, created_txid, created_at_ms)
+        SELECT s.event_id, 1, s.envelope_canonical, s.envelope_digest, s.destination_canonical, s.destination_digest,
+               s.payload_digest, s.created_txid, s.created_at_ms
+        FROM src s JOIN ins USING (event_id)
+        RETURNING event_id)
+    SELECT event_id FROM env
+$$;
+-- Executed by the dispatcher's roles only (docs/roles.sql).
+REVOKE EXECUTE ON FUNCTION outbox_stream_to_lane(text[]) FROM PUBLIC;
+
+-- Each event's state, wherever it lives: the lane row's; else PUBLISHED
+-- with a receipt in its slot; else SENDING when its bucket's open batch
+-- registered its attempt, CLAIMED when that batch handed it out; else
+-- PENDING. Every
+-- reader of one event's state reads it here.
+CREATE FUNCTION outbox_event_state(p_event text) RETURNS text
+    LANGUAGE sql STABLE
+    SET search_path FROM CURRENT
+AS $$
+    SELECT coalesce(
+        (SELECT e.state FROM outbox_events e WHERE e.event_id = p_event),
+        (SELECT CASE
+                  WHEN EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = p_event AND r.envelope_generation = 1) THEN 'PUBLISHED'
+                  WHEN b.id IS NULL THEN 'PENDING'
+                  WHEN EXISTS (SELECT 1 FROM outbox_batch_steps x WHERE x.batch_id = b.id AND x.kind = 'registered'
+                                                                  AND (b.pos - 1) = ANY(x.positions)) THEN 'SENDING'
+                  WHEN EXISTS (SELECT 1 FROM outbox_batch_steps x WHERE x.batch_id = b.id AND x.kind = 'handed'
+                                                                  AND (b.pos - 1) = ANY(x.positions)) THEN 'CLAIMED'
+                  ELSE 'PENDING' END
+         FROM outbox_stream s
+         LEFT JOIN outbox_bucket_leases l ON l.cluster_id = s.cluster_id AND l.bucket = s.bucket
+         LEFT JOIN LATERAL (SELECT b.id, array_position(b.event_ids, s.event_id) AS pos FROM outbox_batches b
+                            WHERE b.id = l.open_batch AND s.event_id = ANY(b.event_ids)) b ON true
+         WHERE s.event_id = p_event))
+$$;

@@ -204,6 +204,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         "WITH ctx AS (
             SELECT pg_current_xact_id()::text::bigint AS txid,
                    (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms,
+                   (SELECT dispatch_path = 'stream' FROM outbox_settings) AS stream_path,
                    -- Index probes whatever the statistics were when this
                    -- session planned them (schema section 6).
                    l.existing, l.last_versions, t.*
@@ -227,6 +228,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
     let ctx = rows.first().ok_or_else(|| ProducerError::Config("emit context query answered no row".into()))?;
     let txid: i64 = ctx.try_get("txid")?;
     let now_ms: i64 = ctx.try_get("now_ms")?;
+    let stream_path: bool = ctx.try_get::<Option<bool>, _>("stream_path")?.unwrap_or(false);
     let existing: HashSet<String> = ctx.try_get::<Vec<String>, _>("existing")?.into_iter().collect();
     let mut last_version: HashMap<(&str, &str, &str), i64> = HashMap::with_capacity(aggregates.len());
     for (aggregate, last) in aggregates.iter().zip(ctx.try_get::<Vec<Option<i64>>, _>("last_versions")?) {
@@ -304,14 +306,29 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
             "WITH input AS (
                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::bytea[],
                                      $9::text[], $10::text[], $11::text[], $12::text[], $13::int[], $14::text[], $15::bool[],
-                                     $16::bytea[], $17::text[], $18::bytea[], $19::text[], $20::int[])
+                                     $16::bytea[], $17::text[], $18::bytea[], $19::text[], $20::int[], $27::smallint[], $28::text[])
                     WITH ORDINALITY AS i(event_id, command_key, tenant, aggregate_type, aggregate_id, aggregate_version, event_type, payload,
                                          payload_digest, destination_digest, cluster_id, topic, partition, routing_key, ordered,
-                                         envelope_canonical, envelope_digest, destination_canonical, publisher, takeover_generation, ord)),
+                                         envelope_canonical, envelope_digest, destination_canonical, publisher, takeover_generation,
+                                         bucket, topic_id, ord)),
              cmd AS (
                 INSERT INTO outbox_commands (command_key, event_id, tenant, aggregate_type, aggregate_id, aggregate_version)
                 SELECT command_key, event_id, tenant, aggregate_type, aggregate_id, aggregate_version FROM input ORDER BY ord
                 ON CONFLICT (command_key) DO NOTHING
+                RETURNING event_id),
+             -- The stream path (schema section 17): the outbox's own events
+             -- are one stream row each; the legacy publisher's stay rows of
+             -- outbox_events, which the dispatcher never sends.
+             st AS (
+                INSERT INTO outbox_stream (bucket, event_id, command_key, tenant, aggregate_type, aggregate_id, aggregate_version,
+                     event_type, traceparent, tracestate, payload, payload_digest, cluster_id, topic, topic_id, partition, routing_key,
+                     ordered, envelope_canonical, envelope_digest, destination_canonical, destination_digest, created_txid, created_at_ms,
+                     takeover_generation)
+                SELECT i.bucket, i.event_id, i.command_key, i.tenant, i.aggregate_type, i.aggregate_id, i.aggregate_version,
+                       i.event_type, $22, $25, i.payload, i.payload_digest, i.cluster_id, i.topic, i.topic_id, i.partition, i.routing_key,
+                       i.ordered, i.envelope_canonical, i.envelope_digest, i.destination_canonical, i.destination_digest, $23, $21,
+                       i.takeover_generation
+                FROM input i JOIN cmd USING (event_id) WHERE $26 AND i.publisher = 'outbox' ORDER BY i.ord
                 RETURNING event_id),
              ins AS (
                 INSERT INTO outbox_events (event_id, command_key, envelope_generation, state, tenant, aggregate_type, aggregate_id,
@@ -320,7 +337,7 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
                 SELECT i.event_id, i.command_key, 1, 'PENDING', i.tenant, i.aggregate_type, i.aggregate_id, i.aggregate_version,
                        i.event_type, i.payload, i.payload_digest, i.destination_digest, i.cluster_id, i.topic, i.partition,
                        i.routing_key, i.ordered, $21, $21, $22, $25, i.publisher, i.takeover_generation
-                FROM input i JOIN cmd USING (event_id) ORDER BY i.ord
+                FROM input i JOIN cmd USING (event_id) WHERE NOT ($26 AND i.publisher = 'outbox') ORDER BY i.ord
                 RETURNING event_id),
              env AS (
                 INSERT INTO outbox_envelopes (event_id, envelope_generation, envelope_canonical, envelope_digest,
@@ -329,8 +346,9 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
                        i.payload_digest, $23, $21
                 FROM input i JOIN ins USING (event_id)
                 RETURNING event_id),
-             wake AS (SELECT pg_notify('outbox_pending', '') WHERE $24 AND EXISTS (SELECT 1 FROM env))
-             SELECT event_id FROM ins WHERE (SELECT count(*) FROM wake) >= 0",
+             wake AS (SELECT pg_notify('outbox_pending', '') WHERE $24 AND (EXISTS (SELECT 1 FROM env) OR EXISTS (SELECT 1 FROM st)))
+             SELECT event_id FROM ins WHERE (SELECT count(*) FROM wake) >= 0
+             UNION ALL SELECT event_id FROM st",
         )
         .bind(col(f, |x| x.emitted.envelope.event_id.as_str()))
         .bind(col(f, |x| x.request.command_key))
@@ -357,6 +375,9 @@ pub async fn emit_batch(tx: &mut Transaction<'_, Postgres>, requests: &[EmitRequ
         .bind(txid)
         .bind(options.wake_dispatcher)
         .bind(tracestate.as_deref())
+        .bind(stream_path)
+        .bind(col(f, |x| outbox_core::stream::stream_bucket(&x.emitted.destination, &x.emitted.envelope.event_id) as i16))
+        .bind(col(f, |x| x.emitted.destination.topic_id.as_deref()))
         .fetch_all(&mut **tx)
         .await?;
         inserted.extend(ids);

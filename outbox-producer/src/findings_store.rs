@@ -44,6 +44,15 @@ impl outbox_core::FindingsStore for PgStore {
                  UNION ALL
                  (SELECT {EVENT_FACTS}, e.seq FROM outbox_events e
                   WHERE e.claim_owner IS NOT NULL AND e.phase = 'INFLIGHT' AND e.publisher = 'outbox' AND e.created_at_ms < $1 ORDER BY e.seq LIMIT $2)
+                 UNION ALL
+                 -- Stream events (schema section 17) neither receipted nor in the lane.
+                 (SELECT s.event_id, outbox_event_state(s.event_id) AS state, outbox_event_state(s.event_id) IN ('CLAIMED', 'SENDING') AS held,
+                         true AS by_outbox, s.created_at_ms, s.created_at_ms AS state_since_ms, NULL::bigint AS unknown_since_ms, s.seq
+                  FROM outbox_stream s
+                  WHERE s.created_at_ms < $1
+                    AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = s.event_id AND r.envelope_generation = 1)
+                    AND NOT EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
+                  ORDER BY s.seq LIMIT $2)
              ) t ORDER BY seq LIMIT $2"
         ))
         .bind(created_before_ms)
@@ -103,7 +112,14 @@ impl outbox_core::FindingsStore for PgStore {
              JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
              WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 AND r.topic = ANY($3)
                AND NOT {passed}
-             ORDER BY e.published_at_ms LIMIT $2"
+             UNION ALL
+             -- Stream events (schema section 17): published by their receipt.
+             SELECT r.event_id, 'PUBLISHED', r.accepted_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch
+             FROM outbox_publish_receipts r
+             WHERE r.batch_id IS NOT NULL AND r.envelope_generation = 1 AND r.accepted_at_ms < $1 AND r.topic = ANY($3)
+               AND NOT EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = r.event_id)
+               AND NOT {passed}
+             ORDER BY 3 LIMIT $2"
         ))
         .bind(published_before_ms)
         .bind(limit)

@@ -42,7 +42,7 @@ pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
 pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};
 pub use migration::{migrate_destination, MigrationOutcome, MigrationStore};
-pub use pg::PgStore;
+pub use pg::{dispatch_path, set_dispatch_path, DispatchPath, PgStore};
 pub use skip::{SkipOutcome, SkipStore};
 pub use sweeper::{LeaseSweeper, Sweep};
 pub use service_store::{ClaimRound, CommitListener, DispatcherAlias, Notice, ServiceStore, NOTIFY_CHANNEL};

@@ -206,6 +206,8 @@ pub async fn migrate_destination_in<S: MigrationStore, B: Broker>(
 #[async_trait]
 impl MigrationStore for PgStore {
     async fn migration_read(&self, event_id: &EventId) -> Result<(EventState, u64), ProducerError> {
+        // A stream event is migrated in the lane (schema section 17).
+        self.stream_event_to_lane(event_id.as_str()).await?;
         let Some(read) = sqlx::query("SELECT state, claim_generation FROM outbox_events WHERE event_id = $1").bind(event_id.as_str()).fetch_optional(self.pool()).await? else {
             return Err(StoreError::NotFound(event_id.clone()).into());
         };
@@ -226,6 +228,7 @@ impl MigrationStore for PgStore {
         lookup: Option<&LookupOutcome>,
         dry_run: bool,
     ) -> Result<MigrationOutcome, ProducerError> {
+        self.stream_event_to_lane(event_id.as_str()).await?;
         commit_migration_pg(self, event_id, new_route, operator, retry, fence, lookup, dry_run).await
     }
 }

@@ -309,6 +309,9 @@ impl RetentionStore for PgRetention {
     }
 
     async fn retain(&self, now_ms: i64, before_ms: i64, limit: i64) -> Result<u64, ProducerError> {
+        // Published stream events are retained in the lane, until the
+        // stream's partitions are dropped whole (schema section 17).
+        crate::PgStore::new(self.pool.clone()).stream_published_to_lane(before_ms, limit).await?;
         let retain = "UPDATE outbox_events SET state = 'RETAINED', state_since_ms = $1
              WHERE event_id IN (SELECT event_id FROM outbox_events WHERE phase = 'PUBLISHED' AND published_at_ms < $2
                                 ORDER BY published_at_ms LIMIT $3 FOR UPDATE SKIP LOCKED)";

@@ -130,7 +130,7 @@ impl outbox_core::BypassScanStore for crate::pg::PgStore {
     }
 
     async fn committed_event_ids(&self, event_ids: &[String]) -> Result<BTreeSet<String>, outbox_core::StoreError> {
-        Ok(sqlx::query_scalar::<_, String>("SELECT event_id FROM outbox_events WHERE event_id = ANY($1)")
+        Ok(sqlx::query_scalar::<_, String>("SELECT event_id FROM outbox_events WHERE event_id = ANY($1) UNION SELECT event_id FROM outbox_stream WHERE event_id = ANY($1)")
             .bind(event_ids)
             .fetch_all(self.pool())
             .await
@@ -164,7 +164,11 @@ impl outbox_core::BypassScanStore for crate::pg::PgStore {
         }
         sqlx::query_as::<_, (String, String)>(
             "SELECT e.event_id, e.payload_digest FROM outbox_events e WHERE e.event_id = ANY($1)
-               AND EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation)",
+               AND EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation)
+             UNION ALL
+             SELECT s.event_id, s.payload_digest FROM outbox_stream s WHERE s.event_id = ANY($1)
+               AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
+               AND EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = s.event_id AND r.envelope_generation = 1)",
         )
         .bind(event_ids)
         .fetch_all(self.pool())
@@ -178,7 +182,13 @@ impl outbox_core::BypassScanStore for crate::pg::PgStore {
             return Ok(Vec::new());
         }
         let ids: Vec<&str> = event_ids.iter().map(String::as_str).collect();
-        crate::pg::unanswered_attempts_of(self.pool(), &ids).await
+        let mut out = crate::pg::unanswered_attempts_of(self.pool(), &ids).await?;
+        // Stream events (schema section 17): the attempt their open batch registered.
+        let lane = self.lane_rows(&ids).await?;
+        for id in ids.iter().filter(|id| !lane.contains(**id)) {
+            out.extend(self.stream_attempts(id).await?.into_iter().filter(|a| a.state == outbox_core::AttemptState::Sending));
+        }
+        Ok(out)
     }
 
     async fn receipts_from(

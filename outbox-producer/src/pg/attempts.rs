@@ -17,6 +17,19 @@ impl PgStore {
         if tokens.is_empty() {
             return Ok(vec![]);
         }
+        // Tokens of stream events (schema section 17) register on the stream.
+        let lane = self.lane_rows(&tokens.iter().map(|t| t.event_id.as_str()).collect::<Vec<_>>()).await?;
+        if lane.len() < tokens.len() {
+            let (in_lane, on_stream): (Vec<&ClaimToken>, Vec<&ClaimToken>) = tokens.iter().partition(|t| lane.contains(t.event_id.as_str()));
+            let mut stream = self.register_stream(&on_stream).await?.into_iter();
+            let lane_tokens: Vec<ClaimToken> = in_lane.into_iter().cloned().collect();
+            let mut chains = Box::pin(self.register_attempts_tx(&lane_tokens)).await?.into_iter();
+            return Ok(tokens
+                .iter()
+                .map(|t| if lane.contains(t.event_id.as_str()) { chains.next() } else { stream.next() })
+                .map(|r| r.unwrap_or_else(|| Err(StoreError::Backend { message: "registration answered fewer tokens than asked".into(), retryable: false })))
+                .collect());
+        }
         let now = self.now_ms();
         let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
         let gens: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect();

@@ -95,7 +95,12 @@ impl PgStore {
         if from == EventState::Pending {
             link_arrivals(&mut tx, limit).await?;
         }
-        let claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events, &mut 0).await?;
+        let mut claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events, &mut 0).await?;
+        if from == EventState::Pending && events.is_none() {
+            // The stream's batches (schema section 17), after the lane's events.
+            let stream = self.claim_stream_in(&mut tx, owner, limit - claimed.len().min(limit), lease_ms).await?;
+            claimed.extend(stream);
+        }
         tx.commit().await.map_err(store_err)?;
         Ok(claimed)
     }
@@ -170,6 +175,9 @@ impl PgStore {
                 round.head_scan = true;
             }
         }
+        // The stream's batches (schema section 17), after the lane's events.
+        let stream = self.claim_stream_in(&mut tx, owner, limit - round.claimed.len().min(limit), lease_ms).await?;
+        round.claimed.extend(stream);
         tx.commit().await.map_err(store_err)?;
         round.quarantined = quarantined;
         Ok(round)

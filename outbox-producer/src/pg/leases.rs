@@ -21,6 +21,14 @@ impl PgStore {
         validate_lease_ms(lease_ms)?;
         let now = self.now_ms();
         let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
+        // Stream events (schema section 17) hold their bucket's lease.
+        let lane = self.lane_rows(&ids).await?;
+        let stream = if lane.len() < tokens.len() {
+            let on_stream: Vec<&ClaimToken> = tokens.iter().filter(|t| !lane.contains(t.event_id.as_str())).collect();
+            self.renew_stream(&on_stream, lease_ms).await?
+        } else {
+            HashMap::new()
+        };
         let gens: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect();
         let owners: Vec<&str> = tokens.iter().map(|t| t.owner.as_str()).collect();
         let rows = sqlx::query(&format!(
@@ -44,7 +52,7 @@ impl PgStore {
         for r in rows {
             renewed.insert(r.try_get("event_id").map_err(store_err)?, r.try_get("lease_until_ms").map_err(store_err)?);
         }
-        Ok(tokens.iter().map(|t| renewed.get(t.event_id.as_str()).copied()).collect())
+        Ok(tokens.iter().map(|t| renewed.get(t.event_id.as_str()).or_else(|| stream.get(t.event_id.as_str())).copied()).collect())
     }
 }
 

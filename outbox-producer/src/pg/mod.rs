@@ -24,6 +24,7 @@ mod receipts;
 mod reconcile;
 mod rows;
 mod status;
+mod stream;
 
 use std::sync::Arc;
 
@@ -39,6 +40,7 @@ pub use findings::EVIDENCE_FINDINGS;
 pub(crate) use findings::{record_findings, unanswered_attempts_of};
 pub use leases::MAX_SWEEP_ROWS;
 pub use status::{db_now_ms, oldest_pending_created_ms};
+pub use stream::{dispatch_path, set_dispatch_path, DispatchPath};
 
 /// The PostgreSQL implementation of [`OutboxStore`].
 #[derive(Debug, Clone)]
@@ -53,6 +55,10 @@ pub struct PgStore {
     /// clock (on for [`PgStore::new`]; a store on a test clock measures
     /// with that clock only).
     database_clock: bool,
+    /// The dispatch path this store last read (schema section 17).
+    path_seen: Arc<stream::PathSeen>,
+    /// Claims on the stream so far (which bucket a round starts at).
+    stream_rounds: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The protocol version of [`crate::PROTOCOL_VERSION`], as a number.
@@ -63,12 +69,12 @@ fn own_protocol_version() -> i32 {
 impl PgStore {
     /// A store on `pool` using the system clock.
     pub fn new(pool: PgPool) -> Self {
-        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: true }
+        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: true, path_seen: Arc::default(), stream_rounds: Arc::default() }
     }
 
     /// A store whose leases and timestamps follow `clock` (tests, simulations).
     pub fn with_clock(pool: PgPool, clock: Arc<dyn Clock>) -> Self {
-        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: false }
+        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: false, path_seen: Arc::default(), stream_rounds: Arc::default() }
     }
 
     /// Fills [`ClaimedEvent::cloudevents`] of events read outside a claim

@@ -68,6 +68,7 @@ impl OutboxStore for PgStore {
     }
 
     async fn report_unknown(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
+        self.stream_to_lane(&[(token.event_id.as_str(), token.claim_generation)]).await?;
         self.fenced_update(
             token,
             "report_unknown",
@@ -84,6 +85,7 @@ impl OutboxStore for PgStore {
     }
 
     async fn report_not_sent(&self, token: &ClaimToken, attempt_id: &AttemptId, detail: &str) -> Result<FenceOutcome, StoreError> {
+        self.stream_to_lane(&[(token.event_id.as_str(), token.claim_generation)]).await?;
         self.fenced_update(
             token,
             "report_not_sent",
@@ -112,6 +114,7 @@ impl OutboxStore for PgStore {
     }
 
     async fn release(&self, token: &ClaimToken) -> Result<FenceOutcome, StoreError> {
+        self.stream_to_lane(&[(token.event_id.as_str(), token.claim_generation)]).await?;
         self.fenced_update(
             token,
             "release",
@@ -123,6 +126,7 @@ impl OutboxStore for PgStore {
     }
 
     async fn quarantine_claimed(&self, token: &ClaimToken, reason: &str, evidence: serde_json::Value) -> Result<FenceOutcome, StoreError> {
+        self.stream_to_lane(&[(token.event_id.as_str(), token.claim_generation)]).await?;
         self.fenced_update(
             token,
             "quarantine",
@@ -152,6 +156,8 @@ impl OutboxStore for PgStore {
         .map_err(store_err)?;
         tx.commit().await.map_err(store_err)?;
         let mut out = SweepOutcome::default();
+        // Open stream batches whose lease ran out go to the lane (schema section 17).
+        out.unknown += self.expire_stream().await? as u64;
         for r in rows {
             let n = r.try_get::<i64, _>("n").map_err(store_err)? as u64;
             match r.try_get::<&str, _>("old_state").map_err(store_err)? {
@@ -184,18 +190,28 @@ impl OutboxStore for PgStore {
     }
 
     async fn attempts(&self, event_id: &EventId) -> Result<Vec<AttemptRecord>, StoreError> {
-        sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
+        let lane: Vec<AttemptRecord> = sqlx::query(&format!("SELECT {ATTEMPT_COLUMNS} FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation"))
             .bind(event_id.as_str())
             .fetch_all(&self.pool)
             .await
             .map_err(store_err)?
             .iter()
             .map(attempt_from_row)
-            .collect()
+            .collect::<Result<_, _>>()?;
+        if !lane.is_empty() {
+            return Ok(lane);
+        }
+        // A stream event's attempt has no row (schema section 17).
+        self.stream_attempts(event_id.as_str()).await
     }
 
     async fn event_state(&self, event_id: &EventId) -> Result<(EventState, Option<BrokerReceipt>), StoreError> {
-        let row = sqlx::query("SELECT state, envelope_generation FROM outbox_events WHERE event_id = $1")
+        // Wherever it lives: the lane, or the stream (schema section 17).
+        let row = sqlx::query(
+            "SELECT outbox_event_state($1) AS state,
+                    coalesce((SELECT envelope_generation FROM outbox_events WHERE event_id = $1), 1) AS envelope_generation
+             WHERE outbox_event_state($1) IS NOT NULL",
+        )
             .bind(event_id.as_str())
             .fetch_optional(&self.pool)
             .await

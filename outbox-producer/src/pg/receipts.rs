@@ -28,6 +28,36 @@ impl PgStore {
         if receipts.is_empty() {
             return Ok(vec![]);
         }
+        // Receipts of stream events (schema section 17) are decided on the
+        // stream, or moved to the lane and decided below.
+        let lane = self.lane_rows(&receipts.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>()).await?;
+        if lane.len() < receipts.len() {
+            let on_stream: Vec<&BrokerReceipt> = receipts.iter().filter(|r| !lane.contains(r.event_id.as_str())).collect();
+            let decided = self.accept_stream_receipts(&on_stream).await?;
+            let mut stream_out: std::collections::VecDeque<Option<ReceiptOutcome>> = decided.into();
+            let mut slots: Vec<Option<ReceiptOutcome>> = Vec::with_capacity(receipts.len());
+            let mut rest: Vec<BrokerReceipt> = Vec::new();
+            for r in receipts {
+                let here = if lane.contains(r.event_id.as_str()) { None } else { stream_out.pop_front().flatten() };
+                if here.is_none() {
+                    rest.push(r.clone());
+                }
+                slots.push(here);
+            }
+            let mut chains = if rest.is_empty() { Vec::new() } else { Box::pin(self.accept_chains_receipts(&rest)).await? }.into_iter();
+            return slots
+                .into_iter()
+                .map(|s| match s {
+                    Some(o) => Ok(o),
+                    None => chains.next().ok_or_else(|| StoreError::Backend { message: "the receipt transaction answered fewer receipts than asked".into(), retryable: false }),
+                })
+                .collect();
+        }
+        self.accept_chains_receipts(receipts).await
+    }
+
+    /// `acceptDispatchReceipt` on the chains path (and the lane).
+    async fn accept_chains_receipts(&self, receipts: &[BrokerReceipt]) -> Result<Vec<ReceiptOutcome>, StoreError> {
         let now = self.now_ms();
         let mut ids: Vec<&str> = receipts.iter().map(|r| r.event_id.as_str()).collect();
         ids.sort_unstable();

@@ -1,0 +1,644 @@
+//! Claims on the stream (PROTOCOL §4): bucket leases, the cut of a
+//! bucket's next batch, the hand-out of what may be sent now, and the
+//! takeover of a batch whose lease ran out.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering as AtomicOrdering;
+
+use outbox_core::stream::{batch_attempt_id, grant_lease, may_cut_next_batch, plan_takeover, sendable_now, BatchEvent, BucketLease};
+use outbox_core::{ClaimToken, ClaimedEvent, CoreError, Destination, Envelope, EventState, StoreError};
+use sqlx::postgres::PgRow;
+use sqlx::{Postgres, Row, Transaction};
+
+use super::lane::{move_to_lane, LaneAttempt, LaneClaim, LaneMove, LaneState};
+use super::DispatchPath;
+use crate::error::store_err;
+use crate::pg::rows::parse_id;
+use crate::pg::PgStore;
+
+/// One bucket's lease row, as a claim reads and rewrites it.
+#[derive(Debug, Clone)]
+struct BucketRow {
+    cluster_id: String,
+    bucket: i16,
+    owner: Option<String>,
+    generation: i64,
+    lease_until_ms: i64,
+    prev_cut: String,
+    cut: String,
+    after_seq: i64,
+    window_done: bool,
+    open_batch: Option<i64>,
+    /// The holder before this claim.
+    held_by: Option<String>,
+    dirty: bool,
+}
+
+/// A log's scan floor at a cut, as registration records it for an attempt.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(super) struct Floor {
+    pub topic: String,
+    pub topic_id: Option<String>,
+    pub partition: i32,
+    pub scan_from: i64,
+    pub anchor: Option<String>,
+    pub anchor_attempt: Option<String>,
+}
+
+/// A batch with where each of its events stands.
+#[derive(Debug, Clone)]
+pub(super) struct Batch {
+    pub id: i64,
+    pub bucket: i16,
+    pub lease_generation: i64,
+    pub owner: String,
+    pub event_ids: Vec<String>,
+    pub keys: Vec<Option<String>>,
+    pub floor_of: Vec<i32>,
+    pub floors: Vec<Floor>,
+    pub cut_at_ms: i64,
+    pub registered_db_ms: i64,
+    /// Per event.
+    pub facts: Vec<Facts>,
+}
+
+/// Where one event of a batch stands.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Facts {
+    pub receipted: bool,
+    pub in_lane: bool,
+    pub handed: bool,
+    pub registered: bool,
+}
+
+impl Batch {
+    /// The core's view of its events.
+    pub(super) fn batch_events(&self) -> Vec<BatchEvent> {
+        self.facts.iter().map(|f| BatchEvent { registered: f.registered, receipted: f.receipted, in_lane: f.in_lane }).collect()
+    }
+
+    /// The attempt of its `index`-th event, as the lane records it.
+    pub(super) fn attempt(&self, index: usize, destination_digest: String) -> Result<LaneAttempt, StoreError> {
+        let floor = self.floor_of.get(index).and_then(|i| self.floors.get(*i as usize));
+        Ok(LaneAttempt {
+            attempt_id: batch_attempt_id(self.id as u64, index, self.cut_at_ms.max(0) as u64)?.to_string(),
+            destination_digest,
+            started_at_ms: self.cut_at_ms,
+            registered_db_ms: self.registered_db_ms,
+            scan_from: floor.map_or(0, |f| f.scan_from),
+            scan_anchor: floor.and_then(|f| f.anchor.clone()),
+            scan_anchor_attempt: floor.and_then(|f| f.anchor_attempt.clone()),
+        })
+    }
+}
+
+/// Reads batches `ids` with their steps, and, when `settled`, whether each
+/// event has a receipt or a lane row.
+pub(super) async fn load_batches(tx: &mut Transaction<'static, Postgres>, ids: &[i64], settled: bool) -> Result<BTreeMap<i64, Batch>, StoreError> {
+    let mut out = BTreeMap::new();
+    if ids.is_empty() {
+        return Ok(out);
+    }
+    let g = |e: sqlx::Error| store_err(e);
+    for r in sqlx::query(
+        "SELECT id, cluster_id, bucket, lease_generation, owner, event_ids, keys, floor_of, floors, cut_at_ms, registered_db_ms
+         FROM outbox_batches WHERE id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(g)?
+    {
+        let event_ids: Vec<String> = r.try_get("event_ids").map_err(g)?;
+        let floors: Vec<Floor> = serde_json::from_value(r.try_get("floors").map_err(g)?).map_err(|e| CoreError::InvalidEncoding(format!("batch floors: {e}")))?;
+        let b = Batch {
+            id: r.try_get("id").map_err(g)?,
+            bucket: r.try_get("bucket").map_err(g)?,
+            lease_generation: r.try_get("lease_generation").map_err(g)?,
+            owner: r.try_get("owner").map_err(g)?,
+            facts: vec![Facts::default(); event_ids.len()],
+            event_ids,
+            keys: r.try_get("keys").map_err(g)?,
+            floor_of: r.try_get("floor_of").map_err(g)?,
+            floors,
+            cut_at_ms: r.try_get("cut_at_ms").map_err(g)?,
+            registered_db_ms: r.try_get("registered_db_ms").map_err(g)?,
+        };
+        out.insert(b.id, b);
+    }
+    // Receipts and lane rows, one probe each per event; the steps per batch.
+    let settled_ids: &[i64] = if settled { ids } else { &[] };
+    for r in sqlx::query(
+        "SELECT b.id, (x.pos - 1)::int AS pos,
+                EXISTS (SELECT 1 FROM outbox_publish_receipts p WHERE p.event_id = x.event_id AND p.envelope_generation = 1) AS receipted,
+                EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = x.event_id) AS in_lane
+         FROM outbox_batches b CROSS JOIN LATERAL unnest(b.event_ids) WITH ORDINALITY AS x(event_id, pos)
+         WHERE b.id = ANY($1)",
+    )
+    .bind(settled_ids)
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(g)?
+    {
+        let id: i64 = r.try_get("id").map_err(g)?;
+        let pos: i32 = r.try_get("pos").map_err(g)?;
+        if let Some(f) = out.get_mut(&id).and_then(|b| b.facts.get_mut(pos as usize)) {
+            f.receipted = r.try_get("receipted").map_err(g)?;
+            f.in_lane = r.try_get("in_lane").map_err(g)?;
+        }
+    }
+    for r in sqlx::query("SELECT batch_id, kind, positions FROM outbox_batch_steps WHERE batch_id = ANY($1)").bind(ids).fetch_all(&mut **tx).await.map_err(g)? {
+        let id: i64 = r.try_get("batch_id").map_err(g)?;
+        let kind: &str = r.try_get("kind").map_err(g)?;
+        let positions: Vec<i32> = r.try_get("positions").map_err(g)?;
+        if let Some(b) = out.get_mut(&id) {
+            for p in positions {
+                if let Some(f) = b.facts.get_mut(p as usize) {
+                    match kind {
+                        "registered" => f.registered = true,
+                        _ => f.handed = true,
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Moves the unsettled events of batches whose lease ran out to the lane:
+/// the registered ones DISPATCH_UNKNOWN (they may be in the log), the
+/// others PENDING (nothing of them was sent).
+pub(super) async fn take_over(tx: &mut Transaction<'static, Postgres>, batches: &BTreeMap<i64, Batch>, now: i64) -> Result<usize, StoreError> {
+    let mut moves = Vec::new();
+    for b in batches.values() {
+        let plan = plan_takeover(&b.batch_events());
+        let digests = destination_digests(tx, &plan.unknown.iter().map(|i| b.event_ids[*i].as_str()).collect::<Vec<_>>()).await?;
+        for i in plan.unknown {
+            let digest = digests.get(&b.event_ids[i]).cloned().unwrap_or_default();
+            let claim = LaneClaim { owner: b.owner.clone(), batch_id: b.id, lease_until_ms: now, attempt: Some(b.attempt(i, digest)?) };
+            moves.push(LaneMove { event_id: b.event_ids[i].clone(), to: LaneState::Unknown, claim: Some(claim) });
+        }
+        for i in plan.unsent {
+            let claim = LaneClaim { owner: b.owner.clone(), batch_id: b.id, lease_until_ms: now, attempt: None };
+            moves.push(LaneMove { event_id: b.event_ids[i].clone(), to: LaneState::Pending, claim: Some(claim) });
+        }
+    }
+    if !moves.is_empty() {
+        tracing::info!(events = moves.len(), batches = batches.len(), "stream batches taken over after their lease ran out: their open events go to the exception lane");
+    }
+    move_to_lane(tx, &moves, now).await.map(|m| m.len())
+}
+
+/// The frozen destination digest of stream events.
+pub(super) async fn destination_digests(tx: &mut Transaction<'static, Postgres>, ids: &[&str]) -> Result<HashMap<String, String>, StoreError> {
+    if ids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    sqlx::query("SELECT event_id, destination_digest FROM outbox_stream WHERE event_id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(store_err)?
+        .iter()
+        .map(|r| Ok((r.try_get("event_id").map_err(store_err)?, r.try_get("destination_digest").map_err(store_err)?)))
+        .collect()
+}
+
+/// The most events one bucket's batch takes.
+const PER_BUCKET: usize = 256;
+
+/// A row of `outbox_stream_window`.
+struct WindowRow {
+    ord: i32,
+    seq: i64,
+    event_id: String,
+    key: Option<String>,
+    key_chain: i64,
+    to_lane: bool,
+    topic: String,
+    topic_id: Option<String>,
+    partition: i32,
+}
+
+/// A batch about to be inserted.
+struct NewBatch {
+    bucket: usize,
+    rows: Vec<WindowRow>,
+}
+
+impl PgStore {
+    /// The stream's share of a claim of up to `limit` events by `owner`, in
+    /// `tx`: nothing unless the dispatch path is the stream.
+    pub(crate) async fn claim_stream_in(&self, tx: &mut Transaction<'static, Postgres>, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let path: String = sqlx::query_scalar("SELECT dispatch_path FROM outbox_settings").fetch_one(&mut **tx).await.map_err(store_err)?;
+        let path = DispatchPath::parse(&path).unwrap_or(DispatchPath::Chains);
+        self.path_seen.set(path);
+        if path != DispatchPath::Stream || limit == 0 {
+            return Ok(Vec::new());
+        }
+        let now = self.now_ms();
+        if self.stream_rounds.fetch_add(1, AtomicOrdering::Relaxed).is_multiple_of(256) {
+            // Every cluster routed to has its buckets' lease rows.
+            sqlx::query(
+                "INSERT INTO outbox_bucket_leases (cluster_id, bucket)
+                 SELECT c.cluster_id, b::smallint FROM (SELECT DISTINCT cluster_id FROM outbox_route_policies WHERE $1::text IS NULL OR cluster_id = $1) c
+                 CROSS JOIN generate_series(0, 63) b
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(self.cluster_scope.as_deref())
+            .execute(&mut **tx)
+            .await
+            .map_err(store_err)?;
+        }
+        let g = |e: sqlx::Error| store_err(e);
+        let mut buckets: Vec<BucketRow> = sqlx::query(
+            "SELECT cluster_id, bucket, owner, generation, lease_until_ms, prev_cut::text AS prev_cut, cut::text AS cut, after_seq, window_done, open_batch
+             FROM outbox_bucket_leases
+             WHERE ($1::text IS NULL OR cluster_id = $1) AND (owner = $2 OR owner IS NULL OR lease_until_ms <= $3)
+             ORDER BY cluster_id, bucket FOR UPDATE SKIP LOCKED",
+        )
+        .bind(self.cluster_scope.as_deref())
+        .bind(owner)
+        .bind(now)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(g)?
+        .iter()
+        .map(|r| {
+            Ok(BucketRow {
+                cluster_id: r.try_get("cluster_id")?,
+                bucket: r.try_get("bucket")?,
+                owner: r.try_get("owner")?,
+                generation: r.try_get("generation")?,
+                lease_until_ms: r.try_get("lease_until_ms")?,
+                prev_cut: r.try_get("prev_cut")?,
+                cut: r.try_get("cut")?,
+                after_seq: r.try_get("after_seq")?,
+                window_done: r.try_get("window_done")?,
+                open_batch: r.try_get("open_batch")?,
+                held_by: r.try_get("owner")?,
+                dirty: false,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(g)?;
+        if buckets.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Each round starts at another bucket, so a small limit serves them all in turn.
+        let turn = self.stream_rounds.load(AtomicOrdering::Relaxed) as usize % buckets.len();
+        buckets.rotate_left(turn);
+
+        // The leases: renewed at half time, granted where vacant or run out;
+        // an open batch under a lease that ran out is taken over.
+        let mut abandoned = Vec::new();
+        for b in buckets.iter_mut() {
+            let current = BucketLease { bucket: b.bucket as u32, owner: b.owner.clone(), generation: b.generation as u64, lease_until_ms: b.lease_until_ms };
+            if current.owner.as_deref() == Some(owner) && current.live(now) {
+                if b.lease_until_ms - now < lease_ms / 2 {
+                    b.lease_until_ms = now + lease_ms;
+                    b.dirty = true;
+                }
+                continue;
+            }
+            let Some(grant) = grant_lease(&current, owner, now, lease_ms)? else { continue };
+            b.owner = grant.lease.owner;
+            b.generation = grant.lease.generation as i64;
+            b.lease_until_ms = grant.lease.lease_until_ms;
+            b.dirty = true;
+            if let Some(open) = b.open_batch.take() {
+                abandoned.push(open);
+            }
+        }
+        if !abandoned.is_empty() {
+            let batches = load_batches(tx, &abandoned, true).await?;
+            take_over(tx, &batches, now).await?;
+        }
+
+        // Open batches: close the settled, hand out what may go now.
+        let mut remaining = limit.min(outbox_core::claim::MAX_CLAIM_BATCH);
+        let open_ids: Vec<i64> = buckets.iter().filter_map(|b| b.open_batch).collect();
+        let open = load_batches(tx, &open_ids, true).await?;
+        let mut handouts: Vec<(i64, Vec<usize>)> = Vec::new();
+        for b in buckets.iter_mut() {
+            let Some(batch) = b.open_batch.and_then(|id| open.get(&id)) else { continue };
+            let events = batch.batch_events();
+            if may_cut_next_batch(Some(&events)) {
+                b.open_batch = None;
+                b.dirty = true;
+                continue;
+            }
+            if remaining == 0 {
+                continue;
+            }
+            let input: Vec<(Option<&str>, BatchEvent, bool)> = batch.keys.iter().zip(&events).zip(&batch.facts).map(|((k, e), f)| (k.as_deref(), *e, f.handed)).collect();
+            let mut go = sendable_now(&input);
+            go.truncate(remaining);
+            remaining -= go.len();
+            if !go.is_empty() {
+                handouts.push((batch.id, go));
+            }
+        }
+
+        // New batches for buckets with none open.
+        let mut new_batches: Vec<NewBatch> = Vec::new();
+        let mut to_lane: Vec<LaneMove> = Vec::new();
+        let candidates: Vec<usize> = (0..buckets.len()).filter(|i| buckets[*i].open_batch.is_none()).collect();
+        if remaining > 0 && !candidates.is_empty() {
+            let snapshot: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text").fetch_one(&mut **tx).await.map_err(g)?;
+            let windows: Vec<(String, String, i64)> = candidates
+                .iter()
+                .map(|i| {
+                    let b = &buckets[*i];
+                    if b.window_done {
+                        (b.cut.clone(), snapshot.clone(), 0)
+                    } else {
+                        (b.prev_cut.clone(), b.cut.clone(), b.after_seq)
+                    }
+                })
+                .collect();
+            // A batch is a run of its window with one event per key (each
+            // handed out at once); a bucket's read is bounded by a batch's
+            // most (PER_BUCKET), the claim's by a few limits' worth.
+            let read_limit = (remaining * 4).min(outbox_core::claim::MAX_CLAIM_BATCH * 4);
+            let per_bucket = remaining.min(PER_BUCKET);
+            let rows = sqlx::query(
+                "SELECT * FROM outbox_stream_window($1::text[], $2::smallint[], $3::text[]::pg_snapshot[], $4::text[]::pg_snapshot[], $5::bigint[], $6, $7, $8)",
+            )
+            .bind(candidates.iter().map(|i| buckets[*i].cluster_id.as_str()).collect::<Vec<_>>())
+            .bind(candidates.iter().map(|i| buckets[*i].bucket).collect::<Vec<_>>())
+            .bind(windows.iter().map(|w| w.0.as_str()).collect::<Vec<_>>())
+            .bind(windows.iter().map(|w| w.1.as_str()).collect::<Vec<_>>())
+            .bind(windows.iter().map(|w| w.2).collect::<Vec<_>>())
+            .bind(read_limit as i32)
+            .bind(per_bucket as i32)
+            .bind(self.max_protocol_version)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(g)?;
+            let mut by_ord: BTreeMap<i32, Vec<WindowRow>> = BTreeMap::new();
+            for r in &rows {
+                let ordered: bool = r.try_get("ordered").map_err(g)?;
+                let w = WindowRow {
+                    ord: r.try_get("ord").map_err(g)?,
+                    seq: r.try_get("seq").map_err(g)?,
+                    event_id: r.try_get("event_id").map_err(g)?,
+                    key: if ordered { Some(r.try_get("routing_key").map_err(g)?) } else { None },
+                    key_chain: r.try_get("key_chain").map_err(g)?,
+                    to_lane: r.try_get("to_lane").map_err(g)?,
+                    topic: r.try_get("topic").map_err(g)?,
+                    topic_id: r.try_get("topic_id").map_err(g)?,
+                    partition: r.try_get("partition").map_err(g)?,
+                };
+                by_ord.entry(w.ord).or_default().push(w);
+            }
+            let mut left_to_read = read_limit;
+            let mut left = remaining;
+            for (n, i) in candidates.iter().enumerate() {
+                if left == 0 || left_to_read == 0 {
+                    break;
+                }
+                let given = left_to_read.min(per_bucket);
+                let read = by_ord.remove(&(n as i32 + 1)).unwrap_or_default();
+                left_to_read -= read.len().min(left_to_read);
+                // The run with one event per key (an unordered event never
+                // repeats a key), at most what the claim still takes.
+                let mut keys = std::collections::HashSet::new();
+                let mut found = Vec::new();
+                let mut taken = 0;
+                for w in read.iter() {
+                    let sendable = !w.to_lane && (w.key.is_none() || keys.insert(w.key_chain));
+                    if sendable && taken == left {
+                        break;
+                    }
+                    if w.key.is_some() && !sendable && !w.to_lane {
+                        break;
+                    }
+                    taken += usize::from(sendable);
+                    found.push(w.seq);
+                }
+                let stopped_early = found.len() < read.len();
+                let truncated = stopped_early || read.len() == given;
+                let found: Vec<WindowRow> = read.into_iter().take(found.len()).collect();
+                left -= taken;
+                let b = &mut buckets[*i];
+                if found.is_empty() {
+                    if !b.window_done {
+                        // The window ran out exactly at the last batch's end.
+                        b.window_done = true;
+                        b.after_seq = 0;
+                        b.dirty = true;
+                    }
+                    // An empty new window is not written: the next cut starts where this one did.
+                    continue;
+                }
+                let (prev, cut, _) = windows[n].clone();
+                b.prev_cut = prev;
+                b.cut = cut;
+                b.after_seq = if truncated { found.last().map_or(0, |w| w.seq) } else { 0 };
+                b.window_done = !truncated;
+                b.dirty = true;
+                // A key with an open event in the lane waits there, and so do its later events.
+                let mut lane_keys = std::collections::HashSet::new();
+                let mut batch_rows = Vec::new();
+                for w in found {
+                    let behind = w.key.is_some() && lane_keys.contains(&w.key_chain);
+                    if w.to_lane || behind {
+                        if w.key.is_some() {
+                            lane_keys.insert(w.key_chain);
+                        }
+                        to_lane.push(LaneMove { event_id: w.event_id, to: LaneState::Pending, claim: None });
+                    } else {
+                        batch_rows.push(w);
+                    }
+                }
+                if !batch_rows.is_empty() {
+                    new_batches.push(NewBatch { bucket: *i, rows: batch_rows });
+                }
+            }
+        }
+        move_to_lane(tx, &to_lane, now).await?;
+
+        // Insert the new batches (their registration) with their logs' scan floors.
+        for nb in &new_batches {
+            let b = &buckets[nb.bucket];
+            let mut floors: Vec<Floor> = Vec::new();
+            let mut floor_of: Vec<i32> = Vec::with_capacity(nb.rows.len());
+            let mut index: HashMap<(&str, Option<&str>, i32), i32> = HashMap::new();
+            for w in &nb.rows {
+                let k = (w.topic.as_str(), w.topic_id.as_deref(), w.partition);
+                let next = index.len() as i32;
+                let at = *index.entry(k).or_insert(next);
+                if at as usize == floors.len() {
+                    floors.push(Floor { topic: w.topic.clone(), topic_id: w.topic_id.clone(), partition: w.partition, scan_from: 0, anchor: None, anchor_attempt: None });
+                }
+                floor_of.push(at);
+            }
+            fill_floors(tx, &b.cluster_id, &mut floors).await?;
+            let id: i64 = sqlx::query_scalar(
+                "INSERT INTO outbox_batches (cluster_id, bucket, lease_generation, owner, prev_cut, cut, after_seq, event_ids, keys, floor_of, cut_at_ms, floors)
+                 VALUES ($1, $2, $3, $4, $5::pg_snapshot, $6::pg_snapshot, $7, $8, $9, $10, $11, $12) RETURNING id",
+            )
+            .bind(&b.cluster_id)
+            .bind(b.bucket)
+            .bind(b.generation)
+            .bind(owner)
+            .bind(&b.prev_cut)
+            .bind(&b.cut)
+            .bind(b.after_seq)
+            .bind(nb.rows.iter().map(|w| w.event_id.as_str()).collect::<Vec<_>>())
+            .bind(nb.rows.iter().map(|w| w.key.as_deref()).collect::<Vec<_>>())
+            .bind(&floor_of)
+            .bind(now)
+            .bind(serde_json::to_value(&floors).map_err(|e| CoreError::InvalidEncoding(e.to_string()))?)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(g)?;
+            buckets[nb.bucket].open_batch = Some(id);
+            let input: Vec<(Option<&str>, BatchEvent, bool)> = nb.rows.iter().map(|w| (w.key.as_deref(), BatchEvent::default(), false)).collect();
+            handouts.push((id, sendable_now(&input)));
+        }
+
+        // The hand-outs, one step row per batch.
+        let handouts: Vec<(i64, Vec<usize>)> = handouts.into_iter().filter(|(_, p)| !p.is_empty()).collect();
+        if !handouts.is_empty() {
+            sqlx::query(
+                "INSERT INTO outbox_batch_steps (batch_id, kind, round, positions, at_ms)
+                 SELECT t.batch_id, 'handed', coalesce((SELECT max(s.round) FROM outbox_batch_steps s WHERE s.batch_id = t.batch_id AND s.kind = 'handed'), 0) + 1,
+                        t.positions::int[], $3
+                 FROM UNNEST($1::bigint[], $2::text[]) AS t(batch_id, positions)",
+            )
+            .bind(handouts.iter().map(|h| h.0).collect::<Vec<_>>())
+            .bind(handouts.iter().map(|h| format!("{{{}}}", h.1.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","))).collect::<Vec<_>>())
+            .bind(now)
+            .execute(&mut **tx)
+            .await
+            .map_err(g)?;
+        }
+
+        // A bucket with nothing open goes back: it is written only when
+        // somebody held it or its window moved.
+        for b in buckets.iter_mut().filter(|b| b.open_batch.is_none()) {
+            if b.held_by.is_some() {
+                b.dirty = true;
+            }
+            b.owner = None;
+            b.lease_until_ms = 0;
+        }
+        // The lease rows that changed.
+        let dirty: Vec<&BucketRow> = buckets.iter().filter(|b| b.dirty).collect();
+        if !dirty.is_empty() {
+            sqlx::query(
+                "UPDATE outbox_bucket_leases l SET owner = t.owner, generation = t.generation, lease_until_ms = t.lease, prev_cut = t.prev_cut::pg_snapshot,
+                        cut = t.cut::pg_snapshot, after_seq = t.after_seq, window_done = t.done, open_batch = t.open_batch
+                 FROM UNNEST($1::text[], $2::smallint[], $3::text[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::bigint[], $9::bool[], $10::bigint[])
+                      AS t(cluster_id, bucket, owner, generation, lease, prev_cut, cut, after_seq, done, open_batch)
+                 WHERE l.cluster_id = t.cluster_id AND l.bucket = t.bucket",
+            )
+            .bind(dirty.iter().map(|b| b.cluster_id.as_str()).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.bucket).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.owner.as_deref()).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.generation).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.lease_until_ms).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.prev_cut.as_str()).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.cut.as_str()).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.after_seq).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.window_done).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.open_batch).collect::<Vec<_>>())
+            .execute(&mut **tx)
+            .await
+            .map_err(g)?;
+        }
+
+        // The events handed out, to send.
+        let lease_of: HashMap<i64, i64> = buckets.iter().filter_map(|b| b.open_batch.map(|id| (id, b.lease_until_ms))).collect();
+        let mut wanted: Vec<(String, i64)> = Vec::new();
+        for (id, positions) in &handouts {
+            let events: Vec<String> = match open.get(id) {
+                Some(b) => positions.iter().map(|p| b.event_ids[*p].clone()).collect(),
+                None => {
+                    let nb = new_batches.iter().find(|nb| buckets[nb.bucket].open_batch == Some(*id));
+                    positions.iter().filter_map(|p| nb.and_then(|nb| nb.rows.get(*p)).map(|w| w.event_id.clone())).collect()
+                }
+            };
+            wanted.extend(events.into_iter().map(|e| (e, *id)));
+        }
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "SELECT event_id, envelope_canonical, destination_canonical, destination_digest, payload, payload_digest, traceparent, tracestate
+             FROM outbox_stream WHERE event_id = ANY($1) ORDER BY seq",
+        )
+        .bind(wanted.iter().map(|w| w.0.as_str()).collect::<Vec<_>>())
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(g)?;
+        let batch_of: HashMap<&str, i64> = wanted.iter().map(|(e, b)| (e.as_str(), *b)).collect();
+        let mut claimed = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let id: &str = r.try_get("event_id").map_err(g)?;
+            let batch = batch_of.get(id).copied().unwrap_or_default();
+            claimed.push(claimed_event(r, owner, batch, lease_of.get(&batch).copied().unwrap_or(now))?);
+        }
+        self.cloudevents.attach(&mut **tx, &mut claimed).await?;
+        Ok(claimed)
+    }
+}
+
+/// A handed-out stream row as an event to send, under its batch's claim.
+fn claimed_event(r: &PgRow, owner: &str, batch: i64, lease_until_ms: i64) -> Result<ClaimedEvent, StoreError> {
+    let g = |e: sqlx::Error| store_err(e);
+    let envelope = Envelope::from_canonical(r.try_get::<&[u8], _>("envelope_canonical").map_err(g)?)?;
+    let destination = Destination::from_canonical(r.try_get::<&[u8], _>("destination_canonical").map_err(g)?)?;
+    let event_id = parse_id(r.try_get::<&str, _>("event_id").map_err(g)?)?;
+    Ok(ClaimedEvent {
+        token: ClaimToken { event_id, owner: owner.to_owned(), claim_generation: batch as u64, lease_until_ms },
+        envelope,
+        destination,
+        destination_digest: r.try_get("destination_digest").map_err(g)?,
+        payload: r.try_get("payload").map_err(g)?,
+        event_payload_digest: r.try_get("payload_digest").map_err(g)?,
+        claimed_from: EventState::Pending,
+        traceparent: r.try_get("traceparent").map_err(g)?,
+        tracestate: r.try_get("tracestate").map_err(g)?,
+        cloudevents: None,
+        source: None,
+    })
+}
+
+/// Each log's scan floor: past the highest receipted offset of its
+/// partition (of its topic id), with the receipt's event and attempt as
+/// the anchor, as an attempt's registration on the chains path records it.
+async fn fill_floors(tx: &mut Transaction<'static, Postgres>, cluster_id: &str, floors: &mut [Floor]) -> Result<(), StoreError> {
+    let g = |e: sqlx::Error| store_err(e);
+    let rows = sqlx::query(
+        "SELECT (p.ord - 1)::int AS i, coalesce(top.\"offset\" + 1, 0) AS scan_from, top.event_id, top.attempt_id
+         FROM UNNEST($2::text[], $3::text[], $4::int[]) WITH ORDINALITY AS p(topic, topic_id, partition, ord)
+         LEFT JOIN LATERAL (
+             (SELECT r.\"offset\", r.event_id, r.attempt_id FROM outbox_publish_receipts r
+              WHERE p.topic_id IS NULL AND r.cluster_id = $1 AND r.topic = p.topic AND r.topic_id IS NULL AND r.partition = p.partition
+              ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
+             UNION ALL
+             (SELECT r.\"offset\", r.event_id, r.attempt_id FROM outbox_publish_receipts r
+              WHERE r.cluster_id = $1 AND r.topic = p.topic AND r.topic_id = p.topic_id AND r.partition = p.partition
+              ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
+         ) top ON true",
+    )
+    .bind(cluster_id)
+    .bind(floors.iter().map(|f| f.topic.as_str()).collect::<Vec<_>>())
+    .bind(floors.iter().map(|f| f.topic_id.as_deref()).collect::<Vec<_>>())
+    .bind(floors.iter().map(|f| f.partition).collect::<Vec<_>>())
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(g)?;
+    for r in rows {
+        let i: i32 = r.try_get("i").map_err(g)?;
+        if let Some(f) = floors.get_mut(i as usize) {
+            f.scan_from = r.try_get("scan_from").map_err(g)?;
+            f.anchor = r.try_get("event_id").map_err(g)?;
+            f.anchor_attempt = r.try_get("attempt_id").map_err(g)?;
+        }
+    }
+    Ok(())
+}

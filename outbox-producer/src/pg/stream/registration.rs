@@ -1,0 +1,386 @@
+//! Registration, lease renewal and the moves to the lane that a fenced
+//! write of a stream event needs first.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use outbox_core::stream::{check_lease, BucketLease};
+use outbox_core::{AttemptRecord, AttemptState, ClaimToken, CoreError, EventState, StoreError};
+use sqlx::{Postgres, Row, Transaction};
+
+use super::claims::{destination_digests, load_batches, take_over, Batch};
+use super::lane::{move_to_lane, LaneClaim, LaneMove, LaneState};
+use crate::error::store_err;
+use crate::pg::PgStore;
+
+/// A bucket's lease as a fenced write reads it, locked.
+#[derive(Debug, Clone)]
+pub(super) struct LeaseNow {
+    pub owner: Option<String>,
+    pub generation: i64,
+    pub lease_until_ms: i64,
+    pub open_batch: Option<i64>,
+}
+
+impl LeaseNow {
+    fn core(&self, bucket: i16) -> BucketLease {
+        BucketLease { bucket: bucket as u32, owner: self.owner.clone(), generation: self.generation as u64, lease_until_ms: self.lease_until_ms }
+    }
+}
+
+/// The leases of the buckets of batches `ids`, locked (`FOR SHARE`, or
+/// `FOR UPDATE` when `exclusive`), in key order.
+pub(super) async fn lock_leases(tx: &mut Transaction<'static, Postgres>, ids: &[i64], exclusive: bool) -> Result<HashMap<i64, LeaseNow>, StoreError> {
+    if ids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let g = |e: sqlx::Error| store_err(e);
+    let rows = sqlx::query(&format!(
+        "SELECT b.id, l.owner, l.generation, l.lease_until_ms, l.open_batch
+         FROM outbox_batches b JOIN outbox_bucket_leases l ON l.cluster_id = b.cluster_id AND l.bucket = b.bucket
+         WHERE b.id = ANY($1) ORDER BY l.cluster_id, l.bucket FOR {} OF l",
+        if exclusive { "UPDATE" } else { "SHARE" }
+    ))
+    .bind(ids)
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(g)?;
+    let mut out = HashMap::new();
+    for r in rows {
+        out.insert(
+            r.try_get("id").map_err(g)?,
+            LeaseNow { owner: r.try_get("owner").map_err(g)?, generation: r.try_get("generation").map_err(g)?, lease_until_ms: r.try_get("lease_until_ms").map_err(g)?, open_batch: r.try_get("open_batch").map_err(g)? },
+        );
+    }
+    Ok(out)
+}
+
+/// The events of `ids` that have a row in the lane.
+pub(super) async fn in_lane(tx: &mut Transaction<'static, Postgres>, ids: &[&str]) -> Result<BTreeSet<String>, StoreError> {
+    if ids.is_empty() {
+        return Ok(BTreeSet::new());
+    }
+    Ok(sqlx::query_scalar("SELECT event_id FROM outbox_events WHERE event_id = ANY($1)").bind(ids).fetch_all(&mut **tx).await.map_err(store_err)?.into_iter().collect())
+}
+
+/// The moves to the lane that take `index` of `batch` off the happy path in
+/// the state it has, with the later unsettled events of its key in the
+/// batch (they wait behind it there).
+pub(super) fn moves_for(batch: &Batch, index: usize, lease: Option<&LeaseNow>, digests: &HashMap<String, String>) -> Result<Vec<LaneMove>, StoreError> {
+    let key = batch.keys.get(index).cloned().flatten();
+    let lease_until_ms = lease.filter(|l| l.generation == batch.lease_generation).map_or(0, |l| l.lease_until_ms);
+    let mut out = Vec::new();
+    for (j, id) in batch.event_ids.iter().enumerate() {
+        let behind = j > index && key.is_some() && batch.keys.get(j).cloned().flatten() == key;
+        if j != index && !behind {
+            continue;
+        }
+        let f = batch.facts[j];
+        if j != index && (f.receipted || f.in_lane) {
+            continue;
+        }
+        let to = if f.receipted {
+            LaneState::Published
+        } else if f.registered {
+            LaneState::Sending
+        } else if f.handed {
+            LaneState::Claimed
+        } else {
+            LaneState::Pending
+        };
+        let claim = match to {
+            // Not handed out: only its generation, so that the next claim's is above the batch's.
+            LaneState::Pending => Some(LaneClaim { owner: batch.owner.clone(), batch_id: batch.id, lease_until_ms, attempt: None }),
+            LaneState::Claimed => Some(LaneClaim { owner: batch.owner.clone(), batch_id: batch.id, lease_until_ms, attempt: None }),
+            _ => Some(LaneClaim {
+                owner: batch.owner.clone(),
+                batch_id: batch.id,
+                lease_until_ms,
+                attempt: Some(batch.attempt(j, digests.get(id).cloned().unwrap_or_default())?),
+            }),
+        };
+        out.push(LaneMove { event_id: id.clone(), to, claim });
+    }
+    Ok(out)
+}
+
+impl PgStore {
+    /// Moves the stream events of `tokens` (event, claim generation = its
+    /// batch) to the lane in the state the stream gave them, so that a
+    /// fenced write of the chains path decides them; events already in the
+    /// lane, and tokens that name no batch holding their event, are left.
+    pub(crate) async fn stream_to_lane(&self, tokens: &[(&str, u64)]) -> Result<(), StoreError> {
+        if !self.path_seen.maybe_stream() || tokens.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.begin().await?;
+        let ids: Vec<&str> = tokens.iter().map(|t| t.0).collect();
+        let lane = in_lane(&mut tx, &ids).await?;
+        let wanted: Vec<(&str, i64)> = tokens.iter().filter(|t| !lane.contains(t.0)).map(|t| (t.0, t.1 as i64)).collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let batch_ids: Vec<i64> = wanted.iter().map(|w| w.1).collect::<BTreeSet<_>>().into_iter().collect();
+        let leases = lock_leases(&mut tx, &batch_ids, true).await?;
+        let batches = load_batches(&mut tx, &batch_ids, true).await?;
+        let mut moves = Vec::new();
+        for (event, batch) in wanted {
+            let Some(b) = batches.get(&batch) else { continue };
+            let Some(index) = b.event_ids.iter().position(|e| e == event) else { continue };
+            let digests = destination_digests(&mut tx, &b.event_ids.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+            moves.extend(moves_for(b, index, leases.get(&batch), &digests)?);
+        }
+        move_to_lane(&mut tx, &moves, self.now_ms()).await?;
+        tx.commit().await.map_err(store_err)?;
+        Ok(())
+    }
+
+    /// Registers the attempts of stream tokens (none of whose events is in
+    /// the lane): each must be handed out by its bucket's open batch, under
+    /// the batch's lease, running. One `registered` step per batch.
+    pub(crate) async fn register_stream(&self, tokens: &[&ClaimToken]) -> Result<Vec<Result<AttemptRecord, StoreError>>, StoreError> {
+        let now = self.now_ms();
+        let mut tx = self.begin().await?;
+        let batch_ids: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect::<BTreeSet<_>>().into_iter().collect();
+        let leases = lock_leases(&mut tx, &batch_ids, false).await?;
+        let batches = load_batches(&mut tx, &batch_ids, false).await?;
+        let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
+        let digests = destination_digests(&mut tx, &ids).await?;
+        let mut out = Vec::with_capacity(tokens.len());
+        let mut steps: BTreeMap<i64, Vec<i32>> = BTreeMap::new();
+        for t in tokens {
+            let batch_id = t.claim_generation as i64;
+            let decided = (|| -> Result<AttemptRecord, StoreError> {
+                // A batch that does not hold the event: a generation never granted for it.
+                let unknown = || -> StoreError {
+                    if digests.contains_key(t.event_id.as_str()) {
+                        CoreError::Fenced { writer_generation: t.claim_generation, current_generation: 0 }.into()
+                    } else {
+                        StoreError::NotFound(t.event_id.clone())
+                    }
+                };
+                let b = batches.get(&batch_id).ok_or_else(unknown)?;
+                let index = b.event_ids.iter().position(|e| e == t.event_id.as_str()).ok_or_else(unknown)?;
+                let lease = leases.get(&batch_id).ok_or_else(|| StoreError::NotFound(t.event_id.clone()))?;
+                if lease.open_batch != Some(batch_id) || b.owner != t.owner {
+                    return Err(CoreError::Fenced { writer_generation: t.claim_generation, current_generation: lease.open_batch.unwrap_or_default() as u64 }.into());
+                }
+                check_lease(&lease.core(b.bucket), &t.owner, b.lease_generation as u64, now, true)?;
+                let f = b.facts[index];
+                if !f.handed || f.registered || steps.get(&batch_id).is_some_and(|p| p.contains(&(index as i32))) {
+                    let from = if f.registered { EventState::Sending } else { EventState::Pending };
+                    return Err(CoreError::IllegalTransition { from, to: EventState::Sending }.into());
+                }
+                let a = b.attempt(index, digests.get(t.event_id.as_str()).cloned().unwrap_or_default())?;
+                Ok(AttemptRecord {
+                    attempt_id: a.attempt_id.parse()?,
+                    event_id: t.event_id.clone(),
+                    envelope_generation: 1,
+                    attempt_generation: 1,
+                    claim_generation: t.claim_generation,
+                    owner: t.owner.clone(),
+                    state: AttemptState::Sending,
+                    destination_digest: a.destination_digest,
+                    started_at_ms: a.started_at_ms,
+                    send_deadline_ms: Some(lease.lease_until_ms),
+                    scan_from_offset: a.scan_from,
+                    scan_anchor: a.scan_anchor.map(|s| s.parse()).transpose()?,
+                    scan_anchor_attempt: a.scan_anchor_attempt.map(|s| s.parse()).transpose()?,
+                })
+            })();
+            if decided.is_ok() {
+                steps.entry(batch_id).or_default().push(batches[&batch_id].event_ids.iter().position(|e| e == t.event_id.as_str()).unwrap_or_default() as i32);
+            }
+            out.push(decided);
+        }
+        if !steps.is_empty() {
+            sqlx::query(
+                "INSERT INTO outbox_batch_steps (batch_id, kind, round, positions, at_ms)
+                 SELECT t.batch_id, 'registered', coalesce((SELECT max(s.round) FROM outbox_batch_steps s WHERE s.batch_id = t.batch_id AND s.kind = 'registered'), 0) + 1,
+                        t.positions::int[], $3
+                 FROM UNNEST($1::bigint[], $2::text[]) AS t(batch_id, positions)",
+            )
+            .bind(steps.keys().copied().collect::<Vec<_>>())
+            .bind(steps.values().map(|p| format!("{{{}}}", p.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","))).collect::<Vec<_>>())
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_err)?;
+        }
+        tx.commit().await.map_err(store_err)?;
+        Ok(out)
+    }
+
+    /// Renews the bucket lease of stream tokens whose batch is open under
+    /// their owner's running lease: the new end per token, or `None`.
+    pub(crate) async fn renew_stream(&self, tokens: &[&ClaimToken], lease_ms: i64) -> Result<HashMap<String, i64>, StoreError> {
+        let now = self.now_ms();
+        let batch_ids: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect::<BTreeSet<_>>().into_iter().collect();
+        let owners: Vec<&str> = batch_ids.iter().map(|b| tokens.iter().find(|t| t.claim_generation as i64 == *b).map_or("", |t| t.owner.as_str())).collect();
+        let rows = sqlx::query(
+            "UPDATE outbox_bucket_leases l SET lease_until_ms = greatest(l.lease_until_ms, $3 + $4)
+             FROM UNNEST($1::bigint[], $2::text[]) AS t(batch_id, owner), outbox_batches b
+             WHERE b.id = t.batch_id AND l.cluster_id = b.cluster_id AND l.bucket = b.bucket AND l.open_batch = b.id
+               AND l.owner = t.owner AND b.owner = t.owner AND l.generation = b.lease_generation AND l.lease_until_ms > $3
+             RETURNING b.id, l.lease_until_ms",
+        )
+        .bind(&batch_ids)
+        .bind(&owners)
+        .bind(now)
+        .bind(lease_ms)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_err)?;
+        let mut renewed: HashMap<i64, i64> = HashMap::new();
+        for r in rows {
+            renewed.insert(r.try_get("id").map_err(store_err)?, r.try_get("lease_until_ms").map_err(store_err)?);
+        }
+        Ok(tokens.iter().filter_map(|t| renewed.get(&(t.claim_generation as i64)).map(|l| (t.event_id.to_string(), *l))).collect())
+    }
+
+    /// The lease sweep's share on the stream: open batches whose lease ran
+    /// out are taken over. Returns the events moved to the lane.
+    pub(crate) async fn expire_stream(&self) -> Result<usize, StoreError> {
+        if !self.path_seen.maybe_stream() {
+            return Ok(0);
+        }
+        let now = self.now_ms();
+        let mut tx = self.begin().await?;
+        let ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT open_batch FROM outbox_bucket_leases WHERE open_batch IS NOT NULL AND lease_until_ms <= $1
+             ORDER BY cluster_id, bucket FOR UPDATE SKIP LOCKED",
+        )
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_err)?;
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let batches = load_batches(&mut tx, &ids, true).await?;
+        let n = take_over(&mut tx, &batches, now).await?;
+        sqlx::query("UPDATE outbox_bucket_leases SET open_batch = NULL WHERE open_batch = ANY($1)").bind(&ids).execute(&mut *tx).await.map_err(store_err)?;
+        tx.commit().await.map_err(store_err)?;
+        Ok(n)
+    }
+}
+
+impl PgStore {
+    /// The attempt of a stream event that is not in the lane: the one its
+    /// batch registered, ACKED when its receipt fills the slot.
+    pub(crate) async fn stream_attempts(&self, event_id: &str) -> Result<Vec<AttemptRecord>, StoreError> {
+        if !self.path_seen.maybe_stream() {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.begin().await?;
+        // The batch of its receipt, else its bucket's open batch.
+        let found: Option<(i64, bool)> = sqlx::query_as(
+            "SELECT coalesce(r.batch_id, l.open_batch), r.event_id IS NOT NULL
+             FROM outbox_stream s
+             LEFT JOIN outbox_publish_receipts r ON r.event_id = s.event_id AND r.envelope_generation = 1
+             LEFT JOIN outbox_bucket_leases l ON l.cluster_id = s.cluster_id AND l.bucket = s.bucket
+             WHERE s.event_id = $1 AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)",
+        )
+        .bind(event_id)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(store_err)?
+        .and_then(|(b, acked): (Option<i64>, bool)| b.map(|b| (b, acked)));
+        let Some((batch_id, acked)) = found else { return Ok(Vec::new()) };
+        let batches = load_batches(&mut tx, &[batch_id], false).await?;
+        let Some(b) = batches.get(&batch_id) else { return Ok(Vec::new()) };
+        let Some(index) = b.event_ids.iter().position(|e| e == event_id) else { return Ok(Vec::new()) };
+        if !b.facts[index].registered {
+            return Ok(Vec::new());
+        }
+        let digests = destination_digests(&mut tx, &[event_id]).await?;
+        let a = b.attempt(index, digests.get(event_id).cloned().unwrap_or_default())?;
+        Ok(vec![AttemptRecord {
+            attempt_id: a.attempt_id.parse()?,
+            event_id: event_id.parse()?,
+            envelope_generation: 1,
+            attempt_generation: 1,
+            claim_generation: b.id as u64,
+            owner: b.owner.clone(),
+            state: if acked { AttemptState::Acked } else { AttemptState::Sending },
+            destination_digest: a.destination_digest,
+            started_at_ms: a.started_at_ms,
+            send_deadline_ms: None,
+            scan_from_offset: a.scan_from,
+            scan_anchor: a.scan_anchor.map(|s| s.parse()).transpose()?,
+            scan_anchor_attempt: a.scan_anchor_attempt.map(|s| s.parse()).transpose()?,
+        }])
+    }
+}
+
+impl PgStore {
+    /// Moves stream event `event_id` to the lane in the state the stream
+    /// gives it (an operator's write, retention): under its bucket's lease
+    /// row, so that no cut takes it meanwhile. Nothing for an event that is
+    /// in the lane already, or not on the stream.
+    pub(crate) async fn stream_event_to_lane(&self, event_id: &str) -> Result<(), StoreError> {
+        if !self.path_seen.maybe_stream() {
+            return Ok(());
+        }
+        let mut tx = self.begin().await?;
+        let g = |e: sqlx::Error| store_err(e);
+        let Some((cluster_id, bucket)): Option<(String, i16)> = sqlx::query_as("SELECT cluster_id, bucket FROM outbox_stream WHERE event_id = $1")
+            .bind(event_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(g)?
+        else {
+            return Ok(());
+        };
+        let open: Option<Option<i64>> = sqlx::query_scalar("SELECT open_batch FROM outbox_bucket_leases WHERE cluster_id = $1 AND bucket = $2 FOR UPDATE")
+            .bind(&cluster_id)
+            .bind(bucket)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(g)?;
+        if !in_lane(&mut tx, &[event_id]).await?.is_empty() {
+            return Ok(());
+        }
+        let receipt_batch: Option<Option<i64>> = sqlx::query_scalar("SELECT batch_id FROM outbox_publish_receipts WHERE event_id = $1 AND envelope_generation = 1")
+            .bind(event_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(g)?;
+        let candidates: Vec<i64> = [receipt_batch.flatten(), open.flatten()].into_iter().flatten().collect();
+        let leases = lock_leases(&mut tx, &candidates, true).await?;
+        let batches = load_batches(&mut tx, &candidates, true).await?;
+        let holder = batches.values().find_map(|b| b.event_ids.iter().position(|e| e == event_id).map(|i| (b, i)));
+        let moves = match holder {
+            Some((b, index)) => {
+                let digests = destination_digests(&mut tx, &b.event_ids.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+                moves_for(b, index, leases.get(&b.id), &digests)?
+            }
+            // Not cut yet: PENDING in the lane; the cut leaves it there.
+            None => vec![LaneMove { event_id: event_id.to_owned(), to: LaneState::Pending, claim: None }],
+        };
+        move_to_lane(&mut tx, &moves, self.now_ms()).await?;
+        tx.commit().await.map_err(store_err)?;
+        Ok(())
+    }
+
+    /// Retention's share on the stream until partitions are dropped whole:
+    /// up to `limit` stream events whose receipt was accepted before
+    /// `before_ms` move to the lane as PUBLISHED, where retention retains
+    /// and purges them. Returns how many moved.
+    pub async fn stream_published_to_lane(&self, before_ms: i64, limit: i64) -> Result<usize, StoreError> {
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT r.event_id FROM outbox_publish_receipts r
+             WHERE r.batch_id IS NOT NULL AND r.envelope_generation = 1 AND r.accepted_at_ms < $1
+               AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = r.event_id)
+             ORDER BY r.accepted_at_ms LIMIT $2",
+        )
+        .bind(before_ms)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_err)?;
+        for id in &ids {
+            self.stream_event_to_lane(id).await?;
+        }
+        Ok(ids.len())
+    }
+}
