@@ -143,7 +143,13 @@ impl PgStore {
     /// grown: measured, a claim over 200 keys of a 50,000-event table took
     /// 4.9 s instead of milliseconds. `SET LOCAL` ends with the transaction,
     /// so the connection goes back to the pool as it came.
+    ///
+    /// JIT compilation is off too: with sequential scans off, a plan that
+    /// has to read a table whole (a one-row settings table, a statement over
+    /// a partitioned table) is costed past `jit_above_cost`, and compiling it
+    /// took 5-16 ms per statement (auto_explain, `dispatch_bench --path
+    /// stream`), many times what running it takes.
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
-        self.pool.begin_with("BEGIN; SET LOCAL enable_seqscan = off").await.map_err(store_err)
+        self.pool.begin_with("BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL jit = off").await.map_err(store_err)
     }
 }
