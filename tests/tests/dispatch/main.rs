@@ -8,4 +8,5 @@ mod delivery;
 mod destinations;
 mod index_use;
 mod run;
+mod stream;
 mod wakeup;
