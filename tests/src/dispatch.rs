@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use outbox_core::{headers, EventState};
-use outbox_producer::{DispatcherConfig, EmitOptions};
+use outbox_producer::{Dispatcher, DispatcherConfig, EmitOptions, PgStore};
 use sqlx::PgPool;
 
 use crate::kafka::{read_topic, TestCluster};
@@ -57,10 +57,39 @@ pub async fn emit_many(pool: &PgPool, orders: usize, per_key: usize) -> Vec<Stri
     ids
 }
 
+/// Runs two dispatcher instances (`inst0`, `inst1`, both built before
+/// either runs, so neither gets a head start) until `total` receipts fill
+/// their publish slots, then stops them.
+pub async fn run_two_dispatchers(pool: &PgPool, cluster: &TestCluster, total: i64, cfg: DispatcherConfig) {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut dispatchers = Vec::new();
+    for n in 0..2 {
+        let broker = cluster.broker(10_000).await;
+        dispatchers.push(Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { name: format!("inst{n}"), ..cfg.clone() }).unwrap()));
+    }
+    let runs: Vec<_> = dispatchers.into_iter().map(|d| tokio::spawn(d.run(outbox_producer::until_true(stop_rx.clone())))).collect();
+    crate::wait_count(pool, "SELECT count(*) FROM outbox_publish_receipts", total, std::time::Duration::from_secs(120)).await;
+    stop_tx.send(true).unwrap();
+    for r in runs {
+        r.await.unwrap().unwrap();
+    }
+}
+
 /// Asserts that each routing key's events are in the log in the order
 /// they were committed (and nothing else is there); the number of keys.
+/// Events of either path: the chains path's rows and the stream's (whose
+/// `seq` comes from the same sequence).
 pub async fn keys_in_commit_order(pool: &PgPool, cluster: &TestCluster) -> usize {
-    let rows: Vec<(String, String)> = sqlx::query_as("SELECT routing_key, event_id FROM outbox_events ORDER BY seq").fetch_all(pool).await.unwrap();
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT routing_key, event_id FROM (
+             SELECT seq, routing_key, event_id FROM outbox_events
+             UNION ALL
+             SELECT seq, routing_key, event_id FROM outbox_stream s WHERE NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)) t
+         ORDER BY seq",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
     let mut committed: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (k, id) in rows {
         committed.entry(k).or_default().push(id);

@@ -7,27 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_producer::{Dispatcher, DispatcherConfig, PgStore};
-use outbox_tests::dispatch::{config, each_once_in_log, emit_many, keys_in_commit_order, started};
-use outbox_tests::kafka::TestCluster;
+use outbox_tests::dispatch::{config, each_once_in_log, emit_many, keys_in_commit_order, run_two_dispatchers, started};
 use outbox_tests::*;
 use sqlx::PgPool;
-
-async fn run_two_dispatchers(pool: &PgPool, cluster: &TestCluster, total: i64, cfg: DispatcherConfig) {
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    // Both instances are built (brokers connected) before either runs, so
-    // neither gets a head start on the backlog.
-    let mut dispatchers = Vec::new();
-    for n in 0..2 {
-        let broker = cluster.broker(10_000).await;
-        dispatchers.push(Arc::new(Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { name: format!("inst{n}"), ..cfg.clone() }).unwrap()));
-    }
-    let runs: Vec<_> = dispatchers.into_iter().map(|d| tokio::spawn(d.run(outbox_producer::until_true(stop_rx.clone())))).collect();
-    wait_count(pool, "SELECT count(*) FROM outbox_events WHERE state = 'PUBLISHED'", total, Duration::from_secs(120)).await;
-    stop_tx.send(true).unwrap();
-    for r in runs {
-        r.await.unwrap().unwrap();
-    }
-}
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn two_dispatcher_instances_publish_every_event_exactly_once(pool: PgPool) {
