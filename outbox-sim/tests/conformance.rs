@@ -11,10 +11,15 @@ fn memory_store_passes_the_conformance_suite() {
     assert!(failed.is_empty(), "conformance failures:\n{}", failed.join("\n"));
 }
 
+/// The stream-mode run id (`run_all_as`): `OUTBOX_CONFORMANCE_RUN` or the fixed one.
+fn seed() -> u64 {
+    std::env::var("OUTBOX_CONFORMANCE_RUN").ok().and_then(|s| s.parse().ok()).unwrap_or(outbox_memory::conformance::STREAM_RUN)
+}
+
 #[test]
 fn memory_store_in_stream_mode_passes_the_conformance_suite() {
     let h = MemoryHarness::stream();
-    let results = now(outbox_memory::conformance::run_all(&h));
+    let results = now(outbox_memory::conformance::run_all_as(&h, seed()));
     let failed: Vec<String> = results.iter().filter_map(|(n, r)| r.as_ref().err().map(|e| format!("{n}: {e}"))).collect();
     assert!(failed.is_empty(), "conformance failures in stream mode:\n{}", failed.join("\n"));
 }

@@ -292,7 +292,21 @@ pub(super) fn claim(st: &mut MemoryState, s: &mut StreamState, owner: &str, limi
             break;
         }
         let b = (start + k) % STREAM_BUCKETS;
-        let current = s.leases.get(&b).cloned().unwrap_or_else(|| BucketLease::vacant(b));
+        let mut current = s.leases.get(&b).cloned().unwrap_or_else(|| BucketLease::vacant(b));
+        // A holder with nothing in flight here (no open batch, or a settled
+        // one) holds the bucket for nothing: it goes to whoever claims.
+        // Nothing of it can be sent twice, and its next write is fenced by
+        // the new generation.
+        if current.live(now) && current.owner.as_deref() != Some(owner) {
+            let idle = match s.open.get(&b) {
+                None => true,
+                Some(id) => may_cut_next_batch(Some(&facts(st, s, &s.batches[id]))),
+            };
+            if idle {
+                s.open.remove(&b);
+                current = BucketLease { owner: None, lease_until_ms: 0, ..current };
+            }
+        }
         let lease = if current.live(now) {
             if current.owner.as_deref() != Some(owner) {
                 continue;
