@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering as AtomicOrdering;
 
 use outbox_core::stream::{batch_attempt_id, grant_lease, may_cut_next_batch, plan_takeover, sendable_now, BatchEvent, BucketLease};
-use outbox_core::{ClaimToken, ClaimedEvent, CoreError, Destination, Envelope, EventState, StoreError};
+use outbox_core::{AttemptRecord, AttemptState, ClaimToken, ClaimedEvent, CoreError, Destination, Envelope, EventState, StoreError};
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row, Transaction};
 
@@ -90,6 +90,51 @@ impl Batch {
             scan_anchor_attempt: floor.and_then(|f| f.anchor_attempt.clone()),
         })
     }
+}
+
+impl Batch {
+    /// The attempt record of its `index`-th event, `event_id`, as the
+    /// chains path's registration would have written it.
+    pub(super) fn attempt_record(&self, index: usize, event_id: &str, destination_digest: String, state: AttemptState, send_deadline_ms: Option<i64>) -> Result<AttemptRecord, StoreError> {
+        let a = self.attempt(index, destination_digest)?;
+        Ok(AttemptRecord {
+            attempt_id: a.attempt_id.parse()?,
+            event_id: event_id.parse()?,
+            envelope_generation: 1,
+            attempt_generation: 1,
+            claim_generation: self.id as u64,
+            owner: self.owner.clone(),
+            state,
+            destination_digest: a.destination_digest,
+            started_at_ms: a.started_at_ms,
+            send_deadline_ms,
+            scan_from_offset: a.scan_from,
+            scan_anchor: a.scan_anchor.map(|s| s.parse()).transpose()?,
+            scan_anchor_attempt: a.scan_anchor_attempt.map(|s| s.parse()).transpose()?,
+        })
+    }
+}
+
+/// Records a step (`handed` or `registered`) of each batch's `positions`:
+/// one row per batch, its round the batch's next of that kind.
+pub(super) async fn insert_steps(tx: &mut Transaction<'static, Postgres>, kind: &str, steps: &[(i64, Vec<usize>)], now: i64) -> Result<(), StoreError> {
+    if steps.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO outbox_batch_steps (batch_id, kind, round, positions, at_ms)
+         SELECT t.batch_id, $3, coalesce((SELECT max(s.round) FROM outbox_batch_steps s WHERE s.batch_id = t.batch_id AND s.kind = $3), 0) + 1,
+                t.positions::int[], $4
+         FROM UNNEST($1::bigint[], $2::text[]) AS t(batch_id, positions)",
+    )
+    .bind(steps.iter().map(|s| s.0).collect::<Vec<_>>())
+    .bind(steps.iter().map(|s| format!("{{{}}}", s.1.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","))).collect::<Vec<_>>())
+    .bind(kind)
+    .bind(now)
+    .execute(&mut **tx)
+    .await
+    .map_err(store_err)?;
+    Ok(())
 }
 
 /// Reads batches `ids` with their steps, and, when `settled`, whether each
@@ -525,20 +570,7 @@ impl PgStore {
 
         // The hand-outs, one step row per batch.
         let handouts: Vec<(i64, Vec<usize>)> = handouts.into_iter().filter(|(_, p)| !p.is_empty()).collect();
-        if !handouts.is_empty() {
-            sqlx::query(
-                "INSERT INTO outbox_batch_steps (batch_id, kind, round, positions, at_ms)
-                 SELECT t.batch_id, 'handed', coalesce((SELECT max(s.round) FROM outbox_batch_steps s WHERE s.batch_id = t.batch_id AND s.kind = 'handed'), 0) + 1,
-                        t.positions::int[], $3
-                 FROM UNNEST($1::bigint[], $2::text[]) AS t(batch_id, positions)",
-            )
-            .bind(handouts.iter().map(|h| h.0).collect::<Vec<_>>())
-            .bind(handouts.iter().map(|h| format!("{{{}}}", h.1.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","))).collect::<Vec<_>>())
-            .bind(now)
-            .execute(&mut **tx)
-            .await
-            .map_err(g)?;
-        }
+        insert_steps(tx, "handed", &handouts, now).await?;
 
         // A bucket with nothing open goes back: it is written only when
         // somebody held it or its window moved.
@@ -605,7 +637,7 @@ impl PgStore {
             let batch = batch_of.get(id).copied().unwrap_or_default();
             claimed.push(claimed_event(r, owner, batch, lease_of.get(&batch).copied().unwrap_or(now))?);
         }
-        self.cloudevents.attach(&mut **tx, &mut claimed).await?;
+        self.cloudevents.attach(tx, &mut claimed).await?;
         Ok(claimed)
     }
 }

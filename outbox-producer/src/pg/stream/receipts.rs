@@ -11,7 +11,7 @@ use sqlx::Row;
 
 use super::claims::{destination_digests, load_batches};
 use super::lane::move_to_lane;
-use super::registration::{in_lane, lock_leases, moves_for};
+use super::registration::{batch_events, in_lane, lock_leases, moves_for};
 use crate::error::store_err;
 use crate::pg::rows::{parse_id, receipt_from_row, RECEIPT_COLUMNS};
 use sqlx::{Postgres, Transaction};
@@ -76,24 +76,9 @@ impl PgStore {
             let genuine = batch.filter(|b| facts.registered && batch_attempt_id(b.id as u64, index, b.cut_at_ms.max(0) as u64).is_ok_and(|a| a == r.attempt_id));
             let slot = slots.get(id).cloned();
             let state = if slot.is_some() { EventState::Published } else if facts.registered { EventState::Sending } else if facts.handed { EventState::Claimed } else { EventState::Pending };
-            let attempts: Vec<AttemptRecord> = genuine
-                .map(|b| AttemptRecord {
-                    attempt_id: r.attempt_id.clone(),
-                    event_id: r.event_id.clone(),
-                    envelope_generation: 1,
-                    attempt_generation: 1,
-                    claim_generation: b.id as u64,
-                    owner: b.owner.clone(),
-                    state: if slot.is_some() { AttemptState::Acked } else { AttemptState::Sending },
-                    destination_digest: destination_digest.clone(),
-                    started_at_ms: b.cut_at_ms,
-                    send_deadline_ms: None,
-                    scan_from_offset: 0,
-                    scan_anchor: None,
-                    scan_anchor_attempt: None,
-                })
-                .into_iter()
-                .collect();
+            let state_of_attempt = if slot.is_some() { AttemptState::Acked } else { AttemptState::Sending };
+            let attempts: Vec<AttemptRecord> =
+                genuine.map(|b| b.attempt_record(index, id, destination_digest.clone(), state_of_attempt, None)).transpose()?.into_iter().collect();
             let event = LockedEvent {
                 event_id: r.event_id.clone(),
                 envelope_generation: 1,
@@ -173,10 +158,12 @@ impl PgStore {
             batches = load_batches(&mut tx, &batch_ids, true).await?;
         }
         let mut moves = Vec::new();
-        for (_, batch_id, index) in to_lane {
-            if let Some(b) = batches.get(&batch_id) {
-                let digests = destination_digests(&mut tx, &b.event_ids.iter().map(String::as_str).collect::<Vec<_>>()).await?;
-                moves.extend(moves_for(b, index, leases.get(&batch_id), &digests)?);
+        if !to_lane.is_empty() {
+            let digests = destination_digests(&mut tx, &batch_events(batches.values())).await?;
+            for (_, batch_id, index) in to_lane {
+                if let Some(b) = batches.get(&batch_id) {
+                    moves.extend(moves_for(b, index, leases.get(&batch_id), &digests)?);
+                }
             }
         }
         move_to_lane(&mut tx, &moves, now).await?;

@@ -7,7 +7,7 @@ use outbox_core::stream::{check_lease, BucketLease};
 use outbox_core::{AttemptRecord, AttemptState, ClaimToken, CoreError, EventState, StoreError};
 use sqlx::{Postgres, Row, Transaction};
 
-use super::claims::{destination_digests, load_batches, take_over, Batch};
+use super::claims::{destination_digests, insert_steps, load_batches, take_over, Batch};
 use super::lane::{move_to_lane, LaneClaim, LaneMove, LaneState};
 use crate::error::store_err;
 use crate::pg::PgStore;
@@ -60,6 +60,11 @@ pub(super) async fn in_lane(tx: &mut Transaction<'static, Postgres>, ids: &[&str
         return Ok(BTreeSet::new());
     }
     Ok(sqlx::query_scalar("SELECT event_id FROM outbox_events WHERE event_id = ANY($1)").bind(ids).fetch_all(&mut **tx).await.map_err(store_err)?.into_iter().collect())
+}
+
+/// Every event of `batches`.
+pub(super) fn batch_events<'a>(batches: impl Iterator<Item = &'a Batch>) -> Vec<&'a str> {
+    batches.flat_map(|b| b.event_ids.iter().map(String::as_str)).collect()
 }
 
 /// The moves to the lane that take `index` of `batch` off the happy path in
@@ -122,11 +127,11 @@ impl PgStore {
         let batch_ids: Vec<i64> = wanted.iter().map(|w| w.1).collect::<BTreeSet<_>>().into_iter().collect();
         let leases = lock_leases(&mut tx, &batch_ids, true).await?;
         let batches = load_batches(&mut tx, &batch_ids, true).await?;
+        let digests = destination_digests(&mut tx, &batch_events(batches.values())).await?;
         let mut moves = Vec::new();
         for (event, batch) in wanted {
             let Some(b) = batches.get(&batch) else { continue };
             let Some(index) = b.event_ids.iter().position(|e| e == event) else { continue };
-            let digests = destination_digests(&mut tx, &b.event_ids.iter().map(String::as_str).collect::<Vec<_>>()).await?;
             moves.extend(moves_for(b, index, leases.get(&batch), &digests)?);
         }
         move_to_lane(&mut tx, &moves, self.now_ms()).await?;
@@ -146,10 +151,10 @@ impl PgStore {
         let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
         let digests = destination_digests(&mut tx, &ids).await?;
         let mut out = Vec::with_capacity(tokens.len());
-        let mut steps: BTreeMap<i64, Vec<i32>> = BTreeMap::new();
+        let mut steps: BTreeMap<i64, Vec<usize>> = BTreeMap::new();
         for t in tokens {
             let batch_id = t.claim_generation as i64;
-            let decided = (|| -> Result<AttemptRecord, StoreError> {
+            let decided = (|| -> Result<(usize, AttemptRecord), StoreError> {
                 // A batch that does not hold the event: a generation never granted for it.
                 let unknown = || -> StoreError {
                     if digests.contains_key(t.event_id.as_str()) {
@@ -166,46 +171,19 @@ impl PgStore {
                 }
                 check_lease(&lease.core(b.bucket), &t.owner, b.lease_generation as u64, now, true)?;
                 let f = b.facts[index];
-                if !f.handed || f.registered || steps.get(&batch_id).is_some_and(|p| p.contains(&(index as i32))) {
+                if !f.handed || f.registered || steps.get(&batch_id).is_some_and(|p| p.contains(&index)) {
                     let from = if f.registered { EventState::Sending } else { EventState::Pending };
                     return Err(CoreError::IllegalTransition { from, to: EventState::Sending }.into());
                 }
-                let a = b.attempt(index, digests.get(t.event_id.as_str()).cloned().unwrap_or_default())?;
-                Ok(AttemptRecord {
-                    attempt_id: a.attempt_id.parse()?,
-                    event_id: t.event_id.clone(),
-                    envelope_generation: 1,
-                    attempt_generation: 1,
-                    claim_generation: t.claim_generation,
-                    owner: t.owner.clone(),
-                    state: AttemptState::Sending,
-                    destination_digest: a.destination_digest,
-                    started_at_ms: a.started_at_ms,
-                    send_deadline_ms: Some(lease.lease_until_ms),
-                    scan_from_offset: a.scan_from,
-                    scan_anchor: a.scan_anchor.map(|s| s.parse()).transpose()?,
-                    scan_anchor_attempt: a.scan_anchor_attempt.map(|s| s.parse()).transpose()?,
-                })
+                let digest = digests.get(t.event_id.as_str()).cloned().unwrap_or_default();
+                Ok((index, b.attempt_record(index, t.event_id.as_str(), digest, AttemptState::Sending, Some(lease.lease_until_ms))?))
             })();
-            if decided.is_ok() {
-                steps.entry(batch_id).or_default().push(batches[&batch_id].event_ids.iter().position(|e| e == t.event_id.as_str()).unwrap_or_default() as i32);
-            }
-            out.push(decided);
+            out.push(decided.map(|(index, record)| {
+                steps.entry(batch_id).or_default().push(index);
+                record
+            }));
         }
-        if !steps.is_empty() {
-            sqlx::query(
-                "INSERT INTO outbox_batch_steps (batch_id, kind, round, positions, at_ms)
-                 SELECT t.batch_id, 'registered', coalesce((SELECT max(s.round) FROM outbox_batch_steps s WHERE s.batch_id = t.batch_id AND s.kind = 'registered'), 0) + 1,
-                        t.positions::int[], $3
-                 FROM UNNEST($1::bigint[], $2::text[]) AS t(batch_id, positions)",
-            )
-            .bind(steps.keys().copied().collect::<Vec<_>>())
-            .bind(steps.values().map(|p| format!("{{{}}}", p.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","))).collect::<Vec<_>>())
-            .bind(now)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_err)?;
-        }
+        insert_steps(&mut tx, "registered", &steps.into_iter().collect::<Vec<_>>(), now).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(out)
     }
@@ -293,22 +271,8 @@ impl PgStore {
             return Ok(Vec::new());
         }
         let digests = destination_digests(&mut tx, &[event_id]).await?;
-        let a = b.attempt(index, digests.get(event_id).cloned().unwrap_or_default())?;
-        Ok(vec![AttemptRecord {
-            attempt_id: a.attempt_id.parse()?,
-            event_id: event_id.parse()?,
-            envelope_generation: 1,
-            attempt_generation: 1,
-            claim_generation: b.id as u64,
-            owner: b.owner.clone(),
-            state: if acked { AttemptState::Acked } else { AttemptState::Sending },
-            destination_digest: a.destination_digest,
-            started_at_ms: a.started_at_ms,
-            send_deadline_ms: None,
-            scan_from_offset: a.scan_from,
-            scan_anchor: a.scan_anchor.map(|s| s.parse()).transpose()?,
-            scan_anchor_attempt: a.scan_anchor_attempt.map(|s| s.parse()).transpose()?,
-        }])
+        let state = if acked { AttemptState::Acked } else { AttemptState::Sending };
+        Ok(vec![b.attempt_record(index, event_id, digests.get(event_id).cloned().unwrap_or_default(), state, None)?])
     }
 }
 
