@@ -671,6 +671,19 @@ async fn fill_floors(tx: &mut Transaction<'static, Postgres>, floors: &mut [(Str
         return Ok(());
     }
     let g = |e: sqlx::Error| store_err(e);
+    // Batches of one claim share their logs: each log is read once.
+    let mut unique: Vec<usize> = Vec::new();
+    let mut slot_of: Vec<usize> = Vec::with_capacity(floors.len());
+    {
+        let mut seen: HashMap<(&str, &str, Option<&str>, i32), usize> = HashMap::new();
+        for (i, (cluster, f)) in floors.iter().enumerate() {
+            let at = *seen.entry((cluster.as_str(), f.topic.as_str(), f.topic_id.as_deref(), f.partition)).or_insert_with(|| {
+                unique.push(i);
+                unique.len() - 1
+            });
+            slot_of.push(at);
+        }
+    }
     let rows = sqlx::query(
         "SELECT (p.ord - 1)::int AS i, coalesce(top.\"offset\" + 1, 0) AS scan_from, top.event_id, top.attempt_id
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int[]) WITH ORDINALITY AS p(cluster_id, topic, topic_id, partition, ord)
@@ -684,20 +697,25 @@ async fn fill_floors(tx: &mut Transaction<'static, Postgres>, floors: &mut [(Str
               ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
          ) top ON true",
     )
-    .bind(floors.iter().map(|f| f.0.as_str()).collect::<Vec<_>>())
-    .bind(floors.iter().map(|f| f.1.topic.as_str()).collect::<Vec<_>>())
-    .bind(floors.iter().map(|f| f.1.topic_id.as_deref()).collect::<Vec<_>>())
-    .bind(floors.iter().map(|f| f.1.partition).collect::<Vec<_>>())
+    .bind(unique.iter().map(|i| floors[*i].0.as_str()).collect::<Vec<_>>())
+    .bind(unique.iter().map(|i| floors[*i].1.topic.as_str()).collect::<Vec<_>>())
+    .bind(unique.iter().map(|i| floors[*i].1.topic_id.as_deref()).collect::<Vec<_>>())
+    .bind(unique.iter().map(|i| floors[*i].1.partition).collect::<Vec<_>>())
     .fetch_all(&mut **tx)
     .await
     .map_err(g)?;
+    let mut found: Vec<(i64, Option<String>, Option<String>)> = vec![(0, None, None); unique.len()];
     for r in rows {
         let i: i32 = r.try_get("i").map_err(g)?;
-        if let Some((_, f)) = floors.get_mut(i as usize) {
-            f.scan_from = r.try_get("scan_from").map_err(g)?;
-            f.anchor = r.try_get("event_id").map_err(g)?;
-            f.anchor_attempt = r.try_get("attempt_id").map_err(g)?;
+        if let Some(slot) = found.get_mut(i as usize) {
+            *slot = (r.try_get("scan_from").map_err(g)?, r.try_get("event_id").map_err(g)?, r.try_get("attempt_id").map_err(g)?);
         }
+    }
+    for ((_, f), at) in floors.iter_mut().zip(slot_of) {
+        let (scan_from, anchor, anchor_attempt) = found[at].clone();
+        f.scan_from = scan_from;
+        f.anchor = anchor;
+        f.anchor_attempt = anchor_attempt;
     }
     Ok(())
 }
