@@ -415,6 +415,20 @@ async fn run(args: &Args, db: &ScratchDb) -> anyhow::Result<()> {
             sum(|m| m.head_scans.load(std::sync::atomic::Ordering::Relaxed))
         );
     }
+    {
+        // Where a batch's time goes: the mean of each phase over every
+        // instance (a claim waits for the instance's claim turn).
+        let mean = |f: fn(&outbox_producer::observe::DispatchHistograms) -> (f64, u64)| -> f64 {
+            let (sum, count) = dispatchers.iter().map(|d| f(&d.metrics().histograms)).fold((0.0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+            1_000.0 * sum / count.max(1) as f64
+        };
+        eprintln!(
+            "# phases (mean ms): claim {:.1} ; receipt transaction {:.1} ; batch (claim to last answer) {:.1}",
+            mean(|h| (h.claim.get_sample_sum(), h.claim.get_sample_count())),
+            mean(|h| (h.receipt_transaction.get_sample_sum(), h.receipt_transaction.get_sample_count())),
+            mean(|h| (h.batch.get_sample_sum(), h.batch.get_sample_count())),
+        );
+    }
     if args.instances > 1 {
         let counts: Vec<String> = dispatchers.iter().enumerate().map(|(i, d)| format!("bench{i}={}", d.metrics().published.load(std::sync::atomic::Ordering::Relaxed))).collect();
         eprintln!("# published per instance: {}", counts.join(" "));

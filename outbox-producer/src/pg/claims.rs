@@ -98,7 +98,8 @@ impl PgStore {
         let mut claimed = self.claim_in(&mut tx, sql, owner, limit, lease_ms, from, events, &mut 0).await?;
         if from == EventState::Pending && events.is_none() {
             // The stream's batches (schema section 17), after the lane's events.
-            let stream = self.claim_stream_in(&mut tx, owner, limit - claimed.len().min(limit), lease_ms).await?;
+            let (path, _) = self.claim_paths(&mut tx).await?;
+            let stream = self.claim_stream_in(&mut tx, path, owner, limit - claimed.len().min(limit), lease_ms).await?;
             claimed.extend(stream);
         }
         tx.commit().await.map_err(store_err)?;
@@ -150,11 +151,14 @@ impl PgStore {
     pub async fn claim_next(&self, owner: &str, after: &[EventId], scan_due: bool, limit: usize, lease_ms: i64) -> Result<ClaimRound, StoreError> {
         validate_claim(owner, lease_ms)?;
         let mut tx = self.begin().await?;
-        link_arrivals(&mut tx, limit).await?;
+        let (path, lane_busy) = self.claim_paths(&mut tx).await?;
         let mut quarantined = 0;
-        let retries = self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None, &mut quarantined).await?;
-        let mut round = ClaimRound { claimed: retries, successor_claim: false, head_scan: false, quarantined: 0 };
-        if round.claimed.len() < limit {
+        let mut round = ClaimRound { claimed: Vec::new(), successor_claim: false, head_scan: false, quarantined: 0 };
+        if lane_busy {
+            link_arrivals(&mut tx, limit).await?;
+            round.claimed = self.claim_in(&mut tx, &CLAIM_RETRIES, owner, limit, lease_ms, EventState::RetryClaimed, None, &mut quarantined).await?;
+        }
+        if lane_busy && round.claimed.len() < limit {
             let mut scan = scan_due;
             if !scan {
                 let found = self
@@ -176,7 +180,7 @@ impl PgStore {
             }
         }
         // The stream's batches (schema section 17), after the lane's events.
-        let stream = self.claim_stream_in(&mut tx, owner, limit - round.claimed.len().min(limit), lease_ms).await?;
+        let stream = self.claim_stream_in(&mut tx, path, owner, limit - round.claimed.len().min(limit), lease_ms).await?;
         round.claimed.extend(stream);
         tx.commit().await.map_err(store_err)?;
         round.quarantined = quarantined;

@@ -29,6 +29,8 @@ struct BucketRow {
     after_seq: i64,
     window_done: bool,
     open_batch: Option<i64>,
+    /// The claim's snapshot (the same on every row), a new window's cut.
+    snapshot: String,
     /// The holder before this claim.
     held_by: Option<String>,
     dirty: bool,
@@ -145,23 +147,51 @@ pub(super) async fn load_batches(tx: &mut Transaction<'static, Postgres>, ids: &
         return Ok(out);
     }
     let g = |e: sqlx::Error| store_err(e);
+    // One statement: each batch with, per event, whether it has a receipt
+    // or a lane row (when `settled`), and its positions of each step kind.
     for r in sqlx::query(
-        "SELECT id, cluster_id, bucket, lease_generation, owner, event_ids, keys, floor_of, floors, cut_at_ms, registered_db_ms
-         FROM outbox_batches WHERE id = ANY($1)",
+        "SELECT b.id, b.cluster_id, b.bucket, b.lease_generation, b.owner, b.event_ids, b.keys, b.floor_of, b.floors, b.cut_at_ms, b.registered_db_ms,
+                CASE WHEN $2 THEN ARRAY(SELECT EXISTS (SELECT 1 FROM outbox_publish_receipts p WHERE p.event_id = x.event_id AND p.envelope_generation = 1)
+                                        FROM unnest(b.event_ids) WITH ORDINALITY AS x(event_id, pos) ORDER BY x.pos) END AS receipted,
+                CASE WHEN $2 THEN ARRAY(SELECT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = x.event_id)
+                                        FROM unnest(b.event_ids) WITH ORDINALITY AS x(event_id, pos) ORDER BY x.pos) END AS in_lane,
+                ARRAY(SELECT p FROM outbox_batch_steps s CROSS JOIN unnest(s.positions) p WHERE s.batch_id = b.id AND s.kind = 'registered') AS registered,
+                ARRAY(SELECT p FROM outbox_batch_steps s CROSS JOIN unnest(s.positions) p WHERE s.batch_id = b.id AND s.kind = 'handed') AS handed
+         FROM outbox_batches b WHERE b.id = ANY($1)",
     )
     .bind(ids)
+    .bind(settled)
     .fetch_all(&mut **tx)
     .await
     .map_err(g)?
     {
         let event_ids: Vec<String> = r.try_get("event_ids").map_err(g)?;
         let floors: Vec<Floor> = serde_json::from_value(r.try_get("floors").map_err(g)?).map_err(|e| CoreError::InvalidEncoding(format!("batch floors: {e}")))?;
+        let mut facts = vec![Facts::default(); event_ids.len()];
+        let receipted: Option<Vec<bool>> = r.try_get("receipted").map_err(g)?;
+        let in_lane: Option<Vec<bool>> = r.try_get("in_lane").map_err(g)?;
+        for (f, x) in facts.iter_mut().zip(receipted.unwrap_or_default()) {
+            f.receipted = x;
+        }
+        for (f, x) in facts.iter_mut().zip(in_lane.unwrap_or_default()) {
+            f.in_lane = x;
+        }
+        for p in r.try_get::<Vec<i32>, _>("registered").map_err(g)? {
+            if let Some(f) = facts.get_mut(p as usize) {
+                f.registered = true;
+            }
+        }
+        for p in r.try_get::<Vec<i32>, _>("handed").map_err(g)? {
+            if let Some(f) = facts.get_mut(p as usize) {
+                f.handed = true;
+            }
+        }
         let b = Batch {
             id: r.try_get("id").map_err(g)?,
             bucket: r.try_get("bucket").map_err(g)?,
             lease_generation: r.try_get("lease_generation").map_err(g)?,
             owner: r.try_get("owner").map_err(g)?,
-            facts: vec![Facts::default(); event_ids.len()],
+            facts,
             event_ids,
             keys: r.try_get("keys").map_err(g)?,
             floor_of: r.try_get("floor_of").map_err(g)?,
@@ -170,42 +200,6 @@ pub(super) async fn load_batches(tx: &mut Transaction<'static, Postgres>, ids: &
             registered_db_ms: r.try_get("registered_db_ms").map_err(g)?,
         };
         out.insert(b.id, b);
-    }
-    // Receipts and lane rows, one probe each per event; the steps per batch.
-    let settled_ids: &[i64] = if settled { ids } else { &[] };
-    for r in sqlx::query(
-        "SELECT b.id, (x.pos - 1)::int AS pos,
-                EXISTS (SELECT 1 FROM outbox_publish_receipts p WHERE p.event_id = x.event_id AND p.envelope_generation = 1) AS receipted,
-                EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = x.event_id) AS in_lane
-         FROM outbox_batches b CROSS JOIN LATERAL unnest(b.event_ids) WITH ORDINALITY AS x(event_id, pos)
-         WHERE b.id = ANY($1)",
-    )
-    .bind(settled_ids)
-    .fetch_all(&mut **tx)
-    .await
-    .map_err(g)?
-    {
-        let id: i64 = r.try_get("id").map_err(g)?;
-        let pos: i32 = r.try_get("pos").map_err(g)?;
-        if let Some(f) = out.get_mut(&id).and_then(|b| b.facts.get_mut(pos as usize)) {
-            f.receipted = r.try_get("receipted").map_err(g)?;
-            f.in_lane = r.try_get("in_lane").map_err(g)?;
-        }
-    }
-    for r in sqlx::query("SELECT batch_id, kind, positions FROM outbox_batch_steps WHERE batch_id = ANY($1)").bind(ids).fetch_all(&mut **tx).await.map_err(g)? {
-        let id: i64 = r.try_get("batch_id").map_err(g)?;
-        let kind: &str = r.try_get("kind").map_err(g)?;
-        let positions: Vec<i32> = r.try_get("positions").map_err(g)?;
-        if let Some(b) = out.get_mut(&id) {
-            for p in positions {
-                if let Some(f) = b.facts.get_mut(p as usize) {
-                    match kind {
-                        "registered" => f.registered = true,
-                        _ => f.handed = true,
-                    }
-                }
-            }
-        }
     }
     Ok(out)
 }
@@ -275,12 +269,32 @@ struct NewBatch {
 }
 
 impl PgStore {
-    /// The stream's share of a claim of up to `limit` events by `owner`, in
-    /// `tx`: nothing unless the dispatch path is the stream.
-    pub(crate) async fn claim_stream_in(&self, tx: &mut Transaction<'static, Postgres>, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let path: String = sqlx::query_scalar("SELECT dispatch_path FROM outbox_settings").fetch_one(&mut **tx).await.map_err(store_err)?;
+    /// The first read of a claim: the dispatch path, and whether the chains
+    /// machinery may have anything to claim (always on the chains path; on
+    /// the stream, only while the exception lane holds arrivals to link,
+    /// PENDING or retry events, or claimable chain heads). A claim on the
+    /// stream with a quiet lane skips the chains path's four statements.
+    pub(crate) async fn claim_paths(&self, tx: &mut Transaction<'static, Postgres>) -> Result<(DispatchPath, bool), StoreError> {
+        let (path, lane_busy): (String, bool) = sqlx::query_as(
+            "SELECT s.dispatch_path,
+                    s.dispatch_path <> 'stream'
+                    OR EXISTS (SELECT 1 FROM outbox_chain_arrivals)
+                    OR EXISTS (SELECT 1 FROM outbox_events WHERE phase = 'RETRY_CLAIMED')
+                    OR EXISTS (SELECT 1 FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox')
+                    OR EXISTS (SELECT 1 FROM outbox_chain_heads WHERE claimable_at_ms IS NOT NULL)
+             FROM outbox_settings s",
+        )
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(store_err)?;
         let path = DispatchPath::parse(&path).unwrap_or(DispatchPath::Chains);
         self.path_seen.set(path);
+        Ok((path, lane_busy))
+    }
+
+    /// The stream's share of a claim of up to `limit` events by `owner`, in
+    /// `tx`: nothing unless the dispatch path is the stream.
+    pub(crate) async fn claim_stream_in(&self, tx: &mut Transaction<'static, Postgres>, path: DispatchPath, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
         if path != DispatchPath::Stream || limit == 0 {
             return Ok(Vec::new());
         }
@@ -300,7 +314,8 @@ impl PgStore {
         }
         let g = |e: sqlx::Error| store_err(e);
         let mut buckets: Vec<BucketRow> = sqlx::query(
-            "SELECT cluster_id, bucket, owner, generation, lease_until_ms, prev_cut::text AS prev_cut, cut::text AS cut, after_seq, window_done, open_batch
+            "SELECT cluster_id, bucket, owner, generation, lease_until_ms, prev_cut::text AS prev_cut, cut::text AS cut, after_seq, window_done, open_batch,
+                    pg_current_snapshot()::text AS snapshot
              FROM outbox_bucket_leases
              WHERE ($1::text IS NULL OR cluster_id = $1) AND (owner = $2 OR owner IS NULL OR lease_until_ms <= $3)
              ORDER BY cluster_id, bucket FOR UPDATE SKIP LOCKED",
@@ -324,6 +339,7 @@ impl PgStore {
                 after_seq: r.try_get("after_seq")?,
                 window_done: r.try_get("window_done")?,
                 open_batch: r.try_get("open_batch")?,
+                snapshot: r.try_get("snapshot")?,
                 held_by: r.try_get("owner")?,
                 dirty: false,
             })
@@ -393,7 +409,7 @@ impl PgStore {
         let mut to_lane: Vec<LaneMove> = Vec::new();
         let candidates: Vec<usize> = (0..buckets.len()).filter(|i| buckets[*i].open_batch.is_none()).collect();
         if remaining > 0 && !candidates.is_empty() {
-            let snapshot: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text").fetch_one(&mut **tx).await.map_err(g)?;
+            let snapshot = buckets[0].snapshot.clone();
             let windows: Vec<(String, String, i64)> = candidates
                 .iter()
                 .map(|i| {
