@@ -1641,6 +1641,24 @@ CREATE TABLE outbox_batch_steps (
 CREATE TRIGGER outbox_batch_steps_frozen BEFORE UPDATE OR DELETE ON outbox_batch_steps
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
 
+-- The bucket leases a claim by p_owner may hold: its own, the vacant and
+-- the run out, locked (a concurrent claim skips them: each bucket is cut
+-- by one claim at a time, which is what fences the lease row's writes),
+-- with the claim's snapshot (a new window's cut).
+CREATE FUNCTION outbox_stream_claim_leases(p_scope text, p_owner text, p_now bigint)
+    RETURNS TABLE (cluster_id text, bucket smallint, owner text, generation bigint, lease_until_ms bigint, prev_cut text, cut text,
+                   after_seq bigint, window_done boolean, open_batch bigint, snapshot text)
+    LANGUAGE sql VOLATILE
+    SET search_path FROM CURRENT
+AS $$
+    SELECT l.cluster_id::text, l.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut::text, l.cut::text, l.after_seq, l.window_done,
+           l.open_batch, pg_current_snapshot()::text
+    FROM outbox_bucket_leases l
+    WHERE (p_scope IS NULL OR l.cluster_id = p_scope) AND (l.owner = p_owner OR l.owner IS NULL OR l.lease_until_ms <= p_now)
+    ORDER BY l.cluster_id, l.bucket
+    FOR UPDATE SKIP LOCKED
+$$;
+
 -- The next events of each bucket's window, buckets in the order given,
 -- at most `p_per_bucket` of each and `p_limit` in all: for the i-th bucket, its events whose
 -- transaction is visible in p_cut[i] and not in p_prev[i] (the batch rule,

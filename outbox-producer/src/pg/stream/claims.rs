@@ -314,11 +314,7 @@ impl PgStore {
         }
         let g = |e: sqlx::Error| store_err(e);
         let mut buckets: Vec<BucketRow> = sqlx::query(
-            "SELECT cluster_id, bucket, owner, generation, lease_until_ms, prev_cut::text AS prev_cut, cut::text AS cut, after_seq, window_done, open_batch,
-                    pg_current_snapshot()::text AS snapshot
-             FROM outbox_bucket_leases
-             WHERE ($1::text IS NULL OR cluster_id = $1) AND (owner = $2 OR owner IS NULL OR lease_until_ms <= $3)
-             ORDER BY cluster_id, bucket FOR UPDATE SKIP LOCKED",
+            "SELECT * FROM outbox_stream_claim_leases($1, $2, $3)",
         )
         .bind(self.cluster_scope.as_deref())
         .bind(owner)
