@@ -39,3 +39,39 @@ async fn many_keys_in_one_transaction_drain_on_the_stream(pool: PgPool) {
     each_once_in_log(&cluster, &ids);
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 0, "an event left the happy path");
 }
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn events_emitted_on_the_stream_drain_after_the_path_is_switched_back_to_chains(pool: PgPool) {
+    // Events take the path of the moment they are emitted, and drain on
+    // it whatever the setting says later: a switch back to the chains path
+    // does not strand the stream's backlog.
+    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
+    let (cluster, _probe) = started(&pool, 5_000).await;
+    let mut ids = emit_many(&pool, 10, 5).await;
+    // An emit that read the stream setting and commits after the switch.
+    let mut late = pool.begin().await.unwrap();
+    let late_payload = outbox_tests::order_payload("late", 1);
+    let late_req = outbox_tests::order_request("late-command", "late-order", &late_payload);
+    let late_id = outbox_producer::emit(&mut late, &late_req, &outbox_producer::EmitOptions::default()).await.unwrap().event_id().to_string();
+    outbox_producer::set_dispatch_path(&pool, DispatchPath::Chains).await.unwrap();
+    late.commit().await.unwrap();
+    ids.push(late_id);
+    for n in 0..50 {
+        // Other orders (keys): a key's chains events do not wait for its
+        // stream events (README, "The stream path").
+        let (order, payload) = (format!("later-o-{}", n % 10), outbox_tests::order_payload("x", n));
+        let command = format!("later-{n}");
+        let req = outbox_core::EmitRequest { aggregate_version: n / 10, ..outbox_tests::order_request(&command, &order, &payload) };
+        let mut tx = pool.begin().await.unwrap();
+        ids.push(outbox_producer::emit(&mut tx, &req, &outbox_producer::EmitOptions::default()).await.unwrap().event_id().to_string());
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_stream").await, 51);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 50);
+    run_two_dispatchers(&pool, &cluster, ids.len() as i64, config("d")).await;
+    each_once_in_log(&cluster, &ids);
+    for id in &ids {
+        let state: String = sqlx::query_scalar("SELECT outbox_event_state($1)").bind(id).fetch_one(&pool).await.unwrap();
+        assert_eq!(state, "PUBLISHED", "{id}");
+    }
+}

@@ -228,6 +228,22 @@ pub(super) async fn take_over(tx: &mut Transaction<'static, Postgres>, batches: 
     move_to_lane(tx, &moves, now).await.map(|m| m.len())
 }
 
+/// Gives every cluster routed to (of `scope`, or all) its buckets' lease
+/// rows, which the claims find work by.
+pub(super) async fn ensure_leases<'e>(executor: impl sqlx::PgExecutor<'e>, scope: Option<&str>) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO outbox_bucket_leases (cluster_id, bucket)
+         SELECT c.cluster_id, b::smallint FROM (SELECT DISTINCT cluster_id FROM outbox_route_policies WHERE $1::text IS NULL OR cluster_id = $1) c
+         CROSS JOIN generate_series(0, 63) b
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(scope)
+    .execute(executor)
+    .await
+    .map_err(store_err)?;
+    Ok(())
+}
+
 /// The frozen destination digest of stream events.
 pub(super) async fn destination_digests(tx: &mut Transaction<'static, Postgres>, ids: &[&str]) -> Result<HashMap<String, String>, StoreError> {
     if ids.is_empty() {
@@ -269,14 +285,24 @@ struct NewBatch {
 }
 
 impl PgStore {
-    /// The first read of a claim: the dispatch path, and whether the chains
-    /// machinery may have anything to claim (always on the chains path; on
-    /// the stream, only while the exception lane holds arrivals to link,
-    /// PENDING or retry events, or claimable chain heads). A claim on the
-    /// stream with a quiet lane skips the chains path's four statements.
+    /// The first read of a claim: whether the stream may have anything to
+    /// claim (it is the dispatch path, or it still holds events not yet
+    /// cut, open batches, or a window not read to its end: events emitted
+    /// on the stream drain on it after a switch back to the chains path,
+    /// whatever commits late), and whether the chains machinery may (always
+    /// on the chains path; on the stream, only while the exception lane
+    /// holds arrivals to link, PENDING or retry events, or claimable chain
+    /// heads). A claim on the stream with a quiet lane skips the chains
+    /// path's four statements.
     pub(crate) async fn claim_paths(&self, tx: &mut Transaction<'static, Postgres>) -> Result<(DispatchPath, bool), StoreError> {
-        let (path, lane_busy): (String, bool) = sqlx::query_as(
-            "SELECT s.dispatch_path,
+        let (stream, lane_busy): (bool, bool) = sqlx::query_as(
+            "SELECT s.dispatch_path = 'stream'
+                    OR EXISTS (SELECT 1 FROM outbox_bucket_leases l
+                               WHERE ($1::text IS NULL OR l.cluster_id = $1)
+                                 AND (l.open_batch IS NOT NULL OR NOT l.window_done
+                                      OR EXISTS (SELECT 1 FROM outbox_stream x
+                                                 WHERE x.cluster_id = l.cluster_id AND x.bucket = l.bucket
+                                                   AND x.xid >= pg_snapshot_xmin(l.cut) AND NOT pg_visible_in_snapshot(x.xid, l.cut)))),
                     s.dispatch_path <> 'stream'
                     OR EXISTS (SELECT 1 FROM outbox_chain_arrivals)
                     OR EXISTS (SELECT 1 FROM outbox_events WHERE phase = 'RETRY_CLAIMED')
@@ -284,33 +310,24 @@ impl PgStore {
                     OR EXISTS (SELECT 1 FROM outbox_chain_heads WHERE claimable_at_ms IS NOT NULL)
              FROM outbox_settings s",
         )
+        .bind(self.cluster_scope.as_deref())
         .fetch_one(&mut **tx)
         .await
         .map_err(store_err)?;
-        let path = DispatchPath::parse(&path).unwrap_or(DispatchPath::Chains);
+        let path = if stream { DispatchPath::Stream } else { DispatchPath::Chains };
         self.path_seen.set(path);
         Ok((path, lane_busy))
     }
 
     /// The stream's share of a claim of up to `limit` events by `owner`, in
-    /// `tx`: nothing unless the dispatch path is the stream.
+    /// `tx`: nothing unless the stream may have work (`claim_paths`).
     pub(crate) async fn claim_stream_in(&self, tx: &mut Transaction<'static, Postgres>, path: DispatchPath, owner: &str, limit: usize, lease_ms: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
         if path != DispatchPath::Stream || limit == 0 {
             return Ok(Vec::new());
         }
         let now = self.now_ms();
         if self.stream_rounds.fetch_add(1, AtomicOrdering::Relaxed).is_multiple_of(256) {
-            // Every cluster routed to has its buckets' lease rows.
-            sqlx::query(
-                "INSERT INTO outbox_bucket_leases (cluster_id, bucket)
-                 SELECT c.cluster_id, b::smallint FROM (SELECT DISTINCT cluster_id FROM outbox_route_policies WHERE $1::text IS NULL OR cluster_id = $1) c
-                 CROSS JOIN generate_series(0, 63) b
-                 ON CONFLICT DO NOTHING",
-            )
-            .bind(self.cluster_scope.as_deref())
-            .execute(&mut **tx)
-            .await
-            .map_err(store_err)?;
+            ensure_leases(&mut **tx, self.cluster_scope.as_deref()).await?;
         }
         let g = |e: sqlx::Error| store_err(e);
         let mut buckets: Vec<BucketRow> = sqlx::query(

@@ -69,9 +69,16 @@ impl DispatchPath {
 }
 
 /// Sets the path the events emitted from now on take. Events already
-/// emitted drain on the path they were emitted on.
+/// emitted drain on the path they were emitted on: a claim keeps reading
+/// the stream, whatever the setting, while it holds events not yet cut
+/// into a batch (an emit that read the old setting may commit after the
+/// switch).
 pub async fn set_dispatch_path(pool: &PgPool, path: DispatchPath) -> Result<(), StoreError> {
-    sqlx::query("UPDATE outbox_settings SET dispatch_path = $1").bind(path.as_str()).execute(pool).await.map_err(store_err)?;
+    let mut tx = pool.begin().await.map_err(store_err)?;
+    // The buckets' lease rows, by which a claim finds the stream's work.
+    claims::ensure_leases(&mut *tx, None).await?;
+    sqlx::query("UPDATE outbox_settings SET dispatch_path = $1").bind(path.as_str()).execute(&mut *tx).await.map_err(store_err)?;
+    tx.commit().await.map_err(store_err)?;
     Ok(())
 }
 
