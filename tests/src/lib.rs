@@ -113,6 +113,10 @@ pub fn order_request<'a>(command_key: &'a str, id: &'a str, payload: &'a [u8]) -
 
 pub mod dispatch;
 
+pub mod concurrent;
+
+pub mod sql_mutations;
+
 pub mod kafka {
     //! Kafka-side helpers: an in-process Kafka-protocol cluster (librdkafka's
     //! mock cluster) or an external one from `OUTBOX_TEST_KAFKA_BOOTSTRAP`,

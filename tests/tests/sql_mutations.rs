@@ -1,0 +1,87 @@
+//! The stream's SQL under deliberate defects (`outbox_tests::sql_mutations`):
+//! each rewrites one function of the installed schema, and the concurrent
+//! checker (`outbox_tests::concurrent`), run over the defective database,
+//! must report the violation the defect causes. A mutation the checker
+//! does not catch fails here. `stream-sql-lane-state-dropped` has no
+//! workload here yet that puts a key's event in the exception lane while
+//! its later events wait on the stream (it is applied, not yet caught).
+
+use std::time::Duration;
+
+use outbox_producer::DispatchPath;
+use outbox_tests::concurrent::{run_checker, CheckerConfig};
+use outbox_tests::sql_mutations::{events_in_two_batches, sql_mutation, SQL_MUTATIONS};
+use sqlx::PgPool;
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn every_sql_mutation_finds_its_fragment_once_and_installs(pool: PgPool) {
+    for m in SQL_MUTATIONS {
+        m.apply(&pool).await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    // The rewritten functions run.
+    sqlx::query("SELECT * FROM outbox_stream_window('{}'::text[], '{}'::smallint[], '{}'::pg_snapshot[], '{}'::pg_snapshot[], '{}'::bigint[], 1, 1, 1)")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT * FROM outbox_stream_claim_leases(NULL, 'o', 0)").fetch_all(&pool).await.unwrap();
+}
+
+/// A calm workload: overlapping, aborted and one long transaction, two
+/// dispatchers, no faults (`the_checker_sees_a_lost_event` holds it green).
+fn calm() -> CheckerConfig {
+    CheckerConfig {
+        events: 240,
+        emit_for: Duration::from_secs(3),
+        faults: false,
+        migrations: false,
+        retention: false,
+        long_transaction: true,
+        settle_for: Duration::from_secs(15),
+        ..CheckerConfig::bounded()
+    }
+}
+
+/// Runs the checker on the stream over a database with the defect `name`
+/// under `cfg`, and expects a violation of the kind the catalogue names.
+async fn caught(pool: PgPool, name: &str, cfg: CheckerConfig) {
+    let m = sql_mutation(name).expect("a catalogued mutation");
+    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
+    m.apply(&pool).await.unwrap_or_else(|e| panic!("{e}"));
+    let verdict = run_checker(&pool, &cfg).await;
+    let mut violations = verdict.violations;
+    violations.extend(events_in_two_batches(&pool).await);
+    eprintln!("{name}: {} violations, e.g. {:?}", violations.len(), violations.iter().take(5).collect::<Vec<_>>());
+    assert!(
+        violations.iter().any(|v| v.starts_with(&format!("{}:", m.caught_as))),
+        "the checker did not catch {name} ({}) as {}: {violations:#?}\n{:#?}",
+        m.defect,
+        m.caught_as,
+        verdict.figures
+    );
+}
+
+/// The workload [`calm`] is green without a defect.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_checker_is_green_on_a_calm_stream(pool: PgPool) {
+    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
+    let verdict = run_checker(&pool, &calm()).await;
+    let mut violations = verdict.violations;
+    violations.extend(events_in_two_batches(&pool).await);
+    assert!(verdict.figures.long_transaction_events > 0 && verdict.figures.aborted > 0, "{:#?}", verdict.figures);
+    assert!(violations.is_empty(), "{violations:#?}");
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_checker_catches_a_reversed_order(pool: PgPool) {
+    caught(pool, "stream-sql-reversed-order", calm()).await;
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_checker_catches_an_unfenced_lease_write(pool: PgPool) {
+    caught(pool, "stream-sql-unfenced-lease-write", calm()).await;
+}
+
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_checker_catches_a_batch_cut_by_position(pool: PgPool) {
+    caught(pool, "stream-sql-cut-by-position", calm()).await;
+}
