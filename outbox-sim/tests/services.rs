@@ -338,3 +338,17 @@ fn the_gate_measures_unknown_resolution() {
     assert!(g.unknown_samples > 0 && g.unknown_max_ms >= g.unknown_p99_ms && g.unknown_p99_ms > 0, "{g:?}");
     assert!(g.pass(), "{}", g.figures.lines().join("\n"));
 }
+
+/// Events left behind a blocked head (a quarantined one, or an unknown
+/// outcome its log cannot answer) are settled for the gate, since the
+/// protocol blocks the key until an operator acts, but they are counted
+/// with their cause, not passed over: with the published, quarantined and
+/// reported events they account for every event.
+#[test]
+fn events_behind_a_blocked_head_are_counted_with_their_cause() {
+    let (f, failing, _) = run_services_gate(1, 300, None, 0);
+    assert!(f.clean(), "unmutated: {failing:?}\n{}", f.lines().join("\n"));
+    let blocked = f.blocked_behind_quarantined + f.blocked_behind_unprovable;
+    assert!(blocked > 0, "no event waited behind a blocked head in 300 traces:\n{}", f.lines().join("\n"));
+    assert_eq!(f.published + f.quarantined + f.unknown_reported + blocked, f.events, "{}", f.lines().join("\n"));
+}

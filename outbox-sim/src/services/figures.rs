@@ -43,6 +43,13 @@ service_figures! {
         published,
         /// Events quarantined.
         quarantined,
+        /// Events left waiting behind a QUARANTINED head at the end of a
+        /// trace (settled for the gate: the key is blocked until an
+        /// operator skips the head; each trace's log names the key).
+        blocked_behind_quarantined,
+        /// Events left waiting behind an unknown outcome whose log cannot
+        /// answer (a `log_unavailable` finding), likewise.
+        blocked_behind_unprovable,
         /// Attempts registered.
         attempts,
         /// Attempts whose outcome became unknown (and was resolved).

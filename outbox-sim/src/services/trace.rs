@@ -324,6 +324,8 @@ async fn trace(cfg: ServiceTraceConfig, mode: StoreMode, log: bool) -> ServiceOu
     tokio::task::yield_now().await;
 
     let mut w = world(&shared);
+    let reported: BTreeSet<String> = w.findings.iter().filter(|(k, _)| k == "log_unavailable").map(|(_, e)| e.clone()).collect();
+    report_blocked(&inner, &mut w, &reported);
     let mut violations = std::mem::take(&mut w.violations);
     if !settled {
         w.figures.stuck += 1;
@@ -430,24 +432,64 @@ fn scanned_to_end(store: &MemoryStore, w: &World) -> bool {
 /// unknown and reported (its log was truncated), or waiting behind such a
 /// predecessor on its key and destination (which holds the key by design).
 fn all_settled(store: &MemoryStore, reported: &BTreeSet<String>) -> bool {
+    blocked_keys(store, reported).is_some()
+}
+
+/// Why a key is blocked: its head waits for an operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockedBy {
+    /// The head is QUARANTINED (its copy in the log is not its payload).
+    Quarantined,
+    /// The head's outcome is unknown and its log cannot answer (a
+    /// `log_unavailable` finding): it can neither be proven nor migrated.
+    Unprovable,
+}
+
+/// A key held by a blocked head, and the events waiting behind it.
+#[derive(Debug, Clone)]
+struct BlockedKey {
+    key: (String, String),
+    head: String,
+    by: BlockedBy,
+    behind: u64,
+}
+
+/// When every event is settled or waits behind a blocked head, the blocked
+/// keys (with what blocks each and how many events wait); `None` while
+/// anything else is still open.
+fn blocked_keys(store: &MemoryStore, reported: &BTreeSet<String>) -> Option<Vec<BlockedKey>> {
     let st = store.lock();
-    let mut blocked_keys = BTreeSet::new();
+    let mut blocked: Vec<BlockedKey> = Vec::new();
     let mut by_seq: Vec<_> = st.events.values().collect();
     by_seq.sort_by_key(|e| e.seq);
     for ev in by_seq {
         let key = (ev.destination.topic.clone(), ev.destination.routing_key.clone());
+        let head = |by| BlockedKey { key: key.clone(), head: ev.envelope.event_id.to_string(), by, behind: 0 };
         match ev.state {
             // An operator's skip closed it: it holds no key.
             s if s.is_closed() => {}
-            EventState::Quarantined => {
-                blocked_keys.insert(key);
+            _ if blocked.iter().any(|b| b.key == key) && ev.state == EventState::Pending => {
+                if let Some(b) = blocked.iter_mut().find(|b| b.key == key) {
+                    b.behind += 1;
+                }
             }
-            EventState::DispatchUnknown | EventState::Reconciling if reported.contains(ev.envelope.event_id.as_str()) => {
-                blocked_keys.insert(key);
-            }
-            EventState::Pending if blocked_keys.contains(&key) => {}
-            _ => return false,
+            EventState::Quarantined => blocked.push(head(BlockedBy::Quarantined)),
+            EventState::DispatchUnknown | EventState::Reconciling if reported.contains(ev.envelope.event_id.as_str()) => blocked.push(head(BlockedBy::Unprovable)),
+            _ => return None,
         }
     }
-    true
+    Some(blocked)
+}
+
+/// Counts and names the events that wait behind blocked heads at the end
+/// of a trace: settled for the gate (the protocol blocks such a key until
+/// an operator acts), but not delivered, and reported with their cause.
+fn report_blocked(store: &MemoryStore, w: &mut World, reported: &BTreeSet<String>) {
+    for b in blocked_keys(store, reported).unwrap_or_default() {
+        match b.by {
+            BlockedBy::Quarantined => w.figures.blocked_behind_quarantined += b.behind,
+            BlockedBy::Unprovable => w.figures.blocked_behind_unprovable += b.behind,
+        }
+        w.note(|| format!("blocked: key {}/{}: {} events wait behind {} ({:?}) for an operator (outbox skip)", b.key.0, b.key.1, b.behind, b.head, b.by));
+    }
 }
