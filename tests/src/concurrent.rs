@@ -32,8 +32,7 @@
 //! for it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,12 +42,12 @@ use outbox_producer::{
     Reconciler, ReconcilerConfig, RetentionPolicy,
 };
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use sqlx::postgres::{PgPoolOptions, PgSslMode};
 use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::kafka::{read_topic, LogMessage, TestCluster};
+use crate::pg_proxy::CommitCutter;
 use crate::ORDER_CREATED;
 
 /// Partitions of each topic the checker writes.
@@ -302,7 +301,7 @@ impl Rng {
     }
 }
 
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
@@ -372,157 +371,6 @@ impl Shared {
     }
 }
 
-// ---------------------------------------------------------------- proxy
-
-/// A TCP proxy in front of PostgreSQL that loses the answers to some
-/// COMMITs: the COMMIT reaches the server, and the connection is closed
-/// before the server's answer reaches the client (the transaction is
-/// committed; the client sees a broken connection). The share is set with
-/// [`CommitCutter::set_per_mille`].
-struct CommitCutter {
-    addr: SocketAddr,
-    per_mille: Arc<AtomicU32>,
-    cuts: Arc<AtomicU64>,
-    /// COMMITs that went through.
-    seen: Arc<AtomicU64>,
-    accept: JoinHandle<()>,
-}
-
-impl CommitCutter {
-    async fn start(server: String, seed: u64) -> std::io::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let per_mille = Arc::new(AtomicU32::new(0));
-        let cuts = Arc::new(AtomicU64::new(0));
-        let draws = Arc::new(AtomicU64::new(seed));
-        let seen = Arc::new(AtomicU64::new(0));
-        let (p, c, s) = (per_mille.clone(), cuts.clone(), seen.clone());
-        let accept = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(upstream) = tokio::net::TcpStream::connect(server.as_str()).await else {
-                    continue;
-                };
-                tokio::spawn(proxy_session(
-                    client,
-                    upstream,
-                    p.clone(),
-                    c.clone(),
-                    draws.clone(),
-                    s.clone(),
-                ));
-            }
-        });
-        Ok(CommitCutter {
-            addr,
-            per_mille,
-            cuts,
-            seen,
-            accept,
-        })
-    }
-
-    fn set_per_mille(&self, n: u32) {
-        self.per_mille.store(n, Ordering::SeqCst);
-    }
-
-    fn cuts(&self) -> u64 {
-        self.cuts.load(Ordering::SeqCst)
-    }
-
-    /// A pool on `pool`'s database through this proxy, its sessions named `app`.
-    async fn pool(&self, pool: &PgPool, max: u32, app: &str) -> Result<PgPool, sqlx::Error> {
-        let options = (*pool.connect_options())
-            .clone()
-            .host(&self.addr.ip().to_string())
-            .port(self.addr.port())
-            .ssl_mode(PgSslMode::Disable)
-            .application_name(app);
-        PgPoolOptions::new()
-            .max_connections(max)
-            .acquire_timeout(Duration::from_secs(20))
-            .connect_with(options)
-            .await
-    }
-}
-
-impl Drop for CommitCutter {
-    fn drop(&mut self) {
-        self.accept.abort();
-    }
-}
-
-/// Forwards one session, cutting the answer of a COMMIT drawn to lose it.
-async fn proxy_session(
-    client: tokio::net::TcpStream,
-    server: tokio::net::TcpStream,
-    per_mille: Arc<AtomicU32>,
-    cuts: Arc<AtomicU64>,
-    draws: Arc<AtomicU64>,
-    seen: Arc<AtomicU64>,
-) -> std::io::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    // Each message is written whole, and at once (no Nagle delay).
-    client.set_nodelay(true)?;
-    server.set_nodelay(true)?;
-    let (cr, mut cw) = client.into_split();
-    let mut cr = tokio::io::BufReader::new(cr);
-    let (mut sr, mut sw) = server.into_split();
-    let cut = Arc::new(AtomicBool::new(false));
-    let down = {
-        let cut = cut.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 16 * 1024];
-            loop {
-                let n = sr.read(&mut buf).await?;
-                if n == 0 || cut.load(Ordering::SeqCst) {
-                    return cw.shutdown().await;
-                }
-                cw.write_all(&buf[..n]).await?;
-            }
-        })
-    };
-    // Untyped start-up messages (encryption requests, then the startup
-    // message), then typed messages: a type byte, a length, a body.
-    loop {
-        let len = cr.read_u32().await?;
-        let mut body = vec![0u8; (len as usize).saturating_sub(4)];
-        cr.read_exact(&mut body).await?;
-        let mut message = len.to_be_bytes().to_vec();
-        message.extend_from_slice(&body);
-        sw.write_all(&message).await?;
-        let code = body
-            .get(..4)
-            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
-        if !(len == 8 && matches!(code, Some(80877103 | 80877104))) {
-            break;
-        }
-    }
-    loop {
-        let kind = cr.read_u8().await?;
-        let len = cr.read_u32().await?;
-        let mut body = vec![0u8; (len as usize).saturating_sub(4)];
-        cr.read_exact(&mut body).await?;
-        if kind == b'Q' && body.starts_with(b"COMMIT") {
-            seen.fetch_add(1, Ordering::SeqCst);
-            let draw = mix(draws.fetch_add(1, Ordering::SeqCst)) % 1_000;
-            if draw < u64::from(per_mille.load(Ordering::SeqCst)) {
-                cut.store(true, Ordering::SeqCst);
-                cuts.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let mut message = Vec::with_capacity(body.len() + 5);
-        message.push(kind);
-        message.extend_from_slice(&len.to_be_bytes());
-        message.extend_from_slice(&body);
-        sw.write_all(&message).await?;
-        if cut.load(Ordering::SeqCst) {
-            break;
-        }
-    }
-    let _ = down.await;
-    Ok(())
-}
-
 // ----------------------------------------------------------------- run
 
 /// The services and fault injectors of a run, to be stopped at its end.
@@ -575,14 +423,9 @@ pub async fn run_checker(pool: &PgPool, cfg: &CheckerConfig) -> Verdict {
         bootstrap: cluster.bootstrap.clone(),
         run,
     });
-    let server = format!(
-        "{}:{}",
-        pool.connect_options().get_host(),
-        pool.connect_options().get_port()
-    );
     let (emit_proxy, dispatch_proxy) = match (
-        CommitCutter::start(server.clone(), cfg.seed).await,
-        CommitCutter::start(server, cfg.seed ^ 1).await,
+        CommitCutter::in_front_of(pool, cfg.seed).await,
+        CommitCutter::in_front_of(pool, cfg.seed ^ 1).await,
     ) {
         (Ok(a), Ok(b)) => (a, b),
         _ => return setup_failed("could not start the PostgreSQL proxies".into()),
@@ -629,7 +472,7 @@ pub async fn run_checker(pool: &PgPool, cfg: &CheckerConfig) -> Verdict {
     stop_services(services).await;
     shared.figures().commit_answers_cut = emit_proxy.cuts() + dispatch_proxy.cuts();
     shared.figures().commits_through_proxies =
-        emit_proxy.seen.load(Ordering::SeqCst) + dispatch_proxy.seen.load(Ordering::SeqCst);
+        emit_proxy.commits_seen() + dispatch_proxy.commits_seen();
     emit_pool.close().await;
     victims.close().await;
 

@@ -117,6 +117,8 @@ pub mod concurrent;
 
 pub mod sql_mutations;
 
+pub mod pg_proxy;
+
 pub mod kafka {
     //! Kafka-side helpers: an in-process Kafka-protocol cluster (librdkafka's
     //! mock cluster) or an external one from `OUTBOX_TEST_KAFKA_BOOTSTRAP`,

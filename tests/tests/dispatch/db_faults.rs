@@ -10,6 +10,7 @@ use outbox_core::{Broker, RetryPolicy};
 use outbox_producer::{Dispatcher, DispatcherConfig, PgStore, Reconciler, ReconcilerConfig};
 use outbox_tests::dispatch::{config, each_once_in_log, emit_many, keys_in_commit_order, started};
 use outbox_tests::kafka::TestCluster;
+use outbox_tests::pg_proxy::CommitCutter;
 use outbox_tests::*;
 use sqlx::PgPool;
 
@@ -201,128 +202,16 @@ async fn dispatchers_whose_connections_are_killed_at_random_lose_and_duplicate_n
     eprintln!("{kills} sessions killed; {unknowns} events went DISPATCH_UNKNOWN and were resolved by the reconciler");
 }
 
-/// A TCP proxy in front of PostgreSQL that loses the answer to one COMMIT:
-/// once armed with a statement fragment, the first COMMIT its session sends
-/// after a statement containing the fragment reaches the server, and the
-/// connection is then closed before the server's answer reaches the client.
-/// The transaction is committed; the client sees a broken connection.
-struct CommitAnswerCutter {
-    port: u16,
-    armed: Arc<std::sync::Mutex<Option<String>>>,
-    cuts: Arc<std::sync::atomic::AtomicU32>,
-}
-
-impl CommitAnswerCutter {
-    async fn start() -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let armed: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
-        let cuts: Arc<std::sync::atomic::AtomicU32> = Arc::default();
-        let (a, c) = (armed.clone(), cuts.clone());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect("127.0.0.1:5432").await else { continue };
-                tokio::spawn(Self::session(client, server, a.clone(), c.clone()));
-            }
-        });
-        CommitAnswerCutter { port, armed, cuts }
-    }
-
-    /// The next COMMIT after a statement containing `fragment` loses its answer.
-    fn arm(&self, fragment: &str) {
-        *self.armed.lock().unwrap() = Some(fragment.to_owned());
-    }
-
-    fn cuts(&self) -> u32 {
-        self.cuts.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    async fn session(
-        client: tokio::net::TcpStream,
-        server: tokio::net::TcpStream,
-        armed: Arc<std::sync::Mutex<Option<String>>>,
-        cuts: Arc<std::sync::atomic::AtomicU32>,
-    ) -> std::io::Result<()> {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let (mut cr, mut cw) = client.into_split();
-        let (mut sr, mut sw) = server.into_split();
-        let cut = Arc::new(AtomicBool::new(false));
-        let down = {
-            let cut = cut.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 16 * 1024];
-                loop {
-                    let n = sr.read(&mut buf).await?;
-                    if n == 0 || cut.load(Ordering::SeqCst) {
-                        // The server's answer to the cut COMMIT is dropped.
-                        return cw.shutdown().await;
-                    }
-                    cw.write_all(&buf[..n]).await?;
-                }
-            })
-        };
-        // Untyped start-up messages (SSL or GSS encryption requests, then the
-        // startup message), then typed messages: a type byte, a length, a body.
-        loop {
-            let len = cr.read_u32().await?;
-            let mut body = vec![0u8; len as usize - 4];
-            cr.read_exact(&mut body).await?;
-            sw.write_u32(len).await?;
-            sw.write_all(&body).await?;
-            let code = body.get(..4).map(|b| u32::from_be_bytes(b.try_into().unwrap()));
-            if !(len == 8 && matches!(code, Some(80877103 | 80877104))) {
-                break;
-            }
-        }
-        let mut seen = false;
-        loop {
-            let kind = cr.read_u8().await?;
-            let len = cr.read_u32().await?;
-            let mut body = vec![0u8; len as usize - 4];
-            cr.read_exact(&mut body).await?;
-            let text = String::from_utf8_lossy(&body);
-            {
-                let mut armed = armed.lock().unwrap();
-                if let Some(fragment) = armed.as_deref() {
-                    seen |= text.contains(fragment);
-                    if seen && kind == b'Q' && text.starts_with("COMMIT") {
-                        *armed = None;
-                        cut.store(true, Ordering::SeqCst);
-                        cuts.fetch_add(1, Ordering::SeqCst);
-                    }
-                } else {
-                    seen = false;
-                }
-            }
-            sw.write_u8(kind).await?;
-            sw.write_u32(len).await?;
-            sw.write_all(&body).await?;
-            if cut.load(Ordering::SeqCst) {
-                break;
-            }
-        }
-        let _ = down.await;
-        Ok(())
-    }
-}
-
-/// A pool on `pool`'s database through `cutter`.
-async fn pool_through(pool: &PgPool, cutter: &CommitAnswerCutter) -> PgPool {
-    let options = (*pool.connect_options()).clone().host("127.0.0.1").port(cutter.port).ssl_mode(sqlx::postgres::PgSslMode::Disable);
-    sqlx::postgres::PgPoolOptions::new().max_connections(8).connect_with(options).await.unwrap()
-}
-
 /// One batch over 20 events (one per key) by a dispatcher whose session
 /// loses the answer to the COMMIT after a statement containing `fragment`:
 /// its report, the cluster, and the events.
 async fn one_batch_losing_the_commit_answer_after(pool: &PgPool, fragment: &str) -> (outbox_producer::BatchReport, TestCluster, Vec<String>) {
     let (cluster, broker) = started(pool, 5_000).await;
     let ids = emit_many(pool, 20, 1).await;
-    let cutter = CommitAnswerCutter::start().await;
-    let through = pool_through(pool, &cutter).await;
+    let cutter = CommitCutter::in_front_of(pool, 0).await.unwrap();
+    let through = cutter.pool(pool, 8, "db-faults").await.unwrap();
     let d = Dispatcher::new(PgStore::new(through), broker, config("d")).unwrap();
-    cutter.arm(fragment);
+    cutter.arm_after(fragment);
     let r = d.dispatch_once("w1").await.expect("the batch goes on after losing a COMMIT's answer");
     assert_eq!(cutter.cuts(), 1, "the COMMIT's answer was not cut");
     (r, cluster, ids)
