@@ -139,9 +139,17 @@ impl PgStore {
         Ok(())
     }
 
-    /// Registers the attempts of stream tokens (none of whose events is in
-    /// the lane): each must be handed out by its bucket's open batch, under
-    /// the batch's lease, running. One `registered` step per batch.
+    /// Registers the attempts of stream tokens (none of whose events was in
+    /// the lane when the caller looked): each must be handed out by its
+    /// bucket's open batch, under the batch's lease, running. One
+    /// `registered` step per batch.
+    ///
+    /// An event moved to the lane meanwhile (an operator's migration or
+    /// retention, `stream_event_to_lane`, which holds the bucket's lease row
+    /// exclusively, so it is seen here once the lease is locked) is not
+    /// registered on the stream: it went there CLAIMED under the batch's
+    /// claim, and its attempt is registered in the lane, fenced by that
+    /// claim, so that the lane knows the attempt it may find in the log.
     pub(crate) async fn register_stream(&self, tokens: &[&ClaimToken]) -> Result<Vec<Result<AttemptRecord, StoreError>>, StoreError> {
         let now = self.now_ms();
         let mut tx = self.begin().await?;
@@ -149,10 +157,19 @@ impl PgStore {
         let leases = lock_leases(&mut tx, &batch_ids, false).await?;
         let batches = load_batches(&mut tx, &batch_ids, false).await?;
         let ids: Vec<&str> = tokens.iter().map(|t| t.event_id.as_str()).collect();
+        // Read after the lease rows are locked: a move to the lane under
+        // them has committed, or waits for this transaction.
+        let lane = in_lane(&mut tx, &ids).await?;
         let digests = destination_digests(&mut tx, &ids).await?;
         let mut out = Vec::with_capacity(tokens.len());
         let mut steps: BTreeMap<i64, Vec<usize>> = BTreeMap::new();
+        let mut to_lane: Vec<(usize, ClaimToken)> = Vec::new();
         for t in tokens {
+            if lane.contains(t.event_id.as_str()) {
+                to_lane.push((out.len(), (*t).clone()));
+                out.push(Err(StoreError::NotFound(t.event_id.clone())));
+                continue;
+            }
             let batch_id = t.claim_generation as i64;
             let decided = (|| -> Result<(usize, AttemptRecord), StoreError> {
                 // A batch that does not hold the event: a generation never granted for it.
@@ -185,6 +202,24 @@ impl PgStore {
         }
         insert_steps(&mut tx, "registered", &steps.into_iter().collect::<Vec<_>>(), now).await?;
         tx.commit().await.map_err(store_err)?;
+        if !to_lane.is_empty() {
+            // After this transaction: the stream's registrations stand
+            // whatever the lane's answer, which is per token.
+            let lane_tokens: Vec<ClaimToken> = to_lane.iter().map(|(_, t)| t.clone()).collect();
+            match Box::pin(self.register_attempts_tx(&lane_tokens)).await {
+                Ok(registered) => {
+                    for ((at, _), r) in to_lane.into_iter().zip(registered) {
+                        out[at] = r;
+                    }
+                }
+                Err(e) => {
+                    let message = format!("registration in the exception lane: {e}");
+                    for (at, _) in to_lane {
+                        out[at] = Err(StoreError::Backend { message: message.clone(), retryable: true });
+                    }
+                }
+            }
+        }
         Ok(out)
     }
 
@@ -279,8 +314,16 @@ impl PgStore {
 impl PgStore {
     /// Moves stream event `event_id` to the lane in the state the stream
     /// gives it (an operator's write, retention): under its bucket's lease
-    /// row, so that no cut takes it meanwhile. Nothing for an event that is
-    /// in the lane already, or not on the stream.
+    /// row, so that no cut, registration or receipt of the bucket runs
+    /// meanwhile. Nothing for an event that is in the lane already, or not
+    /// on the stream.
+    ///
+    /// An event without a receipt takes the earlier unsettled events of its
+    /// key (neither receipted nor in the lane: in the bucket's open batch,
+    /// or not cut yet) along, each in the state the stream gave it, so that
+    /// it does not overtake them: the lane's chain of the key starts at the
+    /// oldest of them, and the stream hands the key's later events to the
+    /// lane (`outbox_stream_window`'s `to_lane`).
     pub(crate) async fn stream_event_to_lane(&self, event_id: &str) -> Result<(), StoreError> {
         if !self.path_seen.maybe_stream() {
             return Ok(());
@@ -309,18 +352,50 @@ impl PgStore {
             .fetch_optional(&mut *tx)
             .await
             .map_err(g)?;
-        let candidates: Vec<i64> = [receipt_batch.flatten(), open.flatten()].into_iter().flatten().collect();
+        // The earlier events of its key that are not settled, oldest first.
+        // Every event of a transaction below the bucket's last window's
+        // lower bound was cut into a batch before the open one, and those
+        // batches are settled: the read starts there.
+        let earlier: Vec<String> = if receipt_batch.is_some() {
+            Vec::new()
+        } else {
+            sqlx::query_scalar(
+                "SELECT p.event_id FROM outbox_stream s
+                 JOIN outbox_bucket_leases l ON l.cluster_id = s.cluster_id AND l.bucket = s.bucket
+                 JOIN outbox_stream p ON p.cluster_id = s.cluster_id AND p.bucket = s.bucket
+                      AND p.xid >= least(pg_snapshot_xmin(l.prev_cut), pg_snapshot_xmin(l.cut))
+                      AND p.key_chain = s.key_chain AND p.ordered AND p.seq < s.seq
+                 WHERE s.event_id = $1 AND s.ordered
+                   AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = p.event_id AND r.envelope_generation = 1)
+                   AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = p.event_id)
+                 ORDER BY p.seq",
+            )
+            .bind(event_id)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(g)?
+        };
+        let candidates: Vec<i64> = [receipt_batch.flatten(), open.flatten()].into_iter().flatten().collect::<BTreeSet<_>>().into_iter().collect();
         let leases = lock_leases(&mut tx, &candidates, true).await?;
         let batches = load_batches(&mut tx, &candidates, true).await?;
-        let holder = batches.values().find_map(|b| b.event_ids.iter().position(|e| e == event_id).map(|i| (b, i)));
-        let moves = match holder {
-            Some((b, index)) => {
-                let digests = destination_digests(&mut tx, &b.event_ids.iter().map(String::as_str).collect::<Vec<_>>()).await?;
-                moves_for(b, index, leases.get(&b.id), &digests)?
+        let digests = destination_digests(&mut tx, &batch_events(batches.values())).await?;
+        let mut moves: Vec<LaneMove> = Vec::new();
+        for id in earlier.iter().map(String::as_str).chain([event_id]) {
+            if moves.iter().any(|m| m.event_id == id) {
+                continue;
             }
-            // Not cut yet: PENDING in the lane; the cut leaves it there.
-            None => vec![LaneMove { event_id: event_id.to_owned(), to: LaneState::Pending, claim: None }],
-        };
+            let holder = batches.values().find_map(|b| b.event_ids.iter().position(|e| e == id).map(|i| (b, i)));
+            let found = match holder {
+                Some((b, index)) => moves_for(b, index, leases.get(&b.id), &digests)?,
+                // Not cut yet: PENDING in the lane; the cut leaves it there.
+                None => vec![LaneMove { event_id: id.to_owned(), to: LaneState::Pending, claim: None }],
+            };
+            for m in found {
+                if moves.iter().all(|x| x.event_id != m.event_id) {
+                    moves.push(m);
+                }
+            }
+        }
         move_to_lane(&mut tx, &moves, self.now_ms()).await?;
         tx.commit().await.map_err(store_err)?;
         Ok(())
