@@ -658,7 +658,21 @@ $$;
 -- transaction had not committed yet, so its own arrival is read by a
 -- linker that starts after it committed, and so after E committed, and
 -- finds E. A linker that no longer sees a head finds E itself. (Its
--- INSERT ... ON CONFLICT waits for a transaction inserting the same head.)
+-- INSERT ... ON CONFLICT waits for a transaction inserting the same head,
+-- and what the new head names is chosen after that wait: see
+-- outbox_link_arrivals.)
+--
+-- A head is sound: every committed head row names an open, ordered event
+-- of the outbox on its own chain, claimable exactly while that event is
+-- PENDING. Every writer of a chain's head holds the head row (locked, or
+-- its own new row) before it chooses what the row names, and chooses with
+-- a snapshot taken after it got the row (outbox_chain_advance): of two
+-- transactions changing one chain's head, the second decides with the
+-- first's result. Where the head row does not exist yet, the linker holds
+-- the chosen event instead (outbox_link_arrivals), and a migration's move
+-- inserts the row it locks (outbox_chain_move). The claim checks the event
+-- row again (its chain and cluster) and never hands out an event through a
+-- head that is not its own chain's.
 
 CREATE TABLE outbox_chain_heads (
     key_chain        bigint PRIMARY KEY,
@@ -677,31 +691,73 @@ CREATE TABLE outbox_chain_arrivals (
     key_chain bigint NOT NULL
 );
 
--- The head a chain gets when it has none: its oldest open event.
-CREATE FUNCTION outbox_chain_heads_insert(p_chains bigint[]) RETURNS void
+-- The heads chains get when they have none: each chain's oldest open
+-- event, chosen in this statement's snapshot. Returns the chains it
+-- inserted a head for, which the caller then holds (uncommitted rows of
+-- its own) and must check again with outbox_chain_advance: the INSERT may
+-- have waited on another transaction's new head (ON CONFLICT), and what it
+-- chose after that wait is from its snapshot taken before it.
+CREATE FUNCTION outbox_chain_heads_insert(p_chains bigint[]) RETURNS bigint[]
     LANGUAGE plpgsql VOLATILE
     SET enable_seqscan = off
     SET search_path FROM CURRENT
 AS $$
+DECLARE
+    inserted bigint[];
 BEGIN
     -- In key_chain order, as every writer of heads goes, so two of them
     -- waiting on each other's new rows wait in one direction.
-    INSERT INTO outbox_chain_heads (key_chain, event_id, seq, claimable_at_ms, cluster_id, protocol_version)
-    SELECT n.key_chain, n.event_id, n.seq, CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END, n.cluster_id, n.protocol_version
-    FROM (SELECT DISTINCT c FROM UNNEST(p_chains) AS c) k
-    CROSS JOIN LATERAL (
-        SELECT e.key_chain, e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
-        WHERE e.key_chain = k.c AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND e.ordered AND e.publisher = 'outbox'
-        ORDER BY e.seq LIMIT 1) n
-    ORDER BY n.key_chain
-    ON CONFLICT (key_chain) DO NOTHING;
+    WITH ins AS (
+        INSERT INTO outbox_chain_heads (key_chain, event_id, seq, claimable_at_ms, cluster_id, protocol_version)
+        SELECT n.key_chain, n.event_id, n.seq, CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END, n.cluster_id, n.protocol_version
+        FROM (SELECT DISTINCT c FROM UNNEST(p_chains) AS c) k
+        CROSS JOIN LATERAL (
+            SELECT e.key_chain, e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
+            WHERE e.key_chain = k.c AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND e.ordered AND e.publisher = 'outbox'
+            ORDER BY e.seq LIMIT 1) n
+        ORDER BY n.key_chain
+        ON CONFLICT (key_chain) DO NOTHING
+        RETURNING key_chain)
+    SELECT array_agg(key_chain ORDER BY key_chain) INTO inserted FROM ins;
+    RETURN inserted;
 END
 $$;
 
 -- Links up to p_limit arrivals (oldest first, skipping those another
 -- linker holds), consuming them, and returns how many it took. A claim
 -- runs it first in its transaction; the locks it takes (on the arrivals
--- and on the heads it inserts) only ever make another linker wait.
+-- and on the heads it inserts) make another linker wait, and a
+-- destination migration moving an event out of one of those chains
+-- (outbox_chain_move).
+--
+-- Never a head on a closed event (the race this fixes: the INSERT chose
+-- (B, b1) in a snapshot taken before it waited on another linker's new
+-- head of chain A; meanwhile b1 was published and B's head row deleted,
+-- so the insert of (B, b1) met no conflict, and B's head named a
+-- PUBLISHED event until retention). The INSERT only takes the heads (rows
+-- of this transaction, which any other writer of those chains' heads
+-- waits for); what they name is chosen after it, by outbox_chain_advance.
+-- At READ COMMITTED each statement of this VOLATILE function reads with a
+-- snapshot of its own, taken when it starts, which sees every transaction
+-- committed before it, those the INSERT waited on included. The linker
+-- then holds each chosen event (FOR SHARE, skipping one another
+-- transaction is writing) and chooses again, until every head names an
+-- event it held before the choice. So when it is done each head names an
+-- event that was open, on that chain, with that claimability, in a
+-- snapshot taken after the event was held; and nothing changes the event
+-- until this transaction ends. A writer of it waits for that, and its own
+-- trigger (outbox_chain_follow, a fresh statement after its UPDATE) then
+-- sees the committed head and moves it or updates its claimability. This
+-- covers events that change without having been claimed through this
+-- head: the stream's exception lane copies events in already CLAIMED,
+-- SENDING or PUBLISHED, and before, a head installed on one while its
+-- receipt or lease expiry committed stayed on a PUBLISHED event, or not
+-- claimable on a PENDING one. A move out of the chain (outbox_chain_move)
+-- waits on the head row, inserted or not. A chain whose chosen event is
+-- being written (or that is still moving after three rounds) is given
+-- back: its head row goes and it gets an arrival, for a later linker.
+-- (At REPEATABLE READ or SERIALIZABLE there is one snapshot per
+-- transaction; a claim's transaction is READ COMMITTED.)
 CREATE FUNCTION outbox_link_arrivals(p_limit integer) RETURNS integer
     LANGUAGE plpgsql VOLATILE
     SET enable_seqscan = off
@@ -710,6 +766,11 @@ AS $$
 DECLARE
     taken integer;
     chains bigint[];
+    linked bigint[];
+    chosen text[];
+    held text[] := '{}';
+    gone bigint[];
+    pass integer := 0;
 BEGIN
     WITH gone AS (
         DELETE FROM outbox_chain_arrivals a
@@ -722,38 +783,87 @@ BEGIN
     -- One primary-key probe per chain; the chains with no visible head
     -- get one (see the header for why a head being closed right now needs
     -- nothing here).
-    PERFORM outbox_chain_heads_insert(ARRAY(
+    linked := outbox_chain_heads_insert(ARRAY(
         SELECT c FROM UNNEST(chains) AS c WHERE NOT EXISTS (SELECT 1 FROM outbox_chain_heads h WHERE h.key_chain = c)));
+    -- Choose what each new head names with a snapshot taken after the
+    -- INSERT's waits, then hold that event (FOR SHARE) and choose again,
+    -- until every head names an event held before the choice: see above.
+    WHILE cardinality(linked) > 0 LOOP
+        pass := pass + 1;
+        PERFORM outbox_chain_advance(linked);
+        SELECT coalesce(array_agg(h.key_chain ORDER BY h.key_chain), '{}'), coalesce(array_agg(h.event_id ORDER BY h.key_chain), '{}')
+        INTO linked, chosen
+        FROM outbox_chain_heads h WHERE h.key_chain = ANY (linked) AND NOT (h.event_id = ANY (held));
+        EXIT WHEN cardinality(linked) = 0;
+        IF pass > 3 THEN
+            gone := linked;
+        ELSE
+            -- Never waits: an event another transaction is writing is not
+            -- held, and its chain is given back (below).
+            SELECT held || coalesce(array_agg(l.event_id), '{}') INTO held
+            FROM (SELECT e.event_id FROM outbox_events e WHERE e.event_id = ANY (chosen) FOR SHARE OF e SKIP LOCKED) l;
+            gone := ARRAY(SELECT t.c FROM UNNEST(linked, chosen) AS t(c, ev) WHERE NOT (t.ev = ANY (held)));
+        END IF;
+        -- Given back: no head from this linker, and an arrival, so that a
+        -- later linker (after that writer commits) links the chain.
+        IF cardinality(gone) > 0 THEN
+            DELETE FROM outbox_chain_heads WHERE key_chain = ANY (gone);
+            INSERT INTO outbox_chain_arrivals (key_chain) SELECT c FROM UNNEST(gone) AS c ORDER BY c;
+            linked := ARRAY(SELECT c FROM UNNEST(linked) AS c WHERE NOT (c = ANY (gone)));
+        END IF;
+    END LOOP;
     RETURN taken;
 END
 $$;
 
--- Moves the heads (p_chains[i], p_events[i]), whose events closed or left
--- their chain, to each chain's next open event; a chain with none loses
--- its head row and gets an arrival, so that a linker looks at it again
--- after this transaction commits (see the header).
-CREATE FUNCTION outbox_chain_advance(p_chains bigint[], p_events text[]) RETURNS void
+-- Re-heads the chains p_chains, whose head rows the caller holds (locked
+-- FOR NO KEY UPDATE, by an ON CONFLICT DO UPDATE, or inserted by its own
+-- transaction): a head whose event is no longer an open, ordered event of
+-- the outbox on that very chain (it closed, or a migration moved it to
+-- another chain) moves to the chain's oldest open event; a chain with
+-- none loses its head row and gets an arrival, so that a linker looks at
+-- it again after this transaction commits (see the header). A head that
+-- still holds stays, with its event's current claimability.
+--
+-- It decides from the chain's current members, not from what the caller
+-- saw: it is one statement of a VOLATILE function, so at READ COMMITTED
+-- it reads with a snapshot taken when it starts, after the caller got the
+-- head rows. Whoever held a head row before the caller has committed by
+-- then, and its changes (a head already moved, an event moved out of the
+-- chain) are seen: of two transactions that change one chain's head, the
+-- second decides with the first's result, whichever order they come in.
+CREATE FUNCTION outbox_chain_advance(p_chains bigint[]) RETURNS void
     LANGUAGE plpgsql VOLATILE
     SET enable_seqscan = off
     SET search_path FROM CURRENT
 AS $$
 BEGIN
-    WITH closed AS (SELECT * FROM UNNEST(p_chains, p_events) AS c(kc, ev)),
-    nxt AS MATERIALIZED (
-        SELECT c.kc, c.ev, n.event_id, n.seq, n.state, n.next_check_at_ms, n.cluster_id, n.protocol_version
-        FROM closed c
+    WITH nxt AS MATERIALIZED (
+        SELECT h.key_chain AS kc, h.event_id AS was, h.claimable_at_ms AS was_claimable,
+               n.event_id, n.seq, n.next_check_at_ms, n.cluster_id, n.protocol_version,
+               CASE WHEN n.state = 'PENDING' THEN n.next_check_at_ms END AS claimable
+        FROM outbox_chain_heads h
         LEFT JOIN LATERAL (
-            SELECT e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
-            WHERE e.key_chain = c.kc AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND e.ordered AND e.publisher = 'outbox'
-            ORDER BY e.seq LIMIT 1) n ON true),
+            -- The head's own event if it still holds the chain, else the
+            -- chain's oldest open event.
+            SELECT u.event_id, u.seq, u.state, u.next_check_at_ms, u.cluster_id, u.protocol_version FROM (
+                (SELECT 0 AS pick, e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
+                 WHERE e.event_id = h.event_id AND e.key_chain = h.key_chain
+                   AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND e.ordered AND e.publisher = 'outbox')
+                UNION ALL
+                (SELECT 1 AS pick, e.event_id, e.seq, e.state, e.next_check_at_ms, e.cluster_id, e.protocol_version FROM outbox_events e
+                 WHERE e.key_chain = h.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') AND e.ordered AND e.publisher = 'outbox'
+                 ORDER BY e.seq LIMIT 1)) u
+            ORDER BY u.pick LIMIT 1) n ON true
+        WHERE h.key_chain = ANY (p_chains)),
     moved AS (
         UPDATE outbox_chain_heads h
-        SET event_id = x.event_id, seq = x.seq, claimable_at_ms = CASE WHEN x.state = 'PENDING' THEN x.next_check_at_ms END,
-            cluster_id = x.cluster_id, protocol_version = x.protocol_version
-        FROM nxt x WHERE x.event_id IS NOT NULL AND h.key_chain = x.kc AND h.event_id = x.ev),
+        SET event_id = x.event_id, seq = x.seq, claimable_at_ms = x.claimable, cluster_id = x.cluster_id, protocol_version = x.protocol_version
+        FROM nxt x WHERE x.event_id IS NOT NULL AND h.key_chain = x.kc
+          AND (x.event_id IS DISTINCT FROM x.was OR x.claimable IS DISTINCT FROM x.was_claimable)),
     emptied AS (
         DELETE FROM outbox_chain_heads h USING nxt x
-        WHERE x.event_id IS NULL AND h.key_chain = x.kc AND h.event_id = x.ev
+        WHERE x.event_id IS NULL AND h.key_chain = x.kc
         RETURNING h.key_chain)
     INSERT INTO outbox_chain_arrivals (key_chain) SELECT key_chain FROM emptied ORDER BY key_chain;
 END
@@ -786,15 +896,19 @@ CREATE FUNCTION outbox_chain_follow() RETURNS trigger
 AS $$
 DECLARE
     chains bigint[];
-    events text[];
 BEGIN
     -- Heads whose event closed (PUBLISHED, RETAINED and PURGED following
     -- it; or SKIPPED by an operator).
-    SELECT array_agg(h.key_chain ORDER BY h.key_chain), array_agg(h.event_id ORDER BY h.key_chain) INTO chains, events
+    SELECT array_agg(DISTINCT h.key_chain) INTO chains
     FROM new_rows n JOIN outbox_chain_heads h ON h.key_chain = n.key_chain AND h.event_id = n.event_id
     WHERE n.phase IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED');
     IF chains IS NOT NULL THEN
-        PERFORM outbox_chain_advance(chains, events);
+        -- Take the head rows first (in key_chain order), then decide with
+        -- a snapshot taken after (outbox_chain_advance): a migration moving
+        -- another event out of the chain holds the row until it commits
+        -- (outbox_chain_move), and is then seen.
+        PERFORM 1 FROM outbox_chain_heads WHERE key_chain = ANY (chains) ORDER BY key_chain FOR NO KEY UPDATE;
+        PERFORM outbox_chain_advance(chains);
     END IF;
     -- A head is claimable exactly while its event is PENDING, from its
     -- next_check_at_ms. SENDING follows only CLAIMED and RETRY_CLAIMED,
@@ -814,14 +928,34 @@ CREATE TRIGGER outbox_events_chain_follow AFTER UPDATE ON outbox_events
 -- new cluster or topic) or into or out of ordering leaves its old chain,
 -- which gets its next head if the event was its head, and arrives on the
 -- new one. Rare: one row at a time.
+--
+-- It always takes the old chain's head row before it looks at it (the race
+-- this fixes: the receipt transaction publishing the head E1 had moved the
+-- head to E2, uncommitted; the migration of E2, reading the head as E1,
+-- left it alone; the receipt then committed the old chain's head on E2, an
+-- event of another chain: the old chain never moved again, and a
+-- dispatcher of the old cluster claimed E2's new generation). The INSERT
+-- ... ON CONFLICT DO UPDATE ... WHERE false writes nothing over an
+-- existing row but locks it, waiting for a transaction that holds it (a
+-- receipt transaction advancing it) or that is inserting it (a linker);
+-- with no row at all it inserts a placeholder naming the moved event,
+-- which outbox_chain_advance replaces or removes at once. Then
+-- outbox_chain_advance decides with a snapshot taken after the lock: a
+-- head the other transaction left on the moved event moves on to the
+-- chain's next open event. The other way round, a receipt transaction
+-- that comes second waits in outbox_chain_follow on the row this holds,
+-- and decides after this commits, no longer seeing the moved event.
 CREATE FUNCTION outbox_chain_move() RETURNS trigger
     LANGUAGE plpgsql
     SET enable_seqscan = off
     SET search_path FROM CURRENT
 AS $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM outbox_chain_heads WHERE key_chain = OLD.key_chain AND event_id = OLD.event_id) THEN
-        PERFORM outbox_chain_advance(ARRAY[OLD.key_chain], ARRAY[OLD.event_id]);
+    IF OLD.ordered AND OLD.publisher = 'outbox' THEN
+        INSERT INTO outbox_chain_heads (key_chain, event_id, seq, claimable_at_ms, cluster_id, protocol_version)
+        VALUES (OLD.key_chain, OLD.event_id, OLD.seq, NULL, OLD.cluster_id, OLD.protocol_version)
+        ON CONFLICT (key_chain) DO UPDATE SET event_id = EXCLUDED.event_id WHERE false;
+        PERFORM outbox_chain_advance(ARRAY[OLD.key_chain]);
     END IF;
     IF NEW.ordered AND NEW.publisher = 'outbox' AND NEW.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') THEN
         INSERT INTO outbox_chain_arrivals (key_chain) VALUES (NEW.key_chain);

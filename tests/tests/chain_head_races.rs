@@ -1,28 +1,31 @@
-//! Reproductions of two known races of today's "chains" dispatch path (the
-//! ordering-chain heads of the schema's section 7: `outbox_chain_heads`,
-//! `outbox_chain_arrivals`, `outbox_link_arrivals`, `outbox_chain_advance`,
-//! `outbox_chain_follow`, `outbox_chain_move`), over real PostgreSQL.
+//! Two races of the "chains" dispatch path (the ordering-chain heads of the
+//! schema's section 7: `outbox_chain_heads`, `outbox_chain_arrivals`,
+//! `outbox_link_arrivals`, `outbox_chain_advance`, `outbox_chain_follow`,
+//! `outbox_chain_move`), over real PostgreSQL, each forced into the
+//! interleaving that broke the chains path before its fix.
 //!
-//! These tests ASSERT THAT THE HARM OCCURS: each passes when its race
-//! reproduces on the chains path. They are the record of the defects the
-//! "stream" path replaces; that path gets the same scenarios, asserting
-//! the opposite. When the chains path is fixed or removed, these tests are
-//! expected to fail (or go).
+//! These tests ASSERT THE INVARIANT: no committed head names an event that
+//! left its chain or is closed (PUBLISHED, RETAINED, PURGED, SKIPPED); the
+//! key's later events are claimed and published; a dispatcher scoped to one
+//! cluster never claims an event frozen for another. Before the fix each
+//! interleaving broke it (the races as filed are quoted on each test).
 //!
 //! No timing luck: each interleaving is forced with explicit transactions
 //! on separate connections. The operation under test runs in a spawned task
 //! through the shipped API (`OutboxStore`, `MigrationStore`) or the shipped
 //! SQL function; a second, raw transaction holds a row lock (or an
-//! uncommitted head row) that parks it at the chosen statement; the test
+//! uncommitted row) that parks it at the chosen statement; the test
 //! waits until PostgreSQL reports that backend waiting on a lock
-//! (`pg_stat_activity`), runs the other side, then releases the lock.
+//! (`pg_stat_activity`), runs the other side, then releases the lock. Where
+//! the fixed schema makes the other side wait in turn (on the chain's head
+//! row), the test waits for that too, and releases the first.
 //! Every test has a database of its own (`sqlx::test`) and names its topic
 //! and keys with a random suffix.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{AttemptRecord, BrokerReceipt, ClaimedEvent, EventId, EventState, ManualClock, MigrationFence, OutboxStore, ReceiptDecision, RetryPolicy, RoutePolicy};
+use outbox_core::{AttemptRecord, BrokerReceipt, ClaimedEvent, Clock, EventId, EventState, ManualClock, MigrationFence, OutboxStore, ReceiptDecision, RetryPolicy, RoutePolicy};
 use outbox_producer::{emit, EmitOptions, MigrationOutcome, MigrationStore, PgStore};
 use outbox_tests::*;
 use sqlx::{PgPool, Postgres, Transaction};
@@ -114,17 +117,45 @@ impl Db {
         assert_eq!(out.state, EventState::Published, "{out:?}");
     }
 
-    /// Asserts that `id` is never claimed: the key is stuck. Claims over
-    /// every head, time moved past every lease and the lease sweep run in
-    /// between, several rounds; `id` stays PENDING.
-    async fn assert_never_claimable(&self, id: &str) {
-        for _ in 0..3 {
-            self.clock.advance(10 * 60_000);
-            self.store.expire_leases().await.unwrap();
-            let claimed = self.claim(&self.store, "late").await;
-            assert!(claimed.iter().all(|c| c.envelope.event_id.as_str() != id), "{id} was claimed: the key is not stuck");
+    /// Asserts that no committed head names an event that is not an open,
+    /// ordered event of the head's own chain, with the claimability of its
+    /// event (claimable exactly while PENDING).
+    async fn assert_heads_sound(&self) {
+        let bad: Vec<(i64, String, Option<i64>, Option<i64>, Option<String>, Option<i64>)> = sqlx::query_as(
+            "SELECT h.key_chain, h.event_id, h.claimable_at_ms, e.key_chain, e.state, e.next_check_at_ms
+             FROM outbox_chain_heads h LEFT JOIN outbox_events e ON e.event_id = h.event_id
+             WHERE e.event_id IS NULL OR e.key_chain <> h.key_chain OR NOT e.ordered
+                OR e.phase IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
+                OR h.claimable_at_ms IS DISTINCT FROM (CASE WHEN e.state = 'PENDING' THEN e.next_check_at_ms END)",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .unwrap();
+        assert!(bad.is_empty(), "heads on events that left their chain, closed, or with a stale claimability: {bad:?}");
+    }
+
+    /// Claims with `store` (time moved past every backoff) and publishes
+    /// what it claims, round after round, until every event of `ids` is
+    /// PUBLISHED; fails if a round claims nothing first (a key is stuck).
+    async fn drain(&self, store: &PgStore, ids: &[&str]) {
+        for _ in 0..10 {
+            let mut open = Vec::new();
+            for id in ids {
+                if self.event(id).await.1 != EventState::Published {
+                    open.push(*id);
+                }
+            }
+            if open.is_empty() {
+                return;
+            }
+            self.clock.advance(60_000);
+            let claimed = self.claim(store, "drain").await;
+            assert!(!claimed.is_empty(), "nothing claimed while {open:?} are open: a key is stuck");
+            for ev in &claimed {
+                self.publish(ev).await;
+            }
         }
-        assert_eq!(self.event(id).await.1, EventState::Pending);
+        panic!("{ids:?} not all published after 10 rounds");
     }
 }
 
@@ -162,6 +193,22 @@ async fn wait_blocked<T>(pool: &PgPool, statement: &str, task: &tokio::task::Joi
     }
 }
 
+/// Waits until the operation `task` either waits on a lock at a statement
+/// starting with `statement` or finishes (the schema need not make it wait:
+/// before the fix, nothing did).
+async fn wait_blocked_or_done<T>(pool: &PgPool, statement: &str, task: &tokio::task::JoinHandle<T>) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE $1 || '%'";
+    loop {
+        let n: i64 = sqlx::query_scalar(sql).bind(statement).fetch_one(pool).await.unwrap();
+        if n > 0 || task.is_finished() {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "`{statement}` neither waited nor finished");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Race 1, as filed: "A destination migration that commits while the
 /// receipt transaction publishes the head of the moving event's old chain
 /// leaves that chain's head on an event that has left it: every later event
@@ -170,31 +217,26 @@ async fn wait_blocked<T>(pool: &PgPool, statement: &str, task: &tokio::task::Joi
 /// (the claim re-checks neither cluster nor chain)."
 ///
 /// Key K, chain C_old (cluster-a): E1, E2, E3, all PENDING; E1 is the head,
-/// claimed and sending.
+/// claimed and sending. The receipt transaction goes first here.
 ///
 /// 1. A raw transaction H locks E1's attempt row (`FOR UPDATE`).
 /// 2. The receipt transaction R of E1's ACK (`accept_dispatch_receipt`,
-///    spawned) locks E1, runs `UPDATE outbox_events SET state =
-///    'PUBLISHED'`, whose statement trigger `outbox_chain_follow` calls
-///    `outbox_chain_advance`: in R's snapshot E2 is C_old's next open
-///    event, so the head row becomes (C_old, E2), uncommitted. R then
-///    inserts the publish receipt and waits at `UPDATE outbox_attempts`
-///    (H's lock).
-/// 3. The migration of E2 to cluster-b (`MigrationStore::commit_migration`,
-///    the shipped commit) runs to its commit: it locks only E2's row (not
-///    the head row), and its row trigger `outbox_chain_move` asks whether
-///    E2 heads C_old: in its snapshot the head is still (C_old, E1), so it
-///    advances nothing; it adds an arrival for C_new. Nothing it touches is
-///    locked by R, nothing R touches is locked by it.
-/// 4. H commits; R commits. C_old's head is E2, which is now on C_new.
+///    spawned) publishes E1: `outbox_chain_follow` moves C_old's head to
+///    E2 (uncommitted, R holds the head row), then R waits at `UPDATE
+///    outbox_attempts` (H's lock).
+/// 3. The migration M of E2 to cluster-b (`commit_migration`, spawned).
+///    Before the fix it ran to its commit: its `outbox_chain_move` saw
+///    C_old's head on E1 and left it alone, so R then committed C_old's
+///    head on E2, which had left C_old. Now M's move locks C_old's head row
+///    and waits for R.
+/// 4. H commits; R commits; M takes the head row, sees it on E2 (its own
+///    moved event) and moves it to E3, and commits.
 ///
-/// Harm: C_old's head row names E2, an event of another chain and cluster,
-/// and stays claimable; a dispatcher scoped to cluster-a claims E2's new
-/// generation (frozen for cluster-b) through it; once E2 is PUBLISHED,
-/// nothing ever moves C_old's head again (`outbox_chain_follow` joins heads
-/// on the event's *new* chain), so E3 stays PENDING for good.
+/// Invariant: C_old's head is E3; a cluster-a dispatcher claims E3, never
+/// E2's generation frozen for cluster-b; a cluster-b dispatcher claims E2;
+/// every event of the key is published.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
-async fn chains_path_migration_racing_the_receipt_leaves_the_key_stuck(pool: PgPool) {
+async fn chains_path_migration_racing_the_receipt_keeps_the_old_chain_moving(pool: PgPool) {
     let db = db(pool).await;
     let key = db.key("k");
     let e1 = db.emit(&key, 1).await;
@@ -213,33 +255,146 @@ async fn chains_path_migration_racing_the_receipt_leaves_the_key_stuck(pool: PgP
         tokio::spawn(async move { store.accept_dispatch_receipt(&ack).await })
     };
     wait_blocked(&db.pool, "UPDATE outbox_attempts", &r).await;
-    // 3. The migration of E2 to another cluster commits meanwhile.
+    // 3. The migration of E2 to another cluster, meanwhile: it waits for
+    //    R on C_old's head row (before the fix it committed here).
     let e2_id: EventId = e2.parse().unwrap();
     let (state, generation) = db.store.migration_read(&e2_id).await.unwrap();
     assert_eq!(state, EventState::Pending);
-    let new_route = RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &db.topic, PARTITIONS);
-    let moved = db.store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await.unwrap();
-    assert!(matches!(moved, MigrationOutcome::Migrated { to_generation: 2, .. }), "{moved:?}");
-    // 4. H, then R, commit.
+    let m = {
+        let store = db.store.clone();
+        let new_route = RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &db.topic, PARTITIONS);
+        let e2_id = e2_id.clone();
+        tokio::spawn(async move { store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await })
+    };
+    wait_blocked_or_done(&db.pool, "UPDATE outbox_events SET state = 'PENDING'", &m).await;
+    // 4. H, then R, then M, commit.
     h.commit().await.unwrap();
     let published = tokio::time::timeout(Duration::from_secs(20), r).await.unwrap().unwrap().unwrap();
     assert!(matches!(published.decision, ReceiptDecision::Accept { .. }), "{published:?}");
+    let moved = tokio::time::timeout(Duration::from_secs(20), m).await.unwrap().unwrap().unwrap();
+    assert!(matches!(moved, MigrationOutcome::Migrated { to_generation: 2, .. }), "{moved:?}");
 
-    // The harm: C_old's head is E2, which left C_old.
-    let (new_chain, _) = db.event(&e2).await;
-    assert_ne!(new_chain, old_chain, "the migration moved E2 to another chain");
-    assert_eq!(db.head(old_chain).await, Some((e2.clone(), true)), "C_old's head is E2, an event that left it, and is offered");
-    // A dispatcher of the old cluster claims E2's new generation, frozen
-    // for the new cluster, through C_old's stale head.
+    assert_ne!(db.event(&e2).await.0, old_chain, "the migration moved E2 to another chain");
+    db.assert_heads_sound().await;
+    assert_eq!(db.head(old_chain).await, Some((e3.clone(), true)), "C_old's head is its next open event, E3");
+    // A dispatcher of the old cluster claims E3 (its own), never E2.
     let old_cluster_only = db.store.clone().scoped_to_cluster(OLD_CLUSTER);
-    let wrong = db.claim_only(&old_cluster_only, &e2).await;
-    assert_eq!(wrong.envelope.envelope_generation, 2);
-    assert_eq!(wrong.destination.cluster_id, NEW_CLUSTER, "a cluster-a dispatcher holds an event frozen for cluster-b");
-    // E2 published: C_old's head stays on it; E3 is never claimed.
-    db.publish(&wrong).await;
-    assert_eq!(db.head(old_chain).await, Some((e2.clone(), true)), "C_old's head stays on E2, now PUBLISHED");
-    db.assert_never_claimable(&e3).await;
-    assert_eq!(db.event(&e3).await, (old_chain, EventState::Pending));
+    let third = db.claim_only(&old_cluster_only, &e3).await;
+    assert_eq!(third.destination.cluster_id, OLD_CLUSTER);
+    db.publish(&third).await;
+    // A dispatcher of the new cluster claims E2's new generation.
+    let new_cluster_only = db.store.clone().scoped_to_cluster(NEW_CLUSTER);
+    let second = db.claim_only(&new_cluster_only, &e2).await;
+    assert_eq!((second.envelope.envelope_generation, second.destination.cluster_id.as_str()), (2, NEW_CLUSTER));
+    db.publish(&second).await;
+    db.assert_heads_sound().await;
+    assert_eq!(db.head(old_chain).await, None, "C_old has no open event left");
+    // The key goes on: a later event is claimed and published.
+    let e4 = db.emit(&key, 4).await;
+    db.drain(&old_cluster_only, &[&e4]).await;
+}
+
+/// Race 1 the other way round: the migration takes C_old's head row
+/// first, and the receipt transaction publishing the head waits for it.
+///
+/// 1. A raw transaction Q locks the migration receipts' table against
+///    inserts (`SHARE` mode): M will wait at its insert.
+/// 2. The migration M of E2 to cluster-b (spawned) moves E2, then waits at
+///    `INSERT INTO outbox_migration_receipts` (Q). Its move holds C_old's
+///    head row (on E1, which stays the head).
+/// 3. The receipt transaction R of E1's ACK (spawned). Before the fix, it
+///    moved C_old's head to E2 (still C_old's in R's snapshot) and
+///    committed. Now it waits on C_old's head row (M).
+/// 4. Q rolls back; M commits; R takes the head row and, with a snapshot
+///    taken after M's commit, moves the head to E3.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn chains_path_receipt_racing_the_migration_keeps_the_old_chain_moving(pool: PgPool) {
+    let db = db(pool).await;
+    let key = db.key("k");
+    let e1 = db.emit(&key, 1).await;
+    let e2 = db.emit(&key, 2).await;
+    let e3 = db.emit(&key, 3).await;
+    let old_chain = db.event(&e1).await.0;
+    let first = db.claim_only(&db.store, &e1).await;
+    let attempt = db.store.register_attempt(&first.token).await.unwrap();
+
+    // 1. Q holds the migration receipts' table against inserts.
+    let mut q = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox_migration_receipts IN SHARE MODE").execute(&mut *q).await.unwrap();
+    // 2. M moves E2 and parks.
+    let e2_id: EventId = e2.parse().unwrap();
+    let (_, generation) = db.store.migration_read(&e2_id).await.unwrap();
+    let m = {
+        let store = db.store.clone();
+        let new_route = RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &db.topic, PARTITIONS);
+        let e2_id = e2_id.clone();
+        tokio::spawn(async move { store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await })
+    };
+    wait_blocked(&db.pool, "INSERT INTO outbox_migration_receipts", &m).await;
+    // 3. R publishes E1: it waits for M on C_old's head row (before the
+    //    fix it committed C_old's head on E2).
+    let r = {
+        let (store, ack) = (db.store.clone(), receipt(&first, &attempt));
+        tokio::spawn(async move { store.accept_dispatch_receipt(&ack).await })
+    };
+    wait_blocked_or_done(&db.pool, "UPDATE outbox_events", &r).await;
+    // 4. Q rolls back, M commits, R commits.
+    q.rollback().await.unwrap();
+    let moved = tokio::time::timeout(Duration::from_secs(20), m).await.unwrap().unwrap().unwrap();
+    assert!(matches!(moved, MigrationOutcome::Migrated { to_generation: 2, .. }), "{moved:?}");
+    let published = tokio::time::timeout(Duration::from_secs(20), r).await.unwrap().unwrap().unwrap();
+    assert!(matches!(published.decision, ReceiptDecision::Accept { .. }), "{published:?}");
+
+    db.assert_heads_sound().await;
+    assert_eq!(db.head(old_chain).await, Some((e3.clone(), true)), "C_old's head is its next open event, E3");
+    let old_cluster_only = db.store.clone().scoped_to_cluster(OLD_CLUSTER);
+    let third = db.claim_only(&old_cluster_only, &e3).await;
+    db.publish(&third).await;
+    let new_cluster_only = db.store.clone().scoped_to_cluster(NEW_CLUSTER);
+    db.drain(&new_cluster_only, &[&e2]).await;
+    db.assert_heads_sound().await;
+}
+
+/// The claim re-checks a head's event against the head: an event that is
+/// not in the head's chain (a head left stale by any means, here written
+/// by hand) is not claimed through it, and a cluster-scoped claim never
+/// takes an event frozen for another cluster.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_claim_refuses_a_head_whose_event_left_its_chain(pool: PgPool) {
+    let db = db(pool).await;
+    let key = db.key("k");
+    let e1 = db.emit(&key, 1).await;
+    let e2 = db.emit(&key, 2).await;
+    let old_chain = db.event(&e1).await.0;
+    // E1 is the head, claimed; E2 moves to cluster-b (and arrives on its chain).
+    db.claim_only(&db.store, &e1).await;
+    let e2_id: EventId = e2.parse().unwrap();
+    let (_, generation) = db.store.migration_read(&e2_id).await.unwrap();
+    let new_route = RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &db.topic, PARTITIONS);
+    let moved = db.store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await.unwrap();
+    assert!(matches!(moved, MigrationOutcome::Migrated { .. }), "{moved:?}");
+    // A stale head, by hand: C_old's head on E2 (now on C_new, cluster-b).
+    let (seq, proto): (i64, i16) = sqlx::query_as("SELECT seq, protocol_version FROM outbox_events WHERE event_id = $1").bind(&e2).fetch_one(&db.pool).await.unwrap();
+    sqlx::query("UPDATE outbox_chain_heads SET event_id = $2, seq = $3, claimable_at_ms = 0, cluster_id = $4, protocol_version = $5 WHERE key_chain = $1")
+        .bind(old_chain)
+        .bind(&e2)
+        .bind(seq)
+        .bind(OLD_CLUSTER)
+        .bind(proto)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // A cluster-a dispatcher claims nothing through it.
+    let old_cluster_only = db.store.clone().scoped_to_cluster(OLD_CLUSTER);
+    db.clock.advance(60_000);
+    let claimed = db.claim(&old_cluster_only, "a").await;
+    assert!(claimed.iter().all(|c| c.envelope.event_id.as_str() != e2), "a cluster-a dispatcher claimed E2, frozen for cluster-b: {claimed:?}");
+    // An unscoped claim does not take E2 through C_old's head either; it
+    // takes it through C_new's head only.
+    let claimed = db.claim(&db.store, "any").await;
+    assert_eq!(claimed.iter().filter(|c| c.envelope.event_id.as_str() == e2).count(), 1, "E2 claimed once, through its own chain's head");
+    let new_chain = db.event(&e2).await.0;
+    assert_eq!(db.head(new_chain).await.map(|h| h.0), Some(e2.clone()));
 }
 
 /// Race 2, as filed: "The arrivals linker chooses heads in a snapshot
@@ -264,14 +419,17 @@ async fn chains_path_migration_racing_the_receipt_leaves_the_key_stuck(pool: PgP
 ///    (head -> b2), claims b2 and publishes it: B has no open event left,
 ///    so `outbox_chain_advance` deletes B's head row (and adds an arrival).
 /// 6. X commits. L2 wakes: (A, a1) conflicts, nothing done; (B, b1), chosen
-///    in S, conflicts with no live row now: inserted, claimable, on b1,
-///    which is PUBLISHED.
+///    in S, conflicts with no live row now: inserted. Before the fix it
+///    stayed, claimable, on b1, which is PUBLISHED: every later event of
+///    the key (b3) waited behind it until retention moved b1 on. Now the
+///    linker re-reads the heads it inserted with a snapshot taken after the
+///    insert (after its waits): b1 is closed and B has no open event, so it
+///    removes that head again (and leaves B an arrival).
 ///
-/// Harm: B's head names a PUBLISHED event and is offered to every head
-/// scan; every later event of the key (b3) waits behind it, never claimed,
-/// until retention moves b1 on (`outbox_chain_follow` on RETAINED).
+/// Invariant: B's head never names b1; b3, emitted next, is claimed and
+/// published; key A is unharmed (L2 claims a1, linked by X).
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
-async fn chains_path_linker_with_a_stale_snapshot_heads_a_published_event(pool: PgPool) {
+async fn chains_path_linker_waiting_on_a_conflict_never_heads_a_published_event(pool: PgPool) {
     let db = db(pool).await;
     let (x, y) = (db.key("x"), db.key("y"));
     let (cx, cy) = (db.chain_of_key(&x).await, db.chain_of_key(&y).await);
@@ -290,7 +448,7 @@ async fn chains_path_linker_with_a_stale_snapshot_heads_a_published_event(pool: 
     sqlx::query(link).execute(&mut *l3).await.unwrap();
     // 3. More events on both keys.
     let b2 = db.emit(&b, 2).await;
-    db.emit(&a, 2).await;
+    let a2 = db.emit(&a, 2).await;
     // 4. L2 chooses (A, a1) and (B, b1) in its snapshot and waits for X.
     let l2 = {
         let store = db.store.clone();
@@ -305,18 +463,70 @@ async fn chains_path_linker_with_a_stale_snapshot_heads_a_published_event(pool: 
         db.publish(&claimed).await;
     }
     assert_eq!(db.head(chain_b).await, None, "B has no open event: its head row is gone");
-    // 6. X commits; L2 inserts the head it chose in its snapshot.
+    // 6. X commits; L2 links with what it chose in its snapshot.
     tx_x.commit().await.unwrap();
     let claimed = tokio::time::timeout(Duration::from_secs(20), l2).await.unwrap().unwrap().unwrap();
     assert_eq!(claimed.iter().map(|c| c.envelope.event_id.as_str()).collect::<Vec<_>>(), [a1.as_str()], "L2 claims A's head");
 
-    // The harm: B's head is b1, PUBLISHED, and offered to every head scan.
+    // The invariant: no head on b1 (PUBLISHED), nor on any closed event.
     assert_eq!(db.event(&b1).await, (chain_b, EventState::Published));
-    assert_eq!(db.head(chain_b).await, Some((b1.clone(), true)), "B's head is on a PUBLISHED event");
-    // Every later event of the key waits behind it.
-    let b3 = db.emit(&b, 3).await;
-    db.assert_never_claimable(&b3).await;
-    assert_eq!(db.head(chain_b).await, Some((b1, true)));
+    assert!(db.head(chain_b).await.is_none_or(|h| h.0 != b1), "B's head is on b1, PUBLISHED");
+    db.assert_heads_sound().await;
     // Key A, linked by X, is unharmed: its head is a1, claimed by L2.
-    assert_eq!(db.head(chain_a).await.map(|h| h.0), Some(a1));
+    assert_eq!(db.head(chain_a).await.map(|h| h.0), Some(a1.clone()));
+    // The key goes on: b3 is claimed and published; so is A's backlog.
+    let b3 = db.emit(&b, 3).await;
+    let l2_claim = claimed.into_iter().next().unwrap();
+    db.publish(&l2_claim).await;
+    db.drain(&db.store, &[&b3, &a2]).await;
+    db.assert_heads_sound().await;
+}
+
+/// The linker against a writer of an event claimed without its chain's
+/// head, as the stream's exception lane copies events in (CLAIMED,
+/// SENDING, PUBLISHED): lane chain heads were seen on a PENDING event with
+/// `claimable_at_ms` NULL, and the key's later events never claimed.
+///
+/// 1. e1, e2 of one key; e1 is claimed without a head (the lane's way:
+///    its chain has none yet, and its arrival waits).
+/// 2. A raw transaction W releases e1 (CLAIMED -> PENDING, as a lease
+///    expiry does) and stays open: its trigger saw no head to update.
+/// 3. A claim links the chain meanwhile. Before the fix it installed the
+///    head on e1, not claimable (CLAIMED in its snapshot), and W's commit
+///    left it so: e1 PENDING behind a head that is never offered. Now the
+///    linker holds the event it heads (FOR SHARE, skipping one being
+///    written): e1 is being written, so the chain is given back to a
+///    later linker (an arrival), which sees e1 PENDING.
+/// 4. W commits. Every head is sound, and e1 and e2 are claimed and
+///    published.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn chains_path_linker_racing_a_release_of_an_event_claimed_without_a_head(pool: PgPool) {
+    let db = db(pool).await;
+    let key = db.key("k");
+    let e1 = db.emit(&key, 1).await;
+    let e2 = db.emit(&key, 2).await;
+    let chain = db.event(&e1).await.0;
+    // 1. e1 claimed without a head.
+    sqlx::query("UPDATE outbox_events SET state = 'CLAIMED', claim_owner = 'lane', claim_generation = claim_generation + 1, lease_until_ms = $2 WHERE event_id = $1")
+        .bind(&e1)
+        .bind(db.clock.now_ms() + LEASE_MS)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(db.head(chain).await, None);
+    // 2. W releases e1 and stays open.
+    let mut w = db.pool.begin().await.unwrap();
+    sqlx::query("UPDATE outbox_events SET state = 'PENDING', claim_owner = NULL, lease_until_ms = NULL, claim_generation = claim_generation + 1 WHERE event_id = $1")
+        .bind(&e1)
+        .execute(&mut *w)
+        .await
+        .unwrap();
+    // 3. A claim links the chain meanwhile (it waits for nothing).
+    let claimed = tokio::time::timeout(Duration::from_secs(20), db.store.claim_batch("l", 100, LEASE_MS)).await.unwrap().unwrap();
+    assert!(claimed.is_empty(), "{claimed:?}");
+    // 4. W commits.
+    w.commit().await.unwrap();
+    db.assert_heads_sound().await;
+    db.drain(&db.store, &[&e1, &e2]).await;
+    db.assert_heads_sound().await;
 }

@@ -283,10 +283,18 @@ fn claim_heads_sql(heads: &str) -> String {
                 -- once), not as a join: when a row changed since this
                 -- statement's snapshot, the lock re-checks that one row's
                 -- conditions instead of re-running a join. The event row
-                -- is the claim's record; its state is checked again here.
+                -- is the claim's record; its state is checked again here,
+                -- and so are its cluster (the head row's copy is not the
+                -- record) and, for an ordered event, that it heads its own
+                -- current chain: a head row left on an event that a
+                -- destination migration moved to another chain or cluster
+                -- never hands that event out (one primary-key probe of
+                -- outbox_chain_heads per candidate).
                 SELECT e.event_id FROM outbox_events e
                 WHERE e.event_id = ANY (ARRAY(SELECT event_id FROM cand))
                   AND e.state = 'PENDING' AND e.next_check_at_ms <= $3 AND e.protocol_version <= $6
+                  AND ($5::text IS NULL OR e.cluster_id = $5)
+                  AND (NOT e.ordered OR EXISTS (SELECT 1 FROM outbox_chain_heads h WHERE h.key_chain = e.key_chain AND h.event_id = e.event_id))
                 ORDER BY e.seq LIMIT $1 FOR UPDATE OF e SKIP LOCKED)
              UPDATE outbox_events e SET state = 'CLAIMED', claim_owner = $2, claim_generation = e.claim_generation + 1,
                     lease_until_ms = $3 + $4, claim_attempt_id = NULL, state_since_ms = $3
