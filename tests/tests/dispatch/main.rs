@@ -9,4 +9,5 @@ mod destinations;
 mod index_use;
 mod run;
 mod stream;
+mod stream_faults;
 mod wakeup;

@@ -366,16 +366,34 @@ impl PgStore {
         let turn = self.stream_rounds.load(AtomicOrdering::Relaxed) as usize % buckets.len();
         buckets.rotate_left(turn);
 
-        // The leases: renewed at half time, granted where vacant or run out;
-        // an open batch under a lease that ran out is taken over.
+        // The leases: granted where vacant or run out; an open batch under a
+        // lease that ran out is taken over.
+        //
+        // A lease this owner holds, running, is NOT renewed here merely
+        // because the owner claims again: that it claims says nothing about
+        // the batch's hand-outs. If an earlier claim's answer was lost (its
+        // COMMIT's answer dropped with the connection), its hand-outs reached
+        // nobody, nobody registers them, and `sendable_now` never hands them
+        // out again; a claim round renewing its own live leases would keep
+        // that batch open for ever under the same owner name (no takeover,
+        // its events CLAIMED, its bucket's later events PENDING). So the
+        // lease of an open batch lives on only by work on it:
+        // - the dispatcher renews the lease of the sends it has in flight
+        //   (`renew_stream`, every half lease while answers are outstanding);
+        // - a claim round that hands events of the bucket out, or could but
+        //   has no room left, renews it below (`renew_for`): that answer's
+        //   tokens carry the lease, and the dispatcher that gets them renews
+        //   from then on.
+        // A lease nobody renews runs out and is taken over (by anyone, this
+        // owner too): the generation goes up, the open batch is abandoned,
+        // its handed-out unregistered events go to the lane PENDING and its
+        // registered ones DISPATCH_UNKNOWN (`take_over`). A late
+        // registration of a lost hand-out is fenced: the lease's open batch
+        // and generation are no longer the batch's (`register_stream`).
         let mut abandoned = Vec::new();
         for b in buckets.iter_mut() {
             let current = BucketLease { bucket: b.bucket as u32, owner: b.owner.clone(), generation: b.generation as u64, lease_until_ms: b.lease_until_ms };
             if current.owner.as_deref() == Some(owner) && current.live(now) {
-                if b.lease_until_ms - now < lease_ms / 2 {
-                    b.lease_until_ms = now + lease_ms;
-                    b.dirty = true;
-                }
                 continue;
             }
             let Some(grant) = grant_lease(&current, owner, now, lease_ms)? else { continue };
@@ -405,15 +423,19 @@ impl PgStore {
                 b.dirty = true;
                 continue;
             }
-            if remaining == 0 {
-                continue;
-            }
             let input: Vec<(Option<&str>, BatchEvent, bool)> = batch.keys.iter().zip(&events).zip(&batch.facts).map(|((k, e), f)| (k.as_deref(), *e, f.handed)).collect();
             let mut go = sendable_now(&input);
+            // Events that may go now but find no room in this claim wait for
+            // this owner's next one: nothing of the batch is in anyone's
+            // hands, so the owner is the one working on it, and keeps it.
+            let only_waiting = !go.is_empty() && !batch.facts.iter().zip(&events).any(|(f, e)| f.handed && !e.settled());
             go.truncate(remaining);
             remaining -= go.len();
             if !go.is_empty() {
+                renew_for(b, now, lease_ms);
                 handouts.push((batch.id, go));
+            } else if only_waiting && b.lease_until_ms - now < lease_ms / 2 {
+                renew_for(b, now, lease_ms);
             }
         }
 
@@ -592,6 +614,7 @@ impl PgStore {
                 let b = &buckets[nb.bucket];
                 let id = *ids.get(&(b.cluster_id.clone(), b.bucket)).ok_or_else(|| StoreError::Backend { message: "a batch insert returned no id".into(), retryable: false })?;
                 buckets[nb.bucket].open_batch = Some(id);
+                renew_for(&mut buckets[nb.bucket], now, lease_ms);
                 let input: Vec<(Option<&str>, BatchEvent, bool)> = nb.rows.iter().map(|w| (w.key.as_deref(), BatchEvent::default(), false)).collect();
                 handouts.push((id, sendable_now(&input)));
             }
@@ -669,6 +692,17 @@ impl PgStore {
         self.cloudevents.attach(tx, &mut claimed).await?;
         Ok(claimed)
     }
+}
+
+/// Renews `b`'s lease (held by the claiming owner) for a claim that hands
+/// out events of its open batch: a full lease from now, so that the
+/// answer's tokens outlive the dispatcher's registration and its first
+/// renewal (half a lease after its sends start). The only renewal a claim
+/// round makes: see the lease loop of `claim_stream_in` for why a claim
+/// does not renew a lease it holds otherwise.
+fn renew_for(b: &mut BucketRow, now: i64, lease_ms: i64) {
+    b.lease_until_ms = b.lease_until_ms.max(now.saturating_add(lease_ms));
+    b.dirty = true;
 }
 
 /// A handed-out stream row as an event to send, under its batch's claim.
