@@ -416,7 +416,7 @@ pub async fn run_checker(pool: &PgPool, cfg: &CheckerConfig) -> Verdict {
         keys: (0..=cfg.keys).map(|_| tokio::sync::Mutex::new(1)).collect(),
         key_names: (0..cfg.keys)
             .map(|k| format!("k{k}-{run}"))
-            .chain([format!("long-{run}")])
+            .chain([long_key_name(&run)])
             .collect(),
         topic_a,
         topic_b,
@@ -885,6 +885,16 @@ async fn retry_commands(shared: &Shared, pool: &PgPool, planned: &[Planned]) {
             ledger.violations.push(format!("second_logical_event: the retry of committed command {} (first event {first:?}) was answered with {} (inserted {})", p.command, a.event_id(), a.inserted));
         }
     }
+}
+
+/// The long transaction's key: its own, but in the stream bucket of the
+/// first regular key (routing keys are `tenant-7.order.<key>`), so that
+/// the bucket is cut while the long transaction is open and its events
+/// must come in a later cut by the snapshot rule, not by position.
+fn long_key_name(run: &str) -> String {
+    let bucket = |key: &str| outbox_core::stream::bucket_of_key(&format!("tenant-7.order.{key}"));
+    let target = bucket(&format!("k0-{run}"));
+    (0..10_000).map(|n| format!("long{n}-{run}")).find(|k| bucket(k) == target).unwrap_or_else(|| format!("long-{run}"))
 }
 
 /// A transaction on its own key held open while others commit (the

@@ -121,15 +121,14 @@ fn assert_the_faults_happened(cfg: &CheckerConfig, v: &Verdict) {
     );
 }
 
-/// Red today (issue 44): under the whole bounded workload the stream
-/// path shows defects the checker found — a lost claim COMMIT answer
-/// wedges a key bucket (`stuck`), a migration moves a registered stream
-/// event to the lane without its attempt (a second send: `duplicate`), a
-/// moved event overtakes its key's earlier stream events
-/// (`order_violation`), and the lane inherits the chains path's stale
-/// chain heads (`stuck`). Run with `--run-ignored all`.
+/// The whole bounded workload on the stream. It found four defects of the
+/// stream path (a lost claim COMMIT answer wedged a key bucket, a
+/// migration's move between hand-out and registration lost the attempt, a
+/// moved event overtook its key's earlier stream events, and the lane
+/// inherited the chains path's stale chain heads); each has its own test
+/// now (tests/tests/dispatch/stream_faults.rs, stream_lane_moves.rs,
+/// chain_head_races.rs).
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
-#[ignore = "red until the stream defects it found are fixed (see the doc comment)"]
 async fn the_concurrent_checker_is_green_on_the_stream(pool: PgPool) {
     outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream)
         .await
@@ -144,12 +143,9 @@ async fn the_concurrent_checker_is_green_on_the_stream(pool: PgPool) {
     );
 }
 
-/// The same workload on the chains path. Green for seeds 44, 46 and 47;
-/// seed 45 leaves a key's chain head on a purged event and the key's
-/// later events PENDING (`stuck`), one of the chains path's known races
-/// (tests/tests/chain_head_races.rs).
+/// The same workload on the chains path (seed 45 left a key's chain head
+/// on a purged event before the chain-head races were fixed).
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
-#[ignore = "the chains path's known chain-head races make it stuck for some seeds (45); run with --run-ignored"]
 async fn the_concurrent_checker_on_the_chains_path(pool: PgPool) {
     outbox_producer::set_dispatch_path(&pool, DispatchPath::Chains)
         .await
