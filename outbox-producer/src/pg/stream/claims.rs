@@ -560,20 +560,23 @@ impl PgStore {
 
         // Insert the new batches (their registration) with their logs' scan
         // floors: one statement for the floors, one for the batches.
+        // Each log once in `all_floors` (batches of one claim share their
+        // logs); per batch, the logs it uses (`mine`, indexes into
+        // `all_floors`) and each event's entry among them (`floor_of`).
         let mut all_floors: Vec<(String, Floor)> = Vec::new();
+        let mut log_index: HashMap<(String, String, Option<String>, i32), usize> = HashMap::new();
         let mut shapes: Vec<(Vec<usize>, Vec<i32>)> = Vec::with_capacity(new_batches.len());
         for nb in &new_batches {
-            let cluster = buckets[nb.bucket].cluster_id.clone();
+            let cluster = &buckets[nb.bucket].cluster_id;
             let mut mine: Vec<usize> = Vec::new();
             let mut floor_of: Vec<i32> = Vec::with_capacity(nb.rows.len());
             for w in &nb.rows {
-                let at = mine.iter().position(|f| {
-                    let (c, fl) = &all_floors[*f];
-                    *c == cluster && fl.topic == w.topic && fl.topic_id == w.topic_id && fl.partition == w.partition
-                });
-                let at = at.unwrap_or_else(|| {
+                let log = *log_index.entry((cluster.clone(), w.topic.clone(), w.topic_id.clone(), w.partition)).or_insert_with(|| {
                     all_floors.push((cluster.clone(), Floor { topic: w.topic.clone(), topic_id: w.topic_id.clone(), partition: w.partition, scan_from: 0, anchor: None, anchor_attempt: None }));
-                    mine.push(all_floors.len() - 1);
+                    all_floors.len() - 1
+                });
+                let at = mine.iter().position(|f| *f == log).unwrap_or_else(|| {
+                    mine.push(log);
                     mine.len() - 1
                 });
                 floor_of.push(at as i32);
@@ -726,27 +729,15 @@ fn claimed_event(r: &PgRow, owner: &str, batch: i64, lease_until_ms: i64) -> Res
     })
 }
 
-/// Each log's scan floor: past the highest receipted offset of its
-/// partition (of its topic id), with the receipt's event and attempt as
-/// the anchor, as an attempt's registration on the chains path records it.
+/// Each log's scan floor (`floors` holds each log once): past the highest
+/// receipted offset of its partition (of its topic id), with the receipt's
+/// event and attempt as the anchor, as an attempt's registration on the
+/// chains path records it.
 async fn fill_floors(tx: &mut Transaction<'static, Postgres>, floors: &mut [(String, Floor)]) -> Result<(), StoreError> {
     if floors.is_empty() {
         return Ok(());
     }
     let g = |e: sqlx::Error| store_err(e);
-    // Batches of one claim share their logs: each log is read once.
-    let mut unique: Vec<usize> = Vec::new();
-    let mut slot_of: Vec<usize> = Vec::with_capacity(floors.len());
-    {
-        let mut seen: HashMap<(&str, &str, Option<&str>, i32), usize> = HashMap::new();
-        for (i, (cluster, f)) in floors.iter().enumerate() {
-            let at = *seen.entry((cluster.as_str(), f.topic.as_str(), f.topic_id.as_deref(), f.partition)).or_insert_with(|| {
-                unique.push(i);
-                unique.len() - 1
-            });
-            slot_of.push(at);
-        }
-    }
     let rows = sqlx::query(
         "SELECT (p.ord - 1)::int AS i, coalesce(top.\"offset\" + 1, 0) AS scan_from, top.event_id, top.attempt_id
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int[]) WITH ORDINALITY AS p(cluster_id, topic, topic_id, partition, ord)
@@ -760,25 +751,20 @@ async fn fill_floors(tx: &mut Transaction<'static, Postgres>, floors: &mut [(Str
               ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
          ) top ON true",
     )
-    .bind(unique.iter().map(|i| floors[*i].0.as_str()).collect::<Vec<_>>())
-    .bind(unique.iter().map(|i| floors[*i].1.topic.as_str()).collect::<Vec<_>>())
-    .bind(unique.iter().map(|i| floors[*i].1.topic_id.as_deref()).collect::<Vec<_>>())
-    .bind(unique.iter().map(|i| floors[*i].1.partition).collect::<Vec<_>>())
+    .bind(floors.iter().map(|f| f.0.as_str()).collect::<Vec<_>>())
+    .bind(floors.iter().map(|f| f.1.topic.as_str()).collect::<Vec<_>>())
+    .bind(floors.iter().map(|f| f.1.topic_id.as_deref()).collect::<Vec<_>>())
+    .bind(floors.iter().map(|f| f.1.partition).collect::<Vec<_>>())
     .fetch_all(&mut **tx)
     .await
     .map_err(g)?;
-    let mut found: Vec<(i64, Option<String>, Option<String>)> = vec![(0, None, None); unique.len()];
     for r in rows {
         let i: i32 = r.try_get("i").map_err(g)?;
-        if let Some(slot) = found.get_mut(i as usize) {
-            *slot = (r.try_get("scan_from").map_err(g)?, r.try_get("event_id").map_err(g)?, r.try_get("attempt_id").map_err(g)?);
+        if let Some((_, f)) = floors.get_mut(i as usize) {
+            f.scan_from = r.try_get("scan_from").map_err(g)?;
+            f.anchor = r.try_get("event_id").map_err(g)?;
+            f.anchor_attempt = r.try_get("attempt_id").map_err(g)?;
         }
-    }
-    for ((_, f), at) in floors.iter_mut().zip(slot_of) {
-        let (scan_from, anchor, anchor_attempt) = found[at].clone();
-        f.scan_from = scan_from;
-        f.anchor = anchor;
-        f.anchor_attempt = anchor_attempt;
     }
     Ok(())
 }
