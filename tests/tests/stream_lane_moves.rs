@@ -9,16 +9,13 @@
 //! - A migration's move of a key's later event must not let it overtake
 //!   the key's earlier events still on the stream.
 
-use std::sync::Arc;
-
-use outbox_core::{Broker, ClaimedEvent, EventState, ManualClock, OutboxStore, RetryPolicy, RoutePolicy, SendOutcome};
+use outbox_core::{Broker, ClaimedEvent, EventState, OutboxStore, RetryPolicy, RoutePolicy, SendOutcome};
 use outbox_producer::dispatcher::outgoing_message;
 use outbox_producer::kafka::KafkaBroker;
 use outbox_producer::{
-    migrate_destination, migration::migrate_destination_with, Dispatcher, DispatcherConfig, DispatchPath, MigrationOutcome, PgStore, Reconciler, ReconcilerConfig,
+    migrate_destination, migration::migrate_destination_with, Dispatcher, DispatcherConfig, DispatchPath, MigrationOutcome, Reconciler, ReconcilerConfig,
 };
 use outbox_tests::dispatch::{each_once_in_log, emit_many, keys_in_commit_order, PARTITIONS, TOPIC};
-use outbox_tests::kafka::TestCluster;
 use outbox_tests::*;
 use sqlx::PgPool;
 
@@ -26,19 +23,22 @@ use sqlx::PgPool;
 const OTHER_TOPIC: &str = "orders-moved";
 const LEASE_MS: i64 = 30_000;
 
-struct Fixture {
-    pool: PgPool,
-    cluster: TestCluster,
-    broker: Arc<KafkaBroker>,
-    clock: ManualClock,
-    store: PgStore,
+/// The shared test stack, on the stream path, with a second topic to
+/// migrate to.
+struct Fixture(Stack);
+
+impl std::ops::Deref for Fixture {
+    type Target = Stack;
+    fn deref(&self) -> &Stack {
+        &self.0
+    }
 }
 
 async fn fixture(pool: PgPool) -> Fixture {
-    let Stack { pool, cluster, broker, clock, store } = stack(pool, TOPIC, PARTITIONS, |cfg| cfg.extra.push(("reconnect.backoff.max.ms".into(), "500".into()))).await;
-    cluster.topic(OTHER_TOPIC, PARTITIONS);
-    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
-    Fixture { pool, cluster, broker, clock, store }
+    let s = stack(pool, TOPIC, PARTITIONS, |cfg| cfg.extra.push(("reconnect.backoff.max.ms".into(), "500".into()))).await;
+    s.cluster.topic(OTHER_TOPIC, PARTITIONS);
+    outbox_producer::set_dispatch_path(&s.pool, DispatchPath::Stream).await.unwrap();
+    Fixture(s)
 }
 
 impl Fixture {
