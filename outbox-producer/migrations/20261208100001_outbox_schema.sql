@@ -1174,6 +1174,29 @@ CREATE INDEX outbox_publish_receipts_position ON outbox_publish_receipts (cluste
 -- receipts of logs without a topic id, in the order the floor is read.
 CREATE INDEX outbox_publish_receipts_v1_floor ON outbox_publish_receipts (cluster_id, topic, partition, "offset", position_epoch)
     WHERE topic_id IS NULL;
+-- The scan floor of one partition's log, read by every registration (the
+-- chains path's and the stream's cut): past its highest receipted offset,
+-- with the receipt's event and attempt (the newest epoch) as the anchor by
+-- which a lookup recognises the log; 0 and no anchor for a log without
+-- receipts. One index probe: the position key for a topic id, the v1
+-- floor index without one.
+CREATE FUNCTION outbox_log_floor(p_cluster text, p_topic text, p_topic_id text, p_partition integer)
+    RETURNS TABLE (scan_from bigint, scan_anchor text, scan_anchor_attempt text)
+    LANGUAGE sql STABLE
+    SET search_path FROM CURRENT
+AS $$
+    SELECT coalesce(top."offset" + 1, 0), top.event_id::text, top.attempt_id::text
+    FROM (SELECT 1) one
+    LEFT JOIN LATERAL (
+        (SELECT r."offset", r.event_id, r.attempt_id FROM outbox_publish_receipts r
+         WHERE p_topic_id IS NULL AND r.cluster_id = p_cluster AND r.topic = p_topic AND r.topic_id IS NULL AND r.partition = p_partition
+         ORDER BY r."offset" DESC, r.position_epoch DESC LIMIT 1)
+        UNION ALL
+        (SELECT r."offset", r.event_id, r.attempt_id FROM outbox_publish_receipts r
+         WHERE r.cluster_id = p_cluster AND r.topic = p_topic AND r.topic_id = p_topic_id AND r.partition = p_partition
+         ORDER BY r."offset" DESC, r.position_epoch DESC LIMIT 1)
+    ) top ON true
+$$;
 CREATE TRIGGER outbox_publish_receipts_frozen BEFORE UPDATE OR DELETE ON outbox_publish_receipts
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
 

@@ -57,17 +57,9 @@ impl PgStore {
              -- with the event whose receipt holds it (the newest epoch), the
              -- anchor by which a lookup recognises that log.
              floors AS MATERIALIZED (
-                SELECT p.cluster_id, p.topic, p.topic_id, p.partition, coalesce(top.\"offset\" + 1, 0) AS scan_from, top.event_id AS scan_anchor, top.attempt_id AS scan_anchor_attempt
+                SELECT p.cluster_id, p.topic, p.topic_id, p.partition, f.scan_from, f.scan_anchor, f.scan_anchor_attempt
                 FROM (SELECT DISTINCT cluster_id, topic, topic_id, partition FROM dest) p
-                LEFT JOIN LATERAL (
-                    (SELECT r.\"offset\", r.event_id, r.attempt_id FROM outbox_publish_receipts r
-                     WHERE p.topic_id IS NULL AND r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id IS NULL AND r.partition = p.partition
-                     ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
-                    UNION ALL
-                    (SELECT r.\"offset\", r.event_id, r.attempt_id FROM outbox_publish_receipts r
-                     WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id = p.topic_id AND r.partition = p.partition
-                     ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
-                ) top ON true)
+                CROSS JOIN LATERAL outbox_log_floor(p.cluster_id, p.topic, p.topic_id, p.partition) f)
              INSERT INTO outbox_attempts ({ATTEMPT_COLUMNS})
              SELECT u.attempt_id, u.event_id, u.envelope_generation, u.attempt_generation, u.gen, u.owner, 'SENDING',
                     u.destination_digest, $5, f.scan_from, u.lease_until_ms, f.scan_anchor, f.scan_anchor_attempt

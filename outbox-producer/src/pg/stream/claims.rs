@@ -729,27 +729,17 @@ fn claimed_event(r: &PgRow, owner: &str, batch: i64, lease_until_ms: i64) -> Res
     })
 }
 
-/// Each log's scan floor (`floors` holds each log once): past the highest
-/// receipted offset of its partition (of its topic id), with the receipt's
-/// event and attempt as the anchor, as an attempt's registration on the
-/// chains path records it.
+/// Each log's scan floor (`floors` holds each log once; `outbox_log_floor`,
+/// as the chains path's registration reads it).
 async fn fill_floors(tx: &mut Transaction<'static, Postgres>, floors: &mut [(String, Floor)]) -> Result<(), StoreError> {
     if floors.is_empty() {
         return Ok(());
     }
     let g = |e: sqlx::Error| store_err(e);
     let rows = sqlx::query(
-        "SELECT (p.ord - 1)::int AS i, coalesce(top.\"offset\" + 1, 0) AS scan_from, top.event_id, top.attempt_id
+        "SELECT (p.ord - 1)::int AS i, f.scan_from, f.scan_anchor AS event_id, f.scan_anchor_attempt AS attempt_id
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int[]) WITH ORDINALITY AS p(cluster_id, topic, topic_id, partition, ord)
-         LEFT JOIN LATERAL (
-             (SELECT r.\"offset\", r.event_id, r.attempt_id FROM outbox_publish_receipts r
-              WHERE p.topic_id IS NULL AND r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id IS NULL AND r.partition = p.partition
-              ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
-             UNION ALL
-             (SELECT r.\"offset\", r.event_id, r.attempt_id FROM outbox_publish_receipts r
-              WHERE r.cluster_id = p.cluster_id AND r.topic = p.topic AND r.topic_id = p.topic_id AND r.partition = p.partition
-              ORDER BY r.\"offset\" DESC, r.position_epoch DESC LIMIT 1)
-         ) top ON true",
+         CROSS JOIN LATERAL outbox_log_floor(p.cluster_id, p.topic, p.topic_id, p.partition) f",
     )
     .bind(floors.iter().map(|f| f.0.as_str()).collect::<Vec<_>>())
     .bind(floors.iter().map(|f| f.1.topic.as_str()).collect::<Vec<_>>())
