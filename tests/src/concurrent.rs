@@ -151,41 +151,31 @@ impl CheckerConfig {
         if let Some(seed) = var("OUTBOX_CHECKER_SEED") {
             cfg.seed = seed;
         }
-        if let Some(rounds) = var("OUTBOX_CHECKER_ROUNDS") {
-            cfg.rounds = rounds.max(1) as usize;
+        for (name, count) in [
+            ("OUTBOX_CHECKER_ROUNDS", &mut cfg.rounds),
+            ("OUTBOX_CHECKER_EMITTERS", &mut cfg.emitters),
+            ("OUTBOX_CHECKER_KEYS", &mut cfg.keys),
+            ("OUTBOX_CHECKER_DISPATCHERS", &mut cfg.dispatchers),
+        ] {
+            if let Some(n) = var(name) {
+                *count = n.max(1) as usize;
+            }
         }
-        if let Some(n) = var("OUTBOX_CHECKER_EMITTERS") {
-            cfg.emitters = n.max(1) as usize;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_KEYS") {
-            cfg.keys = n.max(1) as usize;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_DISPATCHERS") {
-            cfg.dispatchers = n.max(1) as usize;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_FAULTS") {
-            cfg.faults = n != 0;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_MIGRATIONS") {
-            cfg.migrations = n != 0;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_RETENTION") {
-            cfg.retention = n != 0;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_KILLS") {
-            cfg.kills = n != 0;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_TAKEOVERS") {
-            cfg.takeovers = n != 0;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_BROKER_FAULTS") {
-            cfg.broker_faults = n != 0;
+        for (name, switch) in [
+            ("OUTBOX_CHECKER_FAULTS", &mut cfg.faults),
+            ("OUTBOX_CHECKER_MIGRATIONS", &mut cfg.migrations),
+            ("OUTBOX_CHECKER_RETENTION", &mut cfg.retention),
+            ("OUTBOX_CHECKER_KILLS", &mut cfg.kills),
+            ("OUTBOX_CHECKER_TAKEOVERS", &mut cfg.takeovers),
+            ("OUTBOX_CHECKER_BROKER_FAULTS", &mut cfg.broker_faults),
+            ("OUTBOX_CHECKER_LONG", &mut cfg.long_transaction),
+        ] {
+            if let Some(n) = var(name) {
+                *switch = n != 0;
+            }
         }
         if let Some(n) = var("OUTBOX_CHECKER_LOST_COMMITS") {
             cfg.lost_commit_per_mille = n as u32;
-        }
-        if let Some(n) = var("OUTBOX_CHECKER_LONG") {
-            cfg.long_transaction = n != 0;
         }
         if let Some(n) = var("OUTBOX_CHECKER_LEASE_MS") {
             cfg.lease_ms = n as i64;
@@ -642,14 +632,8 @@ struct Planned {
 impl Planned {
     fn request(&self) -> EmitRequest<'_> {
         EmitRequest {
-            command_key: &self.command,
-            tenant: "tenant-7",
-            aggregate_type: "order",
-            aggregate_id: &self.key,
             aggregate_version: self.version,
-            event_type: ORDER_CREATED,
-            payload_schema: "order-v2",
-            payload: &self.payload,
+            ..crate::order_request(&self.command, &self.key, &self.payload)
         }
     }
 }

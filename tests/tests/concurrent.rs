@@ -130,31 +130,27 @@ fn assert_the_faults_happened(cfg: &CheckerConfig, v: &Verdict) {
 /// chain_head_races.rs).
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn the_concurrent_checker_is_green_on_the_stream(pool: PgPool) {
-    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream)
-        .await
-        .unwrap();
-    let cfg = CheckerConfig::from_env();
-    let violations = rounds(&pool, &cfg, "stream", assert_the_faults_happened).await;
-    assert!(
-        violations.is_empty(),
-        "{} violations on the stream path:\n{}",
-        violations.len(),
-        violations.join("\n")
-    );
+    run_on(&pool, DispatchPath::Stream, "stream").await;
 }
 
 /// The same workload on the chains path (seed 45 left a key's chain head
 /// on a purged event before the chain-head races were fixed).
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn the_concurrent_checker_on_the_chains_path(pool: PgPool) {
-    outbox_producer::set_dispatch_path(&pool, DispatchPath::Chains)
+    run_on(&pool, DispatchPath::Chains, "chains").await;
+}
+
+/// The workload from the environment on `path` (named `name`), every
+/// round green and every round's faults having happened.
+async fn run_on(pool: &PgPool, path: DispatchPath, name: &str) {
+    outbox_producer::set_dispatch_path(pool, path)
         .await
         .unwrap();
     let cfg = CheckerConfig::from_env();
-    let violations = rounds(&pool, &cfg, "chains", assert_the_faults_happened).await;
+    let violations = rounds(pool, &cfg, name, assert_the_faults_happened).await;
     assert!(
         violations.is_empty(),
-        "{} violations on the chains path:\n{}",
+        "{} violations on the {name} path:\n{}",
         violations.len(),
         violations.join("\n")
     );

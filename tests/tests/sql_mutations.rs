@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use outbox_producer::DispatchPath;
-use outbox_tests::concurrent::{run_checker, CheckerConfig};
+use outbox_tests::concurrent::{run_checker, CheckerConfig, Figures};
 use outbox_tests::sql_mutations::{events_in_two_batches, sql_mutation, SQL_MUTATIONS};
 use sqlx::PgPool;
 
@@ -78,15 +78,22 @@ async fn caught(pool: PgPool, name: &str, cfg: CheckerConfig) {
     );
 }
 
+/// Runs the checker on the stream under `cfg` over the intact schema:
+/// `workload_ran` asserts on the figures that the workload happened, then
+/// the verdict must be green (no event in two batches either).
+async fn assert_green(pool: &PgPool, cfg: CheckerConfig, workload_ran: impl FnOnce(&Figures)) {
+    outbox_producer::set_dispatch_path(pool, DispatchPath::Stream).await.unwrap();
+    let verdict = run_checker(pool, &cfg).await;
+    let mut violations = verdict.violations;
+    violations.extend(events_in_two_batches(pool).await);
+    workload_ran(&verdict.figures);
+    assert!(violations.is_empty(), "{violations:#?}");
+}
+
 /// The workload [`calm`] is green without a defect.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn the_checker_is_green_on_a_calm_stream(pool: PgPool) {
-    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
-    let verdict = run_checker(&pool, &calm()).await;
-    let mut violations = verdict.violations;
-    violations.extend(events_in_two_batches(&pool).await);
-    assert!(verdict.figures.long_transaction_events > 0 && verdict.figures.aborted > 0, "{:#?}", verdict.figures);
-    assert!(violations.is_empty(), "{violations:#?}");
+    assert_green(&pool, calm(), |f| assert!(f.long_transaction_events > 0 && f.aborted > 0, "{f:#?}")).await;
 }
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
@@ -97,12 +104,7 @@ async fn the_checker_catches_a_reversed_order(pool: PgPool) {
 /// The workload [`with_lost_commits`] is green without a defect.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn the_checker_is_green_with_lost_commit_answers(pool: PgPool) {
-    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
-    let verdict = run_checker(&pool, &with_lost_commits()).await;
-    let mut violations = verdict.violations;
-    violations.extend(events_in_two_batches(&pool).await);
-    assert!(verdict.figures.commit_answers_cut > 0, "no COMMIT answer was lost: {:#?}", verdict.figures);
-    assert!(violations.is_empty(), "{violations:#?}");
+    assert_green(&pool, with_lost_commits(), |f| assert!(f.commit_answers_cut > 0, "no COMMIT answer was lost: {f:#?}")).await;
 }
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
