@@ -111,6 +111,25 @@ pub fn order_request<'a>(command_key: &'a str, id: &'a str, payload: &'a [u8]) -
     }
 }
 
+/// The broker's ACK of attempt `a` of the claimed event `ev`, written at
+/// `partition`@`offset` of its frozen destination's topic: the receipt the
+/// dispatcher hands the store.
+pub fn ack_receipt(ev: &outbox_core::ClaimedEvent, a: &outbox_core::AttemptRecord, partition: i32, offset: i64) -> outbox_core::BrokerReceipt {
+    outbox_core::BrokerReceipt {
+        event_id: ev.envelope.event_id.clone(),
+        envelope_generation: ev.envelope.envelope_generation,
+        attempt_id: a.attempt_id.clone(),
+        payload_digest: ev.envelope.payload_digest.clone(),
+        destination_digest: ev.destination_digest.clone(),
+        cluster_id: ev.destination.cluster_id.clone(),
+        topic: ev.destination.topic.clone(),
+        topic_id: ev.destination.topic_id.clone(),
+        partition,
+        offset,
+        key: Some(ev.destination.routing_key.as_bytes().to_vec()),
+    }
+}
+
 pub mod dispatch;
 
 pub mod concurrent;

@@ -161,19 +161,7 @@ impl Db {
 
 /// The ACK of attempt `a` of `ev`, at its frozen destination.
 fn receipt(ev: &ClaimedEvent, a: &AttemptRecord) -> BrokerReceipt {
-    BrokerReceipt {
-        event_id: ev.envelope.event_id.clone(),
-        envelope_generation: ev.envelope.envelope_generation,
-        attempt_id: a.attempt_id.clone(),
-        payload_digest: ev.envelope.payload_digest.clone(),
-        destination_digest: ev.destination_digest.clone(),
-        cluster_id: ev.destination.cluster_id.clone(),
-        topic: ev.destination.topic.clone(),
-        topic_id: ev.destination.topic_id.clone(),
-        partition: ev.destination.partition,
-        offset: 0,
-        key: Some(ev.destination.routing_key.as_bytes().to_vec()),
-    }
+    outbox_tests::ack_receipt(ev, a, ev.destination.partition, 0)
 }
 
 /// Waits until a backend of this test's database whose statement starts

@@ -58,19 +58,7 @@ impl Fixture {
     /// Sends the attempt's genuine message now and hands its receipt to the store.
     async fn send_and_settle(&self, ev: &ClaimedEvent, a: &outbox_core::AttemptRecord) -> outbox_core::ReceiptOutcome {
         let SendOutcome::Acked { partition, offset } = self.broker.send(outgoing_message(ev, a)).await else { panic!("send failed") };
-        let receipt = outbox_core::BrokerReceipt {
-            event_id: ev.envelope.event_id.clone(),
-            envelope_generation: ev.envelope.envelope_generation,
-            attempt_id: a.attempt_id.clone(),
-            payload_digest: ev.envelope.payload_digest.clone(),
-            destination_digest: ev.destination_digest.clone(),
-            cluster_id: self.broker.cluster_id().to_owned(),
-            topic: TOPIC.into(),
-            topic_id: ev.destination.topic_id.clone(),
-            partition,
-            offset,
-            key: Some(ev.destination.routing_key.as_bytes().to_vec()),
-        };
+        let receipt = ack_receipt(ev, a, partition, offset);
         self.store.accept_dispatch_receipt(&receipt).await.unwrap()
     }
 

@@ -92,19 +92,7 @@ async fn table_stats_once(pool: &PgPool, table: &str, arrived: impl Fn(&TableSta
 /// The broker's receipt of the registered attempt `a` of the claimed event
 /// `c`, written at `offset` of its frozen partition on cluster-a.
 fn receipt_on_cluster_a(c: &outbox_core::ClaimedEvent, a: &outbox_core::AttemptRecord, offset: i64) -> outbox_core::BrokerReceipt {
-    outbox_core::BrokerReceipt {
-        event_id: c.envelope.event_id.clone(),
-        envelope_generation: c.envelope.envelope_generation,
-        attempt_id: a.attempt_id.clone(),
-        payload_digest: c.envelope.payload_digest.clone(),
-        destination_digest: c.destination_digest.clone(),
-        cluster_id: "cluster-a".into(),
-        topic: TOPIC.into(),
-        topic_id: c.destination.topic_id.clone(),
-        partition: c.destination.partition,
-        offset,
-        key: Some(c.destination.routing_key.as_bytes().to_vec()),
-    }
+    outbox_core::BrokerReceipt { cluster_id: "cluster-a".into(), topic: TOPIC.into(), ..outbox_tests::ack_receipt(c, a, c.destination.partition, offset) }
 }
 
 /// The receipt transaction finds its attempts through an index even where

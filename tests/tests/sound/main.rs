@@ -69,19 +69,7 @@ impl Fixture {
 
     /// The attempt's receipt at `partition`@`offset` of this cluster's topic.
     fn receipt(&self, ev: &ClaimedEvent, a: &outbox_core::AttemptRecord, partition: i32, offset: i64) -> outbox_core::BrokerReceipt {
-        outbox_core::BrokerReceipt {
-            event_id: ev.envelope.event_id.clone(),
-            envelope_generation: ev.envelope.envelope_generation,
-            attempt_id: a.attempt_id.clone(),
-            payload_digest: ev.envelope.payload_digest.clone(),
-            destination_digest: ev.destination_digest.clone(),
-            cluster_id: self.broker.cluster_id().to_owned(),
-            topic: TOPIC.into(),
-            topic_id: ev.destination.topic_id.clone(),
-            partition,
-            offset,
-            key: Some(ev.destination.routing_key.as_bytes().to_vec()),
-        }
+        outbox_tests::ack_receipt(ev, a, partition, offset)
     }
 
     async fn state(&self, id: &str) -> EventState {
