@@ -468,17 +468,25 @@ fn blocked_keys(store: &MemoryStore, reported: &BTreeSet<String>) -> Option<Vec<
         match ev.state {
             // An operator's skip closed it: it holds no key.
             s if s.is_closed() => {}
-            _ if blocked.iter().any(|b| b.key == key) && ev.state == EventState::Pending => {
+            EventState::Pending if blocked.iter().any(|b| b.key == key) => {
                 if let Some(b) = blocked.iter_mut().find(|b| b.key == key) {
                     b.behind += 1;
                 }
             }
-            EventState::Quarantined => blocked.push(head(BlockedBy::Quarantined)),
-            EventState::DispatchUnknown | EventState::Reconciling if reported.contains(ev.envelope.event_id.as_str()) => blocked.push(head(BlockedBy::Unprovable)),
+            EventState::Quarantined => push_head(&mut blocked, head(BlockedBy::Quarantined)),
+            EventState::DispatchUnknown | EventState::Reconciling if reported.contains(ev.envelope.event_id.as_str()) => push_head(&mut blocked, head(BlockedBy::Unprovable)),
             _ => return None,
         }
     }
     Some(blocked)
+}
+
+/// Records a blocked head, unless its key is blocked already (a second
+/// blocked event of a key waits behind the first).
+fn push_head(blocked: &mut Vec<BlockedKey>, head: BlockedKey) {
+    if blocked.iter().all(|b| b.key != head.key) {
+        blocked.push(head);
+    }
 }
 
 /// Counts and names the events that wait behind blocked heads at the end
