@@ -1727,8 +1727,11 @@ CREATE TABLE outbox_stream (
 CREATE TABLE outbox_stream_p0 PARTITION OF outbox_stream FOR VALUES FROM (MINVALUE) TO (16777216);
 CREATE TABLE outbox_stream_p1 PARTITION OF outbox_stream FOR VALUES FROM (16777216) TO (33554432);
 CREATE TABLE outbox_stream_default PARTITION OF outbox_stream DEFAULT;
--- A cut reads one bucket's transactions in a range of ids.
+-- A new window reads one bucket's transactions in a range of ids; a window
+-- read on past its first batch reads the bucket in seq order (no re-read
+-- and sort of the whole window per batch).
 CREATE INDEX outbox_stream_cut ON outbox_stream (cluster_id, bucket, xid);
+CREATE INDEX outbox_stream_window_seq ON outbox_stream (cluster_id, bucket, seq);
 -- Readers of one event (state, trace, receipts).
 CREATE INDEX outbox_stream_event ON outbox_stream (event_id);
 CREATE TRIGGER outbox_stream_frozen BEFORE UPDATE OR DELETE ON outbox_stream
@@ -1739,7 +1742,9 @@ CREATE TRIGGER outbox_stream_frozen BEFORE UPDATE OR DELETE ON outbox_stream
 -- fences the holders before). `prev_cut`..`cut` is the window the bucket's
 -- batches are taken from, `after_seq` how far into it (a batch takes at
 -- most the claim's limit); `window_done` says the next batch needs a new
--- snapshot. `open_batch` is the batch being sent. Written per grant,
+-- snapshot; `cut_seq` bounds the seqs of the window's events (every event
+-- of a transaction visible in `cut` drew its seq before that snapshot was
+-- taken). `open_batch` is the batch being sent. Written per grant,
 -- renewal and cut, never per event.
 CREATE TABLE outbox_bucket_leases (
     cluster_id     text COLLATE "C" NOT NULL,
@@ -1750,6 +1755,7 @@ CREATE TABLE outbox_bucket_leases (
     prev_cut       pg_snapshot NOT NULL DEFAULT '1:1:',
     cut            pg_snapshot NOT NULL DEFAULT '1:1:',
     after_seq      bigint NOT NULL DEFAULT 0,
+    cut_seq        bigint NOT NULL DEFAULT 0,
     window_done    boolean NOT NULL DEFAULT true,
     open_batch     bigint,
     PRIMARY KEY (cluster_id, bucket)
@@ -1804,11 +1810,11 @@ CREATE TRIGGER outbox_batch_steps_frozen BEFORE UPDATE OR DELETE ON outbox_batch
 -- with the claim's snapshot (a new window's cut).
 CREATE FUNCTION outbox_stream_claim_leases(p_scope text, p_owner text, p_now bigint)
     RETURNS TABLE (cluster_id text, bucket smallint, owner text, generation bigint, lease_until_ms bigint, prev_cut text, cut text,
-                   after_seq bigint, window_done boolean, open_batch bigint, snapshot text)
+                   after_seq bigint, cut_seq bigint, window_done boolean, open_batch bigint, snapshot text)
     LANGUAGE sql VOLATILE
     SET search_path FROM CURRENT
 AS $$
-    SELECT l.cluster_id::text, l.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut::text, l.cut::text, l.after_seq, l.window_done,
+    SELECT l.cluster_id::text, l.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut::text, l.cut::text, l.after_seq, l.cut_seq, l.window_done,
            l.open_batch, pg_current_snapshot()::text
     FROM outbox_bucket_leases l
     WHERE (p_scope IS NULL OR l.cluster_id = p_scope) AND (l.owner = p_owner OR l.owner IS NULL OR l.lease_until_ms <= p_now)
@@ -1823,10 +1829,18 @@ $$;
 -- this SQL to it), past p_after[i], in seq order. `to_lane` marks an event
 -- whose key has an open event in the lane (it waits behind it there) or
 -- whose protocol version is newer than the claimer understands.
+--
+-- A window's first read (p_after[i] = 0, or no bound known: p_upto[i] = 0)
+-- reads its transactions by id and returns `upto`, the highest seq of the
+-- bucket it can see: the claim's statements run after its snapshot was
+-- taken (read committed), so every event of the window is at or below it.
+-- A read past the first batch reads on from p_after[i] to p_upto[i] in seq
+-- order, so a large window is read once, not once per batch. The two
+-- reads select alike; only the index each is driven by differs.
 CREATE FUNCTION outbox_stream_window(p_clusters text[], p_buckets smallint[], p_prev pg_snapshot[], p_cut pg_snapshot[],
-                                     p_after bigint[], p_limit integer, p_per_bucket integer, p_max_protocol integer)
+                                     p_after bigint[], p_upto bigint[], p_limit integer, p_per_bucket integer, p_max_protocol integer)
     RETURNS TABLE (ord integer, seq bigint, event_id text, key_chain bigint, routing_key text, ordered boolean, to_lane boolean,
-                   topic text, topic_id text, partition integer)
+                   topic text, topic_id text, partition integer, upto bigint)
     LANGUAGE plpgsql STABLE
     SET enable_seqscan = off
     -- A plan that must read a table whole with sequential scans off is
@@ -1838,25 +1852,50 @@ DECLARE
     i integer;
     left_ integer := p_limit;
     n integer;
+    hi bigint;
 BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'outbox_stream_window runs at read committed (a claim reads what committed before its snapshot), not %',
+            current_setting('transaction_isolation');
+    END IF;
     FOR i IN 1 .. coalesce(cardinality(p_buckets), 0) LOOP
         EXIT WHEN left_ <= 0;
-        RETURN QUERY
-            SELECT i, s.seq, s.event_id::text, s.key_chain, s.routing_key::text, s.ordered,
-                   (s.protocol_version > p_max_protocol
-                    -- Moved to the lane before its cut (an operator's write): it is the lane's.
-                    OR EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
-                    OR (s.ordered AND EXISTS (SELECT 1 FROM outbox_events e
-                                              WHERE e.key_chain = s.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
-                                                AND e.ordered AND e.publisher = 'outbox'))),
-                   s.topic::text, s.topic_id::text, s.partition
-            FROM outbox_stream s
-            WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
-              AND s.xid >= pg_snapshot_xmin(p_prev[i]) AND s.xid < pg_snapshot_xmax(p_cut[i])
-              AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
-              AND s.seq > p_after[i]
-            ORDER BY s.seq
-            LIMIT least(left_, p_per_bucket);
+        IF p_after[i] > 0 AND p_upto[i] > 0 THEN
+            hi := p_upto[i];
+            RETURN QUERY
+                SELECT i, s.seq, s.event_id::text, s.key_chain, s.routing_key::text, s.ordered,
+                       (s.protocol_version > p_max_protocol
+                        -- Moved to the lane before its cut (an operator's write): it is the lane's.
+                        OR EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
+                        OR (s.ordered AND EXISTS (SELECT 1 FROM outbox_events e
+                                                  WHERE e.key_chain = s.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
+                                                    AND e.ordered AND e.publisher = 'outbox'))),
+                       s.topic::text, s.topic_id::text, s.partition, hi
+                FROM outbox_stream s
+                WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
+                  AND s.seq > p_after[i] AND s.seq <= hi
+                  AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
+                ORDER BY s.seq
+                LIMIT least(left_, p_per_bucket);
+        ELSE
+            hi := coalesce((SELECT max(x.seq) FROM outbox_stream x WHERE x.cluster_id = p_clusters[i] AND x.bucket = p_buckets[i]), 0);
+            RETURN QUERY
+                SELECT i, s.seq, s.event_id::text, s.key_chain, s.routing_key::text, s.ordered,
+                       (s.protocol_version > p_max_protocol
+                        -- Moved to the lane before its cut (an operator's write): it is the lane's.
+                        OR EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
+                        OR (s.ordered AND EXISTS (SELECT 1 FROM outbox_events e
+                                                  WHERE e.key_chain = s.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
+                                                    AND e.ordered AND e.publisher = 'outbox'))),
+                       s.topic::text, s.topic_id::text, s.partition, hi
+                FROM outbox_stream s
+                WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
+                  AND s.xid >= pg_snapshot_xmin(p_prev[i]) AND s.xid < pg_snapshot_xmax(p_cut[i])
+                  AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
+                  AND s.seq > p_after[i]
+                ORDER BY s.seq
+                LIMIT least(left_, p_per_bucket);
+        END IF;
         GET DIAGNOSTICS n = ROW_COUNT;
         left_ := left_ - n;
     END LOOP;

@@ -21,12 +21,12 @@ fn every_sql_mutation_has_a_test() {
 }
 
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
-async fn every_sql_mutation_finds_its_fragment_once_and_installs(pool: PgPool) {
+async fn every_sql_mutation_finds_its_fragment_and_installs(pool: PgPool) {
     for m in SQL_MUTATIONS {
         m.apply(&pool).await.unwrap_or_else(|e| panic!("{e}"));
     }
     // The rewritten functions run.
-    sqlx::query("SELECT * FROM outbox_stream_window('{}'::text[], '{}'::smallint[], '{}'::pg_snapshot[], '{}'::pg_snapshot[], '{}'::bigint[], 1, 1, 1)")
+    sqlx::query("SELECT * FROM outbox_stream_window('{}'::text[], '{}'::smallint[], '{}'::pg_snapshot[], '{}'::pg_snapshot[], '{}'::bigint[], '{}'::bigint[], 1, 1, 1)")
         .fetch_all(&pool)
         .await
         .unwrap();

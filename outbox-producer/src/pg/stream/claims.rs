@@ -27,6 +27,8 @@ struct BucketRow {
     prev_cut: String,
     cut: String,
     after_seq: i64,
+    /// The highest seq the window's events may have (0: not known yet).
+    cut_seq: i64,
     window_done: bool,
     open_batch: Option<i64>,
     /// The claim's snapshot (the same on every row), a new window's cut.
@@ -276,6 +278,8 @@ struct WindowRow {
     topic: String,
     topic_id: Option<String>,
     partition: i32,
+    /// The bound of its window's seqs (`cut_seq`).
+    upto: i64,
 }
 
 /// A batch about to be inserted.
@@ -350,6 +354,7 @@ impl PgStore {
                 prev_cut: r.try_get("prev_cut")?,
                 cut: r.try_get("cut")?,
                 after_seq: r.try_get("after_seq")?,
+                cut_seq: r.try_get("cut_seq")?,
                 window_done: r.try_get("window_done")?,
                 open_batch: r.try_get("open_batch")?,
                 snapshot: r.try_get("snapshot")?,
@@ -445,14 +450,14 @@ impl PgStore {
         let candidates: Vec<usize> = (0..buckets.len()).filter(|i| buckets[*i].open_batch.is_none()).collect();
         if remaining > 0 && !candidates.is_empty() {
             let snapshot = buckets[0].snapshot.clone();
-            let windows: Vec<(String, String, i64)> = candidates
+            let windows: Vec<(String, String, i64, i64)> = candidates
                 .iter()
                 .map(|i| {
                     let b = &buckets[*i];
                     if b.window_done {
-                        (b.cut.clone(), snapshot.clone(), 0)
+                        (b.cut.clone(), snapshot.clone(), 0, 0)
                     } else {
-                        (b.prev_cut.clone(), b.cut.clone(), b.after_seq)
+                        (b.prev_cut.clone(), b.cut.clone(), b.after_seq, b.cut_seq)
                     }
                 })
                 .collect();
@@ -462,13 +467,14 @@ impl PgStore {
             let read_limit = (remaining * 4).min(outbox_core::claim::MAX_CLAIM_BATCH * 4);
             let per_bucket = remaining.min(PER_BUCKET);
             let rows = sqlx::query(
-                "SELECT * FROM outbox_stream_window($1::text[], $2::smallint[], $3::text[]::pg_snapshot[], $4::text[]::pg_snapshot[], $5::bigint[], $6, $7, $8)",
+                "SELECT * FROM outbox_stream_window($1::text[], $2::smallint[], $3::text[]::pg_snapshot[], $4::text[]::pg_snapshot[], $5::bigint[], $6::bigint[], $7, $8, $9)",
             )
             .bind(candidates.iter().map(|i| buckets[*i].cluster_id.as_str()).collect::<Vec<_>>())
             .bind(candidates.iter().map(|i| buckets[*i].bucket).collect::<Vec<_>>())
             .bind(windows.iter().map(|w| w.0.as_str()).collect::<Vec<_>>())
             .bind(windows.iter().map(|w| w.1.as_str()).collect::<Vec<_>>())
             .bind(windows.iter().map(|w| w.2).collect::<Vec<_>>())
+            .bind(windows.iter().map(|w| w.3).collect::<Vec<_>>())
             .bind(read_limit as i32)
             .bind(per_bucket as i32)
             .bind(self.max_protocol_version)
@@ -488,6 +494,7 @@ impl PgStore {
                     topic: r.try_get("topic").map_err(g)?,
                     topic_id: r.try_get("topic_id").map_err(g)?,
                     partition: r.try_get("partition").map_err(g)?,
+                    upto: r.try_get("upto").map_err(g)?,
                 };
                 by_ord.entry(w.ord).or_default().push(w);
             }
@@ -526,15 +533,17 @@ impl PgStore {
                         // The window ran out exactly at the last batch's end.
                         b.window_done = true;
                         b.after_seq = 0;
+                        b.cut_seq = 0;
                         b.dirty = true;
                     }
                     // An empty new window is not written: the next cut starts where this one did.
                     continue;
                 }
-                let (prev, cut, _) = windows[n].clone();
+                let (prev, cut, _, _) = windows[n].clone();
                 b.prev_cut = prev;
                 b.cut = cut;
                 b.after_seq = if truncated { found.last().map_or(0, |w| w.seq) } else { 0 };
+                b.cut_seq = if truncated { found.last().map_or(0, |w| w.upto) } else { 0 };
                 b.window_done = !truncated;
                 b.dirty = true;
                 // A key with an open event in the lane waits there, and so do its later events.
@@ -641,9 +650,9 @@ impl PgStore {
         if !dirty.is_empty() {
             sqlx::query(
                 "UPDATE outbox_bucket_leases l SET owner = t.owner, generation = t.generation, lease_until_ms = t.lease, prev_cut = t.prev_cut::pg_snapshot,
-                        cut = t.cut::pg_snapshot, after_seq = t.after_seq, window_done = t.done, open_batch = t.open_batch
-                 FROM UNNEST($1::text[], $2::smallint[], $3::text[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::bigint[], $9::bool[], $10::bigint[])
-                      AS t(cluster_id, bucket, owner, generation, lease, prev_cut, cut, after_seq, done, open_batch)
+                        cut = t.cut::pg_snapshot, after_seq = t.after_seq, cut_seq = t.cut_seq, window_done = t.done, open_batch = t.open_batch
+                 FROM UNNEST($1::text[], $2::smallint[], $3::text[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::bigint[], $9::bigint[], $10::bool[], $11::bigint[])
+                      AS t(cluster_id, bucket, owner, generation, lease, prev_cut, cut, after_seq, cut_seq, done, open_batch)
                  WHERE l.cluster_id = t.cluster_id AND l.bucket = t.bucket",
             )
             .bind(dirty.iter().map(|b| b.cluster_id.as_str()).collect::<Vec<_>>())
@@ -654,6 +663,7 @@ impl PgStore {
             .bind(dirty.iter().map(|b| b.prev_cut.as_str()).collect::<Vec<_>>())
             .bind(dirty.iter().map(|b| b.cut.as_str()).collect::<Vec<_>>())
             .bind(dirty.iter().map(|b| b.after_seq).collect::<Vec<_>>())
+            .bind(dirty.iter().map(|b| b.cut_seq).collect::<Vec<_>>())
             .bind(dirty.iter().map(|b| b.window_done).collect::<Vec<_>>())
             .bind(dirty.iter().map(|b| b.open_batch).collect::<Vec<_>>())
             .execute(&mut **tx)
