@@ -1830,13 +1830,14 @@ $$;
 -- whose key has an open event in the lane (it waits behind it there) or
 -- whose protocol version is newer than the claimer understands.
 --
--- A window's first read (p_after[i] = 0, or no bound known: p_upto[i] = 0)
--- reads its transactions by id and returns `upto`, the highest seq of the
--- bucket it can see: the claim's statements run after its snapshot was
--- taken (read committed), so every event of the window is at or below it.
--- A read past the first batch reads on from p_after[i] to p_upto[i] in seq
--- order, so a large window is read once, not once per batch. The two
--- reads select alike; only the index each is driven by differs.
+-- A window is read in seq order between two bounds: `upto`, the highest
+-- seq of the bucket a claim can see when it first reads the window (its
+-- statements run after its snapshot was taken, at read committed, so every
+-- event of the window is at or below it), and the window's lowest seq,
+-- found through its transactions' ids (`seq + 0`: not by reading the bucket
+-- in seq order from its beginning). A read past the first batch
+-- (p_after[i] > 0 with its bound p_upto[i]) reads on from p_after[i]: a
+-- large window is read once, not once per batch.
 CREATE FUNCTION outbox_stream_window(p_clusters text[], p_buckets smallint[], p_prev pg_snapshot[], p_cut pg_snapshot[],
                                      p_after bigint[], p_upto bigint[], p_limit integer, p_per_bucket integer, p_max_protocol integer)
     RETURNS TABLE (ord integer, seq bigint, event_id text, key_chain bigint, routing_key text, ordered boolean, to_lane boolean,
@@ -1852,6 +1853,7 @@ DECLARE
     i integer;
     left_ integer := p_limit;
     n integer;
+    lo bigint;
     hi bigint;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -1861,41 +1863,32 @@ BEGIN
     FOR i IN 1 .. coalesce(cardinality(p_buckets), 0) LOOP
         EXIT WHEN left_ <= 0;
         IF p_after[i] > 0 AND p_upto[i] > 0 THEN
+            lo := p_after[i] + 1;
             hi := p_upto[i];
-            RETURN QUERY
-                SELECT i, s.seq, s.event_id::text, s.key_chain, s.routing_key::text, s.ordered,
-                       (s.protocol_version > p_max_protocol
-                        -- Moved to the lane before its cut (an operator's write): it is the lane's.
-                        OR EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
-                        OR (s.ordered AND EXISTS (SELECT 1 FROM outbox_events e
-                                                  WHERE e.key_chain = s.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
-                                                    AND e.ordered AND e.publisher = 'outbox'))),
-                       s.topic::text, s.topic_id::text, s.partition, hi
-                FROM outbox_stream s
-                WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
-                  AND s.seq > p_after[i] AND s.seq <= hi
-                  AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
-                ORDER BY s.seq
-                LIMIT least(left_, p_per_bucket);
         ELSE
-            hi := coalesce((SELECT max(x.seq) FROM outbox_stream x WHERE x.cluster_id = p_clusters[i] AND x.bucket = p_buckets[i]), 0);
-            RETURN QUERY
-                SELECT i, s.seq, s.event_id::text, s.key_chain, s.routing_key::text, s.ordered,
-                       (s.protocol_version > p_max_protocol
-                        -- Moved to the lane before its cut (an operator's write): it is the lane's.
-                        OR EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
-                        OR (s.ordered AND EXISTS (SELECT 1 FROM outbox_events e
-                                                  WHERE e.key_chain = s.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
-                                                    AND e.ordered AND e.publisher = 'outbox'))),
-                       s.topic::text, s.topic_id::text, s.partition, hi
-                FROM outbox_stream s
-                WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
-                  AND s.xid >= pg_snapshot_xmin(p_prev[i]) AND s.xid < pg_snapshot_xmax(p_cut[i])
-                  AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
-                  AND s.seq > p_after[i]
-                ORDER BY s.seq
-                LIMIT least(left_, p_per_bucket);
+            hi := (SELECT max(x.seq) FROM outbox_stream x WHERE x.cluster_id = p_clusters[i] AND x.bucket = p_buckets[i]);
+            lo := (SELECT min(s.seq + 0) FROM outbox_stream s
+                   WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
+                     AND s.xid >= pg_snapshot_xmin(p_prev[i]) AND s.xid < pg_snapshot_xmax(p_cut[i])
+                     AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
+                     AND s.seq + 0 > p_after[i]);
         END IF;
+        CONTINUE WHEN lo IS NULL OR hi IS NULL;
+        RETURN QUERY
+            SELECT i, s.seq, s.event_id::text, s.key_chain, s.routing_key::text, s.ordered,
+                   (s.protocol_version > p_max_protocol
+                    -- Moved to the lane before its cut (an operator's write): it is the lane's.
+                    OR EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
+                    OR (s.ordered AND EXISTS (SELECT 1 FROM outbox_events e
+                                              WHERE e.key_chain = s.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
+                                                AND e.ordered AND e.publisher = 'outbox'))),
+                   s.topic::text, s.topic_id::text, s.partition, hi
+            FROM outbox_stream s
+            WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
+              AND s.seq >= lo AND s.seq <= hi
+              AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
+            ORDER BY s.seq
+            LIMIT least(left_, p_per_bucket);
         GET DIAGNOSTICS n = ROW_COUNT;
         left_ := left_ - n;
     END LOOP;
