@@ -1823,7 +1823,7 @@ AS $$
 $$;
 
 -- The next events of each bucket's window, buckets in the order given,
--- at most `p_per_bucket` of each and `p_limit` in all: for the i-th bucket, its events whose
+-- at most `p_per_bucket[i]` of the i-th and `p_limit` in all: for the i-th bucket, its events whose
 -- transaction is visible in p_cut[i] and not in p_prev[i] (the batch rule,
 -- `outbox_core::stream::in_batch`; tests/tests/stream_snapshots.rs holds
 -- this SQL to it), past p_after[i], in seq order. `to_lane` marks an event
@@ -1839,7 +1839,7 @@ $$;
 -- (p_after[i] > 0 with its bound p_upto[i]) reads on from p_after[i]: a
 -- large window is read once, not once per batch.
 CREATE FUNCTION outbox_stream_window(p_clusters text[], p_buckets smallint[], p_prev pg_snapshot[], p_cut pg_snapshot[],
-                                     p_after bigint[], p_upto bigint[], p_limit integer, p_per_bucket integer, p_max_protocol integer)
+                                     p_after bigint[], p_upto bigint[], p_limit integer, p_per_bucket integer[], p_max_protocol integer)
     RETURNS TABLE (ord integer, seq bigint, event_id text, key_chain bigint, routing_key text, ordered boolean, to_lane boolean,
                    topic text, topic_id text, partition integer, upto bigint)
     LANGUAGE plpgsql STABLE
@@ -1888,7 +1888,7 @@ BEGIN
               AND s.seq >= lo AND s.seq <= hi
               AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
             ORDER BY s.seq
-            LIMIT least(left_, p_per_bucket);
+            LIMIT least(left_, p_per_bucket[i]);
         GET DIAGNOSTICS n = ROW_COUNT;
         left_ := left_ - n;
     END LOOP;

@@ -26,7 +26,7 @@ async fn every_sql_mutation_finds_its_fragment_and_installs(pool: PgPool) {
         m.apply(&pool).await.unwrap_or_else(|e| panic!("{e}"));
     }
     // The rewritten functions run.
-    sqlx::query("SELECT * FROM outbox_stream_window('{}'::text[], '{}'::smallint[], '{}'::pg_snapshot[], '{}'::pg_snapshot[], '{}'::bigint[], '{}'::bigint[], 1, 1, 1)")
+    sqlx::query("SELECT * FROM outbox_stream_window('{}'::text[], '{}'::smallint[], '{}'::pg_snapshot[], '{}'::pg_snapshot[], '{}'::bigint[], '{}'::bigint[], 1, '{}'::int[], 1)")
         .fetch_all(&pool)
         .await
         .unwrap();

@@ -265,7 +265,7 @@ pub(super) async fn destination_digests(tx: &mut Transaction<'static, Postgres>,
 /// event per key, so a bucket of a few keys gives a few events per batch:
 /// reading far more than that per round is read again next round (256
 /// rows read per 16 taken cost 11 ms per claim at 1,000 keys).
-const PER_BUCKET: usize = 64;
+pub(super) const PER_BUCKET: usize = 64;
 
 /// A row of `outbox_stream_window`.
 struct WindowRow {
@@ -465,9 +465,9 @@ impl PgStore {
             // handed out at once); a bucket's read is bounded by a batch's
             // most (PER_BUCKET), the claim's by a few limits' worth.
             let read_limit = (remaining * 4).min(outbox_core::claim::MAX_CLAIM_BATCH * 4);
-            let per_bucket = remaining.min(PER_BUCKET);
+            let per_bucket: Vec<usize> = candidates.iter().map(|i| remaining.min(self.window_reads.size(&buckets[*i].cluster_id, buckets[*i].bucket))).collect();
             let rows = sqlx::query(
-                "SELECT * FROM outbox_stream_window($1::text[], $2::smallint[], $3::text[]::pg_snapshot[], $4::text[]::pg_snapshot[], $5::bigint[], $6::bigint[], $7, $8, $9)",
+                "SELECT * FROM outbox_stream_window($1::text[], $2::smallint[], $3::text[]::pg_snapshot[], $4::text[]::pg_snapshot[], $5::bigint[], $6::bigint[], $7, $8::int[], $9)",
             )
             .bind(candidates.iter().map(|i| buckets[*i].cluster_id.as_str()).collect::<Vec<_>>())
             .bind(candidates.iter().map(|i| buckets[*i].bucket).collect::<Vec<_>>())
@@ -476,7 +476,7 @@ impl PgStore {
             .bind(windows.iter().map(|w| w.2).collect::<Vec<_>>())
             .bind(windows.iter().map(|w| w.3).collect::<Vec<_>>())
             .bind(read_limit as i32)
-            .bind(per_bucket as i32)
+            .bind(per_bucket.iter().map(|n| *n as i32).collect::<Vec<_>>())
             .bind(self.max_protocol_version)
             .fetch_all(&mut **tx)
             .await
@@ -504,7 +504,7 @@ impl PgStore {
                 if left == 0 || left_to_read == 0 {
                     break;
                 }
-                let given = left_to_read.min(per_bucket);
+                let given = left_to_read.min(per_bucket[n]);
                 let read = by_ord.remove(&(n as i32 + 1)).unwrap_or_default();
                 left_to_read -= read.len().min(left_to_read);
                 // The run with one event per key (an unordered event never
@@ -512,17 +512,20 @@ impl PgStore {
                 let mut keys = std::collections::HashSet::new();
                 let mut found = Vec::new();
                 let mut taken = 0;
+                let mut repeat = false;
                 for w in read.iter() {
                     let sendable = !w.to_lane && (w.key.is_none() || keys.insert(w.key_chain));
                     if sendable && taken == left {
                         break;
                     }
                     if w.key.is_some() && !sendable && !w.to_lane {
+                        repeat = true;
                         break;
                     }
                     taken += usize::from(sendable);
                     found.push(w.seq);
                 }
+                self.window_reads.learn(&buckets[*i].cluster_id, buckets[*i].bucket, given, read.len(), found.len(), repeat);
                 let stopped_early = found.len() < read.len();
                 let truncated = stopped_early || read.len() == given;
                 let found: Vec<WindowRow> = read.into_iter().take(found.len()).collect();

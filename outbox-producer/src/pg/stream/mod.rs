@@ -104,6 +104,36 @@ impl PathSeen {
     }
 }
 
+/// How many rows of each bucket's window a claim reads: a batch holds one
+/// event per key, so a bucket of k keys (in turn) gives batches of about k
+/// events, and reading far more than the batch takes reads the rest again
+/// next round. Learned per bucket from the last read (a hint only: a read
+/// that fills its size is taken as "the window goes on", whatever the size).
+#[derive(Debug, Default)]
+pub(super) struct WindowReads(std::sync::Mutex<std::collections::HashMap<(String, i16), usize>>);
+
+impl WindowReads {
+    /// The rows to read of `bucket` of `cluster`.
+    pub(super) fn size(&self, cluster: &str, bucket: i16) -> usize {
+        self.0.lock().map(|m| m.get(&(cluster.to_owned(), bucket)).copied()).ok().flatten().unwrap_or(claims::PER_BUCKET)
+    }
+
+    /// After a read of `read` rows of the `asked`: `run` rows were the
+    /// batch's, and a repeated key ended it (`repeat`).
+    pub(super) fn learn(&self, cluster: &str, bucket: i16, asked: usize, read: usize, run: usize, repeat: bool) {
+        let next = if repeat {
+            run + 2
+        } else if read == asked {
+            asked * 2
+        } else {
+            return;
+        };
+        if let Ok(mut m) = self.0.lock() {
+            m.insert((cluster.to_owned(), bucket), next.clamp(4, claims::PER_BUCKET));
+        }
+    }
+}
+
 impl crate::pg::PgStore {
     /// Of `ids`, the events that have a row in the lane (`outbox_events`):
     /// every id when the store has seen only the chains path.
