@@ -1828,7 +1828,9 @@ $$;
 -- `outbox_core::stream::in_batch`; tests/tests/stream_snapshots.rs holds
 -- this SQL to it), past p_after[i], in seq order. `to_lane` marks an event
 -- whose key has an open event in the lane (it waits behind it there) or
--- whose protocol version is newer than the claimer understands.
+-- whose protocol version is newer than the claimer understands. Each row
+-- carries what a send of the event needs: a new batch is handed out from
+-- this answer, without reading its rows again.
 --
 -- A window is read in seq order between two bounds: `upto`, the highest
 -- seq of the bucket a claim can see when it first reads the window (its
@@ -1841,7 +1843,9 @@ $$;
 CREATE FUNCTION outbox_stream_window(p_clusters text[], p_buckets smallint[], p_prev pg_snapshot[], p_cut pg_snapshot[],
                                      p_after bigint[], p_upto bigint[], p_limit integer, p_per_bucket integer[], p_max_protocol integer)
     RETURNS TABLE (ord integer, seq bigint, event_id text, key_chain bigint, routing_key text, ordered boolean, to_lane boolean,
-                   topic text, topic_id text, partition integer, upto bigint)
+                   topic text, topic_id text, partition integer, upto bigint,
+                   envelope_canonical bytea, destination_canonical bytea, destination_digest text, payload bytea, payload_digest text,
+                   traceparent text, tracestate text)
     LANGUAGE plpgsql STABLE
     SET enable_seqscan = off
     -- A plan that must read a table whole with sequential scans off is
@@ -1882,7 +1886,9 @@ BEGIN
                     OR (s.ordered AND EXISTS (SELECT 1 FROM outbox_events e
                                               WHERE e.key_chain = s.key_chain AND e.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED')
                                                 AND e.ordered AND e.publisher = 'outbox'))),
-                   s.topic::text, s.topic_id::text, s.partition, hi
+                   s.topic::text, s.topic_id::text, s.partition, hi,
+                   s.envelope_canonical, s.destination_canonical, s.destination_digest, s.payload, s.payload_digest,
+                   s.traceparent, s.tracestate
             FROM outbox_stream s
             WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
               AND s.seq >= lo AND s.seq <= hi

@@ -280,6 +280,9 @@ struct WindowRow {
     partition: i32,
     /// The bound of its window's seqs (`cut_seq`).
     upto: i64,
+    /// Its row of the window's answer, which carries what a send needs
+    /// (a batch's events are handed out from it without a second read).
+    row: usize,
 }
 
 /// A batch about to be inserted.
@@ -446,6 +449,7 @@ impl PgStore {
 
         // New batches for buckets with none open.
         let mut new_batches: Vec<NewBatch> = Vec::new();
+        let mut window_rows: Vec<PgRow> = Vec::new();
         let mut to_lane: Vec<LaneMove> = Vec::new();
         let candidates: Vec<usize> = (0..buckets.len()).filter(|i| buckets[*i].open_batch.is_none()).collect();
         if remaining > 0 && !candidates.is_empty() {
@@ -482,7 +486,7 @@ impl PgStore {
             .await
             .map_err(g)?;
             let mut by_ord: BTreeMap<i32, Vec<WindowRow>> = BTreeMap::new();
-            for r in &rows {
+            for (row, r) in rows.iter().enumerate() {
                 let ordered: bool = r.try_get("ordered").map_err(g)?;
                 let w = WindowRow {
                     ord: r.try_get("ord").map_err(g)?,
@@ -495,9 +499,11 @@ impl PgStore {
                     topic_id: r.try_get("topic_id").map_err(g)?,
                     partition: r.try_get("partition").map_err(g)?,
                     upto: r.try_get("upto").map_err(g)?,
+                    row,
                 };
                 by_ord.entry(w.ord).or_default().push(w);
             }
+            window_rows = rows;
             let mut left_to_read = read_limit;
             let mut left = remaining;
             for (n, i) in candidates.iter().enumerate() {
@@ -676,35 +682,43 @@ impl PgStore {
 
         // The events handed out, to send.
         let lease_of: HashMap<i64, i64> = buckets.iter().filter_map(|b| b.open_batch.map(|id| (id, b.lease_until_ms))).collect();
+        // A new batch's events come with the window's answer; an open
+        // batch's are read here.
+        let mut claimed: Vec<(i64, ClaimedEvent)> = Vec::new();
         let mut wanted: Vec<(String, i64)> = Vec::new();
         for (id, positions) in &handouts {
-            let events: Vec<String> = match open.get(id) {
-                Some(b) => positions.iter().map(|p| b.event_ids[*p].clone()).collect(),
+            let lease = lease_of.get(id).copied().unwrap_or(now);
+            match open.get(id) {
+                Some(b) => wanted.extend(positions.iter().map(|p| (b.event_ids[*p].clone(), *id))),
                 None => {
                     let nb = new_batches.iter().find(|nb| buckets[nb.bucket].open_batch == Some(*id));
-                    positions.iter().filter_map(|p| nb.and_then(|nb| nb.rows.get(*p)).map(|w| w.event_id.clone())).collect()
+                    for w in positions.iter().filter_map(|p| nb.and_then(|nb| nb.rows.get(*p))) {
+                        claimed.push((w.seq, claimed_event(&window_rows[w.row], owner, *id, lease)?));
+                    }
                 }
-            };
-            wanted.extend(events.into_iter().map(|e| (e, *id)));
+            }
         }
-        if wanted.is_empty() {
+        if !wanted.is_empty() {
+            let rows = sqlx::query(
+                "SELECT seq, event_id, envelope_canonical, destination_canonical, destination_digest, payload, payload_digest, traceparent, tracestate
+                 FROM outbox_stream WHERE event_id = ANY($1)",
+            )
+            .bind(wanted.iter().map(|w| w.0.as_str()).collect::<Vec<_>>())
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(g)?;
+            let batch_of: HashMap<&str, i64> = wanted.iter().map(|(e, b)| (e.as_str(), *b)).collect();
+            for r in &rows {
+                let id: &str = r.try_get("event_id").map_err(g)?;
+                let batch = batch_of.get(id).copied().unwrap_or_default();
+                claimed.push((r.try_get("seq").map_err(g)?, claimed_event(r, owner, batch, lease_of.get(&batch).copied().unwrap_or(now))?));
+            }
+        }
+        if claimed.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(
-            "SELECT event_id, envelope_canonical, destination_canonical, destination_digest, payload, payload_digest, traceparent, tracestate
-             FROM outbox_stream WHERE event_id = ANY($1) ORDER BY seq",
-        )
-        .bind(wanted.iter().map(|w| w.0.as_str()).collect::<Vec<_>>())
-        .fetch_all(&mut **tx)
-        .await
-        .map_err(g)?;
-        let batch_of: HashMap<&str, i64> = wanted.iter().map(|(e, b)| (e.as_str(), *b)).collect();
-        let mut claimed = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let id: &str = r.try_get("event_id").map_err(g)?;
-            let batch = batch_of.get(id).copied().unwrap_or_default();
-            claimed.push(claimed_event(r, owner, batch, lease_of.get(&batch).copied().unwrap_or(now))?);
-        }
+        claimed.sort_by_key(|c| c.0);
+        let mut claimed: Vec<ClaimedEvent> = claimed.into_iter().map(|c| c.1).collect();
         self.cloudevents.attach(tx, &mut claimed).await?;
         Ok(claimed)
     }
