@@ -1691,7 +1691,7 @@ INSERT INTO outbox_settings DEFAULT VALUES;
 -- into the lane. Partitioned by range of seq, so that retention can drop
 -- whole partitions; the default partition takes what no range holds.
 CREATE TABLE outbox_stream (
-    seq                   bigint NOT NULL DEFAULT nextval('outbox_events_seq_seq'),
+    seq                   bigint NOT NULL DEFAULT nextval('outbox_events_seq_seq') CHECK (seq > 0),
     xid                   xid8 NOT NULL DEFAULT pg_current_xact_id(),
     bucket                smallint NOT NULL CHECK (bucket >= 0 AND bucket < 64),
     event_id              text COLLATE "C" NOT NULL,
@@ -1727,11 +1727,15 @@ CREATE TABLE outbox_stream (
 CREATE TABLE outbox_stream_p0 PARTITION OF outbox_stream FOR VALUES FROM (MINVALUE) TO (16777216);
 CREATE TABLE outbox_stream_p1 PARTITION OF outbox_stream FOR VALUES FROM (16777216) TO (33554432);
 CREATE TABLE outbox_stream_default PARTITION OF outbox_stream DEFAULT;
--- A new window reads one bucket's transactions in a range of ids; a window
--- read on past its first batch reads the bucket in seq order (no re-read
--- and sort of the whole window per batch).
+-- A new window's lowest seq is found through its transactions' ids; the
+-- window is then read in seq order (outbox_stream_window). The seq index
+-- is partial (every seq is above 0) so that only a query saying `seq > 0`
+-- can use it: the lowest seq's query does not, and so is never planned as
+-- a read of the bucket's whole history in seq order, which PostgreSQL
+-- would choose on a partition without statistics yet (a new partition),
+-- where both indexes look alike.
 CREATE INDEX outbox_stream_cut ON outbox_stream (cluster_id, bucket, xid);
-CREATE INDEX outbox_stream_window_seq ON outbox_stream (cluster_id, bucket, seq);
+CREATE INDEX outbox_stream_window_seq ON outbox_stream (cluster_id, bucket, seq) WHERE seq > 0;
 -- Readers of one event (state, trace, receipts).
 CREATE INDEX outbox_stream_event ON outbox_stream (event_id);
 CREATE TRIGGER outbox_stream_frozen BEFORE UPDATE OR DELETE ON outbox_stream
@@ -1836,8 +1840,8 @@ $$;
 -- seq of the bucket a claim can see when it first reads the window (its
 -- statements run after its snapshot was taken, at read committed, so every
 -- event of the window is at or below it), and the window's lowest seq,
--- found through its transactions' ids (`seq + 0`: not by reading the bucket
--- in seq order from its beginning). A read past the first batch
+-- found through its transactions' ids (its query cannot use the partial
+-- seq index: see outbox_stream_window_seq). A read past the first batch
 -- (p_after[i] > 0 with its bound p_upto[i]) reads on from p_after[i]: a
 -- large window is read once, not once per batch.
 CREATE FUNCTION outbox_stream_window(p_clusters text[], p_buckets smallint[], p_prev pg_snapshot[], p_cut pg_snapshot[],
@@ -1870,7 +1874,7 @@ BEGIN
             lo := p_after[i] + 1;
             hi := p_upto[i];
         ELSE
-            hi := (SELECT max(x.seq) FROM outbox_stream x WHERE x.cluster_id = p_clusters[i] AND x.bucket = p_buckets[i]);
+            hi := (SELECT max(x.seq) FROM outbox_stream x WHERE x.cluster_id = p_clusters[i] AND x.bucket = p_buckets[i] AND x.seq > 0);
             lo := (SELECT min(s.seq + 0) FROM outbox_stream s
                    WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
                      AND s.xid >= pg_snapshot_xmin(p_prev[i]) AND s.xid < pg_snapshot_xmax(p_cut[i])
@@ -1891,7 +1895,7 @@ BEGIN
                    s.traceparent, s.tracestate
             FROM outbox_stream s
             WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
-              AND s.seq >= lo AND s.seq <= hi
+              AND s.seq > 0 AND s.seq >= lo AND s.seq <= hi
               AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
             ORDER BY s.seq
             LIMIT least(left_, p_per_bucket[i]);
