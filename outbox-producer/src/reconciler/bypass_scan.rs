@@ -61,6 +61,36 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                     partitions
                 }
             };
+            // Receipts on the partitions the topic no longer has name
+            // positions that are gone, like receipts beyond a log's end.
+            for partition in readable..partitions {
+                let before = outbox_core::compare::beyond_end_accepted_before_ms(now, self.config.clock_skew_allowance_ms);
+                let lost = self.store.receipts_from(&cluster, &topic, partition, 0, before, self.config.max_findings_per_kind).await?;
+                if lost.is_empty() {
+                    continue;
+                }
+                tracing::error!(%topic, partition, has = readable, receipts = lost.len(), "receipts name a partition the topic no longer has: their positions are gone");
+                let findings: Vec<ScanFinding> = lost
+                    .iter()
+                    .map(|r| {
+                        let of_id = r.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
+                        ScanFinding {
+                            kind: outbox_core::compare::RECEIPT_POSITION_LOST,
+                            event_id: r.event_id.clone(),
+                            detail: format!(
+                                "its receipt's position {cluster}/{topic}{of_id}/{partition}@{} is on a partition the topic no longer has (it has {readable} partitions): the log it was recorded in is gone (topic recreated with fewer partitions, cluster replaced)",
+                                r.offset
+                            ),
+                            offset: None,
+                            attempt_id: None,
+                        }
+                    })
+                    .collect();
+                // A cursor never moves back: Advance(0) leaves the partition's as it is.
+                let write = BypassScanWrite { cluster_id: cluster.clone(), topic: topic.clone(), partition, now_ms: now, bypass_messages: Vec::new(), findings, cursor: CursorMove::Advance(0), anchor: None };
+                self.store.record_bypass_scan(&write).await?;
+                report.findings.extend(write.findings.into_iter().map(|f| (f.kind, f.event_id)));
+            }
             for partition in 0..readable {
                 let at = self.store.bypass_cursor(&cluster, &topic, partition).await?;
                 let cursor = at.next_offset;

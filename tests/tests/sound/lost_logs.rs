@@ -490,3 +490,35 @@ async fn item4_the_bypass_scan_reads_a_replaced_log_from_its_start(pool: PgPool)
     let bypass = f.count("SELECT count(*) FROM outbox_findings WHERE kind = 'bypass_publish'").await;
     assert_eq!(bypass, 1, "the bypass publish in the new log was never read: {c:?}");
 }
+
+/// Issue 47 item 2: the topic came back with fewer partitions than its
+/// route froze (auto-created with the broker's default after a broker
+/// replacement). A receipt on a partition the topic no longer has names a
+/// position that is gone, like a receipt beyond a log's end: a
+/// `receipt_position_lost` finding naming the partition and the topic's
+/// count, not only the topic's `partition_count_changed`.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_receipt_on_a_partition_the_topic_no_longer_has_is_a_lost_position(pool: PgPool) {
+    let f = fixture(pool).await;
+    let e = create_order(&f.pool, "o-1", 1).await;
+    assert_eq!(f.dispatcher(&f.store, 5_000).dispatch_once("w").await.unwrap().published, 1);
+    let rec = f.reconciler();
+    assert_eq!(rec.compare_once().await.unwrap().total(), 0);
+    // The route froze 6 partitions; the receipt names partition 4, which
+    // the topic (3 partitions) no longer has.
+    route(&f.pool, ORDER_CREATED, f.broker.cluster_id(), TOPIC, 6).await;
+    tamper(&f.pool, "UPDATE outbox_publish_receipts SET partition = 4 WHERE event_id = $1", e.event_id().as_str(), None).await;
+    f.clock.advance(10_000);
+    let c = rec.compare_once().await.unwrap();
+    assert_eq!(c.partition_count_changed, 1, "{c:?}");
+    assert_eq!(f.findings("receipt_position_lost", e.event_id().as_str()).await, 1, "{c:?}");
+    let detail: String = sqlx::query_scalar("SELECT detail FROM outbox_findings WHERE kind = 'receipt_position_lost' AND event_id = $1")
+        .bind(e.event_id().as_str())
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    assert!(detail.contains(&format!("{TOPIC}/4@")) && detail.contains("has 3 partitions"), "{detail}");
+    // Round after round: the same finding.
+    rec.compare_once().await.unwrap();
+    assert_eq!(f.count("SELECT count(*) FROM outbox_findings WHERE kind = 'receipt_position_lost'").await, 1);
+}
