@@ -221,7 +221,7 @@ impl ReconcileExport {
                 "Open UNKNOWNs older than age_seconds (cumulative from above: each count includes every older one).",
                 &["age_seconds"],
             ),
-            unknown_resolved: counter(r, "outbox_unknown_resolutions_total", "UNKNOWNs resolved in this outbox database, ever (published, quarantined or migrated)."),
+            unknown_resolved: counter(r, "outbox_unknown_resolutions_total", "UNKNOWNs resolved in this outbox database, ever (published, quarantined, migrated or skipped)."),
             unknown_p99: {
                 let g = GaugeVec::new(
                     Opts::new("outbox_unknown_resolution_p99_seconds", "p99 time from DISPATCH_UNKNOWN to resolution, seconds (absent while none was resolved)."),

@@ -1318,7 +1318,7 @@ CREATE TABLE outbox_unknown_resolutions (
     event_id         text   COLLATE "C" NOT NULL,
     unknown_since_ms bigint NOT NULL,
     resolved_at_ms   bigint NOT NULL,
-    outcome          text   NOT NULL CHECK (outcome IN ('PUBLISHED', 'QUARANTINED', 'MIGRATED'))
+    outcome          text   NOT NULL CHECK (outcome IN ('PUBLISHED', 'QUARANTINED', 'MIGRATED', 'SKIPPED'))
 );
 CREATE INDEX outbox_unknown_resolutions_at ON outbox_unknown_resolutions (resolved_at_ms);
 

@@ -107,6 +107,16 @@ impl SkipStore for PgStore {
             .bind(now)
             .execute(&mut *tx)
             .await?;
+        // A skipped UNKNOWN is resolved by the skip (its outcome SKIPPED),
+        // as the reconciler's resolutions and a migration's are.
+        if let (EventState::DispatchUnknown, Some(since)) = (from, unknown_since_ms) {
+            sqlx::query("INSERT INTO outbox_unknown_resolutions (event_id, unknown_since_ms, resolved_at_ms, outcome) VALUES ($1, $2, $3, 'SKIPPED')")
+                .bind(event_id.as_str())
+                .bind(since)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.commit().await?;
         tracing::warn!(%event_id, from = %from, operator, reason, "event skipped by an operator: its key moves on without it");
         Ok(SkipOutcome::Skipped { record })

@@ -83,3 +83,30 @@ async fn item1_a_bound_without_a_skew_allowance_is_refused(pool: PgPool) {
     let err = Reconciler::new(f.store.clone(), f.broker.clone(), cfg).expect_err("a bound equal to the client's time leaves no room for clock skew");
     assert!(err.to_string().contains("skew"), "{err}");
 }
+
+/// Issue 47 (defect): an operator's skip of a DISPATCH_UNKNOWN event closed
+/// its UNKNOWN without a resolution row, so the UNKNOWN vanished from the
+/// resolutions (`outbox_unknown_resolutions_total`, the resolution p99,
+/// `outbox unknown show`) as if it had never been open. The skip resolves
+/// it: one row, outcome SKIPPED, from the time it became UNKNOWN to the skip.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn an_operators_skip_of_an_unknown_event_is_its_resolution(pool: PgPool) {
+    use outbox_producer::skip::{SkipOutcome, SkipStore};
+    let f = fixture(pool).await;
+    let (ev, _a) = f.registered("o-1", 30_000).await;
+    let id = ev.envelope.event_id.clone();
+    f.clock.advance(30_001);
+    assert_eq!(f.store.expire_leases().await.unwrap().unknown, 1);
+    let since: i64 = sqlx::query_scalar("SELECT unknown_since_ms FROM outbox_events WHERE event_id = $1").bind(id.as_str()).fetch_one(&f.pool).await.unwrap();
+    f.clock.advance(5_000);
+    let out = f.store.skip_event(&id, "ops-alice", "the broker's copy is unreadable, OPS-12").await.unwrap();
+    assert!(matches!(out, SkipOutcome::Skipped { .. }), "{out:?}");
+    let rows: Vec<(i64, i64, String)> = sqlx::query_as("SELECT unknown_since_ms, resolved_at_ms, outcome FROM outbox_unknown_resolutions WHERE event_id = $1")
+        .bind(id.as_str())
+        .fetch_all(&f.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1, "the skipped UNKNOWN has no resolution row: {rows:?}");
+    assert_eq!((rows[0].0, rows[0].2.as_str()), (since, "SKIPPED"), "{rows:?}");
+    assert_eq!(rows[0].1 - rows[0].0, 5_000, "{rows:?}");
+}
