@@ -88,7 +88,7 @@ BEGIN
                              'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
                              'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream',
-                             'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps'] LOOP
+                             'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -170,7 +170,7 @@ SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_batch
 -- the same receipt transaction), plus the three-set comparison and report.
 GRANT outbox_dispatcher TO outbox_reconciler;
 SELECT pg_temp.outbox_grant('outbox_reconciler', 'SELECT', t)
-FROM unnest(ARRAY['outbox_route_policies', 'outbox_consumers', 'outbox_consumer_watermarks', 'outbox_unknown_resolutions',
+FROM unnest(ARRAY['outbox_route_policies', 'outbox_poison_policies', 'outbox_consumers', 'outbox_consumer_watermarks', 'outbox_unknown_resolutions',
                   'outbox_audit', 'outbox_migration_receipts',
                   -- the report's quarantines and dead letters per consumer
                   'outbox_consumer_quarantine', 'outbox_consumer_dead_letters']) t;
@@ -207,6 +207,8 @@ SELECT pg_temp.outbox_grant('outbox_operator', 'UPDATE (payload, envelope_genera
 SELECT pg_temp.outbox_grant('outbox_operator', 'INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_migration_receipts');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_route_policies');
+-- Route poison policies (`outbox route poison`); the reconciler reads them.
+SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT', 'outbox_poison_policies');
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, INSERT, UPDATE', 'outbox_consumers');
 -- `outbox dead-letters requeue` asks the consumer to run a dead letter again (it sets requeue_requested_at_ms).
 SELECT pg_temp.outbox_grant('outbox_operator', 'SELECT, UPDATE', 'outbox_consumer_dead_letters');
@@ -229,7 +231,7 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
                   'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream', 'outbox_bucket_leases',
-                  'outbox_batches', 'outbox_batch_steps']) t;
+                  'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes

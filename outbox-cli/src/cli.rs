@@ -166,6 +166,31 @@ pub enum RouteCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Set what becomes of an event of the type that blocks its key for good
+    /// (QUARANTINED): `block` (the default: the key waits for an operator's
+    /// `outbox skip`) or `skip` (the reconciler's next round skips it,
+    /// recording this setting in the skip's evidence; consumers see a gap).
+    /// Without --policy, prints the policy in force.
+    Poison(RoutePoisonArgs),
+}
+
+/// `outbox route poison`.
+#[derive(Debug, Args)]
+pub struct RoutePoisonArgs {
+    /// The event type, e.g. order.created.v2.
+    pub event_type: String,
+    /// `block` or `skip` (omit to print the policy in force).
+    #[arg(long, value_name = "POLICY", requires_all = ["operator", "reason"])]
+    pub policy: Option<String>,
+    /// Who sets it (recorded), e.g. your login.
+    #[arg(long, value_name = "NAME")]
+    pub operator: Option<String>,
+    /// Why (recorded; at most 1000 bytes), e.g. the ticket and who agreed that consumers accept gaps.
+    #[arg(long, value_name = "TEXT")]
+    pub reason: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `outbox route set`.

@@ -615,3 +615,25 @@ async fn migrate_destination_to_another_topic_does_not_keep_the_old_topic_id() {
     drop(kafka);
     env.drop_now().await;
 }
+
+/// `outbox route poison` (issue 47): without --policy it prints the policy
+/// in force (block, never set); setting one needs an operator and a reason;
+/// the setting is stored with them, and `--json` reads it back.
+#[tokio::test]
+async fn route_poison_sets_and_shows_a_routes_poison_policy() {
+    let env = Env::new("cli_poison").await;
+    env.ok(&["migrate"]);
+    route(env.pool(), "cluster-x", "orders", 3).await;
+    let shown = env.ok(&["route", "poison", common::ORDER_CREATED]);
+    assert!(shown.contains("poison policy block (never set)"), "{shown}");
+    let bare = env.run(&["route", "poison", common::ORDER_CREATED, "--policy", "skip"]);
+    assert!(!bare.status.success(), "a policy without an operator and a reason was accepted");
+    let bad = env.run(&["route", "poison", common::ORDER_CREATED, "--policy", "drop", "--operator", "ops-bob", "--reason", "r"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("block or skip"), "{}", String::from_utf8_lossy(&bad.stderr));
+    let set = env.ok(&["route", "poison", common::ORDER_CREATED, "--policy", "skip", "--operator", "ops-bob", "--reason", "order events accept gaps, OPS-9"]);
+    assert!(set.contains("poison policy skip (set by ops-bob") && set.contains("OPS-9"), "{set}");
+    let json: Value = serde_json::from_str(&env.ok(&["route", "poison", common::ORDER_CREATED, "--json"])).unwrap();
+    assert_eq!(json["policy"], "skip", "{json}");
+    assert_eq!(json["set"]["actor"], "ops-bob", "{json}");
+    assert_eq!(env.count("SELECT count(*) FROM outbox_poison_policies").await, 1);
+}

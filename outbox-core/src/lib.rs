@@ -71,7 +71,7 @@ pub use reconcile::{
 pub use retention::{may_purge, may_retain, HoldReason, LogPosition, WatermarkRef};
 pub use migration::{check_migration_fence, decide_migration, MigrationDecision, MigrationFence, MigrationProof, MigrationRefusal};
 pub use receipt::{decide_receipt, is_unregistered_message, refutes_absence, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
-pub use skip::{decide_skip, SkipRecord, SkipRefusal, SKIP_ACTION};
+pub use skip::{decide_skip, PoisonPolicy, PoisonRule, SkipRecord, SkipRefusal, POISON_POLICY_ACTOR, SKIP_ACTION};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};
 pub use takeover::{decide_publisher, takeover_bucket, Publisher, TakeoverPolicy, TAKEOVER_BUCKETS};
 pub use store::{Broker, BypassCursor, BypassScanStore, BypassScanWrite, ScanFinding, ConsumerWatermark, EventFacts, FindingsStore, PublishedFacts, RoundFinding, SweptEvent, WatermarkPublisherFacts, ClaimedEvent, PartitionScan, ReconcileTask, ScannedMessage, FenceOutcome, LookupOutcome, OutboxStore, OutgoingMessage, ReceiptOutcome, SendOutcome, StoreError, SweepOutcome};

@@ -171,3 +171,86 @@ mod tests {
         }
     }
 }
+
+/// What a route does with an event of its type that blocks its key for
+/// good (QUARANTINED): block the key until an operator decides (the
+/// default), or skip the event and record the gap (the key moves on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoisonPolicy {
+    /// The key waits behind its QUARANTINED event until an operator skips
+    /// it (or the cause is repaired): nothing is lost without a person's
+    /// decision.
+    #[default]
+    Block,
+    /// The reconciler closes a QUARANTINED event SKIPPED in its next round,
+    /// with the evidence an operator's skip keeps (who set the policy, and
+    /// why, in the skip's reason): the key moves on; consumers see a gap.
+    Skip,
+}
+
+impl PoisonPolicy {
+    /// Its name (`block`, `skip`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoisonPolicy::Block => "block",
+            PoisonPolicy::Skip => "skip",
+        }
+    }
+
+    /// The policy named `s`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "block" => Ok(PoisonPolicy::Block),
+            "skip" => Ok(PoisonPolicy::Skip),
+            other => Err(format!("poison policy is block or skip, not {other:?}")),
+        }
+    }
+}
+
+impl fmt::Display for PoisonPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The operator name a skip made by a poison policy is recorded under.
+pub const POISON_POLICY_ACTOR: &str = "poison-policy";
+
+/// A route's poison policy as set: by whom, why, when. The latest setting
+/// of an event type is the one in force; none means [`PoisonPolicy::Block`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoisonRule {
+    /// The event type (the route) it applies to.
+    pub event_type: String,
+    /// The policy.
+    pub policy: PoisonPolicy,
+    /// Who set it (an identifier).
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+    /// When, ms.
+    pub at_ms: i64,
+}
+
+impl PoisonRule {
+    /// Checks a setting before it is stored: the actor an identifier, a
+    /// reason given and not longer than [`MAX_SKIP_REASON_BYTES`].
+    pub fn validate(&self) -> Result<(), crate::CoreError> {
+        crate::id::validate_identifier("poison policy actor", &self.actor)?;
+        crate::id::validate_identifier("event type", &self.event_type)?;
+        if self.reason.trim().is_empty() || self.reason.len() > MAX_SKIP_REASON_BYTES {
+            return Err(crate::CoreError::MalformedIdentifier {
+                field: "poison policy reason",
+                reason: format!("1 to {MAX_SKIP_REASON_BYTES} bytes, not blank ({} bytes given)", self.reason.len()),
+            });
+        }
+        Ok(())
+    }
+
+    /// The reason a skip made under this rule records: the rule's setter and
+    /// reason, so the evidence names the person behind the decision.
+    pub fn skip_reason(&self) -> String {
+        format!("route {}'s poison policy is skip (set by {}: {})", self.event_type, self.actor, self.reason)
+    }
+}

@@ -1479,6 +1479,24 @@ CREATE TABLE outbox_route_policies (
 CREATE TRIGGER outbox_route_policies_frozen BEFORE UPDATE OR DELETE ON outbox_route_policies
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
 
+-- Each route's poison policy, as set (`outbox route poison`): what becomes
+-- of an event of the type that blocks its key for good (QUARANTINED):
+-- `block` (the default: the key waits for an operator) or `skip` (the
+-- reconciler closes it SKIPPED, recording this setting in the skip's
+-- evidence). Insert-only: the latest row of an event type is in force,
+-- the older ones are its history.
+CREATE TABLE outbox_poison_policies (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_type text   NOT NULL,
+    policy     text   NOT NULL CHECK (policy IN ('block', 'skip')),
+    actor      text   NOT NULL,
+    reason     text   NOT NULL CHECK (octet_length(reason) BETWEEN 1 AND 1000),
+    at_ms      bigint NOT NULL
+);
+CREATE INDEX outbox_poison_policies_type ON outbox_poison_policies (event_type, id);
+CREATE TRIGGER outbox_poison_policies_frozen BEFORE UPDATE OR DELETE ON outbox_poison_policies
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+
 
 -- =========================================================================
 -- 13. Rollout: takeover, shadow mode, dispatcher alias

@@ -52,6 +52,18 @@ pub async fn skip_records<S: SkipStore>(store: &S, id: &EventId) -> Result<Vec<o
     store.skip_records(id).await.map_err(|e| e.to_string())
 }
 
+/// [`Harness::set_poison_policy`](outbox_memory::conformance::Harness::set_poison_policy):
+/// [`SkipStore::set_poison_policy`].
+pub async fn set_poison_policy<S: SkipStore>(store: &S, rule: &outbox_core::PoisonRule) -> Result<(), String> {
+    store.set_poison_policy(rule).await.map_err(|e| e.to_string())
+}
+
+/// [`Harness::release_poisoned`](outbox_memory::conformance::Harness::release_poisoned):
+/// [`SkipStore::release_poisoned`].
+pub async fn release_poisoned<S: SkipStore>(store: &S, limit: usize) -> Result<Vec<outbox_core::SkipRecord>, String> {
+    store.release_poisoned(limit).await.map_err(|e| e.to_string())
+}
+
 /// The pass of [`Harness::purge`](outbox_memory::conformance::Harness::purge),
 /// once the harness has written its registry and watermarks: [`purge_with`]
 /// over `store` at `now_ms` with `replay_window_ms`, in pages of two (so a

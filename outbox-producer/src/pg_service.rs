@@ -11,6 +11,10 @@ use crate::service_store::{ClaimRound, CommitListener, DispatcherAlias, Notice, 
 
 #[async_trait]
 impl ServiceStore for PgStore {
+    async fn release_poisoned(&self, limit: usize) -> Result<Vec<outbox_core::SkipRecord>, crate::ProducerError> {
+        crate::skip::SkipStore::release_poisoned(self, limit).await
+    }
+
     fn now_ms(&self) -> i64 {
         PgStore::now_ms(self)
     }

@@ -75,6 +75,12 @@ pub trait ServiceStore: OutboxStore + Send + Sync + 'static {
         Ok(None)
     }
 
+    /// Closes up to `limit` QUARANTINED events of routes whose poison
+    /// policy is skip, as an operator's skip would
+    /// ([`crate::skip::SkipStore::release_poisoned`]); the reconciler's
+    /// round runs it. The skips made.
+    async fn release_poisoned(&self, limit: usize) -> Result<Vec<outbox_core::SkipRecord>, crate::ProducerError>;
+
     /// Age of the oldest PENDING event (a gauge).
     async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
         Ok(None)
@@ -141,6 +147,10 @@ pub trait CommitListener: Send {
 impl ServiceStore for MemoryStore {
     fn now_ms(&self) -> i64 {
         MemoryStore::now_ms(self)
+    }
+
+    async fn release_poisoned(&self, limit: usize) -> Result<Vec<outbox_core::SkipRecord>, crate::ProducerError> {
+        Ok(MemoryStore::release_poisoned(self, limit)?)
     }
 
     /// The simulated outbox holds one cluster's events.

@@ -19,7 +19,7 @@
 
 use async_trait::async_trait;
 use outbox_core::id::validate_identifier;
-use outbox_core::skip::{decide_skip, SkipRecord, SKIP_ACTION};
+use outbox_core::skip::{decide_skip, PoisonPolicy, PoisonRule, SkipRecord, POISON_POLICY_ACTOR, SKIP_ACTION};
 use outbox_core::{EventId, EventState, StoreError};
 use outbox_memory::MemoryStore;
 use serde::Serialize;
@@ -56,6 +56,36 @@ pub trait SkipStore: Send + Sync {
 
     /// The skip records of `event_id`, oldest first.
     async fn skip_records(&self, event_id: &EventId) -> Result<Vec<SkipRecord>, ProducerError>;
+
+    /// Sets a route's poison policy (a new setting; the older ones stay as its history).
+    async fn set_poison_policy(&self, rule: &PoisonRule) -> Result<(), ProducerError>;
+
+    /// The poison policy in force for `event_type`, if one was set (none: block).
+    async fn poison_policy(&self, event_type: &str) -> Result<Option<PoisonRule>, ProducerError>;
+
+    /// Up to `limit` QUARANTINED events whose route's poison policy is
+    /// skip, oldest first, each with the rule in force.
+    async fn poisoned(&self, limit: usize) -> Result<Vec<(EventId, PoisonRule)>, ProducerError>;
+
+    /// Closes up to `limit` QUARANTINED events of routes whose poison
+    /// policy is skip, each as an operator's skip would (the same decision
+    /// on the locked row, the same evidence), under the name
+    /// [`POISON_POLICY_ACTOR`] and a reason naming the rule's setter and
+    /// reason. An event another writer moved on meanwhile is refused and
+    /// left alone. The skips made, oldest first.
+    async fn release_poisoned(&self, limit: usize) -> Result<Vec<SkipRecord>, ProducerError> {
+        let mut out = Vec::new();
+        for (event_id, rule) in self.poisoned(limit).await? {
+            match self.skip_event(&event_id, POISON_POLICY_ACTOR, &rule.skip_reason()).await? {
+                SkipOutcome::Skipped { record } => {
+                    tracing::warn!(%event_id, event_type = %rule.event_type, set_by = %rule.actor, "quarantined event skipped by its route's poison policy: its key moves on without it");
+                    out.push(record);
+                }
+                SkipOutcome::Refused { reason } => tracing::debug!(%event_id, reason, "poison policy skip refused"),
+            }
+        }
+        Ok(out)
+    }
 }
 
 #[async_trait]
@@ -130,6 +160,56 @@ impl SkipStore for PgStore {
             .await?;
         rows.iter().map(|r| pg_record(event_id, r)).collect()
     }
+
+    async fn set_poison_policy(&self, rule: &PoisonRule) -> Result<(), ProducerError> {
+        rule.validate()?;
+        sqlx::query("INSERT INTO outbox_poison_policies (event_type, policy, actor, reason, at_ms) VALUES ($1, $2, $3, $4, $5)")
+            .bind(&rule.event_type)
+            .bind(rule.policy.as_str())
+            .bind(&rule.actor)
+            .bind(&rule.reason)
+            .bind(rule.at_ms)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
+    async fn poison_policy(&self, event_type: &str) -> Result<Option<PoisonRule>, ProducerError> {
+        let row = sqlx::query("SELECT event_type, policy, actor, reason, at_ms FROM outbox_poison_policies WHERE event_type = $1 ORDER BY id DESC LIMIT 1")
+            .bind(event_type)
+            .fetch_optional(self.pool())
+            .await?;
+        row.as_ref().map(pg_rule).transpose()
+    }
+
+    async fn poisoned(&self, limit: usize) -> Result<Vec<(EventId, PoisonRule)>, ProducerError> {
+        // The rules in force that skip (one probe per event type), then
+        // their types' QUARANTINED events, oldest first.
+        let rows = sqlx::query(
+            "WITH rules AS (
+                 SELECT DISTINCT ON (event_type) event_type, policy, actor, reason, at_ms FROM outbox_poison_policies ORDER BY event_type, id DESC)
+             SELECT e.event_id, r.event_type, r.policy, r.actor, r.reason, r.at_ms
+             FROM rules r JOIN LATERAL (SELECT q.event_id, q.seq FROM outbox_events q
+                                        WHERE q.phase = 'QUARANTINED' AND q.event_type = r.event_type ORDER BY q.seq LIMIT $1) e ON true
+             WHERE r.policy = 'skip'
+             ORDER BY e.seq LIMIT $1",
+        )
+        .bind(limit.min(10_000) as i64)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(|r| Ok((r.try_get::<&str, _>("event_id")?.parse::<EventId>().map_err(ProducerError::from)?, pg_rule(r)?))).collect()
+    }
+}
+
+/// A poison rule from its `outbox_poison_policies` row.
+fn pg_rule(r: &sqlx::postgres::PgRow) -> Result<PoisonRule, ProducerError> {
+    Ok(PoisonRule {
+        event_type: r.try_get("event_type")?,
+        policy: PoisonPolicy::parse(r.try_get("policy")?).map_err(|e| ProducerError::Store(StoreError::Backend { message: e, retryable: false }))?,
+        actor: r.try_get("actor")?,
+        reason: r.try_get("reason")?,
+        at_ms: r.try_get("at_ms")?,
+    })
 }
 
 /// A skip record from its `outbox_audit` row.
@@ -159,5 +239,21 @@ impl SkipStore for MemoryStore {
 
     async fn skip_records(&self, event_id: &EventId) -> Result<Vec<SkipRecord>, ProducerError> {
         Ok(MemoryStore::skip_records(self, event_id))
+    }
+
+    async fn set_poison_policy(&self, rule: &PoisonRule) -> Result<(), ProducerError> {
+        Ok(MemoryStore::set_poison_policy(self, rule.clone())?)
+    }
+
+    async fn poison_policy(&self, event_type: &str) -> Result<Option<PoisonRule>, ProducerError> {
+        Ok(MemoryStore::poison_policy(self, event_type))
+    }
+
+    async fn poisoned(&self, limit: usize) -> Result<Vec<(EventId, PoisonRule)>, ProducerError> {
+        Ok(MemoryStore::poisoned(self, limit))
+    }
+
+    async fn release_poisoned(&self, limit: usize) -> Result<Vec<SkipRecord>, ProducerError> {
+        Ok(MemoryStore::release_poisoned(self, limit)?)
     }
 }

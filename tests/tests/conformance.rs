@@ -59,6 +59,14 @@ impl Harness for PgHarness {
         conformance::skip_records(&self.store, id).await
     }
 
+    async fn set_poison_policy(&self, rule: &outbox_core::PoisonRule) -> Result<(), String> {
+        conformance::set_poison_policy(&self.store, rule).await
+    }
+
+    async fn release_poisoned(&self, limit: usize) -> Result<Vec<outbox_core::SkipRecord>, String> {
+        conformance::release_poisoned(&self.store, limit).await
+    }
+
     async fn purge(&self, replay_window_ms: i64, consumers: &[(&str, &[&str], bool)], watermarks: &[MemoryWatermark]) -> Result<PurgeCounts, String> {
         let e = |what: &'static str| move |e: sqlx::Error| format!("{what}: {e}");
         for (id, topics, mandatory) in consumers {

@@ -35,7 +35,7 @@ use outbox_core::error::CoreError;
 use outbox_core::id::EventId;
 use outbox_core::migration::MigrationFence;
 use outbox_core::reconcile::RetryPolicy;
-use outbox_core::skip::SkipRecord;
+use outbox_core::skip::{PoisonRule, SkipRecord};
 use outbox_core::store::{ConsumerWatermark, LookupOutcome, OutboxStore};
 
 use crate::MemoryWatermark;
@@ -135,6 +135,13 @@ pub trait Harness: Send + Sync {
 
     /// The skip records (evidence) the store keeps for `id`, oldest first.
     async fn skip_records(&self, id: &EventId) -> Result<Vec<SkipRecord>, String>;
+
+    /// Sets a route's poison policy (`outbox route poison`).
+    async fn set_poison_policy(&self, rule: &PoisonRule) -> Result<(), String>;
+
+    /// The store's release of QUARANTINED events of routes whose poison
+    /// policy is skip (the reconciler's round runs it), up to `limit`: the skips made.
+    async fn release_poisoned(&self, limit: usize) -> Result<Vec<SkipRecord>, String>;
 
     /// One retention pass (PROTOCOL §9) at the store's clock with
     /// `replay_window_ms`, under exactly this consumer registry
@@ -256,5 +263,8 @@ pub async fn run_all_as<H: Harness>(h: &H, run: u64) -> Vec<(&'static str, Verdi
         ("the_bypass_scan_judges_every_message_of_a_page", scans::bypass_scan_judgement(&ctx("scan")).await),
         ("the_comparison_judges_each_condition_and_resolves_what_no_longer_holds", findings::comparison_findings(&ctx("findings")).await),
         ("an_event_of_a_replaced_log_is_unconsumed_whatever_a_watermark_of_its_name_says", findings::unconsumed_on_a_replaced_log(&ctx("replacedfind")).await),
+        // Last: its policy of skip releases every QUARANTINED event of the
+        // type, those earlier scenarios left too (it sets block again after).
+        ("a_routes_poison_policy_releases_its_quarantined_heads", skip::a_routes_poison_policy_releases_its_quarantined_heads(&ctx("poison")).await),
     ]
 }

@@ -5,7 +5,7 @@
 //! why, from which state); a skip of anything else is refused, and so is a
 //! skip under a reconciler's lease.
 
-use outbox_core::skip::SkipRecord;
+use outbox_core::skip::{PoisonPolicy, PoisonRule, SkipRecord, POISON_POLICY_ACTOR};
 use outbox_core::state::EventState;
 use outbox_core::store::{FenceOutcome, OutboxStore};
 use outbox_core::{ReceiptDecision, ReconcileDecision, RecheckReason};
@@ -112,4 +112,41 @@ pub(super) async fn skip_of_an_unprovable_unknown_head_is_fenced_and_frees_its_k
     eq("late copy of the skipped head", c.accept(&receipt(&ce, &a, c.offset(3))).await?, ReceiptDecision::Duplicate)?;
     c.expect_state(&head, EventState::Skipped).await?;
     ensure(c.state(&head).await?.1.is_none(), || "a SKIPPED event's slot was filled".into())
+}
+
+/// A route's poison policy: with none set, and with `block`, a release
+/// leaves a QUARANTINED head holding its key; with `skip` (who, why), the
+/// release closes it SKIPPED as an operator's skip would, under
+/// [`POISON_POLICY_ACTOR`] with a reason naming the policy's setter and
+/// reason, and the key's next event is claimable.
+pub(super) async fn a_routes_poison_policy_releases_its_quarantined_heads<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let head = c.emit(1, "k").await;
+    let next = c.emit(2, "k").await;
+    c.h.tamper_payload(&head, b"poison bytes").await;
+    let ce = c.claim_some("w1", &head).await?;
+    let out = c.s().quarantine_claimed(&ce.token, "payload_digest_mismatch", serde_json::json!({})).await.map_err(err("quarantine_claimed"))?;
+    eq("quarantine", out, FenceOutcome::Applied)?;
+    let mine = |records: &[SkipRecord]| records.iter().find(|r| r.event_id == head.as_str()).cloned();
+    ensure(mine(&c.h.release_poisoned(1_000).await?).is_none(), || "a release without a policy skipped the head".into())?;
+    c.expect_state(&head, EventState::Quarantined).await?;
+
+    let rule = |policy, actor: &str, reason: &str| PoisonRule { event_type: "order.created".into(), policy, actor: actor.into(), reason: reason.into(), at_ms: 0 };
+    c.h.set_poison_policy(&rule(PoisonPolicy::Block, "oncall-bob", "gaps need a person (OPS-48)")).await?;
+    ensure(mine(&c.h.release_poisoned(1_000).await?).is_none(), || "a release under block skipped the head".into())?;
+    c.expect_state(&head, EventState::Quarantined).await?;
+    ensure(c.claim("w1", &next).await?.is_none(), || "the next event of a key was claimable behind a QUARANTINED head".into())?;
+
+    let skip = rule(PoisonPolicy::Skip, "oncall-bob", "order events accept gaps (OPS-49)");
+    c.h.set_poison_policy(&skip).await?;
+    let rec = mine(&c.h.release_poisoned(1_000).await?).ok_or("a release under skip left the QUARANTINED head")?;
+    eq("released from", rec.from_state, EventState::Quarantined)?;
+    eq("released by", rec.operator.as_str(), POISON_POLICY_ACTOR)?;
+    eq("released for", rec.reason.clone(), skip.skip_reason())?;
+    c.expect_state(&head, EventState::Skipped).await?;
+    eq("skip records", c.h.skip_records(&head).await?.len(), 1)?;
+    ensure(mine(&c.h.release_poisoned(1_000).await?).is_none(), || "a SKIPPED event was released again".into())?;
+    let ce2 = c.claim("w1", &next).await?.ok_or("the next event of the key was not claimable after its head was released")?;
+    let a2 = c.register(&ce2.token).await?;
+    eq("next's receipt", c.accept(&receipt(&ce2, &a2, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    c.h.set_poison_policy(&rule(PoisonPolicy::Block, "oncall-bob", "back to the default (OPS-50)")).await
 }

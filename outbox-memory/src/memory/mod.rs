@@ -100,6 +100,8 @@ pub struct MemoryState {
     pub stream_buckets: BTreeMap<EventId, u32>,
     /// The stream's records, when the store runs the stream ([`MemoryStore::with_stream`]).
     pub stream: Option<StreamState>,
+    /// Every poison policy set, oldest first (the latest of an event type is in force).
+    pub poison_rules: Vec<outbox_core::skip::PoisonRule>,
     next_seq: u64,
     next_xid: Xid,
 }

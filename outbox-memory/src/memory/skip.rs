@@ -2,7 +2,7 @@
 //! store: the PostgreSQL store's skip transaction, under the store's lock.
 
 use outbox_core::id::{validate_identifier, EventId};
-use outbox_core::skip::{decide_skip, SkipRecord, SkipRefusal, SKIP_ACTION};
+use outbox_core::skip::{decide_skip, PoisonPolicy, PoisonRule, SkipRecord, SkipRefusal, POISON_POLICY_ACTOR, SKIP_ACTION};
 use outbox_core::state::EventState;
 use outbox_core::store::StoreError;
 
@@ -44,6 +44,49 @@ impl MemoryStore {
         let detail = serde_json::to_string(&record).map_err(|e| StoreError::Backend { message: e.to_string(), retryable: false })?;
         Self::audit(st, event_id, SKIP_ACTION, detail);
         Ok(Ok(record))
+    }
+
+    /// Sets a route's poison policy (a new setting; the older ones stay as history).
+    pub fn set_poison_policy(&self, rule: PoisonRule) -> Result<(), StoreError> {
+        rule.validate()?;
+        self.lock().poison_rules.push(rule);
+        Ok(())
+    }
+
+    /// The poison policy in force for `event_type`, if one was set.
+    pub fn poison_policy(&self, event_type: &str) -> Option<PoisonRule> {
+        self.lock().poison_rules.iter().rev().find(|r| r.event_type == event_type).cloned()
+    }
+
+    /// Up to `limit` QUARANTINED events whose route's poison policy is
+    /// skip, oldest first, with the rule.
+    pub fn poisoned(&self, limit: usize) -> Vec<(EventId, PoisonRule)> {
+        let st = self.lock();
+        let mut out: Vec<(u64, EventId, PoisonRule)> = st
+            .events
+            .iter()
+            .filter(|(_, e)| e.state == EventState::Quarantined)
+            .filter_map(|(id, e)| {
+                let rule = st.poison_rules.iter().rev().find(|r| r.event_type == e.envelope.event_type)?;
+                (rule.policy == PoisonPolicy::Skip).then(|| (e.seq, id.clone(), rule.clone()))
+            })
+            .collect();
+        out.sort_by_key(|x| x.0);
+        out.into_iter().take(limit).map(|(_, id, r)| (id, r)).collect()
+    }
+
+    /// Skips up to `limit` QUARANTINED events whose route's poison policy is
+    /// skip, under [`POISON_POLICY_ACTOR`] with the rule's
+    /// [`PoisonRule::skip_reason`] (the PostgreSQL store's
+    /// `SkipStore::release_poisoned`). The skips made.
+    pub fn release_poisoned(&self, limit: usize) -> Result<Vec<SkipRecord>, StoreError> {
+        let mut out = Vec::new();
+        for (event_id, rule) in self.poisoned(limit) {
+            if let Ok(record) = self.skip_event(&event_id, POISON_POLICY_ACTOR, &rule.skip_reason())? {
+                out.push(record);
+            }
+        }
+        Ok(out)
     }
 
     /// The skip records of `event_id`, oldest first.

@@ -73,6 +73,9 @@ pub struct ResolveReport {
     pub failed: usize,
     /// Given back unstarted: the round ran past half of its lease.
     pub given_back: usize,
+    /// QUARANTINED events closed SKIPPED by their route's poison policy
+    /// (`skip`), this round's or earlier rounds' quarantines.
+    pub poison_skipped: usize,
 }
 
 /// What one bypass scan ([`Reconciler::scan_for_bypass`]) read and recorded.

@@ -31,6 +31,13 @@ impl<B: Broker + 'static, S: ServiceStore> Reconciler<B, S> {
                 report.failed += 1;
             }
         }
+        // Routes whose poison policy is skip: their QUARANTINED events
+        // (quarantined now or before) close SKIPPED, with the evidence an
+        // operator's skip keeps. A failure is logged; the next round tries again.
+        match self.store.release_poisoned(self.config.batch_size).await {
+            Ok(skipped) => report.poison_skipped = skipped.len(),
+            Err(e) => tracing::warn!(error = %e, "could not release the events of routes whose poison policy is skip; the next round tries again"),
+        }
         Ok(report)
     }
 

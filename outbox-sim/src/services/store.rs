@@ -221,6 +221,12 @@ impl OutboxStore for SimStore {
 
 #[async_trait]
 impl ServiceStore for SimStore {
+    /// The simulated operator's store: the in-memory store's release (no
+    /// fault drawn; the simulator sets no poison policy).
+    async fn release_poisoned(&self, limit: usize) -> Result<Vec<outbox_core::SkipRecord>, outbox_producer::ProducerError> {
+        ServiceStore::release_poisoned(&self.inner, limit).await
+    }
+
     fn now_ms(&self) -> i64 {
         self.sync_clock();
         self.inner.now_ms()

@@ -127,3 +127,59 @@ async fn item6_published_without_receipt_is_a_finding(pool: PgPool) {
     assert_eq!(f.findings("published_without_receipt", e.event_id().as_str()).await, 1);
     assert_eq!(f.findings("published_without_receipt", good.event_id().as_str()).await, 0);
 }
+
+/// Issue 47 item 1: a per-route poison policy. By default (block) a
+/// QUARANTINED event holds its key: the key's next event waits for an
+/// operator. Set to skip (who, why), the reconciler's next round closes the
+/// QUARANTINED event SKIPPED with the evidence an operator's skip keeps,
+/// naming the policy's setter and reason, and the key moves on. Set back to
+/// block, a new quarantine holds its key again.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_routes_poison_policy_blocks_by_default_and_skips_when_set(pool: PgPool) {
+    use outbox_core::{PoisonPolicy, PoisonRule};
+    use outbox_producer::skip::SkipStore;
+    let f = fixture(pool).await;
+    let bad = create_order(&f.pool, "o-1", 1).await;
+    // The order's next event: the same key.
+    let next = {
+        let payload = order_payload("o-1", 2);
+        let request = outbox_core::EmitRequest { aggregate_version: 2, ..order_request("update-o-1", "o-1", &payload) };
+        let mut tx = f.pool.begin().await.unwrap();
+        let e = outbox_producer::emit(&mut tx, &request, &outbox_producer::EmitOptions::default()).await.unwrap();
+        tx.commit().await.unwrap();
+        e
+    };
+    tamper(&f.pool, "UPDATE outbox_envelopes SET destination_canonical = $2 WHERE event_id = $1", bad.event_id().as_str(), Some(b"not a destination".to_vec())).await;
+    let d = f.dispatcher(&f.store, 1_000);
+    let r = d.dispatch_once("w").await.unwrap();
+    assert_eq!((r.published, r.quarantined), (0, 1), "{r:?}");
+    assert_eq!(f.state(bad.event_id().as_str()).await, EventState::Quarantined);
+
+    // Block (no policy set): the key waits, round after round.
+    let rec = f.reconciler();
+    assert_eq!(rec.resolve_unknown_once().await.unwrap().poison_skipped, 0);
+    assert_eq!(d.dispatch_once("w").await.unwrap().published, 0);
+    assert_eq!(f.state(next.event_id().as_str()).await, EventState::Pending);
+
+    let rule = |policy, actor: &str, reason: &str| PoisonRule { event_type: ORDER_CREATED.into(), policy, actor: actor.into(), reason: reason.into(), at_ms: 0 };
+    assert!(f.store.set_poison_policy(&rule(PoisonPolicy::Skip, "ops-bob", " ")).await.is_err(), "a policy without a reason was stored");
+    f.store.set_poison_policy(&rule(PoisonPolicy::Skip, "ops-bob", "order events accept gaps, OPS-9")).await.unwrap();
+    assert_eq!(f.store.poison_policy(ORDER_CREATED).await.unwrap().map(|r| r.policy), Some(PoisonPolicy::Skip));
+    assert_eq!(rec.resolve_unknown_once().await.unwrap().poison_skipped, 1);
+    assert_eq!(f.state(bad.event_id().as_str()).await, EventState::Skipped);
+    let records = f.store.skip_records(bad.event_id()).await.unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!((records[0].operator.as_str(), records[0].from_state), (outbox_core::POISON_POLICY_ACTOR, EventState::Quarantined));
+    assert!(records[0].reason.contains("ops-bob") && records[0].reason.contains("OPS-9"), "{records:?}");
+    assert_eq!(d.dispatch_once("w").await.unwrap().published, 1, "the key did not move on");
+    assert_eq!(f.state(next.event_id().as_str()).await, EventState::Published);
+
+    // Back to block: a new quarantine holds its key again.
+    f.store.set_poison_policy(&rule(PoisonPolicy::Block, "ops-carol", "gaps need a decision again, OPS-10")).await.unwrap();
+    let bad2 = create_order(&f.pool, "o-2", 1).await;
+    tamper(&f.pool, "UPDATE outbox_envelopes SET destination_canonical = $2 WHERE event_id = $1", bad2.event_id().as_str(), Some(b"not a destination".to_vec())).await;
+    assert_eq!(d.dispatch_once("w").await.unwrap().quarantined, 1);
+    assert_eq!(rec.resolve_unknown_once().await.unwrap().poison_skipped, 0);
+    assert_eq!(f.state(bad2.event_id().as_str()).await, EventState::Quarantined);
+    assert_eq!(f.count("SELECT count(*) FROM outbox_poison_policies").await, 2, "the policy's history is kept");
+}
