@@ -255,9 +255,11 @@ SELECT pg_temp.outbox_grant('outbox_watermark_publisher', 'SELECT, INSERT, UPDAT
 -- Functions. The outbox's functions (emit's and the consumer's lookups,
 -- the checks its triggers and constraints call) run with the caller's
 -- rights: executing one gives nothing the caller's table grants do not.
--- One is SECURITY DEFINER: outbox_stream_to_lane copies stream events into
+-- Two are SECURITY DEFINER: outbox_stream_to_lane copies stream events into
 -- outbox_events as PENDING, only what the stream holds, only once; the
--- dispatcher's roles execute it (below), nobody else. PostgreSQL lets PUBLIC execute new functions; a
+-- dispatcher's roles execute it (below), nobody else. And
+-- outbox_stream_partitions_ahead creates and attaches the stream's next
+-- partitions (as the schema's owner); the operator's retention executes it. PostgreSQL lets PUBLIC execute new functions; a
 -- database hardened against that (REVOKE EXECUTE ... FROM PUBLIC, or
 -- default privileges) still needs every role to execute them.
 DO $$
@@ -275,6 +277,11 @@ BEGIN
     IF to_regprocedure('outbox_stream_to_lane(text[])') IS NOT NULL THEN
         REVOKE EXECUTE ON FUNCTION outbox_stream_to_lane(text[]) FROM PUBLIC;
         GRANT EXECUTE ON FUNCTION outbox_stream_to_lane(text[]) TO outbox_dispatcher, outbox_reconciler, outbox_operator;
+    END IF;
+    -- Retention's pass keeps the stream's partitions ahead of its sequence.
+    IF to_regprocedure('outbox_stream_partitions_ahead(integer)') IS NOT NULL THEN
+        REVOKE EXECUTE ON FUNCTION outbox_stream_partitions_ahead(integer) FROM PUBLIC;
+        GRANT EXECUTE ON FUNCTION outbox_stream_partitions_ahead(integer) TO outbox_operator;
     END IF;
 END $$;
 

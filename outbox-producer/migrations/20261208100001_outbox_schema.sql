@@ -1759,6 +1759,62 @@ CREATE INDEX outbox_stream_event ON outbox_stream (event_id);
 CREATE TRIGGER outbox_stream_frozen BEFORE UPDATE OR DELETE ON outbox_stream
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
 
+-- Partitions ahead of the stream: outbox_stream_p<n> holds seqs
+-- [n * 2^24, (n + 1) * 2^24) (p0 from the lowest). Creates and attaches
+-- the partitions up to `p_ahead` past the one the sequence is in, so that
+-- events never land in the default partition (whose rows no partition can
+-- take over, and which retention cannot drop). Each is created alone,
+-- then attached: the attach takes a SHARE UPDATE EXCLUSIVE lock on the
+-- stream, which neither emits nor claims conflict with, and an ACCESS
+-- EXCLUSIVE lock on the default partition, which every reader of the
+-- whole stream holds a share of while it runs. So it waits at most
+-- lock_timeout (100 ms: claims that read the stream meanwhile wait behind
+-- it that long at most), and gives up until its next call (retention's
+-- pass calls it) when a reader holds the default partition. A range the
+-- sequence is already in is not attached if its rows went to the default
+-- partition (the attach would fail on them): partitions start past it.
+-- Answers how many it attached.
+CREATE FUNCTION outbox_stream_partitions_ahead(p_ahead integer) RETURNS integer
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+    SET search_path FROM CURRENT
+    SET lock_timeout = '100ms'
+AS $$
+DECLARE
+    width constant bigint := 16777216;
+    have integer;
+    cur integer;
+    lower_ integer;
+    n integer;
+    made integer := 0;
+    part text;
+BEGIN
+    IF p_ahead IS NULL OR p_ahead < 1 OR p_ahead > 64 THEN
+        RAISE EXCEPTION 'partitions ahead: 1 to 64, not %', p_ahead;
+    END IF;
+    SELECT max(substring(c.relname FROM '^outbox_stream_p([0-9]+)$')::integer) INTO have
+    FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent = 'outbox_stream'::regclass AND c.relname ~ '^outbox_stream_p[0-9]+$';
+    cur := ((SELECT last_value FROM outbox_events_seq_seq) / width)::integer;
+    lower_ := coalesce(have, -1) + 1;
+    IF lower_ <= cur AND EXISTS (SELECT 1 FROM outbox_stream_default) THEN
+        lower_ := cur + 1;
+    END IF;
+    FOR n IN lower_ .. cur + p_ahead LOOP
+        part := format('outbox_stream_p%s', n);
+        BEGIN
+            EXECUTE format('CREATE TABLE IF NOT EXISTS %I (LIKE outbox_stream INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING GENERATED)', part);
+            EXECUTE format('ALTER TABLE outbox_stream ATTACH PARTITION %I FOR VALUES FROM (%s) TO (%s)', part, n * width, (n + 1) * width);
+            made := made + 1;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE 'outbox_stream_partitions_ahead: % not attached: a reader holds the default partition; the next call tries again', part;
+            RETURN made;
+        END;
+    END LOOP;
+    RETURN made;
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox_stream_partitions_ahead(integer) FROM PUBLIC;
+
 -- Each bucket of a cluster's keys has one lease: who cuts and sends its
 -- batches, until when, under which generation (every grant raises it and
 -- fences the holders before). `prev_cut`..`cut` is the window the bucket's

@@ -288,6 +288,10 @@ pub struct PgRetention {
     watermarks: bool,
 }
 
+/// How many of the stream's partitions (2^24 seqs each) retention keeps
+/// created and attached past the one the sequence is in.
+pub const STREAM_PARTITIONS_AHEAD: i32 = 2;
+
 impl PgRetention {
     /// Over `pool`.
     pub async fn new(pool: PgPool) -> Result<Self, ProducerError> {
@@ -309,6 +313,12 @@ impl RetentionStore for PgRetention {
     }
 
     async fn retain(&self, now_ms: i64, before_ms: i64, limit: i64) -> Result<u64, ProducerError> {
+        // The stream's partitions stay ahead of its sequence, so that no
+        // event lands in its default partition (schema section 17).
+        let attached: i32 = sqlx::query_scalar("SELECT outbox_stream_partitions_ahead($1)").bind(STREAM_PARTITIONS_AHEAD).fetch_one(&self.pool).await?;
+        if attached > 0 {
+            tracing::info!(attached, "stream partitions created and attached ahead of the sequence");
+        }
         // Published stream events are retained in the lane, until the
         // stream's partitions are dropped whole (schema section 17).
         crate::PgStore::new(self.pool.clone()).stream_published_to_lane(before_ms, limit).await?;

@@ -1,0 +1,123 @@
+//! The stream's partitions are kept ahead of its sequence
+//! (`outbox_stream_partitions_ahead`, called by every retention pass), so
+//! that events never land in the default partition, which no partition
+//! can take rows over from and retention cannot drop; and keeping them
+//! ahead never stalls the hot path behind a reader of the whole stream.
+//! Real PostgreSQL.
+
+use std::time::{Duration, Instant};
+
+use outbox_producer::{DispatchPath, RetentionPolicy};
+use outbox_tests::*;
+use sqlx::PgPool;
+
+/// Seqs per partition.
+const WIDTH: i64 = 1 << 24;
+
+async fn on_the_stream(pool: &PgPool) {
+    business_schema(pool).await;
+    route(pool, ORDER_CREATED, "cluster-a", "orders", 3).await;
+    outbox_producer::set_dispatch_path(pool, DispatchPath::Stream).await.unwrap();
+}
+
+async fn next_seq_is(pool: &PgPool, seq: i64) {
+    sqlx::query("SELECT setval('outbox_events_seq_seq', $1, false)").bind(seq).execute(pool).await.unwrap();
+}
+
+async fn rows_in(pool: &PgPool, partition: &str) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {partition}")).fetch_one(pool).await.unwrap()
+}
+
+async fn partitions(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'outbox_stream'::regclass ORDER BY c.relname",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+async fn retention_pass(pool: &PgPool) {
+    let policy = RetentionPolicy { replay_window_ms: 60_000, batch_size: 100, max_batches: 10 };
+    outbox_producer::purge(pool, 0, &policy, false, |_| {}).await.expect("retention pass");
+}
+
+/// A retention pass attaches the partition past the one the sequence is
+/// in; events emitted across the boundary land in the partitions, none in
+/// the default one. Without the pass, the same events past the last
+/// partition land in the default partition.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_retention_pass_attaches_partitions_ahead_and_no_event_lands_in_the_default_partition(pool: PgPool) {
+    on_the_stream(&pool).await;
+    // Near the end of the last partition (p1 ends at 2 * WIDTH).
+    next_seq_is(&pool, 2 * WIDTH - 3).await;
+    retention_pass(&pool).await;
+    let parts = partitions(&pool).await;
+    assert!(parts.contains(&"outbox_stream_p2".to_owned()) && parts.contains(&"outbox_stream_p3".to_owned()), "{parts:?}");
+    for i in 0..8 {
+        create_order(&pool, &format!("o-{i}"), i).await;
+    }
+    assert_eq!(rows_in(&pool, "outbox_stream_p1").await, 3);
+    assert_eq!(rows_in(&pool, "outbox_stream_p2").await, 5);
+    assert_eq!(rows_in(&pool, "outbox_stream_default").await, 0, "an event landed in the default partition");
+    // The sequence moved into p2: the next call attaches p4 (two ahead of
+    // it), and a second one nothing.
+    let ahead = || async { sqlx::query_scalar::<_, i32>("SELECT outbox_stream_partitions_ahead(2)").fetch_one(&pool).await.unwrap() };
+    assert_eq!(ahead().await, 1);
+    assert_eq!(ahead().await, 0);
+    assert!(partitions(&pool).await.contains(&"outbox_stream_p4".to_owned()));
+
+    // The baseline: past the partitions attached, events land in the default partition.
+    next_seq_is(&pool, 5 * WIDTH).await;
+    create_order(&pool, "o-past", 1).await;
+    assert_eq!(rows_in(&pool, "outbox_stream_default").await, 1);
+}
+
+/// The range the sequence is in already has rows in the default partition
+/// (the partitions fell behind): attaching it would fail on them, so the
+/// partitions start past it, and events from there on land in them.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn partitions_that_fell_behind_start_past_the_rows_of_the_default_partition(pool: PgPool) {
+    on_the_stream(&pool).await;
+    next_seq_is(&pool, 2 * WIDTH + 10).await;
+    create_order(&pool, "o-1", 1).await;
+    assert_eq!(rows_in(&pool, "outbox_stream_default").await, 1);
+    let made: i32 = sqlx::query_scalar("SELECT outbox_stream_partitions_ahead(1)").fetch_one(&pool).await.unwrap();
+    assert_eq!(made, 1);
+    let parts = partitions(&pool).await;
+    assert!(!parts.contains(&"outbox_stream_p2".to_owned()) && parts.contains(&"outbox_stream_p3".to_owned()), "{parts:?}");
+    next_seq_is(&pool, 3 * WIDTH).await;
+    create_order(&pool, "o-2", 1).await;
+    assert_eq!(rows_in(&pool, "outbox_stream_p3").await, 1);
+    assert_eq!(rows_in(&pool, "outbox_stream_default").await, 1);
+}
+
+/// A reader of the whole stream (a report, an analytics query under a
+/// held snapshot) holds a share of the default partition; the attach needs
+/// it alone. The attach gives up after its lock timeout instead of waiting
+/// (and making emits and claims queue behind it), emits go on meanwhile,
+/// and the next call attaches once the reader is gone.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_reader_of_the_whole_stream_delays_the_attach_not_the_hot_path(pool: PgPool) {
+    on_the_stream(&pool).await;
+    next_seq_is(&pool, 2 * WIDTH - 3).await;
+    let mut reader = pool.acquire().await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *reader).await.unwrap();
+    sqlx::query("SELECT count(*) FROM outbox_stream").execute(&mut *reader).await.unwrap();
+
+    let started = Instant::now();
+    let made: i32 = sqlx::query_scalar("SELECT outbox_stream_partitions_ahead(1)").fetch_one(&pool).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(made, 0, "attached while a reader held the default partition");
+    assert!(took < Duration::from_secs(2), "the attach waited {took:?} for the reader");
+    let started = Instant::now();
+    create_order(&pool, "o-1", 1).await;
+    assert!(started.elapsed() < Duration::from_secs(2), "an emit waited {:?} while the reader held the stream", started.elapsed());
+
+    sqlx::query("COMMIT").execute(&mut *reader).await.unwrap();
+    drop(reader);
+    let made: i32 = sqlx::query_scalar("SELECT outbox_stream_partitions_ahead(1)").fetch_one(&pool).await.unwrap();
+    assert_eq!(made, 1);
+    assert!(partitions(&pool).await.contains(&"outbox_stream_p2".to_owned()));
+}
