@@ -57,6 +57,11 @@ impl ServiceStore for PgStore {
         PgStore::max_protocol_version(self)
     }
 
+    /// On the stream path (as the last claim read it).
+    fn claims_may_overlap(&self) -> bool {
+        self.stream_claims_may_overlap()
+    }
+
     async fn current_alias(&self, alias: &str) -> Result<Option<DispatcherAlias>, crate::ProducerError> {
         crate::rollout::current_alias(self.pool(), alias).await
     }

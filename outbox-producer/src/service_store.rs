@@ -81,6 +81,13 @@ pub trait ServiceStore: OutboxStore + Send + Sync + 'static {
     /// round runs it. The skips made.
     async fn release_poisoned(&self, limit: usize) -> Result<Vec<outbox_core::SkipRecord>, crate::ProducerError>;
 
+    /// Whether two claims of one dispatcher may run at once: claims that
+    /// lock disjoint work and wait for none of each other's rows (the
+    /// stream path's bucket leases, `FOR UPDATE SKIP LOCKED`). No by default.
+    fn claims_may_overlap(&self) -> bool {
+        false
+    }
+
     /// Age of the oldest PENDING event (a gauge).
     async fn oldest_pending_age_ms(&self) -> Result<Option<i64>, StoreError> {
         Ok(None)

@@ -167,14 +167,18 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
     /// Claims up to a batch, in one transaction: retries first, then the
     /// successors of what the cursor's last batch published, then (on a full
     /// claim, see [`DispatcherConfig::head_scan_every`]) every key's head. One claim at a time
-    /// per instance: two claims running together would scan the same key
-    /// heads, and each would keep the rows the other had just claimed locked
-    /// until it commits, stalling their registration.
+    /// per instance on the chains path: two claims running together would
+    /// scan the same key heads, and each would keep the rows the other had
+    /// just claimed locked until it commits, stalling their registration.
+    /// On the stream path ([`ServiceStore::claims_may_overlap`]) two: each
+    /// locks the key buckets it cuts and skips those the other holds, so a
+    /// claim no longer waits for the other's round trips.
     async fn claim(&self, owner: &str, cursor: &mut ClaimCursor) -> Result<(Vec<ClaimedEvent>, usize), ProducerError> {
         let (batch, lease) = (self.config.batch_size, self.config.lease_ms);
         let after = std::mem::take(&mut cursor.published);
         let scan_due = after.is_empty() || cursor.since_scan.saturating_add(1) >= self.config.head_scan_every;
-        let _turn = self.claim_turn.lock().await;
+        let permits = if self.store.claims_may_overlap() { 1 } else { super::CLAIM_PERMITS };
+        let _turn = self.claim_turn.acquire_many(permits).await.map_err(|e| ProducerError::Config(format!("the claim turn is closed: {e}")))?;
         let at = Instant::now();
         let round = self.store.claim_next(owner, &after, scan_due, batch, lease).await?;
         self.metrics.histograms.claim.observe(at.elapsed().as_secs_f64());

@@ -71,13 +71,19 @@ pub struct Dispatcher<B: Broker + 'static, S: ServiceStore = PgStore> {
     metrics: Arc<DispatchMetrics>,
     /// When the alias was last read, and whether it named this implementation.
     alias_checked: std::sync::Mutex<Option<(Instant, bool)>>,
-    /// Held while claiming (see [`Dispatcher::claim`]).
-    claim_turn: tokio::sync::Mutex<()>,
+    /// Held while claiming (see [`Dispatcher::claim`]): all of it on the
+    /// chains path, one permit of it where claims may overlap.
+    claim_turn: tokio::sync::Semaphore,
     /// Checked before each claim.
     gate: Gate,
     /// [`DispatcherConfig::signing`], parsed.
     signer: Option<outbox_core::trust::SigningKey>,
 }
+
+/// How many claims of one instance may run at once where the store says
+/// claims may overlap ([`ServiceStore::claims_may_overlap`]): the stream
+/// path, whose claims lock disjoint key buckets. One elsewhere.
+const CLAIM_PERMITS: u32 = 2;
 
 impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
     /// A dispatcher over `store` sending through `broker`. Claims are scoped
@@ -93,7 +99,7 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
             config,
             metrics: Arc::default(),
             alias_checked: std::sync::Mutex::new(None),
-            claim_turn: tokio::sync::Mutex::new(()),
+            claim_turn: tokio::sync::Semaphore::new(CLAIM_PERMITS as usize),
             gate: Gate(None),
             signer,
         })

@@ -135,6 +135,12 @@ impl WindowReads {
 }
 
 impl crate::pg::PgStore {
+    /// Whether the last claim found the stream path (claims lock disjoint
+    /// key buckets there; `ServiceStore::claims_may_overlap`).
+    pub(crate) fn stream_claims_may_overlap(&self) -> bool {
+        self.path_seen.0.load(Ordering::Relaxed) == 2
+    }
+
     /// Of `ids`, the events that have a row in the lane (`outbox_events`):
     /// every id when the store has seen only the chains path.
     pub(crate) async fn lane_rows(&self, ids: &[&str]) -> Result<std::collections::BTreeSet<String>, StoreError> {
