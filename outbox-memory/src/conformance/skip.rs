@@ -32,12 +32,9 @@ fn the_record(what: &str, records: &[SkipRecord], id: &outbox_core::id::EventId,
     eq(&format!("{what}: record's reason"), r.reason.as_str(), reason)
 }
 
-/// A QUARANTINED head (its stored payload tampered with) holds its key:
-/// the next event of the key is not claimable. Skipping the next
-/// (PENDING) event is refused; skipping the head closes it SKIPPED with
-/// its evidence, and the next event is claimable and publishes; skipping
-/// it then (PUBLISHED) or the head again is refused.
-pub(super) async fn skip_of_a_quarantined_head_frees_its_key<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+/// Two events of one key, the first (its stored payload tampered with)
+/// QUARANTINED: it holds its key, the second is not claimable.
+async fn quarantined_head<H: Harness>(c: &Ctx<'_, H>) -> Result<(outbox_core::id::EventId, outbox_core::id::EventId), String> {
     let head = c.emit(1, "k").await;
     let next = c.emit(2, "k").await;
     c.h.tamper_payload(&head, b"poison bytes").await;
@@ -46,6 +43,16 @@ pub(super) async fn skip_of_a_quarantined_head_frees_its_key<H: Harness>(c: &Ctx
     eq("quarantine", out, FenceOutcome::Applied)?;
     c.expect_state(&head, EventState::Quarantined).await?;
     ensure(c.claim("w1", &next).await?.is_none(), || "the next event of a key was claimable behind a QUARANTINED head".into())?;
+    Ok((head, next))
+}
+
+/// A QUARANTINED head (its stored payload tampered with) holds its key:
+/// the next event of the key is not claimable. Skipping the next
+/// (PENDING) event is refused; skipping the head closes it SKIPPED with
+/// its evidence, and the next event is claimable and publishes; skipping
+/// it then (PUBLISHED) or the head again is refused.
+pub(super) async fn skip_of_a_quarantined_head_frees_its_key<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let (head, next) = quarantined_head(c).await?;
 
     refused(c, "skip of a PENDING event", &next, "PENDING").await?;
     c.expect_state(&next, EventState::Pending).await?;
@@ -120,12 +127,7 @@ pub(super) async fn skip_of_an_unprovable_unknown_head_is_fenced_and_frees_its_k
 /// [`POISON_POLICY_ACTOR`] with a reason naming the policy's setter and
 /// reason, and the key's next event is claimable.
 pub(super) async fn a_routes_poison_policy_releases_its_quarantined_heads<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
-    let head = c.emit(1, "k").await;
-    let next = c.emit(2, "k").await;
-    c.h.tamper_payload(&head, b"poison bytes").await;
-    let ce = c.claim_some("w1", &head).await?;
-    let out = c.s().quarantine_claimed(&ce.token, "payload_digest_mismatch", serde_json::json!({})).await.map_err(err("quarantine_claimed"))?;
-    eq("quarantine", out, FenceOutcome::Applied)?;
+    let (head, next) = quarantined_head(c).await?;
     let mine = |records: &[SkipRecord]| records.iter().find(|r| r.event_id == head.as_str()).cloned();
     ensure(mine(&c.h.release_poisoned(1_000).await?).is_none(), || "a release without a policy skipped the head".into())?;
     c.expect_state(&head, EventState::Quarantined).await?;
