@@ -1948,14 +1948,15 @@ BEGIN
             lo := p_after[i] + 1;
             hi := p_upto[i];
         ELSE
-            hi := (SELECT max(x.seq) FROM outbox_stream x WHERE x.cluster_id = p_clusters[i] AND x.bucket = p_buckets[i] AND x.seq > 0);
             lo := (SELECT min(s.seq + 0) FROM outbox_stream s
                    WHERE s.cluster_id = p_clusters[i] AND s.bucket = p_buckets[i]
                      AND s.xid >= pg_snapshot_xmin(p_prev[i]) AND s.xid < pg_snapshot_xmax(p_cut[i])
                      AND pg_visible_in_snapshot(s.xid, p_cut[i]) AND NOT pg_visible_in_snapshot(s.xid, p_prev[i])
                      AND s.seq + 0 > p_after[i]);
+            -- An empty window (most buckets, most claims) needs no bound.
+            CONTINUE WHEN lo IS NULL;
+            hi := (SELECT max(x.seq) FROM outbox_stream x WHERE x.cluster_id = p_clusters[i] AND x.bucket = p_buckets[i] AND x.seq > 0);
         END IF;
-        CONTINUE WHEN lo IS NULL OR hi IS NULL;
         RETURN QUERY
             SELECT i, s.seq, s.event_id::text, s.key_chain, s.routing_key::text, s.ordered,
                    (s.protocol_version > p_max_protocol

@@ -101,6 +101,11 @@ pub trait RetentionStore: Send + Sync {
     async fn begin(&self) -> Result<Self::Tx, ProducerError>;
     /// Commits it.
     async fn commit(&self, tx: Self::Tx) -> Result<(), ProducerError>;
+    /// Upkeep once before a pass that writes (PostgreSQL: the stream's
+    /// partitions ahead of its sequence). Nothing by default.
+    async fn upkeep(&self) -> Result<(), ProducerError> {
+        Ok(())
+    }
     /// PUBLISHED -> RETAINED for at most `limit` events (oldest first)
     /// published before `before_ms` (`outbox_core::may_retain`'s
     /// condition); how many moved.
@@ -249,6 +254,7 @@ pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &Rete
         return Ok(report);
     }
 
+    store.upkeep().await?;
     for _ in 0..policy.max_batches {
         let n = store.retain(now_ms, before_ms, policy.batch_size).await?;
         report.retained += n;
@@ -312,13 +318,17 @@ impl RetentionStore for PgRetention {
         Ok(tx.commit().await?)
     }
 
-    async fn retain(&self, now_ms: i64, before_ms: i64, limit: i64) -> Result<u64, ProducerError> {
-        // The stream's partitions stay ahead of its sequence, so that no
-        // event lands in its default partition (schema section 17).
+    /// The stream's partitions stay ahead of its sequence, so that no
+    /// event lands in its default partition (schema section 17).
+    async fn upkeep(&self) -> Result<(), ProducerError> {
         let attached: i32 = sqlx::query_scalar("SELECT outbox_stream_partitions_ahead($1)").bind(STREAM_PARTITIONS_AHEAD).fetch_one(&self.pool).await?;
         if attached > 0 {
             tracing::info!(attached, "stream partitions created and attached ahead of the sequence");
         }
+        Ok(())
+    }
+
+    async fn retain(&self, now_ms: i64, before_ms: i64, limit: i64) -> Result<u64, ProducerError> {
         // Published stream events are retained in the lane, until the
         // stream's partitions are dropped whole (schema section 17).
         crate::PgStore::new(self.pool.clone()).stream_published_to_lane(before_ms, limit).await?;
