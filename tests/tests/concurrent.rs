@@ -119,6 +119,7 @@ fn assert_the_faults_happened(cfg: &CheckerConfig, v: &Verdict) {
         !cfg.migrations || f.migrations > 0,
         "no destination migration: {f:#?}"
     );
+    assert!(!cfg.retention || f.retained > 0, "retention retained nothing: {f:#?}");
 }
 
 /// The whole bounded workload on the stream. It found four defects of the

@@ -69,8 +69,13 @@ async fn caught(pool: PgPool, name: &str, cfg: CheckerConfig) {
     let mut violations = verdict.violations;
     violations.extend(events_in_two_batches(&pool).await);
     eprintln!("{name}: {} violations, e.g. {:?}", violations.len(), violations.iter().take(5).collect::<Vec<_>>());
+    // A `stuck` catch names the event left behind: the checker's general
+    // lines (nothing settled in time, a retried commit never made) would
+    // also be written by a defect that merely stalls all dispatch.
+    let wanted = if m.caught_as == "stuck" { "stuck: evt-".to_owned() } else { format!("{}:", m.caught_as) };
+    assert!(verdict.figures.published > 0, "{name}: nothing was published, the defect stalled the workload: {:#?}", verdict.figures);
     assert!(
-        violations.iter().any(|v| v.starts_with(&format!("{}:", m.caught_as))),
+        violations.iter().any(|v| v.starts_with(&wanted)),
         "the checker did not catch {name} ({}) as {}: {violations:#?}\n{:#?}",
         m.defect,
         m.caught_as,
