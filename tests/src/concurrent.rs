@@ -930,17 +930,7 @@ async fn spawn_dispatcher(
     stop: watch::Receiver<bool>,
 ) -> Option<JoinHandle<Result<outbox_producer::BatchReport, outbox_producer::ProducerError>>> {
     let broker = connect_broker(&shared.bootstrap, &shared.cfg).await.ok()?;
-    let cfg = DispatcherConfig {
-        name,
-        workers: 2,
-        batch_size: 20,
-        lease_ms: shared.cfg.lease_ms,
-        poll_interval_ms: 50,
-        sweep_interval_ms: 100,
-        shutdown_grace_ms: 3_000,
-        listen: true,
-        ..Default::default()
-    };
+    let cfg = DispatcherConfig { batch_size: 20, lease_ms: shared.cfg.lease_ms, shutdown_grace_ms: 3_000, ..crate::dispatch::config(&name) };
     let d = Dispatcher::new(PgStore::new(victims.clone()), broker, cfg).ok()?;
     Some(tokio::spawn(
         Arc::new(d).run(outbox_producer::until_true(stop)),

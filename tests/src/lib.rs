@@ -86,6 +86,19 @@ pub fn order_payload(id: &str, total_cents: i64) -> Vec<u8> {
     format!(r#"{{"order":"{id}","totalCents":{total_cents}}}"#).into_bytes()
 }
 
+/// The order's next event (aggregate version `version`, command key
+/// `update-<id>-v<version>`), emitted in a transaction of its own: the same
+/// routing key as the order's [`create_order`].
+pub async fn update_order(pool: &PgPool, id: &str, version: i64, total_cents: i64) -> Emitted {
+    let payload = order_payload(id, total_cents);
+    let command_key = format!("update-{id}-v{version}");
+    let request = EmitRequest { aggregate_version: version, ..order_request(&command_key, id, &payload) };
+    let mut tx = pool.begin().await.expect("begin");
+    let e = emit(&mut tx, &request, &EmitOptions::default()).await.expect("emit");
+    tx.commit().await.expect("commit");
+    e
+}
+
 /// One business transaction: insert the order and emit `order.created.v2`.
 pub async fn create_order(pool: &PgPool, id: &str, total_cents: i64) -> Emitted {
     let mut tx = pool.begin().await.expect("begin");

@@ -89,19 +89,10 @@ impl Fixture {
         }
     }
 
-    /// How many sessions wait for a lock now.
-    async fn lock_waiters(&self) -> i64 {
-        count(&self.pool, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'").await
-    }
-
+    /// Until `n` sessions wait for a lock (the lease row).
     async fn until_lock_waiters(&self, n: i64) {
-        for _ in 0..500 {
-            if self.lock_waiters().await >= n {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        panic!("{n} sessions never waited for the lease row");
+        let waiting = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        wait_count(&self.pool, waiting, n, std::time::Duration::from_secs(5)).await;
     }
 
     /// The invariants: each event once in the log (no copy that no receipt

@@ -25,7 +25,7 @@ async fn next_seq_is(pool: &PgPool, seq: i64) {
 }
 
 async fn rows_in(pool: &PgPool, partition: &str) -> i64 {
-    sqlx::query_scalar(&format!("SELECT count(*) FROM {partition}")).fetch_one(pool).await.unwrap()
+    count(pool, &format!("SELECT count(*) FROM {partition}")).await
 }
 
 async fn partitions(pool: &PgPool) -> Vec<String> {
@@ -96,7 +96,8 @@ async fn partitions_that_fell_behind_start_past_the_rows_of_the_default_partitio
 /// A reader of the whole stream (a report, an analytics query under a
 /// held snapshot) holds a share of the default partition; the attach needs
 /// it alone. The attach gives up after its lock timeout instead of waiting
-/// (and making emits and claims queue behind it), emits go on meanwhile,
+/// for the reader (without the timeout this test would hang: the reader
+/// ends only after it), an emit goes on while the reader holds the stream,
 /// and the next call attaches once the reader is gone.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn a_reader_of_the_whole_stream_delays_the_attach_not_the_hot_path(pool: PgPool) {

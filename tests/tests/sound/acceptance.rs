@@ -58,7 +58,7 @@ async fn item7_one_unreadable_destination_quarantines_that_event_only(pool: PgPo
     let f = fixture(pool).await;
     let bad = create_order(&f.pool, "o-bad", 1).await;
     let good = create_order(&f.pool, "o-good", 1).await;
-    tamper(&f.pool, "UPDATE outbox_envelopes SET destination_canonical = $2 WHERE event_id = $1", bad.event_id().as_str(), Some(b"not a destination".to_vec())).await;
+    unreadable_destination(&f.pool, &bad).await;
     let d = f.dispatcher(&f.store, 1_000);
     let report = d.dispatch_once("w").await.expect("one unreadable destination failed the whole claim");
     assert_eq!((report.published, report.quarantined), (1, 1), "{report:?}");
@@ -140,16 +140,8 @@ async fn a_routes_poison_policy_blocks_by_default_and_skips_when_set(pool: PgPoo
     use outbox_producer::skip::SkipStore;
     let f = fixture(pool).await;
     let bad = create_order(&f.pool, "o-1", 1).await;
-    // The order's next event: the same key.
-    let next = {
-        let payload = order_payload("o-1", 2);
-        let request = outbox_core::EmitRequest { aggregate_version: 2, ..order_request("update-o-1", "o-1", &payload) };
-        let mut tx = f.pool.begin().await.unwrap();
-        let e = outbox_producer::emit(&mut tx, &request, &outbox_producer::EmitOptions::default()).await.unwrap();
-        tx.commit().await.unwrap();
-        e
-    };
-    tamper(&f.pool, "UPDATE outbox_envelopes SET destination_canonical = $2 WHERE event_id = $1", bad.event_id().as_str(), Some(b"not a destination".to_vec())).await;
+    let next = update_order(&f.pool, "o-1", 2, 2).await;
+    unreadable_destination(&f.pool, &bad).await;
     let d = f.dispatcher(&f.store, 1_000);
     let r = d.dispatch_once("w").await.unwrap();
     assert_eq!((r.published, r.quarantined), (0, 1), "{r:?}");
@@ -177,9 +169,14 @@ async fn a_routes_poison_policy_blocks_by_default_and_skips_when_set(pool: PgPoo
     // Back to block: a new quarantine holds its key again.
     f.store.set_poison_policy(&rule(PoisonPolicy::Block, "ops-carol", "gaps need a decision again, OPS-10")).await.unwrap();
     let bad2 = create_order(&f.pool, "o-2", 1).await;
-    tamper(&f.pool, "UPDATE outbox_envelopes SET destination_canonical = $2 WHERE event_id = $1", bad2.event_id().as_str(), Some(b"not a destination".to_vec())).await;
+    unreadable_destination(&f.pool, &bad2).await;
     assert_eq!(d.dispatch_once("w").await.unwrap().quarantined, 1);
     assert_eq!(rec.resolve_unknown_once().await.unwrap().poison_skipped, 0);
     assert_eq!(f.state(bad2.event_id().as_str()).await, EventState::Quarantined);
     assert_eq!(f.count("SELECT count(*) FROM outbox_poison_policies").await, 2, "the policy's history is kept");
+}
+
+/// Makes `e`'s frozen destination unreadable (the dispatcher quarantines it before the send).
+async fn unreadable_destination(pool: &PgPool, e: &outbox_producer::Emitted) {
+    tamper(pool, "UPDATE outbox_envelopes SET destination_canonical = $2 WHERE event_id = $1", e.event_id().as_str(), Some(b"not a destination".to_vec())).await;
 }
