@@ -668,9 +668,12 @@ $$;
 -- its own new row) before it chooses what the row names, and chooses with
 -- a snapshot taken after it got the row (outbox_chain_advance): of two
 -- transactions changing one chain's head, the second decides with the
--- first's result. Where the head row does not exist yet, the linker holds
--- the chosen event instead (outbox_link_arrivals), and a migration's move
--- inserts the row it locks (outbox_chain_move). The claim checks the event
+-- first's result. Where the head row does not exist yet, the linker inserts
+-- it (outbox_link_arrivals), and a migration's move inserts the row it
+-- locks (outbox_chain_move). Every writer that makes a head name another
+-- event holds that event before its final choice (outbox_chain_rehead), so
+-- a transaction writing the event waits, and then sees the committed head:
+-- the head's claimability stays its event's. The claim checks the event
 -- row again (its chain and cluster) and never hands out an event through a
 -- head that is not its own chain's.
 
@@ -767,10 +770,6 @@ DECLARE
     taken integer;
     chains bigint[];
     linked bigint[];
-    chosen text[];
-    held text[] := '{}';
-    gone bigint[];
-    pass integer := 0;
 BEGIN
     WITH gone AS (
         DELETE FROM outbox_chain_arrivals a
@@ -786,32 +785,8 @@ BEGIN
     linked := outbox_chain_heads_insert(ARRAY(
         SELECT c FROM UNNEST(chains) AS c WHERE NOT EXISTS (SELECT 1 FROM outbox_chain_heads h WHERE h.key_chain = c)));
     -- Choose what each new head names with a snapshot taken after the
-    -- INSERT's waits, then hold that event (FOR SHARE) and choose again,
-    -- until every head names an event held before the choice: see above.
-    WHILE cardinality(linked) > 0 LOOP
-        pass := pass + 1;
-        PERFORM outbox_chain_advance(linked);
-        SELECT coalesce(array_agg(h.key_chain ORDER BY h.key_chain), '{}'), coalesce(array_agg(h.event_id ORDER BY h.key_chain), '{}')
-        INTO linked, chosen
-        FROM outbox_chain_heads h WHERE h.key_chain = ANY (linked) AND NOT (h.event_id = ANY (held));
-        EXIT WHEN cardinality(linked) = 0;
-        IF pass > 3 THEN
-            gone := linked;
-        ELSE
-            -- Never waits: an event another transaction is writing is not
-            -- held, and its chain is given back (below).
-            SELECT held || coalesce(array_agg(l.event_id), '{}') INTO held
-            FROM (SELECT e.event_id FROM outbox_events e WHERE e.event_id = ANY (chosen) FOR SHARE OF e SKIP LOCKED) l;
-            gone := ARRAY(SELECT t.c FROM UNNEST(linked, chosen) AS t(c, ev) WHERE NOT (t.ev = ANY (held)));
-        END IF;
-        -- Given back: no head from this linker, and an arrival, so that a
-        -- later linker (after that writer commits) links the chain.
-        IF cardinality(gone) > 0 THEN
-            DELETE FROM outbox_chain_heads WHERE key_chain = ANY (gone);
-            INSERT INTO outbox_chain_arrivals (key_chain) SELECT c FROM UNNEST(gone) AS c ORDER BY c;
-            linked := ARRAY(SELECT c FROM UNNEST(linked) AS c WHERE NOT (c = ANY (gone)));
-        END IF;
-    END LOOP;
+    -- INSERT's waits, holding every event it names: see above.
+    PERFORM outbox_chain_rehead(linked, '{}');
     RETURN taken;
 END
 $$;
@@ -869,6 +844,63 @@ BEGIN
 END
 $$;
 
+-- Re-heads the chains p_chains (whose head rows the caller holds, as for
+-- outbox_chain_advance) so that every head it leaves names an event this
+-- transaction holds, or one that head already named (p_named: a writer of
+-- that event sees the committed head and waits for the row the caller
+-- holds). outbox_chain_advance chooses in its own snapshot and copies the
+-- chosen event's claimability from there; a transaction writing that
+-- event meanwhile cannot see the new head (not committed), so its own
+-- trigger leaves it alone, and the head would commit with a claimability
+-- the event no longer has (the race this fixes: a migration's move
+-- re-headed a chain on an event CLAIMED in its snapshot while a release
+-- made it PENDING; the head committed not claimable, and the key's later
+-- events waited for ever). So each newly named event is held (FOR SHARE,
+-- skipping one another transaction is writing) and the chain chosen
+-- again with a snapshot taken after, until every head names an event held
+-- before the choice; a chain whose chosen event is being written (or that
+-- is still moving after three rounds) is given back: its head row goes and
+-- it gets an arrival, for a later linker. A writer of a held event waits
+-- for this transaction, and its trigger then sees the committed head.
+CREATE FUNCTION outbox_chain_rehead(p_chains bigint[], p_named text[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SET enable_seqscan = off
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    linked bigint[] := p_chains;
+    chosen text[];
+    held text[] := coalesce(p_named, '{}');
+    gone bigint[];
+    pass integer := 0;
+BEGIN
+    WHILE cardinality(linked) > 0 LOOP
+        pass := pass + 1;
+        PERFORM outbox_chain_advance(linked);
+        SELECT coalesce(array_agg(h.key_chain ORDER BY h.key_chain), '{}'), coalesce(array_agg(h.event_id ORDER BY h.key_chain), '{}')
+        INTO linked, chosen
+        FROM outbox_chain_heads h WHERE h.key_chain = ANY (linked) AND NOT (h.event_id = ANY (held));
+        EXIT WHEN cardinality(linked) = 0;
+        IF pass > 3 THEN
+            gone := linked;
+        ELSE
+            -- Never waits: an event another transaction is writing is not
+            -- held, and its chain is given back (below).
+            SELECT held || coalesce(array_agg(l.event_id), '{}') INTO held
+            FROM (SELECT e.event_id FROM outbox_events e WHERE e.event_id = ANY (chosen) FOR SHARE OF e SKIP LOCKED) l;
+            gone := ARRAY(SELECT t.c FROM UNNEST(linked, chosen) AS t(c, ev) WHERE NOT (t.ev = ANY (held)));
+        END IF;
+        -- Given back: no head from this transaction, and an arrival, so
+        -- that a later linker (after that writer commits) links the chain.
+        IF cardinality(gone) > 0 THEN
+            DELETE FROM outbox_chain_heads WHERE key_chain = ANY (gone);
+            INSERT INTO outbox_chain_arrivals (key_chain) SELECT c FROM UNNEST(gone) AS c ORDER BY c;
+            linked := ARRAY(SELECT c FROM UNNEST(linked) AS c WHERE NOT (c = ANY (gone)));
+        END IF;
+    END LOOP;
+END
+$$;
+
 -- An inserted ordered event of the outbox arrives on its chain.
 CREATE FUNCTION outbox_chain_arrive() RETURNS trigger
     LANGUAGE plpgsql
@@ -908,7 +940,7 @@ BEGIN
         -- another event out of the chain holds the row until it commits
         -- (outbox_chain_move), and is then seen.
         PERFORM 1 FROM outbox_chain_heads WHERE key_chain = ANY (chains) ORDER BY key_chain FOR NO KEY UPDATE;
-        PERFORM outbox_chain_advance(chains);
+        PERFORM outbox_chain_rehead(chains, '{}');
     END IF;
     -- A head is claimable exactly while its event is PENDING, from its
     -- next_check_at_ms. SENDING follows only CLAIMED and RETRY_CLAIMED,
@@ -955,7 +987,10 @@ BEGIN
         INSERT INTO outbox_chain_heads (key_chain, event_id, seq, claimable_at_ms, cluster_id, protocol_version)
         VALUES (OLD.key_chain, OLD.event_id, OLD.seq, NULL, OLD.cluster_id, OLD.protocol_version)
         ON CONFLICT (key_chain) DO UPDATE SET event_id = EXCLUDED.event_id WHERE false;
-        PERFORM outbox_chain_advance(ARRAY[OLD.key_chain]);
+        -- A committed head that stays on its event needs no hold (see
+        -- outbox_chain_rehead); the placeholder names the moved event.
+        PERFORM outbox_chain_rehead(ARRAY[OLD.key_chain],
+            ARRAY(SELECT h.event_id FROM outbox_chain_heads h WHERE h.key_chain = OLD.key_chain AND h.event_id <> OLD.event_id));
     END IF;
     IF NEW.ordered AND NEW.publisher = 'outbox' AND NEW.phase NOT IN ('PUBLISHED', 'RETAINED', 'PURGED', 'SKIPPED') THEN
         INSERT INTO outbox_chain_arrivals (key_chain) VALUES (NEW.key_chain);

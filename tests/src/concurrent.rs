@@ -1764,6 +1764,18 @@ async fn diagnose_key(pool: &PgPool, key: &str) -> Result<Vec<String>, sqlx::Err
             h.0, h.1, h.2, h.3
         ));
     }
+    let arrivals: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT a.key_chain, count(*) FROM outbox_chain_arrivals a
+         WHERE a.key_chain IN (SELECT key_chain FROM outbox_events WHERE routing_key = $1) GROUP BY a.key_chain",
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await?;
+    if heads.is_empty() {
+        out.push(format!("  no chain head; arrivals waiting (chain, count): {arrivals:?}"));
+    } else if !arrivals.is_empty() {
+        out.push(format!("  arrivals waiting (chain, count): {arrivals:?}"));
+    }
     let leases: Vec<(i16, Option<String>, i64, i64, Option<i64>, bool, i64)> = sqlx::query_as(
         "SELECT l.bucket, l.owner, l.generation, l.lease_until_ms - (extract(epoch FROM clock_timestamp()) * 1000)::bigint, l.open_batch, l.window_done, l.after_seq
          FROM outbox_bucket_leases l WHERE (l.cluster_id, l.bucket) IN (SELECT cluster_id, bucket FROM outbox_stream WHERE routing_key = $1)",

@@ -215,8 +215,9 @@ async fn wait_blocked_or_done<T>(pool: &PgPool, statement: &str, task: &tokio::t
 /// 3. The migration M of E2 to cluster-b (`commit_migration`, spawned).
 ///    Before the fix it ran to its commit: its `outbox_chain_move` saw
 ///    C_old's head on E1 and left it alone, so R then committed C_old's
-///    head on E2, which had left C_old. Now M's move locks C_old's head row
-///    and waits for R.
+///    head on E2, which had left C_old. Now M waits for R: R holds E2, the
+///    event it made C_old's head (`outbox_chain_rehead`), and M's move
+///    would lock C_old's head row after it.
 /// 4. H commits; R commits; M takes the head row, sees it on E2 (its own
 ///    moved event) and moves it to E3, and commits.
 ///
@@ -244,7 +245,8 @@ async fn chains_path_migration_racing_the_receipt_keeps_the_old_chain_moving(poo
     };
     wait_blocked(&db.pool, "UPDATE outbox_attempts", &r).await;
     // 3. The migration of E2 to another cluster, meanwhile: it waits for
-    //    R on C_old's head row (before the fix it committed here).
+    //    R, which holds E2 (the event it made C_old's head), at its lock of
+    //    E2 (before the fix it committed here).
     let e2_id: EventId = e2.parse().unwrap();
     let (state, generation) = db.store.migration_read(&e2_id).await.unwrap();
     assert_eq!(state, EventState::Pending);
@@ -254,7 +256,7 @@ async fn chains_path_migration_racing_the_receipt_keeps_the_old_chain_moving(poo
         let e2_id = e2_id.clone();
         tokio::spawn(async move { store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await })
     };
-    wait_blocked_or_done(&db.pool, "UPDATE outbox_events SET state = 'PENDING'", &m).await;
+    wait_blocked_or_done(&db.pool, "SELECT e.state, e.envelope_generation", &m).await;
     // 4. H, then R, then M, commit.
     h.commit().await.unwrap();
     let published = tokio::time::timeout(Duration::from_secs(20), r).await.unwrap().unwrap().unwrap();
@@ -516,5 +518,82 @@ async fn chains_path_linker_racing_a_release_of_an_event_claimed_without_a_head(
     w.commit().await.unwrap();
     db.assert_heads_sound().await;
     db.drain(&db.store, &[&e1, &e2]).await;
+    db.assert_heads_sound().await;
+}
+
+/// A head moved onto an event another transaction is writing (the stream's
+/// checker, once in CI: 18 events of one key PENDING in the exception lane
+/// for good). A re-heading that names a new event (a migration's move out
+/// of the chain, a head closing) chose it in its own snapshot and copied
+/// its claimability from there; a transaction writing that event
+/// meanwhile could not see the new head row (uncommitted), so its own
+/// trigger left it alone, and the head committed "not claimable" on an
+/// event that was PENDING: the chain's arrivals were then consumed by
+/// linkers that found a head, and nothing claimed the key again.
+///
+/// Key K, chain C: e1 CLAIMED with no head (as a handed-out stream event
+/// reaches the lane), e2 and e3 PENDING.
+/// 1. A raw transaction Q locks the migration receipts' table against
+///    inserts: the migration M will park at its insert.
+/// 2. M moves e2 to another cluster; its move re-heads C on e1 (CLAIMED,
+///    not claimable) and parks.
+/// 3. W releases e1 (CLAIMED -> PENDING, as a failed registration's
+///    release does). Before the fix it committed at once, its trigger blind
+///    to M's head. Now M holds e1 (it holds every event it newly heads, as
+///    the linker does), and W waits for M.
+/// 4. Q rolls back; M commits; W commits.
+///
+/// Invariant: every head is sound (claimable exactly while its event is
+/// PENDING) and every event of the key is claimed and published.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_reheading_racing_a_write_of_the_new_head_leaves_it_claimable(pool: PgPool) {
+    let db = db(pool).await;
+    let key = db.key("k");
+    let e1 = db.emit(&key, 1).await;
+    let e2 = db.emit(&key, 2).await;
+    let e3 = db.emit(&key, 3).await;
+    let chain = db.event(&e1).await.0;
+    sqlx::query("UPDATE outbox_events SET state = 'CLAIMED', claim_owner = 'lane', claim_generation = claim_generation + 1, lease_until_ms = $2 WHERE event_id = $1")
+        .bind(&e1)
+        .bind(db.clock.now_ms() + LEASE_MS)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(db.head(chain).await, None);
+
+    // 1. Q holds the migration receipts' table against inserts.
+    let mut q = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox_migration_receipts IN SHARE MODE").execute(&mut *q).await.unwrap();
+    // 2. M moves e2 (re-heading C on e1) and parks.
+    let e2_id: EventId = e2.parse().unwrap();
+    let (_, generation) = db.store.migration_read(&e2_id).await.unwrap();
+    let m = {
+        let store = db.store.clone();
+        let new_route = RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &db.topic, PARTITIONS);
+        let e2_id = e2_id.clone();
+        tokio::spawn(async move { store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await })
+    };
+    wait_blocked(&db.pool, "INSERT INTO outbox_migration_receipts", &m).await;
+    // 3. W releases e1.
+    let w = {
+        let (pool, e1) = (db.pool.clone(), e1.clone());
+        tokio::spawn(async move {
+            sqlx::query("UPDATE outbox_events SET state = 'PENDING', claim_owner = NULL, lease_until_ms = NULL WHERE event_id = $1 AND state = 'CLAIMED'")
+                .bind(&e1)
+                .execute(&pool)
+                .await
+                .map(|r| r.rows_affected())
+        })
+    };
+    wait_blocked_or_done(&db.pool, "UPDATE outbox_events SET state = 'PENDING'", &w).await;
+    // 4. Q rolls back, M commits, W commits.
+    q.rollback().await.unwrap();
+    let moved = tokio::time::timeout(Duration::from_secs(20), m).await.unwrap().unwrap().unwrap();
+    assert!(matches!(moved, MigrationOutcome::Migrated { to_generation: 2, .. }), "{moved:?}");
+    let released = tokio::time::timeout(Duration::from_secs(20), w).await.unwrap().unwrap().unwrap();
+    assert_eq!(released, 1, "e1 released");
+
+    db.assert_heads_sound().await;
+    db.drain(&db.store, &[&e1, &e2, &e3]).await;
     db.assert_heads_sound().await;
 }
