@@ -1214,12 +1214,17 @@ CREATE INDEX outbox_publish_receipts_v1_floor ON outbox_publish_receipts (cluste
 -- with the receipt's event and attempt (the newest epoch) as the anchor by
 -- which a lookup recognises the log; 0 and no anchor for a log without
 -- receipts. One index probe: the position key for a topic id, the v1
--- floor index without one.
+-- floor index without one. Planned once per session (a SQL function with a
+-- SET clause is planned again on every statement that calls it: 627 us
+-- for a claim's 12 logs, against 360 us with this plan kept).
 CREATE FUNCTION outbox_log_floor(p_cluster text, p_topic text, p_topic_id text, p_partition integer)
     RETURNS TABLE (scan_from bigint, scan_anchor text, scan_anchor_attempt text)
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
+    SET plan_cache_mode = force_generic_plan
     SET search_path FROM CURRENT
 AS $$
+BEGIN
+    RETURN QUERY
     SELECT coalesce(top."offset" + 1, 0), top.event_id::text, top.attempt_id::text
     FROM (SELECT 1) one
     LEFT JOIN LATERAL (
@@ -1230,7 +1235,8 @@ AS $$
         (SELECT r."offset", r.event_id, r.attempt_id FROM outbox_publish_receipts r
          WHERE r.cluster_id = p_cluster AND r.topic = p_topic AND r.topic_id = p_topic_id AND r.partition = p_partition
          ORDER BY r."offset" DESC, r.position_epoch DESC LIMIT 1)
-    ) top ON true
+    ) top ON true;
+END
 $$;
 CREATE TRIGGER outbox_publish_receipts_frozen BEFORE UPDATE OR DELETE ON outbox_publish_receipts
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
@@ -1917,6 +1923,37 @@ CREATE TABLE outbox_batch_steps (
 );
 CREATE TRIGGER outbox_batch_steps_frozen BEFORE UPDATE OR DELETE ON outbox_batch_steps
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+
+-- A claim's first read (outbox_producer's `claim_paths`): whether the
+-- stream may have anything to claim (it is the dispatch path, or it still
+-- holds open batches, windows not read to their end, or events not cut
+-- yet), and whether the chains machinery may (always on the chains path;
+-- on the stream, only while the exception lane holds arrivals to link,
+-- PENDING or retry events, or claimable chain heads). Planned once per
+-- session: as a client statement it was planned again on every claim
+-- (0.4-0.7 ms of a claim, against 0.03 ms to run it).
+CREATE FUNCTION outbox_claim_paths(p_scope text) RETURNS TABLE (stream boolean, lane_busy boolean)
+    LANGUAGE plpgsql STABLE
+    SET plan_cache_mode = force_generic_plan
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT s.dispatch_path = 'stream'
+           OR EXISTS (SELECT 1 FROM outbox_bucket_leases l
+                      WHERE (p_scope IS NULL OR l.cluster_id = p_scope)
+                        AND (l.open_batch IS NOT NULL OR NOT l.window_done
+                             OR EXISTS (SELECT 1 FROM outbox_stream x
+                                        WHERE x.cluster_id = l.cluster_id AND x.bucket = l.bucket
+                                          AND x.xid >= pg_snapshot_xmin(l.cut) AND NOT pg_visible_in_snapshot(x.xid, l.cut)))),
+           s.dispatch_path <> 'stream'
+           OR EXISTS (SELECT 1 FROM outbox_chain_arrivals)
+           OR EXISTS (SELECT 1 FROM outbox_events WHERE phase = 'RETRY_CLAIMED')
+           OR EXISTS (SELECT 1 FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox')
+           OR EXISTS (SELECT 1 FROM outbox_chain_heads WHERE claimable_at_ms IS NOT NULL)
+    FROM outbox_settings s;
+END
+$$;
 
 -- The bucket leases a claim by p_owner may hold: its own, the vacant and
 -- the run out, locked (a concurrent claim skips them: each bucket is cut

@@ -302,21 +302,7 @@ impl PgStore {
     /// heads). A claim on the stream with a quiet lane skips the chains
     /// path's four statements.
     pub(crate) async fn claim_paths(&self, tx: &mut Transaction<'static, Postgres>) -> Result<(DispatchPath, bool), StoreError> {
-        let (stream, lane_busy): (bool, bool) = sqlx::query_as(
-            "SELECT s.dispatch_path = 'stream'
-                    OR EXISTS (SELECT 1 FROM outbox_bucket_leases l
-                               WHERE ($1::text IS NULL OR l.cluster_id = $1)
-                                 AND (l.open_batch IS NOT NULL OR NOT l.window_done
-                                      OR EXISTS (SELECT 1 FROM outbox_stream x
-                                                 WHERE x.cluster_id = l.cluster_id AND x.bucket = l.bucket
-                                                   AND x.xid >= pg_snapshot_xmin(l.cut) AND NOT pg_visible_in_snapshot(x.xid, l.cut)))),
-                    s.dispatch_path <> 'stream'
-                    OR EXISTS (SELECT 1 FROM outbox_chain_arrivals)
-                    OR EXISTS (SELECT 1 FROM outbox_events WHERE phase = 'RETRY_CLAIMED')
-                    OR EXISTS (SELECT 1 FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox')
-                    OR EXISTS (SELECT 1 FROM outbox_chain_heads WHERE claimable_at_ms IS NOT NULL)
-             FROM outbox_settings s",
-        )
+        let (stream, lane_busy): (bool, bool) = sqlx::query_as("SELECT stream, lane_busy FROM outbox_claim_paths($1)")
         .bind(self.cluster_scope.as_deref())
         .fetch_one(&mut **tx)
         .await
