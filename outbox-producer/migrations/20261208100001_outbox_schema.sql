@@ -1924,6 +1924,68 @@ CREATE TABLE outbox_batch_steps (
 CREATE TRIGGER outbox_batch_steps_frozen BEFORE UPDATE OR DELETE ON outbox_batch_steps
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
 
+-- When the oldest PENDING event the outbox sends was created, ms: the
+-- dispatcher's `oldest_pending` gauge and `outbox status` read it. In the
+-- lane, the earliest inserted (one descent of the PENDING index; legacy
+-- events stay PENDING there: they are the legacy publisher's to send). On
+-- the stream, per key bucket: its open batch's events not handed out, the
+-- rest of a window not read to its end, and the events not cut yet (each
+-- found through the bucket's own indexes; an event in the lane is the
+-- lane's); a bucket without a lease row yet, its first event. Handed-out
+-- events are CLAIMED, as in the lane.
+CREATE FUNCTION outbox_oldest_pending_ms() RETURNS bigint
+    LANGUAGE plpgsql STABLE
+    SET enable_seqscan = off
+    SET jit = off
+    SET plan_cache_mode = force_generic_plan
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    l record;
+    oldest bigint;
+BEGIN
+    oldest := (SELECT e.created_at_ms FROM outbox_events e WHERE e.phase = 'PENDING' AND e.publisher = 'outbox' ORDER BY e.seq LIMIT 1);
+    FOR l IN SELECT * FROM outbox_bucket_leases LOOP
+        IF l.open_batch IS NOT NULL THEN
+            oldest := least(oldest, (
+                SELECT min(s.created_at_ms)
+                FROM outbox_batches b CROSS JOIN unnest(b.event_ids) WITH ORDINALITY AS x(event_id, pos)
+                JOIN outbox_stream s ON s.event_id = x.event_id
+                WHERE b.id = l.open_batch
+                  AND NOT EXISTS (SELECT 1 FROM outbox_batch_steps st
+                                  WHERE st.batch_id = b.id AND st.kind = 'handed' AND (x.pos - 1)::int = ANY (st.positions))
+                  AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = x.event_id)));
+        END IF;
+        IF NOT l.window_done THEN
+            oldest := least(oldest, (
+                SELECT min(s.created_at_ms) FROM outbox_stream s
+                WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket
+                  AND s.xid >= pg_snapshot_xmin(l.prev_cut) AND s.xid < pg_snapshot_xmax(l.cut)
+                  AND pg_visible_in_snapshot(s.xid, l.cut) AND NOT pg_visible_in_snapshot(s.xid, l.prev_cut)
+                  AND s.seq + 0 > l.after_seq
+                  AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)));
+        END IF;
+        oldest := least(oldest, (
+            SELECT min(s.created_at_ms) FROM outbox_stream s
+            WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket
+              AND s.xid >= pg_snapshot_xmin(l.cut) AND NOT pg_visible_in_snapshot(s.xid, l.cut)
+              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)));
+    END LOOP;
+    -- A bucket with no lease row yet (a route added since the claims last
+    -- made them): nothing of it was cut, its first event is its oldest.
+    FOR l IN SELECT c.cluster_id, b::smallint AS bucket
+             FROM (SELECT DISTINCT p.cluster_id FROM outbox_route_policies p) c CROSS JOIN generate_series(0, 63) b
+             WHERE NOT EXISTS (SELECT 1 FROM outbox_bucket_leases x WHERE x.cluster_id = c.cluster_id AND x.bucket = b) LOOP
+        oldest := least(oldest, (
+            SELECT s.created_at_ms FROM outbox_stream s
+            WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket AND s.seq > 0
+              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
+            ORDER BY s.seq LIMIT 1));
+    END LOOP;
+    RETURN oldest;
+END
+$$;
+
 -- A claim's first read (outbox_producer's `claim_paths`): whether the
 -- stream may have anything to claim (it is the dispatch path, or it still
 -- holds open batches, windows not read to their end, or events not cut

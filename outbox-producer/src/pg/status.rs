@@ -46,12 +46,12 @@ pub async fn db_now_ms(pool: &PgPool) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetch_one(pool).await
 }
 
-/// When the oldest PENDING event the outbox sends was created, ms: the
-/// earliest inserted (legacy events stay PENDING here: they are the legacy
-/// publisher's to send). One descent of the PENDING index: the sweeper and
-/// every report ask, and neither may scan the backlog.
+/// When the oldest PENDING event the outbox sends was created, ms, in the
+/// exception lane or on the stream (`outbox_oldest_pending_ms`, schema
+/// section 17): in the lane the earliest inserted (legacy events stay
+/// PENDING there: they are the legacy publisher's to send), on the stream
+/// per key bucket the events not handed out yet. Index reads only: the
+/// sweeper and every report ask.
 pub async fn oldest_pending_created_ms(pool: &PgPool) -> Result<Option<i64>, sqlx::Error> {
-    sqlx::query_scalar("SELECT created_at_ms FROM outbox_events WHERE phase = 'PENDING' AND publisher = 'outbox' ORDER BY seq LIMIT 1")
-        .fetch_optional(pool)
-        .await
+    sqlx::query_scalar("SELECT outbox_oldest_pending_ms()").fetch_one(pool).await
 }

@@ -178,3 +178,44 @@ async fn the_soak_check_sees_the_chains_paths_per_event_updates(pool: PgPool) {
     let bad = per_event_dead_rows(&writes, events, batches);
     assert!(bad.iter().any(|b| b.starts_with("outbox_events:")), "the chains path's updates of outbox_events were not seen: {bad:?}");
 }
+
+/// The backlog's age (`oldest_pending_age_ms`: the dispatcher's
+/// `oldest_pending` gauge, `outbox status`) counts the stream's events: an
+/// event emitted on the stream and not yet handed out is PENDING however
+/// long it waits (before this, only the lane was read, and a stream backlog
+/// of any age read as none). Handed out, the batch's events are CLAIMED
+/// (not PENDING, as on the lane); published, nothing is pending.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_oldest_pending_age_counts_the_streams_backlog(pool: PgPool) {
+    use outbox_core::{ManualClock, OutboxStore};
+    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
+    let (_cluster, _probe) = started(&pool, 5_000).await;
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap();
+    let clock = ManualClock::new(now);
+    let store = outbox_producer::PgStore::with_clock(pool.clone(), std::sync::Arc::new(clock.clone()));
+    assert_eq!(store.oldest_pending_age_ms().await.unwrap(), None, "nothing emitted");
+
+    let ids = emit_many(&pool, 5, 1).await;
+    let created = |id: String| {
+        let pool = pool.clone();
+        async move { sqlx::query_scalar::<_, i64>("SELECT created_at_ms FROM outbox_stream WHERE event_id = $1").bind(id).fetch_one(&pool).await.unwrap() }
+    };
+    let first = created(ids[0].clone()).await;
+    clock.advance(60_000);
+    let age = store.oldest_pending_age_ms().await.unwrap();
+    assert_eq!(age, Some(now + 60_000 - first), "five stream events waiting a minute");
+    assert_eq!(outbox_producer::pg::oldest_pending_created_ms(&pool).await.unwrap(), Some(first), "the CLI's reading");
+
+    // Handed out: CLAIMED, not PENDING.
+    let claimed = store.claim_batch("d", 100, 30_000).await.unwrap();
+    assert_eq!(claimed.len(), ids.len());
+    assert_eq!(store.oldest_pending_age_ms().await.unwrap(), None, "every event handed out");
+
+    // A later event is PENDING, and the oldest.
+    let payload = outbox_tests::order_payload("o-later", 1);
+    let mut tx = pool.begin().await.unwrap();
+    let later = outbox_producer::emit(&mut tx, &outbox_tests::order_request("c-later", "o-later", &payload), &outbox_producer::EmitOptions::default()).await.unwrap();
+    tx.commit().await.unwrap();
+    let later_created = created(later.event_id().to_string()).await;
+    assert_eq!(outbox_producer::pg::oldest_pending_created_ms(&pool).await.unwrap(), Some(later_created), "the later event");
+}
