@@ -111,7 +111,8 @@ pub async fn status(pool: &PgPool, reconciler_stale_ms: i64) -> Result<Status, o
     let now_ms = outbox_producer::pg::db_now_ms(pool).await?;
     let source: Option<String> =
         if exists(pool, "outbox_identity").await? { sqlx::query_scalar("SELECT source FROM outbox_identity").fetch_optional(pool).await? } else { None };
-    let counts: Vec<(String, i64)> = sqlx::query_as("SELECT state, count(*) FROM outbox_events GROUP BY state").fetch_all(pool).await?;
+    // In the exception lane and on the stream, as every reader of state.
+    let counts: Vec<(String, i64)> = sqlx::query_as("SELECT state, n FROM outbox_state_counts()").fetch_all(pool).await?;
     let mut state_counts: Vec<(String, i64)> =
         ALL_STATES.iter().map(|s| (s.to_string(), counts.iter().find(|(n, _)| *n == s.to_string()).map(|(_, c)| *c).unwrap_or(0))).collect();
     for (s, n) in &counts {

@@ -1924,6 +1924,37 @@ CREATE TABLE outbox_batch_steps (
 CREATE TRIGGER outbox_batch_steps_frozen BEFORE UPDATE OR DELETE ON outbox_batch_steps
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
 
+-- The events per state, wherever they live, as outbox_event_state reads
+-- one: the lane's rows by their state; a stream event with no lane row
+-- PUBLISHED with a receipt in its slot, else SENDING or CLAIMED as its
+-- bucket's open batch registered or handed it out, else PENDING. Reads
+-- every row of both (as a count of the lane alone did): for `outbox status`
+-- and the report, not for a hot path.
+CREATE FUNCTION outbox_state_counts() RETURNS TABLE (state text, n bigint)
+    LANGUAGE sql STABLE
+    SET search_path FROM CURRENT
+AS $$
+    WITH open_batch AS (
+        SELECT x.event_id,
+               EXISTS (SELECT 1 FROM outbox_batch_steps st WHERE st.batch_id = b.id AND st.kind = 'registered' AND (x.pos - 1)::int = ANY (st.positions)) AS registered,
+               EXISTS (SELECT 1 FROM outbox_batch_steps st WHERE st.batch_id = b.id AND st.kind = 'handed' AND (x.pos - 1)::int = ANY (st.positions)) AS handed
+        FROM outbox_bucket_leases l JOIN outbox_batches b ON b.id = l.open_batch
+        CROSS JOIN unnest(b.event_ids) WITH ORDINALITY AS x(event_id, pos)),
+    stream AS (
+        SELECT CASE
+                 WHEN EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = s.event_id AND r.envelope_generation = 1) THEN 'PUBLISHED'
+                 WHEN o.registered THEN 'SENDING'
+                 WHEN o.handed THEN 'CLAIMED'
+                 ELSE 'PENDING' END AS state
+        FROM outbox_stream s LEFT JOIN open_batch o ON o.event_id = s.event_id
+        WHERE NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id))
+    SELECT t.state, sum(t.n)::bigint FROM (
+        SELECT e.state, count(*) AS n FROM outbox_events e GROUP BY e.state
+        UNION ALL
+        SELECT x.state, count(*) FROM stream x GROUP BY x.state) t
+    GROUP BY t.state
+$$;
+
 -- When the oldest PENDING event the outbox sends was created, ms: the
 -- dispatcher's `oldest_pending` gauge and `outbox status` read it. In the
 -- lane, the earliest inserted (one descent of the PENDING index; legacy

@@ -464,10 +464,11 @@ pub(crate) async fn has_watermarks(pool: &PgPool) -> Result<bool, ProducerError>
 pub async fn build_report(pool: &PgPool, opts: &ReportOptions) -> Result<Report, ProducerError> {
     let now = opts.now_ms;
     let scalar = |sql: &'static str| async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(pool).await };
-    let committed_events = scalar("SELECT count(*) FROM outbox_events").await?;
+    // In the exception lane and on the stream (`outbox_state_counts`).
+    let state_counts: Vec<(String, i64)> = sqlx::query_as("SELECT state, n FROM outbox_state_counts() ORDER BY state").fetch_all(pool).await?;
+    let committed_events = state_counts.iter().map(|(_, n)| n).sum();
     let publish_receipts = scalar("SELECT count(*) FROM outbox_publish_receipts").await?;
     let duplicate_receipts = scalar("SELECT count(*) FROM outbox_duplicate_receipts").await?;
-    let state_counts: Vec<(String, i64)> = sqlx::query_as("SELECT state, count(*) FROM outbox_events GROUP BY state ORDER BY state").fetch_all(pool).await?;
     let oldest_pending = crate::pg::oldest_pending_created_ms(pool).await?;
 
     let unknown_since: Vec<i64> = sqlx::query_scalar(

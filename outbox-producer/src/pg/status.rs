@@ -29,9 +29,10 @@ impl PgStore {
         Ok(oldest.map(|o| (now - o).max(0)))
     }
 
-    /// Counts of events per state.
+    /// Counts of events per state, in the exception lane and on the stream
+    /// (`outbox_state_counts`, schema section 17; every row is read).
     pub async fn state_counts(&self) -> Result<Vec<(EventState, i64)>, StoreError> {
-        let rows = sqlx::query("SELECT state, count(*) AS n FROM outbox_events GROUP BY state ORDER BY state")
+        let rows = sqlx::query("SELECT state, n FROM outbox_state_counts() ORDER BY state")
             .fetch_all(&self.pool)
             .await
             .map_err(store_err)?;

@@ -219,3 +219,33 @@ async fn the_oldest_pending_age_counts_the_streams_backlog(pool: PgPool) {
     let later_created = created(later.event_id().to_string()).await;
     assert_eq!(outbox_producer::pg::oldest_pending_created_ms(&pool).await.unwrap(), Some(later_created), "the later event");
 }
+
+/// The counts per state (`PgStore::state_counts`, `outbox status`, the
+/// report) count the stream's events where they stand, as
+/// `outbox_event_state` reads one: PENDING until handed out, CLAIMED,
+/// SENDING once registered, PUBLISHED with a receipt in the slot (before
+/// this, only the lane was counted, and a stream database read as empty).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_state_counts_count_the_streams_events(pool: PgPool) {
+    use outbox_core::{EventState, OutboxStore};
+    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
+    let (_cluster, _probe) = started(&pool, 5_000).await;
+    let store = outbox_producer::PgStore::new(pool.clone());
+    let counts = |store: outbox_producer::PgStore| async move {
+        let mut c: Vec<(EventState, i64)> = store.state_counts().await.unwrap().into_iter().filter(|(_, n)| *n > 0).collect();
+        c.sort_by_key(|(s, _)| s.to_string());
+        c
+    };
+    assert_eq!(counts(store.clone()).await, vec![]);
+    emit_many(&pool, 4, 1).await;
+    assert_eq!(counts(store.clone()).await, vec![(EventState::Pending, 4)]);
+    let claimed = store.claim_batch("d", 100, 30_000).await.unwrap();
+    assert_eq!(claimed.len(), 4);
+    assert_eq!(counts(store.clone()).await, vec![(EventState::Claimed, 4)]);
+    let a0 = store.register_attempt(&claimed[0].token).await.unwrap();
+    store.register_attempt(&claimed[1].token).await.unwrap();
+    store.accept_dispatch_receipt(&outbox_tests::ack_receipt(&claimed[0], &a0, claimed[0].destination.partition, 0)).await.unwrap();
+    assert_eq!(counts(store.clone()).await, vec![(EventState::Claimed, 2), (EventState::Published, 1), (EventState::Sending, 1)]);
+    let via_sql: Vec<(String, i64)> = sqlx::query_as("SELECT state, n FROM outbox_state_counts() WHERE n > 0 ORDER BY state").fetch_all(&pool).await.unwrap();
+    assert_eq!(via_sql, vec![("CLAIMED".into(), 2), ("PUBLISHED".into(), 1), ("SENDING".into(), 1)], "what outbox status and the report read");
+}
