@@ -49,7 +49,16 @@ where
          FROM outbox_commands c
          JOIN outbox_events e ON e.event_id = c.event_id
          LEFT JOIN outbox_envelopes v ON v.event_id = e.event_id AND v.envelope_generation = e.envelope_generation
-         WHERE c.command_key = $1",
+         WHERE c.command_key = $1
+         UNION ALL
+         -- An event of the stream path with no row in the exception lane:
+         -- its stream row holds it, envelope and destination inline.
+         SELECT s.event_id, outbox_event_state(s.event_id), s.payload, s.payload_digest, s.destination_digest, 1,
+                s.cluster_id, s.topic, s.partition, s.routing_key,
+                s.envelope_canonical, s.envelope_digest, s.destination_canonical, s.destination_digest, s.payload_digest
+         FROM outbox_commands c
+         JOIN outbox_stream s ON s.event_id = c.event_id
+         WHERE c.command_key = $1 AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)",
     )
     .bind(command_key)
     .fetch_optional(&mut *conn)
@@ -136,8 +145,17 @@ where
 {
     let what = format!("event {event_id}");
     let mut conn = db.acquire().await.map_err(db_err(&what))?;
-    let row = sqlx::query("SELECT state, envelope_generation, payload_digest, destination_digest FROM outbox_events WHERE event_id = $1")
-        .bind(event_id.as_str())
+    // Its row in the exception lane, else its stream row (generation 1), with
+    // its state read as every reader reads it (`outbox_event_state`).
+    let row = sqlx::query(
+        "SELECT outbox_event_state($1) AS state, coalesce(e.envelope_generation, 1) AS envelope_generation,
+                coalesce(e.payload_digest, s.payload_digest) AS payload_digest, coalesce(e.destination_digest, s.destination_digest) AS destination_digest
+         FROM (SELECT $1::text AS id) x
+         LEFT JOIN outbox_events e ON e.event_id = x.id
+         LEFT JOIN outbox_stream s ON s.event_id = x.id AND e.event_id IS NULL
+         WHERE e.event_id IS NOT NULL OR s.event_id IS NOT NULL",
+    )
+    .bind(event_id.as_str())
         .fetch_optional(&mut *conn)
         .await
         .map_err(db_err(&what))?

@@ -134,3 +134,59 @@ async fn assert_published_panics_with_the_event() {
     // TestDatabase's Drop removes the database after the panic.
     assert_published(&pool, &id).await;
 }
+
+/// The same helpers on the stream path (`outbox_producer::set_dispatch_path`):
+/// an event emitted there is a stream row until it leaves the happy path,
+/// and the assertions and `drain` read it where it lives (before, they read
+/// the exception lane only: `assert_emitted` found no event, `drain`
+/// stopped with the backlog still there).
+#[tokio::test]
+async fn the_assertions_and_drain_read_the_stream() {
+    let server = pick_database().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = TestDatabase::create(server.url(), "testkit_stream", 5).await.unwrap();
+    let pool = db.pool.clone();
+    outbox_producer::migrate(&pool).await.unwrap();
+    let kafka = KafkaFixture::start().unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
+    outbox_producer::routes::revise(&pool, &RoutePolicy::new("order.created.v2", broker.cluster_id(), "orders", 3)).await.unwrap();
+    outbox_producer::set_dispatch_path(&pool, outbox_producer::DispatchPath::Stream).await.unwrap();
+
+    let mut ids = Vec::new();
+    for n in 0..30 {
+        let (command, order) = (format!("create-o-{n}"), format!("o-{n}"));
+        let payload = format!(r#"{{"order":"{order}"}}"#);
+        let request = EmitRequest {
+            command_key: &command,
+            tenant: "tenant-7",
+            aggregate_type: "order",
+            aggregate_id: &order,
+            aggregate_version: 1,
+            event_type: "order.created.v2",
+            payload_schema: "order-v2",
+            payload: payload.as_bytes(),
+        };
+        let mut tx = pool.begin().await.unwrap();
+        let emitted = emit(&mut tx, &request, &EmitOptions::default()).await.unwrap();
+        assert_eq!(&assert_emitted(&mut tx, &command).await, emitted.event_id(), "inside the emitting transaction");
+        tx.commit().await.unwrap();
+        ids.push(emitted.event_id().clone());
+    }
+    let on_stream: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_stream").fetch_one(&pool).await.unwrap();
+    assert_eq!(on_stream, 30, "the events are stream rows");
+    assert_eq!(assert_emitted(&pool, "create-o-0").await, ids[0]);
+    let not_yet = check_published(&pool, &ids[0]).await.unwrap_err();
+    assert!(not_yet.contains("state is PENDING"), "{not_yet}");
+
+    // A dispatcher with small batches: drain must go on until the stream is empty.
+    let dispatcher = Dispatcher::new(PgStore::new(pool.clone()), broker, DispatcherConfig { name: "testkit".into(), batch_size: 4, ..Default::default() }).unwrap();
+    let total = outbox_testkit::drain(&dispatcher, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(total.published, 30, "{total:?}");
+    for id in &ids {
+        let receipt = assert_published(&pool, id).await;
+        assert_eq!(receipt.topic, "orders");
+    }
+    assert_eq!(assert_emitted(&pool, "create-o-7").await, ids[7], "still consistent once published");
+    drop(kafka);
+    db.drop_now().await.unwrap();
+}
