@@ -222,13 +222,34 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
     .bind(event_id)
     .fetch_optional(pool)
     .await?;
-    let Some(event) = event else { return Ok(None) };
+    // An event of the stream path with no row in the exception lane: its
+    // stream row, its state as every reader reads it (`outbox_event_state`).
+    let on_stream = event.is_none();
+    let event = match event {
+        Some(e) => e,
+        None => {
+            let stream: Option<Value> = sqlx::query_scalar(
+                "SELECT to_jsonb(t) FROM (SELECT event_id, command_key, outbox_event_state(event_id) AS state, 1 AS envelope_generation, tenant, aggregate_type,
+                        aggregate_id, aggregate_version, event_type, traceparent, octet_length(payload) AS payload_bytes, payload_digest, destination_digest,
+                        cluster_id, topic, partition, routing_key, ordered, created_at_ms, seq, bucket, 'stream' AS path
+                 FROM outbox_stream WHERE event_id = $1) t",
+            )
+            .bind(event_id)
+            .fetch_optional(pool)
+            .await?;
+            let Some(e) = stream else { return Ok(None) };
+            e
+        }
+    };
 
     let mut envelopes = Vec::new();
-    for r in sqlx::query(
+    for r in sqlx::query(if on_stream {
+        "SELECT 1 AS envelope_generation, envelope_canonical, envelope_digest, destination_canonical, destination_digest, created_txid, created_at_ms
+         FROM outbox_stream WHERE event_id = $1"
+    } else {
         "SELECT envelope_generation, envelope_canonical, envelope_digest, destination_canonical, destination_digest, created_txid, created_at_ms
-         FROM outbox_envelopes WHERE event_id = $1 ORDER BY envelope_generation",
-    )
+         FROM outbox_envelopes WHERE event_id = $1 ORDER BY envelope_generation"
+    })
     .bind(event_id)
     .fetch_all(pool)
     .await?
@@ -260,30 +281,10 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
         });
     }
 
-    let attempts = sqlx::query(
-        "SELECT attempt_id, envelope_generation, attempt_generation, claim_generation, owner, state, started_at_ms, finished_at_ms, scan_from_offset, scan_anchor_event_id, detail
-         FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation",
-    )
-    .bind(event_id)
-    .fetch_all(pool)
-    .await?
-    .iter()
-    .map(|r| AttemptRecord {
-        attempt_id: r.get("attempt_id"),
-        envelope_generation: r.get("envelope_generation"),
-        attempt_generation: r.get("attempt_generation"),
-        claim_generation: r.get("claim_generation"),
-        owner: r.get("owner"),
-        state: r.get("state"),
-        started_at_ms: r.get("started_at_ms"),
-        finished_at_ms: r.get("finished_at_ms"),
-        scan_from_offset: r.get("scan_from_offset"),
-        scan_anchor_event_id: r.get("scan_anchor_event_id"),
-        detail: r.get("detail"),
-    })
-    .collect();
+    let attempts = if on_stream { stream_attempts(pool, event_id).await? } else { lane_attempts(pool, event_id).await? };
 
     let primary_receipts = receipts_of(pool, "outbox_publish_receipts", "accepted_at_ms", "envelope_generation", event_id).await?;
+
     let duplicate_receipts = receipts_of(pool, "outbox_duplicate_receipts", "received_at_ms", "id", event_id).await?;
 
     let quarantine = json_rows(pool, "outbox_quarantine", "SELECT * FROM outbox_quarantine WHERE event_id = $1 ORDER BY id", event_id).await?;
@@ -313,6 +314,57 @@ pub async fn trace(pool: &PgPool, event_id: &str) -> Result<Option<Trace>, sqlx:
         consumer_sources: vec!["the outbox database".into()],
         consumer_watermarks,
     }))
+}
+
+/// The attempts of an event in the exception lane: its rows of `outbox_attempts`.
+async fn lane_attempts(pool: &PgPool, event_id: &str) -> Result<Vec<AttemptRecord>, sqlx::Error> {
+    Ok(sqlx::query(
+        "SELECT attempt_id, envelope_generation, attempt_generation, claim_generation, owner, state, started_at_ms, finished_at_ms, scan_from_offset, scan_anchor_event_id, detail
+         FROM outbox_attempts WHERE event_id = $1 ORDER BY attempt_generation",
+    )
+    .bind(event_id)
+    .fetch_all(pool)
+    .await?
+    .iter()
+    .map(|r| AttemptRecord {
+        attempt_id: r.get("attempt_id"),
+        envelope_generation: r.get("envelope_generation"),
+        attempt_generation: r.get("attempt_generation"),
+        claim_generation: r.get("claim_generation"),
+        owner: r.get("owner"),
+        state: r.get("state"),
+        started_at_ms: r.get("started_at_ms"),
+        finished_at_ms: r.get("finished_at_ms"),
+        scan_from_offset: r.get("scan_from_offset"),
+        scan_anchor_event_id: r.get("scan_anchor_event_id"),
+        detail: r.get("detail"),
+    })
+    .collect())
+}
+
+/// The attempt of a stream event with no lane row: the one its batch
+/// registered (ACKED once its receipt fills the slot), as the store reads it.
+async fn stream_attempts(pool: &PgPool, event_id: &str) -> Result<Vec<AttemptRecord>, sqlx::Error> {
+    use outbox_core::OutboxStore;
+    let Ok(id) = event_id.parse::<outbox_core::EventId>() else { return Ok(Vec::new()) };
+    let store = outbox_producer::PgStore::new(pool.clone());
+    let attempts = store.attempts(&id).await.map_err(|e| sqlx::Error::Protocol(format!("the stream event's attempt: {e}")))?;
+    Ok(attempts
+        .into_iter()
+        .map(|a| AttemptRecord {
+            attempt_id: a.attempt_id.to_string(),
+            envelope_generation: a.envelope_generation as i32,
+            attempt_generation: a.attempt_generation as i32,
+            claim_generation: a.claim_generation as i64,
+            owner: a.owner,
+            state: a.state.to_string(),
+            started_at_ms: a.started_at_ms,
+            finished_at_ms: None,
+            scan_from_offset: a.scan_from_offset,
+            scan_anchor_event_id: a.scan_anchor.map(|e| e.to_string()),
+            detail: None,
+        })
+        .collect())
 }
 
 /// The consumer side of one event in one database: its consumption

@@ -277,6 +277,44 @@ async fn trace_shows_envelope_attempt_receipt_and_consumer() {
     env.drop_now().await;
 }
 
+/// `outbox trace` and `outbox status` on the stream path: an event that is
+/// a stream row (no row in the exception lane) is traced with its state,
+/// its frozen envelope and destination, its batch's attempt and its
+/// receipt, and counted by `status` (before, trace answered "no outbox
+/// event" and status counted no events).
+#[tokio::test]
+async fn trace_and_status_read_a_stream_event() {
+    let env = Env::new("cli_trace_stream").await;
+    env.ok(&["migrate"]);
+    let kafka = KafkaFixture::mock(1).unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
+    route(env.pool(), broker.cluster_id(), "orders", 3).await;
+    outbox_producer::set_dispatch_path(env.pool(), outbox_producer::DispatchPath::Stream).await.unwrap();
+    let e = create_order(env.pool(), "o-7").await;
+    let id = e.event_id().clone();
+
+    let before = env.ok(&["trace", id.as_str()]);
+    assert!(before.contains(&format!("event {id}")) && before.contains("state              PENDING") && before.contains("publish receipt: none"), "{before}");
+    let status: Value = serde_json::from_str(&env.ok(&["status", "--json"])).unwrap();
+    assert_eq!(status["totalEvents"], 1, "{status}");
+
+    let d = Arc::new(Dispatcher::new(PgStore::new(env.pool().clone()), broker, DispatcherConfig { name: "clitest".into(), ..Default::default() }).unwrap());
+    assert_eq!(d.dispatch_once("clitest-0").await.unwrap().published, 1);
+    let receipt = assert_published(env.pool(), &id).await;
+    let t = env.ok(&["trace", id.as_str()]);
+    assert!(t.contains("state              PUBLISHED"), "{t}");
+    assert!(t.contains("outboxEnvelope.v1  aggregate order/o-7@1") && t.contains("(verified)") && !t.contains("MISMATCH"), "{t}");
+    assert!(t.contains("attempts: 1") && t.contains(&format!("#1 {} gen 1 owner clitest-0", receipt.attempt_id)) && t.contains("ACKED"), "{t}");
+    assert!(t.contains(&format!("primary   gen 1 {}/orders partition {} offset {} attempt {}", e.destination.cluster_id, receipt.partition, receipt.offset, receipt.attempt_id)), "{t}");
+    let j: Value = serde_json::from_str(&env.ok(&["trace", id.as_str(), "--json"])).unwrap();
+    assert_eq!(j["event"]["path"], "stream");
+    let status: Value = serde_json::from_str(&env.ok(&["status", "--json"])).unwrap();
+    assert_eq!(status["totalEvents"], 1, "{status}");
+    drop(kafka);
+    env.drop_now().await;
+}
+
 #[tokio::test]
 async fn dispatch_process_publishes_serves_metrics_and_drains_on_sigterm() {
     let env = Env::new("cli_dispatch").await;
