@@ -98,6 +98,18 @@ impl Db {
         sqlx::query_as("SELECT event_id, claimable_at_ms IS NOT NULL FROM outbox_chain_heads WHERE key_chain = $1").bind(chain).fetch_optional(&self.pool).await.unwrap()
     }
 
+    /// Makes `id` (of `chain`, which has no head yet) CLAIMED without a
+    /// head, as the exception lane receives a handed-out stream event.
+    async fn claim_without_head(&self, id: &str, chain: i64) {
+        sqlx::query("UPDATE outbox_events SET state = 'CLAIMED', claim_owner = 'lane', claim_generation = claim_generation + 1, lease_until_ms = $2 WHERE event_id = $1")
+            .bind(id)
+            .bind(self.clock.now_ms() + LEASE_MS)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        assert_eq!(self.head(chain).await, None);
+    }
+
     /// Claims (every chain's head) as `owner` with `store`.
     async fn claim(&self, store: &PgStore, owner: &str) -> Vec<ClaimedEvent> {
         store.claim_batch(owner, 100, LEASE_MS).await.unwrap()
@@ -497,13 +509,7 @@ async fn chains_path_linker_racing_a_release_of_an_event_claimed_without_a_head(
     let e2 = db.emit(&key, 2).await;
     let chain = db.event(&e1).await.0;
     // 1. e1 claimed without a head.
-    sqlx::query("UPDATE outbox_events SET state = 'CLAIMED', claim_owner = 'lane', claim_generation = claim_generation + 1, lease_until_ms = $2 WHERE event_id = $1")
-        .bind(&e1)
-        .bind(db.clock.now_ms() + LEASE_MS)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(db.head(chain).await, None);
+    db.claim_without_head(&e1, chain).await;
     // 2. W releases e1 and stays open.
     let mut w = db.pool.begin().await.unwrap();
     sqlx::query("UPDATE outbox_events SET state = 'PENDING', claim_owner = NULL, lease_until_ms = NULL, claim_generation = claim_generation + 1 WHERE event_id = $1")
@@ -553,13 +559,7 @@ async fn a_reheading_racing_a_write_of_the_new_head_leaves_it_claimable(pool: Pg
     let e2 = db.emit(&key, 2).await;
     let e3 = db.emit(&key, 3).await;
     let chain = db.event(&e1).await.0;
-    sqlx::query("UPDATE outbox_events SET state = 'CLAIMED', claim_owner = 'lane', claim_generation = claim_generation + 1, lease_until_ms = $2 WHERE event_id = $1")
-        .bind(&e1)
-        .bind(db.clock.now_ms() + LEASE_MS)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(db.head(chain).await, None);
+    db.claim_without_head(&e1, chain).await;
 
     // 1. Q holds the migration receipts' table against inserts.
     let mut q = db.pool.begin().await.unwrap();
