@@ -1955,6 +1955,95 @@ AS $$
     GROUP BY t.state
 $$;
 
+-- The stream's open events (no receipt in the slot, no lane row) created
+-- before p_created_before, oldest first, at most p_limit, with their
+-- state: the reconciler's aged-event candidates. Found per key bucket
+-- through its frontier, as outbox_oldest_pending_ms finds the oldest: its
+-- open batch's unsettled events (CLAIMED or SENDING once handed out or
+-- registered), the rest of a window not read to its end, the events not
+-- cut yet, and for a bucket without a lease row its first events; never
+-- the published history (a query for "no receipt" over the whole stream
+-- read every row of it, every round).
+CREATE FUNCTION outbox_stream_open(p_created_before bigint, p_limit integer)
+    RETURNS TABLE (event_id text, state text, created_at_ms bigint, seq bigint)
+    LANGUAGE plpgsql STABLE
+    SET enable_seqscan = off
+    SET jit = off
+    SET plan_cache_mode = force_generic_plan
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    l record;
+BEGIN
+    RETURN QUERY
+    WITH unleased AS MATERIALIZED (
+        -- Buckets with no lease row yet (a route added since the claims made them).
+        SELECT rc.cluster_id, bk::smallint AS bucket
+        FROM (SELECT DISTINCT p.cluster_id FROM outbox_route_policies p) rc CROSS JOIN generate_series(0, 63) bk
+        WHERE NOT EXISTS (SELECT 1 FROM outbox_bucket_leases x WHERE x.cluster_id = rc.cluster_id AND x.bucket = bk)),
+    frontier AS (
+        -- Each lease row's open batch (a lateral read per row, bounded, so
+        -- that no plan reads every batch).
+        SELECT x.event_id, x.state, x.created_at_ms, x.seq
+        FROM outbox_bucket_leases lb
+        CROSS JOIN LATERAL (
+            SELECT u.event_id::text,
+                   CASE WHEN EXISTS (SELECT 1 FROM outbox_batch_steps st WHERE st.batch_id = b.id AND st.kind = 'registered' AND (u.pos - 1)::int = ANY (st.positions)) THEN 'SENDING'
+                        WHEN EXISTS (SELECT 1 FROM outbox_batch_steps st WHERE st.batch_id = b.id AND st.kind = 'handed' AND (u.pos - 1)::int = ANY (st.positions)) THEN 'CLAIMED'
+                        ELSE 'PENDING' END AS state,
+                   s.created_at_ms, s.seq
+            FROM outbox_batches b
+            CROSS JOIN unnest(b.event_ids) WITH ORDINALITY AS u(event_id, pos)
+            JOIN outbox_stream s ON s.event_id = u.event_id
+            WHERE b.id = lb.open_batch
+              AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = u.event_id AND r.envelope_generation = 1)
+              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = u.event_id)
+            LIMIT 1000) x
+        WHERE lb.open_batch IS NOT NULL
+        UNION ALL
+        SELECT w.event_id, 'PENDING', w.created_at_ms, w.seq
+        FROM outbox_bucket_leases lw
+        CROSS JOIN LATERAL (
+            SELECT s.event_id::text, s.created_at_ms, s.seq FROM outbox_stream s
+            WHERE NOT lw.window_done AND s.cluster_id = lw.cluster_id AND s.bucket = lw.bucket
+              AND s.xid >= pg_snapshot_xmin(lw.prev_cut) AND s.xid < pg_snapshot_xmax(lw.cut)
+              AND pg_visible_in_snapshot(s.xid, lw.cut) AND NOT pg_visible_in_snapshot(s.xid, lw.prev_cut)
+              AND s.seq + 0 > lw.after_seq AND s.created_at_ms < p_created_before
+              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
+            ORDER BY s.seq + 0 LIMIT p_limit) w
+        UNION ALL
+        -- Not cut yet: begun at or after the cut (past its xmax), or running
+        -- when it was taken (between its xmin and xmax, not visible): two
+        -- ranges of the bucket's transaction ids, never the cut's own.
+        SELECT c.event_id, 'PENDING', c.created_at_ms, c.seq
+        FROM outbox_bucket_leases lc
+        CROSS JOIN LATERAL (
+            (SELECT s.event_id::text, s.created_at_ms, s.seq FROM outbox_stream s
+             WHERE s.cluster_id = lc.cluster_id AND s.bucket = lc.bucket AND s.xid >= pg_snapshot_xmax(lc.cut)
+               AND s.created_at_ms < p_created_before
+               AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
+             ORDER BY s.seq + 0 LIMIT p_limit)
+            UNION ALL
+            (SELECT s.event_id::text, s.created_at_ms, s.seq FROM outbox_stream s
+             WHERE s.cluster_id = lc.cluster_id AND s.bucket = lc.bucket
+               AND s.xid >= pg_snapshot_xmin(lc.cut) AND s.xid < pg_snapshot_xmax(lc.cut) AND NOT pg_visible_in_snapshot(s.xid, lc.cut)
+               AND s.created_at_ms < p_created_before
+               AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
+             ORDER BY s.seq + 0 LIMIT p_limit)) c
+        UNION ALL
+        SELECT n.event_id, 'PENDING', n.created_at_ms, n.seq
+        FROM unleased m
+        CROSS JOIN LATERAL (
+            SELECT s.event_id::text, s.created_at_ms, s.seq FROM outbox_stream s
+            WHERE s.cluster_id = m.cluster_id AND s.bucket = m.bucket AND s.seq > 0 AND s.created_at_ms < p_created_before
+              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
+            ORDER BY s.seq LIMIT p_limit) n)
+    SELECT f.event_id, f.state, f.created_at_ms, f.seq FROM frontier f
+    WHERE f.created_at_ms < p_created_before
+    ORDER BY f.seq LIMIT p_limit;
+END
+$$;
+
 -- When the oldest PENDING event the outbox sends was created, ms: the
 -- dispatcher's `oldest_pending` gauge and `outbox status` read it. In the
 -- lane, the earliest inserted (one descent of the PENDING index; legacy

@@ -45,14 +45,11 @@ impl outbox_core::FindingsStore for PgStore {
                  (SELECT {EVENT_FACTS}, e.seq FROM outbox_events e
                   WHERE e.claim_owner IS NOT NULL AND e.phase = 'INFLIGHT' AND e.publisher = 'outbox' AND e.created_at_ms < $1 ORDER BY e.seq LIMIT $2)
                  UNION ALL
-                 -- Stream events (schema section 17) neither receipted nor in the lane.
-                 (SELECT s.event_id, outbox_event_state(s.event_id) AS state, outbox_event_state(s.event_id) IN ('CLAIMED', 'SENDING') AS held,
-                         true AS by_outbox, s.created_at_ms, s.created_at_ms AS state_since_ms, NULL::bigint AS unknown_since_ms, s.seq
-                  FROM outbox_stream s
-                  WHERE s.created_at_ms < $1
-                    AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = s.event_id AND r.envelope_generation = 1)
-                    AND NOT EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)
-                  ORDER BY s.seq LIMIT $2)
+                 -- Stream events (schema section 17) neither receipted nor in
+                 -- the lane, found through each key bucket's frontier.
+                 (SELECT o.event_id, o.state, o.state IN ('CLAIMED', 'SENDING') AS held,
+                         true AS by_outbox, o.created_at_ms, o.created_at_ms AS state_since_ms, NULL::bigint AS unknown_since_ms, o.seq
+                  FROM outbox_stream_open($1, $2::int) o)
              ) t ORDER BY seq LIMIT $2"
         ))
         .bind(created_before_ms)

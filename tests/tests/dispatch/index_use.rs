@@ -279,3 +279,38 @@ async fn registration_finds_each_scan_floor_without_reading_the_partitions_recei
     // the partitions' receipts reads about 1,000 each.
     assert!(read.rows <= 4 * PARTITIONS as i64, "registering 30 attempts over 3,000 receipts read {} receipt rows and index entries", read.rows);
 }
+
+/// The reconciler's aged-event candidates on the stream path
+/// (`FindingsStore::aged_candidates`, behind `aged_pending`) read the
+/// stream's open events through each key bucket's frontier (its open
+/// batch, the rest of its window, its events not cut yet), not its
+/// published history: with 2,000 events published and 5 waiting, a round
+/// read every stream row in seq order before (a sort of the whole stream,
+/// every round).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn aged_candidates_on_the_stream_read_its_open_events_not_its_history(pool: PgPool) {
+    use outbox_core::FindingsStore;
+    outbox_producer::set_dispatch_path(&pool, outbox_producer::DispatchPath::Stream).await.unwrap();
+    let (cluster, _probe) = outbox_tests::dispatch::started(&pool, 5_000).await;
+    let published = emit_many(&pool, 2_000, 1).await;
+    outbox_tests::dispatch::run_two_dispatchers(&pool, &cluster, published.len() as i64, outbox_tests::dispatch::config("d")).await;
+    let own = single_connection(&pool).await;
+    let payload = order_payload("late", 1);
+    let mut waiting = Vec::new();
+    for n in 0..5 {
+        let (id, key) = (format!("o-late-{n}"), format!("c-late-{n}"));
+        let mut tx = own.begin().await.unwrap();
+        waiting.push(outbox_producer::emit(&mut tx, &order_request(&key, &id, &payload), &EmitOptions::default()).await.unwrap().event_id().to_string());
+        tx.commit().await.unwrap();
+    }
+    let store = PgStore::new(own.clone());
+    let stream = ["outbox_stream_p0", "outbox_stream_p1", "outbox_stream_default"];
+    let before = reads(&pool, &[&own], &stream).await;
+    let aged = store.aged_candidates(i64::MAX, 100).await.unwrap();
+    let read = reads(&pool, &[&own], &stream).await - before;
+    let mut found: Vec<String> = aged.iter().map(|e| e.event_id.to_string()).collect();
+    found.sort();
+    waiting.sort();
+    assert_eq!(found, waiting, "the open events, and only them");
+    assert!(read.rows < 500 && read.seq_scans == 0, "finding 5 open events among 2,000 published read {read:?} of the stream");
+}
