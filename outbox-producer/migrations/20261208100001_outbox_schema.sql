@@ -2085,10 +2085,16 @@ BEGIN
                   AND s.seq + 0 > l.after_seq
                   AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)));
         END IF;
+        -- Not cut yet: begun past the cut's xmax, or running when it was
+        -- taken (two ranges of transaction ids, never the cut's own events).
+        oldest := least(oldest, (
+            SELECT min(s.created_at_ms) FROM outbox_stream s
+            WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket AND s.xid >= pg_snapshot_xmax(l.cut)
+              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)));
         oldest := least(oldest, (
             SELECT min(s.created_at_ms) FROM outbox_stream s
             WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket
-              AND s.xid >= pg_snapshot_xmin(l.cut) AND NOT pg_visible_in_snapshot(s.xid, l.cut)
+              AND s.xid >= pg_snapshot_xmin(l.cut) AND s.xid < pg_snapshot_xmax(l.cut) AND NOT pg_visible_in_snapshot(s.xid, l.cut)
               AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)));
     END LOOP;
     -- A bucket with no lease row yet (a route added since the claims last
