@@ -1963,8 +1963,9 @@ $$;
 -- registered), the rest of a window not read to its end, the events not
 -- cut yet, and for a bucket without a lease row its first events; never
 -- the published history (a query for "no receipt" over the whole stream
--- read every row of it, every round).
-CREATE FUNCTION outbox_stream_open(p_created_before bigint, p_limit integer)
+-- read every row of it, every round). With p_pending_only, only the events
+-- not handed out (PENDING).
+CREATE FUNCTION outbox_stream_open(p_created_before bigint, p_limit integer, p_pending_only boolean)
     RETURNS TABLE (event_id text, state text, created_at_ms bigint, seq bigint)
     LANGUAGE plpgsql STABLE
     SET enable_seqscan = off
@@ -1999,7 +2000,7 @@ BEGIN
               AND NOT EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = u.event_id AND r.envelope_generation = 1)
               AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = u.event_id)
             LIMIT 1000) x
-        WHERE lb.open_batch IS NOT NULL
+        WHERE lb.open_batch IS NOT NULL AND (NOT p_pending_only OR x.state = 'PENDING')
         UNION ALL
         SELECT w.event_id, 'PENDING', w.created_at_ms, w.seq
         FROM outbox_bucket_leases lw
@@ -2047,69 +2048,16 @@ $$;
 -- When the oldest PENDING event the outbox sends was created, ms: the
 -- dispatcher's `oldest_pending` gauge and `outbox status` read it. In the
 -- lane, the earliest inserted (one descent of the PENDING index; legacy
--- events stay PENDING there: they are the legacy publisher's to send). On
--- the stream, per key bucket: its open batch's events not handed out, the
--- rest of a window not read to its end, and the events not cut yet (each
--- found through the bucket's own indexes; an event in the lane is the
--- lane's); a bucket without a lease row yet, its first event. Handed-out
--- events are CLAIMED, as in the lane.
+-- events stay PENDING there: they are the legacy publisher's to send); on
+-- the stream, the first of its open events not handed out
+-- (outbox_stream_open, each key bucket's frontier).
 CREATE FUNCTION outbox_oldest_pending_ms() RETURNS bigint
-    LANGUAGE plpgsql STABLE
-    SET enable_seqscan = off
-    SET jit = off
-    SET plan_cache_mode = force_generic_plan
+    LANGUAGE sql STABLE
     SET search_path FROM CURRENT
 AS $$
-DECLARE
-    l record;
-    oldest bigint;
-BEGIN
-    oldest := (SELECT e.created_at_ms FROM outbox_events e WHERE e.phase = 'PENDING' AND e.publisher = 'outbox' ORDER BY e.seq LIMIT 1);
-    FOR l IN SELECT * FROM outbox_bucket_leases LOOP
-        IF l.open_batch IS NOT NULL THEN
-            oldest := least(oldest, (
-                SELECT min(s.created_at_ms)
-                FROM outbox_batches b CROSS JOIN unnest(b.event_ids) WITH ORDINALITY AS x(event_id, pos)
-                JOIN outbox_stream s ON s.event_id = x.event_id
-                WHERE b.id = l.open_batch
-                  AND NOT EXISTS (SELECT 1 FROM outbox_batch_steps st
-                                  WHERE st.batch_id = b.id AND st.kind = 'handed' AND (x.pos - 1)::int = ANY (st.positions))
-                  AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = x.event_id)));
-        END IF;
-        IF NOT l.window_done THEN
-            oldest := least(oldest, (
-                SELECT min(s.created_at_ms) FROM outbox_stream s
-                WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket
-                  AND s.xid >= pg_snapshot_xmin(l.prev_cut) AND s.xid < pg_snapshot_xmax(l.cut)
-                  AND pg_visible_in_snapshot(s.xid, l.cut) AND NOT pg_visible_in_snapshot(s.xid, l.prev_cut)
-                  AND s.seq + 0 > l.after_seq
-                  AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)));
-        END IF;
-        -- Not cut yet: begun past the cut's xmax, or running when it was
-        -- taken (two ranges of transaction ids, never the cut's own events).
-        oldest := least(oldest, (
-            SELECT min(s.created_at_ms) FROM outbox_stream s
-            WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket AND s.xid >= pg_snapshot_xmax(l.cut)
-              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)));
-        oldest := least(oldest, (
-            SELECT min(s.created_at_ms) FROM outbox_stream s
-            WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket
-              AND s.xid >= pg_snapshot_xmin(l.cut) AND s.xid < pg_snapshot_xmax(l.cut) AND NOT pg_visible_in_snapshot(s.xid, l.cut)
-              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)));
-    END LOOP;
-    -- A bucket with no lease row yet (a route added since the claims last
-    -- made them): nothing of it was cut, its first event is its oldest.
-    FOR l IN SELECT c.cluster_id, b::smallint AS bucket
-             FROM (SELECT DISTINCT p.cluster_id FROM outbox_route_policies p) c CROSS JOIN generate_series(0, 63) b
-             WHERE NOT EXISTS (SELECT 1 FROM outbox_bucket_leases x WHERE x.cluster_id = c.cluster_id AND x.bucket = b) LOOP
-        oldest := least(oldest, (
-            SELECT s.created_at_ms FROM outbox_stream s
-            WHERE s.cluster_id = l.cluster_id AND s.bucket = l.bucket AND s.seq > 0
-              AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
-            ORDER BY s.seq LIMIT 1));
-    END LOOP;
-    RETURN oldest;
-END
+    SELECT least(
+        (SELECT e.created_at_ms FROM outbox_events e WHERE e.phase = 'PENDING' AND e.publisher = 'outbox' ORDER BY e.seq LIMIT 1),
+        (SELECT o.created_at_ms FROM outbox_stream_open(9223372036854775807, 1, true) o))
 $$;
 
 -- A claim's first read (outbox_producer's `claim_paths`): whether the

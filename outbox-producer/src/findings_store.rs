@@ -49,7 +49,7 @@ impl outbox_core::FindingsStore for PgStore {
                  -- the lane, found through each key bucket's frontier.
                  (SELECT o.event_id, o.state, o.state IN ('CLAIMED', 'SENDING') AS held,
                          true AS by_outbox, o.created_at_ms, o.created_at_ms AS state_since_ms, NULL::bigint AS unknown_since_ms, o.seq
-                  FROM outbox_stream_open($1, $2::int) o)
+                  FROM outbox_stream_open($1, $2::int, false) o)
              ) t ORDER BY seq LIMIT $2"
         ))
         .bind(created_before_ms)
