@@ -110,6 +110,17 @@ impl Db {
         assert_eq!(self.head(chain).await, None);
     }
 
+    /// Reads `id` for a migration (it must be PENDING) and spawns the
+    /// migration's commit, to the same topic on the new cluster, fenced by
+    /// the generation read.
+    async fn migrate_to_new_cluster(&self, id: &str) -> tokio::task::JoinHandle<Result<MigrationOutcome, outbox_producer::ProducerError>> {
+        let event_id: EventId = id.parse().unwrap();
+        let (state, generation) = self.store.migration_read(&event_id).await.unwrap();
+        assert_eq!(state, EventState::Pending, "{id} read for its migration");
+        let (store, new_route) = (self.store.clone(), RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &self.topic, PARTITIONS));
+        tokio::spawn(async move { store.commit_migration(&event_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await })
+    }
+
     /// Claims (every chain's head) as `owner` with `store`.
     async fn claim(&self, store: &PgStore, owner: &str) -> Vec<ClaimedEvent> {
         store.claim_batch(owner, 100, LEASE_MS).await.unwrap()
@@ -259,15 +270,7 @@ async fn chains_path_migration_racing_the_receipt_keeps_the_old_chain_moving(poo
     // 3. The migration of E2 to another cluster, meanwhile: it waits for
     //    R, which holds E2 (the event it made C_old's head), at its lock of
     //    E2 (before the fix it committed here).
-    let e2_id: EventId = e2.parse().unwrap();
-    let (state, generation) = db.store.migration_read(&e2_id).await.unwrap();
-    assert_eq!(state, EventState::Pending);
-    let m = {
-        let store = db.store.clone();
-        let new_route = RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &db.topic, PARTITIONS);
-        let e2_id = e2_id.clone();
-        tokio::spawn(async move { store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await })
-    };
+    let m = db.migrate_to_new_cluster(&e2).await;
     wait_blocked_or_done(&db.pool, "SELECT e.state, e.envelope_generation", &m).await;
     // 4. H, then R, then M, commit.
     h.commit().await.unwrap();
@@ -324,14 +327,7 @@ async fn chains_path_receipt_racing_the_migration_keeps_the_old_chain_moving(poo
     let mut q = db.pool.begin().await.unwrap();
     sqlx::query("LOCK TABLE outbox_migration_receipts IN SHARE MODE").execute(&mut *q).await.unwrap();
     // 2. M moves E2 and parks.
-    let e2_id: EventId = e2.parse().unwrap();
-    let (_, generation) = db.store.migration_read(&e2_id).await.unwrap();
-    let m = {
-        let store = db.store.clone();
-        let new_route = RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &db.topic, PARTITIONS);
-        let e2_id = e2_id.clone();
-        tokio::spawn(async move { store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await })
-    };
+    let m = db.migrate_to_new_cluster(&e2).await;
     wait_blocked(&db.pool, "INSERT INTO outbox_migration_receipts", &m).await;
     // 3. R publishes E1: it waits for M on C_old's head row (before the
     //    fix it committed C_old's head on E2).
@@ -565,14 +561,7 @@ async fn a_reheading_racing_a_write_of_the_new_head_leaves_it_claimable(pool: Pg
     let mut q = db.pool.begin().await.unwrap();
     sqlx::query("LOCK TABLE outbox_migration_receipts IN SHARE MODE").execute(&mut *q).await.unwrap();
     // 2. M moves e2 (re-heading C on e1) and parks.
-    let e2_id: EventId = e2.parse().unwrap();
-    let (_, generation) = db.store.migration_read(&e2_id).await.unwrap();
-    let m = {
-        let store = db.store.clone();
-        let new_route = RoutePolicy::new(ORDER_CREATED, NEW_CLUSTER, &db.topic, PARTITIONS);
-        let e2_id = e2_id.clone();
-        tokio::spawn(async move { store.commit_migration(&e2_id, &new_route, "ops", &RetryPolicy::default(), &MigrationFence::Generation(generation), None, false).await })
-    };
+    let m = db.migrate_to_new_cluster(&e2).await;
     wait_blocked(&db.pool, "INSERT INTO outbox_migration_receipts", &m).await;
     // 3. W releases e1.
     let w = {
