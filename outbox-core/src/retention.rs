@@ -46,12 +46,26 @@ pub enum HoldReason {
     /// the old log left it): no watermark lets the event go. Held until an
     /// operator confirms the consumer processed it (docs/OPERATIONS.md,
     /// *A topic was recreated, or the cluster replaced by an empty one*).
+    /// The same holds for every `destination.v1` receipt of a partition
+    /// (cluster, topic, partition) that holds a receipt of a position epoch
+    /// above 0 ([`LogPosition::partition_replaced`]), whatever its own
+    /// epoch: an epoch-0 receipt there may be of the log that was replaced
+    /// (a watermark of the new log then says nothing of it), or of the new
+    /// log at an offset no old receipt held (the watermark may still stand
+    /// where the old log left it).
     ReplacedLog {
         /// The mandatory consumer whose watermark cannot be trusted for it.
         consumer_id: String,
         /// The receipt's position epoch.
         position_epoch: i32,
     },
+    /// The log no longer holds the event at its receipt's position (an
+    /// open `receipt_position_lost` finding names it: the topic was
+    /// recreated, the cluster replaced, the partition removed). Its payload
+    /// is the only copy left, and no watermark can have counted it since:
+    /// held, whatever the consumers, until an operator re-publishes it or
+    /// resolves the finding (docs/OPERATIONS.md, `receipt_position_lost`).
+    PositionLost,
 }
 
 /// Whether an event published at `published_at_ms` is past the replay
@@ -83,16 +97,24 @@ pub struct LogPosition<'a> {
     /// log that replaced that receipt's log; see
     /// [`crate::compare::next_position_epoch`]).
     pub position_epoch: i32,
+    /// Whether a receipt of this partition (cluster, topic, partition) has
+    /// a position epoch above 0: the partition's log was replaced at least
+    /// once, and a watermark of its name may be of either log.
+    pub partition_replaced: bool,
+    /// Whether an open `receipt_position_lost` finding says the log no
+    /// longer holds the event at this position.
+    pub position_lost: bool,
 }
 
 impl LogPosition<'_> {
     /// Whether this position is of a log that replaced another one under the
     /// same name (cluster, topic, partition) that watermarks cannot tell
-    /// apart: a `destination.v1` position (no topic id) of a position epoch
-    /// above 0. A `destination.v2` position names its topic id, and a
-    /// recreated topic's new id starts watermarks of its own.
+    /// apart, or of the log that was replaced: a `destination.v1` position
+    /// (no topic id) of a position epoch above 0, or of a partition that
+    /// holds such a receipt. A `destination.v2` position names its topic
+    /// id, and a recreated topic's new id starts watermarks of its own.
     pub fn on_replaced_unnamed_log(&self) -> bool {
-        self.topic_id.is_none() && self.position_epoch > 0
+        self.topic_id.is_none() && (self.position_epoch > 0 || self.partition_replaced)
     }
 }
 
@@ -137,9 +159,11 @@ impl WatermarkRef<'_> {
 /// partition) holds the event: a watermark on another cluster's topic of
 /// the same name, or on another incarnation of the topic (another topic id),
 /// says nothing about this one. Nor does any watermark about a
-/// `destination.v1` receipt of a position epoch above 0
-/// ([`LogPosition::on_replaced_unnamed_log`]): a mandatory consumer on the
-/// topic holds it with [`HoldReason::ReplacedLog`].
+/// `destination.v1` receipt of a replaced log, or of a partition whose log
+/// was replaced ([`LogPosition::on_replaced_unnamed_log`]): a mandatory
+/// consumer on the topic holds it with [`HoldReason::ReplacedLog`]. An
+/// event whose position the log lost is held whatever the consumers
+/// ([`HoldReason::PositionLost`]).
 pub fn may_purge(
     state: EventState,
     published_at_ms: i64,
@@ -154,6 +178,9 @@ pub fn may_purge(
     }
     if !may_retain(published_at_ms, now_ms, replay_window_ms) {
         return Err(HoldReason::WithinReplayWindow);
+    }
+    if placement.position_lost {
+        return Err(HoldReason::PositionLost);
     }
     let consumers = if crate::simulation::mutation_active("purge-ignores-watermarks") { &[][..] } else { mandatory_consumers_on_topic };
     for &consumer in consumers {
@@ -193,12 +220,12 @@ mod tests {
             .iter()
             .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, cluster_id: "k-a", topic, topic_id: None, partition, committed_offset })
             .collect();
-        may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0 }, &wms, mandatory)
+        may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false }, &wms, mandatory)
     }
 
     #[test]
     fn a_watermark_on_another_cluster_holds_nothing_up() {
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0 };
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
         let far_on_b = [WatermarkRef { consumer_id: "c1", cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2, committed_offset: 1_000 }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &far_on_b, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let past_on_a = [WatermarkRef { cluster_id: "k-a", ..far_on_b[0] }];
@@ -214,7 +241,7 @@ mod tests {
     fn a_watermark_of_another_topic_id_holds_nothing_up() {
         const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
         const NEW: &str = "_____________________w";
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2, offset: 7, position_epoch: 0 };
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
         let on_new = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2, committed_offset: 1_000 }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_new, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let without_id = [WatermarkRef { topic_id: None, ..on_new[0] }];
@@ -237,7 +264,7 @@ mod tests {
     #[test]
     fn a_v1_receipt_of_a_replaced_log_is_held_whatever_the_watermark() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 1 };
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 1, partition_replaced: false, position_lost: false };
         let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX }];
         let held = Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 1 });
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), held);
@@ -258,6 +285,42 @@ mod tests {
         let behind = [WatermarkRef { committed_offset: 7, ..on_id[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &behind, &["c1"]), Err(HoldReason::WatermarkBehind { consumer_id: "c1".into(), committed_offset: 7 }));
         assert!(at.on_replaced_unnamed_log() && !epoch0.on_replaced_unnamed_log() && !v2.on_replaced_unnamed_log());
+    }
+
+    /// Issue 46: once a partition's log was replaced (a receipt of it has a
+    /// position epoch above 0), no watermark of its name lets any of its
+    /// `destination.v1` receipts go, epoch 0 included: one of the log that
+    /// was replaced, which the consumer never read before it went, would
+    /// otherwise be purged on the new log's watermark. A `destination.v2`
+    /// receipt there is judged by its own topic id's watermark.
+    #[test]
+    fn every_v1_receipt_of_a_replaced_partition_is_held_whatever_its_epoch() {
+        const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 0, position_epoch: 0, partition_replaced: true, position_lost: false };
+        let new_log = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: 1 }];
+        assert!(at.on_replaced_unnamed_log());
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &new_log, &["c1"]), Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 0 }));
+        let unreplaced = LogPosition { partition_replaced: false, ..at };
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, unreplaced, &new_log, &["c1"]), Ok(()));
+        let v2 = LogPosition { topic_id: Some(ID), ..at };
+        let on_id = [WatermarkRef { topic_id: Some(ID), ..new_log[0] }];
+        assert!(!v2.on_replaced_unnamed_log());
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()));
+    }
+
+    /// Issue 46: an event whose position the log lost keeps its payload,
+    /// whatever the watermarks say and with no mandatory consumer at all:
+    /// it is the only copy left for the operator to publish again.
+    #[test]
+    fn an_event_whose_position_was_lost_is_held_whatever_the_consumers() {
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: true };
+        let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), Err(HoldReason::PositionLost));
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &[]), Err(HoldReason::PositionLost));
+        // The window and the state come first.
+        assert_eq!(may_purge(EventState::Retained, 9_500, 10_000, W, at, &past, &["c1"]), Err(HoldReason::WithinReplayWindow));
+        let kept = LogPosition { position_lost: false, ..at };
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, kept, &past, &["c1"]), Ok(()));
     }
 
     #[test]

@@ -430,6 +430,11 @@ pub struct PublishedFacts {
     /// Its position epoch (above 0: accepted at a position another event's
     /// receipt held, in a log that replaced that one).
     pub position_epoch: i32,
+    /// Whether a receipt of its partition has a position epoch above 0
+    /// (see [`crate::LogPosition::partition_replaced`]).
+    pub partition_replaced: bool,
+    /// Whether an open `receipt_position_lost` finding names it.
+    pub position_lost: bool,
 }
 
 impl PublishedFacts {
@@ -442,6 +447,8 @@ impl PublishedFacts {
             partition: self.partition,
             offset: self.offset,
             position_epoch: self.position_epoch,
+            partition_replaced: self.partition_replaced,
+            position_lost: self.position_lost,
         }
     }
 }

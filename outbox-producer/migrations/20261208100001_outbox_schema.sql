@@ -1195,6 +1195,12 @@ CREATE TABLE outbox_publish_receipts (
 -- position whatever the log (the bypass scan: which receipts claim the
 -- offsets it read, or offsets past the log's end).
 CREATE INDEX outbox_publish_receipts_position ON outbox_publish_receipts (cluster_id, topic, partition, "offset");
+-- The receipts accepted above epoch 0 (rare: each one marks a partition
+-- whose log was replaced), by partition: retention and the reconciler ask
+-- of every destination.v1 receipt whether its partition holds one
+-- (outbox_core::LogPosition::partition_replaced), in one probe.
+CREATE INDEX outbox_publish_receipts_replaced ON outbox_publish_receipts (cluster_id, topic, partition)
+    WHERE position_epoch > 0;
 -- The scan floor of a destination.v1 attempt in one index probe.
 -- Registration reads, per partition of its batch, the highest receipted
 -- offset of the partition's log (the attempt's scan floor, with the

@@ -71,7 +71,7 @@ pub async fn release_poisoned<S: SkipStore>(store: &S, limit: usize) -> Result<V
 pub async fn purge<S: RetentionStore>(store: &S, now_ms: i64, replay_window_ms: i64) -> Result<PurgeCounts, String> {
     let policy = RetentionPolicy { replay_window_ms, batch_size: 2, max_batches: 1_000 };
     let r = purge_with(store, now_ms, &policy, false, |_| {}).await.map_err(|e| e.to_string())?;
-    Ok(PurgeCounts { retained: r.retained, purged: r.purged, held: r.held_by_consumers, replaced_log: r.held_on_replaced_log })
+    Ok(PurgeCounts { retained: r.retained, purged: r.purged, held: r.held_by_consumers, replaced_log: r.held_on_replaced_log, lost_position: r.held_on_lost_position })
 }
 
 /// The reconciler's configuration in the suite: retry policy [`POLICY`],

@@ -4,6 +4,7 @@
 //! state); the reconciler records only what the core functions judge
 //! findings on the rows read.
 
+use crate::retention::{PARTITION_REPLACED, POSITION_LOST};
 use outbox_core::{ConsumerWatermark, EventFacts, EventState, PublishedFacts, RoundFinding, StoreError, SweptEvent, WatermarkPublisherFacts};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -99,19 +100,21 @@ impl outbox_core::FindingsStore for PgStore {
         // No watermark passes a receipt of a replaced destination.v1 log
         // (`LogPosition::on_replaced_unnamed_log`).
         let passed = if crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
-            "(NOT (r.topic_id IS NULL AND r.position_epoch > 0) AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
-                     AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\"))"
+            format!("(NOT (r.topic_id IS NULL AND (r.position_epoch > 0 OR {PARTITION_REPLACED})) AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
+                     AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\"))")
         } else {
-            "false"
+            "false".to_owned()
         };
         let rows = sqlx::query(&format!(
-            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch FROM outbox_events e
+            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
+                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost FROM outbox_events e
              JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
              WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 AND r.topic = ANY($3)
                AND NOT {passed}
              UNION ALL
              -- Stream events (schema section 17): published by their receipt.
-             SELECT r.event_id, 'PUBLISHED', r.accepted_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch
+             SELECT r.event_id, 'PUBLISHED', r.accepted_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
+                    {PARTITION_REPLACED}, {POSITION_LOST}
              FROM outbox_publish_receipts r
              WHERE r.batch_id IS NOT NULL AND r.envelope_generation = 1 AND r.accepted_at_ms < $1 AND r.topic = ANY($3)
                AND NOT EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = r.event_id)
@@ -137,6 +140,8 @@ impl outbox_core::FindingsStore for PgStore {
                     partition: r.try_get("partition").map_err(store_err)?,
                     offset: r.try_get("offset").map_err(store_err)?,
                     position_epoch: r.try_get("position_epoch").map_err(store_err)?,
+                    partition_replaced: r.try_get("partition_replaced").map_err(store_err)?,
+                    position_lost: r.try_get("position_lost").map_err(store_err)?,
                 })
             })
             .collect()

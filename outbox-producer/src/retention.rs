@@ -14,6 +14,17 @@ use sqlx::{PgPool, Row};
 
 use crate::error::ProducerError;
 
+/// Whether the partition of receipt `r` had its log replaced: a receipt
+/// of it at a position epoch above 0 (`LogPosition::partition_replaced`;
+/// a probe of the partial index `outbox_publish_receipts_replaced`).
+pub(crate) const PARTITION_REPLACED: &str = "EXISTS (SELECT 1 FROM outbox_publish_receipts x WHERE x.position_epoch > 0
+     AND x.cluster_id = r.cluster_id AND x.topic = r.topic AND x.partition = r.partition)";
+
+/// Whether an open `receipt_position_lost` finding names receipt `r`'s
+/// event (`LogPosition::position_lost`).
+pub(crate) const POSITION_LOST: &str = "EXISTS (SELECT 1 FROM outbox_findings f WHERE f.kind = 'receipt_position_lost' AND f.event_id = r.event_id
+     AND f.consumer_id = '' AND f.resolved_at_ms IS NULL)";
+
 /// Largest batch one purge statement touches.
 pub const MAX_PURGE_BATCH: i64 = 10_000;
 
@@ -52,6 +63,10 @@ pub struct PurgeReport {
     /// partition (`HoldReason::ReplacedLog`): no watermark lets them go; an
     /// operator confirms each consumer processed them (docs/OPERATIONS.md).
     pub held_on_replaced_log: u64,
+    /// RETAINED events held because an open `receipt_position_lost` finding
+    /// says the log lost them (`HoldReason::PositionLost`): their payload
+    /// is the only copy left (not counted in `held_by_consumers`).
+    pub held_on_lost_position: u64,
     /// Batches run: retain statements and purge pages (in a dry run, pages read).
     pub batches: u32,
 }
@@ -128,6 +143,8 @@ struct Decided {
     held: u64,
     /// Of `held`, by `HoldReason::ReplacedLog`.
     replaced_log: u64,
+    /// By `HoldReason::PositionLost`.
+    lost_position: u64,
 }
 
 /// Decides a page with `outbox_core::may_purge` on `registry`.
@@ -157,6 +174,11 @@ fn decide(page: &[Candidate], registry: &Registry, now_ms: i64, policy: &Retenti
                     "retention holds an event of a replaced log: no watermark of its partition can say the consumer processed it");
                 out.held += 1;
                 out.replaced_log += 1;
+            }
+            Err(HoldReason::PositionLost) => {
+                tracing::warn!(event_id = %c.event_id, topic = %c.topic, partition = c.partition, offset = c.offset,
+                    "retention holds an event whose position the log lost (receipt_position_lost): its payload is the only copy left");
+                out.lost_position += 1;
             }
             Err(HoldReason::NotRetained { .. } | HoldReason::WithinReplayWindow) => {}
         }
@@ -242,6 +264,7 @@ pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &Rete
                 report.purged += decided.purge.len() as u64;
                 report.held_by_consumers += decided.held;
                 report.held_on_replaced_log += decided.replaced_log;
+                report.held_on_lost_position += decided.lost_position;
                 report.batches += 1;
                 progress(&report);
                 match page.next() {
@@ -274,6 +297,7 @@ pub async fn purge_with<S: RetentionStore>(store: &S, now_ms: i64, policy: &Rete
         report.purged += n;
         report.held_by_consumers += decided.held;
         report.held_on_replaced_log += decided.replaced_log;
+        report.held_on_lost_position += decided.lost_position;
         report.batches += 1;
         progress(&report);
         match page.next() {
@@ -369,9 +393,11 @@ impl RetentionStore for PgRetention {
             return Ok(Page { candidates: Vec::new(), last, full });
         }
         let ids: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
-        let rows = sqlx::query(
-            "SELECT event_id, envelope_generation, cluster_id, topic, topic_id, partition, \"offset\", position_epoch FROM outbox_publish_receipts WHERE event_id = ANY($1)",
-        )
+        let rows = sqlx::query(&format!(
+            "SELECT r.event_id, r.envelope_generation, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
+                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost
+             FROM outbox_publish_receipts r WHERE r.event_id = ANY($1)"
+        ))
         .bind(&ids)
         .fetch_all(&mut **tx)
         .await?;
@@ -393,6 +419,8 @@ impl RetentionStore for PgRetention {
                 partition: r.try_get("partition")?,
                 offset: r.try_get("offset")?,
                 position_epoch: r.try_get("position_epoch")?,
+                partition_replaced: r.try_get("partition_replaced")?,
+                position_lost: r.try_get("position_lost")?,
                 event_id,
             });
         }
@@ -528,6 +556,8 @@ impl RetentionStore for outbox_memory::MemoryStore {
                     partition: slot.partition,
                     offset: slot.offset,
                     position_epoch: e.slot_epoch,
+                    partition_replaced: st.partition_replaced(&slot.cluster_id, &slot.topic, slot.partition),
+                    position_lost: st.position_lost(&e.envelope.event_id),
                 })
             })
             .collect();

@@ -52,7 +52,7 @@ impl Harness for MemoryHarness {
         request.validate(outbox_core::DEFAULT_MAX_PAYLOAD_BYTES)?;
         // Freezing needs a route only for the event type; a repeat of
         // another type is decided by the store before anything is inserted.
-        let policy = RoutePolicy { event_type: request.event_type.to_owned(), ..route(TOPIC) };
+        let policy = outbox_memory::conformance::routes().into_iter().find(|r| r.event_type == request.event_type).unwrap_or_else(|| RoutePolicy { event_type: request.event_type.to_owned(), ..route(TOPIC) });
         let (envelope, destination) = request.freeze(EventId::generate(now as u64), now, 1, &policy)?;
         self.store.insert(request.command_key, envelope, destination, request.payload.to_vec())
     }

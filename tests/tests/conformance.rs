@@ -173,7 +173,9 @@ impl PgHarness {
 
 async fn harness(pool: PgPool) -> PgHarness {
     outbox_consumer::migrate(&pool).await.expect("consumer migrations (watermarks)");
-    outbox_producer::routes::revise(&pool, &route(TOPIC)).await.expect("route");
+    for route in outbox_memory::conformance::routes() {
+        outbox_producer::routes::revise(&pool, &route).await.expect("route");
+    }
     // Retention reads the consumers' watermarks.
     outbox_consumer::migrate(&pool).await.expect("consumer tables");
     let clock = ManualClock::new(1_800_000_000_000);

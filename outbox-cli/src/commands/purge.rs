@@ -43,8 +43,14 @@ pub(super) async fn purge_cmd(url: &str, file: &FileConfig, a: &PurgeArgs) -> an
     println!("{} event(s) past the replay window held back by a mandatory consumer's watermark", result.held_by_consumers);
     if result.held_on_replaced_log > 0 {
         println!(
-            "  of which {} destination.v1 event(s) of a replaced log (position epoch above 0): no watermark lets them go; confirm each mandatory consumer processed them (docs/OPERATIONS.md, a topic was recreated)",
+            "  of which {} destination.v1 event(s) of a replaced log (their partition holds a receipt above position epoch 0): no watermark lets them go; confirm each mandatory consumer processed them (docs/OPERATIONS.md, a topic was recreated)",
             result.held_on_replaced_log
+        );
+    }
+    if result.held_on_lost_position > 0 {
+        println!(
+            "{} event(s) held because the log lost their position (an open receipt_position_lost finding): their payload is the only copy left; publish them again or resolve the finding (docs/OPERATIONS.md, a topic was recreated)",
+            result.held_on_lost_position
         );
     }
     Ok(0)

@@ -69,6 +69,15 @@ impl<H: Harness> Ctx<'_, H> {
         self.h.emit(&key, &agg, format!("{{\"scenario\":\"{}\",\"n\":{n}}}", self.prefix).as_bytes()).await
     }
 
+    /// [`Ctx::emit`] of an event of [`super::REPLACED_EVENT_TYPE`], routed to
+    /// [`super::REPLACED_TOPIC`].
+    pub(super) async fn emit_on_replaced_topic(&self, n: u32, aggregate: &str) -> Result<EventId, String> {
+        let key = format!("{}-cmd{n}", self.prefix);
+        let agg = format!("{}-{aggregate}", self.prefix);
+        let payload = format!("{{\"scenario\":\"{}\",\"n\":{n}}}", self.prefix);
+        self.command(&key, &agg, 1, super::REPLACED_EVENT_TYPE, payload.as_bytes()).await.map_err(err("emit on the replaced topic"))
+    }
+
     /// Claims until `id` is among the claimed events; every other event
     /// claimed on the way is released afterwards. `Ok(None)` when `id` is not claimable.
     ///

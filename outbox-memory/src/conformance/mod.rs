@@ -75,6 +75,23 @@ pub fn route(topic: &str) -> RoutePolicy {
     RoutePolicy::new("order.created", CLUSTER, topic, 4)
 }
 
+/// The event type of the scenarios that replace a log under their events
+/// (a receipt accepted at a position another event's receipt holds). It
+/// has a topic of its own, [`REPLACED_TOPIC`] ([`routes`]): a replaced
+/// partition holds every `destination.v1` event of it from retention and
+/// makes each `unconsumed_published` whatever a watermark says, which must
+/// not reach the other scenarios' events.
+pub const REPLACED_EVENT_TYPE: &str = "order.replaced";
+
+/// The topic of [`REPLACED_EVENT_TYPE`].
+pub const REPLACED_TOPIC: &str = "orders-replaced";
+
+/// Every route of the suite: [`route`] of [`TOPIC`] (`order.created`), and
+/// [`REPLACED_EVENT_TYPE`] to [`REPLACED_TOPIC`] of the same cluster.
+pub fn routes() -> Vec<RoutePolicy> {
+    vec![route(TOPIC), RoutePolicy::new(REPLACED_EVENT_TYPE, CLUSTER, REPLACED_TOPIC, 4)]
+}
+
 /// How a store plugs into the suite.
 ///
 /// The shipped services a harness runs over its store (the migration
@@ -112,8 +129,8 @@ pub trait Harness: Send + Sync {
     }
 
     /// Runs `request` as a business command in one transaction, as the
-    /// store's emit does, under [`route`] of [`TOPIC`] for event type
-    /// `order.created` (a request of another event type is asked only as a
+    /// store's emit does, under the suite's route of its event type
+    /// ([`routes`]; a request of another event type is asked only as a
     /// repeat of an existing key). Refusals come back as
     /// [`CoreError::CommandKeyConflict`] and
     /// [`CoreError::AggregateVersionBackwards`]; nothing is committed then.
@@ -193,6 +210,9 @@ pub struct PurgeCounts {
     pub held: u64,
     /// Of `held`, the events of a replaced log (`HoldReason::ReplacedLog`).
     pub replaced_log: u64,
+    /// RETAINED events past the window held because the log lost their
+    /// position (`HoldReason::PositionLost`; not in `held`).
+    pub lost_position: u64,
 }
 
 /// The thresholds of a comparison round ([`Harness::compare_findings`]), ms.

@@ -84,6 +84,8 @@ impl outbox_core::store::FindingsStore for MemoryStore {
                 partition: slot.partition,
                 offset: slot.offset,
                 position_epoch: e.slot_epoch,
+                partition_replaced: st.partition_replaced(&slot.cluster_id, &slot.topic, slot.partition),
+                position_lost: st.position_lost(&e.envelope.event_id),
             })
             .collect();
         v.sort_by_key(|p| p.published_at_ms);
@@ -141,5 +143,19 @@ impl outbox_core::store::FindingsStore for MemoryStore {
         // Opened first, then resolved as `round_resolves` says (as the SQL store does).
         st.findings.retain(|key, _| !outbox_core::findings::round_resolves(&key.0, seen.contains(key)));
         Ok(())
+    }
+}
+
+impl super::MemoryState {
+    /// Whether a receipt of the partition (cluster, topic, partition) was
+    /// accepted at a position epoch above 0: its log was replaced at least
+    /// once (`outbox_core::LogPosition::partition_replaced`).
+    pub fn partition_replaced(&self, cluster_id: &str, topic: &str, partition: i32) -> bool {
+        self.position_holders.iter().any(|((c, t, _, p, _), (_, epoch))| *epoch > 0 && c == cluster_id && t == topic && *p == partition)
+    }
+
+    /// Whether an open `receipt_position_lost` finding names `event_id`.
+    pub fn position_lost(&self, event_id: &outbox_core::EventId) -> bool {
+        self.findings.contains_key(&(outbox_core::compare::RECEIPT_POSITION_LOST.to_owned(), event_id.to_string(), String::new()))
     }
 }

@@ -98,8 +98,17 @@ impl OutboxStore for MemoryStore {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
                 let position = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition, receipt.offset);
-                let newest = st.position_holders.get(&position).map(|(holder, epoch)| (holder.as_str(), *epoch));
-                ev.slot_epoch = outbox_core::compare::next_position_epoch(newest, receipt.event_id.as_str());
+                let newest = st.position_holders.get(&position).map(|(holder, epoch)| (holder.clone(), *epoch));
+                ev.slot_epoch = outbox_core::compare::next_position_epoch(newest.as_ref().map(|(h, e)| (h.as_str(), *e)), receipt.event_id.as_str());
+                // Another event's receipt at this position: its log is gone
+                // (as the PostgreSQL receipt transaction records it).
+                if let Some((holder, _)) = newest.filter(|(h, _)| *h != receipt.event_id) {
+                    let detail = format!(
+                        "its receipt's position {}/{}/{}@{} now holds event {}'s message: the log it was recorded in is gone (cluster replaced, or a topic without a recorded id recreated)",
+                        receipt.cluster_id, receipt.topic, receipt.partition, receipt.offset, receipt.event_id
+                    );
+                    st.findings.insert((outbox_core::compare::RECEIPT_POSITION_LOST.to_owned(), holder.to_string(), String::new()), detail);
+                }
                 st.position_holders.insert(position, (receipt.event_id.clone(), ev.slot_epoch));
                 let log = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition);
                 let floor = outbox_core::reconcile::advance_floor(st.partition_high.get(&log), receipt.offset, &receipt.event_id, &receipt.attempt_id);

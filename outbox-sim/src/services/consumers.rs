@@ -18,17 +18,26 @@
 //! - the handler: transient failures (the batch splits, the event retries
 //!   alone).
 //!
+//! - the group's offsets: an owner that starts at the log's end instead of
+//!   its committed offset (the group reset to latest by an operator, or an
+//!   expired committed offset reset by `auto.offset.reset`): the offsets in
+//!   between are never read, and the shipped processor must record them as
+//!   a gap its watermark does not pass.
+//!
 //! The feeder that hands each partition's messages to the loop stands in
 //! for librdkafka's fetch (the seam the shipped run loop reads through): in
 //! offset order, from the committed offset, from the log's start once
-//! retention truncated below it.
+//! retention truncated below it (an offset out of range).
 //!
 //! Checks after the run (names as Jepsen's Kafka checker uses where they
 //! apply): `duplicate_effect` (an event's effect written twice),
 //! `receipt_effect_mismatch` (a receipt without its effect or an effect
 //! without its receipt), `unseen` (an event published at a position the log
-//! still holds, never applied nor dead-lettered), `genuine_quarantined` (a
-//! message the dispatcher wrote refused by the consumer's verification).
+//! still holds, never applied nor dead-lettered, and not skipped by a
+//! reset), `watermark_passes_unread` (the group's watermark past such an
+//! event's offset, reset or not), `genuine_quarantined` (a message the
+//! dispatcher wrote refused by the consumer's verification). Retention
+//! (`retention.rs`) purges on the watermarks this group's store holds.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -42,7 +51,7 @@ use outbox_consumer::{
     run_partition, AfterCommitHook, BatchLimits, ConsumedEvent, ConsumerError, ConsumerStore, HandlerError, HookAction, OffsetCommit, Processor, RawMessage, Receipt,
     TxHandler,
 };
-use outbox_memory::MemoryStore;
+use outbox_memory::{MemoryStore, MemoryWatermark};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -53,6 +62,8 @@ use crate::rng::Rng;
 
 /// The consumer group whose receipts and effects are checked.
 pub(super) const GROUP: &str = "fulfilment";
+/// Traces whose consumer owners may start at the log's end (a reset).
+const RESET_TRACES: f64 = 0.3;
 /// Where the handler writes its effects in the store.
 const EFFECTS: &str = "fulfilment.effects";
 
@@ -75,6 +86,8 @@ pub(super) struct ConsumerFaults {
     rebalance_every_ms: i64,
     /// Mean virtual ms between kills of the consumer process (0: none).
     kill_every_ms: i64,
+    /// An owner starts at the log's end, not at the committed offset.
+    reset: f64,
 }
 
 impl ConsumerFaults {
@@ -89,10 +102,19 @@ impl ConsumerFaults {
             handler_fail: p(0.1),
             rebalance_every_ms: 0,
             kill_every_ms: 0,
+            reset: 0.0,
         };
         let rebalance_every_ms = if rng.chance(0.6) { rng.range(1_000, 10_000) } else { 0 };
         let kill_every_ms = if rng.chance(0.5) { rng.range(2_000, 15_000) } else { 0 };
         ConsumerFaults { rebalance_every_ms, kill_every_ms, ..f }
+    }
+
+    /// Draws the reset fault from its own generator (`seed`), so that the
+    /// faults drawn before it stay as they were for every seed.
+    fn with_resets(self, seed: u64) -> Self {
+        let mut rng = Rng::new(seed ^ 0x0ff5_e7_4e5e7);
+        let reset = if rng.chance(RESET_TRACES) { 0.05 + rng.unit() * 0.25 } else { 0.0 };
+        ConsumerFaults { reset, ..self }
     }
 }
 
@@ -276,6 +298,9 @@ struct Ctx {
     processor: Processor<SimConsumerStore>,
     /// Every partition owner's task (current and superseded), for a kill.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// Offsets resets made the group skip: partition, log incarnation,
+    /// `[from, to)`.
+    skipped: Mutex<Vec<(Key, usize, i64, i64)>>,
 }
 
 /// The consumers of one trace.
@@ -296,7 +321,7 @@ impl Consumers {
     /// Starts the group's consumer process over `world`.
     pub(super) fn start(world_ref: &Shared, seed: u64) -> Consumers {
         let mut rng = Rng::new(seed.wrapping_mul(0xA24B_AED4_963E_E407) ^ 0xC0_5E);
-        let faults = ConsumerFaults::from_rng(&mut rng);
+        let faults = ConsumerFaults::from_rng(&mut rng).with_resets(seed);
         let start = world(world_ref).start;
         let store = MemoryConsumerStore::new().with_clock(move || {
             let ms = T0_MS + i64::try_from(start.elapsed().as_millis()).unwrap_or(0);
@@ -310,7 +335,7 @@ impl Consumers {
             .expect("a valid consumer configuration")
             .with_cluster_id(CLUSTER);
         world(world_ref).note(|| format!("consumers {GROUP}: {faults:?}", faults = faults.faults));
-        let ctx = Arc::new(Ctx { world: world_ref.clone(), faults, group: Mutex::new(Group::default()), processor, tasks: Mutex::new(Vec::new()) });
+        let ctx = Arc::new(Ctx { world: world_ref.clone(), faults, group: Mutex::new(Group::default()), processor, tasks: Mutex::new(Vec::new()), skipped: Mutex::new(Vec::new()) });
         let f = ctx.faults.faults;
         let next_kill = if f.kill_every_ms > 0 { rng.range(1, 2 * f.kill_every_ms) } else { i64::MAX };
         let next_rebalance = if f.rebalance_every_ms > 0 { rng.range(1, 2 * f.rebalance_every_ms) } else { i64::MAX };
@@ -362,44 +387,54 @@ impl Consumers {
         }
     }
 
-    /// Whether every event published at a position the log still holds (and
-    /// that holds it) was applied or dead-lettered by the group.
-    pub(super) fn caught_up(&self, outbox: &MemoryStore) -> bool {
-        self.unseen(outbox).is_empty()
+    /// The group's receipt store (its watermarks are what retention reads).
+    pub(super) fn store(&self) -> MemoryConsumerStore {
+        self.store.clone()
     }
 
-    fn unseen(&self, outbox: &MemoryStore) -> Vec<String> {
-        let readable: Vec<(String, String, i32, i64)> = {
+    /// Whether every event published at a position the log still holds (and
+    /// that holds it) was applied or dead-lettered by the group, or skipped
+    /// by a reset.
+    pub(super) fn caught_up(&self, outbox: &MemoryStore) -> bool {
+        self.undecided(outbox).iter().all(|u| self.skipped(u))
+    }
+
+    /// The events published at a position the current log still holds
+    /// (and that holds them) that the group neither applied nor dead-lettered.
+    fn undecided(&self, outbox: &MemoryStore) -> Vec<Undecided> {
+        let readable: Vec<Undecided> = {
             let st = outbox.lock();
             let w = world(&self.ctx.world);
             st.events
                 .values()
                 .filter_map(|e| {
                     let slot = e.slot.as_ref()?;
-                    let log_key = (slot.topic.clone(), slot.partition);
-                    let start = w.log_start.get(&log_key).copied().unwrap_or(0);
+                    let key = (slot.topic.clone(), slot.partition);
+                    let start = w.log_start.get(&key).copied().unwrap_or(0);
                     // Only a position that holds the event can be read: one
                     // that does not is a lost write, reported by the producer checks.
-                    let holds = w.logs.get(&log_key).and_then(|l| l.get(usize::try_from(slot.offset).ok()?)).is_some_and(|m| m.event_id == e.envelope.event_id.as_str() && !m.compacted);
-                    (e.state.is_published() && slot.offset >= start && holds).then(|| (e.envelope.event_id.to_string(), slot.topic.clone(), slot.partition, slot.offset))
+                    let holds = w.logs.get(&key).and_then(|l| l.get(usize::try_from(slot.offset).ok()?)).is_some_and(|m| m.event_id == e.envelope.event_id.as_str() && !m.compacted);
+                    let incarnation = w.incarnation(&key);
+                    (e.state.is_published() && slot.offset >= start && holds).then(|| Undecided { id: e.envelope.event_id.to_string(), key, offset: slot.offset, incarnation })
                 })
                 .collect()
         };
-        let st = self.store.lock();
-        readable
-            .into_iter()
-            .filter(|(id, ..)| {
-                let k = (GROUP.to_owned(), id.clone());
-                !st.receipts.contains_key(&k) && !st.dead_letters.contains_key(&k)
-            })
-            .map(|(id, t, p, o)| format!("{id} at {t}/p{p}@{o}"))
-            .collect()
+        readable.into_iter().filter(|u| !decided(&self.store, &u.id)).collect()
+    }
+
+    /// Whether a reset made the group skip `u`'s offset of its log.
+    fn skipped(&self, u: &Undecided) -> bool {
+        self.ctx.skipped.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|(k, inc, from, to)| *k == u.key && *inc == u.incarnation && (*from..*to).contains(&u.offset))
     }
 
     /// Stops every consumer task and checks the group's receipts and effects.
     pub(super) fn finish(mut self, outbox: &MemoryStore, violations: &mut Vec<String>) {
         self.kill();
-        let unseen = self.unseen(outbox);
+        let undecided: Vec<(Undecided, bool)> = self.undecided(outbox).into_iter().map(|u| {
+            let skipped = self.skipped(&u);
+            (u, skipped)
+        }).collect();
+        let marks = group_watermarks(&self.store);
         let st = self.store.lock();
         let mut w = world(&self.ctx.world);
         let mut effects: BTreeMap<&str, u64> = BTreeMap::new();
@@ -419,9 +454,22 @@ impl Consumers {
             let has = if receipts.contains(id) { "a receipt and no effect" } else { "an effect and no receipt" };
             violations.push(format!("receipt_effect_mismatch: {GROUP} has {has} for {id}"));
         }
-        for u in unseen {
-            w.figures.unseen += 1;
-            violations.push(format!("unseen: {u} published and never applied by {GROUP}"));
+        for (u, skipped) in &undecided {
+            let (id, (t, p), o) = (&u.id, &u.key, u.offset);
+            if *skipped {
+                w.figures.skipped_by_reset += 1;
+            } else {
+                w.figures.unseen += 1;
+                violations.push(format!("unseen: {id} at {t}/p{p}@{o} published and never applied by {GROUP}"));
+            }
+            // A log never reset: the watermarks of its name are its own
+            // (a reset log's may be an old log's, which retention holds
+            // apart by the receipt's position epoch).
+            let mark = marks.iter().filter(|m| (m.cluster_id.as_str(), m.topic.as_str(), m.partition) == (CLUSTER, t.as_str(), *p)).map(|m| m.committed_offset).max();
+            if u.incarnation == 0 && mark.is_some_and(|m| m > o) {
+                w.figures.watermark_passes_unread += 1;
+                violations.push(format!("watermark_passes_unread: {GROUP}'s watermark on {t}/p{p} is {mark:?}, past {id}@{o}, which it never applied"));
+            }
         }
         for ((_, t, p, o), q) in &st.quarantine {
             if w.forged_at(t, *p, *o) {
@@ -435,6 +483,40 @@ impl Consumers {
         w.figures.consumer_redeliveries += st.watermarks.values().map(|r| r.duplicates as u64).sum::<u64>();
         w.figures.consumer_dead_lettered += st.dead_letters.len() as u64;
     }
+}
+
+/// A published event the group has not decided, where the current log holds it.
+struct Undecided {
+    id: String,
+    key: Key,
+    offset: i64,
+    /// The log's incarnation (see `World::incarnation`).
+    incarnation: usize,
+}
+
+/// The group's watermark rows, as retention's registry reads them.
+pub(super) fn group_watermarks(store: &MemoryConsumerStore) -> Vec<MemoryWatermark> {
+    store
+        .lock()
+        .watermarks
+        .iter()
+        .filter(|((consumer_id, ..), _)| consumer_id == GROUP)
+        .map(|((_, cluster_id, topic, partition, topic_id), row)| MemoryWatermark {
+            consumer_id: GROUP.to_owned(),
+            cluster_id: cluster_id.clone(),
+            topic: topic.clone(),
+            topic_id: topic_id.clone(),
+            partition: *partition,
+            committed_offset: row.committed_offset,
+        })
+        .collect()
+}
+
+/// Whether the group applied or dead-lettered `event_id`.
+pub(super) fn decided(store: &MemoryConsumerStore, event_id: &str) -> bool {
+    let st = store.lock();
+    let k = (GROUP.to_owned(), event_id.to_owned());
+    st.receipts.contains_key(&k) || st.dead_letters.contains_key(&k)
 }
 
 /// One partition's owners, one after another: each starts from the
@@ -472,7 +554,22 @@ async fn supervise(ctx: Arc<Ctx>, key: Key) {
 /// offset, and the shipped partition loop deciding what it hands over.
 async fn own(ctx: Arc<Ctx>, key: Key, generation: u64, stop: Arc<AtomicBool>) {
     let incarnation = world(&ctx.world).incarnation(&key);
-    let from = ctx.group.lock().unwrap_or_else(|e| e.into_inner()).committed.get(&(key.clone(), incarnation)).copied().unwrap_or(0);
+    let mut from = ctx.group.lock().unwrap_or_else(|e| e.into_inner()).committed.get(&(key.clone(), incarnation)).copied().unwrap_or(0);
+    if ctx.faults.chance(ctx.faults.faults.reset) {
+        // The group is reset to latest: this owner and every later one
+        // start at the log's end; what lies between is never read.
+        let end = world(&ctx.world).logs.get(&key).map_or(0, |l| l.len() as i64);
+        if end > from {
+            ctx.skipped.lock().unwrap_or_else(|e| e.into_inner()).push((key.clone(), incarnation, from, end));
+            let mut g = ctx.group.lock().unwrap_or_else(|e| e.into_inner());
+            let at = g.committed.entry((key.clone(), incarnation)).or_insert(0);
+            *at = (*at).max(end);
+            drop(g);
+            world(&ctx.world).figures.offset_resets += 1;
+            ctx.faults.note(|| format!("{GROUP} {}/p{} is reset to latest: it starts at @{end}, not @{from}", key.0, key.1));
+            from = end;
+        }
+    }
     let (tx, mut rx) = mpsc::channel(16);
     let offsets = Offsets { ctx: ctx.clone(), generation, incarnation };
     let faults = ctx.faults.clone();

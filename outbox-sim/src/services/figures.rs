@@ -75,6 +75,12 @@ service_figures! {
         purged,
         /// Retention passes that held an event back for a mandatory consumer.
         held_by_consumers,
+        /// `destination.v1` events retention purged, never applied by the
+        /// consumer group, on a watermark of a partition whose log was
+        /// replaced before the store had any evidence of the replacement
+        /// (no receipt above position epoch 0 there, no lost position): the
+        /// documented limit of routes without a topic id.
+        purged_past_undetected_replacement,
         /// Events the consumer group applied (one receipt each).
         consumer_applied,
         /// Redeliveries the consumer group answered with a receipt.
@@ -83,6 +89,14 @@ service_figures! {
         consumer_dead_lettered,
         /// Consumer owners that died after a database commit, before the offset commit.
         consumer_crashes,
+        /// Consumer owners that started at the log's end instead of their
+        /// committed offset (the group reset to latest, as an operator's
+        /// reset or an expired committed offset does).
+        offset_resets,
+        /// Published events a reset made the consumer group skip: never
+        /// applied, and held by retention (the group's watermark stops at
+        /// the gap it recorded, or below them).
+        skipped_by_reset,
         /// Copies no receipt records that the reconciler's bypass scan
         /// reported (`unrecorded_copy`, `divergent_copy`): of open attempts
         /// of events another receipt published, and late copies of paused
@@ -164,8 +178,8 @@ service_figures! {
         /// A copy of a migrated event's old generation in the old target:
         /// delivered to the new target while a copy sat in the old one.
         migrated_over_copy,
-        /// An event purged before the mandatory consumer's watermark on its
-        /// own log (cluster, topic, partition) had passed it.
+        /// An event purged before the mandatory consumer group applied or
+        /// dead-lettered it (its receipt store holds no decision of it).
         premature_purge,
         /// An event's effect written twice by the consumer group.
         duplicate_effect,
@@ -173,6 +187,9 @@ service_figures! {
         receipt_effect_mismatch,
         /// An event published at a position the log still holds, never applied.
         unseen,
+        /// A consumer watermark past an offset of the current log that
+        /// holds a published event the group never applied nor dead-lettered.
+        watermark_passes_unread,
         /// A message the dispatcher wrote, quarantined by the consumer.
         genuine_quarantined,
         /// A retried command answered with another event (or refused): one

@@ -61,10 +61,12 @@
 //! Migration: the old topic degrades (ACKs lost, lookups slow), then the
 //! route moves to `NEW_TOPIC` and the operator migrates every undelivered
 //! event of `TOPIC`, asking again for the refused ones until none is left,
-//! racing the dispatchers and the reconciler. Retention: a mandatory
-//! consumer reads `CLUSTER`'s logs (lagging, sometimes not at all) and a
-//! topic of the same name on `OTHER_CLUSTER` (far ahead); a retention job
-//! purges on its watermarks every 0.6–6 s.
+//! racing the dispatchers and the reconciler. Retention: the consumer group
+//! (the shipped `Processor`, below) is the mandatory consumer; a retention
+//! job purges every 0.6–6 s on the watermarks its receipt store holds, and
+//! on a topic of the same name on `OTHER_CLUSTER` (far ahead). Its owners
+//! sometimes start at the log's end (a group reset to latest): the offsets
+//! skipped must stay a gap its watermark does not pass.
 //!
 //! Then faults stop, the services run until every event is settled, and the
 //! checks read the store and the log (names as Jepsen's Kafka checker uses
@@ -90,9 +92,10 @@
 //! order within one log), `unresolved_unknown` (an outcome still unknown after the run),
 //! `migrated_over_copy` (a copy of the generation a migration left behind,
 //! in the target it left while that log was there: delivered to the new
-//! target while a copy sat in the old one) and `premature_purge` (an event purged while the
-//! consumer's position on its own log, cluster included, had not passed
-//! it; checked when the purge happens).
+//! target while a copy sat in the old one) and `premature_purge` (an event purged that the
+//! mandatory consumer group never applied nor dead-lettered; checked when
+//! the purge happens). The consumer side adds `unseen` and
+//! `watermark_passes_unread` (`consumers.rs`).
 //!
 //! The engine's parts, one job each:
 //! - `config`: one trace's shape and fault probabilities, drawn from its seed;

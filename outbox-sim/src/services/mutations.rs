@@ -3,7 +3,7 @@
 
 /// Deliberate defects in shipped code, each switched by
 /// [`outbox_core::simulation::mutation_active`] at one line.
-pub const SERVICE_MUTATIONS: [(&str, &str); 15] = [
+pub const SERVICE_MUTATIONS: [(&str, &str); 16] = [
     ("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out"),
     ("bound-from-registration-clock", "the in-flight bound counts from the attempt's registration, not from the end of the lease it was sent under"),
     ("absence-from-truncated-log", "a lookup range below the log's start (or above its end) proves absence"),
@@ -19,6 +19,7 @@ pub const SERVICE_MUTATIONS: [(&str, &str); 15] = [
     ("consumer-skips-receipt", "the consumer's processor runs the handler without claiming (or writing) the (consumerId, eventId) receipt"),
     ("late-acks-dropped", "the dispatcher drops an ACK that arrives after its claim's lease ran out instead of recording it"),
     ("ack-without-digest-check", "acceptDispatchReceipt takes a receipt whose payload digest is not the frozen one (no quarantine)"),
+    ("watermark-passes-gaps", "the consumer's watermark moves to the last offset decided plus one, past a range of offsets it never read (a group reset to latest, an offset out of range); the consumer's own test `processor::the_gap_test_catches_a_watermark_that_passes_a_gap` catches it too"),
 ];
 
 /// Deliberate defects in the insert-only stream's shipped decisions
@@ -38,12 +39,7 @@ pub const STREAM_MUTATIONS: [(&str, &str); 4] = [
 /// process with the defect switched on (`outbox_core::simulation::MUTATION_ENV`)
 /// and expects it to fail; `every_component_mutation_has_a_test` holds this
 /// list to the tests.
-pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 4] = [
-    (
-        "watermark-passes-gaps",
-        "the consumer's watermark moves to the last offset decided plus one, past a range of offsets it never read (a reset group, an offset out of range)",
-        "outbox-consumer processor the_gap_test_catches_a_watermark_that_passes_a_gap",
-    ),
+pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 3] = [
     (
         "payload-digest-from-header",
         "a message's payload digest is taken from its header instead of hashed from its bytes, so changed bytes verify",

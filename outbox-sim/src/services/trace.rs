@@ -119,7 +119,7 @@ async fn trace(cfg: ServiceTraceConfig, mode: StoreMode, log: bool) -> ServiceOu
     let all_dispatchers = dispatchers.iter().map(|d| d.metrics.clone()).collect();
     let mut procs = Processes { dispatchers, all_dispatchers, reconciler, operator: None, incarnation };
     let mut consumers = consumers::Consumers::start(&shared, cfg.seed);
-    let retention = cfg.faults.retention.then(|| start_retention(&shared, &inner));
+    let retention = cfg.faults.retention.then(|| start_retention(&shared, &inner, consumers.store()));
     if let Some(at) = cfg.faults.truncate_at_ms {
         let partition = rng.below(u64::from(PARTITIONS)) as i32;
         let w = shared.clone();

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::config::ServiceFaults;
 use super::figures::ServiceFigures;
-use super::{CLUSTER, T0_MS};
+use super::T0_MS;
 use crate::rng::Rng;
 
 /// Shared by the store, the broker and the driver of one trace.
@@ -34,8 +34,9 @@ pub(super) struct World {
     pub(super) gone: Vec<GoneLog>,
     /// When (the world's clock) a reconciler's proof closed each attempt ABSENT.
     pub(super) absent_at: BTreeMap<String, i64>,
-    /// The mandatory consumer's committed offsets per (cluster, topic,
-    /// partition): the next offset it reads.
+    /// The mandatory consumer group's watermarks on another cluster's topic
+    /// of the same name, per (cluster, topic, partition): far ahead of this
+    /// cluster's logs (retention must not take them for those).
     pub(super) consumer_at: BTreeMap<(String, String, i32), i64>,
     /// Violations found while the trace runs (a purge checked when it happens).
     pub(super) violations: Vec<String>,
@@ -166,7 +167,6 @@ impl World {
         for key in keys {
             let log = self.logs.remove(&key).unwrap_or_default();
             self.log_start.remove(&key);
-            self.consumer_at.remove(&(CLUSTER.to_owned(), key.0.clone(), key.1));
             self.gone.push(GoneLog { key, gone_at_ms: now, log });
         }
         self.figures.log_resets += 1;
