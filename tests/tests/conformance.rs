@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use outbox_core::{ConsumerWatermark, CoreError, EmitRequest, EventId, LookupOutcome, ManualClock, MigrationFence};
-use outbox_memory::conformance::{route, FindingThresholds, Harness, PurgeCounts, ScanLog, ScanOutcome, TOPIC};
+use outbox_memory::conformance::{FindingThresholds, Harness, PurgeCounts, ScanLog, ScanOutcome};
 use outbox_memory::MemoryWatermark;
 use outbox_producer::conformance;
 use outbox_producer::retention::PgRetention;
