@@ -250,3 +250,101 @@ async fn the_state_counts_count_the_streams_events(pool: PgPool) {
     let via_sql: Vec<(String, i64)> = sqlx::query_as("SELECT state, n FROM outbox_state_counts() WHERE n > 0 ORDER BY state").fetch_all(&pool).await.unwrap();
     assert_eq!(via_sql, vec![("CLAIMED".into(), 2), ("PUBLISHED".into(), 1), ("SENDING".into(), 1)], "what outbox status and the report read");
 }
+
+/// Issue 45: every reader of an event's state reads what
+/// `outbox_event_state` reads (stream and exception lane through one
+/// function): the store's `event_state`, the counts per state (`outbox
+/// status`, the report), the oldest PENDING event, and the reconciler's
+/// candidates (aged, unknown, quarantined) agree with it for every event,
+/// at every stage: emitted, handed out, registered, published, quarantined
+/// by a divergent receipt, and after the leases ran out (registered events
+/// moved to the lane DISPATCH_UNKNOWN, handed-out ones given back).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn every_reader_of_state_reads_what_outbox_event_state_reads(pool: PgPool) {
+    use outbox_core::store::FindingsStore;
+    use outbox_core::{EventState, ManualClock, OutboxStore};
+    use std::collections::{BTreeMap, BTreeSet};
+    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
+    let (_cluster, _probe) = started(&pool, 5_000).await;
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap();
+    let clock = ManualClock::new(now);
+    let store = outbox_producer::PgStore::with_clock(pool.clone(), std::sync::Arc::new(clock.clone()));
+    let ids = emit_many(&pool, 6, 2).await;
+
+    let check = |stage: &'static str| {
+        let (pool, store, ids) = (pool.clone(), store.clone(), ids.clone());
+        async move {
+            let one: BTreeMap<String, EventState> = {
+                let rows: Vec<(String, String)> = sqlx::query_as("SELECT id, outbox_event_state(id) FROM unnest($1::text[]) AS id").bind(&ids).fetch_all(&pool).await.unwrap();
+                rows.into_iter().map(|(id, s)| (id, EventState::parse(&s).unwrap())).collect()
+            };
+            for (id, want) in &one {
+                let got = store.event_state(&id.parse().unwrap()).await.unwrap().0;
+                assert_eq!(got, *want, "{stage}: event_state of {id}");
+            }
+            let mut by_function: BTreeMap<EventState, i64> = BTreeMap::new();
+            for s in one.values() {
+                *by_function.entry(*s).or_default() += 1;
+            }
+            let counts: BTreeMap<EventState, i64> = store.state_counts().await.unwrap().into_iter().filter(|(_, n)| *n > 0).collect();
+            assert_eq!(counts, by_function, "{stage}: the counts per state");
+            let ids_in = |states: &[EventState]| one.iter().filter(|(_, s)| states.contains(s)).map(|(id, _)| id.clone()).collect::<BTreeSet<String>>();
+            let far = clock_far(&pool).await;
+            let aged: BTreeSet<String> = store.aged_candidates(far, 1_000).await.unwrap().into_iter().map(|f| f.event_id).collect();
+            assert_eq!(aged, ids_in(&[EventState::Pending, EventState::Claimed, EventState::Sending]), "{stage}: the aged-event candidates");
+            for f in store.aged_candidates(far, 1_000).await.unwrap() {
+                assert_eq!(Some(&f.state), one.get(&f.event_id), "{stage}: an aged candidate's state");
+            }
+            let unknown: BTreeSet<String> = store.unknown_candidates(far, 1_000).await.unwrap().into_iter().map(|f| f.event_id).collect();
+            assert_eq!(unknown, ids_in(&[EventState::DispatchUnknown]), "{stage}: the unknown candidates");
+            let quarantined: BTreeSet<String> = store.quarantined_candidates(1_000).await.unwrap().into_iter().map(|f| f.event_id).collect();
+            assert_eq!(quarantined, ids_in(&[EventState::Quarantined]), "{stage}: the quarantined candidates");
+            let pending = ids_in(&[EventState::Pending]);
+            let oldest: Option<i64> = if pending.is_empty() {
+                None
+            } else {
+                sqlx::query_scalar(
+                    "SELECT min(c) FROM (SELECT created_at_ms AS c FROM outbox_stream WHERE event_id = ANY($1)
+                                         UNION ALL SELECT created_at_ms FROM outbox_events WHERE event_id = ANY($1)) t",
+                )
+                .bind(pending.iter().cloned().collect::<Vec<_>>())
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            };
+            assert_eq!(outbox_producer::pg::oldest_pending_created_ms(&pool).await.unwrap(), oldest, "{stage}: the oldest PENDING event");
+            one
+        }
+    };
+
+    let at = check("emitted").await;
+    assert!(at.values().all(|s| *s == EventState::Pending));
+    // One event per key handed out; three registered; one published, one
+    // met by a copy of other bytes (quarantined, to the lane).
+    let claimed = store.claim_batch("d", 100, 30_000).await.unwrap();
+    assert!(claimed.len() >= 3, "at most one event per key, at least three keys: {}", claimed.len());
+    check("handed out").await;
+    let mut registered = Vec::new();
+    for c in &claimed[..3] {
+        registered.push(store.register_attempt(&c.token).await.unwrap());
+    }
+    check("registered").await;
+    store.accept_dispatch_receipt(&outbox_tests::ack_receipt(&claimed[0], &registered[0], claimed[0].destination.partition, 0)).await.unwrap();
+    let mut forged = outbox_tests::ack_receipt(&claimed[1], &registered[1], claimed[1].destination.partition, 1);
+    forged.payload_digest = outbox_core::canonical::sha256_digest(b"other bytes");
+    store.accept_dispatch_receipt(&forged).await.unwrap();
+    let at = check("published and quarantined").await;
+    assert_eq!(at.values().filter(|s| **s == EventState::Published).count(), 1);
+    assert_eq!(at.values().filter(|s| **s == EventState::Quarantined).count(), 1);
+    // The leases run out: the registered, unsettled event is UNKNOWN in
+    // the lane; the handed-out ones are given back.
+    clock.advance(31_000);
+    store.expire_leases().await.unwrap();
+    let at = check("after the leases ran out").await;
+    assert_eq!(at.values().filter(|s| **s == EventState::DispatchUnknown).count(), 1, "{at:?}");
+}
+
+/// A time after every event's creation, on the database's clock.
+async fn clock_far(pool: &PgPool) -> i64 {
+    sqlx::query_scalar::<_, i64>("SELECT (extract(epoch FROM now()) * 1000)::bigint + 86400000").fetch_one(pool).await.unwrap()
+}
