@@ -88,7 +88,8 @@ BEGIN
                              'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
                              'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream',
-                             'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies'] LOOP
+                             'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies',
+                             'outbox_stream_drops'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -231,7 +232,7 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
                   'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream', 'outbox_bucket_leases',
-                  'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies']) t;
+                  'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies', 'outbox_stream_drops']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes
@@ -255,11 +256,13 @@ SELECT pg_temp.outbox_grant('outbox_watermark_publisher', 'SELECT, INSERT, UPDAT
 -- Functions. The outbox's functions (emit's and the consumer's lookups,
 -- the checks its triggers and constraints call) run with the caller's
 -- rights: executing one gives nothing the caller's table grants do not.
--- Two are SECURITY DEFINER: outbox_stream_to_lane copies stream events into
+-- Three are SECURITY DEFINER: outbox_stream_to_lane copies stream events into
 -- outbox_events as PENDING, only what the stream holds, only once; the
 -- dispatcher's roles execute it (below), nobody else. And
 -- outbox_stream_partitions_ahead creates and attaches the stream's next
--- partitions (as the schema's owner); the operator's retention executes it. PostgreSQL lets PUBLIC execute new functions; a
+-- partitions (as the schema's owner), and outbox_stream_drop_settled drops
+-- those whose events are all in the lane; the operator's retention executes
+-- them. PostgreSQL lets PUBLIC execute new functions; a
 -- database hardened against that (REVOKE EXECUTE ... FROM PUBLIC, or
 -- default privileges) still needs every role to execute them.
 DO $$
@@ -282,6 +285,11 @@ BEGIN
     IF to_regprocedure('outbox_stream_partitions_ahead(integer)') IS NOT NULL THEN
         REVOKE EXECUTE ON FUNCTION outbox_stream_partitions_ahead(integer) FROM PUBLIC;
         GRANT EXECUTE ON FUNCTION outbox_stream_partitions_ahead(integer) TO outbox_operator;
+    END IF;
+    -- ... and drops the partitions whose events are all in the lane.
+    IF to_regprocedure('outbox_stream_drop_settled(integer)') IS NOT NULL THEN
+        REVOKE EXECUTE ON FUNCTION outbox_stream_drop_settled(integer) FROM PUBLIC;
+        GRANT EXECUTE ON FUNCTION outbox_stream_drop_settled(integer) TO outbox_operator;
     END IF;
 END $$;
 

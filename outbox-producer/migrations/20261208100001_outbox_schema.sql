@@ -1863,6 +1863,78 @@ END
 $$;
 REVOKE EXECUTE ON FUNCTION outbox_stream_partitions_ahead(integer) FROM PUBLIC;
 
+-- Retention drops a stream partition once every event in it is in the
+-- exception lane (settled there, or retained there for the replay window),
+-- so that the stream's storage goes by the partition, never by a DELETE.
+-- Two passes at least: a partition the sequence has left is first marked
+-- with the transaction horizon of that moment (seen_xmax); a transaction
+-- that drew a seq in it and has not committed is below that horizon, and
+-- no later transaction can draw one there. Once every transaction below
+-- the mark has ended, the partition's rows are final: if each has its lane
+-- row, the partition is detached and dropped under a lock timeout of
+-- 100 ms (a reader of the whole stream holding it makes the drop give up
+-- until a later pass; emits and claims queue behind the waiting detach for
+-- at most that long).
+CREATE TABLE outbox_stream_drops (
+    partition    text COLLATE "C" PRIMARY KEY,
+    seen_xmax    xid8 NOT NULL,
+    marked_at_ms bigint NOT NULL
+);
+CREATE FUNCTION outbox_stream_drop_settled(p_max integer) RETURNS integer
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+    SET search_path FROM CURRENT
+    SET lock_timeout = '100ms'
+AS $$
+DECLARE
+    width constant bigint := 16777216;
+    cur integer;
+    r record;
+    mark xid8;
+    settled boolean;
+    dropped integer := 0;
+BEGIN
+    IF p_max IS NULL OR p_max < 1 OR p_max > 64 THEN
+        RAISE EXCEPTION 'stream partitions to drop: 1 to 64, not %', p_max;
+    END IF;
+    cur := ((SELECT last_value FROM outbox_events_seq_seq) / width)::integer;
+    FOR r IN
+        SELECT c.relname::text AS part, substring(c.relname FROM '^outbox_stream_p([0-9]+)$')::integer AS n
+        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+        WHERE i.inhparent = 'outbox_stream'::regclass AND c.relname ~ '^outbox_stream_p[0-9]+$'
+        ORDER BY 2
+    LOOP
+        -- The partition the sequence is in, and those past it, stay.
+        EXIT WHEN r.n >= cur OR dropped >= p_max;
+        SELECT d.seen_xmax INTO mark FROM outbox_stream_drops d WHERE d.partition = r.part;
+        IF NOT FOUND THEN
+            INSERT INTO outbox_stream_drops (partition, seen_xmax, marked_at_ms)
+            VALUES (r.part, pg_snapshot_xmax(pg_current_snapshot()), (extract(epoch FROM clock_timestamp()) * 1000)::bigint);
+            -- Its rows are final only once the transactions below the mark end.
+            RETURN dropped;
+        END IF;
+        IF pg_snapshot_xmin(pg_current_snapshot()) < mark THEN
+            RETURN dropped;
+        END IF;
+        EXECUTE format('SELECT NOT EXISTS (SELECT 1 FROM %I s WHERE NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id))', r.part)
+            INTO settled;
+        IF NOT settled THEN
+            RETURN dropped;
+        END IF;
+        BEGIN
+            EXECUTE format('ALTER TABLE outbox_stream DETACH PARTITION %I', r.part);
+            EXECUTE format('DROP TABLE %I', r.part);
+            DELETE FROM outbox_stream_drops d WHERE d.partition = r.part;
+            dropped := dropped + 1;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE 'outbox_stream_drop_settled: % not dropped: a reader holds the stream; the next call tries again', r.part;
+            RETURN dropped;
+        END;
+    END LOOP;
+    RETURN dropped;
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox_stream_drop_settled(integer) FROM PUBLIC;
+
 -- Each bucket of a cluster's keys has one lease: who cuts and sends its
 -- batches, until when, under which generation (every grant raises it and
 -- fences the holders before). `prev_cut`..`cut` is the window the bucket's

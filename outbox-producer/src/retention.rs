@@ -322,6 +322,10 @@ pub struct PgRetention {
 /// created and attached past the one the sequence is in.
 pub const STREAM_PARTITIONS_AHEAD: i32 = 2;
 
+/// At most how many of the stream's partitions one retention pass drops
+/// (each once every event in it is in the lane, `outbox_stream_drop_settled`).
+pub const STREAM_PARTITIONS_DROPPED_PER_PASS: i32 = 4;
+
 impl PgRetention {
     /// Over `pool`.
     pub async fn new(pool: PgPool) -> Result<Self, ProducerError> {
@@ -343,11 +347,16 @@ impl RetentionStore for PgRetention {
     }
 
     /// The stream's partitions stay ahead of its sequence, so that no
-    /// event lands in its default partition (schema section 17).
+    /// event lands in its default partition, and those behind it whose
+    /// events are all in the lane are dropped (schema section 17).
     async fn upkeep(&self) -> Result<(), ProducerError> {
         let attached: i32 = sqlx::query_scalar("SELECT outbox_stream_partitions_ahead($1)").bind(STREAM_PARTITIONS_AHEAD).fetch_one(&self.pool).await?;
         if attached > 0 {
             tracing::info!(attached, "stream partitions created and attached ahead of the sequence");
+        }
+        let dropped: i32 = sqlx::query_scalar("SELECT outbox_stream_drop_settled($1)").bind(STREAM_PARTITIONS_DROPPED_PER_PASS).fetch_one(&self.pool).await?;
+        if dropped > 0 {
+            tracing::info!(dropped, "stream partitions dropped: every event in them is in the lane");
         }
         Ok(())
     }

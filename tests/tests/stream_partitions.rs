@@ -122,3 +122,148 @@ async fn a_reader_of_the_whole_stream_delays_the_attach_not_the_hot_path(pool: P
     assert_eq!(made, 1);
     assert!(partitions(&pool).await.contains(&"outbox_stream_p2".to_owned()));
 }
+
+/// The stream's ids in partition `part`.
+async fn ids_in(pool: &PgPool, part: &str) -> Vec<String> {
+    sqlx::query_scalar(&format!("SELECT event_id FROM {part} ORDER BY seq")).fetch_all(pool).await.unwrap()
+}
+
+async fn to_lane(pool: &PgPool, ids: &[String]) {
+    sqlx::query("SELECT outbox_stream_to_lane($1::text[])").bind(ids).execute(pool).await.unwrap();
+}
+
+async fn drop_settled(pool: &PgPool) -> i32 {
+    sqlx::query_scalar("SELECT outbox_stream_drop_settled(4)").fetch_one(pool).await.unwrap()
+}
+
+/// Until every transaction below each partition's mark has ended (the
+/// horizon is the cluster's: other tests' transactions, in any database,
+/// hold it back for a moment), so that what a drop answers next is about
+/// the partition's rows, not the horizon.
+async fn until_past_the_marks(pool: &PgPool) {
+    let past = "SELECT count(*) FROM outbox_stream_drops WHERE pg_snapshot_xmin(pg_current_snapshot()) < seen_xmax";
+    wait_count(pool, past, 0, Duration::from_secs(10)).await;
+}
+
+/// [`drop_settled`] once past the marks.
+async fn drop_settled_past_the_marks(pool: &PgPool) -> i32 {
+    until_past_the_marks(pool).await;
+    drop_settled(pool).await
+}
+
+/// [`drop_settled_past_the_marks`] until it drops something (at most 5 s):
+/// the detach gives up after its lock timeout behind anyone holding the
+/// stream, autovacuum's analyze of a partition just written included.
+async fn drop_settled_eventually(pool: &PgPool) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let n = drop_settled_past_the_marks(pool).await;
+        if n > 0 || Instant::now() > deadline {
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue 45: retention drops a stream partition the sequence has left once
+/// every event in it is in the exception lane, in two steps: a first pass
+/// marks it with the transaction horizon of that moment, and it is dropped
+/// only after every transaction below the mark ended (an emit that drew a
+/// seq in it may still commit a row there) and each of its rows has its
+/// lane row. The partition the sequence is in stays; the events of the
+/// dropped one read the same through the lane.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_partition_whose_events_are_all_in_the_lane_is_dropped_after_the_transactions_before_its_mark(pool: PgPool) {
+    on_the_stream(&pool).await;
+    next_seq_is(&pool, WIDTH - 3).await;
+    for i in 0..2 {
+        create_order(&pool, &format!("o-{i}"), 1).await;
+    }
+    // An emit that drew a seq in p0 and has not committed.
+    let mut open = pool.begin().await.unwrap();
+    let payload = order_payload("o-open", 1);
+    let late = outbox_producer::emit(&mut open, &order_request("c-open", "o-open", &payload), &outbox_producer::EmitOptions::default()).await.unwrap();
+    for i in 2..5 {
+        create_order(&pool, &format!("o-{i}"), 1).await;
+    }
+    assert_eq!(rows_in(&pool, "outbox_stream_p0").await, 2, "the open emit's row is not visible yet");
+    assert_eq!(rows_in(&pool, "outbox_stream_p1").await, 3);
+
+    assert_eq!(drop_settled(&pool).await, 0, "a first call marks p0");
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_stream_drops WHERE partition = 'outbox_stream_p0'").await, 1);
+    to_lane(&pool, &ids_in(&pool, "outbox_stream_p0").await).await;
+    assert_eq!(drop_settled(&pool).await, 0, "a transaction below the mark is still open");
+    assert!(partitions(&pool).await.contains(&"outbox_stream_p0".to_owned()));
+    open.commit().await.unwrap();
+    assert_eq!(rows_in(&pool, "outbox_stream_p0").await, 3);
+    assert_eq!(drop_settled_past_the_marks(&pool).await, 0, "the open emit's event is on the stream only");
+    let late_id = late.event_id().to_string();
+    to_lane(&pool, std::slice::from_ref(&late_id)).await;
+
+    let p0 = ids_in(&pool, "outbox_stream_p0").await;
+    assert_eq!(drop_settled_eventually(&pool).await, 1);
+    let parts = partitions(&pool).await;
+    assert!(!parts.contains(&"outbox_stream_p0".to_owned()) && parts.contains(&"outbox_stream_p1".to_owned()), "{parts:?}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_stream_drops").await, 0);
+    for id in &p0 {
+        let state: Option<String> = sqlx::query_scalar("SELECT outbox_event_state($1)").bind(id).fetch_one(&pool).await.unwrap();
+        assert_eq!(state.as_deref(), Some("PENDING"), "{id} reads through the lane");
+    }
+    // The partition the sequence is in stays, whatever its events.
+    to_lane(&pool, &ids_in(&pool, "outbox_stream_p1").await).await;
+    assert_eq!(drop_settled(&pool).await, 0);
+    assert_eq!(drop_settled(&pool).await, 0);
+    assert!(partitions(&pool).await.contains(&"outbox_stream_p1".to_owned()));
+}
+
+/// A reader of the whole stream holds a share of every partition; the
+/// detach needs the stream alone. The drop gives up after its lock timeout
+/// instead of waiting for the reader, an emit goes on meanwhile, and a pass
+/// after the reader is gone drops the partition.
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn a_reader_of_the_whole_stream_delays_the_drop_not_the_hot_path(pool: PgPool) {
+    on_the_stream(&pool).await;
+    next_seq_is(&pool, WIDTH - 2).await;
+    for i in 0..4 {
+        create_order(&pool, &format!("o-{i}"), 1).await;
+    }
+    to_lane(&pool, &ids_in(&pool, "outbox_stream_p0").await).await;
+    assert_eq!(drop_settled(&pool).await, 0, "marked");
+    let mut reader = pool.acquire().await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *reader).await.unwrap();
+    sqlx::query("SELECT count(*) FROM outbox_stream").execute(&mut *reader).await.unwrap();
+
+    // The reader has no transaction id (it only reads): only its lock stops the drop.
+    until_past_the_marks(&pool).await;
+    let started = Instant::now();
+    assert_eq!(drop_settled(&pool).await, 0, "dropped while a reader held the stream");
+    assert!(started.elapsed() < Duration::from_secs(2), "the drop waited {:?} for the reader", started.elapsed());
+    let started = Instant::now();
+    create_order(&pool, "o-during", 1).await;
+    assert!(started.elapsed() < Duration::from_secs(2), "an emit waited {:?} while the reader held the stream", started.elapsed());
+
+    sqlx::query("COMMIT").execute(&mut *reader).await.unwrap();
+    drop(reader);
+    assert_eq!(drop_settled_eventually(&pool).await, 1);
+    assert!(!partitions(&pool).await.contains(&"outbox_stream_p0".to_owned()));
+}
+
+/// A retention pass drops what `outbox_stream_drop_settled` allows: the
+/// pass calls it (after attaching the partitions ahead).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn retention_passes_drop_a_settled_partition(pool: PgPool) {
+    on_the_stream(&pool).await;
+    next_seq_is(&pool, WIDTH - 2).await;
+    for i in 0..4 {
+        create_order(&pool, &format!("o-{i}"), 1).await;
+    }
+    to_lane(&pool, &ids_in(&pool, "outbox_stream_p0").await).await;
+    retention_pass(&pool).await;
+    assert!(partitions(&pool).await.contains(&"outbox_stream_p0".to_owned()), "the first pass only marks it");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while partitions(&pool).await.contains(&"outbox_stream_p0".to_owned()) && Instant::now() < deadline {
+        until_past_the_marks(&pool).await;
+        retention_pass(&pool).await;
+    }
+    assert!(!partitions(&pool).await.contains(&"outbox_stream_p0".to_owned()), "a later pass drops it");
+}

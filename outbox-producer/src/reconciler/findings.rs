@@ -48,7 +48,7 @@ impl<B: Broker + 'static, S: ServiceStore + FindingsStore> Reconciler<B, S> {
                 let of_id = p.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
                 let detail = if at.on_replaced_unnamed_log() {
                     format!(
-                        "published at {}/{}@{} in a partition whose log was replaced under the same name (its position epoch {}; a receipt of the partition above epoch 0): no watermark can say the consumer read it; check its receipts (runbook: a topic was recreated)",
+                        "published at {}/{}@{} in a partition whose log was replaced under the same name (its position epoch {}; a receipt of the partition above epoch 0): no watermark can say the consumer read it; check its receipts, and set the route again with its topic id (runbook: a topic was recreated)",
                         p.topic, p.partition, p.offset, p.position_epoch
                     )
                 } else {
