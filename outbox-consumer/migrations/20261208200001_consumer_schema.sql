@@ -118,6 +118,15 @@ CREATE TABLE outbox_consumer_watermarks (
     cluster_id          text        NOT NULL DEFAULT '',
     topic_id            text
         CHECK (topic_id IS NULL OR (topic_id ~ '^[A-Za-z0-9_-]{21}[AQgw]$' AND topic_id <> 'AAAAAAAAAAAAAAAAAAAAAA')),
+    -- The event of the message at committed_offset - 1, when the consumer
+    -- decided it as a genuine message of it (NULL otherwise, and for rows a
+    -- watermark record moved): retention and the reconciler find its
+    -- receipt there to tell a destination.v1 watermark of another log under
+    -- the same name (outbox_core::WatermarkAnchor).
+    anchor_event_id     text,
+    -- Whether the consumer's own store wrote the anchor (false for a row a
+    -- watermark record moved: judged by its log's name alone).
+    anchor_recorded     boolean     NOT NULL DEFAULT false,
     CONSTRAINT outbox_consumer_watermarks_log_key
         UNIQUE NULLS NOT DISTINCT (consumer_id, cluster_id, topic, partition, topic_id)
 );

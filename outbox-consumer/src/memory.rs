@@ -235,6 +235,10 @@ impl ConsumerStore for MemoryConsumerStore {
             }
             for (k, a) in tx.watermarks.drain(..) {
                 let row = st.watermarks.entry(k).or_insert_with(|| WatermarkAdvance { topic_id: a.topic_id.clone(), ..WatermarkAdvance::default() });
+                // The row keeps the anchor of its committed offset.
+                if a.committed_offset > row.committed_offset || (a.committed_offset == row.committed_offset && a.anchor_event_id.is_some()) {
+                    row.anchor_event_id = a.anchor_event_id.clone();
+                }
                 row.committed_offset = row.committed_offset.max(a.committed_offset);
                 row.applied += a.applied;
                 row.duplicates += a.duplicates;

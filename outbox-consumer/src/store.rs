@@ -59,6 +59,12 @@ pub struct WatermarkAdvance {
     pub dead_lettered: i64,
     /// The last event applied, if any.
     pub last_event_id: Option<String>,
+    /// The event of the message at `committed_offset - 1`, when this
+    /// transaction decided it as a genuine message of it: the watermark's
+    /// anchor, by which retention tells a watermark of another log under
+    /// the same name (`outbox_core::WatermarkAnchor`). The row keeps the
+    /// anchor of its committed offset.
+    pub anchor_event_id: Option<String>,
 }
 
 /// A message to quarantine.
@@ -474,13 +480,18 @@ impl ConsumerStore for PgConsumerStore {
         let quarantined: Vec<i64> = rows.iter().map(|r| r.quarantined).collect();
         let dead: Vec<i64> = rows.iter().map(|r| r.dead_lettered).collect();
         let last: Vec<Option<&str>> = rows.iter().map(|r| r.last_event_id.as_deref()).collect();
+        let anchors: Vec<Option<&str>> = rows.iter().map(|r| r.anchor_event_id.as_deref()).collect();
         sqlx::query(
             "INSERT INTO outbox_consumer_watermarks AS w
-                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, cluster_id, topic_id)
-             SELECT $1, $2, $3, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, now(), $4, u.topic_id
-             FROM UNNEST($5::text[], $6::int8[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::text[])
-                 AS u(topic_id, committed_offset, applied, duplicates, quarantined, dead, last_event_id)
+                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, cluster_id, topic_id, anchor_event_id, anchor_recorded)
+             SELECT $1, $2, $3, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, now(), $4, u.topic_id, u.anchor, true
+             FROM UNNEST($5::text[], $6::int8[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::text[], $12::text[])
+                 AS u(topic_id, committed_offset, applied, duplicates, quarantined, dead, last_event_id, anchor)
              ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
+                 anchor_event_id = CASE WHEN EXCLUDED.committed_offset > w.committed_offset THEN EXCLUDED.anchor_event_id
+                                        WHEN EXCLUDED.committed_offset = w.committed_offset THEN COALESCE(EXCLUDED.anchor_event_id, w.anchor_event_id)
+                                        ELSE w.anchor_event_id END,
+                 anchor_recorded = CASE WHEN EXCLUDED.committed_offset >= w.committed_offset THEN true ELSE w.anchor_recorded END,
                  committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
                  applied_count = w.applied_count + EXCLUDED.applied_count,
                  duplicate_count = w.duplicate_count + EXCLUDED.duplicate_count,
@@ -500,6 +511,7 @@ impl ConsumerStore for PgConsumerStore {
         .bind(&quarantined)
         .bind(&dead)
         .bind(&last)
+        .bind(&anchors)
         .execute(&mut **tx)
         .await?;
         Ok(())

@@ -121,6 +121,10 @@ async fn tampered_messages_are_quarantined_and_the_partition_moves_on(pool: PgPo
     assert_eq!(n, 3);
     let w = &outbox_consumer::watermarks(&pool, "billing").await.unwrap()[0];
     assert_eq!((w.committed_offset, w.applied_count, w.quarantined_count, w.duplicate_count), (6, 3, 3, 1));
+    // The row's anchor: the event of the message at committed_offset - 1,
+    // decided there as genuine (retention finds its receipt there).
+    let anchor: Option<String> = sqlx::query_scalar("SELECT anchor_event_id FROM outbox_consumer_watermarks WHERE consumer_id = 'billing'").fetch_one(&pool).await.unwrap();
+    assert_eq!(anchor.as_deref(), Some(victim.event_id().as_str()));
 }
 
 /// The same eventId with other payload bytes (each copy self-consistent) is

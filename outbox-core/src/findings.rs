@@ -104,7 +104,8 @@ pub fn unconsumed_published(
     }
     // A watermark under the name of a replaced log may be the old log's:
     // it proves nothing about an event of the new one.
-    let passed = !placement.on_replaced_unnamed_log() && watermarks.iter().any(|w| w.covers_log_of(consumer_id, placement) && w.committed_offset > placement.offset);
+    let passed = !placement.on_replaced_unnamed_log()
+        && watermarks.iter().any(|w| w.covers_log_of(consumer_id, placement) && w.committed_offset > placement.offset && w.anchor_agrees_with(placement));
     (!passed).then(|| now_ms - published_at_ms)
 }
 
@@ -171,7 +172,7 @@ mod tests {
     fn unconsumed_is_judged_on_the_very_log() {
         let topics = vec!["orders".to_owned()];
         let at = LogPosition { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2, offset: 10, position_epoch: 0, partition_replaced: false, position_lost: false };
-        let wm = |cluster_id, topic_id, partition, committed_offset| WatermarkRef { consumer_id: "c", cluster_id, topic: "orders", topic_id, partition, committed_offset };
+        let wm = |cluster_id, topic_id, partition, committed_offset| WatermarkRef { consumer_id: "c", cluster_id, topic: "orders", topic_id, partition, committed_offset, anchor: crate::retention::WatermarkAnchor::Unrecorded };
         let judge = |wms: &[WatermarkRef<'_>]| unconsumed_published(Published, NOW - 100, NOW, 50, &at, "c", &topics, wms);
         assert_eq!(judge(&[]), Some(100), "no watermark");
         assert_eq!(judge(&[wm("k1", None, 2, 11)]), None, "passed");
@@ -196,7 +197,7 @@ mod tests {
     #[test]
     fn no_watermark_passes_an_event_of_a_replaced_unnamed_log() {
         let topics = vec!["orders".to_owned()];
-        let wm = |topic_id| WatermarkRef { consumer_id: "c", cluster_id: "k1", topic: "orders", topic_id, partition: 2, committed_offset: 1_000 };
+        let wm = |topic_id| WatermarkRef { consumer_id: "c", cluster_id: "k1", topic: "orders", topic_id, partition: 2, committed_offset: 1_000, anchor: crate::retention::WatermarkAnchor::Unrecorded };
         let replaced = LogPosition { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2, offset: 10, position_epoch: 1, partition_replaced: false, position_lost: false };
         assert_eq!(unconsumed_published(Published, NOW - 100, NOW, 50, &replaced, "c", &topics, &[wm(None)]), Some(100));
         let named = LogPosition { topic_id: Some("AAAAAAAAAAAAAAAAAAAAAQ"), ..replaced };

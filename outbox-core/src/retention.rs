@@ -66,6 +66,40 @@ pub enum HoldReason {
     /// held, whatever the consumers, until an operator re-publishes it or
     /// resolves the finding (docs/OPERATIONS.md, `receipt_position_lost`).
     PositionLost,
+    /// The mandatory consumer's watermark of the event's `destination.v1`
+    /// log has passed it, but the event the consumer recorded at the
+    /// watermark's last offset ([`WatermarkAnchor`]) has no receipt there
+    /// in the event's position epoch: the watermark was moved by another
+    /// log of the same name (one that replaced the event's, or the one the
+    /// event's replaced), or the consumer's last message there was not the
+    /// event's receipt's message (a copy). Held until the watermark moves
+    /// on to an offset whose anchor agrees.
+    WatermarkOfAnotherLog {
+        /// The consumer.
+        consumer_id: String,
+        /// Its committed offset.
+        committed_offset: i64,
+    },
+}
+
+/// What a consumer recorded of the message just below its watermark (the
+/// last one it decided there), and what the store's receipts say of it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WatermarkAnchor {
+    /// Nothing recorded (a watermark read from the watermark topic): the
+    /// watermark is judged by its log's name alone.
+    #[default]
+    Unrecorded,
+    /// The consumer recorded what it decided at `committed_offset - 1`;
+    /// `epoch` is the position epoch of the receipt of that event at that
+    /// very position (`None`: the store holds no receipt of it there, or
+    /// the message there was no genuine message of an event, or the
+    /// watermark stops at a gap's start, whose message an earlier
+    /// transaction decided).
+    At {
+        /// The position epoch of the anchor's receipt at that position.
+        epoch: Option<i32>,
+    },
 }
 
 /// Whether an event published at `published_at_ms` is past the replay
@@ -136,9 +170,25 @@ pub struct WatermarkRef<'a> {
     pub partition: i32,
     /// The next offset the consumer reads.
     pub committed_offset: i64,
+    /// What it recorded of its last message there.
+    pub anchor: WatermarkAnchor,
 }
 
 impl WatermarkRef<'_> {
+    /// Whether this watermark's anchor agrees with the log of `at`: always
+    /// for a `destination.v2` position (its topic id names its log) and for
+    /// an unrecorded anchor; for a `destination.v1` position, the anchor's
+    /// receipt sits at the watermark's last offset in `at`'s position
+    /// epoch (a watermark carried over from a replaced log, or moved by the
+    /// log that replaced `at`'s, names an event whose receipt is elsewhere).
+    pub fn anchor_agrees_with(&self, at: &LogPosition<'_>) -> bool {
+        match self.anchor {
+            _ if at.topic_id.is_some() => true,
+            WatermarkAnchor::Unrecorded => true,
+            WatermarkAnchor::At { epoch } => epoch == Some(at.position_epoch),
+        }
+    }
+
     /// Whether this watermark is of `consumer_id` on the log of `at`: same
     /// cluster, topic, topic id (exactly: `None` matches only `None`) and
     /// partition.
@@ -193,7 +243,12 @@ pub fn may_purge(
             Some(committed_offset) if committed_offset <= placement.offset => {
                 return Err(HoldReason::WatermarkBehind { consumer_id: consumer.to_owned(), committed_offset })
             }
-            Some(_) => {}
+            Some(committed_offset) => {
+                let agrees = mandatory_watermarks.iter().find(|w| w.covers_log_of(consumer, &placement)).is_some_and(|w| w.anchor_agrees_with(&placement));
+                if !agrees {
+                    return Err(HoldReason::WatermarkOfAnotherLog { consumer_id: consumer.to_owned(), committed_offset });
+                }
+            }
         }
     }
     Ok(())
@@ -218,7 +273,7 @@ mod tests {
     fn purge(state: EventState, published: i64, wms: &[(&str, &str, i32, i64)], mandatory: &[&str]) -> Result<(), HoldReason> {
         let wms: Vec<WatermarkRef<'_>> = wms
             .iter()
-            .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, cluster_id: "k-a", topic, topic_id: None, partition, committed_offset })
+            .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, cluster_id: "k-a", topic, topic_id: None, partition, committed_offset, anchor: WatermarkAnchor::Unrecorded })
             .collect();
         may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false }, &wms, mandatory)
     }
@@ -226,7 +281,7 @@ mod tests {
     #[test]
     fn a_watermark_on_another_cluster_holds_nothing_up() {
         let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
-        let far_on_b = [WatermarkRef { consumer_id: "c1", cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2, committed_offset: 1_000 }];
+        let far_on_b = [WatermarkRef { consumer_id: "c1", cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &far_on_b, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let past_on_a = [WatermarkRef { cluster_id: "k-a", ..far_on_b[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past_on_a, &["c1"]), Ok(()));
@@ -242,7 +297,7 @@ mod tests {
         const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
         const NEW: &str = "_____________________w";
         let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
-        let on_new = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2, committed_offset: 1_000 }];
+        let on_new = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_new, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let without_id = [WatermarkRef { topic_id: None, ..on_new[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &without_id, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
@@ -265,7 +320,7 @@ mod tests {
     fn a_v1_receipt_of_a_replaced_log_is_held_whatever_the_watermark() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
         let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 1, partition_replaced: false, position_lost: false };
-        let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX }];
+        let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
         let held = Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 1 });
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), held);
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &["c1"]), held);
@@ -297,7 +352,7 @@ mod tests {
     fn every_v1_receipt_of_a_replaced_partition_is_held_whatever_its_epoch() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
         let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 0, position_epoch: 0, partition_replaced: true, position_lost: false };
-        let new_log = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: 1 }];
+        let new_log = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: 1, anchor: WatermarkAnchor::Unrecorded }];
         assert!(at.on_replaced_unnamed_log());
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &new_log, &["c1"]), Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 0 }));
         let unreplaced = LogPosition { partition_replaced: false, ..at };
@@ -308,13 +363,41 @@ mod tests {
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()));
     }
 
+    /// Issue 46: a `destination.v1` watermark is another log's when the
+    /// event its consumer recorded at its last offset has no receipt there
+    /// in the event's position epoch (a watermark carried over from a
+    /// replaced log, or moved by the log that replaced the event's): it
+    /// lets nothing go, and `unconsumed_published` holds. Unrecorded, it
+    /// is judged by its name as before; a `destination.v2` event's own
+    /// topic id decides.
+    #[test]
+    fn a_v1_watermark_anchored_in_another_log_lets_nothing_go() {
+        const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
+        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: false };
+        let w = |anchor| [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: 1, anchor }];
+        let purge = |at: LogPosition<'_>, anchor| may_purge(EventState::Retained, 0, 10_000, W, at, &w(anchor), &["c1"]);
+        let other = Err(HoldReason::WatermarkOfAnotherLog { consumer_id: "c1".into(), committed_offset: 1 });
+        assert_eq!(purge(at, WatermarkAnchor::Unrecorded), Ok(()));
+        assert_eq!(purge(at, WatermarkAnchor::At { epoch: Some(0) }), Ok(()));
+        assert_eq!(purge(at, WatermarkAnchor::At { epoch: Some(1) }), other);
+        assert_eq!(purge(at, WatermarkAnchor::At { epoch: None }), other);
+        let v2 = LogPosition { topic_id: Some(ID), ..at };
+        let on_id = [WatermarkRef { topic_id: Some(ID), ..w(WatermarkAnchor::At { epoch: None })[0] }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()));
+        let topics = ["orders".to_owned()];
+        let unconsumed = |anchor| crate::findings::unconsumed_published(EventState::Published, 0, 10_000, 1_000, &at, "c1", &topics, &w(anchor));
+        assert_eq!(unconsumed(WatermarkAnchor::At { epoch: None }), Some(10_000));
+        assert_eq!(unconsumed(WatermarkAnchor::At { epoch: Some(0) }), None);
+        assert_eq!(unconsumed(WatermarkAnchor::Unrecorded), None);
+    }
+
     /// Issue 46: an event whose position the log lost keeps its payload,
     /// whatever the watermarks say and with no mandatory consumer at all:
     /// it is the only copy left for the operator to publish again.
     #[test]
     fn an_event_whose_position_was_lost_is_held_whatever_the_consumers() {
         let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: true };
-        let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX }];
+        let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), Err(HoldReason::PositionLost));
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &[]), Err(HoldReason::PositionLost));
         // The window and the state come first.

@@ -468,6 +468,17 @@ pub struct ConsumerWatermark {
     pub partition: i32,
     /// The next offset the consumer reads.
     pub committed_offset: i64,
+    /// Whether the consumer that moved it recorded its anchor (the outbox
+    /// consumer's own store does; a watermark record read from the
+    /// watermark topic does not; see [`crate::WatermarkAnchor`]).
+    pub anchor_recorded: bool,
+    /// The event the consumer recorded at `committed_offset - 1`, when it
+    /// decided a genuine message of one there (`None`: another message,
+    /// or an offset it capped at a gap).
+    pub anchor_event_id: Option<String>,
+    /// The position epoch of that event's receipt at that position, as the
+    /// store read it with the watermark (`None`: no receipt of it there).
+    pub anchor_epoch: Option<i32>,
 }
 
 impl ConsumerWatermark {
@@ -480,6 +491,11 @@ impl ConsumerWatermark {
             topic_id: self.topic_id.as_deref(),
             partition: self.partition,
             committed_offset: self.committed_offset,
+            anchor: if self.anchor_recorded {
+                crate::retention::WatermarkAnchor::At { epoch: self.anchor_epoch.filter(|_| self.anchor_event_id.is_some()) }
+            } else {
+                crate::retention::WatermarkAnchor::Unrecorded
+            },
         }
     }
 }

@@ -311,7 +311,9 @@ pub fn verify_signature(value: &[u8], key_id: Option<&[u8]>, signature: Option<&
 /// reader (`outbox_producer::WatermarkTopicReader`). Monotonic: offsets and
 /// counts only grow, `updated_at` keeps the consumer's own time and never
 /// goes back, and `last_event_id` follows the committed offset (a copy whose
-/// offset is behind the stored one keeps the stored event).
+/// offset is behind the stored one keeps the stored event). A record names
+/// no anchor (`anchor_event_id`): a copy that moves the offset leaves the
+/// row unanchored.
 ///
 /// Binds: `$1` the consumer id, then one array per column, element `i` of
 /// each describing row `i`: `$2` topic (`text[]`), `$3` partition (`int4[]`),
@@ -325,6 +327,8 @@ pub const COPY_UPSERT_SQL: &str = "INSERT INTO outbox_consumer_watermarks AS w
      FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[], $12::text[])
          AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id, topic_id)
      ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
+         anchor_event_id = CASE WHEN EXCLUDED.committed_offset > w.committed_offset THEN NULL ELSE w.anchor_event_id END,
+         anchor_recorded = CASE WHEN EXCLUDED.committed_offset > w.committed_offset THEN false ELSE w.anchor_recorded END,
          committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
          applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
          duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),

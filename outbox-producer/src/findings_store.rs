@@ -4,7 +4,7 @@
 //! state); the reconciler records only what the core functions judge
 //! findings on the rows read.
 
-use crate::retention::{PARTITION_REPLACED, POSITION_LOST};
+use crate::retention::{ANCHOR_EPOCH, PARTITION_REPLACED, POSITION_LOST};
 use outbox_core::{ConsumerWatermark, EventFacts, EventState, PublishedFacts, RoundFinding, StoreError, SweptEvent, WatermarkPublisherFacts};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -101,7 +101,8 @@ impl outbox_core::FindingsStore for PgStore {
         // (`LogPosition::on_replaced_unnamed_log`).
         let passed = if crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
             format!("(NOT (r.topic_id IS NULL AND (r.position_epoch > 0 OR {PARTITION_REPLACED})) AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
-                     AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\"))")
+                     AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\"
+                     AND (r.topic_id IS NOT NULL OR NOT w.anchor_recorded OR {ANCHOR_EPOCH} IS NOT DISTINCT FROM r.position_epoch)))")
         } else {
             "false".to_owned()
         };
@@ -151,9 +152,11 @@ impl outbox_core::FindingsStore for PgStore {
         if !crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
             return Ok(Vec::new());
         }
-        let rows: Vec<(String, String, String, Option<String>, i32, i64)> = sqlx::query_as(
-            "SELECT consumer_id, cluster_id, topic, topic_id, partition, committed_offset FROM outbox_consumer_watermarks WHERE consumer_id = $1 AND topic = ANY($2)",
-        )
+        type Row = (String, String, String, Option<String>, i32, i64, bool, Option<String>, Option<i32>);
+        let rows: Vec<Row> = sqlx::query_as(&format!(
+            "SELECT consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, {ANCHOR_EPOCH}
+             FROM outbox_consumer_watermarks w WHERE consumer_id = $1 AND topic = ANY($2)"
+        ))
         .bind(consumer_id)
         .bind(topics)
         .fetch_all(self.pool())
@@ -161,7 +164,17 @@ impl outbox_core::FindingsStore for PgStore {
         .map_err(store_err)?;
         Ok(rows
             .into_iter()
-            .map(|(consumer_id, cluster_id, topic, topic_id, partition, committed_offset)| ConsumerWatermark { consumer_id, cluster_id, topic, topic_id, partition, committed_offset })
+            .map(|(consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch)| ConsumerWatermark {
+                consumer_id,
+                cluster_id,
+                topic,
+                topic_id,
+                partition,
+                committed_offset,
+                anchor_recorded,
+                anchor_event_id,
+                anchor_epoch,
+            })
             .collect())
     }
 

@@ -20,6 +20,13 @@ use crate::error::ProducerError;
 pub(crate) const PARTITION_REPLACED: &str = "EXISTS (SELECT 1 FROM outbox_publish_receipts x WHERE x.position_epoch > 0
      AND x.cluster_id = r.cluster_id AND x.topic = r.topic AND x.partition = r.partition)";
 
+/// The position epoch of the receipt of watermark `w`'s anchor at its last
+/// offset (NULL: no anchor, or no receipt of it there;
+/// `outbox_core::WatermarkAnchor`).
+pub(crate) const ANCHOR_EPOCH: &str = "(SELECT ar.position_epoch FROM outbox_publish_receipts ar
+     WHERE ar.event_id = w.anchor_event_id AND ar.cluster_id = w.cluster_id AND ar.topic = w.topic AND ar.partition = w.partition
+       AND ar.\"offset\" = w.committed_offset - 1 ORDER BY ar.position_epoch DESC LIMIT 1)";
+
 /// Whether an open `receipt_position_lost` finding names receipt `r`'s
 /// event (`LogPosition::position_lost`).
 pub(crate) const POSITION_LOST: &str = "EXISTS (SELECT 1 FROM outbox_findings f WHERE f.kind = 'receipt_position_lost' AND f.event_id = r.event_id
@@ -150,18 +157,7 @@ struct Decided {
 /// Decides a page with `outbox_core::may_purge` on `registry`.
 /// `as_retained`: judge PUBLISHED candidates as if retained (a dry run).
 fn decide(page: &[Candidate], registry: &Registry, now_ms: i64, policy: &RetentionPolicy, as_retained: bool) -> Decided {
-    let wms: Vec<WatermarkRef<'_>> = registry
-        .watermarks
-        .iter()
-        .map(|w| WatermarkRef {
-            consumer_id: &w.consumer_id,
-            cluster_id: &w.cluster_id,
-            topic: &w.topic,
-            topic_id: w.topic_id.as_deref(),
-            partition: w.partition,
-            committed_offset: w.committed_offset,
-        })
-        .collect();
+    let wms: Vec<WatermarkRef<'_>> = registry.watermarks.iter().map(|w| w.watermark_ref()).collect();
     let mut out = Decided::default();
     for c in page {
         let on_topic: Vec<&str> = registry.mandatory.iter().filter(|(_, topics)| topics.iter().any(|t| *t == c.topic)).map(|(id, _)| id.as_str()).collect();
@@ -169,6 +165,11 @@ fn decide(page: &[Candidate], registry: &Registry, now_ms: i64, policy: &Retenti
         match may_purge(state, c.published_at_ms, now_ms, policy.replay_window_ms, c.position(), &wms, &on_topic) {
             Ok(()) => out.purge.push(c.event_id.clone()),
             Err(HoldReason::NoWatermark { .. } | HoldReason::WatermarkBehind { .. }) => out.held += 1,
+            Err(HoldReason::WatermarkOfAnotherLog { consumer_id, committed_offset }) => {
+                tracing::warn!(event_id = %c.event_id, consumer_id, topic = %c.topic, partition = c.partition, offset = c.offset, committed_offset,
+                    "retention holds an event a watermark of another log passed: the event the consumer recorded at its last offset has no receipt there in this event's position epoch");
+                out.held += 1;
+            }
             Err(HoldReason::ReplacedLog { consumer_id, position_epoch }) => {
                 tracing::warn!(event_id = %c.event_id, consumer_id, topic = %c.topic, partition = c.partition, offset = c.offset, position_epoch,
                     "retention holds an event of a replaced log: no watermark of its partition can say the consumer processed it");
@@ -443,20 +444,20 @@ impl RetentionStore for PgRetention {
         if topics.is_empty() {
             return Ok(Registry::default());
         }
-        type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>);
+        type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>, Option<bool>, Option<String>, Option<i32>);
         let rows: Vec<Row> = if self.watermarks {
-            sqlx::query_as(
-                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset
+            sqlx::query_as(&format!(
+                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, {ANCHOR_EPOCH}
                  FROM outbox_consumers c
                  LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = c.consumer_id AND w.topic = ANY($1::text[])
-                 WHERE c.mandatory AND c.topics && $1::text[]",
-            )
+                 WHERE c.mandatory AND c.topics && $1::text[]"
+            ))
             .bind(topics)
             .fetch_all(&mut **tx)
             .await?
         } else {
             sqlx::query_as(
-                "SELECT consumer_id, topics, NULL::text, NULL::text, NULL::text, NULL::int, NULL::bigint
+                "SELECT consumer_id, topics, NULL::text, NULL::text, NULL::text, NULL::int, NULL::bigint, NULL::boolean, NULL::text, NULL::int
                  FROM outbox_consumers WHERE mandatory AND topics && $1::text[]",
             )
             .bind(topics)
@@ -464,12 +465,12 @@ impl RetentionStore for PgRetention {
             .await?
         };
         let mut registry = Registry::default();
-        for (consumer_id, topics, cluster_id, topic, topic_id, partition, committed_offset) in rows {
+        for (consumer_id, topics, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch) in rows {
             if !registry.mandatory.iter().any(|(id, _)| *id == consumer_id) {
                 registry.mandatory.push((consumer_id.clone(), topics));
             }
             if let (Some(cluster_id), Some(topic), Some(partition), Some(committed_offset)) = (cluster_id, topic, partition, committed_offset) {
-                registry.watermarks.push(outbox_core::ConsumerWatermark { consumer_id, cluster_id, topic, topic_id, partition, committed_offset });
+                registry.watermarks.push(outbox_core::ConsumerWatermark { consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded: anchor_recorded.unwrap_or(false), anchor_event_id, anchor_epoch });
             }
         }
         Ok(registry)
@@ -585,7 +586,7 @@ impl RetentionStore for outbox_memory::MemoryStore {
             .watermarks
             .iter()
             .filter(|w| topics.contains(&w.topic.as_str()) && mandatory.iter().any(|(id, _)| *id == w.consumer_id))
-            .cloned()
+            .map(|w| st.with_anchor_epoch(w))
             .collect();
         Ok(Registry { mandatory, watermarks })
     }

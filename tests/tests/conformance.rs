@@ -143,13 +143,15 @@ impl PgHarness {
             .bind(w.partition)
             .execute(&self.pool)
             .await?;
-        sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, topic_id, partition, committed_offset) VALUES ($1, $2, $3, $4, $5, $6)")
+        sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")
             .bind(&w.consumer_id)
             .bind(&w.cluster_id)
             .bind(&w.topic)
             .bind(&w.topic_id)
             .bind(w.partition)
             .bind(w.committed_offset)
+            .bind(w.anchor_recorded)
+            .bind(&w.anchor_event_id)
             .execute(&self.pool)
             .await?;
         Ok(())

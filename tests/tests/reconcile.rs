@@ -567,7 +567,7 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         let watermarks: Vec<outbox_core::WatermarkRef<'_>> = wm_rows
             .iter()
             .filter(|w| registry.iter().any(|(c, mandatory, _)| *mandatory && c == &w.0))
-            .map(|w| outbox_core::WatermarkRef { consumer_id: &w.0, cluster_id: &w.1, topic: &w.2, topic_id: w.3.as_deref(), partition: w.4, committed_offset: w.5 })
+            .map(|w| outbox_core::WatermarkRef { consumer_id: &w.0, cluster_id: &w.1, topic: &w.2, topic_id: w.3.as_deref(), partition: w.4, committed_offset: w.5, anchor: outbox_core::WatermarkAnchor::Unrecorded })
             .collect();
         // With `blind`, as a predicate that ignores topic ids would decide.
         let decide = |blind: bool| -> Vec<String> {

@@ -31,6 +31,19 @@ pub(super) struct Counts {
     last_event_id: Option<String>,
     /// The last offset of a message counted here.
     last_offset: i64,
+    /// The event of the highest offset decided as a genuine message of it
+    /// (applied, answered with its receipt, dead-lettered): the watermark's
+    /// anchor when that offset is the last one counted.
+    anchor: Option<(i64, String)>,
+}
+
+impl Counts {
+    /// Notes `event_id` as the genuine message decided at `offset`.
+    pub(super) fn decided(&mut self, offset: i64, event_id: &str) {
+        if self.anchor.as_ref().is_none_or(|(o, _)| offset >= *o) {
+            self.anchor = Some((offset, event_id.to_owned()));
+        }
+    }
 }
 
 /// Gaps found in a transaction, reported once it committed.
@@ -141,6 +154,7 @@ impl<S: ConsumerStore> Processor<S> {
             if let Some(original) = receipts.get(id) {
                 if original.payload_digest == event.payload_digest {
                     counts.duplicates += 1;
+                    counts.decided(msg.offset, id);
                     outs.push(Outcome::Duplicate { original: original.clone(), delivery: position(msg) });
                 } else {
                     let q = Quarantined {
@@ -164,6 +178,7 @@ impl<S: ConsumerStore> Processor<S> {
             match claims.get(id) {
                 Some(Claim::Dead) => {
                     counts.duplicates += 1;
+                    counts.decided(msg.offset, id);
                     let (attempts, error) = dead.get(id).cloned().unwrap_or((0, String::new()));
                     outs.push(Outcome::DeadLettered(DeadLettered { event_id: event.event_id.clone(), position: position(msg), attempts, error, redelivery: true }));
                 }
@@ -183,6 +198,7 @@ impl<S: ConsumerStore> Processor<S> {
                         results.push((id.to_owned(), result));
                         counts.applied += 1;
                         counts.last_event_id = Some(id.to_owned());
+                        counts.decided(msg.offset, id);
                         receipts.insert(id.to_owned(), receipt.clone());
                         outs.push(Outcome::Applied { receipt });
                     }
@@ -248,14 +264,21 @@ impl<S: ConsumerStore> Processor<S> {
         let rows: Vec<WatermarkAdvance> = tally
             .0
             .iter()
-            .map(|(topic_id, c)| WatermarkAdvance {
-                topic_id: topic_id.clone(),
-                committed_offset: capped_watermark(c.last_offset.saturating_add(1), change.watermark_cap),
-                applied: c.applied,
-                duplicates: c.duplicates,
-                quarantined: c.quarantined,
-                dead_lettered: c.dead_lettered,
-                last_event_id: c.last_event_id.clone(),
+            .map(|(topic_id, c)| {
+                let committed_offset = capped_watermark(c.last_offset.saturating_add(1), change.watermark_cap);
+                // The anchor: the event of the message just below the new
+                // watermark, when this transaction decided it as genuine.
+                let anchor_event_id = c.anchor.as_ref().filter(|(o, _)| o.saturating_add(1) == committed_offset).map(|(_, id)| id.clone());
+                WatermarkAdvance {
+                    topic_id: topic_id.clone(),
+                    committed_offset,
+                    applied: c.applied,
+                    duplicates: c.duplicates,
+                    quarantined: c.quarantined,
+                    dead_lettered: c.dead_lettered,
+                    last_event_id: c.last_event_id.clone(),
+                    anchor_event_id,
+                }
             })
             .collect();
         self.store.advance_watermarks(tx, &self.consumer_id, cluster, topic, partition, &rows).await?;

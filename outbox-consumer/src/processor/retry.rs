@@ -105,7 +105,10 @@ impl<S: ConsumerStore> Processor<S> {
         // Another instance may have applied it in the meantime.
         let mut found = self.store.receipts(&mut tx, &self.consumer_id, &[event.event_id.as_str()]).await?;
         if let Some(original) = found.remove(event.event_id.as_str()) {
-            let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| c.duplicates = 1);
+            let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| {
+                c.duplicates = 1;
+                c.decided(msg.offset, event.event_id.as_str());
+            });
             let found = self.advance_watermarks(&mut tx, msg, &tally).await?;
             self.store.commit(tx).await?;
             Metrics::add(&self.metrics.transactions, 1);
@@ -115,7 +118,14 @@ impl<S: ConsumerStore> Processor<S> {
         let text: String = error.to_string().chars().take(4000).collect();
         let inserted = self.store.insert_dead_letter(&mut tx, &self.consumer_id, &DeadLetterRow { msg, event, attempts, error: &text }).await?;
         let redelivery = !inserted;
-        let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| if redelivery { c.duplicates = 1 } else { c.dead_lettered = 1 });
+        let tally = Tally::one(event.topic_id.as_deref(), msg.offset, |c| {
+            if redelivery {
+                c.duplicates = 1
+            } else {
+                c.dead_lettered = 1
+            }
+            c.decided(msg.offset, event.event_id.as_str());
+        });
         let found = self.advance_watermarks(&mut tx, msg, &tally).await?;
         self.store.commit(tx).await?;
         Metrics::add(&self.metrics.transactions, 1);

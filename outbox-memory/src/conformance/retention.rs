@@ -57,6 +57,9 @@ pub(super) async fn purge_waits_for_mandatory_watermarks<H: Harness>(c: &Ctx<'_,
         topic_id: topic_id.map(Into::into),
         partition,
         committed_offset,
+        anchor_recorded: false,
+        anchor_event_id: None,
+        anchor_epoch: None,
     };
     let (m, o, x, other_topic) = (format!("{}-m", c.prefix), format!("{}-o", c.prefix), format!("{}-x", c.prefix), format!("{}-other", c.prefix));
     let (on_topic, on_other): (&[&str], &[&str]) = (&[topic.as_str()], &[other_topic.as_str()]);
@@ -163,6 +166,9 @@ pub(super) async fn purge_holds_an_event_of_a_replaced_log<H: Harness>(c: &Ctx<'
         topic_id: None,
         partition: first.partition,
         committed_offset,
+        anchor_recorded: false,
+        anchor_event_id: None,
+        anchor_epoch: None,
     };
     let check = |stage: &'static str, want: [EventState; 3]| {
         let events = &events;
@@ -185,4 +191,61 @@ pub(super) async fn purge_holds_an_event_of_a_replaced_log<H: Harness>(c: &Ctx<'
     // Without a mandatory consumer on the topic only the lost one is held.
     eq("no mandatory consumer", c.h.purge(W, &[(o.as_str(), on_topic, false)], &[]).await?, counts(0, 2, 0, 0, 1))?;
     check("no mandatory consumer", [EventState::Retained, EventState::Purged, EventState::Purged]).await
+}
+
+/// Issue 46: a `destination.v1` watermark names the event its consumer
+/// decided at its last offset (its anchor); retention, on both stores,
+/// lets an event go on it only when that event's receipt sits at that
+/// offset in the event's position epoch. A watermark whose anchor has no
+/// receipt there was moved by another log of the same name (one that
+/// replaced this one before any receipt said so, or a watermark carried
+/// over from the one this replaced): it holds everything
+/// (`HoldReason::WatermarkOfAnotherLog`), as does one whose consumer
+/// recorded no event there (another message, or a gap's start). A
+/// watermark whose consumer records no anchor (one read from the watermark
+/// topic) is judged by its name (the other scenarios' watermarks).
+pub(super) async fn purge_checks_a_watermarks_anchor<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    const W: i64 = 60_000;
+    c.h.advance_ms(W + 1);
+    let lost_before = c.h.purge(W, &[], &[]).await?.lost_position;
+    let counts = |retained, purged, held| PurgeCounts { retained, purged, held, replaced_log: 0, lost_position: lost_before };
+    let mut events: Vec<(EventId, BrokerReceipt)> = Vec::new();
+    for n in 0..2u32 {
+        let id = c.emit(n, "anchored").await;
+        let ce = c.claim_some("w1", &id).await?;
+        let a = c.register(&ce.token).await?;
+        let r = receipt(&ce, &a, c.offset(n as i64));
+        eq(&format!("publish {n}"), c.accept(&r).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+        events.push((id, r));
+    }
+    let last = &events[1].1;
+    eq("the route's topic id", last.topic_id.as_deref(), None)?;
+    ensure(events[0].1.partition == last.partition, || "the events are not on one partition".into())?;
+    let m = format!("{}-m", c.prefix);
+    let on_topic: &[&str] = &[last.topic.as_str()];
+    let registry = [(m.as_str(), on_topic, true)];
+    let wm = |anchor: Option<&str>| MemoryWatermark {
+        consumer_id: m.clone(),
+        cluster_id: last.cluster_id.clone(),
+        topic: last.topic.clone(),
+        topic_id: None,
+        partition: last.partition,
+        committed_offset: c.offset(2),
+        anchor_recorded: true,
+        anchor_event_id: anchor.map(str::to_owned),
+        anchor_epoch: None,
+    };
+    c.h.advance_ms(W + 1);
+    let stranger = EventId::generate(c.h.now_ms() as u64).to_string();
+    eq("an anchor with no receipt at the last offset", c.h.purge(W, &registry, &[wm(Some(&stranger))]).await?, counts(2, 0, 2))?;
+    eq("an anchor whose receipt is at another offset", c.h.purge(W, &registry, &[wm(Some(events[0].0.as_str()))]).await?, counts(0, 0, 2))?;
+    eq("no event recorded at the last offset", c.h.purge(W, &registry, &[wm(None)]).await?, counts(0, 0, 2))?;
+    for (id, _) in &events {
+        eq(&format!("{id} held"), c.state(id).await?.0, EventState::Retained)?;
+    }
+    eq("the anchor's receipt at the last offset", c.h.purge(W, &registry, &[wm(Some(events[1].0.as_str()))]).await?, counts(0, 2, 0))?;
+    for (id, _) in &events {
+        eq(&format!("{id} purged"), c.state(id).await?.0, EventState::Purged)?;
+    }
+    Ok(())
 }

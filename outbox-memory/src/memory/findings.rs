@@ -93,20 +93,8 @@ impl outbox_core::store::FindingsStore for MemoryStore {
     }
 
     async fn consumer_watermarks(&self, consumer_id: &str, topics: &[String]) -> Result<Vec<outbox_core::store::ConsumerWatermark>, StoreError> {
-        Ok(self
-            .lock()
-            .watermarks
-            .iter()
-            .filter(|w| w.consumer_id == consumer_id && topics.contains(&w.topic))
-            .map(|w| outbox_core::store::ConsumerWatermark {
-                consumer_id: w.consumer_id.clone(),
-                cluster_id: w.cluster_id.clone(),
-                topic: w.topic.clone(),
-                topic_id: w.topic_id.clone(),
-                partition: w.partition,
-                committed_offset: w.committed_offset,
-            })
-            .collect())
+        let st = self.lock();
+        Ok(st.watermarks.iter().filter(|w| w.consumer_id == consumer_id && topics.contains(&w.topic)).map(|w| st.with_anchor_epoch(w)).collect())
     }
 
     async fn receipt_sweep_page(&self, limit: i64) -> Result<Vec<outbox_core::store::SweptEvent>, StoreError> {
@@ -152,6 +140,18 @@ impl super::MemoryState {
     /// once (`outbox_core::LogPosition::partition_replaced`).
     pub fn partition_replaced(&self, cluster_id: &str, topic: &str, partition: i32) -> bool {
         self.position_holders.iter().any(|((c, t, _, p, _), (_, epoch))| *epoch > 0 && c == cluster_id && t == topic && *p == partition)
+    }
+
+    /// `w` as the decisions read it: the position epoch of its anchor's
+    /// receipt at its last offset (`outbox_core::WatermarkAnchor`).
+    pub fn with_anchor_epoch(&self, w: &outbox_core::store::ConsumerWatermark) -> outbox_core::store::ConsumerWatermark {
+        let anchor_epoch = w.anchor_event_id.as_deref().and_then(|id| id.parse::<outbox_core::EventId>().ok()).and_then(|id| {
+            let e = self.events.get(&id)?;
+            let slot = e.slot.as_ref()?;
+            let here = (slot.cluster_id.as_str(), slot.topic.as_str(), slot.partition, slot.offset) == (w.cluster_id.as_str(), w.topic.as_str(), w.partition, w.committed_offset - 1);
+            here.then_some(e.slot_epoch)
+        });
+        outbox_core::store::ConsumerWatermark { anchor_epoch, ..w.clone() }
     }
 
     /// Whether an open `receipt_position_lost` finding names `event_id`.

@@ -508,6 +508,9 @@ pub(super) fn group_watermarks(store: &MemoryConsumerStore) -> Vec<MemoryWaterma
             topic_id: topic_id.clone(),
             partition: *partition,
             committed_offset: row.committed_offset,
+            anchor_recorded: true,
+            anchor_event_id: row.anchor_event_id.clone(),
+            anchor_epoch: None,
         })
         .collect()
 }

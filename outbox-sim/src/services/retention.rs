@@ -51,6 +51,9 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
                     topic_id: None,
                     partition: *partition,
                     committed_offset: *at,
+                    anchor_recorded: false,
+                    anchor_event_id: None,
+                    anchor_epoch: None,
                 }));
                 // Rows come in no particular order.
                 if w.rng.chance(0.5) {
