@@ -132,6 +132,17 @@ async fn to_lane(pool: &PgPool, ids: &[String]) {
     sqlx::query("SELECT outbox_stream_to_lane($1::text[])").bind(ids).execute(pool).await.unwrap();
 }
 
+/// On the stream, four events across the end of p0 (so the sequence has
+/// left it), and p0's events copied to the lane.
+async fn p0_left_and_in_the_lane(pool: &PgPool) {
+    on_the_stream(pool).await;
+    next_seq_is(pool, WIDTH - 2).await;
+    for i in 0..4 {
+        create_order(pool, &format!("o-{i}"), 1).await;
+    }
+    to_lane(pool, &ids_in(pool, "outbox_stream_p0").await).await;
+}
+
 async fn drop_settled(pool: &PgPool) -> i32 {
     sqlx::query_scalar("SELECT outbox_stream_drop_settled(4)").fetch_one(pool).await.unwrap()
 }
@@ -222,12 +233,7 @@ async fn a_partition_whose_events_are_all_in_the_lane_is_dropped_after_the_trans
 /// after the reader is gone drops the partition.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn a_reader_of_the_whole_stream_delays_the_drop_not_the_hot_path(pool: PgPool) {
-    on_the_stream(&pool).await;
-    next_seq_is(&pool, WIDTH - 2).await;
-    for i in 0..4 {
-        create_order(&pool, &format!("o-{i}"), 1).await;
-    }
-    to_lane(&pool, &ids_in(&pool, "outbox_stream_p0").await).await;
+    p0_left_and_in_the_lane(&pool).await;
     assert_eq!(drop_settled(&pool).await, 0, "marked");
     let mut reader = pool.acquire().await.unwrap();
     sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *reader).await.unwrap();
@@ -252,12 +258,7 @@ async fn a_reader_of_the_whole_stream_delays_the_drop_not_the_hot_path(pool: PgP
 /// pass calls it (after attaching the partitions ahead).
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn retention_passes_drop_a_settled_partition(pool: PgPool) {
-    on_the_stream(&pool).await;
-    next_seq_is(&pool, WIDTH - 2).await;
-    for i in 0..4 {
-        create_order(&pool, &format!("o-{i}"), 1).await;
-    }
-    to_lane(&pool, &ids_in(&pool, "outbox_stream_p0").await).await;
+    p0_left_and_in_the_lane(&pool).await;
     retention_pass(&pool).await;
     assert!(partitions(&pool).await.contains(&"outbox_stream_p0".to_owned()), "the first pass only marks it");
     let deadline = Instant::now() + Duration::from_secs(5);
