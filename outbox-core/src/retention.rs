@@ -237,18 +237,15 @@ pub fn may_purge(
         if placement.on_replaced_unnamed_log() {
             return Err(HoldReason::ReplacedLog { consumer_id: consumer.to_owned(), position_epoch: placement.position_epoch });
         }
-        let committed = mandatory_watermarks.iter().find(|w| w.covers_log_of(consumer, &placement)).map(|w| w.committed_offset);
-        match committed {
-            None => return Err(HoldReason::NoWatermark { consumer_id: consumer.to_owned() }),
-            Some(committed_offset) if committed_offset <= placement.offset => {
-                return Err(HoldReason::WatermarkBehind { consumer_id: consumer.to_owned(), committed_offset })
-            }
-            Some(committed_offset) => {
-                let agrees = mandatory_watermarks.iter().find(|w| w.covers_log_of(consumer, &placement)).is_some_and(|w| w.anchor_agrees_with(&placement));
-                if !agrees {
-                    return Err(HoldReason::WatermarkOfAnotherLog { consumer_id: consumer.to_owned(), committed_offset });
-                }
-            }
+        let Some(w) = mandatory_watermarks.iter().find(|w| w.covers_log_of(consumer, &placement)) else {
+            return Err(HoldReason::NoWatermark { consumer_id: consumer.to_owned() });
+        };
+        let committed_offset = w.committed_offset;
+        if committed_offset <= placement.offset {
+            return Err(HoldReason::WatermarkBehind { consumer_id: consumer.to_owned(), committed_offset });
+        }
+        if !w.anchor_agrees_with(&placement) {
+            return Err(HoldReason::WatermarkOfAnotherLog { consumer_id: consumer.to_owned(), committed_offset });
         }
     }
     Ok(())
