@@ -28,6 +28,22 @@ pub const DIVERGENT_COPY: &str = "divergent_copy";
 pub const ABSENCE_PROOF_REFUTED: &str = "absence_proof_refuted";
 /// A receipt whose position now holds another message, or lies at or beyond the log's end.
 pub const RECEIPT_POSITION_LOST: &str = "receipt_position_lost";
+
+/// The detail of the [`RECEIPT_POSITION_LOST`] finding a receipt
+/// transaction records for the event whose receipt held `receipt`'s
+/// position (both stores write it when they accept `receipt` one position
+/// epoch above it).
+pub fn position_taken_detail(receipt: &crate::BrokerReceipt) -> String {
+    format!(
+        "its receipt's position {}/{}{}/{}@{} now holds event {}'s message: the log it was recorded in is gone (cluster replaced, or a topic without a recorded id recreated)",
+        receipt.cluster_id,
+        receipt.topic,
+        receipt.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default(),
+        receipt.partition,
+        receipt.offset,
+        receipt.event_id
+    )
+}
 /// Offsets the bypass check had not read yet when the log's start moved
 /// past them (retention, DeleteRecords): whatever copies they held cannot
 /// be accounted for any more.

@@ -103,11 +103,7 @@ impl OutboxStore for MemoryStore {
                 // Another event's receipt at this position: its log is gone
                 // (as the PostgreSQL receipt transaction records it).
                 if let Some((holder, _)) = newest.filter(|(h, _)| *h != receipt.event_id) {
-                    let detail = format!(
-                        "its receipt's position {}/{}/{}@{} now holds event {}'s message: the log it was recorded in is gone (cluster replaced, or a topic without a recorded id recreated)",
-                        receipt.cluster_id, receipt.topic, receipt.partition, receipt.offset, receipt.event_id
-                    );
-                    st.findings.insert((outbox_core::compare::RECEIPT_POSITION_LOST.to_owned(), holder.to_string(), String::new()), detail);
+                    st.findings.insert((outbox_core::compare::RECEIPT_POSITION_LOST.to_owned(), holder.to_string(), String::new()), outbox_core::compare::position_taken_detail(receipt));
                 }
                 st.position_holders.insert(position, (receipt.event_id.clone(), ev.slot_epoch));
                 let log = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition);

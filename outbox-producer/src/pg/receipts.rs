@@ -208,19 +208,7 @@ impl PgStore {
                     epoch = outbox_core::compare::next_position_epoch(Some((holder.as_str(), *holder_epoch)), receipt.event_id.as_str());
                     tracing::error!(event_id = %receipt.event_id, holder = %holder, topic = %receipt.topic, partition = receipt.partition, offset = receipt.offset, epoch,
                         "a receipt's position is held by another event's receipt from a log that is gone: the old position is lost, the receipt accepted in the next position epoch");
-                    findings.push((
-                        "receipt_position_lost",
-                        holder.clone(),
-                        format!(
-                            "its receipt's position {}/{}{}/{}@{} now holds event {}'s message: the log it was recorded in is gone (cluster replaced, or a topic without a recorded id recreated)",
-                            receipt.cluster_id,
-                            receipt.topic,
-                            receipt.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default(),
-                            receipt.partition,
-                            receipt.offset,
-                            receipt.event_id
-                        ),
-                    ));
+                    findings.push((outbox_core::compare::RECEIPT_POSITION_LOST, holder.clone(), outbox_core::compare::position_taken_detail(receipt)));
                 }
             }
             if matches!(decision, ReceiptDecision::Accept { .. }) {
