@@ -139,7 +139,13 @@ impl super::MemoryState {
     /// accepted at a position epoch above 0: its log was replaced at least
     /// once (`outbox_core::LogPosition::partition_replaced`).
     pub fn partition_replaced(&self, cluster_id: &str, topic: &str, partition: i32) -> bool {
-        self.position_holders.iter().any(|((c, t, _, p, _), (_, epoch))| *epoch > 0 && c == cluster_id && t == topic && *p == partition)
+        self.replaced_partitions().any(|at| at == (cluster_id, topic, partition))
+    }
+
+    /// The partitions (cluster, topic, partition) holding a receipt above
+    /// position epoch 0 (each once per such receipt).
+    pub fn replaced_partitions(&self) -> impl Iterator<Item = (&str, &str, i32)> {
+        self.position_holders.iter().filter(|(_, (_, epoch))| *epoch > 0).map(|((c, t, _, p, _), _)| (c.as_str(), t.as_str(), *p))
     }
 
     /// `w` as the decisions read it: the position epoch of its anchor's

@@ -68,7 +68,7 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
             // pass holds at least what it knew then).
             let (replaced_before, lost_before): (BTreeSet<(String, String, i32)>, BTreeSet<EventId>) = {
                 let st = inner.lock();
-                let replaced = st.position_holders.iter().filter(|(_, (_, epoch))| *epoch > 0).map(|((c, t, _, p, _), _)| (c.clone(), t.clone(), *p)).collect();
+                let replaced = st.replaced_partitions().map(|(c, t, p)| (c.to_owned(), t.to_owned(), p)).collect();
                 let lost = st.events.keys().filter(|id| st.position_lost(id)).cloned().collect();
                 (replaced, lost)
             };

@@ -188,12 +188,8 @@ async fn the_soak_check_sees_the_chains_paths_per_event_updates(pool: PgPool) {
 /// (not PENDING, as on the lane); published, nothing is pending.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn the_oldest_pending_age_counts_the_streams_backlog(pool: PgPool) {
-    use outbox_core::{ManualClock, OutboxStore};
-    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
-    let (_cluster, _probe) = started(&pool, 5_000).await;
-    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap();
-    let clock = ManualClock::new(now);
-    let store = outbox_producer::PgStore::with_clock(pool.clone(), std::sync::Arc::new(clock.clone()));
+    use outbox_core::OutboxStore;
+    let (_cluster, clock, now, store) = on_the_stream_with_a_manual_clock(&pool).await;
     assert_eq!(store.oldest_pending_age_ms().await.unwrap(), None, "nothing emitted");
 
     let ids = emit_many(&pool, 5, 1).await;
@@ -262,13 +258,9 @@ async fn the_state_counts_count_the_streams_events(pool: PgPool) {
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn every_reader_of_state_reads_what_outbox_event_state_reads(pool: PgPool) {
     use outbox_core::store::FindingsStore;
-    use outbox_core::{EventState, ManualClock, OutboxStore};
+    use outbox_core::{EventState, OutboxStore};
     use std::collections::{BTreeMap, BTreeSet};
-    outbox_producer::set_dispatch_path(&pool, DispatchPath::Stream).await.unwrap();
-    let (_cluster, _probe) = started(&pool, 5_000).await;
-    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(&pool).await.unwrap();
-    let clock = ManualClock::new(now);
-    let store = outbox_producer::PgStore::with_clock(pool.clone(), std::sync::Arc::new(clock.clone()));
+    let (_cluster, clock, _now, store) = on_the_stream_with_a_manual_clock(&pool).await;
     let ids = emit_many(&pool, 6, 2).await;
 
     let check = |stage: &'static str| {
@@ -290,11 +282,12 @@ async fn every_reader_of_state_reads_what_outbox_event_state_reads(pool: PgPool)
             assert_eq!(counts, by_function, "{stage}: the counts per state");
             let ids_in = |states: &[EventState]| one.iter().filter(|(_, s)| states.contains(s)).map(|(id, _)| id.clone()).collect::<BTreeSet<String>>();
             let far = clock_far(&pool).await;
-            let aged: BTreeSet<String> = store.aged_candidates(far, 1_000).await.unwrap().into_iter().map(|f| f.event_id).collect();
-            assert_eq!(aged, ids_in(&[EventState::Pending, EventState::Claimed, EventState::Sending]), "{stage}: the aged-event candidates");
-            for f in store.aged_candidates(far, 1_000).await.unwrap() {
+            let aged_facts = store.aged_candidates(far, 1_000).await.unwrap();
+            for f in &aged_facts {
                 assert_eq!(Some(&f.state), one.get(&f.event_id), "{stage}: an aged candidate's state");
             }
+            let aged: BTreeSet<String> = aged_facts.into_iter().map(|f| f.event_id).collect();
+            assert_eq!(aged, ids_in(&[EventState::Pending, EventState::Claimed, EventState::Sending]), "{stage}: the aged-event candidates");
             let unknown: BTreeSet<String> = store.unknown_candidates(far, 1_000).await.unwrap().into_iter().map(|f| f.event_id).collect();
             assert_eq!(unknown, ids_in(&[EventState::DispatchUnknown]), "{stage}: the unknown candidates");
             let quarantined: BTreeSet<String> = store.quarantined_candidates(1_000).await.unwrap().into_iter().map(|f| f.event_id).collect();
@@ -342,6 +335,17 @@ async fn every_reader_of_state_reads_what_outbox_event_state_reads(pool: PgPool)
     store.expire_leases().await.unwrap();
     let at = check("after the leases ran out").await;
     assert_eq!(at.values().filter(|s| **s == EventState::DispatchUnknown).count(), 1, "{at:?}");
+}
+
+/// The stream path on a started cluster, and a store on a manual clock
+/// that starts at the database's now (the cluster, the clock, now, the store).
+async fn on_the_stream_with_a_manual_clock(pool: &PgPool) -> (outbox_tests::kafka::TestCluster, outbox_core::ManualClock, i64, outbox_producer::PgStore) {
+    outbox_producer::set_dispatch_path(pool, DispatchPath::Stream).await.unwrap();
+    let (cluster, _probe) = started(pool, 5_000).await;
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint").fetch_one(pool).await.unwrap();
+    let clock = outbox_core::ManualClock::new(now);
+    let store = outbox_producer::PgStore::with_clock(pool.clone(), std::sync::Arc::new(clock.clone()));
+    (cluster, clock, now, store)
 }
 
 /// A time after every event's creation, on the database's clock.
