@@ -96,10 +96,12 @@ pub enum Command {
     Purge(PurgeArgs),
     /// Move an undelivered event to a new destination (new envelope generation + migration receipt).
     ///
-    /// Allowed only for a PENDING event no attempt may have delivered, or a
-    /// DISPATCH_UNKNOWN event the old cluster proves it does not hold (the
-    /// Kafka connection must be to the event's frozen cluster). Otherwise
-    /// refused (exit 3) and nothing changes.
+    /// Allowed only for a PENDING event no attempt may have delivered, a
+    /// QUARANTINED one no attempt may have delivered (a re-send: the
+    /// destination may stay the same), or a DISPATCH_UNKNOWN event the old
+    /// cluster proves it does not hold (the Kafka connection must be to the
+    /// event's frozen cluster). Otherwise refused (exit 3) and nothing
+    /// changes.
     MigrateDestination(MigrateDestinationArgs),
     /// Close a QUARANTINED or DISPATCH_UNKNOWN event as SKIPPED, so that the later events of its key go on.
     ///
@@ -729,7 +731,10 @@ pub struct SkipArgs {
     pub json: bool,
 }
 
-/// `outbox migrate-destination`.
+/// `outbox migrate-destination`: a PENDING event, a proven-absent
+/// DISPATCH_UNKNOWN one, or a QUARANTINED one stopped before any send
+/// (re-sent under a new envelope generation, to the same destination
+/// allowed).
 #[derive(Debug, Args)]
 pub struct MigrateDestinationArgs {
     /// The event to move.

@@ -654,6 +654,66 @@ async fn migrate_destination_to_another_topic_does_not_keep_the_old_topic_id() {
     env.drop_now().await;
 }
 
+/// `outbox migrate-destination` of a QUARANTINED event (issue 47's other
+/// way out of a blocked key): one stopped before any send (its destination
+/// found unreadable at the claim) is re-sent under a new envelope
+/// generation to the destination its route gives now, the same one, with
+/// the proof and its state recorded in the migration receipt, and is then
+/// published; one with an attempt that may be in the topic is refused
+/// (exit 3) and stays QUARANTINED.
+#[tokio::test]
+async fn migrate_destination_resends_a_quarantined_event_nothing_of_which_was_sent() {
+    use outbox_core::OutboxStore;
+    let env = Env::new("cli_resend").await;
+    env.ok(&["migrate"]);
+    let kafka = KafkaFixture::mock(1).unwrap();
+    kafka.create_topic("orders", 3).await.unwrap();
+    let broker = kafka.broker(|c| c.message_timeout_ms = 10_000).await.unwrap();
+    route(env.pool(), broker.cluster_id(), "orders", 3).await;
+    let unsent = create_order(env.pool(), "resend-1").await;
+    let sent = create_order(env.pool(), "resend-2").await;
+    let store = PgStore::new(env.pool().clone());
+    let claimed = store.claim_batch("cli-resend-d", 10, 30_000).await.unwrap();
+    assert_eq!(claimed.len(), 2);
+    for c in &claimed {
+        if c.token.event_id == *unsent.event_id() {
+            store.quarantine_claimed(&c.token, "destination_unreadable", serde_json::json!({"detail": "test"})).await.unwrap();
+        } else {
+            store.register_attempt(&c.token).await.unwrap();
+        }
+    }
+    // The second's attempt is registered (its send may be in the topic) when it is quarantined.
+    sqlx::query("UPDATE outbox_events SET state = 'QUARANTINED' WHERE event_id = $1").bind(sent.event_id().as_str()).execute(env.pool()).await.unwrap();
+
+    let refused = env.run(&["migrate-destination", sent.event_id().as_str(), "--operator", "ops-alice", "--kafka-bootstrap", kafka.bootstrap()]);
+    assert_eq!(refused.status.code(), Some(3), "{}", String::from_utf8_lossy(&refused.stdout));
+    assert!(String::from_utf8_lossy(&refused.stdout).contains("an earlier attempt may be in the old target"), "{}", String::from_utf8_lossy(&refused.stdout));
+
+    let moved = env.ok(&["migrate-destination", unsent.event_id().as_str(), "--operator", "ops-alice", "--kafka-bootstrap", kafka.bootstrap()]);
+    assert!(moved.contains("(QUARANTINED)") && moved.contains("migrated: envelope generation 1 -> 2"), "{moved}");
+    let (from, to, proof): (String, String, Value) = sqlx::query_as("SELECT from_destination_digest, to_destination_digest, proof FROM outbox_migration_receipts WHERE event_id = $1")
+        .bind(unsent.event_id().as_str())
+        .fetch_one(env.pool())
+        .await
+        .unwrap();
+    assert_eq!(from, to, "a re-send keeps the destination its route gives");
+    assert_eq!((proof["kind"].as_str(), proof["from_state"].as_str()), (Some("never_persisted"), Some("QUARANTINED")), "{proof}");
+    let states: Vec<(String, String)> = sqlx::query_as("SELECT event_id, state FROM outbox_events ORDER BY seq").fetch_all(env.pool()).await.unwrap();
+    assert_eq!(states, vec![(unsent.event_id().to_string(), "PENDING".into()), (sent.event_id().to_string(), "QUARANTINED".into())]);
+
+    let d = Dispatcher::new(store, broker.clone(), DispatcherConfig { name: "cliresend".into(), ..Default::default() }).unwrap();
+    let r = d.dispatch_once("cliresend-0").await.unwrap();
+    assert_eq!((r.published, r.not_sent), (1, 0), "{r:?}");
+    let generation: i32 = sqlx::query_scalar("SELECT envelope_generation FROM outbox_events WHERE event_id = $1 AND state = 'PUBLISHED'")
+        .bind(unsent.event_id().as_str())
+        .fetch_one(env.pool())
+        .await
+        .unwrap();
+    assert_eq!(generation, 2);
+    drop(kafka);
+    env.drop_now().await;
+}
+
 /// `outbox route poison` (issue 47): without --policy it prints the policy
 /// in force (block, never set); setting one needs an operator and a reason;
 /// the setting is stored with them, and `--json` reads it back.

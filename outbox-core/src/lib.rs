@@ -69,7 +69,7 @@ pub use reconcile::{
     anchor_holds, anchor_to_read, check_in_flight_bound, decide_after_submit, decide_reconcile, plan_absence_scan, scan_floor, scan_lower_bound, AbsenceScan, AnchorCheck, RecheckReason, ReconcileDecision, RetryPolicy, ScanFrom,
 };
 pub use retention::{may_purge, may_retain, HoldReason, LogPosition, WatermarkAnchor, WatermarkRef};
-pub use migration::{check_migration_fence, decide_migration, MigrationDecision, MigrationFence, MigrationProof, MigrationRefusal};
+pub use migration::{check_migration_fence, decide_migration, may_keep_destination, read_fence, MigrationDecision, MigrationFence, MigrationProof, MigrationRefusal};
 pub use receipt::{decide_receipt, is_unregistered_message, refutes_absence, AttemptRecord, BrokerReceipt, LockedEvent, QuarantineReason, ReceiptDecision, RejectReason};
 pub use skip::{decide_skip, PoisonPolicy, PoisonRule, SkipRecord, SkipRefusal, POISON_POLICY_ACTOR, SKIP_ACTION};
 pub use state::{AttemptState, EventState, ALL_STATES, TRANSITIONS as ALL_TRANSITIONS};

@@ -3,7 +3,12 @@
 //! [`decide_migration`]: an undelivered event moves to another
 //! cluster/topic only when the old target provably does not hold it: either
 //! it is PENDING and no attempt may have reached the old target, or it is
-//! DISPATCH_UNKNOWN and [`decide_reconcile`] proves absence. While the old
+//! DISPATCH_UNKNOWN and [`decide_reconcile`] proves absence. A QUARANTINED
+//! event with no attempt that may have reached the old target (tampering or
+//! an unreadable destination found before any send) is re-sent under a new
+//! envelope generation, to a new destination or to the same one
+//! ([`may_keep_destination`]): an operator's way out of a blocked key that
+//! keeps the event instead of skipping it. While the old
 //! target is UNKNOWN and cannot be asked, the move is refused: no
 //! cross-target re-send in disguise. [`check_migration_fence`]: the commit
 //! goes through only under the claim its proof was made under.
@@ -26,7 +31,8 @@ use crate::state::{AttemptState, EventState};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum MigrationProof {
-    /// PENDING, and no attempt may be in the old target (none in flight, none acknowledged).
+    /// PENDING or QUARANTINED, and no attempt may be in the old target
+    /// (none in flight, none acknowledged).
     NeverPersisted,
     /// DISPATCH_UNKNOWN, and a lookup of the frozen partition from
     /// `lookup_from_offset` found nothing while no attempt may still be in flight.
@@ -40,12 +46,14 @@ pub enum MigrationProof {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "refusal")]
 pub enum MigrationRefusal {
-    /// Only PENDING or proven-absent DISPATCH_UNKNOWN events can move.
+    /// Only PENDING, QUARANTINED (nothing sent) or proven-absent
+    /// DISPATCH_UNKNOWN events can move.
     NotMovable {
         /// The event's state.
         state: EventState,
     },
-    /// PENDING, but an earlier attempt may be in the old target (in flight or acknowledged).
+    /// PENDING or QUARANTINED, but an earlier attempt may be in the old
+    /// target (in flight or acknowledged).
     AttemptMayBeInOldTarget,
     /// DISPATCH_UNKNOWN and the old target cannot be asked.
     OldTargetUnqueryable {
@@ -81,7 +89,7 @@ impl MigrationRefusal {
 impl fmt::Display for MigrationRefusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            MigrationRefusal::NotMovable { state } => write!(f, "state {state}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move"),
+            MigrationRefusal::NotMovable { state } => write!(f, "state {state}: only PENDING, QUARANTINED with nothing sent, or proven-absent DISPATCH_UNKNOWN events can move"),
             MigrationRefusal::AttemptMayBeInOldTarget => f.write_str("an earlier attempt may be in the old target"),
             MigrationRefusal::OldTargetUnqueryable { detail } => write!(f, "old target unknown and unqueryable ({detail})"),
             MigrationRefusal::OldTargetHoldsEvent { receipts } => write!(f, "the old target holds the event ({} message(s))", receipts.len()),
@@ -108,13 +116,20 @@ pub enum MigrationDecision {
 /// (from [`scan_lower_bound`]); `None` when it was not (or could not be) asked.
 ///
 /// * PENDING: moves when no attempt may be in flight or was acknowledged.
+/// * QUARANTINED: the same rule. An event quarantined by a divergent
+///   receipt never moves: that receipt's attempt reached a log (its state
+///   stays SENDING, UNKNOWN or ACKED), and consumers may have applied what
+///   it wrote. Only an event stopped before any send (its stored payload
+///   or destination found tampered or unreadable) is re-sent; the way out
+///   for the others is an operator's skip ([`crate::skip`]).
 /// * DISPATCH_UNKNOWN: moves only when [`decide_reconcile`] (with a broker
 ///   that can look up) answers `Retry { proven_absent: true }`.
 /// * anything else: refused.
 pub fn decide_migration(state: EventState, attempts: &[AttemptRecord], lookup: Option<&LookupOutcome>, policy: &RetryPolicy, now_ms: i64) -> MigrationDecision {
     use MigrationDecision::{Move, Refuse};
     match state {
-        EventState::Pending => {
+        EventState::Quarantined if crate::simulation::mutation_active("quarantine-resend-unproven") => Move { proof: MigrationProof::NeverPersisted },
+        EventState::Pending | EventState::Quarantined => {
             if attempts.iter().any(|a| a.state.possibly_in_flight() || a.state == AttemptState::Acked) {
                 Refuse(MigrationRefusal::AttemptMayBeInOldTarget)
             } else {
@@ -153,6 +168,9 @@ pub fn decide_migration(state: EventState, attempts: &[AttemptRecord], lookup: O
 pub enum MigrationFence {
     /// PENDING at this claim generation, as first read (any claim since bumps it).
     Generation(u64),
+    /// QUARANTINED at this claim generation, as first read (a skip, or
+    /// another re-send, since bumps it).
+    Quarantined(u64),
     /// RECONCILING under this reconcile claim: the one the old target's
     /// lookup was made under.
     Claim(ClaimToken),
@@ -171,14 +189,15 @@ pub enum MigrationFence {
 pub fn check_migration_fence(fence: &MigrationFence, state: EventState, claim_generation: u64, owner: Option<&str>) -> Result<EventState, String> {
     let decide_as = match fence {
         MigrationFence::Generation(_) => EventState::Pending,
+        MigrationFence::Quarantined(_) => EventState::Quarantined,
         MigrationFence::Claim(_) => EventState::DispatchUnknown,
     };
     if crate::simulation::mutation_active("migration-unfenced") {
         return Ok(decide_as);
     }
     match fence {
-        MigrationFence::Generation(read) => {
-            if state != EventState::Pending || claim_generation != *read {
+        MigrationFence::Generation(read) | MigrationFence::Quarantined(read) => {
+            if state != decide_as || claim_generation != *read {
                 return Err(format!("the event changed meanwhile (now {state}, claim generation {claim_generation}, read at {read}): its proof no longer holds"));
             }
             Ok(decide_as)
@@ -189,6 +208,26 @@ pub fn check_migration_fence(fence: &MigrationFence, state: EventState, claim_ge
             }
             Ok(decide_as)
         }
+    }
+}
+
+/// Whether a migration from `state` may keep the event's destination: a
+/// re-send of a QUARANTINED event (nothing of it in the log, the new
+/// envelope generation written from the route as it is now, which also
+/// mends a destination that no longer reads). Any other move is to another
+/// destination, or it is no move.
+pub fn may_keep_destination(state: EventState) -> bool {
+    state == EventState::Quarantined
+}
+
+/// The [`MigrationFence`] a move decided on the first read (`state`,
+/// `claim_generation`) commits under, for the states that move without a
+/// lookup (PENDING, QUARANTINED); `None` for the others.
+pub fn read_fence(state: EventState, claim_generation: u64) -> Option<MigrationFence> {
+    match state {
+        EventState::Pending => Some(MigrationFence::Generation(claim_generation)),
+        EventState::Quarantined => Some(MigrationFence::Quarantined(claim_generation)),
+        _ => None,
     }
 }
 
@@ -247,9 +286,38 @@ mod tests {
     }
 
     #[test]
+    fn a_quarantined_event_is_resent_only_when_nothing_of_it_may_be_in_a_log() {
+        // Stopped before any send (tampering found at the claim): re-sent.
+        assert_eq!(decide_migration(EventState::Quarantined, &[], None, &P, 0), MigrationDecision::Move { proof: MigrationProof::NeverPersisted });
+        let closed = [attempt(AttemptState::NotSent, 0), attempt(AttemptState::Absent, 1)];
+        assert_eq!(decide_migration(EventState::Quarantined, &closed, None, &P, 0), MigrationDecision::Move { proof: MigrationProof::NeverPersisted });
+        // Quarantined by a divergent receipt: its attempt reached a log.
+        for s in [AttemptState::Sending, AttemptState::Unknown, AttemptState::Acked] {
+            assert_eq!(decide_migration(EventState::Quarantined, &[attempt(s, 0)], None, &P, 0), MigrationDecision::Refuse(MigrationRefusal::AttemptMayBeInOldTarget), "{s}");
+        }
+        assert!(may_keep_destination(EventState::Quarantined));
+        for s in crate::state::ALL_STATES.into_iter().filter(|s| *s != EventState::Quarantined) {
+            assert!(!may_keep_destination(s), "{s}");
+        }
+    }
+
+    #[test]
+    fn a_resend_commits_only_while_the_event_is_quarantined_at_the_generation_read() {
+        let read = read_fence(EventState::Quarantined, 3).unwrap();
+        assert_eq!(read, MigrationFence::Quarantined(3));
+        assert_eq!(check_migration_fence(&read, EventState::Quarantined, 3, None), Ok(EventState::Quarantined));
+        // Skipped, or re-sent by another operator, meanwhile.
+        assert!(check_migration_fence(&read, EventState::Skipped, 4, None).is_err());
+        assert!(check_migration_fence(&read, EventState::Pending, 4, None).is_err());
+        assert!(check_migration_fence(&read, EventState::Quarantined, 4, None).is_err());
+        assert_eq!(read_fence(EventState::Pending, 2), Some(MigrationFence::Generation(2)));
+        assert_eq!(read_fence(EventState::DispatchUnknown, 2), None);
+    }
+
+    #[test]
     fn other_states_never_move() {
         for s in crate::state::ALL_STATES {
-            if matches!(s, EventState::Pending | EventState::DispatchUnknown) {
+            if matches!(s, EventState::Pending | EventState::DispatchUnknown | EventState::Quarantined) {
                 continue;
             }
             assert_eq!(decide_migration(s, &[], Some(&LookupOutcome::Absent), &P, 5_000), MigrationDecision::Refuse(MigrationRefusal::NotMovable { state: s }));

@@ -81,7 +81,14 @@ pub const ALL_STATES: [EventState; 11] = [
 /// | PUBLISHED | RETAINED | replay window passed |
 /// | RETAINED | PURGED | every mandatory consumer's watermark passed |
 /// | QUARANTINED | SKIPPED | an operator's skip ([`crate::skip::decide_skip`]) |
+/// | QUARANTINED | PENDING | nothing of it in any log: re-sent under a new envelope generation (migration, [`crate::migration::decide_migration`]) |
 /// | DISPATCH_UNKNOWN | SKIPPED | an operator's skip of an unknown nothing can prove |
+///
+/// The two ways back to PENDING from a state that is not a claim's
+/// (RECONCILING, QUARANTINED) are taken only by a migration, which writes a
+/// new envelope generation: the stores check it
+/// ([`crate::migration::check_migration_fence`]), the same generation never
+/// goes back.
 ///
 /// RECONCILING -> SKIPPED is deliberately absent: a reconciler holds a
 /// fenced lease then, and may be about to fill the slot; the operator waits
@@ -113,6 +120,7 @@ pub const TRANSITIONS: &[(EventState, EventState)] = {
         (Published, Retained),
         (Retained, Purged),
         (Quarantined, Skipped),
+        (Quarantined, Pending),
         (DispatchUnknown, Skipped),
     ]
 };
@@ -274,7 +282,7 @@ mod tests {
     fn the_dangerous_shortcuts_are_illegal() {
         // Published without going through a send; a blind re-send from UNKNOWN;
         // deleting evidence before it was retained; resurrecting a purged event.
-        for (from, to) in [(Pending, Published), (Claimed, Published), (DispatchUnknown, Sending), (DispatchUnknown, Pending), (Published, Purged), (Purged, Pending), (Quarantined, Pending), (Published, Sending), (Skipped, Pending), (Skipped, Published), (Skipped, Claimed), (Reconciling, Skipped), (Pending, Skipped), (Published, Skipped), (RetryClaimed, Skipped)] {
+        for (from, to) in [(Pending, Published), (Claimed, Published), (DispatchUnknown, Sending), (DispatchUnknown, Pending), (Published, Purged), (Purged, Pending), (Quarantined, Claimed), (Quarantined, Sending), (Quarantined, Published), (Published, Sending), (Skipped, Pending), (Skipped, Published), (Skipped, Claimed), (Reconciling, Skipped), (Pending, Skipped), (Published, Skipped), (RetryClaimed, Skipped)] {
             assert!(from.transition(to).is_err(), "{from} -> {to}");
         }
     }

@@ -133,7 +133,10 @@ INSERT INTO outbox_transitions (from_state, to_state) VALUES
     ('RETRY_CLAIMED', 'QUARANTINED'),
     ('PUBLISHED', 'RETAINED'), ('RETAINED', 'PURGED'),
     -- An operator's skip (`outbox skip`): the way out of a blocked key.
-    ('QUARANTINED', 'SKIPPED'), ('DISPATCH_UNKNOWN', 'SKIPPED');
+    ('QUARANTINED', 'SKIPPED'), ('DISPATCH_UNKNOWN', 'SKIPPED'),
+    -- An operator's re-send (`outbox migrate-destination`) of a quarantined
+    -- event nothing of which is in any log: a new envelope generation only.
+    ('QUARANTINED', 'PENDING');
 
 -- The closed transition table, enforced on every state change. The list is
 -- the outbox_transitions table's (a test checks both against outbox-core);
@@ -149,7 +152,7 @@ CREATE FUNCTION outbox_transition_allowed(from_state text, to_state text) RETURN
         'RECONCILING>PENDING', 'RECONCILING>QUARANTINED',
         'RETRY_CLAIMED>SENDING', 'RETRY_CLAIMED>PUBLISHED', 'RETRY_CLAIMED>DISPATCH_UNKNOWN', 'RETRY_CLAIMED>QUARANTINED',
         'PUBLISHED>RETAINED', 'RETAINED>PURGED',
-        'QUARANTINED>SKIPPED', 'DISPATCH_UNKNOWN>SKIPPED'])
+        'QUARANTINED>SKIPPED', 'DISPATCH_UNKNOWN>SKIPPED', 'QUARANTINED>PENDING'])
 $$;
 
 
@@ -315,6 +318,10 @@ BEGIN
         RAISE EXCEPTION 'illegal outbox transition % -> % for %', OLD.state, NEW.state, OLD.event_id
             USING ERRCODE = 'check_violation';
     END IF;
+    IF OLD.state = 'QUARANTINED' AND NEW.state = 'PENDING' AND NEW.envelope_generation = OLD.envelope_generation THEN
+        RAISE EXCEPTION 'a quarantined event goes back to PENDING only under a new envelope generation (%)', OLD.event_id
+            USING ERRCODE = 'check_violation';
+    END IF;
     IF NEW.event_id <> OLD.event_id OR NEW.command_key <> OLD.command_key OR NEW.seq <> OLD.seq
        OR NEW.payload_digest <> OLD.payload_digest THEN
         RAISE EXCEPTION 'outbox event identity is immutable' USING ERRCODE = 'check_violation';
@@ -328,6 +335,7 @@ END $$;
 CREATE TRIGGER outbox_events_transition AFTER UPDATE ON outbox_events
     FOR EACH ROW
     WHEN ((OLD.state IS DISTINCT FROM NEW.state AND NOT outbox_transition_allowed(OLD.state, NEW.state))
+          OR (OLD.state = 'QUARANTINED' AND NEW.state = 'PENDING' AND NEW.envelope_generation = OLD.envelope_generation)
           OR NEW.event_id <> OLD.event_id OR NEW.command_key <> OLD.command_key OR NEW.seq <> OLD.seq
           OR NEW.payload_digest <> OLD.payload_digest
           OR NEW.claim_generation < OLD.claim_generation OR NEW.attempt_generation < OLD.attempt_generation

@@ -10,7 +10,7 @@
 
 use async_trait::async_trait;
 use outbox_core::{
-    check_migration_fence, decide_migration, scan_floor, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, MigrationDecision,
+    check_migration_fence, decide_migration, may_keep_destination, read_fence, scan_floor, Broker, Destination, Envelope, EventId, EventState, LookupOutcome, MigrationDecision,
     MigrationFence, MigrationProof, MigrationRefusal, RecheckReason, ReconcileDecision, ReconcileTask, RetryPolicy, RoutePolicy, StoreError,
 };
 use outbox_memory::MemoryStore;
@@ -143,9 +143,12 @@ pub async fn migrate_destination_in<S: MigrationStore, B: Broker>(
     // The decision is outbox_core::decide_migration, the same function the
     // in-memory store and the simulator use.
     let (fence, lookup) = match state {
-        EventState::Pending => match decide_migration(state, &attempts, None, retry, store.now_ms()) {
-            MigrationDecision::Move { .. } => (MigrationFence::Generation(read_generation), None),
-            MigrationDecision::Refuse(r) => return refused(r.to_string()),
+        // PENDING, or a QUARANTINED event's re-send: no lookup, the
+        // attempts alone prove nothing of it is in the old target.
+        EventState::Pending | EventState::Quarantined => match (decide_migration(state, &attempts, None, retry, store.now_ms()), read_fence(state, read_generation)) {
+            (MigrationDecision::Move { .. }, Some(fence)) => (fence, None),
+            (MigrationDecision::Refuse(r), _) => return refused(r.to_string()),
+            (MigrationDecision::Move { .. }, None) => return refused(format!("state {state}: no fence to commit under")),
         },
         EventState::DispatchUnknown => {
             let owner = format!("migrate-{operator}");
@@ -187,8 +190,8 @@ pub async fn migrate_destination_in<S: MigrationStore, B: Broker>(
         }
         other => match decide_migration(other, &attempts, None, retry, store.now_ms()) {
             MigrationDecision::Refuse(r) => return refused(r.to_string()),
-            // decide_migration moves only PENDING or DISPATCH_UNKNOWN events; refuse rather than trust that here.
-            MigrationDecision::Move { .. } => return refused(format!("state {other}: only PENDING or proven-absent DISPATCH_UNKNOWN events can move")),
+            // decide_migration moves only PENDING, QUARANTINED or DISPATCH_UNKNOWN events; refuse rather than trust that here.
+            MigrationDecision::Move { .. } => return refused(format!("state {other}: only PENDING, QUARANTINED or proven-absent DISPATCH_UNKNOWN events can move")),
         },
     };
     let outcome = store.commit_migration(event_id, new_route, operator, retry, &fence, lookup.as_ref(), dry_run).await;
@@ -314,7 +317,7 @@ async fn commit_migration_pg(
     };
     let proof = match &proof {
         MigrationProof::NeverPersisted => serde_json::json!({
-            "kind": "never_persisted", "claim_generation": locked_generation,
+            "kind": "never_persisted", "claim_generation": locked_generation, "from_state": locked_state.as_str(),
             "attempts": attempts.iter().map(|a| (a.attempt_id.to_string(), a.state.as_str())).collect::<Vec<_>>() }),
         MigrationProof::ProvenAbsent { lookup_from_offset } => {
             serde_json::json!({ "kind": "proven_absent", "lookup_from_offset": lookup_from_offset, "claim_generation": locked_generation })
@@ -324,7 +327,7 @@ async fn commit_migration_pg(
     let from_digest: String = row.try_get("destination_digest")?;
     let destination: Destination = new_route.resolve(&old.tenant, &old.aggregate_type, &old.aggregate_id)?;
     let to_digest = destination.digest();
-    if to_digest == from_digest {
+    if to_digest == from_digest && !may_keep_destination(locked_state) {
         return refused("the new route resolves to the same destination".into());
     }
     if dry_run {

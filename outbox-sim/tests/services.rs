@@ -310,6 +310,19 @@ fn every_services_mutation_has_a_test() {
     }
 }
 
+/// The shipped migration decision: a QUARANTINED event re-sent under a new
+/// envelope generation whatever its attempts say. A forger's copy ahead of
+/// a genuine write (its ACK lost) quarantines the event when the
+/// reconciler's lookup finds both; the operator asks for a re-send, and the
+/// mutated decision moves it although its genuine copy is in the old topic.
+/// Unmutated, those re-sends are refused.
+#[test]
+fn quarantine_resend_unproven_in_the_shipped_migration_decision_is_caught() {
+    assert_caught("quarantine-resend-unproven", 600, "migrated_over_copy");
+    let (f, failing, _) = run_services_gate(1, 600, None, 0);
+    assert!(f.clean() && f.resends_refused > 0, "unmutated: {failing:?}\n{}", f.lines().join("\n"));
+}
+
 /// The shipped consumer: its processor running the handler without the
 /// `(consumerId, eventId)` receipt leaves an effect no receipt records
 /// (and applies a redelivery again).

@@ -225,6 +225,11 @@ async fn constraints_hold_against_a_buggy_caller(pool: PgPool) {
     assert!(err.to_string().contains("illegal outbox transition PENDING -> PUBLISHED"), "{err}");
     let other_state: String = sqlx::query_scalar("SELECT state FROM outbox_events WHERE event_id = $1").bind(&other_id).fetch_one(&pool).await.unwrap();
     assert_eq!(other_state, "PENDING");
+    // A quarantined event goes back to PENDING only under a new envelope
+    // generation (a re-send), never as the generation it was quarantined in.
+    sqlx::query("UPDATE outbox_events SET state = 'QUARANTINED' WHERE event_id = $1").bind(&other_id).execute(&pool).await.unwrap();
+    let err = sqlx::query("UPDATE outbox_events SET state = 'PENDING' WHERE event_id = $1").bind(&other_id).execute(&pool).await.unwrap_err();
+    assert!(err.to_string().contains("only under a new envelope generation"), "{err}");
     // One eventId, one command key.
     let err = insert_copy(&pool, id, id, Some("other-key"), None).await.unwrap_err();
     assert!(err.to_string().contains("outbox_events_pkey"), "{err}");

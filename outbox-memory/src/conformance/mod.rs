@@ -276,6 +276,7 @@ pub async fn run_all_as<H: Harness>(h: &H, run: u64) -> Vec<(&'static str, Verdi
         ("migration_commit_is_fenced", migration::migration_commit_is_fenced(&ctx("migrate")).await),
         ("a_key_is_held_until_its_event_closes", claims::a_key_is_held_until_its_event_closes(&ctx("held")).await),
         ("skip_of_a_quarantined_head_frees_its_key", skip::skip_of_a_quarantined_head_frees_its_key(&ctx("skipq")).await),
+        ("resend_of_a_quarantined_head_publishes_it_under_a_new_generation", skip::resend_of_a_quarantined_head_publishes_it_under_a_new_generation(&ctx("resendq")).await),
         ("skip_of_an_unprovable_unknown_head_is_fenced_and_frees_its_key", skip::skip_of_an_unprovable_unknown_head_is_fenced_and_frees_its_key(&ctx("skipu")).await),
         ("purge_waits_for_every_mandatory_watermark_on_the_same_log", retention::purge_waits_for_mandatory_watermarks(&ctx("purge")).await),
         ("purge_holds_an_event_of_a_replaced_log", retention::purge_holds_an_event_of_a_replaced_log(&ctx("replacedlog")).await),

@@ -5,6 +5,7 @@
 //! why, from which state); a skip of anything else is refused, and so is a
 //! skip under a reconciler's lease.
 
+use outbox_core::migration::MigrationFence;
 use outbox_core::skip::{PoisonPolicy, PoisonRule, SkipRecord, POISON_POLICY_ACTOR};
 use outbox_core::state::EventState;
 use outbox_core::store::{FenceOutcome, OutboxStore};
@@ -119,6 +120,60 @@ pub(super) async fn skip_of_an_unprovable_unknown_head_is_fenced_and_frees_its_k
     eq("late copy of the skipped head", c.accept(&receipt(&ce, &a, c.offset(3))).await?, ReceiptDecision::Duplicate)?;
     c.expect_state(&head, EventState::Skipped).await?;
     ensure(c.state(&head).await?.1.is_none(), || "a SKIPPED event's slot was filled".into())
+}
+
+/// The other way out of a blocked key: a re-send. A QUARANTINED head
+/// stopped before any send (its destination found unreadable at the claim)
+/// is re-sent under a new envelope generation to the same destination
+/// (`outbox migrate-destination` with the route as it is): only at the
+/// claim generation it was read at; it is then PENDING, claimed, sent and
+/// published under generation 2, and the key's next event goes on. A head
+/// quarantined by a divergent receipt (its attempt's message is in the log)
+/// is never re-sent, and stays QUARANTINED; a PENDING event is never
+/// "re-sent" to the destination it already has.
+pub(super) async fn resend_of_a_quarantined_head_publishes_it_under_a_new_generation<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    let head = c.emit(1, "k").await;
+    let next = c.emit(2, "k").await;
+    let ce = c.claim_some("w1", &head).await?;
+    let out = c.s().quarantine_claimed(&ce.token, "destination_unreadable", serde_json::json!({"detail": "frozen destination does not parse"})).await.map_err(err("quarantine_claimed"))?;
+    eq("quarantine", out, FenceOutcome::Applied)?;
+    c.expect_state(&head, EventState::Quarantined).await?;
+    ensure(c.claim("w2", &next).await?.is_none(), || "the next event of a key was claimable behind a QUARANTINED head".into())?;
+
+    let read = ce.token.claim_generation;
+    let stale = c.h.commit_migration(&head, super::TOPIC, &MigrationFence::Quarantined(read + 1), None).await?;
+    ensure(stale.is_err(), || format!("re-sent at a claim generation it was not read at: {stale:?}"))?;
+    let pending = c.h.commit_migration(&next, super::TOPIC, &MigrationFence::Generation(0), None).await?;
+    ensure(pending.as_ref().is_err_and(|r| r.contains("same destination")), || format!("a PENDING event moved to the destination it has: {pending:?}"))?;
+    c.expect_state(&head, EventState::Quarantined).await?;
+
+    eq("re-send of the quarantined head", c.h.commit_migration(&head, super::TOPIC, &MigrationFence::Quarantined(read), None).await?, Ok(2))?;
+    c.expect_state(&head, EventState::Pending).await?;
+    ensure(c.claim("w2", &next).await?.is_none(), || "the next event of a key was claimable while its re-sent head is PENDING".into())?;
+    let again = c.h.commit_migration(&head, super::TOPIC, &MigrationFence::Quarantined(read), None).await?;
+    ensure(again.is_err(), || format!("re-sent twice from one read: {again:?}"))?;
+
+    let ce2 = c.claim("w3", &head).await?.ok_or("the re-sent head was not claimable")?;
+    eq("the claim's envelope generation", ce2.envelope.envelope_generation, 2)?;
+    let a2 = c.register(&ce2.token).await?;
+    eq("re-sent head's receipt", c.accept(&receipt(&ce2, &a2, c.offset(1))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    c.expect_state(&head, EventState::Published).await?;
+    let ce3 = c.claim("w3", &next).await?.ok_or("the next event of the key was not claimable after its head was re-sent and published")?;
+    let a3 = c.register(&ce3.token).await?;
+    eq("next's receipt", c.accept(&receipt(&ce3, &a3, c.offset(2))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+
+    // Quarantined by a divergent receipt: its attempt wrote to the log.
+    let diverged = c.emit(3, "d").await;
+    let ce4 = c.claim_some("w1", &diverged).await?;
+    let a4 = c.register(&ce4.token).await?;
+    let mut bad = receipt(&ce4, &a4, c.offset(3));
+    bad.payload_digest = outbox_core::sha256_digest(b"other bytes");
+    ensure(matches!(c.accept(&bad).await?, ReceiptDecision::Quarantine { move_event: true, .. }), || "a divergent receipt did not quarantine".into())?;
+    c.expect_state(&diverged, EventState::Quarantined).await?;
+    let refused = c.h.commit_migration(&diverged, super::TOPIC, &MigrationFence::Quarantined(ce4.token.claim_generation + 1), None).await?;
+    let refused_at_read = c.h.commit_migration(&diverged, super::TOPIC, &MigrationFence::Quarantined(ce4.token.claim_generation), None).await?;
+    ensure(refused.is_err() && refused_at_read.is_err(), || format!("an event quarantined by a divergent receipt was re-sent: {refused:?} {refused_at_read:?}"))?;
+    c.expect_state(&diverged, EventState::Quarantined).await
 }
 
 /// A route's poison policy: with none set, and with `block`, a release

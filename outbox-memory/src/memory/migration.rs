@@ -120,7 +120,7 @@ impl MemoryStore {
         let ev = st.events.get_mut(event_id).ok_or_else(|| StoreError::NotFound(event_id.clone()))?;
         let attempts = st.attempts.entry(event_id.clone()).or_default();
         let to_digest = new_destination.digest();
-        if to_digest == ev.destination_digest {
+        if to_digest == ev.destination_digest && !outbox_core::may_keep_destination(ev.state) {
             return Ok(Err("the new route resolves to the same destination".into()));
         }
         let mut closed = Vec::new();

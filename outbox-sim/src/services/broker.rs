@@ -131,7 +131,19 @@ impl Broker for SimBroker {
                     w.late_writes.insert(a);
                 }
                 match fate {
-                    Fate::Written | Fate::AckLost => written = Some(SimBroker::write(&mut w, &message)),
+                    Fate::Written => written = Some(SimBroker::write(&mut w, &message)),
+                    Fate::AckLost => {
+                        // A forger's copy ahead of a genuine write whose
+                        // ACK is lost: the reconciler's lookup finds both,
+                        // the forged one first, and the event is
+                        // QUARANTINED with its genuine copy in the log (an
+                        // operator's re-send must be refused).
+                        let forge = w.forge;
+                        if forge > 0.0 && w.on && w.forge_rng.chance(forge) {
+                            SimBroker::forge(&mut w, &message);
+                        }
+                        written = Some(SimBroker::write(&mut w, &message));
+                    }
                     Fate::WrittenTwice => {
                         SimBroker::write(&mut w, &message);
                         written = Some(SimBroker::write(&mut w, &message));

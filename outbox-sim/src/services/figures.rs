@@ -71,6 +71,9 @@ service_figures! {
         migrations,
         /// Migration requests refused (nothing moved, nothing sent).
         migrations_refused,
+        /// Re-sends of QUARANTINED events refused (a copy of the event may
+        /// be in the old topic), among `migrations_refused`.
+        resends_refused,
         /// Events retention purged (payload dropped, tombstone kept).
         purged,
         /// Retention passes that held an event back for a mandatory consumer.

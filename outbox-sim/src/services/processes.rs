@@ -117,16 +117,23 @@ pub(super) fn new_route() -> RoutePolicy {
 /// The operator: moves every undelivered event of `TOPIC` to the new route
 /// with the shipped `migrate_destination_in`, one event after another, and
 /// asks again for the refused ones every few seconds until none is left.
+/// A QUARANTINED event is asked for once (a re-send under a new envelope
+/// generation, refused unless nothing of it can be in the old topic).
 pub(super) fn start_operator(store: &SimStore, broker: &Arc<SimBroker>, name: String) -> Process {
     let store = store.clone();
     let broker = broker.clone();
     tokio::spawn(async move {
         let (route, retry) = (new_route(), retry_policy());
+        let mut asked_quarantined = std::collections::BTreeSet::new();
         loop {
             let (todo, left): (Vec<EventId>, bool) = {
                 let st = store.inner.lock();
                 let old: Vec<_> = st.events.values().filter(|e| e.destination.topic == TOPIC && !e.state.is_published() && e.state != EventState::Quarantined).collect();
-                (old.iter().filter(|e| matches!(e.state, EventState::Pending | EventState::DispatchUnknown)).map(|e| e.envelope.event_id.clone()).collect(), !old.is_empty())
+                let quarantined = st.events.values().filter(|e| e.destination.topic == TOPIC && e.state == EventState::Quarantined).map(|e| e.envelope.event_id.clone());
+                let quarantined: Vec<EventId> = quarantined.filter(|id| asked_quarantined.insert(id.clone())).collect();
+                let todo = old.iter().filter(|e| matches!(e.state, EventState::Pending | EventState::DispatchUnknown)).map(|e| e.envelope.event_id.clone());
+                let left = !old.is_empty() || !quarantined.is_empty();
+                (todo.chain(quarantined).collect(), left)
             };
             if !left {
                 world(&store.world).note(|| format!("operator {name}: nothing left to migrate"));
@@ -134,10 +141,12 @@ pub(super) fn start_operator(store: &SimStore, broker: &Arc<SimBroker>, name: St
             }
             for id in todo {
                 let out = migrate_destination_in(&store, broker.as_ref(), &id, &route, &name, &retry, false, LEASE_MS).await;
+                let quarantined = asked_quarantined.contains(&id);
                 let mut w = world(&store.world);
                 match out {
                     Ok(MigrationOutcome::Refused { reason }) => {
                         w.figures.migrations_refused += 1;
+                        w.figures.resends_refused += u64::from(quarantined);
                         w.note(|| format!("operator {name}: {id} not migrated: {reason}"));
                     }
                     Ok(o) => w.note(|| format!("operator {name}: {id} {o:?}")),

@@ -51,9 +51,9 @@ async fn item5_migration_commit_is_fenced_on_what_its_proof_read(pool: PgPool) {
     assert_eq!(f.state(&id).await, EventState::Reconciling, "the reconciler's claim is untouched");
 }
 
-/// Issue 19 item 5: a dry run runs the same eligibility check: a
-/// quarantined event is refused, a movable one would move, and nothing
-/// changes either way.
+/// Issue 19 item 5: a dry run runs the same eligibility check: a movable
+/// event would move; one quarantined before any send would be re-sent
+/// (issue 47); a published one is refused; and nothing changes either way.
 #[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
 async fn item5_dry_run_runs_the_same_eligibility_check(pool: PgPool) {
     let f = fixture(pool).await;
@@ -66,5 +66,12 @@ async fn item5_dry_run_runs_the_same_eligibility_check(pool: PgPool) {
     tamper(&f.pool, "UPDATE outbox_events SET payload = 'x' WHERE event_id = $1", movable.event_id().as_str(), None).await;
     assert_eq!(f.dispatcher(&f.store, 1_000).dispatch_once("w").await.unwrap().quarantined, 1);
     let out = outbox_producer::migration::migrate_destination_with(&f.store, f.broker.as_ref(), movable.event_id(), &route, "ops-alice", &retry, true).await.unwrap();
-    assert!(matches!(out, outbox_producer::MigrationOutcome::Refused { .. }), "a quarantined event passed the dry run: {out:?}");
+    let outbox_producer::MigrationOutcome::WouldMigrate { from_generation: 1, proof, .. } = &out else { panic!("a quarantined, never sent event would not be re-sent: {out:?}") };
+    assert_eq!(proof["from_state"], "QUARANTINED", "{proof}");
+    assert_eq!(f.state(movable.event_id().as_str()).await, EventState::Quarantined, "a dry run moved the event");
+    assert_eq!(f.count("SELECT count(*) FROM outbox_envelopes").await, 1, "a dry run wrote an envelope");
+    let sent = create_order(&f.pool, "o-2", 1).await;
+    assert_eq!(f.dispatcher(&f.store, 1_000).dispatch_once("w").await.unwrap().published, 1);
+    let out = outbox_producer::migration::migrate_destination_with(&f.store, f.broker.as_ref(), sent.event_id(), &route, "ops-alice", &retry, true).await.unwrap();
+    assert!(matches!(out, outbox_producer::MigrationOutcome::Refused { .. }), "a published event passed the dry run: {out:?}");
 }
