@@ -42,7 +42,7 @@ pub struct BusinessRow {
     pub event_id: String,
 }
 
-/// An `outbox_events` row.
+/// An event, from the exception lane (`outbox_events`) or the stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventRow {
     /// The eventId.

@@ -17,7 +17,7 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 
 const USAGE: &str = "\
-usage: outbox-chaos [--events N] [--seed S] [--no-broker-replacement] [--keep] [--help]
+usage: outbox-chaos [--events N] [--seed S] [--path chains|stream] [--no-broker-replacement] [--keep] [--help]
 
 A real-stack chaos drill. Starts its own PostgreSQL server (a producer and a
 consumer database), a tansu broker (OUTBOX_CHAOS_TANSU, else where
@@ -32,6 +32,7 @@ or `chaos FAIL ...` (exit 1) after the evidence.
 
   --events N                business transactions (events) to commit [default: 20000]
   --seed S                  seed of the fault schedule [default: from the clock, printed]
+  --path chains|stream      the producer database's dispatch path (outbox dispatch-path) [default: chains]
   --no-broker-replacement   do not replace the broker
   --keep                    keep the temporary directory (logs, data) at the end
   --help                    print this and exit";
@@ -50,11 +51,12 @@ struct Opts {
     seed: u64,
     broker_replacement: bool,
     keep: bool,
+    path: outbox_producer::DispatchPath,
 }
 
 fn parse(args: &[String]) -> Result<Option<Opts>, String> {
     let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) % 1_000_000_007;
-    let mut o = Opts { events: 20_000, seed, broker_replacement: true, keep: false };
+    let mut o = Opts { events: 20_000, seed, broker_replacement: true, keep: false, path: outbox_producer::DispatchPath::Chains };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let (flag, inline) = match a.split_once('=') {
@@ -68,6 +70,13 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
             "--seed" => o.seed = value("--seed")?.parse().map_err(|_| "--seed takes an unsigned integer".to_owned())?,
             "--no-broker-replacement" if inline.is_none() => o.broker_replacement = false,
             "--keep" if inline.is_none() => o.keep = true,
+            "--path" => {
+                o.path = match value("--path")?.as_str() {
+                    "chains" => outbox_producer::DispatchPath::Chains,
+                    "stream" => outbox_producer::DispatchPath::Stream,
+                    other => return Err(format!("--path takes chains or stream, not {other:?}")),
+                }
+            }
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -270,7 +279,8 @@ async fn connect(url: &str) -> Result<PgPool> {
 }
 
 async fn states(pool: &PgPool) -> Result<BTreeMap<String, i64>> {
-    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT state, count(*) FROM outbox_events GROUP BY state").fetch_all(pool).await?;
+    // Wherever the events live: the exception lane (outbox_events) and the stream.
+    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT state, n FROM outbox_state_counts()").fetch_all(pool).await?;
     Ok(rows.into_iter().collect())
 }
 
@@ -286,9 +296,19 @@ fn settled_view(s: &BTreeMap<String, i64>) -> BTreeMap<String, i64> {
 }
 
 /// Events neither PUBLISHED, nor an UNKNOWN a finding reports, nor PENDING
-/// behind such an UNKNOWN of their key.
+/// behind such an UNKNOWN of their key: the lane's rows, and the stream's
+/// events without a lane row (PUBLISHED with a receipt in the slot, else
+/// on their way; an UNKNOWN is always in the lane).
 const UNSETTLED_SQL: &str = "
-SELECT count(*) FROM outbox_events e
+WITH ev AS (
+    SELECT e.event_id, e.state, e.routing_key, e.aggregate_version FROM outbox_events e
+    UNION ALL
+    SELECT s.event_id,
+           CASE WHEN EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = s.event_id AND r.envelope_generation = 1)
+                THEN 'PUBLISHED' ELSE 'PENDING' END,
+           s.routing_key, s.aggregate_version
+    FROM outbox_stream s WHERE NOT EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id))
+SELECT count(*) FROM ev e
  WHERE e.state <> 'PUBLISHED'
    AND NOT (e.state IN ('DISPATCH_UNKNOWN', 'RECONCILING') AND EXISTS (
             SELECT 1 FROM outbox_findings f WHERE f.event_id = e.event_id AND f.kind IN ('log_unavailable', 'unknown_past_slo')))
@@ -344,8 +364,8 @@ fn main() -> ExitCode {
     drop(drill);
     let wall = started.elapsed().as_secs_f64();
     let mut tail = format!(
-        "kills={} pg_restarts={} pauses={} broker_replacements={} unexpected_exits={unexpected} seed={} settle_seconds={:.0} wall_seconds={wall:.0}",
-        tally.kills, tally.pg_restarts, tally.pauses, tally.broker_replacements, opts.seed, tally.settle_seconds
+        "path={} kills={} pg_restarts={} pauses={} broker_replacements={} unexpected_exits={unexpected} seed={} settle_seconds={:.0} wall_seconds={wall:.0}",
+        opts.path.as_str(), tally.kills, tally.pg_restarts, tally.pauses, tally.broker_replacements, opts.seed, tally.settle_seconds
     );
     if let Some(why) = tally.broker_replacement_skipped {
         tail.push_str(&format!(" broker_replacement_skipped={why}"));
@@ -443,7 +463,8 @@ async fn run(d: &mut Drill, o: &Opts, tally: &mut Tally) -> Result<check::Verdic
     let policy = outbox_core::RoutePolicy::new(roles::EVENT_TYPE, &cluster_id, &topic, PARTITIONS as u32);
     outbox_producer::routes::ensure(&producer, &policy).await?;
     outbox_producer::register_consumer(&producer, CONSUMER_ID, &[topic.as_str()], true, false).await?;
-    say(t0, format!("cluster {cluster_id}, topic {topic} ({PARTITIONS} partitions), consumer {CONSUMER_ID} registered"));
+    outbox_producer::set_dispatch_path(&producer, o.path).await?;
+    say(t0, format!("cluster {cluster_id}, topic {topic} ({PARTITIONS} partitions), consumer {CONSUMER_ID} registered, dispatch path {}", o.path.as_str()));
 
     // The processes.
     let db_env = |url: &str| vec![("DATABASE_URL".to_owned(), url.to_owned()), ("RUST_LOG".to_owned(), "warn".to_owned())];

@@ -76,7 +76,14 @@ pub async fn read_databases(producer: &PgPool, consumer: &PgPool, consumer_ids: 
                 (e.unknown_since_ms IS NOT NULL OR EXISTS (SELECT 1 FROM outbox_unknown_resolutions u WHERE u.event_id = e.event_id)
                  OR EXISTS (SELECT 1 FROM outbox_attempts a WHERE a.event_id = e.event_id AND a.state IN ('UNKNOWN', 'ABSENT'))),
                 (SELECT min(a.started_at_ms) FROM outbox_attempts a WHERE a.event_id = e.event_id)
-         FROM outbox_events e",
+         FROM outbox_events e
+         UNION ALL
+         -- A stream event without a lane row: never UNKNOWN (that moves it
+         -- to the lane), its attempt the one its batch registered.
+         SELECT s.event_id, outbox_event_state(s.event_id), s.aggregate_id, s.aggregate_version, s.routing_key, s.payload_digest, false,
+                (SELECT b.cut_at_ms FROM outbox_publish_receipts r JOIN outbox_batches b ON b.id = r.batch_id
+                 WHERE r.event_id = s.event_id AND r.envelope_generation = 1)
+         FROM outbox_stream s WHERE NOT EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = s.event_id)",
     )
     .fetch_all(producer)
     .await?
@@ -84,7 +91,13 @@ pub async fn read_databases(producer: &PgPool, consumer: &PgPool, consumer_ids: 
         s.events.push(EventRow { event_id: r.get(0), state: r.get(1), aggregate_id: r.get(2), aggregate_version: r.get(3), routing_key: r.get(4), payload_digest: r.get(5), was_unknown: r.get(6), first_attempt_at_ms: r.get(7) });
     }
     for (table, into) in [("outbox_publish_receipts", &mut s.receipts), ("outbox_duplicate_receipts", &mut s.duplicate_receipts)] {
-        for r in sqlx::query(&format!("SELECT r.event_id, r.topic, r.partition, r.\"offset\", a.started_at_ms FROM {table} r JOIN outbox_attempts a ON a.attempt_id = r.attempt_id")).fetch_all(producer).await? {
+        // An attempt of the lane's (outbox_attempts), or a stream batch's (started when the batch was cut).
+        let batch = if table == "outbox_publish_receipts" { "LEFT JOIN outbox_batches b ON b.id = r.batch_id" } else { "LEFT JOIN (SELECT NULL::bigint AS cut_at_ms) b ON false" };
+        let sql = format!(
+            "SELECT r.event_id, r.topic, r.partition, r.\"offset\", coalesce(a.started_at_ms, b.cut_at_ms) FROM {table} r
+             LEFT JOIN outbox_attempts a ON a.attempt_id = r.attempt_id {batch} WHERE a.attempt_id IS NOT NULL OR b.cut_at_ms IS NOT NULL"
+        );
+        for r in sqlx::query(&sql).fetch_all(producer).await? {
             into.push(Receipt { event_id: r.get(0), topic: r.get(1), partition: r.get(2), offset: r.get(3), attempt_started_at_ms: r.get(4) });
         }
     }

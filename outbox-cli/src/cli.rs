@@ -112,6 +112,14 @@ pub enum Command {
     /// reconciler's lease in flight (RECONCILING), is refused (exit 3) and
     /// nothing changes.
     Skip(SkipArgs),
+    /// The dispatch path events emitted from now on take: chains (a row of outbox_events each) or stream (insert-only stream rows, dispatched in batches).
+    ///
+    /// Without --set it prints the path in force. Events already emitted
+    /// drain on the path they took; after a switch back to chains, let the
+    /// stream drain before relying on per-key order across the two (see
+    /// docs/OPERATIONS.md, "Switching the dispatch path").
+    #[command(name = "dispatch-path")]
+    DispatchPath(DispatchPathArgs),
     /// Rollout: which events the outbox sends (event types and a share by eventId hash); the rest stays with the legacy publisher.
     #[command(subcommand)]
     Takeover(TakeoverCommand),
@@ -712,6 +720,23 @@ pub struct PurgeArgs {
     /// Most batches per phase in this run (bounds the run's work) [default: 100].
     #[arg(long, value_name = "N")]
     pub max_batches: Option<u32>,
+}
+
+/// The two dispatch paths, as `outbox dispatch-path --set` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PathArg {
+    /// Each event a row of outbox_events, claimed through its key chain's head.
+    Chains,
+    /// Each event an insert-only row of outbox_stream, dispatched in batches per key bucket.
+    Stream,
+}
+
+/// `outbox dispatch-path`.
+#[derive(Debug, Args)]
+pub struct DispatchPathArgs {
+    /// Switch to this path (events emitted after the switch take it).
+    #[arg(long, value_enum, value_name = "PATH")]
+    pub set: Option<PathArg>,
 }
 
 /// `outbox skip`.

@@ -714,6 +714,28 @@ async fn migrate_destination_resends_a_quarantined_event_nothing_of_which_was_se
     env.drop_now().await;
 }
 
+/// `outbox dispatch-path`: prints the path in force (chains on a new
+/// database), switches it with --set (the database's setting, and the
+/// buckets' lease rows for the stream), says when nothing changed, and
+/// refuses a path it does not know.
+#[tokio::test]
+async fn dispatch_path_prints_and_switches_the_path() {
+    let env = Env::new("cli_dispatch_path").await;
+    env.ok(&["migrate"]);
+    route(env.pool(), "cluster-x", "orders", 3).await;
+    assert_eq!(env.ok(&["dispatch-path"]).trim(), "dispatch path: chains");
+    let out = env.ok(&["dispatch-path", "--set", "stream"]);
+    assert!(out.starts_with("dispatch path: chains -> stream;"), "{out}");
+    assert_eq!(outbox_producer::dispatch_path(env.pool()).await.unwrap(), outbox_producer::DispatchPath::Stream);
+    assert_eq!(env.count("SELECT count(*) FROM outbox_bucket_leases WHERE cluster_id = 'cluster-x'").await, 64);
+    assert_eq!(env.ok(&["dispatch-path", "--set", "stream"]).trim(), "dispatch path: stream (unchanged)");
+    let bad = env.run(&["dispatch-path", "--set", "both"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
+    assert_eq!(env.ok(&["dispatch-path"]).trim(), "dispatch path: stream");
+    assert!(env.ok(&["dispatch-path", "--set", "chains"]).starts_with("dispatch path: stream -> chains;"));
+    env.drop_now().await;
+}
+
 /// `outbox route poison` (issue 47): without --policy it prints the policy
 /// in force (block, never set); setting one needs an operator and a reason;
 /// the setting is stored with them, and `--json` reads it back.

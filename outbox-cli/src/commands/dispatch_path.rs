@@ -1,0 +1,32 @@
+//! `outbox dispatch-path`: which path events emitted from now on take
+//! (`outbox_producer::set_dispatch_path`).
+
+use outbox_producer::DispatchPath;
+
+use super::db::open;
+use crate::cli::{DispatchPathArgs, PathArg};
+
+pub(super) async fn dispatch_path_cmd(url: &str, a: &DispatchPathArgs) -> anyhow::Result<u8> {
+    let pool = open(url, 2).await?;
+    let before = outbox_producer::dispatch_path(&pool).await?;
+    let Some(set) = a.set else {
+        println!("dispatch path: {}", before.as_str());
+        return Ok(0);
+    };
+    let path = match set {
+        PathArg::Chains => DispatchPath::Chains,
+        PathArg::Stream => DispatchPath::Stream,
+    };
+    outbox_producer::set_dispatch_path(&pool, path).await?;
+    tracing::info!(from = before.as_str(), to = path.as_str(), "dispatch path set");
+    if before == path {
+        println!("dispatch path: {} (unchanged)", path.as_str());
+    } else {
+        println!(
+            "dispatch path: {} -> {}; events emitted from now on take it, events already emitted drain on the path they took",
+            before.as_str(),
+            path.as_str()
+        );
+    }
+    Ok(0)
+}
