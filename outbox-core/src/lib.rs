@@ -65,6 +65,7 @@ pub use envelope::{Destination, EmitRequest, Envelope, Ordering, Partitioner, Ro
 pub use error::CoreError;
 pub use headers::CloudEventsBinding;
 pub use id::{AttemptId, EventId};
+pub use log::{LogId, LogRef};
 pub use reconcile::{
     anchor_holds, anchor_to_read, check_in_flight_bound, decide_after_submit, decide_reconcile, plan_absence_scan, scan_floor, scan_lower_bound, AbsenceScan, AnchorCheck, RecheckReason, ReconcileDecision, RetryPolicy, ScanFrom,
 };

@@ -7,6 +7,95 @@
 use crate::envelope::Destination;
 use crate::receipt::BrokerReceipt;
 
+/// Which log: one partition of one topic of one broker cluster, and the
+/// topic's identity. Two clusters may carry a topic of one name with
+/// unrelated offsets, and a topic deleted and created again under its name
+/// starts another log at offset 0 under another topic id; `topic_id` is
+/// `None` for a `destination.v1` (the name alone, which cannot tell a
+/// recreated topic from the old one). Every position, receipt and
+/// watermark names its log by this one type (owned here, borrowed as
+/// [`LogRef`]); two logs are the same only when all four parts are equal
+/// (`None` matches only `None`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LogId {
+    /// Broker cluster identity.
+    pub cluster_id: String,
+    /// Topic name.
+    pub topic: String,
+    /// The topic's id (`None`: `destination.v1`).
+    pub topic_id: Option<String>,
+    /// Partition.
+    pub partition: i32,
+}
+
+impl LogId {
+    /// The log of `cluster_id`/`topic` (of id `topic_id`), partition `partition`.
+    pub fn new(cluster_id: impl Into<String>, topic: impl Into<String>, topic_id: Option<String>, partition: i32) -> Self {
+        LogId { cluster_id: cluster_id.into(), topic: topic.into(), topic_id, partition }
+    }
+
+    /// Borrowed, as the decisions compare logs.
+    pub fn as_ref(&self) -> LogRef<'_> {
+        LogRef { cluster_id: &self.cluster_id, topic: &self.topic, topic_id: self.topic_id.as_deref(), partition: self.partition }
+    }
+}
+
+impl std::fmt::Display for LogId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_ref().fmt(f)
+    }
+}
+
+/// A [`LogId`], borrowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LogRef<'a> {
+    /// Broker cluster identity.
+    pub cluster_id: &'a str,
+    /// Topic name.
+    pub topic: &'a str,
+    /// The topic's id (`None`: `destination.v1`).
+    pub topic_id: Option<&'a str>,
+    /// Partition.
+    pub partition: i32,
+}
+
+impl LogRef<'_> {
+    /// Owned.
+    pub fn to_log_id(&self) -> LogId {
+        LogId { cluster_id: self.cluster_id.to_owned(), topic: self.topic.to_owned(), topic_id: self.topic_id.map(str::to_owned), partition: self.partition }
+    }
+
+    /// Whether `other` is a log of the same name (cluster, topic,
+    /// partition), whatever the topic ids: the logs a `destination.v1`
+    /// cannot tell apart.
+    pub fn same_name(&self, other: &LogRef<'_>) -> bool {
+        self.cluster_id == other.cluster_id && self.topic == other.topic && self.partition == other.partition
+    }
+}
+
+impl std::fmt::Display for LogRef<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.topic_id {
+            Some(id) => write!(f, "{}/{}[{id}]/p{}", self.cluster_id, self.topic, self.partition),
+            None => write!(f, "{}/{}/p{}", self.cluster_id, self.topic, self.partition),
+        }
+    }
+}
+
+impl BrokerReceipt {
+    /// The log this receipt's message is in.
+    pub fn log(&self) -> LogRef<'_> {
+        LogRef { cluster_id: &self.cluster_id, topic: &self.topic, topic_id: self.topic_id.as_deref(), partition: self.partition }
+    }
+}
+
+impl Destination {
+    /// The log a send of this destination writes to.
+    pub fn log(&self) -> LogRef<'_> {
+        LogRef { cluster_id: &self.cluster_id, topic: &self.topic, topic_id: self.topic_id.as_deref(), partition: self.partition }
+    }
+}
+
 /// A message as the broker adapter sends it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutgoingMessage {

@@ -12,6 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::state::EventState;
+use crate::log::LogRef;
 
 /// Why an event's evidence is kept for now.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -115,15 +116,10 @@ pub fn may_retain(published_at_ms: i64, now_ms: i64, replay_window_ms: i64) -> b
 /// the same name starts another log at offset 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogPosition<'a> {
-    /// Broker cluster identity.
-    pub cluster_id: &'a str,
-    /// Topic.
-    pub topic: &'a str,
-    /// The topic id the message's frozen destination names
-    /// (`destination.v2`), `None` for a `destination.v1`.
-    pub topic_id: Option<&'a str>,
-    /// Partition.
-    pub partition: i32,
+    /// The log: cluster, topic, the topic id the message's frozen
+    /// destination names (`destination.v2`; `None` for a `destination.v1`)
+    /// and partition.
+    pub log: LogRef<'a>,
     /// Offset.
     pub offset: i64,
     /// The receipt's position epoch (0: the first receipt at its position;
@@ -148,7 +144,7 @@ impl LogPosition<'_> {
     /// holds such a receipt. A `destination.v2` position names its topic
     /// id, and a recreated topic's new id starts watermarks of its own.
     pub fn on_replaced_unnamed_log(&self) -> bool {
-        self.topic_id.is_none() && (self.position_epoch > 0 || self.partition_replaced)
+        self.log.topic_id.is_none() && (self.position_epoch > 0 || self.partition_replaced)
     }
 }
 
@@ -158,16 +154,10 @@ impl LogPosition<'_> {
 pub struct WatermarkRef<'a> {
     /// The consumer.
     pub consumer_id: &'a str,
-    /// Broker cluster identity of the log the consumer read.
-    pub cluster_id: &'a str,
-    /// Topic.
-    pub topic: &'a str,
-    /// The topic id the messages it counted name in their destinations
-    /// (`None`: `destination.v1` messages, or ones whose destination did
-    /// not parse).
-    pub topic_id: Option<&'a str>,
-    /// Partition.
-    pub partition: i32,
+    /// The log the consumer read: its topic id is the one the messages it
+    /// counted name in their destinations (`None`: `destination.v1`
+    /// messages, or ones whose destination did not parse).
+    pub log: LogRef<'a>,
     /// The next offset the consumer reads.
     pub committed_offset: i64,
     /// What it recorded of its last message there.
@@ -183,7 +173,7 @@ impl WatermarkRef<'_> {
     /// log that replaced `at`'s, names an event whose receipt is elsewhere).
     pub fn anchor_agrees_with(&self, at: &LogPosition<'_>) -> bool {
         match self.anchor {
-            _ if at.topic_id.is_some() => true,
+            _ if at.log.topic_id.is_some() => true,
             WatermarkAnchor::Unrecorded => true,
             WatermarkAnchor::At { epoch } => epoch == Some(at.position_epoch),
         }
@@ -193,8 +183,12 @@ impl WatermarkRef<'_> {
     /// cluster, topic, topic id (exactly: `None` matches only `None`) and
     /// partition.
     pub fn covers_log_of(&self, consumer_id: &str, at: &LogPosition<'_>) -> bool {
-        let same_cluster = self.cluster_id == at.cluster_id || crate::simulation::mutation_active("watermark-ignores-cluster");
-        self.consumer_id == consumer_id && same_cluster && self.topic == at.topic && self.topic_id == at.topic_id && self.partition == at.partition
+        let same_log = if crate::simulation::mutation_active("watermark-ignores-cluster") {
+            LogRef { cluster_id: at.log.cluster_id, ..self.log } == at.log
+        } else {
+            self.log == at.log
+        };
+        self.consumer_id == consumer_id && same_log
     }
 }
 
@@ -270,17 +264,17 @@ mod tests {
     fn purge(state: EventState, published: i64, wms: &[(&str, &str, i32, i64)], mandatory: &[&str]) -> Result<(), HoldReason> {
         let wms: Vec<WatermarkRef<'_>> = wms
             .iter()
-            .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, cluster_id: "k-a", topic, topic_id: None, partition, committed_offset, anchor: WatermarkAnchor::Unrecorded })
+            .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, log: crate::LogRef { cluster_id: "k-a", topic, topic_id: None, partition }, committed_offset, anchor: WatermarkAnchor::Unrecorded })
             .collect();
-        may_purge(state, published, 10_000, W, LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false }, &wms, mandatory)
+        may_purge(state, published, 10_000, W, LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false }, &wms, mandatory)
     }
 
     #[test]
     fn a_watermark_on_another_cluster_holds_nothing_up() {
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
-        let far_on_b = [WatermarkRef { consumer_id: "c1", cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
+        let far_on_b = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &far_on_b, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
-        let past_on_a = [WatermarkRef { cluster_id: "k-a", ..far_on_b[0] }];
+        let past_on_a = [WatermarkRef { log: crate::LogRef { cluster_id: "k-a", ..far_on_b[0].log }, ..far_on_b[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past_on_a, &["c1"]), Ok(()));
     }
 
@@ -293,15 +287,15 @@ mod tests {
     fn a_watermark_of_another_topic_id_holds_nothing_up() {
         const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
         const NEW: &str = "_____________________w";
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
-        let on_new = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
+        let on_new = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2 }, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_new, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
-        let without_id = [WatermarkRef { topic_id: None, ..on_new[0] }];
+        let without_id = [WatermarkRef { log: crate::LogRef { topic_id: None, ..on_new[0].log }, ..on_new[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &without_id, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
-        let on_old = [WatermarkRef { topic_id: Some(OLD), ..on_new[0] }];
+        let on_old = [WatermarkRef { log: crate::LogRef { topic_id: Some(OLD), ..on_new[0].log }, ..on_new[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_old, &["c1"]), Ok(()));
         // A destination.v1 receipt is passed by a watermark without an id only.
-        let v1 = LogPosition { topic_id: None, ..at };
+        let v1 = LogPosition { log: crate::LogRef { topic_id: None, ..at.log }, ..at };
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v1, &on_old, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v1, &without_id, &["c1"]), Ok(()));
     }
@@ -316,8 +310,8 @@ mod tests {
     #[test]
     fn a_v1_receipt_of_a_replaced_log_is_held_whatever_the_watermark() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 7, position_epoch: 1, partition_replaced: false, position_lost: false };
-        let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 1, partition_replaced: false, position_lost: false };
+        let past = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
         let held = Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 1 });
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), held);
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &["c1"]), held);
@@ -331,8 +325,8 @@ mod tests {
         let epoch0 = LogPosition { position_epoch: 0, ..at };
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, epoch0, &past, &["c1"]), Ok(()));
         // destination.v2, any epoch: its own topic id's watermark decides.
-        let v2 = LogPosition { topic_id: Some(ID), ..at };
-        let on_id = [WatermarkRef { topic_id: Some(ID), committed_offset: 8, ..past[0] }];
+        let v2 = LogPosition { log: crate::LogRef { topic_id: Some(ID), ..at.log }, ..at };
+        let on_id = [WatermarkRef { log: crate::LogRef { topic_id: Some(ID), ..past[0].log }, committed_offset: 8, ..past[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()));
         let behind = [WatermarkRef { committed_offset: 7, ..on_id[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &behind, &["c1"]), Err(HoldReason::WatermarkBehind { consumer_id: "c1".into(), committed_offset: 7 }));
@@ -348,14 +342,14 @@ mod tests {
     #[test]
     fn every_v1_receipt_of_a_replaced_partition_is_held_whatever_its_epoch() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 0, position_epoch: 0, partition_replaced: true, position_lost: false };
-        let new_log = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: 1, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: true, position_lost: false };
+        let new_log = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1, anchor: WatermarkAnchor::Unrecorded }];
         assert!(at.on_replaced_unnamed_log());
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &new_log, &["c1"]), Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 0 }));
         let unreplaced = LogPosition { partition_replaced: false, ..at };
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, unreplaced, &new_log, &["c1"]), Ok(()));
-        let v2 = LogPosition { topic_id: Some(ID), ..at };
-        let on_id = [WatermarkRef { topic_id: Some(ID), ..new_log[0] }];
+        let v2 = LogPosition { log: crate::LogRef { topic_id: Some(ID), ..at.log }, ..at };
+        let on_id = [WatermarkRef { log: crate::LogRef { topic_id: Some(ID), ..new_log[0].log }, ..new_log[0] }];
         assert!(!v2.on_replaced_unnamed_log());
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()));
     }
@@ -370,16 +364,16 @@ mod tests {
     #[test]
     fn a_v1_watermark_anchored_in_another_log_lets_nothing_go() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: false };
-        let w = |anchor| [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: 1, anchor }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: false };
+        let w = |anchor| [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1, anchor }];
         let purge = |at: LogPosition<'_>, anchor| may_purge(EventState::Retained, 0, 10_000, W, at, &w(anchor), &["c1"]);
         let other = Err(HoldReason::WatermarkOfAnotherLog { consumer_id: "c1".into(), committed_offset: 1 });
         assert_eq!(purge(at, WatermarkAnchor::Unrecorded), Ok(()));
         assert_eq!(purge(at, WatermarkAnchor::At { epoch: Some(0) }), Ok(()));
         assert_eq!(purge(at, WatermarkAnchor::At { epoch: Some(1) }), other);
         assert_eq!(purge(at, WatermarkAnchor::At { epoch: None }), other);
-        let v2 = LogPosition { topic_id: Some(ID), ..at };
-        let on_id = [WatermarkRef { topic_id: Some(ID), ..w(WatermarkAnchor::At { epoch: None })[0] }];
+        let v2 = LogPosition { log: crate::LogRef { topic_id: Some(ID), ..at.log }, ..at };
+        let on_id = [WatermarkRef { log: crate::LogRef { topic_id: Some(ID), ..w(WatermarkAnchor::At { epoch: None })[0].log }, ..w(WatermarkAnchor::At { epoch: None })[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()));
         let topics = ["orders".to_owned()];
         let unconsumed = |anchor| crate::findings::unconsumed_published(EventState::Published, 0, 10_000, 1_000, &at, "c1", &topics, &w(anchor));
@@ -393,8 +387,8 @@ mod tests {
     /// it is the only copy left for the operator to publish again.
     #[test]
     fn an_event_whose_position_was_lost_is_held_whatever_the_consumers() {
-        let at = LogPosition { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: true };
-        let past = [WatermarkRef { consumer_id: "c1", cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: true };
+        let past = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), Err(HoldReason::PositionLost));
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &[]), Err(HoldReason::PositionLost));
         // The window and the state come first.

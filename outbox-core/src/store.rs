@@ -417,14 +417,8 @@ pub struct PublishedFacts {
     pub state: EventState,
     /// When its publish slot was filled, ms.
     pub published_at_ms: i64,
-    /// The primary receipt's cluster.
-    pub cluster_id: String,
-    /// Its topic.
-    pub topic: String,
-    /// Its topic id (`None`: `destination.v1`).
-    pub topic_id: Option<String>,
-    /// Its partition.
-    pub partition: i32,
+    /// The primary receipt's log (its topic id `None`: `destination.v1`).
+    pub log: crate::log::LogId,
     /// Its offset.
     pub offset: i64,
     /// Its position epoch (above 0: accepted at a position another event's
@@ -441,10 +435,7 @@ impl PublishedFacts {
     /// The primary receipt's log position.
     pub fn position(&self) -> crate::LogPosition<'_> {
         crate::LogPosition {
-            cluster_id: &self.cluster_id,
-            topic: &self.topic,
-            topic_id: self.topic_id.as_deref(),
-            partition: self.partition,
+            log: self.log.as_ref(),
             offset: self.offset,
             position_epoch: self.position_epoch,
             partition_replaced: self.partition_replaced,
@@ -458,14 +449,8 @@ impl PublishedFacts {
 pub struct ConsumerWatermark {
     /// The consumer.
     pub consumer_id: String,
-    /// Broker cluster of the log.
-    pub cluster_id: String,
-    /// Topic.
-    pub topic: String,
-    /// Topic id (`None`: `destination.v1`).
-    pub topic_id: Option<String>,
-    /// Partition.
-    pub partition: i32,
+    /// The log (its topic id `None`: `destination.v1`).
+    pub log: crate::log::LogId,
     /// The next offset the consumer reads.
     pub committed_offset: i64,
     /// Whether the consumer that moved it recorded its anchor (the outbox
@@ -486,10 +471,7 @@ impl ConsumerWatermark {
     pub fn watermark_ref(&self) -> crate::retention::WatermarkRef<'_> {
         crate::retention::WatermarkRef {
             consumer_id: &self.consumer_id,
-            cluster_id: &self.cluster_id,
-            topic: &self.topic,
-            topic_id: self.topic_id.as_deref(),
-            partition: self.partition,
+            log: self.log.as_ref(),
             committed_offset: self.committed_offset,
             anchor: if self.anchor_recorded {
                 crate::retention::WatermarkAnchor::At { epoch: self.anchor_epoch.filter(|_| self.anchor_event_id.is_some()) }

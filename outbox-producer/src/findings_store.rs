@@ -132,13 +132,10 @@ impl outbox_core::FindingsStore for PgStore {
         rows.iter()
             .map(|r| {
                 Ok(PublishedFacts {
+                    log: outbox_core::LogId { cluster_id: r.try_get("cluster_id").map_err(store_err)?, topic: r.try_get("topic").map_err(store_err)?, topic_id: r.try_get("topic_id").map_err(store_err)?, partition: r.try_get("partition").map_err(store_err)? },
                     event_id: r.try_get("event_id").map_err(store_err)?,
                     state: state_of(r)?,
                     published_at_ms: r.try_get("published_at_ms").map_err(store_err)?,
-                    cluster_id: r.try_get("cluster_id").map_err(store_err)?,
-                    topic: r.try_get("topic").map_err(store_err)?,
-                    topic_id: r.try_get("topic_id").map_err(store_err)?,
-                    partition: r.try_get("partition").map_err(store_err)?,
                     offset: r.try_get("offset").map_err(store_err)?,
                     position_epoch: r.try_get("position_epoch").map_err(store_err)?,
                     partition_replaced: r.try_get("partition_replaced").map_err(store_err)?,
@@ -165,11 +162,8 @@ impl outbox_core::FindingsStore for PgStore {
         Ok(rows
             .into_iter()
             .map(|(consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch)| ConsumerWatermark {
+                log: outbox_core::LogId { cluster_id, topic, topic_id, partition },
                 consumer_id,
-                cluster_id,
-                topic,
-                topic_id,
-                partition,
                 committed_offset,
                 anchor_recorded,
                 anchor_event_id,

@@ -160,24 +160,24 @@ fn decide(page: &[Candidate], registry: &Registry, now_ms: i64, policy: &Retenti
     let wms: Vec<WatermarkRef<'_>> = registry.watermarks.iter().map(|w| w.watermark_ref()).collect();
     let mut out = Decided::default();
     for c in page {
-        let on_topic: Vec<&str> = registry.mandatory.iter().filter(|(_, topics)| topics.iter().any(|t| *t == c.topic)).map(|(id, _)| id.as_str()).collect();
+        let on_topic: Vec<&str> = registry.mandatory.iter().filter(|(_, topics)| topics.iter().any(|t| *t == c.log.topic)).map(|(id, _)| id.as_str()).collect();
         let state = if as_retained && c.state == EventState::Published { EventState::Retained } else { c.state };
         match may_purge(state, c.published_at_ms, now_ms, policy.replay_window_ms, c.position(), &wms, &on_topic) {
             Ok(()) => out.purge.push(c.event_id.clone()),
             Err(HoldReason::NoWatermark { .. } | HoldReason::WatermarkBehind { .. }) => out.held += 1,
             Err(HoldReason::WatermarkOfAnotherLog { consumer_id, committed_offset }) => {
-                tracing::warn!(event_id = %c.event_id, consumer_id, topic = %c.topic, partition = c.partition, offset = c.offset, committed_offset,
+                tracing::warn!(event_id = %c.event_id, consumer_id, topic = %c.log.topic, partition = c.log.partition, offset = c.offset, committed_offset,
                     "retention holds an event a watermark of another log passed: the event the consumer recorded at its last offset has no receipt there in this event's position epoch");
                 out.held += 1;
             }
             Err(HoldReason::ReplacedLog { consumer_id, position_epoch }) => {
-                tracing::warn!(event_id = %c.event_id, consumer_id, topic = %c.topic, partition = c.partition, offset = c.offset, position_epoch,
+                tracing::warn!(event_id = %c.event_id, consumer_id, topic = %c.log.topic, partition = c.log.partition, offset = c.offset, position_epoch,
                     "retention holds an event of a replaced log: no watermark of its partition can say the consumer processed it");
                 out.held += 1;
                 out.replaced_log += 1;
             }
             Err(HoldReason::PositionLost) => {
-                tracing::warn!(event_id = %c.event_id, topic = %c.topic, partition = c.partition, offset = c.offset,
+                tracing::warn!(event_id = %c.event_id, topic = %c.log.topic, partition = c.log.partition, offset = c.offset,
                     "retention holds an event whose position the log lost (receipt_position_lost): its payload is the only copy left");
                 out.lost_position += 1;
             }
@@ -216,7 +216,7 @@ impl Page {
 
 /// The topics of a page, each once.
 fn topics_of(page: &[Candidate]) -> Vec<&str> {
-    let mut topics: Vec<&str> = page.iter().map(|c| c.topic.as_str()).collect();
+    let mut topics: Vec<&str> = page.iter().map(|c| c.log.topic.as_str()).collect();
     topics.sort_unstable();
     topics.dedup();
     topics
@@ -421,12 +421,9 @@ impl RetentionStore for PgRetention {
         for (event_id, state, published_at_ms, generation) in events {
             let Some(r) = receipts.get(&(event_id.clone(), generation)) else { continue };
             candidates.push(Candidate {
+                log: outbox_core::LogId { cluster_id: r.try_get("cluster_id")?, topic: r.try_get("topic")?, topic_id: r.try_get("topic_id")?, partition: r.try_get("partition")? },
                 state: EventState::parse(&state)?,
                 published_at_ms,
-                cluster_id: r.try_get("cluster_id")?,
-                topic: r.try_get("topic")?,
-                topic_id: r.try_get("topic_id")?,
-                partition: r.try_get("partition")?,
                 offset: r.try_get("offset")?,
                 position_epoch: r.try_get("position_epoch")?,
                 partition_replaced: r.try_get("partition_replaced")?,
@@ -470,7 +467,7 @@ impl RetentionStore for PgRetention {
                 registry.mandatory.push((consumer_id.clone(), topics));
             }
             if let (Some(cluster_id), Some(topic), Some(partition), Some(committed_offset)) = (cluster_id, topic, partition, committed_offset) {
-                registry.watermarks.push(outbox_core::ConsumerWatermark { consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded: anchor_recorded.unwrap_or(false), anchor_event_id, anchor_epoch });
+                registry.watermarks.push(outbox_core::ConsumerWatermark { log: outbox_core::LogId { cluster_id, topic, topic_id, partition }, consumer_id, committed_offset, anchor_recorded: anchor_recorded.unwrap_or(false), anchor_event_id, anchor_epoch });
             }
         }
         Ok(registry)
@@ -557,13 +554,10 @@ impl RetentionStore for outbox_memory::MemoryStore {
             .filter_map(|(published_at_ms, event_id, e)| {
                 let slot = e.slot.as_ref()?;
                 Some(Candidate {
+                    log: slot.log().to_log_id(),
                     event_id,
                     state: e.state,
                     published_at_ms,
-                    cluster_id: slot.cluster_id.clone(),
-                    topic: slot.topic.clone(),
-                    topic_id: slot.topic_id.clone(),
-                    partition: slot.partition,
                     offset: slot.offset,
                     position_epoch: e.slot_epoch,
                     partition_replaced: st.partition_replaced(&slot.cluster_id, &slot.topic, slot.partition),
@@ -585,7 +579,7 @@ impl RetentionStore for outbox_memory::MemoryStore {
         let watermarks = st
             .watermarks
             .iter()
-            .filter(|w| topics.contains(&w.topic.as_str()) && mandatory.iter().any(|(id, _)| *id == w.consumer_id))
+            .filter(|w| topics.contains(&w.log.topic.as_str()) && mandatory.iter().any(|(id, _)| *id == w.consumer_id))
             .map(|w| st.with_anchor_epoch(w))
             .collect();
         Ok(Registry { mandatory, watermarks })

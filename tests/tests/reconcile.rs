@@ -567,11 +567,11 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         let watermarks: Vec<outbox_core::WatermarkRef<'_>> = wm_rows
             .iter()
             .filter(|w| registry.iter().any(|(c, mandatory, _)| *mandatory && c == &w.0))
-            .map(|w| outbox_core::WatermarkRef { consumer_id: &w.0, cluster_id: &w.1, topic: &w.2, topic_id: w.3.as_deref(), partition: w.4, committed_offset: w.5, anchor: outbox_core::WatermarkAnchor::Unrecorded })
+            .map(|w| outbox_core::WatermarkRef { log: outbox_core::LogRef { cluster_id: &w.1, topic: &w.2, topic_id: w.3.as_deref(), partition: w.4 }, consumer_id: &w.0, committed_offset: w.5, anchor: outbox_core::WatermarkAnchor::Unrecorded })
             .collect();
         // With `blind`, as a predicate that ignores topic ids would decide.
         let decide = |blind: bool| -> Vec<String> {
-            let watermarks: Vec<outbox_core::WatermarkRef<'_>> = watermarks.iter().map(|w| outbox_core::WatermarkRef { topic_id: w.topic_id.filter(|_| !blind), ..*w }).collect();
+            let watermarks: Vec<outbox_core::WatermarkRef<'_>> = watermarks.iter().map(|w| outbox_core::WatermarkRef { log: outbox_core::LogRef { topic_id: w.log.topic_id.filter(|_| !blind), ..w.log }, ..*w }).collect();
             let mut ids: Vec<String> = events
                 .iter()
                 .filter(|(_, state, published_at, cluster, topic, topic_id, partition, offset, position_epoch)| {
@@ -581,7 +581,7 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
                     let on_topic: Vec<&str> = registry.iter().filter(|(_, m, topics)| *m && topics.iter().any(|t| t == topic)).map(|(c, _, _)| c.as_str()).collect();
                     let topic_id = topic_id.as_deref().filter(|_| !blind);
                     let partition_replaced = events.iter().any(|e| (&e.3, &e.4, e.6) == (cluster, topic, *partition) && e.8 > 0);
-                    let at = outbox_core::LogPosition { cluster_id: cluster, topic, topic_id, partition: *partition, offset: *offset, position_epoch: *position_epoch, partition_replaced, position_lost: false };
+                    let at = outbox_core::LogPosition { log: outbox_core::LogRef { cluster_id: cluster, topic, topic_id, partition: *partition }, offset: *offset, position_epoch: *position_epoch, partition_replaced, position_lost: false };
                     outbox_core::may_purge(state, *published_at, later, policy.replay_window_ms, at, &watermarks, &on_topic).is_ok()
                 })
                 .map(|e| e.0.clone())

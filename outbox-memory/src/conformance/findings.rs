@@ -47,11 +47,8 @@ pub(super) async fn comparison_findings<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
     let consumer = |n: &str| format!("{}-{n}", c.prefix);
     let (other_cluster, other_id, behind, passed) = (consumer("othercluster"), consumer("othertopicid"), consumer("behind"), consumer("passed"));
     let wm = |consumer_id: &str, cluster_id: &str, topic_id: Option<String>, committed_offset: i64| outbox_core::store::ConsumerWatermark {
+        log: outbox_core::LogId { cluster_id: cluster_id.to_owned(), topic: d.topic.clone(), topic_id, partition: d.partition },
         consumer_id: consumer_id.to_owned(),
-        cluster_id: cluster_id.to_owned(),
-        topic: d.topic.clone(),
-        topic_id,
-        partition: d.partition,
         committed_offset,
         anchor_recorded: false,
         anchor_event_id: None,
@@ -126,11 +123,8 @@ pub(super) async fn unconsumed_on_a_replaced_log<H: Harness>(c: &Ctx<'_, H>) -> 
     c.h.advance_ms(T + 1);
     let consumer = format!("{}-passed", c.prefix);
     let watermark = outbox_core::store::ConsumerWatermark {
+        log: outbox_core::LogId { cluster_id: d.cluster_id.clone(), topic: d.topic.clone(), topic_id: None, partition: d.partition },
         consumer_id: consumer.clone(),
-        cluster_id: d.cluster_id.clone(),
-        topic: d.topic.clone(),
-        topic_id: None,
-        partition: d.partition,
         committed_offset: c.offset(30) + 1,
         anchor_recorded: false,
         anchor_event_id: None,

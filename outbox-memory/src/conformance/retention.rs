@@ -51,11 +51,8 @@ pub(super) async fn purge_waits_for_mandatory_watermarks<H: Harness>(c: &Ctx<'_,
     partitions.dedup();
     let last_on = |p: i32| events.iter().filter(|e| e.1.partition == p).map(|e| e.1.offset).max().unwrap_or(0);
     let wm = |cluster_id: &str, topic_id: Option<&str>, partition: i32, committed_offset: i64| MemoryWatermark {
+        log: outbox_core::LogId { cluster_id: cluster_id.into(), topic: topic.clone(), topic_id: topic_id.map(Into::into), partition },
         consumer_id: format!("{}-m", c.prefix),
-        cluster_id: cluster_id.into(),
-        topic: topic.clone(),
-        topic_id: topic_id.map(Into::into),
-        partition,
         committed_offset,
         anchor_recorded: false,
         anchor_event_id: None,
@@ -160,11 +157,8 @@ pub(super) async fn purge_holds_an_event_of_a_replaced_log<H: Harness>(c: &Ctx<'
     eq("the scenario's topic", topic.as_str(), super::REPLACED_TOPIC)?;
     let on_topic: &[&str] = &[topic.as_str()];
     let wm = |consumer_id: &str, committed_offset: i64| MemoryWatermark {
+        log: outbox_core::LogId { cluster_id: first.cluster_id.clone(), topic: topic.clone(), topic_id: None, partition: first.partition },
         consumer_id: consumer_id.into(),
-        cluster_id: first.cluster_id.clone(),
-        topic: topic.clone(),
-        topic_id: None,
-        partition: first.partition,
         committed_offset,
         anchor_recorded: false,
         anchor_event_id: None,
@@ -225,11 +219,8 @@ pub(super) async fn purge_checks_a_watermarks_anchor<H: Harness>(c: &Ctx<'_, H>)
     let on_topic: &[&str] = &[last.topic.as_str()];
     let registry = [(m.as_str(), on_topic, true)];
     let wm = |anchor: Option<&str>| MemoryWatermark {
+        log: outbox_core::LogId { cluster_id: last.cluster_id.clone(), topic: last.topic.clone(), topic_id: None, partition: last.partition },
         consumer_id: m.clone(),
-        cluster_id: last.cluster_id.clone(),
-        topic: last.topic.clone(),
-        topic_id: None,
-        partition: last.partition,
         committed_offset: c.offset(2),
         anchor_recorded: true,
         anchor_event_id: anchor.map(str::to_owned),

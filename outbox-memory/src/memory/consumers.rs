@@ -23,9 +23,7 @@ impl MemoryStore {
     /// Sets a consumer's watermark on its log (replacing the one it had there).
     pub fn set_watermark(&self, watermark: MemoryWatermark) {
         let mut st = self.lock();
-        let same_log = |w: &MemoryWatermark| {
-            (&w.consumer_id, &w.cluster_id, &w.topic, &w.topic_id, w.partition) == (&watermark.consumer_id, &watermark.cluster_id, &watermark.topic, &watermark.topic_id, watermark.partition)
-        };
+        let same_log = |w: &MemoryWatermark| w.consumer_id == watermark.consumer_id && w.log == watermark.log;
         st.watermarks.retain(|w| !same_log(w));
         st.watermarks.push(watermark);
     }

@@ -75,13 +75,10 @@ impl outbox_core::store::FindingsStore for MemoryStore {
             .filter_map(|e| Some((e, e.slot.as_ref().filter(|s| s.envelope_generation == e.envelope.envelope_generation)?, e.published_at_ms?)))
             .filter(|(_, slot, at)| *at < published_before_ms && topics.contains(&slot.topic))
             .map(|(e, slot, at)| outbox_core::store::PublishedFacts {
+                log: slot.log().to_log_id(),
                 event_id: e.envelope.event_id.to_string(),
                 state: e.state,
                 published_at_ms: at,
-                cluster_id: slot.cluster_id.clone(),
-                topic: slot.topic.clone(),
-                topic_id: slot.topic_id.clone(),
-                partition: slot.partition,
                 offset: slot.offset,
                 position_epoch: e.slot_epoch,
                 partition_replaced: st.partition_replaced(&slot.cluster_id, &slot.topic, slot.partition),
@@ -94,7 +91,7 @@ impl outbox_core::store::FindingsStore for MemoryStore {
 
     async fn consumer_watermarks(&self, consumer_id: &str, topics: &[String]) -> Result<Vec<outbox_core::store::ConsumerWatermark>, StoreError> {
         let st = self.lock();
-        Ok(st.watermarks.iter().filter(|w| w.consumer_id == consumer_id && topics.contains(&w.topic)).map(|w| st.with_anchor_epoch(w)).collect())
+        Ok(st.watermarks.iter().filter(|w| w.consumer_id == consumer_id && topics.contains(&w.log.topic)).map(|w| st.with_anchor_epoch(w)).collect())
     }
 
     async fn receipt_sweep_page(&self, limit: i64) -> Result<Vec<outbox_core::store::SweptEvent>, StoreError> {
@@ -145,7 +142,7 @@ impl super::MemoryState {
     /// The partitions (cluster, topic, partition) holding a receipt above
     /// position epoch 0 (each once per such receipt).
     pub fn replaced_partitions(&self) -> impl Iterator<Item = (&str, &str, i32)> {
-        self.position_holders.iter().filter(|(_, (_, epoch))| *epoch > 0).map(|((c, t, _, p, _), _)| (c.as_str(), t.as_str(), *p))
+        self.position_holders.iter().filter(|(_, (_, epoch))| *epoch > 0).map(|((log, _), _)| (log.cluster_id.as_str(), log.topic.as_str(), log.partition))
     }
 
     /// `w` as the decisions read it: the position epoch of its anchor's
@@ -154,7 +151,7 @@ impl super::MemoryState {
         let anchor_epoch = w.anchor_event_id.as_deref().and_then(|id| id.parse::<outbox_core::EventId>().ok()).and_then(|id| {
             let e = self.events.get(&id)?;
             let slot = e.slot.as_ref()?;
-            let here = (slot.cluster_id.as_str(), slot.topic.as_str(), slot.partition, slot.offset) == (w.cluster_id.as_str(), w.topic.as_str(), w.partition, w.committed_offset - 1);
+            let here = slot.log().same_name(&w.log.as_ref()) && slot.offset == w.committed_offset - 1;
             here.then_some(e.slot_epoch)
         });
         outbox_core::store::ConsumerWatermark { anchor_epoch, ..w.clone() }

@@ -61,14 +61,14 @@ pub struct MemoryState {
     /// again under the same name starts another log at offset 0.
     /// The value is the offset past it (an attempt's scan floor) and the
     /// event whose receipt holds it (the floor's anchor).
-    pub partition_high: BTreeMap<(String, String, Option<String>, i32), (i64, EventId, AttemptId)>,
+    pub partition_high: BTreeMap<outbox_core::LogId, (i64, EventId, AttemptId)>,
     /// The newest primary receipt at each log position (cluster, topic,
     /// topic id, partition, offset), of any event or envelope generation
     /// (kept after a migration, as the receipts table keeps its rows): its
     /// event and position epoch, from which the next receipt there takes its
     /// epoch (`outbox_core::compare::next_position_epoch`, as PostgreSQL's
     /// receipt transaction does).
-    pub position_holders: BTreeMap<(String, String, Option<String>, i32, i64), (EventId, i32)>,
+    pub position_holders: BTreeMap<(outbox_core::LogId, i64), (EventId, i32)>,
     /// Migration receipts, in order.
     pub migrations: Vec<MigrationRecord>,
     /// The highest version each aggregate (tenant, type, id) emitted.

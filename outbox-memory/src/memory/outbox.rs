@@ -97,7 +97,7 @@ impl OutboxStore for MemoryStore {
             ReceiptDecision::Accept { .. } => {
                 Self::transition(ev, EventState::Published, now)?;
                 ev.slot = Some(receipt.clone());
-                let position = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition, receipt.offset);
+                let position = (receipt.log().to_log_id(), receipt.offset);
                 let newest = st.position_holders.get(&position).map(|(holder, epoch)| (holder.clone(), *epoch));
                 ev.slot_epoch = outbox_core::compare::next_position_epoch(newest.as_ref().map(|(h, e)| (h.as_str(), *e)), receipt.event_id.as_str());
                 // Another event's receipt at this position: its log is gone
@@ -106,7 +106,7 @@ impl OutboxStore for MemoryStore {
                     st.findings.insert((outbox_core::compare::RECEIPT_POSITION_LOST.to_owned(), holder.to_string(), String::new()), outbox_core::compare::position_taken_detail(receipt));
                 }
                 st.position_holders.insert(position, (receipt.event_id.clone(), ev.slot_epoch));
-                let log = (receipt.cluster_id.clone(), receipt.topic.clone(), receipt.topic_id.clone(), receipt.partition);
+                let log = receipt.log().to_log_id();
                 let floor = outbox_core::reconcile::advance_floor(st.partition_high.get(&log), receipt.offset, &receipt.event_id, &receipt.attempt_id);
                 st.partition_high.insert(log, floor);
                 ev.claim.owner = None;

@@ -90,8 +90,7 @@ impl MemoryStore {
         check_registration(ev.state, &ev.claim, token, now)?;
         Self::transition(ev, EventState::Sending, now)?;
         ev.attempt_generation += 1;
-        let log = (ev.destination.cluster_id.clone(), ev.destination.topic.clone(), ev.destination.topic_id.clone(), ev.destination.partition);
-        let floor = st.partition_high.get(&log);
+        let floor = st.partition_high.get(&ev.destination.log().to_log_id());
         let attempt = AttemptRecord {
             attempt_id,
             event_id: token.event_id.clone(),

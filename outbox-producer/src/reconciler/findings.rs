@@ -45,14 +45,14 @@ impl<B: Broker + 'static, S: ServiceStore + FindingsStore> Reconciler<B, S> {
             for p in self.store.published_candidates(&consumer_id, &topics, now.saturating_sub(c.unconsumed_after_ms), limit).await? {
                 let at = p.position();
                 let Some(age) = f::unconsumed_published(p.state, p.published_at_ms, now, c.unconsumed_after_ms, &at, &consumer_id, &topics, &refs) else { continue };
-                let of_id = p.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
+                let of_id = p.log.topic_id.as_deref().map(|id| format!(" (topic id {id})")).unwrap_or_default();
                 let detail = if at.on_replaced_unnamed_log() {
                     format!(
                         "published at {}/{}@{} in a partition whose log was replaced under the same name (its position epoch {}; a receipt of the partition above epoch 0): no watermark can say the consumer read it; check its receipts, and set the route again with its topic id (runbook: a topic was recreated)",
-                        p.topic, p.partition, p.offset, p.position_epoch
+                        p.log.topic, p.log.partition, p.offset, p.position_epoch
                     )
                 } else {
-                    format!("published at {}{of_id}/{}@{}, not passed by the consumer's watermark of that log", p.topic, p.partition, p.offset)
+                    format!("published at {}{of_id}/{}@{}, not passed by the consumer's watermark of that log", p.log.topic, p.log.partition, p.offset)
                 };
                 push(f::UNCONSUMED_PUBLISHED, p.event_id, consumer_id.clone(), age, detail);
             }

@@ -465,7 +465,7 @@ impl Consumers {
             // A log never reset: the watermarks of its name are its own
             // (a reset log's may be an old log's, which retention holds
             // apart by the receipt's position epoch).
-            let mark = marks.iter().filter(|m| (m.cluster_id.as_str(), m.topic.as_str(), m.partition) == (CLUSTER, t.as_str(), *p)).map(|m| m.committed_offset).max();
+            let mark = marks.iter().filter(|m| (m.log.cluster_id.as_str(), m.log.topic.as_str(), m.log.partition) == (CLUSTER, t.as_str(), *p)).map(|m| m.committed_offset).max();
             if u.incarnation == 0 && mark.is_some_and(|m| m > o) {
                 w.figures.watermark_passes_unread += 1;
                 violations.push(format!("watermark_passes_unread: {GROUP}'s watermark on {t}/p{p} is {mark:?}, past {id}@{o}, which it never applied"));
@@ -502,11 +502,8 @@ pub(super) fn group_watermarks(store: &MemoryConsumerStore) -> Vec<MemoryWaterma
         .iter()
         .filter(|((consumer_id, ..), _)| consumer_id == GROUP)
         .map(|((_, cluster_id, topic, partition, topic_id), row)| MemoryWatermark {
+            log: outbox_core::LogId { cluster_id: cluster_id.clone(), topic: topic.clone(), topic_id: topic_id.clone(), partition: *partition },
             consumer_id: GROUP.to_owned(),
-            cluster_id: cluster_id.clone(),
-            topic: topic.clone(),
-            topic_id: topic_id.clone(),
-            partition: *partition,
             committed_offset: row.committed_offset,
             anchor_recorded: true,
             anchor_event_id: row.anchor_event_id.clone(),

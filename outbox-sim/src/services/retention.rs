@@ -45,11 +45,8 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
                     *w.consumer_at.entry((OTHER_CLUSTER.to_owned(), TOPIC.to_owned(), partition)).or_insert(0) += step;
                 }
                 watermarks.extend(w.consumer_at.iter().map(|((cluster_id, topic, partition), at)| MemoryWatermark {
+                    log: outbox_core::LogId { cluster_id: cluster_id.clone(), topic: topic.clone(), topic_id: None, partition: *partition },
                     consumer_id: GROUP.to_owned(),
-                    cluster_id: cluster_id.clone(),
-                    topic: topic.clone(),
-                    topic_id: None,
-                    partition: *partition,
                     committed_offset: *at,
                     anchor_recorded: false,
                     anchor_event_id: None,
@@ -88,7 +85,7 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
             for id in &purged {
                 let Some(slot) = st.events.get(id).and_then(|e| e.slot.as_ref()) else { continue };
                 w.figures.purged += 1;
-                let at = |w: &MemoryWatermark| (&w.cluster_id, &w.topic, w.partition) == (&slot.cluster_id, &slot.topic, slot.partition);
+                let at = |w: &MemoryWatermark| (&w.log.cluster_id, &w.log.topic, w.log.partition) == (&slot.cluster_id, &slot.topic, slot.partition);
                 let marks: Vec<i64> = watermarks.iter().filter(|w| at(w)).map(|w| w.committed_offset).collect();
                 w.note(|| format!("retention purges {id} at {}/{}/p{}@{} ({GROUP}'s watermarks there {marks:?})", slot.cluster_id, slot.topic, slot.partition, slot.offset));
                 // Receipts are never taken back: one read after the purge
