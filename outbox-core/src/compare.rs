@@ -66,6 +66,16 @@ pub struct RecordedReceipt {
     pub primary: bool,
 }
 
+/// A published event as the bypass check compares a copy of it: its
+/// frozen payload digest and routing key (the key every copy of it must carry).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishedCopy {
+    /// `sha256:` digest of its frozen payload.
+    pub payload_digest: String,
+    /// Its frozen destination's routing key.
+    pub routing_key: String,
+}
+
 /// What the store recorded about the known events of one scanned page.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KnownCopies {
@@ -73,8 +83,8 @@ pub struct KnownCopies {
     /// at the scanned offsets: a position names its topic id.
     pub recorded: BTreeSet<(String, Option<String>, i64)>,
     /// Published events (a primary receipt of the current envelope
-    /// generation exists) and their payload digests.
-    pub published: BTreeMap<String, String>,
+    /// generation exists), with their payload digests and routing keys.
+    pub published: BTreeMap<String, PublishedCopy>,
     /// Open attempts that may still be answered ([`may_be_in_flight`] at the scan's time).
     pub in_flight: BTreeSet<String>,
     /// Open attempts (SENDING, UNKNOWN) past their in-flight bound: no
@@ -90,7 +100,7 @@ impl KnownCopies {
     /// no receipt answered.
     pub fn new<'a>(
         receipts: impl IntoIterator<Item = &'a RecordedReceipt>,
-        published: BTreeMap<String, String>,
+        published: BTreeMap<String, PublishedCopy>,
         unanswered: &[AttemptRecord],
         policy: &RetryPolicy,
         now_ms: i64,
@@ -178,8 +188,13 @@ pub fn judge_scanned(m: &ScannedMessage, own_source: Option<&str>, declared: &[S
     if unpublished && m.receipt.is_some() && m.attempt_id.as_ref().is_some_and(|a| copies.unanswerable.contains(a)) {
         return ScanJudgement::Submit;
     }
-    let Some(digest) = copies.published.get(id) else { return ScanJudgement::Accounted };
-    ScanJudgement::Finding(if *digest == m.payload_digest { UNRECORDED_COPY } else { DIVERGENT_COPY })
+    let Some(published) = copies.published.get(id) else { return ScanJudgement::Accounted };
+    // The same bytes under the frozen key: a transport copy no receipt
+    // records. Other bytes, or the same bytes under another key (or none:
+    // a consumer partitioning by key sees the event under that one, and it
+    // sits in that key's compaction chain): a divergent copy.
+    let same_key = m.key.as_deref() == Some(published.routing_key.as_bytes());
+    ScanJudgement::Finding(if published.payload_digest == m.payload_digest && same_key { UNRECORDED_COPY } else { DIVERGENT_COPY })
 }
 
 /// Where the scan's cursor goes after a page.
@@ -457,7 +472,7 @@ mod tests {
         ScannedMessage {
             offset,
             event_id: event_id.map(str::to_owned),
-            key: None,
+            key: Some(b"k-a".to_vec()),
             payload_digest: digest.to_owned(),
             source: None,
             attempt_id: attempt.map(str::to_owned),
@@ -477,7 +492,7 @@ mod tests {
             RecordedReceipt { event_id: "evt-a".into(), topic_id: None, offset: 10, primary: true },
             RecordedReceipt { event_id: "evt-a".into(), topic_id: None, offset: 11, primary: false },
         ];
-        let published = [("evt-a".to_owned(), "sha256:a".to_owned())].into_iter().collect();
+        let published = [("evt-a".to_owned(), PublishedCopy { payload_digest: "sha256:a".into(), routing_key: "k-a".into() })].into_iter().collect();
         KnownCopies::new(&receipts, published, open, &P, now_ms)
     }
 
@@ -498,6 +513,11 @@ mod tests {
         assert_eq!(j(&msg(11, Some("evt-a"), Some("att-2"), "sha256:a")), ScanJudgement::Accounted, "a duplicate receipt's position");
         assert_eq!(j(&msg(12, Some("evt-a"), Some("att-2"), "sha256:a")), ScanJudgement::Finding(UNRECORDED_COPY));
         assert_eq!(j(&msg(13, Some("evt-a"), Some("att-2"), "sha256:x")), ScanJudgement::Finding(DIVERGENT_COPY));
+        // The same bytes under another key, or under none: divergent too.
+        let rekeyed = ScannedMessage { key: Some(b"k-b".to_vec()), ..msg(17, Some("evt-a"), Some("att-2"), "sha256:a") };
+        assert_eq!(j(&rekeyed), ScanJudgement::Finding(DIVERGENT_COPY), "a copy under another key");
+        let keyless = ScannedMessage { key: None, ..msg(18, Some("evt-a"), Some("att-2"), "sha256:a") };
+        assert_eq!(j(&keyless), ScanJudgement::Finding(DIVERGENT_COPY), "a copy without a key");
         assert_eq!(j(&msg(14, Some("evt-b"), Some("att-3"), "sha256:b")), ScanJudgement::Accounted, "not published: the reconciler looks it up");
         assert_eq!(j(&msg(15, Some("evt-zzz"), None, "sha256:z")), ScanJudgement::Finding(BYPASS_PUBLISH));
         assert_eq!(j(&msg(16, None, None, "sha256:z")), ScanJudgement::Finding(BYPASS_PUBLISH));

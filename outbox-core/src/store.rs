@@ -349,9 +349,10 @@ pub trait BypassScanStore: Send + Sync {
     /// The receipts, primary and duplicate, at `offsets` of (cluster, topic, partition), of any topic id.
     async fn receipts_at(&self, cluster_id: &str, topic: &str, partition: i32, offsets: &[i64]) -> Result<Vec<crate::compare::RecordedReceipt>, StoreError>;
 
-    /// The payload digests of the published events (a primary receipt of
-    /// their current envelope generation exists) among `event_ids`.
-    async fn published_digests(&self, event_ids: &[String]) -> Result<std::collections::BTreeMap<String, String>, StoreError>;
+    /// The payload digests and routing keys of the published events (a
+    /// primary receipt of their current envelope generation exists) among
+    /// `event_ids`.
+    async fn published_digests(&self, event_ids: &[String]) -> Result<std::collections::BTreeMap<String, crate::compare::PublishedCopy>, StoreError>;
 
     /// The attempts of `event_ids` that no receipt answered: open (SENDING,
     /// UNKNOWN) and closed without one (ABSENT, NOT_SENT).

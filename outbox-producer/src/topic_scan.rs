@@ -158,22 +158,22 @@ impl outbox_core::BypassScanStore for crate::pg::PgStore {
         .map_err(store_err)
     }
 
-    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, String>, outbox_core::StoreError> {
+    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, outbox_core::compare::PublishedCopy>, outbox_core::StoreError> {
         if event_ids.is_empty() {
             return Ok(BTreeMap::new());
         }
-        sqlx::query_as::<_, (String, String)>(
-            "SELECT e.event_id, e.payload_digest FROM outbox_events e WHERE e.event_id = ANY($1)
+        sqlx::query_as::<_, (String, String, String)>(
+            "SELECT e.event_id, e.payload_digest, e.routing_key FROM outbox_events e WHERE e.event_id = ANY($1)
                AND EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation)
              UNION ALL
-             SELECT s.event_id, s.payload_digest FROM outbox_stream s WHERE s.event_id = ANY($1)
+             SELECT s.event_id, s.payload_digest, s.routing_key FROM outbox_stream s WHERE s.event_id = ANY($1)
                AND NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.event_id = s.event_id)
                AND EXISTS (SELECT 1 FROM outbox_publish_receipts r WHERE r.event_id = s.event_id AND r.envelope_generation = 1)",
         )
         .bind(event_ids)
         .fetch_all(self.pool())
         .await
-        .map(|rows| rows.into_iter().collect())
+        .map(|rows| rows.into_iter().map(|(id, payload_digest, routing_key)| (id, outbox_core::compare::PublishedCopy { payload_digest, routing_key })).collect())
         .map_err(store_err)
     }
 

@@ -124,6 +124,14 @@ pub(super) async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     let d1 = c.register(&ce_d.token).await?;
     c.s().report_not_sent(&ce_d.token, &d1.attempt_id, "refused").await.map_err(err("report_not_sent"))?;
     let unknown = EventId::generate(c.h.now_ms() as u64).to_string();
+    // G: published at offset 10; a copy of its very bytes under another
+    // key at 11 (a mirror that re-keys, a producer bypassing the outbox):
+    // consumers partitioning by key see the event under that key, so it is
+    // a divergent copy, not a mere unrecorded one.
+    let g = c.emit(5, "g").await;
+    let ce_g = c.claim_some("w1", &g).await?;
+    let g1 = c.register(&ce_g.token).await?;
+    eq("G's ACK", c.accept(&receipt(&ce_g, &g1, c.offset(10))).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
 
     let mut log = ScanLog { cluster_id: ce_a.destination.cluster_id.clone(), topic: ce_a.destination.topic.clone(), ..Default::default() };
     let mut put = |ce: &ClaimedEvent, m: outbox_core::store::ScannedMessage| log.partitions.entry(ce.destination.partition).or_default().push(m);
@@ -135,6 +143,8 @@ pub(super) async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     put(&ce_b1, outbox_core::store::ScannedMessage { event_id: Some(unknown.clone()), attempt_id: None, ..scanned(&ce_b1, &b1, c.offset(7), b"bypass") });
     put(&ce_c, scanned(&ce_c, &c1, c.offset(8), &ce_c.payload));
     put(&ce_d, scanned(&ce_d, &d1, c.offset(9), &ce_d.payload));
+    put(&ce_g, scanned(&ce_g, &g1, c.offset(10), &ce_g.payload));
+    put(&ce_g, outbox_core::store::ScannedMessage { key: Some(b"another key".to_vec()), ..scanned(&ce_g, &g1, c.offset(11), &ce_g.payload) });
     for page in log.partitions.values_mut() {
         page.sort_by_key(|m| m.offset);
     }
@@ -149,6 +159,7 @@ pub(super) async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict
     let pair = |k: &str, e: &str| (k.to_owned(), e.to_owned());
 
     let ScanOutcome { findings, cursors, submitted } = c.h.bypass_scan(&log).await?;
+    let mut of_g: Vec<String> = findings.iter().filter(|(_, e)| *e == g.as_str()).map(|(k, _)| k.clone()).collect();
     eq("nothing handed to the receipt transaction while answers may come", submitted, 0)?;
     let mut want = vec![pair("divergent_copy", a.as_str()), pair("bypass_publish", &unknown), pair("absence_proof_refuted", d.as_str())];
     want.sort();
@@ -161,6 +172,12 @@ pub(super) async fn bypass_scan_judgement<H: Harness>(c: &Ctx<'_, H>) -> Verdict
 
     c.h.advance_ms(POLICY.in_flight_bound_ms + LEASE_MS);
     let ScanOutcome { findings, cursors, submitted } = c.h.bypass_scan(&log).await?;
+    // (G's copies are judged in the first scan, or in this one where they
+    // share B's partition past the cursor that waited.)
+    of_g.extend(findings.iter().filter(|(_, e)| *e == g.as_str()).map(|(k, _)| k.clone()));
+    of_g.sort();
+    of_g.dedup();
+    eq("G's copy under another key", of_g, vec!["divergent_copy".to_owned()])?;
     eq("C's copy, the one past its bound of an unpublished event, is handed to the receipt transaction", submitted, 1)?;
     ensure(ours(&findings).contains(&pair("unrecorded_copy", b.as_str())), || format!("B's retry's copy past its bound is unrecorded_copy; findings {findings:?}"))?;
     // (D's copy is read again where it shares B's partition past the

@@ -47,13 +47,13 @@ impl outbox_core::store::BypassScanStore for MemoryStore {
         Ok(primaries.chain(st.duplicates.iter().filter(|r| at(r)).map(|r| recorded(r, false))).collect())
     }
 
-    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, String>, StoreError> {
+    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, outbox_core::compare::PublishedCopy>, StoreError> {
         let st = self.lock();
         Ok(event_ids
             .iter()
             .filter_map(|id| st.events.get(&id.parse::<EventId>().ok()?))
             .filter(|e| e.slot.as_ref().is_some_and(|s| s.envelope_generation == e.envelope.envelope_generation))
-            .map(|e| (e.envelope.event_id.to_string(), e.envelope.payload_digest.clone()))
+            .map(|e| (e.envelope.event_id.to_string(), outbox_core::compare::PublishedCopy { payload_digest: e.envelope.payload_digest.clone(), routing_key: e.destination.routing_key.clone() }))
             .collect())
     }
 

@@ -340,7 +340,7 @@ impl outbox_core::BypassScanStore for SimStore {
     async fn receipts_at(&self, cluster_id: &str, topic: &str, partition: i32, offsets: &[i64]) -> Result<Vec<outbox_core::compare::RecordedReceipt>, StoreError> {
         self.inner.receipts_at(cluster_id, topic, partition, offsets).await
     }
-    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, String>, StoreError> {
+    async fn published_digests(&self, event_ids: &[String]) -> Result<BTreeMap<String, outbox_core::compare::PublishedCopy>, StoreError> {
         self.inner.published_digests(event_ids).await
     }
     async fn unanswered_attempts_of(&self, event_ids: &[String]) -> Result<Vec<AttemptRecord>, StoreError> {
