@@ -90,14 +90,15 @@ pub async fn read_databases(producer: &PgPool, consumer: &PgPool, consumer_ids: 
     {
         s.events.push(EventRow { event_id: r.get(0), state: r.get(1), aggregate_id: r.get(2), aggregate_version: r.get(3), routing_key: r.get(4), payload_digest: r.get(5), was_unknown: r.get(6), first_attempt_at_ms: r.get(7) });
     }
-    for (table, into) in [("outbox_publish_receipts", &mut s.receipts), ("outbox_duplicate_receipts", &mut s.duplicate_receipts)] {
-        // An attempt of the lane's (outbox_attempts), or a stream batch's (started when the batch was cut).
-        let batch = if table == "outbox_publish_receipts" { "LEFT JOIN outbox_batches b ON b.id = r.batch_id" } else { "LEFT JOIN (SELECT NULL::bigint AS cut_at_ms) b ON false" };
-        let sql = format!(
-            "SELECT r.event_id, r.topic, r.partition, r.\"offset\", coalesce(a.started_at_ms, b.cut_at_ms) FROM {table} r
-             LEFT JOIN outbox_attempts a ON a.attempt_id = r.attempt_id {batch} WHERE a.attempt_id IS NOT NULL OR b.cut_at_ms IS NOT NULL"
-        );
-        for r in sqlx::query(&sql).fetch_all(producer).await? {
+    // A primary receipt names an attempt of the lane's (outbox_attempts) or
+    // a stream batch's (started when the batch was cut); a duplicate
+    // transport receipt always one of the lane's.
+    let primary = "SELECT r.event_id, r.topic, r.partition, r.\"offset\", coalesce(a.started_at_ms, b.cut_at_ms) AS started FROM outbox_publish_receipts r
+                   LEFT JOIN outbox_attempts a ON a.attempt_id = r.attempt_id LEFT JOIN outbox_batches b ON b.id = r.batch_id
+                   WHERE a.attempt_id IS NOT NULL OR b.id IS NOT NULL";
+    let duplicate = "SELECT r.event_id, r.topic, r.partition, r.\"offset\", a.started_at_ms FROM outbox_duplicate_receipts r JOIN outbox_attempts a ON a.attempt_id = r.attempt_id";
+    for (sql, into) in [(primary, &mut s.receipts), (duplicate, &mut s.duplicate_receipts)] {
+        for r in sqlx::query(sql).fetch_all(producer).await? {
             into.push(Receipt { event_id: r.get(0), topic: r.get(1), partition: r.get(2), offset: r.get(3), attempt_started_at_ms: r.get(4) });
         }
     }

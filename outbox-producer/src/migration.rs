@@ -142,15 +142,14 @@ pub async fn migrate_destination_in<S: MigrationStore, B: Broker>(
     let attempts = store.attempts(event_id).await?;
     // The decision is outbox_core::decide_migration, the same function the
     // in-memory store and the simulator use.
-    let (fence, lookup) = match state {
+    let (fence, lookup) = match (state, read_fence(state, read_generation)) {
         // PENDING, or a QUARANTINED event's re-send: no lookup, the
         // attempts alone prove nothing of it is in the old target.
-        EventState::Pending | EventState::Quarantined => match (decide_migration(state, &attempts, None, retry, store.now_ms()), read_fence(state, read_generation)) {
-            (MigrationDecision::Move { .. }, Some(fence)) => (fence, None),
-            (MigrationDecision::Refuse(r), _) => return refused(r.to_string()),
-            (MigrationDecision::Move { .. }, None) => return refused(format!("state {state}: no fence to commit under")),
+        (_, Some(fence)) => match decide_migration(state, &attempts, None, retry, store.now_ms()) {
+            MigrationDecision::Move { .. } => (fence, None),
+            MigrationDecision::Refuse(r) => return refused(r.to_string()),
         },
-        EventState::DispatchUnknown => {
+        (EventState::DispatchUnknown, None) => {
             let owner = format!("migrate-{operator}");
             let Some(task) = store.begin_reconcile_event(&owner, event_id, claim_lease_ms).await? else { return refused("the event is being reconciled; try again".into()) };
             // Before the lookup, as the reconciler: the scan answers for the
@@ -188,7 +187,7 @@ pub async fn migrate_destination_in<S: MigrationStore, B: Broker>(
             }
             (MigrationFence::Claim(task.token), Some(lookup))
         }
-        other => match decide_migration(other, &attempts, None, retry, store.now_ms()) {
+        (other, None) => match decide_migration(other, &attempts, None, retry, store.now_ms()) {
             MigrationDecision::Refuse(r) => return refused(r.to_string()),
             // decide_migration moves only PENDING, QUARANTINED or DISPATCH_UNKNOWN events; refuse rather than trust that here.
             MigrationDecision::Move { .. } => return refused(format!("state {other}: only PENDING, QUARANTINED or proven-absent DISPATCH_UNKNOWN events can move")),

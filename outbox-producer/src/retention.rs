@@ -560,7 +560,7 @@ impl RetentionStore for outbox_memory::MemoryStore {
                     published_at_ms,
                     offset: slot.offset,
                     position_epoch: e.slot_epoch,
-                    partition_replaced: st.partition_replaced(&slot.cluster_id, &slot.topic, slot.partition),
+                    partition_replaced: st.partition_replaced(slot.log()),
                     position_lost: st.position_lost(&e.envelope.event_id),
                 })
             })

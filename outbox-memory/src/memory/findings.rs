@@ -81,7 +81,7 @@ impl outbox_core::store::FindingsStore for MemoryStore {
                 published_at_ms: at,
                 offset: slot.offset,
                 position_epoch: e.slot_epoch,
-                partition_replaced: st.partition_replaced(&slot.cluster_id, &slot.topic, slot.partition),
+                partition_replaced: st.partition_replaced(slot.log()),
                 position_lost: st.position_lost(&e.envelope.event_id),
             })
             .collect();
@@ -135,14 +135,15 @@ impl super::MemoryState {
     /// Whether a receipt of the partition (cluster, topic, partition) was
     /// accepted at a position epoch above 0: its log was replaced at least
     /// once (`outbox_core::LogPosition::partition_replaced`).
-    pub fn partition_replaced(&self, cluster_id: &str, topic: &str, partition: i32) -> bool {
-        self.replaced_partitions().any(|at| at == (cluster_id, topic, partition))
+    pub fn partition_replaced(&self, log: outbox_core::LogRef<'_>) -> bool {
+        self.replaced_partitions().any(|replaced| replaced.same_name(&log))
     }
 
-    /// The partitions (cluster, topic, partition) holding a receipt above
-    /// position epoch 0 (each once per such receipt).
-    pub fn replaced_partitions(&self) -> impl Iterator<Item = (&str, &str, i32)> {
-        self.position_holders.iter().filter(|(_, (_, epoch))| *epoch > 0).map(|((log, _), _)| (log.cluster_id.as_str(), log.topic.as_str(), log.partition))
+    /// The logs holding a receipt above position epoch 0 (each once per
+    /// such receipt): their partitions' names (cluster, topic, partition)
+    /// were replaced.
+    pub fn replaced_partitions(&self) -> impl Iterator<Item = outbox_core::LogRef<'_>> {
+        self.position_holders.iter().filter(|(_, (_, epoch))| *epoch > 0).map(|((log, _), _)| log.as_ref())
     }
 
     /// `w` as the decisions read it: the position epoch of its anchor's

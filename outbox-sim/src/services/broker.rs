@@ -53,6 +53,14 @@ impl SimBroker {
         w.note(|| format!("a forger writes {}/p{}@{offset} with the headers of attempt {} and other bytes", m.topic, m.partition, attempt_of(m)));
     }
 
+    /// [`SimBroker::forge`] in traces with forgers, at their rate, while faults are on.
+    fn maybe_forge(w: &mut World, m: &OutgoingMessage) {
+        let forge = w.forge;
+        if forge > 0.0 && w.on && w.forge_rng.chance(forge) {
+            SimBroker::forge(w, m);
+        }
+    }
+
     fn write(w: &mut World, m: &OutgoingMessage) -> i64 {
         let log = w.logs.entry((m.topic.clone(), m.partition)).or_default();
         let offset = log.len() as i64;
@@ -138,22 +146,14 @@ impl Broker for SimBroker {
                         // the forged one first, and the event is
                         // QUARANTINED with its genuine copy in the log (an
                         // operator's re-send must be refused).
-                        let forge = w.forge;
-                        if forge > 0.0 && w.on && w.forge_rng.chance(forge) {
-                            SimBroker::forge(&mut w, &message);
-                        }
+                        SimBroker::maybe_forge(&mut w, &message);
                         written = Some(SimBroker::write(&mut w, &message));
                     }
                     Fate::WrittenTwice => {
                         SimBroker::write(&mut w, &message);
                         written = Some(SimBroker::write(&mut w, &message));
                     }
-                    Fate::NeverWritten => {
-                        let forge = w.forge;
-                        if forge > 0.0 && w.on && w.forge_rng.chance(forge) {
-                            SimBroker::forge(&mut w, &message);
-                        }
-                    }
+                    Fate::NeverWritten => SimBroker::maybe_forge(&mut w, &message),
                     Fate::Refused => {}
                 }
             }

@@ -65,7 +65,7 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
             // pass holds at least what it knew then).
             let (replaced_before, lost_before): (BTreeSet<(String, String, i32)>, BTreeSet<EventId>) = {
                 let st = inner.lock();
-                let replaced = st.replaced_partitions().map(|(c, t, p)| (c.to_owned(), t.to_owned(), p)).collect();
+                let replaced = st.replaced_partitions().map(|l| (l.cluster_id.to_owned(), l.topic.to_owned(), l.partition)).collect();
                 let lost = st.events.keys().filter(|id| st.position_lost(id)).cloned().collect();
                 (replaced, lost)
             };
@@ -85,7 +85,7 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
             for id in &purged {
                 let Some(slot) = st.events.get(id).and_then(|e| e.slot.as_ref()) else { continue };
                 w.figures.purged += 1;
-                let at = |w: &MemoryWatermark| (&w.log.cluster_id, &w.log.topic, w.log.partition) == (&slot.cluster_id, &slot.topic, slot.partition);
+                let at = |w: &MemoryWatermark| w.log.as_ref().same_name(&slot.log());
                 let marks: Vec<i64> = watermarks.iter().filter(|w| at(w)).map(|w| w.committed_offset).collect();
                 w.note(|| format!("retention purges {id} at {}/{}/p{}@{} ({GROUP}'s watermarks there {marks:?})", slot.cluster_id, slot.topic, slot.partition, slot.offset));
                 // Receipts are never taken back: one read after the purge
