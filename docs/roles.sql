@@ -89,7 +89,7 @@ BEGIN
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
                              'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream',
                              'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies',
-                             'outbox_stream_drops'] LOOP
+                             'outbox_stream_drops', 'outbox_aggregate_heads'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
                             outbox_reader, outbox_consumer, outbox_watermark_publisher, outbox_consumer_retention', t);
@@ -107,6 +107,8 @@ FROM unnest(ARRAY['outbox_app', 'outbox_dispatcher', 'outbox_reconciler', 'outbo
 -- its frozen envelope, read the route policy; a retried command reads its
 -- first eventId). No UPDATE: a committed event is the dispatcher's.
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_commands');
+-- An emit at REPEATABLE READ or SERIALIZABLE writes its aggregates' head rows.
+SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT, UPDATE', 'outbox_aggregate_heads');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_events');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT, INSERT', 'outbox_envelopes');
 SELECT pg_temp.outbox_grant('outbox_app', 'SELECT', 'outbox_route_policies');
@@ -232,7 +234,7 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
                   'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream', 'outbox_bucket_leases',
-                  'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies', 'outbox_stream_drops']) t;
+                  'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies', 'outbox_stream_drops', 'outbox_aggregate_heads']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes

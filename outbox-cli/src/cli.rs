@@ -120,6 +120,17 @@ pub enum Command {
     /// docs/OPERATIONS.md, "Switching the dispatch path").
     #[command(name = "dispatch-path")]
     DispatchPath(DispatchPathArgs),
+    /// Which emits write their aggregates' head rows: snapshot-isolation (emits at REPEATABLE READ or SERIALIZABLE, the default) or always.
+    ///
+    /// Without --set it prints the setting in force. A head row is what two
+    /// emits of one aggregate both write, so that an emit at REPEATABLE READ
+    /// whose snapshot predates another's commit fails with a retryable
+    /// serialization error instead of committing a version below the
+    /// other's. Set always when one aggregate's emits run at READ COMMITTED
+    /// and at REPEATABLE READ (one more row write per aggregate per emitting
+    /// transaction).
+    #[command(name = "aggregate-heads")]
+    AggregateHeads(AggregateHeadsArgs),
     /// Rollout: which events the outbox sends (event types and a share by eventId hash); the rest stays with the legacy publisher.
     #[command(subcommand)]
     Takeover(TakeoverCommand),
@@ -737,6 +748,23 @@ pub struct DispatchPathArgs {
     /// Switch to this path (events emitted after the switch take it).
     #[arg(long, value_enum, value_name = "PATH")]
     pub set: Option<PathArg>,
+}
+
+/// The aggregate-heads settings, as `outbox aggregate-heads --set` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HeadsArg {
+    /// Emits at REPEATABLE READ or SERIALIZABLE write head rows.
+    SnapshotIsolation,
+    /// Every emit writes head rows.
+    Always,
+}
+
+/// `outbox aggregate-heads`.
+#[derive(Debug, Args)]
+pub struct AggregateHeadsArgs {
+    /// Switch to this setting (emits that start after the switch follow it).
+    #[arg(long, value_enum, value_name = "WHICH")]
+    pub set: Option<HeadsArg>,
 }
 
 /// `outbox skip`.

@@ -736,6 +736,25 @@ async fn dispatch_path_prints_and_switches_the_path() {
     env.drop_now().await;
 }
 
+/// `outbox aggregate-heads`: prints the setting in force
+/// (snapshot_isolation on a new database), switches it with --set (a READ
+/// COMMITTED emit then writes its aggregate's head row), says when nothing
+/// changed, and refuses a setting it does not know.
+#[tokio::test]
+async fn aggregate_heads_prints_and_switches_the_setting() {
+    let env = Env::new("cli_aggregate_heads").await;
+    env.ok(&["migrate"]);
+    assert_eq!(env.ok(&["aggregate-heads"]).trim(), "aggregate heads: snapshot_isolation");
+    let out = env.ok(&["aggregate-heads", "--set", "always"]);
+    assert!(out.starts_with("aggregate heads: snapshot_isolation -> always;"), "{out}");
+    assert_eq!(outbox_producer::aggregate_heads(env.pool()).await.unwrap(), outbox_producer::AggregateHeads::Always);
+    assert_eq!(env.ok(&["aggregate-heads", "--set", "always"]).trim(), "aggregate heads: always (unchanged)");
+    let bad = env.run(&["aggregate-heads", "--set", "never"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
+    assert!(env.ok(&["aggregate-heads", "--set", "snapshot-isolation"]).starts_with("aggregate heads: always -> snapshot_isolation;"));
+    env.drop_now().await;
+}
+
 /// `outbox route poison` (issue 47): without --policy it prints the policy
 /// in force (block, never set); setting one needs an operator and a reason;
 /// the setting is stored with them, and `--json` reads it back.

@@ -553,14 +553,37 @@ CREATE TRIGGER outbox_envelopes_references AFTER INSERT ON outbox_envelopes
 -- prefix); two aggregates whose keys collide (odds ~2^-64 per pair) only
 -- wait for each other.
 --
--- Isolation: at READ COMMITTED (the default) the check now holds. At
--- SERIALIZABLE the database's own conflict detection refuses one of two such
--- transactions (both read the aggregate's versions and wrote one). At
--- REPEATABLE READ the reads use the transaction's snapshot, taken before
--- the lock, so a version committed after that snapshot is not seen: only a
--- row both transactions write (the head row above) would turn that into a
--- serialization failure, and it is not taken here.
+-- Isolation: at READ COMMITTED (the default) the check holds by the lock.
+-- At REPEATABLE READ and SERIALIZABLE the reads use the transaction's
+-- snapshot, taken before the lock, so a version committed after that
+-- snapshot would not be seen. There the emit also writes the aggregates'
+-- head rows (outbox_aggregate_heads): a head row written by an emit that
+-- committed after this snapshot fails the write with a serialization error
+-- (40001, retryable), and the retry reads the committed version. Head rows
+-- cost READ COMMITTED emits nothing unless outbox_settings.aggregate_heads
+-- is 'always' (for services whose emits of one aggregate run at both
+-- kinds of level: a READ COMMITTED emit that writes none is not seen by a
+-- REPEATABLE READ one). Tested by
+-- an_emit_at_snapshot_isolation_never_commits_a_version_below_one_committed_after_its_snapshot.
 --
+-- The aggregates' head rows: one per aggregate an emit at REPEATABLE READ
+-- or SERIALIZABLE (or any emit, with outbox_settings.aggregate_heads =
+-- 'always') wrote, holding the last such emit's transaction id. The row is
+-- what two emits of one aggregate both write: at REPEATABLE READ, an emit
+-- whose snapshot predates the other's commit fails on it with a
+-- serialization error (40001), which the caller retries, instead of
+-- deciding its version without the other's. A READ COMMITTED emit needs
+-- none (it reads after the aggregate's lock) and writes none unless the
+-- setting is 'always'. One small row per aggregate, kept (an aggregate's
+-- history of commands is kept too).
+CREATE TABLE outbox_aggregate_heads (
+    tenant         text NOT NULL,
+    aggregate_type text NOT NULL,
+    aggregate_id   text NOT NULL,
+    last_txid      bigint NOT NULL,
+    PRIMARY KEY (tenant, aggregate_type, aggregate_id)
+);
+
 CREATE FUNCTION outbox_emit_lookup(p_keys text[], p_tenants text[], p_aggregate_types text[], p_aggregate_ids text[],
                                    OUT existing text[], OUT last_versions bigint[])
     LANGUAGE plpgsql VOLATILE
@@ -576,6 +599,19 @@ BEGIN
                                            || length(a.aggregate_type) || ':' || a.aggregate_type || a.aggregate_id, 0) AS k
           FROM UNNEST(p_tenants, p_aggregate_types, p_aggregate_ids) AS a(tenant, aggregate_type, aggregate_id)
           ORDER BY 1) l;
+    -- At REPEATABLE READ or SERIALIZABLE (or always, by the setting), the
+    -- aggregates' head rows, after the locks and before the reads: a head
+    -- row another emit wrote since this transaction's snapshot fails here
+    -- with a serialization error (40001), so the versions read below are
+    -- never older than the aggregate's last committed emit that wrote one.
+    IF current_setting('transaction_isolation') <> 'read committed'
+       OR (SELECT s.aggregate_heads = 'always' FROM outbox_settings s) THEN
+        INSERT INTO outbox_aggregate_heads AS h (tenant, aggregate_type, aggregate_id, last_txid)
+        SELECT DISTINCT a.tenant, a.aggregate_type, a.aggregate_id, pg_current_xact_id()::text::bigint
+        FROM UNNEST(p_tenants, p_aggregate_types, p_aggregate_ids) AS a(tenant, aggregate_type, aggregate_id)
+        ORDER BY 1, 2, 3
+        ON CONFLICT (tenant, aggregate_type, aggregate_id) DO UPDATE SET last_txid = EXCLUDED.last_txid;
+    END IF;
     -- The keys of p_keys that have a command row, one primary-key probe each.
     existing := ARRAY(SELECT k.key FROM UNNEST(p_keys) AS k(key)
                       CROSS JOIN LATERAL (SELECT 1 FROM outbox_commands c WHERE c.command_key = k.key LIMIT 1) hit);
@@ -1751,9 +1787,15 @@ CREATE TRIGGER outbox_identity_never_truncated BEFORE TRUNCATE ON outbox_identit
 -- by snapshot per key bucket; an event that leaves the happy path is
 -- copied into outbox_events, the exception lane, and goes on there).
 -- `outbox_producer::set_dispatch_path` switches it.
+--
+-- aggregate_heads: which emits write their aggregates' head rows
+-- (outbox_aggregate_heads, section 5): 'snapshot_isolation' (emits at
+-- REPEATABLE READ or SERIALIZABLE) or 'always' (every emit).
+-- `outbox_producer::set_aggregate_heads` switches it.
 CREATE TABLE outbox_settings (
     singleton     boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    dispatch_path text NOT NULL DEFAULT 'chains' CHECK (dispatch_path IN ('chains', 'stream'))
+    dispatch_path text NOT NULL DEFAULT 'chains' CHECK (dispatch_path IN ('chains', 'stream')),
+    aggregate_heads text NOT NULL DEFAULT 'snapshot_isolation' CHECK (aggregate_heads IN ('snapshot_isolation', 'always'))
 );
 INSERT INTO outbox_settings DEFAULT VALUES;
 

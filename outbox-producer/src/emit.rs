@@ -475,3 +475,58 @@ async fn committed_for_commands<'k>(tx: &mut Transaction<'_, Postgres>, keys: im
     }
     Ok(found)
 }
+
+/// Which emits write their aggregates' head rows (`outbox_aggregate_heads`),
+/// the row two emits of one aggregate both write, so that an emit whose
+/// snapshot predates another's commit fails with a retryable serialization
+/// error instead of committing a version below the other's.
+///
+/// An emit at READ COMMITTED needs no head row: it reads the aggregate's
+/// last version after taking the aggregate's lock. An emit at REPEATABLE
+/// READ or SERIALIZABLE reads with a snapshot taken at its transaction's
+/// first statement, before the lock, and only a row both emits write shows
+/// it a version committed since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AggregateHeads {
+    /// Emits at REPEATABLE READ or SERIALIZABLE write head rows (the
+    /// default): enough when every emit of an aggregate runs at one of
+    /// those levels, or every one at READ COMMITTED. Costs READ COMMITTED
+    /// emits nothing.
+    SnapshotIsolation,
+    /// Every emit writes its aggregates' head rows (one more row write per
+    /// aggregate per emitting transaction): for a service whose emits of
+    /// one aggregate run at READ COMMITTED and at REPEATABLE READ.
+    Always,
+}
+
+impl AggregateHeads {
+    /// The setting's name in `outbox_settings.aggregate_heads`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AggregateHeads::SnapshotIsolation => "snapshot_isolation",
+            AggregateHeads::Always => "always",
+        }
+    }
+
+    /// The setting of a name ([`Self::as_str`]).
+    pub fn parse(s: &str) -> Option<AggregateHeads> {
+        match s {
+            "snapshot_isolation" => Some(AggregateHeads::SnapshotIsolation),
+            "always" => Some(AggregateHeads::Always),
+            _ => None,
+        }
+    }
+}
+
+/// Sets which emits write their aggregates' head rows ([`AggregateHeads`]);
+/// emits that start after the commit follow it.
+pub async fn set_aggregate_heads(pool: &sqlx::PgPool, heads: AggregateHeads) -> Result<(), ProducerError> {
+    sqlx::query("UPDATE outbox_settings SET aggregate_heads = $1").bind(heads.as_str()).execute(pool).await?;
+    Ok(())
+}
+
+/// Which emits write their aggregates' head rows now.
+pub async fn aggregate_heads(pool: &sqlx::PgPool) -> Result<AggregateHeads, ProducerError> {
+    let s: String = sqlx::query_scalar("SELECT aggregate_heads FROM outbox_settings").fetch_one(pool).await?;
+    AggregateHeads::parse(&s).ok_or_else(|| ProducerError::Config(format!("unknown aggregate_heads setting {s:?}")))
+}

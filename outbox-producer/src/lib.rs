@@ -38,7 +38,7 @@ mod topic_scan;
 pub mod watermark_topic;
 
 pub use dispatcher::{until_true, BatchReport, IntoShutdown, ClaimCursor, Dispatcher, DispatcherConfig, DispatchMetrics, InFlightBatch, SigningConfig};
-pub use emit::{emit, emit_batch, EmitOptions, Emitted, MAX_EMIT_BATCH};
+pub use emit::{aggregate_heads, emit, emit_batch, set_aggregate_heads, AggregateHeads, EmitOptions, Emitted, MAX_EMIT_BATCH};
 pub use error::ProducerError;
 pub use kafka::{KafkaBroker, KafkaConfig};
 pub use migration::{migrate_destination, MigrationOutcome, MigrationStore};

@@ -666,3 +666,101 @@ async fn emit_batches_over_the_same_aggregates_in_opposite_orders_do_not_deadloc
     }
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox_events").await, 8 * 20);
 }
+
+/// One emit of `version` for `aggregate` in a transaction at `isolation`
+/// whose snapshot was taken first (by `SELECT 1`, as a command handler's own
+/// reads would): `Ok(true)` committed, `Err` what emit or the commit said
+/// (and whether it is retryable).
+async fn emit_in_snapshot(
+    pool: &PgPool,
+    isolation: &str,
+    key: &str,
+    aggregate: &str,
+    version: i64,
+    snapshot_taken: tokio::sync::oneshot::Sender<i32>,
+    go: tokio::sync::oneshot::Receiver<()>,
+) -> Result<bool, (bool, String)> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {isolation}")).execute(&mut *tx).await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await.unwrap();
+    snapshot_taken.send(pid).unwrap();
+    go.await.unwrap();
+    let payload = order_payload(aggregate, 1);
+    match emit(&mut tx, &EmitRequest { aggregate_version: version, ..order_request(key, aggregate, &payload) }, &EmitOptions::default()).await {
+        Ok(_) => match tx.commit().await {
+            Ok(()) => Ok(true),
+            Err(e) => Err((outbox_producer::ProducerError::from(e).is_retryable(), "commit".into())),
+        },
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err((e.is_retryable(), e.to_string()))
+        }
+    }
+}
+
+/// Defect (issue 47, version race, the REPEATABLE READ half): at REPEATABLE
+/// READ a transaction's snapshot is taken at its first statement, before
+/// emit waits on the aggregate's lock, so it could not see a version
+/// another transaction committed meanwhile and committed a lower one. Two
+/// shapes: B's snapshot is taken, then A emits version 3 and commits, then
+/// B emits version 2 ("after"); A emits version 3 and holds its commit
+/// while B emits version 2 and waits ("during"). B must not commit: it
+/// fails with a retryable error, and B's retry is refused as a version
+/// backwards. Both at one snapshot isolation level (the aggregate's head
+/// row, written by such emits, is the row both write), and with A at READ
+/// COMMITTED once the store writes head rows for every emit
+/// (`AggregateHeads::Always`).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn an_emit_at_snapshot_isolation_never_commits_a_version_below_one_committed_after_its_snapshot(pool: PgPool) {
+    setup(&pool).await;
+    for (b_isolation, a_isolation, always) in
+        [("REPEATABLE READ", "REPEATABLE READ", false), ("SERIALIZABLE", "SERIALIZABLE", false), ("REPEATABLE READ", "READ COMMITTED", true)]
+    {
+        if always {
+            outbox_producer::set_aggregate_heads(&pool, outbox_producer::AggregateHeads::Always).await.unwrap();
+        }
+        for shape in ["after", "during"] {
+            let aggregate = format!("o-{}-{}-{shape}", b_isolation.replace(' ', "-").to_lowercase(), a_isolation.replace(' ', "-").to_lowercase());
+            let (taken_tx, taken_rx) = tokio::sync::oneshot::channel();
+            let (go_tx, go_rx) = tokio::sync::oneshot::channel();
+            let b = {
+                let (pool, isolation, aggregate) = (pool.clone(), b_isolation.to_owned(), aggregate.clone());
+                tokio::spawn(async move { emit_in_snapshot(&pool, &isolation, &format!("{aggregate}-b"), &aggregate, 2, taken_tx, go_rx).await })
+            };
+            let b_pid = taken_rx.await.unwrap();
+            let payload = order_payload(&aggregate, 1);
+            let mut a = pool.begin().await.unwrap();
+            sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {a_isolation}")).execute(&mut *a).await.unwrap();
+            emit(&mut a, &EmitRequest { aggregate_version: 3, ..order_request(&format!("{aggregate}-a"), &aggregate, &payload) }, &EmitOptions::default()).await.unwrap();
+            if shape == "after" {
+                a.commit().await.unwrap();
+                go_tx.send(()).unwrap();
+            } else {
+                go_tx.send(()).unwrap();
+                let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+                while !waits_on_a_lock(&pool, b_pid).await {
+                    assert!(tokio::time::Instant::now() < deadline && !b.is_finished(), "{aggregate}: B did not wait for A");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                a.commit().await.unwrap();
+            }
+            let b_out = b.await.unwrap();
+            let case = format!("B at {b_isolation}, A at {a_isolation}, {shape}");
+            let versions: Vec<i64> = sqlx::query_scalar("SELECT aggregate_version FROM outbox_commands WHERE aggregate_id = $1 ORDER BY aggregate_version")
+                .bind(&aggregate)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+            assert_eq!(versions, vec![3], "{case}: B committed version 2 below A's committed 3 (B answered {b_out:?})");
+            let (retryable, why) = b_out.expect_err("B did not commit");
+            assert!(retryable, "{case}: B's refusal is retryable: {why}");
+            // The retry, in a new transaction, sees A's version and refuses B's.
+            let mut retry = pool.begin().await.unwrap();
+            sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {b_isolation}")).execute(&mut *retry).await.unwrap();
+            let err = emit(&mut retry, &EmitRequest { aggregate_version: 2, ..order_request(&format!("{aggregate}-b"), &aggregate, &payload) }, &EmitOptions::default())
+                .await
+                .expect_err("the retry of version 2");
+            assert!(matches!(err, ProducerError::AggregateVersionBackwards { last: 3, .. }), "{case}: {err}");
+        }
+    }
+}

@@ -88,6 +88,7 @@ pub async fn run(cli: Cli, file: FileConfig) -> anyhow::Result<u8> {
         Command::MigrateDestination(a) => migrate_destination::migrate_destination_cmd(&url()?, &file, a).await,
         Command::Skip(a) => skip::skip_cmd(&url()?, a).await,
         Command::DispatchPath(a) => dispatch_path::dispatch_path_cmd(&url()?, a).await,
+        Command::AggregateHeads(a) => dispatch_path::aggregate_heads_cmd(&url()?, a).await,
         Command::Takeover(c) => rollout::takeover_cmd(&url()?, c).await,
         Command::Alias(c) => rollout::alias_cmd(&url()?, c).await,
         Command::Shadow(a) => rollout::shadow_cmd(&url()?, &file, a).await,
