@@ -157,7 +157,7 @@ pub struct ReconcileExport {
 }
 
 /// Finding kinds always exported (0 when none open).
-pub const FINDING_KINDS: [&str; 20] = [
+pub const FINDING_KINDS: [&str; 21] = [
     "aged_pending",
     "unconsumed_published",
     "bypass_publish",
@@ -178,6 +178,7 @@ pub const FINDING_KINDS: [&str; 20] = [
     "watermark_moved_back",
     "watermark_beyond_end",
     "watermark_rejected",
+    "consumer_gap",
 ];
 
 /// What became of the records read from the watermark topic (label `result`).

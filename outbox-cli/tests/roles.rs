@@ -151,6 +151,7 @@ async fn every_service_works_under_its_role_and_nothing_more() {
         topic_id: None,
         partition: receipt.partition,
         committed_offset: receipt.offset + 1,
+        open_gap_end: None,
         applied_count: 1,
         duplicate_count: 0,
         quarantined_count: 0,

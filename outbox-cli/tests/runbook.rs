@@ -377,6 +377,27 @@ async fn gaps_list_and_accept_with_the_consumer_database() {
     let gap = OffsetGap { detected_from: 3, from_offset: 3, to_offset: 10 };
     store.save_reading(&mut tx, "shipping", "cluster-a", "orders", 2, &ReadingChange { next_offset: 11, opened: vec![gap], shrunk: vec![], watermark_cap: Some(3) }).await.unwrap();
     store.commit(tx).await.unwrap();
+    // Its watermark there stands at the gap's start; copied to the outbox
+    // database, the gap is a consumer_gap finding naming consumer, log and range.
+    sqlx::query(
+        "INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, updated_at)
+         VALUES ('shipping', 'cluster-a', 'orders', 2, 3, 3, 0, 0, 0, now())",
+    )
+    .execute(&consumer_db.pool)
+    .await
+    .unwrap();
+    assert_eq!(outbox_consumer::watermarks(&consumer_db.pool, "shipping").await.unwrap()[0].open_gap_end, Some(10));
+    outbox_consumer::migrate(env.pool()).await.unwrap(); // the copy's target table
+    outbox_consumer::publish_watermarks(&consumer_db.pool, env.pool(), "shipping").await.unwrap();
+    let gap_findings = || async {
+        sqlx::query_as::<_, (String, String, String)>("SELECT event_id, consumer_id, detail FROM outbox_findings WHERE kind = 'consumer_gap' AND resolved_at_ms IS NULL")
+            .fetch_all(env.pool())
+            .await
+            .unwrap()
+    };
+    let open = gap_findings().await;
+    assert_eq!(open.iter().map(|f| (f.0.as_str(), f.1.as_str())).collect::<Vec<_>>(), vec![("cluster-a/orders/2", "shipping")], "{open:?}");
+    assert!(open[0].2.contains("skipped offsets [3, 10)"), "{open:?}");
 
     let db = ["--consumer-database-url", consumer_db.url.as_str()];
     let list = env.ok(&[&["gaps", "list"][..], &db].concat());
@@ -399,6 +420,9 @@ async fn gaps_list_and_accept_with_the_consumer_database() {
     assert!(env.ok(&[&["gaps", "list"][..], &db].concat()).contains("no open gaps"));
     let all = env.ok(&[&["gaps", "list", "--all"][..], &db].concat());
     assert!(all.contains("accepted by ops-alice at ") && all.contains("deleted by retention"), "{all}");
+    // The accepted gap no longer stands at the watermark: the next copy resolves the finding.
+    outbox_consumer::publish_watermarks(&consumer_db.pool, env.pool(), "shipping").await.unwrap();
+    assert!(gap_findings().await.is_empty(), "resolved once the gap is accepted");
     consumer_db.drop_now().await.unwrap();
     env.drop_now().await;
 }

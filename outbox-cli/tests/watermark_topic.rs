@@ -315,6 +315,7 @@ impl Rig {
             topic_id: None,
             partition: 0,
             committed_offset: committed,
+            open_gap_end: None,
             applied_count: committed,
             duplicate_count: 0,
             quarantined_count: 0,
@@ -592,6 +593,43 @@ async fn records_of_two_topic_ids_are_applied_to_their_own_rows() {
             .await
             .unwrap();
     assert_eq!(rows, vec![(None, 3), (Some(id.to_owned()), 1)]);
+    rig.env.drop_now().await;
+}
+
+/// Issue 46: a consumer gap is a reconciler finding naming the consumer,
+/// the log and the range. A record whose watermark stands at an open gap
+/// (`outboxWatermark.v3`) is applied and opens `consumer_gap`; comparison
+/// rounds leave it open; an older record changes nothing; the consumer's
+/// first newer record without the gap (replayed, or accepted) resolves it.
+#[tokio::test]
+async fn a_watermark_standing_at_a_gap_is_a_consumer_gap_finding_until_a_record_without_it() {
+    let rig = rig("wm_gap").await;
+    let t = rig.clock.now_ms();
+    let gapped = WatermarkRecord { open_gap_end: Some(3), ..rig.record("shipping", 1, t) };
+    assert!(gapped.value_bytes().starts_with(b"outboxWatermark.v3\n"));
+    rig.send(&gapped).await;
+    let reader = rig.reader().await;
+    let report = reader.ingest_once().await.unwrap();
+    assert_eq!((report.applied, report.gaps, report.findings()), (1, 1, 0), "{report:?}");
+    assert_eq!(rig.committed("shipping").await, Some(1), "the watermark stays at the gap's start");
+    let log = format!("{}/{}/0", rig.broker.cluster_id(), rig.topic);
+    assert_eq!(rig.open_findings("consumer_gap").await, vec![(log.clone(), "shipping".to_owned())]);
+    let details = rig.details("consumer_gap").await;
+    assert!(details[0].1.contains("skipped offsets [1, 3)") && details[0].1.contains(&log), "{details:?}");
+    rig.reconciler(60_000).compare_once().await.unwrap();
+    assert_eq!(rig.open_findings("consumer_gap").await.len(), 1, "a comparison round leaves the gap open");
+
+    // A reordered older record without the gap resolves nothing.
+    rig.send(&rig.record("shipping", 1, t - 1_000)).await;
+    assert_eq!(reader.ingest_once().await.unwrap().out_of_date, 1);
+    assert_eq!(rig.open_findings("consumer_gap").await.len(), 1);
+
+    // The range replayed: the watermark moves on and the finding resolves.
+    rig.send(&rig.record("shipping", 3, t + 1_000)).await;
+    let report = reader.ingest_once().await.unwrap();
+    assert_eq!((report.applied, report.gaps), (1, 0), "{report:?}");
+    assert!(rig.open_findings("consumer_gap").await.is_empty(), "resolved by the record without the gap");
+    assert_eq!(rig.committed("shipping").await, Some(3));
     rig.env.drop_now().await;
 }
 

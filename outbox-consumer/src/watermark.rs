@@ -38,9 +38,19 @@ pub struct Watermark {
     pub last_event_id: Option<String>,
     /// When the consumer last moved this row (consumer database clock).
     pub updated_at: DateTime<Utc>,
+    /// The end of the open gap the watermark stands at: the offsets
+    /// `[committed_offset, open_gap_end)` were skipped, not read
+    /// ([`crate::gap`]; `None`: no open gap there).
+    pub open_gap_end: Option<i64>,
 }
 
-const COLUMNS: &str = "consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at";
+/// The columns of a watermark row (`w`), with the end of the open gap it
+/// stands at (one probe of `outbox_consumer_gaps_open`).
+const COLUMNS: &str = "w.consumer_id, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.applied_count, w.duplicate_count,
+     w.quarantined_count, w.dead_lettered_count, w.last_event_id, w.updated_at,
+     (SELECT min(g.to_offset) FROM outbox_consumer_gaps g
+      WHERE g.consumer_id = w.consumer_id AND g.cluster_id = w.cluster_id AND g.topic = w.topic AND g.partition = w.partition
+        AND g.closed_at IS NULL AND g.from_offset <= w.committed_offset AND g.to_offset > w.committed_offset) AS open_gap_end";
 
 /// Most watermark rows read or published per call.
 pub const MAX_WATERMARK_ROWS: i64 = 100_000;
@@ -59,13 +69,14 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<Watermark, sqlx::Error> {
         dead_lettered_count: row.try_get("dead_lettered_count")?,
         last_event_id: row.try_get("last_event_id")?,
         updated_at: row.try_get("updated_at")?,
+        open_gap_end: row.try_get("open_gap_end")?,
     })
 }
 
 /// The watermarks of `consumer_id`, ordered by cluster, topic, partition
 /// and topic id (none first).
 pub async fn watermarks(pool: &PgPool, consumer_id: &str) -> Result<Vec<Watermark>, ConsumerError> {
-    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 ORDER BY cluster_id, topic, partition, topic_id NULLS FIRST LIMIT $2");
+    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks w WHERE w.consumer_id = $1 ORDER BY w.cluster_id, w.topic, w.partition, w.topic_id NULLS FIRST LIMIT $2");
     let rows = sqlx::query(&sql).bind(consumer_id).bind(MAX_WATERMARK_ROWS).fetch_all(pool).await?;
     Ok(rows.iter().map(from_row).collect::<Result<_, _>>()?)
 }
@@ -74,7 +85,7 @@ pub async fn watermarks(pool: &PgPool, consumer_id: &str) -> Result<Vec<Watermar
 /// topic, partition and topic id (what the consumer publishes over that
 /// cluster).
 pub(crate) async fn watermarks_on(pool: &PgPool, consumer_id: &str, cluster_id: &str) -> Result<Vec<Watermark>, ConsumerError> {
-    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks WHERE consumer_id = $1 AND cluster_id = $2 ORDER BY topic, partition, topic_id NULLS FIRST LIMIT $3");
+    let sql = format!("SELECT {COLUMNS} FROM outbox_consumer_watermarks w WHERE w.consumer_id = $1 AND w.cluster_id = $2 ORDER BY w.topic, w.partition, w.topic_id NULLS FIRST LIMIT $3");
     let rows = sqlx::query(&sql).bind(consumer_id).bind(cluster_id).bind(MAX_WATERMARK_ROWS).fetch_all(pool).await?;
     Ok(rows.iter().map(from_row).collect::<Result<_, _>>()?)
 }
@@ -122,5 +133,37 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     .execute(to)
     .await?
     .rows_affected();
+    gap_findings(to, consumer_id, &rows).await?;
     Ok(usize::try_from(n).unwrap_or(usize::MAX))
+}
+
+/// Where `to` holds the outbox's findings (the outbox database): a
+/// `consumer_gap` finding for each watermark standing at an open gap, and
+/// the open one of every other watermark's log resolved (as the watermark
+/// topic's reader does with the same rows published as records).
+async fn gap_findings(to: &PgPool, consumer_id: &str, rows: &[Watermark]) -> Result<(), ConsumerError> {
+    use outbox_core::watermark_record::{gap_detail, log_name, GAP_FINDINGS_OPEN_SQL, GAP_FINDINGS_RESOLVE_SQL};
+    let has_findings: bool = sqlx::query_scalar("SELECT to_regclass('outbox_findings') IS NOT NULL").fetch_one(to).await?;
+    if !has_findings {
+        return Ok(());
+    }
+    let (mut open_logs, mut details, mut resolved) = (Vec::new(), Vec::new(), Vec::new());
+    for w in rows {
+        let log = log_name(&w.cluster_id, &w.topic, w.topic_id.as_deref(), w.partition);
+        match w.open_gap_end {
+            Some(end) => {
+                details.push(gap_detail(consumer_id, &log, w.committed_offset, end));
+                open_logs.push(log);
+            }
+            None => resolved.push(log),
+        }
+    }
+    let now = Utc::now().timestamp_millis();
+    if !resolved.is_empty() {
+        sqlx::query(GAP_FINDINGS_RESOLVE_SQL).bind(consumer_id).bind(&resolved).bind(now).execute(to).await?;
+    }
+    if !open_logs.is_empty() {
+        sqlx::query(GAP_FINDINGS_OPEN_SQL).bind(consumer_id).bind(&open_logs).bind(&details).bind(now).execute(to).await?;
+    }
+    Ok(())
 }

@@ -204,6 +204,7 @@ impl Publisher {
                 topic_id: w.topic_id,
                 partition: w.partition,
                 committed_offset: w.committed_offset,
+                open_gap_end: w.open_gap_end,
                 applied_count: w.applied_count,
                 duplicate_count: w.duplicate_count,
                 quarantined_count: w.quarantined_count,

@@ -529,6 +529,8 @@ async fn a_group_reset_to_the_end_is_a_gap_the_watermark_does_not_pass(pool: PgP
     assert_eq!(applied, later.iter().map(|f| f.event_id().to_string()).collect::<Vec<_>>(), "only the messages after the reset were read");
     assert_eq!(open_gaps(&pool, "fulfilment").await, vec![("orders".to_owned(), 0, 3, 8)]);
     assert_eq!(watermark_of(&pool, "fulfilment", 0).await, 3, "the watermark stays below the unread messages");
+    let gapped: Vec<Option<i64>> = outbox_consumer::watermarks(&pool, "fulfilment").await.unwrap().iter().map(|w| w.open_gap_end).collect();
+    assert_eq!(gapped, vec![Some(8)], "what its watermark record says: [3, 8) skipped");
     assert_eq!(metrics.snapshot().offset_gaps, 1);
 }
 

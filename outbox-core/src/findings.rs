@@ -25,6 +25,10 @@ pub const UNCONSUMED_PUBLISHED: &str = "unconsumed_published";
 pub const PUBLISHED_WITHOUT_RECEIPT: &str = "published_without_receipt";
 /// A consumer whose broker watermark records stopped arriving.
 pub const STALE_WATERMARK: &str = "stale_watermark";
+/// A consumer skipped offsets of a log it never read (its watermark stands
+/// at the gap): raised from its watermark record, resolved by its first
+/// record without the gap.
+pub const CONSUMER_GAP: &str = "consumer_gap";
 
 /// Findings that are evidence, not conditions: opened (or seen again) by
 /// what found them and left open until an operator resolves them; a
@@ -45,6 +49,7 @@ pub const EVIDENCE_FINDINGS: &[&str] = &[
     "watermark_moved_back",
     "watermark_beyond_end",
     "watermark_rejected",
+    CONSUMER_GAP,
 ];
 
 /// `at` is more than `threshold_ms` before `now_ms` (the SQL's `at < now - threshold`).

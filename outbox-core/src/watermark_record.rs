@@ -19,6 +19,17 @@
 //! (the encoding has no optional fields, and a `.v1` reader refuses a
 //! `.v2` record rather than read it as a watermark of no topic id).
 //!
+//! **A gap at the watermark.** A consumer that skipped offsets it never
+//! decided (a group reset, an out-of-range fetch, a new group started at
+//! the end) keeps its watermark at the gap's start
+//! (`outbox_consumer::gap`). Its record then says so: `outboxWatermark.v3`,
+//! the `.v2` fields with `topicId` always present (empty: of no topic id)
+//! and `openGapEnd` after `committedOffset`: the offsets
+//! `[committedOffset, openGapEnd)` were skipped, not read. The key stays
+//! `.v1` or `.v2`, by the topic id. The reader turns it into a
+//! `consumer_gap` finding, resolved by the consumer's first record without
+//! a gap (the gap replayed, or accepted by an operator).
+//!
 //! **Authentication (optional).** A consumer with a watermark signing key
 //! adds two headers: [`KEY_ID_HEADER`] (the key id) and [`SIGNATURE_HEADER`]
 //! (`hmac-sha256:` + 64 lower-case hex: HMAC-SHA256 of the exact value
@@ -37,6 +48,10 @@ use crate::trust::SigningKey;
 pub const SCHEMA: &str = "outboxWatermark.v1";
 /// Schema of the value of a record with a topic id (`topicId` after `topic`).
 pub const SCHEMA_V2: &str = "outboxWatermark.v2";
+/// Schema of the value of a record with an open gap at its watermark
+/// (`topicId` after `topic`, empty without one; `openGapEnd` after
+/// `committedOffset`).
+pub const SCHEMA_V3: &str = "outboxWatermark.v3";
 /// Schema of the key of a record without a topic id.
 pub const KEY_SCHEMA: &str = "outboxWatermarkKey.v1";
 /// Schema of the key of a record with a topic id (`topicId` after `topic`).
@@ -113,6 +128,10 @@ pub struct WatermarkRecord {
     pub partition: i32,
     /// Next offset the consumer reads: every message below has a committed decision.
     pub committed_offset: i64,
+    /// The end of an open gap at the watermark: the offsets
+    /// `[committed_offset, end)` were skipped, not read (`None`: no gap
+    /// there). Greater than `committed_offset`.
+    pub open_gap_end: Option<i64>,
     /// Events applied (cumulative).
     pub applied_count: i64,
     /// Redeliveries answered without a second effect (cumulative).
@@ -164,16 +183,21 @@ impl WatermarkRecord {
         if let Some(e) = &self.last_event_id {
             e.parse::<EventId>()?;
         }
+        if let Some(end) = self.open_gap_end {
+            if end <= self.committed_offset {
+                return Err(bad(format!("openGapEnd {end} is not above committedOffset {}", self.committed_offset)));
+            }
+        }
         Ok(())
     }
 
-    /// The schema of the value: [`SCHEMA_V2`] with a topic id, [`SCHEMA`]
-    /// without.
+    /// The schema of the value: [`SCHEMA_V3`] with an open gap,
+    /// [`SCHEMA_V2`] with a topic id, [`SCHEMA`] without either.
     pub fn schema(&self) -> &'static str {
-        if self.topic_id.is_some() {
-            SCHEMA_V2
-        } else {
-            SCHEMA
+        match (self.open_gap_end, &self.topic_id) {
+            (Some(_), _) => SCHEMA_V3,
+            (None, Some(_)) => SCHEMA_V2,
+            (None, None) => SCHEMA,
         }
     }
 
@@ -194,20 +218,24 @@ impl WatermarkRecord {
 
     /// The value bytes: `outboxWatermark.v1`, fields in the documented order;
     /// `outboxWatermark.v2`, with `topicId` after `topic`, when the record
-    /// has a topic id.
+    /// has a topic id; `outboxWatermark.v3`, with `topicId` (empty without
+    /// one) and `openGapEnd` after `committedOffset`, when it has an open gap.
     pub fn value_bytes(&self) -> Vec<u8> {
         let w = CanonicalWriter::new(self.schema())
             .field("consumerId", &self.consumer_id)
             .field("groupId", &self.group_id)
             .field("clusterId", &self.cluster_id)
             .field("topic", &self.topic);
-        let w = match &self.topic_id {
-            None => w,
-            Some(id) => w.field("topicId", id),
+        let w = match (&self.topic_id, self.open_gap_end) {
+            (None, None) => w,
+            (id, _) => w.field("topicId", id.as_deref().unwrap_or("")),
         };
-        w.field("partition", self.partition.to_string())
-            .field("committedOffset", self.committed_offset.to_string())
-            .field("appliedCount", self.applied_count.to_string())
+        let w = w.field("partition", self.partition.to_string()).field("committedOffset", self.committed_offset.to_string());
+        let w = match self.open_gap_end {
+            None => w,
+            Some(end) => w.field("openGapEnd", end.to_string()),
+        };
+        w.field("appliedCount", self.applied_count.to_string())
             .field("duplicateCount", self.duplicate_count.to_string())
             .field("quarantinedCount", self.quarantined_count.to_string())
             .field("deadLetteredCount", self.dead_lettered_count.to_string())
@@ -233,16 +261,22 @@ impl WatermarkRecord {
         if key.len() > MAX_RECORD_BYTES || value.len() > MAX_RECORD_BYTES {
             return Err(bad(format!("watermark record over {MAX_RECORD_BYTES} bytes")));
         }
-        let v2 = value.starts_with(SCHEMA_V2.as_bytes()) && value.get(SCHEMA_V2.len()) == Some(&b'\n');
-        let mut r = CanonicalReader::new(value, if v2 { SCHEMA_V2 } else { SCHEMA })?;
+        let is = |schema: &str| value.starts_with(schema.as_bytes()) && value.get(schema.len()) == Some(&b'\n');
+        let (v2, v3) = (is(SCHEMA_V2), is(SCHEMA_V3));
+        let mut r = CanonicalReader::new(value, if v3 { SCHEMA_V3 } else if v2 { SCHEMA_V2 } else { SCHEMA })?;
         let record = WatermarkRecord {
             consumer_id: r.field("consumerId")?.to_owned(),
             group_id: r.field("groupId")?.to_owned(),
             cluster_id: r.field("clusterId")?.to_owned(),
             topic: r.field("topic")?.to_owned(),
-            topic_id: if v2 { Some(r.field("topicId")?.to_owned()) } else { None },
+            topic_id: match (v2, v3) {
+                (true, _) => Some(r.field("topicId")?.to_owned()),
+                (_, true) => Some(r.field("topicId")?).filter(|s| !s.is_empty()).map(str::to_owned),
+                _ => None,
+            },
             partition: r.int("partition")?,
             committed_offset: r.int("committedOffset")?,
+            open_gap_end: if v3 { Some(r.int("openGapEnd")?) } else { None },
             applied_count: r.int("appliedCount")?,
             duplicate_count: r.int("duplicateCount")?,
             quarantined_count: r.int("quarantinedCount")?,
@@ -259,6 +293,37 @@ impl WatermarkRecord {
         Ok(record)
     }
 }
+
+/// The log a watermark is about, as findings name it:
+/// `cluster/topic/partition`, or `cluster/topic (topic id ID)/partition`.
+pub fn log_name(cluster_id: &str, topic: &str, topic_id: Option<&str>, partition: i32) -> String {
+    match topic_id {
+        None => format!("{cluster_id}/{topic}/{partition}"),
+        Some(id) => format!("{cluster_id}/{topic} (topic id {id})/{partition}"),
+    }
+}
+
+/// The detail of the `consumer_gap` finding of `consumer_id` on `log`,
+/// whose watermark stands at `from`, with `[from, to)` skipped.
+pub fn gap_detail(consumer_id: &str, log: &str, from: i64, to: i64) -> String {
+    format!(
+        "consumer {consumer_id} skipped offsets [{from}, {to}) of {log} without reading them (a group reset, an offset out of range, or a new group started past them); its watermark stays at {from}, so retention keeps those events. Replay the range (reset the group to offset {from}) or, when the messages are gone, accept the gap (`outbox gaps accept`); docs/OPERATIONS.md, \"A consumer gap\""
+    )
+}
+
+/// Resolves the open `consumer_gap` findings of `$1` (consumer id) on the
+/// logs `$2` (`text[]`, as [`log_name`] names them) at `$3` (ms): their
+/// watermarks stand at no gap now.
+pub const GAP_FINDINGS_RESOLVE_SQL: &str = "UPDATE outbox_findings SET resolved_at_ms = $3
+     WHERE kind = 'consumer_gap' AND consumer_id = $1 AND event_id = ANY($2::text[]) AND resolved_at_ms IS NULL";
+
+/// Opens (or sees again) the `consumer_gap` findings of `$1` (consumer id)
+/// on the logs `$2` (`text[]`, distinct) with the details `$3` (`text[]`)
+/// at `$4` (ms).
+pub const GAP_FINDINGS_OPEN_SQL: &str = "INSERT INTO outbox_findings (kind, event_id, consumer_id, age_ms, detail, first_seen_ms, last_seen_ms)
+     SELECT 'consumer_gap', l, $1, 0, d, $4, $4 FROM UNNEST($2::text[], $3::text[]) AS t(l, d)
+     ON CONFLICT (kind, event_id, consumer_id) WHERE resolved_at_ms IS NULL
+     DO UPDATE SET detail = EXCLUDED.detail, last_seen_ms = EXCLUDED.last_seen_ms";
 
 /// Why [`verify_signature`] refused a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -372,6 +437,7 @@ mod tests {
             topic_id: None,
             partition: 3,
             committed_offset: 42,
+            open_gap_end: None,
             applied_count: 40,
             duplicate_count: 1,
             quarantined_count: 1,
@@ -411,6 +477,33 @@ mod tests {
         assert!(WatermarkRecord::decode(Some(&v2.key_bytes()), Some(&renamed)).is_err());
         let bad = WatermarkRecord { topic_id: Some("not-a-topic-id".into()), ..sample() };
         assert!(WatermarkRecord::decode(Some(&bad.key_bytes()), Some(&bad.value_bytes())).is_err());
+    }
+
+    /// A record standing at an open gap is `.v3` (`topicId` always, empty
+    /// without one; `openGapEnd` after `committedOffset`) under the same
+    /// `.v1` or `.v2` key, and round-trips; a gap end not above the
+    /// committed offset is refused.
+    #[test]
+    fn an_open_gap_makes_a_v3_value_under_the_same_key() {
+        let plain = sample();
+        let gapped = WatermarkRecord { open_gap_end: Some(50), ..sample() };
+        assert_eq!(gapped.schema(), SCHEMA_V3);
+        assert_eq!(gapped.key_bytes(), plain.key_bytes());
+        assert!(gapped.value_bytes().starts_with(
+            b"outboxWatermark.v3\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=0:\npartition=1:3\ncommittedOffset=2:42\nopenGapEnd=2:50\nappliedCount=2:40\n"
+        ));
+        assert_eq!(WatermarkRecord::decode(Some(&gapped.key_bytes()), Some(&gapped.value_bytes())).unwrap(), gapped);
+        let with_id = WatermarkRecord { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), ..gapped.clone() };
+        assert!(with_id.value_bytes().starts_with(b"outboxWatermark.v3\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=22:AAECAwQFBgcICQoLDA0ODw\n"));
+        assert!(with_id.key_bytes().starts_with(b"outboxWatermarkKey.v2\n"));
+        assert_eq!(WatermarkRecord::decode(Some(&with_id.key_bytes()), Some(&with_id.value_bytes())).unwrap(), with_id);
+        // The gapped value under the other topic identity's key is refused.
+        assert!(WatermarkRecord::decode(Some(&with_id.key_bytes()), Some(&gapped.value_bytes())).is_err());
+        for end in [42, 7] {
+            let bad = WatermarkRecord { open_gap_end: Some(end), ..sample() };
+            let err = WatermarkRecord::decode(Some(&bad.key_bytes()), Some(&bad.value_bytes())).unwrap_err();
+            assert!(err.to_string().contains("openGapEnd"), "{err}");
+        }
     }
 
     /// The key must name the value's topic id: another id, an id the value

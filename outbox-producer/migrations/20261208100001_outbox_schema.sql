@@ -1455,7 +1455,7 @@ CREATE TABLE outbox_findings (
         'absence_proof_refuted', 'unregistered_message', 'receipt_position_lost', 'published_without_receipt', 'log_unavailable',
         'foreign_source', 'unrecorded_copy', 'divergent_copy', 'scan_gap',
         'watermark_undeclared_consumer', 'watermark_moved_back', 'watermark_beyond_end', 'watermark_rejected', 'stale_watermark',
-        'partition_count_changed')),
+        'partition_count_changed', 'consumer_gap')),
     event_id       text   COLLATE "C" NOT NULL,
     consumer_id    text   NOT NULL DEFAULT '',
     detail         text   NOT NULL,

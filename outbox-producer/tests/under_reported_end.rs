@@ -297,6 +297,7 @@ async fn a_watermark_within_the_served_end_is_applied() {
         topic_id: None,
         partition: 0,
         committed_offset: committed,
+        open_gap_end: None,
         applied_count: committed,
         duplicate_count: 0,
         quarantined_count: 0,

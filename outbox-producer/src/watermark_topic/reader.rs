@@ -24,7 +24,7 @@ use crate::kafka::PAST_END_READ_MS;
 pub const READ_PAST_END_IDLE_MS: u64 = 200;
 
 /// Finding kinds raised by the reader; evidence, left open until an operator resolves them.
-pub const READER_FINDINGS: &[&str] = &["watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected"];
+pub const READER_FINDINGS: &[&str] = &["watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected", outbox_core::findings::CONSUMER_GAP];
 
 /// What one round of [`WatermarkTopicReader::ingest_once`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -56,6 +56,9 @@ pub struct IngestReport {
     /// one pinned for their consumer (a second writer under its id: a
     /// replay; [`watermark_record::DECIDER_HEADER`]).
     pub second_writer: usize,
+    /// Logs whose last applied record stands at an open gap (a
+    /// `consumer_gap` finding each; applied, not ignored).
+    pub gaps: usize,
 }
 
 impl IngestReport {
@@ -361,6 +364,10 @@ impl WatermarkTopicReader {
         // Index in `findings` of the no-key finding of each (log, consumer):
         // the last record's position wins.
         let mut no_key_at: HashMap<(String, String), usize> = HashMap::new();
+        // Per (log, consumer), what its last applied record said of a gap
+        // at its watermark: the finding's detail, or `None` (no gap: an
+        // open finding is resolved).
+        let mut gaps: HashMap<(String, String), Option<String>> = HashMap::new();
         for (p, off, r, decider) in decoded {
             let at = format!("{}/{}/{p}@{off}", self.cluster_id, topic);
             let record = match r {
@@ -442,6 +449,8 @@ impl WatermarkTopicReader {
                 Applied::Yes => {
                     report.applied += 1;
                     arrived(&mut tx, &record, now).await?;
+                    let gap = record.open_gap_end.map(|end| watermark_record::gap_detail(&record.consumer_id, &log, record.committed_offset, end));
+                    gaps.insert((log, record.consumer_id.clone()), gap);
                 }
                 Applied::OutOfDate => {
                     report.out_of_date += 1;
@@ -465,6 +474,19 @@ impl WatermarkTopicReader {
             .bind(n)
             .execute(&mut *tx)
             .await?;
+        }
+        let mut resolved: HashMap<String, Vec<String>> = HashMap::new();
+        for ((log, consumer), gap) in gaps {
+            match gap {
+                Some(detail) => {
+                    report.gaps += 1;
+                    findings.push((outbox_core::findings::CONSUMER_GAP, log, consumer, detail));
+                }
+                None => resolved.entry(consumer).or_default().push(log),
+            }
+        }
+        for (consumer, logs) in resolved {
+            sqlx::query(watermark_record::GAP_FINDINGS_RESOLVE_SQL).bind(&consumer).bind(&logs).bind(now).execute(&mut *tx).await?;
         }
         record_findings(&mut tx, &findings, now).await?;
         tx.commit().await?;
@@ -515,8 +537,5 @@ enum Cause {
 
 /// The log a record is about, as findings name it.
 fn log_of(r: &WatermarkRecord) -> String {
-    match &r.topic_id {
-        None => format!("{}/{}/{}", r.cluster_id, r.topic, r.partition),
-        Some(id) => format!("{}/{} (topic id {id})/{}", r.cluster_id, r.topic, r.partition),
-    }
+    watermark_record::log_name(&r.cluster_id, &r.topic, r.topic_id.as_deref(), r.partition)
 }
