@@ -100,8 +100,16 @@ pub enum WatermarkAnchor {
     At {
         /// The position epoch of the anchor's receipt at that position.
         epoch: Option<i32>,
+        /// When that receipt was accepted, ms: the anchor's message was
+        /// written before (`None`: no receipt there, or not known).
+        accepted_at_ms: Option<i64>,
     },
 }
+
+/// How far apart the clocks that time an attempt's start and a receipt's
+/// acceptance may be (ms) for [`WatermarkRef::anchor_agrees_with`] to
+/// conclude from their order.
+pub const ANCHOR_ORDER_SKEW_MS: i64 = crate::reconcile::DEFAULT_CLOCK_SKEW_ALLOWANCE_MS;
 
 /// Whether an event published at `published_at_ms` is past the replay
 /// window at `now_ms` (PUBLISHED -> RETAINED). Same condition as the SQL:
@@ -134,6 +142,9 @@ pub struct LogPosition<'a> {
     /// Whether an open `receipt_position_lost` finding says the log no
     /// longer holds the event at this position.
     pub position_lost: bool,
+    /// The earliest start of any attempt to send the event, ms: its
+    /// message cannot have been written before (`None`: not known).
+    pub sent_from_ms: Option<i64>,
 }
 
 impl LogPosition<'_> {
@@ -167,15 +178,27 @@ pub struct WatermarkRef<'a> {
 impl WatermarkRef<'_> {
     /// Whether this watermark's anchor agrees with the log of `at`: always
     /// for a `destination.v2` position (its topic id names its log) and for
-    /// an unrecorded anchor; for a `destination.v1` position, the anchor's
+    /// an unrecorded anchor. For a `destination.v1` position, the anchor's
     /// receipt sits at the watermark's last offset in `at`'s position
     /// epoch (a watermark carried over from a replaced log, or moved by the
-    /// log that replaced `at`'s, names an event whose receipt is elsewhere).
+    /// log that replaced `at`'s, names an event whose receipt is elsewhere),
+    /// and the two can be of one log by time: in one log a message below
+    /// the anchor's was written before the anchor's, so before the anchor's
+    /// receipt was accepted. An event at a lower offset whose first attempt
+    /// started after that (beyond [`ANCHOR_ORDER_SKEW_MS`]) was written to
+    /// another log of the same name: the anchor's log was replaced, with
+    /// no receipt yet at a position the old one held to say so.
     pub fn anchor_agrees_with(&self, at: &LogPosition<'_>) -> bool {
         match self.anchor {
             _ if at.log.topic_id.is_some() => true,
             WatermarkAnchor::Unrecorded => true,
-            WatermarkAnchor::At { epoch } => epoch == Some(at.position_epoch),
+            WatermarkAnchor::At { epoch, accepted_at_ms } => {
+                let written_later = match (at.sent_from_ms, accepted_at_ms) {
+                    (Some(sent), Some(accepted)) => at.offset < self.committed_offset - 1 && sent > accepted.saturating_add(ANCHOR_ORDER_SKEW_MS),
+                    _ => false,
+                };
+                epoch == Some(at.position_epoch) && !written_later
+            }
         }
     }
 
@@ -266,12 +289,12 @@ mod tests {
             .iter()
             .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, log: crate::LogRef { cluster_id: "k-a", topic, topic_id: None, partition }, committed_offset, anchor: WatermarkAnchor::Unrecorded })
             .collect();
-        may_purge(state, published, 10_000, W, LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false }, &wms, mandatory)
+        may_purge(state, published, 10_000, W, LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None }, &wms, mandatory)
     }
 
     #[test]
     fn a_watermark_on_another_cluster_holds_nothing_up() {
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None };
         let far_on_b = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &far_on_b, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let past_on_a = [WatermarkRef { log: crate::LogRef { cluster_id: "k-a", ..far_on_b[0].log }, ..far_on_b[0] }];
@@ -287,7 +310,7 @@ mod tests {
     fn a_watermark_of_another_topic_id_holds_nothing_up() {
         const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
         const NEW: &str = "_____________________w";
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false };
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None };
         let on_new = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2 }, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_new, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let without_id = [WatermarkRef { log: crate::LogRef { topic_id: None, ..on_new[0].log }, ..on_new[0] }];
@@ -310,7 +333,7 @@ mod tests {
     #[test]
     fn a_v1_receipt_of_a_replaced_log_is_held_whatever_the_watermark() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 1, partition_replaced: false, position_lost: false };
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 1, partition_replaced: false, position_lost: false, sent_from_ms: None };
         let past = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
         let held = Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 1 });
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), held);
@@ -342,7 +365,7 @@ mod tests {
     #[test]
     fn every_v1_receipt_of_a_replaced_partition_is_held_whatever_its_epoch() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: true, position_lost: false };
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: true, position_lost: false, sent_from_ms: None };
         let new_log = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1, anchor: WatermarkAnchor::Unrecorded }];
         assert!(at.on_replaced_unnamed_log());
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &new_log, &["c1"]), Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 0 }));
@@ -364,22 +387,65 @@ mod tests {
     #[test]
     fn a_v1_watermark_anchored_in_another_log_lets_nothing_go() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: false };
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None };
         let w = |anchor| [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1, anchor }];
         let purge = |at: LogPosition<'_>, anchor| may_purge(EventState::Retained, 0, 10_000, W, at, &w(anchor), &["c1"]);
         let other = Err(HoldReason::WatermarkOfAnotherLog { consumer_id: "c1".into(), committed_offset: 1 });
         assert_eq!(purge(at, WatermarkAnchor::Unrecorded), Ok(()));
-        assert_eq!(purge(at, WatermarkAnchor::At { epoch: Some(0) }), Ok(()));
-        assert_eq!(purge(at, WatermarkAnchor::At { epoch: Some(1) }), other);
-        assert_eq!(purge(at, WatermarkAnchor::At { epoch: None }), other);
+        assert_eq!(purge(at, WatermarkAnchor::At { epoch: Some(0), accepted_at_ms: None }), Ok(()));
+        assert_eq!(purge(at, WatermarkAnchor::At { epoch: Some(1), accepted_at_ms: None }), other);
+        assert_eq!(purge(at, WatermarkAnchor::At { epoch: None, accepted_at_ms: None }), other);
         let v2 = LogPosition { log: crate::LogRef { topic_id: Some(ID), ..at.log }, ..at };
-        let on_id = [WatermarkRef { log: crate::LogRef { topic_id: Some(ID), ..w(WatermarkAnchor::At { epoch: None })[0].log }, ..w(WatermarkAnchor::At { epoch: None })[0] }];
+        let on_id = [WatermarkRef { log: crate::LogRef { topic_id: Some(ID), ..w(WatermarkAnchor::At { epoch: None, accepted_at_ms: None })[0].log }, ..w(WatermarkAnchor::At { epoch: None, accepted_at_ms: None })[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()));
         let topics = ["orders".to_owned()];
         let unconsumed = |anchor| crate::findings::unconsumed_published(EventState::Published, 0, 10_000, 1_000, &at, "c1", &topics, &w(anchor));
-        assert_eq!(unconsumed(WatermarkAnchor::At { epoch: None }), Some(10_000));
-        assert_eq!(unconsumed(WatermarkAnchor::At { epoch: Some(0) }), None);
+        assert_eq!(unconsumed(WatermarkAnchor::At { epoch: None, accepted_at_ms: None }), Some(10_000));
+        assert_eq!(unconsumed(WatermarkAnchor::At { epoch: Some(0), accepted_at_ms: None }), None);
         assert_eq!(unconsumed(WatermarkAnchor::Unrecorded), None);
+    }
+
+    /// Issue 46, the residual of an undetected replacement: the old log
+    /// wrote event A twice (@0 and @1; its receipt is @1, accepted at
+    /// 1,000) and the consumer's watermark stands at 2 anchored on it. The
+    /// cluster is replaced; the new log's first event lands at @0 (no
+    /// receipt collides, so epoch 0, and no receipt says the log changed).
+    /// Its first attempt started at 5,000, after A's receipt: in one log it
+    /// would lie above A, so the watermark is of another log and the event
+    /// is held, and unconsumed. One that started before A's receipt (or
+    /// within the clocks' allowance, or at A's own offset) may be of A's
+    /// log, and the watermark counts as before.
+    #[test]
+    fn a_v1_watermark_anchored_before_the_events_first_send_lets_nothing_below_it_go() {
+        let anchored = |accepted_at_ms| [WatermarkRef {
+            consumer_id: "c1",
+            log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 },
+            committed_offset: 2,
+            anchor: WatermarkAnchor::At { epoch: Some(0), accepted_at_ms },
+        }];
+        let at = |offset, sent_from_ms| LogPosition {
+            log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 },
+            offset,
+            position_epoch: 0,
+            partition_replaced: false,
+            position_lost: false,
+            sent_from_ms,
+        };
+        let purge = |at: LogPosition<'_>, accepted| may_purge(EventState::Retained, 0, 10_000, W, at, &anchored(accepted), &["c1"]);
+        let other = Err(HoldReason::WatermarkOfAnotherLog { consumer_id: "c1".into(), committed_offset: 2 });
+        assert_eq!(purge(at(0, Some(5_000)), Some(1_000)), other, "sent after the anchor was accepted, below it: another log");
+        assert_eq!(purge(at(0, Some(500)), Some(1_000)), Ok(()), "sent before: one log");
+        assert_eq!(purge(at(0, Some(1_000 + ANCHOR_ORDER_SKEW_MS)), Some(1_000)), Ok(()), "within the clocks' allowance");
+        assert_eq!(purge(at(1, Some(5_000)), Some(1_000)), Ok(()), "the anchor's own offset");
+        assert_eq!(purge(at(0, None), Some(1_000)), Ok(()), "no attempt known");
+        assert_eq!(purge(at(0, Some(5_000)), None), Ok(()), "no acceptance time known");
+        let v2 = LogPosition { log: crate::LogRef { topic_id: Some("AAECAwQFBgcICQoLDA0ODw"), ..at(0, Some(5_000)).log }, ..at(0, Some(5_000)) };
+        let on_id = [WatermarkRef { log: v2.log, ..anchored(Some(1_000))[0] }];
+        assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, v2, &on_id, &["c1"]), Ok(()), "a topic id decides");
+        let topics = ["orders".to_owned()];
+        let p = at(0, Some(5_000));
+        assert_eq!(crate::findings::unconsumed_published(EventState::Published, 0, 10_000, 1_000, &p, "c1", &topics, &anchored(Some(1_000))), Some(10_000));
+        assert_eq!(crate::findings::unconsumed_published(EventState::Published, 0, 10_000, 1_000, &at(0, Some(500)), "c1", &topics, &anchored(Some(1_000))), None);
     }
 
     /// Issue 46: an event whose position the log lost keeps its payload,
@@ -387,7 +453,7 @@ mod tests {
     /// it is the only copy left for the operator to publish again.
     #[test]
     fn an_event_whose_position_was_lost_is_held_whatever_the_consumers() {
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: true };
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: true, sent_from_ms: None };
         let past = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), Err(HoldReason::PositionLost));
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &[]), Err(HoldReason::PositionLost));

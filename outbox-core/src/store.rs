@@ -430,6 +430,9 @@ pub struct PublishedFacts {
     pub partition_replaced: bool,
     /// Whether an open `receipt_position_lost` finding names it.
     pub position_lost: bool,
+    /// The earliest start of any attempt to send it, ms (see
+    /// [`crate::LogPosition::sent_from_ms`]).
+    pub sent_from_ms: Option<i64>,
 }
 
 impl PublishedFacts {
@@ -441,6 +444,7 @@ impl PublishedFacts {
             position_epoch: self.position_epoch,
             partition_replaced: self.partition_replaced,
             position_lost: self.position_lost,
+            sent_from_ms: self.sent_from_ms,
         }
     }
 }
@@ -465,6 +469,8 @@ pub struct ConsumerWatermark {
     /// The position epoch of that event's receipt at that position, as the
     /// store read it with the watermark (`None`: no receipt of it there).
     pub anchor_epoch: Option<i32>,
+    /// When that receipt was accepted, ms (`None`: no receipt of it there).
+    pub anchor_accepted_ms: Option<i64>,
 }
 
 impl ConsumerWatermark {
@@ -475,7 +481,10 @@ impl ConsumerWatermark {
             log: self.log.as_ref(),
             committed_offset: self.committed_offset,
             anchor: if self.anchor_recorded {
-                crate::retention::WatermarkAnchor::At { epoch: self.anchor_epoch.filter(|_| self.anchor_event_id.is_some()) }
+                crate::retention::WatermarkAnchor::At {
+                    epoch: self.anchor_epoch.filter(|_| self.anchor_event_id.is_some()),
+                    accepted_at_ms: self.anchor_accepted_ms.filter(|_| self.anchor_event_id.is_some()),
+                }
             } else {
                 crate::retention::WatermarkAnchor::Unrecorded
             },

@@ -4,7 +4,7 @@
 //! state); the reconciler records only what the core functions judge
 //! findings on the rows read.
 
-use crate::retention::{ANCHOR_EPOCH, PARTITION_REPLACED, POSITION_LOST};
+use crate::retention::{ANCHOR_ACCEPTED, ANCHOR_EPOCH, PARTITION_REPLACED, POSITION_LOST, SENT_FROM};
 use outbox_core::{ConsumerWatermark, EventFacts, EventState, PublishedFacts, RoundFinding, StoreError, SweptEvent, WatermarkPublisherFacts};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -102,20 +102,22 @@ impl outbox_core::FindingsStore for PgStore {
         let passed = if crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
             format!("(NOT (r.topic_id IS NULL AND (r.position_epoch > 0 OR {PARTITION_REPLACED})) AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
                      AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\"
-                     AND (r.topic_id IS NOT NULL OR NOT w.anchor_recorded OR {ANCHOR_EPOCH} IS NOT DISTINCT FROM r.position_epoch)))")
+                     AND (r.topic_id IS NOT NULL OR NOT w.anchor_recorded OR ({ANCHOR_EPOCH} IS NOT DISTINCT FROM r.position_epoch
+                          AND NOT COALESCE(r.\"offset\" < w.committed_offset - 1 AND {SENT_FROM} > {ANCHOR_ACCEPTED} + {skew}, false)))))",
+                skew = outbox_core::retention::ANCHOR_ORDER_SKEW_MS)
         } else {
             "false".to_owned()
         };
         let rows = sqlx::query(&format!(
             "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
-                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost FROM outbox_events e
+                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost, {SENT_FROM} AS sent_from_ms FROM outbox_events e
              JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
              WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 AND r.topic = ANY($3)
                AND NOT {passed}
              UNION ALL
              -- Stream events (schema section 17): published by their receipt.
              SELECT r.event_id, 'PUBLISHED', r.accepted_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
-                    {PARTITION_REPLACED}, {POSITION_LOST}
+                    {PARTITION_REPLACED}, {POSITION_LOST}, {SENT_FROM}
              FROM outbox_publish_receipts r
              WHERE r.batch_id IS NOT NULL AND r.envelope_generation = 1 AND r.accepted_at_ms < $1 AND r.topic = ANY($3)
                AND NOT EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = r.event_id)
@@ -140,6 +142,7 @@ impl outbox_core::FindingsStore for PgStore {
                     position_epoch: r.try_get("position_epoch").map_err(store_err)?,
                     partition_replaced: r.try_get("partition_replaced").map_err(store_err)?,
                     position_lost: r.try_get("position_lost").map_err(store_err)?,
+                    sent_from_ms: r.try_get("sent_from_ms").map_err(store_err)?,
                 })
             })
             .collect()
@@ -149,9 +152,9 @@ impl outbox_core::FindingsStore for PgStore {
         if !crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
             return Ok(Vec::new());
         }
-        type Row = (String, String, String, Option<String>, i32, i64, bool, Option<String>, Option<i32>);
+        type Row = (String, String, String, Option<String>, i32, i64, bool, Option<String>, Option<i32>, Option<i64>);
         let rows: Vec<Row> = sqlx::query_as(&format!(
-            "SELECT consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, {ANCHOR_EPOCH}
+            "SELECT consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, {ANCHOR_EPOCH}, {ANCHOR_ACCEPTED}
              FROM outbox_consumer_watermarks w WHERE consumer_id = $1 AND topic = ANY($2)"
         ))
         .bind(consumer_id)
@@ -161,13 +164,14 @@ impl outbox_core::FindingsStore for PgStore {
         .map_err(store_err)?;
         Ok(rows
             .into_iter()
-            .map(|(consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch)| ConsumerWatermark {
+            .map(|(consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch, anchor_accepted_ms)| ConsumerWatermark {
                 log: outbox_core::LogId { cluster_id, topic, topic_id, partition },
                 consumer_id,
                 committed_offset,
                 anchor_recorded,
                 anchor_event_id,
                 anchor_epoch,
+                anchor_accepted_ms,
             })
             .collect())
     }

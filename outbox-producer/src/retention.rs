@@ -27,6 +27,17 @@ pub(crate) const ANCHOR_EPOCH: &str = "(SELECT ar.position_epoch FROM outbox_pub
      WHERE ar.event_id = w.anchor_event_id AND ar.cluster_id = w.cluster_id AND ar.topic = w.topic AND ar.partition = w.partition
        AND ar.\"offset\" = w.committed_offset - 1 ORDER BY ar.position_epoch DESC LIMIT 1)";
 
+/// When the anchor's receipt at watermark `w`'s last offset was accepted
+/// (`WatermarkAnchor::At::accepted_at_ms`).
+pub(crate) const ANCHOR_ACCEPTED: &str = "(SELECT ar.accepted_at_ms FROM outbox_publish_receipts ar
+     WHERE ar.event_id = w.anchor_event_id AND ar.cluster_id = w.cluster_id AND ar.topic = w.topic AND ar.partition = w.partition
+       AND ar.\"offset\" = w.committed_offset - 1 ORDER BY ar.position_epoch DESC LIMIT 1)";
+
+/// The earliest start of any attempt to send receipt `r`'s event: its
+/// attempts' and its stream batch's (`LogPosition::sent_from_ms`).
+pub(crate) const SENT_FROM: &str = "LEAST((SELECT min(a.started_at_ms) FROM outbox_attempts a WHERE a.event_id = r.event_id),
+     (SELECT b.cut_at_ms FROM outbox_batches b WHERE b.id = r.batch_id))";
+
 /// Whether an open `receipt_position_lost` finding names receipt `r`'s
 /// event (`LogPosition::position_lost`).
 pub(crate) const POSITION_LOST: &str = "EXISTS (SELECT 1 FROM outbox_findings f WHERE f.kind = 'receipt_position_lost' AND f.event_id = r.event_id
@@ -405,7 +416,7 @@ impl RetentionStore for PgRetention {
         let ids: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
         let rows = sqlx::query(&format!(
             "SELECT r.event_id, r.envelope_generation, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
-                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost
+                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost, {SENT_FROM} AS sent_from_ms
              FROM outbox_publish_receipts r WHERE r.event_id = ANY($1)"
         ))
         .bind(&ids)
@@ -428,6 +439,7 @@ impl RetentionStore for PgRetention {
                 position_epoch: r.try_get("position_epoch")?,
                 partition_replaced: r.try_get("partition_replaced")?,
                 position_lost: r.try_get("position_lost")?,
+                sent_from_ms: r.try_get("sent_from_ms")?,
                 event_id,
             });
         }
@@ -441,10 +453,10 @@ impl RetentionStore for PgRetention {
         if topics.is_empty() {
             return Ok(Registry::default());
         }
-        type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>, Option<bool>, Option<String>, Option<i32>);
+        type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>, Option<bool>, Option<String>, Option<i32>, Option<i64>);
         let rows: Vec<Row> = if self.watermarks {
             sqlx::query_as(&format!(
-                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, {ANCHOR_EPOCH}
+                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, {ANCHOR_EPOCH}, {ANCHOR_ACCEPTED}
                  FROM outbox_consumers c
                  LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = c.consumer_id AND w.topic = ANY($1::text[])
                  WHERE c.mandatory AND c.topics && $1::text[]"
@@ -454,7 +466,7 @@ impl RetentionStore for PgRetention {
             .await?
         } else {
             sqlx::query_as(
-                "SELECT consumer_id, topics, NULL::text, NULL::text, NULL::text, NULL::int, NULL::bigint, NULL::boolean, NULL::text, NULL::int
+                "SELECT consumer_id, topics, NULL::text, NULL::text, NULL::text, NULL::int, NULL::bigint, NULL::boolean, NULL::text, NULL::int, NULL::bigint
                  FROM outbox_consumers WHERE mandatory AND topics && $1::text[]",
             )
             .bind(topics)
@@ -462,12 +474,12 @@ impl RetentionStore for PgRetention {
             .await?
         };
         let mut registry = Registry::default();
-        for (consumer_id, topics, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch) in rows {
+        for (consumer_id, topics, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch, anchor_accepted_ms) in rows {
             if !registry.mandatory.iter().any(|(id, _)| *id == consumer_id) {
                 registry.mandatory.push((consumer_id.clone(), topics));
             }
             if let (Some(cluster_id), Some(topic), Some(partition), Some(committed_offset)) = (cluster_id, topic, partition, committed_offset) {
-                registry.watermarks.push(outbox_core::ConsumerWatermark { log: outbox_core::LogId { cluster_id, topic, topic_id, partition }, consumer_id, committed_offset, anchor_recorded: anchor_recorded.unwrap_or(false), anchor_event_id, anchor_epoch });
+                registry.watermarks.push(outbox_core::ConsumerWatermark { log: outbox_core::LogId { cluster_id, topic, topic_id, partition }, consumer_id, committed_offset, anchor_recorded: anchor_recorded.unwrap_or(false), anchor_event_id, anchor_epoch, anchor_accepted_ms });
             }
         }
         Ok(registry)
@@ -562,6 +574,7 @@ impl RetentionStore for outbox_memory::MemoryStore {
                     position_epoch: e.slot_epoch,
                     partition_replaced: st.partition_replaced(slot.log()),
                     position_lost: st.position_lost(&e.envelope.event_id),
+                    sent_from_ms: st.sent_from(&e.envelope.event_id),
                 })
             })
             .collect();

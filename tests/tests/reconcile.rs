@@ -581,7 +581,7 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
                     let on_topic: Vec<&str> = registry.iter().filter(|(_, m, topics)| *m && topics.iter().any(|t| t == topic)).map(|(c, _, _)| c.as_str()).collect();
                     let topic_id = topic_id.as_deref().filter(|_| !blind);
                     let partition_replaced = events.iter().any(|e| (&e.3, &e.4, e.6) == (cluster, topic, *partition) && e.8 > 0);
-                    let at = outbox_core::LogPosition { log: outbox_core::LogRef { cluster_id: cluster, topic, topic_id, partition: *partition }, offset: *offset, position_epoch: *position_epoch, partition_replaced, position_lost: false };
+                    let at = outbox_core::LogPosition { log: outbox_core::LogRef { cluster_id: cluster, topic, topic_id, partition: *partition }, offset: *offset, position_epoch: *position_epoch, partition_replaced, position_lost: false, sent_from_ms: None };
                     outbox_core::may_purge(state, *published_at, later, policy.replay_window_ms, at, &watermarks, &on_topic).is_ok()
                 })
                 .map(|e| e.0.clone())

@@ -57,6 +57,7 @@ pub(super) async fn purge_waits_for_mandatory_watermarks<H: Harness>(c: &Ctx<'_,
         anchor_recorded: false,
         anchor_event_id: None,
         anchor_epoch: None,
+        anchor_accepted_ms: None,
     };
     let (m, o, x, other_topic) = (format!("{}-m", c.prefix), format!("{}-o", c.prefix), format!("{}-x", c.prefix), format!("{}-other", c.prefix));
     let (on_topic, on_other): (&[&str], &[&str]) = (&[topic.as_str()], &[other_topic.as_str()]);
@@ -163,6 +164,7 @@ pub(super) async fn purge_holds_an_event_of_a_replaced_log<H: Harness>(c: &Ctx<'
         anchor_recorded: false,
         anchor_event_id: None,
         anchor_epoch: None,
+        anchor_accepted_ms: None,
     };
     let check = |stage: &'static str, want: [EventState; 3]| {
         let events = &events;
@@ -225,6 +227,7 @@ pub(super) async fn purge_checks_a_watermarks_anchor<H: Harness>(c: &Ctx<'_, H>)
         anchor_recorded: true,
         anchor_event_id: anchor.map(str::to_owned),
         anchor_epoch: None,
+        anchor_accepted_ms: None,
     };
     c.h.advance_ms(W + 1);
     let stranger = EventId::generate(c.h.now_ms() as u64).to_string();
@@ -238,5 +241,50 @@ pub(super) async fn purge_checks_a_watermarks_anchor<H: Harness>(c: &Ctx<'_, H>)
     for (id, _) in &events {
         eq(&format!("{id} purged"), c.state(id).await?.0, EventState::Purged)?;
     }
+    Ok(())
+}
+
+/// Issue 46, an undetected replacement: the event at offset 1 is published
+/// first and the consumer's watermark (2) is anchored on it; 10 s later
+/// another event's first attempt starts and its receipt lands at offset 0,
+/// with no receipt there before (no position collision, so no epoch to say
+/// the log changed). In one log a message below the anchor's was written
+/// before the anchor's receipt was accepted, so this one was written to
+/// another log of the partition's name: it is held (the watermark is of
+/// another log), and the anchor's own event goes. Within the clocks'
+/// allowance the order proves nothing, and both would go.
+pub(super) async fn purge_holds_an_event_first_sent_after_the_watermarks_anchor_below_it<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    const W: i64 = 60_000;
+    c.h.advance_ms(W + 1);
+    let lost_before = c.h.purge(W, &[], &[]).await?.lost_position;
+    let anchor = c.emit(0, "late").await;
+    let ce = c.claim_some("w1", &anchor).await?;
+    let a = c.register(&ce.token).await?;
+    let anchor_receipt = receipt(&ce, &a, c.offset(1));
+    eq("publish the anchor", c.accept(&anchor_receipt).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    c.h.advance_ms(10_000);
+    let late = c.emit(1, "late").await;
+    let ce = c.claim_some("w1", &late).await?;
+    let a = c.register(&ce.token).await?;
+    let late_receipt = receipt(&ce, &a, c.offset(0));
+    eq("publish the late event below it", c.accept(&late_receipt).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    eq("one partition", (late_receipt.partition, late_receipt.topic_id.as_deref()), (anchor_receipt.partition, None))?;
+    let m = format!("{}-m", c.prefix);
+    let on_topic: &[&str] = &[anchor_receipt.topic.as_str()];
+    let registry = [(m.as_str(), on_topic, true)];
+    let wm = MemoryWatermark {
+        log: outbox_core::LogId { cluster_id: anchor_receipt.cluster_id.clone(), topic: anchor_receipt.topic.clone(), topic_id: None, partition: anchor_receipt.partition },
+        consumer_id: m.clone(),
+        committed_offset: c.offset(2),
+        anchor_recorded: true,
+        anchor_event_id: Some(anchor.to_string()),
+        anchor_epoch: None,
+        anchor_accepted_ms: None,
+    };
+    c.h.advance_ms(W + 1);
+    let out = c.h.purge(W, &registry, &[wm]).await?;
+    eq("the anchor's event goes, the late one is held", out, PurgeCounts { retained: 2, purged: 1, held: 1, replaced_log: 0, lost_position: lost_before })?;
+    eq("the late event", c.state(&late).await?.0, EventState::Retained)?;
+    eq("the anchor", c.state(&anchor).await?.0, EventState::Purged)?;
     Ok(())
 }

@@ -83,6 +83,7 @@ impl outbox_core::store::FindingsStore for MemoryStore {
                 position_epoch: e.slot_epoch,
                 partition_replaced: st.partition_replaced(slot.log()),
                 position_lost: st.position_lost(&e.envelope.event_id),
+                sent_from_ms: st.sent_from(&e.envelope.event_id),
             })
             .collect();
         v.sort_by_key(|p| p.published_at_ms);
@@ -149,13 +150,19 @@ impl super::MemoryState {
     /// `w` as the decisions read it: the position epoch of its anchor's
     /// receipt at its last offset (`outbox_core::WatermarkAnchor`).
     pub fn with_anchor_epoch(&self, w: &outbox_core::store::ConsumerWatermark) -> outbox_core::store::ConsumerWatermark {
-        let anchor_epoch = w.anchor_event_id.as_deref().and_then(|id| id.parse::<outbox_core::EventId>().ok()).and_then(|id| {
+        let anchor = w.anchor_event_id.as_deref().and_then(|id| id.parse::<outbox_core::EventId>().ok()).and_then(|id| {
             let e = self.events.get(&id)?;
             let slot = e.slot.as_ref()?;
             let here = slot.log().same_name(&w.log.as_ref()) && slot.offset == w.committed_offset - 1;
-            here.then_some(e.slot_epoch)
+            here.then_some((e.slot_epoch, e.published_at_ms))
         });
-        outbox_core::store::ConsumerWatermark { anchor_epoch, ..w.clone() }
+        outbox_core::store::ConsumerWatermark { anchor_epoch: anchor.map(|a| a.0), anchor_accepted_ms: anchor.and_then(|a| a.1), ..w.clone() }
+    }
+
+    /// The earliest start of any attempt to send `event_id`
+    /// (`outbox_core::LogPosition::sent_from_ms`).
+    pub fn sent_from(&self, event_id: &outbox_core::EventId) -> Option<i64> {
+        self.attempts.get(event_id)?.iter().map(|a| a.started_at_ms).min()
     }
 
     /// Whether an open `receipt_position_lost` finding names `event_id`.

@@ -508,6 +508,7 @@ pub(super) fn group_watermarks(store: &MemoryConsumerStore) -> Vec<MemoryWaterma
             anchor_recorded: true,
             anchor_event_id: row.anchor_event_id.clone(),
             anchor_epoch: None,
+            anchor_accepted_ms: None,
         })
         .collect()
 }

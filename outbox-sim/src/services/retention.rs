@@ -51,6 +51,7 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
                     anchor_recorded: false,
                     anchor_event_id: None,
                     anchor_epoch: None,
+                    anchor_accepted_ms: None,
                 }));
                 // Rows come in no particular order.
                 if w.rng.chance(0.5) {
