@@ -15,9 +15,9 @@ use outbox_testkit::{assert_published, KafkaFixture};
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 
-const COMMANDS: [&str; 18] = [
+const COMMANDS: [&str; 20] = [
     "migrate", "dispatch", "reconcile", "status", "trace", "report", "purge", "migrate-destination", "takeover", "alias", "shadow", "route", "dead-letters",
-    "findings", "unknown", "gaps", "watermarks", "skip",
+    "findings", "unknown", "gaps", "watermarks", "skip", "dispatch-path", "aggregate-heads",
 ];
 
 #[test]
