@@ -142,22 +142,14 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
 /// the open one of every other watermark's log resolved (as the watermark
 /// topic's reader does with the same rows published as records).
 async fn gap_findings(to: &PgPool, consumer_id: &str, rows: &[Watermark]) -> Result<(), ConsumerError> {
-    use outbox_core::watermark_record::{gap_detail, log_name, GAP_FINDINGS_OPEN_SQL, GAP_FINDINGS_RESOLVE_SQL};
+    use outbox_core::watermark_record::{log_name, GapFindings, GAP_FINDINGS_OPEN_SQL, GAP_FINDINGS_RESOLVE_SQL};
     let has_findings: bool = sqlx::query_scalar("SELECT to_regclass('outbox_findings') IS NOT NULL").fetch_one(to).await?;
     if !has_findings {
         return Ok(());
     }
-    let (mut open_logs, mut details, mut resolved) = (Vec::new(), Vec::new(), Vec::new());
-    for w in rows {
-        let log = log_name(&w.cluster_id, &w.topic, w.topic_id.as_deref(), w.partition);
-        match w.open_gap_end {
-            Some(end) => {
-                details.push(gap_detail(consumer_id, &log, w.committed_offset, end));
-                open_logs.push(log);
-            }
-            None => resolved.push(log),
-        }
-    }
+    let GapFindings { open, resolved } =
+        GapFindings::of(consumer_id, rows.iter().map(|w| (log_name(&w.cluster_id, &w.topic, w.topic_id.as_deref(), w.partition), w.committed_offset, w.open_gap_end)));
+    let (open_logs, details): (Vec<String>, Vec<String>) = open.into_iter().unzip();
     let now = Utc::now().timestamp_millis();
     if !resolved.is_empty() {
         sqlx::query(GAP_FINDINGS_RESOLVE_SQL).bind(consumer_id).bind(&resolved).bind(now).execute(to).await?;

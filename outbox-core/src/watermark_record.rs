@@ -311,6 +311,37 @@ pub fn gap_detail(consumer_id: &str, log: &str, from: i64, to: i64) -> String {
     )
 }
 
+/// The `consumer_gap` findings one consumer's watermarks call for: a
+/// finding opened (or seen again) for each log whose watermark stands at an
+/// open gap, and the open one of every other log resolved. The consumer's
+/// direct copy and the watermark topic's reader both split their rows here.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct GapFindings {
+    /// The logs (as [`log_name`] names them) whose watermark stands at an
+    /// open gap, and each finding's [`gap_detail`].
+    pub open: Vec<(String, String)>,
+    /// The logs whose watermark stands at no gap.
+    pub resolved: Vec<String>,
+}
+
+impl GapFindings {
+    /// Splits `watermarks` of `consumer_id`: each is its log's name, its
+    /// committed offset and its open gap's end, if any.
+    pub fn of(consumer_id: &str, watermarks: impl IntoIterator<Item = (String, i64, Option<i64>)>) -> Self {
+        let mut split = Self::default();
+        for (log, committed_offset, open_gap_end) in watermarks {
+            match open_gap_end {
+                Some(end) => {
+                    let detail = gap_detail(consumer_id, &log, committed_offset, end);
+                    split.open.push((log, detail));
+                }
+                None => split.resolved.push(log),
+            }
+        }
+        split
+    }
+}
+
 /// Resolves the open `consumer_gap` findings of `$1` (consumer id) on the
 /// logs `$2` (`text[]`, as [`log_name`] names them) at `$3` (ms): their
 /// watermarks stand at no gap now.
@@ -504,6 +535,19 @@ mod tests {
             let err = WatermarkRecord::decode(Some(&bad.key_bytes()), Some(&bad.value_bytes())).unwrap_err();
             assert!(err.to_string().contains("openGapEnd"), "{err}");
         }
+    }
+
+    /// A consumer's watermarks split into the gap findings to open, with
+    /// the skipped range in each detail, and the logs whose finding resolves.
+    #[test]
+    fn gap_findings_open_the_gapped_logs_and_resolve_the_rest() {
+        let split = GapFindings::of("shipping", [("c/orders/0".to_owned(), 10, Some(25)), ("c/orders/1".to_owned(), 7, None), ("c/orders/2".to_owned(), 3, Some(4))]);
+        assert_eq!(split.resolved, vec!["c/orders/1".to_owned()]);
+        let logs: Vec<&str> = split.open.iter().map(|(l, _)| l.as_str()).collect();
+        assert_eq!(logs, ["c/orders/0", "c/orders/2"]);
+        assert!(split.open[0].1.contains("consumer shipping skipped offsets [10, 25) of c/orders/0"), "{}", split.open[0].1);
+        assert!(split.open[1].1.contains("[3, 4)"), "{}", split.open[1].1);
+        assert_eq!(GapFindings::of("shipping", []), GapFindings::default());
     }
 
     /// The key must name the value's topic id: another id, an id the value

@@ -4,7 +4,7 @@
 //! state); the reconciler records only what the core functions judge
 //! findings on the rows read.
 
-use crate::retention::{ANCHOR_ACCEPTED, ANCHOR_EPOCH, PARTITION_REPLACED, POSITION_LOST, SENT_FROM};
+use crate::retention::{ANCHOR_JOIN, PARTITION_REPLACED, POSITION_LOST, SENT_FROM_JOIN};
 use outbox_core::{ConsumerWatermark, EventFacts, EventState, PublishedFacts, RoundFinding, StoreError, SweptEvent, WatermarkPublisherFacts};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -100,25 +100,26 @@ impl outbox_core::FindingsStore for PgStore {
         // No watermark passes a receipt of a replaced destination.v1 log
         // (`LogPosition::on_replaced_unnamed_log`).
         let passed = if crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
-            format!("(NOT (r.topic_id IS NULL AND (r.position_epoch > 0 OR {PARTITION_REPLACED})) AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
+            format!("(NOT (r.topic_id IS NULL AND (r.position_epoch > 0 OR {PARTITION_REPLACED})) AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w {ANCHOR_JOIN} WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
                      AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\"
-                     AND (r.topic_id IS NOT NULL OR NOT w.anchor_recorded OR ({ANCHOR_EPOCH} IS NOT DISTINCT FROM r.position_epoch
-                          AND NOT COALESCE(r.\"offset\" < w.committed_offset - 1 AND {SENT_FROM} > {ANCHOR_ACCEPTED} + {skew}, false)))))",
+                     AND (r.topic_id IS NOT NULL OR NOT w.anchor_recorded OR (an.anchor_epoch IS NOT DISTINCT FROM r.position_epoch
+                          AND NOT COALESCE(r.\"offset\" < w.committed_offset - 1 AND sf.sent_from_ms > an.anchor_accepted_ms + {skew}, false)))))",
                 skew = outbox_core::retention::ANCHOR_ORDER_SKEW_MS)
         } else {
             "false".to_owned()
         };
         let rows = sqlx::query(&format!(
             "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
-                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost, {SENT_FROM} AS sent_from_ms FROM outbox_events e
+                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost, sf.sent_from_ms FROM outbox_events e
              JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
+             {SENT_FROM_JOIN}
              WHERE e.phase IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $1 AND r.topic = ANY($3)
                AND NOT {passed}
              UNION ALL
              -- Stream events (schema section 17): published by their receipt.
              SELECT r.event_id, 'PUBLISHED', r.accepted_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
-                    {PARTITION_REPLACED}, {POSITION_LOST}, {SENT_FROM}
-             FROM outbox_publish_receipts r
+                    {PARTITION_REPLACED}, {POSITION_LOST}, sf.sent_from_ms
+             FROM outbox_publish_receipts r {SENT_FROM_JOIN}
              WHERE r.batch_id IS NOT NULL AND r.envelope_generation = 1 AND r.accepted_at_ms < $1 AND r.topic = ANY($3)
                AND NOT EXISTS (SELECT 1 FROM outbox_events x WHERE x.event_id = r.event_id)
                AND NOT {passed}
@@ -154,8 +155,8 @@ impl outbox_core::FindingsStore for PgStore {
         }
         type Row = (String, String, String, Option<String>, i32, i64, bool, Option<String>, Option<i32>, Option<i64>);
         let rows: Vec<Row> = sqlx::query_as(&format!(
-            "SELECT consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, {ANCHOR_EPOCH}, {ANCHOR_ACCEPTED}
-             FROM outbox_consumer_watermarks w WHERE consumer_id = $1 AND topic = ANY($2)"
+            "SELECT w.consumer_id, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, an.anchor_epoch, an.anchor_accepted_ms
+             FROM outbox_consumer_watermarks w {ANCHOR_JOIN} WHERE w.consumer_id = $1 AND w.topic = ANY($2)"
         ))
         .bind(consumer_id)
         .bind(topics)

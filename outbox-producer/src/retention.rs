@@ -20,23 +20,21 @@ use crate::error::ProducerError;
 pub(crate) const PARTITION_REPLACED: &str = "EXISTS (SELECT 1 FROM outbox_publish_receipts x WHERE x.position_epoch > 0
      AND x.cluster_id = r.cluster_id AND x.topic = r.topic AND x.partition = r.partition)";
 
-/// The position epoch of the receipt of watermark `w`'s anchor at its last
-/// offset (NULL: no anchor, or no receipt of it there;
-/// `outbox_core::WatermarkAnchor`).
-pub(crate) const ANCHOR_EPOCH: &str = "(SELECT ar.position_epoch FROM outbox_publish_receipts ar
+/// The receipt of watermark `w`'s anchor at its last offset, joined once
+/// per watermark row as `an`: `an.anchor_epoch` (its position epoch) and
+/// `an.anchor_accepted_ms` (when it was accepted); both NULL when there is
+/// no anchor or no receipt of it there (`outbox_core::WatermarkAnchor`).
+pub(crate) const ANCHOR_JOIN: &str = "LEFT JOIN LATERAL (SELECT ar.position_epoch AS anchor_epoch, ar.accepted_at_ms AS anchor_accepted_ms
+     FROM outbox_publish_receipts ar
      WHERE ar.event_id = w.anchor_event_id AND ar.cluster_id = w.cluster_id AND ar.topic = w.topic AND ar.partition = w.partition
-       AND ar.\"offset\" = w.committed_offset - 1 ORDER BY ar.position_epoch DESC LIMIT 1)";
+       AND ar.\"offset\" = w.committed_offset - 1 ORDER BY ar.position_epoch DESC LIMIT 1) an ON true";
 
-/// When the anchor's receipt at watermark `w`'s last offset was accepted
-/// (`WatermarkAnchor::At::accepted_at_ms`).
-pub(crate) const ANCHOR_ACCEPTED: &str = "(SELECT ar.accepted_at_ms FROM outbox_publish_receipts ar
-     WHERE ar.event_id = w.anchor_event_id AND ar.cluster_id = w.cluster_id AND ar.topic = w.topic AND ar.partition = w.partition
-       AND ar.\"offset\" = w.committed_offset - 1 ORDER BY ar.position_epoch DESC LIMIT 1)";
-
-/// The earliest start of any attempt to send receipt `r`'s event: its
-/// attempts' and its stream batch's (`LogPosition::sent_from_ms`).
-pub(crate) const SENT_FROM: &str = "LEAST((SELECT min(a.started_at_ms) FROM outbox_attempts a WHERE a.event_id = r.event_id),
-     (SELECT b.cut_at_ms FROM outbox_batches b WHERE b.id = r.batch_id))";
+/// The earliest start of any attempt to send receipt `r`'s event (its
+/// attempts' and its stream batch's; `LogPosition::sent_from_ms`), joined
+/// once per receipt row as `sf.sent_from_ms` (`OFFSET 0` keeps the planner
+/// from copying the expression into each place a query reads it).
+pub(crate) const SENT_FROM_JOIN: &str = "CROSS JOIN LATERAL (SELECT LEAST((SELECT min(a.started_at_ms) FROM outbox_attempts a WHERE a.event_id = r.event_id),
+     (SELECT b.cut_at_ms FROM outbox_batches b WHERE b.id = r.batch_id)) AS sent_from_ms OFFSET 0) sf";
 
 /// Whether an open `receipt_position_lost` finding names receipt `r`'s
 /// event (`LogPosition::position_lost`).
@@ -416,8 +414,8 @@ impl RetentionStore for PgRetention {
         let ids: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
         let rows = sqlx::query(&format!(
             "SELECT r.event_id, r.envelope_generation, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
-                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost, {SENT_FROM} AS sent_from_ms
-             FROM outbox_publish_receipts r WHERE r.event_id = ANY($1)"
+                    {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost, sf.sent_from_ms
+             FROM outbox_publish_receipts r {SENT_FROM_JOIN} WHERE r.event_id = ANY($1)"
         ))
         .bind(&ids)
         .fetch_all(&mut **tx)
@@ -456,9 +454,10 @@ impl RetentionStore for PgRetention {
         type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>, Option<bool>, Option<String>, Option<i32>, Option<i64>);
         let rows: Vec<Row> = if self.watermarks {
             sqlx::query_as(&format!(
-                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, {ANCHOR_EPOCH}, {ANCHOR_ACCEPTED}
+                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, an.anchor_epoch, an.anchor_accepted_ms
                  FROM outbox_consumers c
                  LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = c.consumer_id AND w.topic = ANY($1::text[])
+                 {ANCHOR_JOIN}
                  WHERE c.mandatory AND c.topics && $1::text[]"
             ))
             .bind(topics)

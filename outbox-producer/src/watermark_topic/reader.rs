@@ -367,7 +367,8 @@ impl WatermarkTopicReader {
         // Per (log, consumer), what its last applied record said of a gap
         // at its watermark: the finding's detail, or `None` (no gap: an
         // open finding is resolved).
-        let mut gaps: HashMap<(String, String), Option<String>> = HashMap::new();
+        // Per consumer, per log: the applied watermark and its open gap's end.
+        let mut gaps: HashMap<String, HashMap<String, (i64, Option<i64>)>> = HashMap::new();
         for (p, off, r, decider) in decoded {
             let at = format!("{}/{}/{p}@{off}", self.cluster_id, topic);
             let record = match r {
@@ -449,8 +450,7 @@ impl WatermarkTopicReader {
                 Applied::Yes => {
                     report.applied += 1;
                     arrived(&mut tx, &record, now).await?;
-                    let gap = record.open_gap_end.map(|end| watermark_record::gap_detail(&record.consumer_id, &log, record.committed_offset, end));
-                    gaps.insert((log, record.consumer_id.clone()), gap);
+                    gaps.entry(record.consumer_id.clone()).or_default().insert(log, (record.committed_offset, record.open_gap_end));
                 }
                 Applied::OutOfDate => {
                     report.out_of_date += 1;
@@ -475,18 +475,15 @@ impl WatermarkTopicReader {
             .execute(&mut *tx)
             .await?;
         }
-        let mut resolved: HashMap<String, Vec<String>> = HashMap::new();
-        for ((log, consumer), gap) in gaps {
-            match gap {
-                Some(detail) => {
-                    report.gaps += 1;
-                    findings.push((outbox_core::findings::CONSUMER_GAP, log, consumer, detail));
-                }
-                None => resolved.entry(consumer).or_default().push(log),
+        for (consumer, logs) in gaps {
+            let split = watermark_record::GapFindings::of(&consumer, logs.into_iter().map(|(log, (committed, end))| (log, committed, end)));
+            report.gaps += split.open.len();
+            for (log, detail) in split.open {
+                findings.push((outbox_core::findings::CONSUMER_GAP, log, consumer.clone(), detail));
             }
-        }
-        for (consumer, logs) in resolved {
-            sqlx::query(watermark_record::GAP_FINDINGS_RESOLVE_SQL).bind(&consumer).bind(&logs).bind(now).execute(&mut *tx).await?;
+            if !split.resolved.is_empty() {
+                sqlx::query(watermark_record::GAP_FINDINGS_RESOLVE_SQL).bind(&consumer).bind(&split.resolved).bind(now).execute(&mut *tx).await?;
+            }
         }
         record_findings(&mut tx, &findings, now).await?;
         tx.commit().await?;
