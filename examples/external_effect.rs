@@ -132,6 +132,7 @@ fn order_created(order: &str, key: &SigningKey) -> anyhow::Result<RawMessage> {
         payload: Some(payload),
         headers: hs,
         non_utf8_header_names: Vec::new(),
+        log_id: None,
     })
 }
 

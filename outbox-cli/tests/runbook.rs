@@ -375,7 +375,7 @@ async fn gaps_list_and_accept_with_the_consumer_database() {
     let store = PgConsumerStore::new(consumer_db.pool.clone());
     let mut tx = store.begin().await.unwrap();
     let gap = OffsetGap { detected_from: 3, from_offset: 3, to_offset: 10 };
-    store.save_reading(&mut tx, "shipping", "cluster-a", "orders", 2, &ReadingChange { next_offset: 11, opened: vec![gap], shrunk: vec![], watermark_cap: Some(3) }).await.unwrap();
+    store.save_reading(&mut tx, "shipping", "cluster-a", "orders", 2, &ReadingChange { next_offset: 11, opened: vec![gap], shrunk: vec![], watermark_cap: Some(3), ..ReadingChange::default() }).await.unwrap();
     store.commit(tx).await.unwrap();
     // Its watermark there stands at the gap's start; copied to the outbox
     // database, the gap is a consumer_gap finding naming consumer, log and range.

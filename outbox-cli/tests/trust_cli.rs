@@ -25,7 +25,7 @@ fn message(order: &str, source: &str) -> RawMessage {
     let (e, d) = req.freeze(EventId::generate(now), now as i64, 1, &RoutePolicy::new("order.created", "kafka-a", "orders", 1)).unwrap();
     let mut hs = headers::build(&e, &d, &d.digest(), &AttemptId::generate(now), None);
     outbox_core::trust::seal(&mut hs, source, None).unwrap();
-    RawMessage { topic: "orders".into(), partition: 0, offset: 0, key: Some(d.routing_key.into_bytes()), payload: Some(payload), headers: hs, non_utf8_header_names: Vec::new() }
+    RawMessage { topic: "orders".into(), partition: 0, offset: 0, key: Some(d.routing_key.into_bytes()), payload: Some(payload), headers: hs, non_utf8_header_names: Vec::new(), log_id: None }
 }
 
 #[tokio::test]

@@ -127,6 +127,11 @@ CREATE TABLE outbox_consumer_watermarks (
     -- Whether the consumer's own store wrote the anchor (false for a row a
     -- watermark record moved: judged by its log's name alone).
     anchor_recorded     boolean     NOT NULL DEFAULT false,
+    -- The identity of the log committed_offset counts in, as the consumer
+    -- saw it (the topic's id when it fetched; NULL: not known). A row moved
+    -- by messages of another log is replaced, not raised: the new log's
+    -- offsets start anew (outbox_consumer::gap::reading_in_log).
+    log_id              text        CHECK (log_id IS NULL OR length(log_id) <= 64),
     CONSTRAINT outbox_consumer_watermarks_log_key
         UNIQUE NULLS NOT DISTINCT (consumer_id, cluster_id, topic, partition, topic_id)
 );
@@ -218,6 +223,10 @@ CREATE TABLE outbox_consumer_readings (
     partition   integer     NOT NULL CHECK (partition >= 0),
     next_offset bigint      NOT NULL CHECK (next_offset >= 0),
     updated_at  timestamptz NOT NULL DEFAULT now(),
+    -- The log the reading is kept in (RawMessage::log_id; NULL: not known).
+    -- Messages of another log start the reading over: next_offset is
+    -- replaced and the old log's gap rows are removed.
+    log_id      text        CHECK (log_id IS NULL OR length(log_id) <= 64),
     PRIMARY KEY (consumer_id, cluster_id, topic, partition)
 );
 

@@ -261,6 +261,21 @@ impl IdempotentConsumer {
         let cluster_id = fetch_cluster_id(&client).await?;
         let cluster_id = self.processor.set_cluster_id_if_unset(cluster_id).to_owned();
         client.subscribe(&topics)?;
+        // The id of each topic's log, as this consumer last read it: every
+        // message fetched is tagged with it (`RawMessage::log_id`).
+        // The first read is waited for a short while only (a cluster that
+        // does not answer it must not hold the start): until it is in,
+        // messages carry no log id, and the partition's reading keeps the
+        // log it had.
+        let topic_ids: TopicIds = Arc::default();
+        let mut first_read = tokio::spawn(refresh_topic_ids(client.clone(), self.config.topics.clone(), topic_ids.clone()));
+        let mut id_refresh = match tokio::time::timeout(Duration::from_millis(TOPIC_ID_START_WAIT_MS), &mut first_read).await {
+            Ok(_) => None,
+            Err(_) => Some(first_read),
+        };
+        let mut id_tick = tokio::time::interval(Duration::from_millis(TOPIC_ID_REFRESH_MS));
+        id_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        id_tick.reset();
         let publisher = crate::watermark_publisher::start(&self.config, self.processor.pool().clone(), metrics.clone(), cluster_id.clone())?;
         info!(consumer = %self.config.consumer_id, group = %self.config.group_id, cluster = %cluster_id, ?topics, "consumer started");
 
@@ -324,10 +339,16 @@ impl IdempotentConsumer {
                         }));
                     }
                 }
+                _ = id_tick.tick() => {
+                    if id_refresh.as_ref().is_none_or(|t| t.is_finished()) {
+                        id_refresh = Some(tokio::spawn(refresh_topic_ids(client.clone(), self.config.topics.clone(), topic_ids.clone())));
+                    }
+                }
                 m = client.recv() => match m {
                     Ok(m) => {
-                        let raw = RawMessage::from_kafka(&m);
+                        let mut raw = RawMessage::from_kafka(&m);
                         drop(m);
+                        raw.log_id = topic_ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&raw.topic).cloned();
                         Metrics::add(&metrics.received, 1);
                         run.dispatch(raw);
                     }
@@ -336,6 +357,9 @@ impl IdempotentConsumer {
             }
         };
         if let Some(h) = probing.take() {
+            h.abort();
+        }
+        if let Some(h) = id_refresh.take() {
             h.abort();
         }
         readiness.stopped(outcome.as_ref().err().map(|e| e.to_string()));
@@ -660,7 +684,16 @@ pub async fn run_partition<S: ConsumerStore>(
     topic: &str,
     partition: i32,
 ) -> Result<(), ConsumerError> {
-    while let Some(first) = rx.recv().await {
+    // A message of another log than its batch's: the first of the next batch.
+    let mut carried: Option<RawMessage> = None;
+    loop {
+        let first = match carried.take() {
+            Some(m) => m,
+            None => match rx.recv().await {
+                Some(m) => m,
+                None => break,
+            },
+        };
         if stop.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -668,6 +701,10 @@ pub async fn run_partition<S: ConsumerStore>(
         let mut batch = vec![first];
         while batch.len() < limits.max_messages && bytes < limits.max_bytes {
             match rx.try_recv() {
+                Ok(m) if m.log_id != batch[0].log_id => {
+                    carried = Some(m);
+                    break;
+                }
                 Ok(m) => {
                     bytes += m.size_bytes();
                     batch.push(m);
@@ -699,6 +736,57 @@ pub async fn run_partition<S: ConsumerStore>(
         }
     }
     Ok(())
+}
+
+/// How often the consumer reads its topics' ids again, ms. A topic deleted
+/// and created again under its name (or the same name on a replaced
+/// cluster) has another id: the messages fetched once this consumer has
+/// read it are of another log ([`RawMessage::log_id`]), and its reading of
+/// each partition starts over there (module [`gap`](crate::gap)). Messages
+/// fetched from the new log before that are counted in the old log's
+/// reading, and become part of the new log's gap once the new id is read:
+/// held, never passed.
+pub const TOPIC_ID_REFRESH_MS: u64 = 5_000;
+
+/// Most time one read of a topic's id may take, ms.
+const TOPIC_ID_TIMEOUT_MS: u64 = 10_000;
+
+/// Most time the start waits for the first read of the topics' ids, ms.
+const TOPIC_ID_START_WAIT_MS: u64 = 3_000;
+
+/// Topic name to the id of its log, as last read.
+type TopicIds = Arc<Mutex<HashMap<String, String>>>;
+
+/// Reads the ids of `topics` (off the async runtime: the calls block) into
+/// `ids`. A topic whose id cannot be read keeps the one it had (a cluster
+/// without topic ids, a topic not created yet: none, and its messages carry
+/// no log id); a changed id is logged.
+async fn refresh_topic_ids(client: Arc<Client>, topics: Vec<String>, ids: TopicIds) {
+    let read = tokio::task::spawn_blocking(move || {
+        let timeout = Duration::from_millis(TOPIC_ID_TIMEOUT_MS);
+        topics.into_iter().map(|t| {
+            let id = outbox_topic_id::topic_id(client.client(), &t, timeout);
+            (t, id)
+        }).collect::<Vec<_>>()
+    })
+    .await;
+    let Ok(read) = read else { return };
+    let mut ids = ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    for (topic, id) in read {
+        match id {
+            Ok(Some(bytes)) => {
+                let id = outbox_core::envelope::topic_id_text(&bytes);
+                match ids.insert(topic.clone(), id.clone()) {
+                    Some(old) if old != id => warn!(%topic, old_id = %old, new_id = %id,
+                        "the topic has a new id: it was deleted and created again (or its cluster replaced); what is fetched from now on is read as a new log"),
+                    None => debug!(%topic, %id, "topic id read"),
+                    _ => {}
+                }
+            }
+            Ok(None) => debug!(%topic, "the cluster gives no topic ids: messages carry no log id"),
+            Err(e) => debug!(%topic, error = %e, "the topic's id could not be read; the last one read stays"),
+        }
+    }
 }
 
 /// Most time spent asking the broker for its cluster id at start.

@@ -28,6 +28,15 @@ pub struct RawMessage {
     /// wire. Verification refuses such a message (it is quarantined, never
     /// handled): no outbox dispatcher writes one.
     pub non_utf8_header_names: Vec<usize>,
+    /// The identity of the log the message was fetched from, as the
+    /// consumer saw it: the topic's id when the message was read (a topic
+    /// deleted and created again under its name, or a cluster replaced,
+    /// has another). `None`: not known. When it differs from the id the
+    /// partition's reading was kept under, the log was replaced: the
+    /// reading starts over, and what this consumer did not read of the new
+    /// log is a gap (module [`gap`](crate::gap)). One batch holds the
+    /// messages of one log.
+    pub log_id: Option<String>,
 }
 
 impl RawMessage {
@@ -45,6 +54,7 @@ impl RawMessage {
             payload: m.payload().map(<[u8]>::to_vec),
             headers,
             non_utf8_header_names,
+            log_id: None,
         }
     }
 

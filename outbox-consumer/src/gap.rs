@@ -67,6 +67,9 @@ pub struct Reading {
     pub next_offset: Option<i64>,
     /// The open gaps, in any order.
     pub open: Vec<OffsetGap>,
+    /// The log the reading was kept in ([`RawMessage::log_id`](crate::RawMessage::log_id);
+    /// `None`: not known).
+    pub log_id: Option<String>,
 }
 
 /// What a transaction changes in a partition's reading.
@@ -81,6 +84,29 @@ pub struct ReadingChange {
     /// The highest value the partition's watermark may take: the start of
     /// its first gap still open (`None`: no gap open).
     pub watermark_cap: Option<i64>,
+    /// The log the reading is kept in from now on (`None`: not known).
+    pub log_id: Option<String>,
+    /// Whether the messages were of another log than the reading's
+    /// ([`reading_in_log`]): the store replaces the reading (its next
+    /// offset may go back, the old log's gaps are dropped) and the
+    /// partition's watermark rows of the old log.
+    pub new_log: bool,
+}
+
+/// The reading a transaction decides from, for messages fetched from the
+/// log `log_id`, and whether that log replaced the reading's: `before` when
+/// it was kept in the same log (or either id is not known; the id then
+/// becomes the one known), and a reading that starts over (nothing decided,
+/// no gap) when the log is another. A topic deleted and created again
+/// under its name, or a cluster replaced, starts its offsets anew: what
+/// this consumer decided in the old log says nothing of the new one's
+/// offsets, so a first read of the new log past its start is a gap there.
+pub fn reading_in_log(before: Reading, log_id: Option<&str>) -> (Reading, bool) {
+    match (before.log_id.as_deref(), log_id) {
+        (Some(was), Some(now)) if was != now => (Reading { next_offset: None, open: Vec::new(), log_id: Some(now.to_owned()) }, true),
+        (None, Some(now)) => (Reading { log_id: Some(now.to_owned()), ..before }, false),
+        _ => (before, false),
+    }
 }
 
 /// The reading after deciding `decided` (the offsets a transaction decided
@@ -135,7 +161,7 @@ pub fn decide_reading(before: &Reading, decided: &[i64]) -> ReadingChange {
         .chain(opened.iter())
         .filter(|g| !g.is_closed());
     let watermark_cap = still_open.map(|g| g.from_offset).min();
-    ReadingChange { next_offset: frontier, opened, shrunk, watermark_cap }
+    ReadingChange { next_offset: frontier, opened, shrunk, watermark_cap, log_id: before.log_id.clone(), new_log: false }
 }
 
 /// The watermark a row may move to: `next_offset` (the offset after the last
@@ -153,13 +179,13 @@ mod tests {
     use proptest::prelude::*;
 
     fn reading(next: Option<i64>, open: &[(i64, i64)]) -> Reading {
-        Reading { next_offset: next, open: open.iter().map(|&(f, t)| OffsetGap { detected_from: f, from_offset: f, to_offset: t }).collect() }
+        Reading { next_offset: next, open: open.iter().map(|&(f, t)| OffsetGap { detected_from: f, from_offset: f, to_offset: t }).collect(), log_id: None }
     }
 
     #[test]
     fn contiguous_reading_opens_no_gap_and_caps_nothing() {
         let c = decide_reading(&reading(Some(10), &[]), &[10, 11, 12]);
-        assert_eq!(c, ReadingChange { next_offset: 13, opened: vec![], shrunk: vec![], watermark_cap: None });
+        assert_eq!(c, ReadingChange { next_offset: 13, opened: vec![], shrunk: vec![], watermark_cap: None, ..ReadingChange::default() });
     }
 
     #[test]
@@ -188,7 +214,7 @@ mod tests {
     #[test]
     fn a_redelivery_below_the_next_offset_is_no_gap() {
         let c = decide_reading(&reading(Some(100), &[]), &[40, 41]);
-        assert_eq!(c, ReadingChange { next_offset: 100, opened: vec![], shrunk: vec![], watermark_cap: None });
+        assert_eq!(c, ReadingChange { next_offset: 100, opened: vec![], shrunk: vec![], watermark_cap: None, ..ReadingChange::default() });
     }
 
     #[test]
@@ -197,7 +223,7 @@ mod tests {
         let c = decide_reading(&before, &[10, 11, 12]);
         assert_eq!(c.shrunk, vec![OffsetGap { detected_from: 10, from_offset: 13, to_offset: 50 }]);
         assert_eq!(c.watermark_cap, Some(13));
-        let after = Reading { next_offset: Some(60), open: c.shrunk.clone() };
+        let after = Reading { next_offset: Some(60), open: c.shrunk.clone(), log_id: None };
         let all: Vec<i64> = (13..55).collect();
         let c = decide_reading(&after, &all);
         assert!(c.shrunk[0].is_closed(), "{c:?}");
@@ -211,6 +237,33 @@ mod tests {
         let c = decide_reading(&reading(Some(60), &[(10, 50)]), &(30..60).collect::<Vec<_>>());
         assert_eq!(c.shrunk, vec![OffsetGap { detected_from: 10, from_offset: 10, to_offset: 30 }]);
         assert_eq!(c.watermark_cap, Some(10));
+    }
+
+    /// Messages of another log than the reading's start it over: the old
+    /// log's next offset and gaps say nothing of the new log, and a first
+    /// read of it past its start is a gap from 0, whatever was decided in
+    /// the old log. The same log, or an unknown id, keeps the reading.
+    #[test]
+    fn a_replaced_log_starts_the_reading_over() {
+        let old = Reading { next_offset: Some(500), open: vec![OffsetGap { detected_from: 10, from_offset: 10, to_offset: 20 }], log_id: Some("A".into()) };
+        let (r, new_log) = reading_in_log(old.clone(), Some("B"));
+        assert!(new_log);
+        assert_eq!(r, Reading { next_offset: None, open: vec![], log_id: Some("B".into()) });
+        // The consumer goes on in the new log from the old log's position.
+        let c = decide_reading(&r, &[500, 501]);
+        assert_eq!(c.opened, vec![OffsetGap { detected_from: 0, from_offset: 0, to_offset: 500 }]);
+        assert_eq!(capped_watermark(c.next_offset, c.watermark_cap), 0);
+        assert_eq!(c.log_id.as_deref(), Some("B"));
+        // Without the log's identity the same reads look continuous: the
+        // watermark would pass the new log's 500 unread offsets.
+        let blind = decide_reading(&old, &[500, 501]);
+        assert_eq!(capped_watermark(blind.next_offset, blind.watermark_cap), 10);
+        assert!(blind.opened.is_empty());
+        for same in [Some("A"), None] {
+            assert_eq!(reading_in_log(old.clone(), same), (old.clone(), false), "{same:?}");
+        }
+        let unknown = Reading { log_id: None, ..old.clone() };
+        assert_eq!(reading_in_log(unknown, Some("A")), (old, false));
     }
 
     proptest! {
@@ -227,7 +280,7 @@ mod tests {
                 let mut open: Vec<OffsetGap> = r.open.iter().map(|g| c.shrunk.iter().find(|s| s.detected_from == g.detected_from).unwrap_or(g).clone()).collect();
                 open.extend(c.opened.iter().cloned());
                 open.retain(|g| !g.is_closed());
-                r = Reading { next_offset: Some(c.next_offset), open };
+                r = Reading { next_offset: Some(c.next_offset), open, log_id: None };
                 let w = capped_watermark(c.next_offset, c.watermark_cap);
                 for o in 0..w {
                     prop_assert!(decided.contains(&o), "watermark {} passes undecided offset {}", w, o);

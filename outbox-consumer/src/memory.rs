@@ -76,6 +76,8 @@ pub struct MemoryConsumerState {
     pub watermarks: BTreeMap<WatermarkKey, WatermarkAdvance>,
     /// Per partition: the offset after the greatest one decided.
     pub readings: BTreeMap<PartitionKey, i64>,
+    /// Per partition: the log its reading is kept in, when known.
+    pub reading_logs: BTreeMap<PartitionKey, String>,
     /// Gaps by partition and `detected_from`.
     pub gaps: BTreeMap<(PartitionKey, i64), GapRow>,
     /// The handlers' writes ([`MemoryTx::write_effect`]), by key, in commit order.
@@ -235,11 +237,16 @@ impl ConsumerStore for MemoryConsumerStore {
             }
             for (k, a) in tx.watermarks.drain(..) {
                 let row = st.watermarks.entry(k).or_insert_with(|| WatermarkAdvance { topic_id: a.topic_id.clone(), ..WatermarkAdvance::default() });
-                // The row keeps the anchor of its committed offset.
-                if a.committed_offset > row.committed_offset || (a.committed_offset == row.committed_offset && a.anchor_event_id.is_some()) {
+                // A row of another log (both ids known, and different) is
+                // replaced; otherwise it keeps the anchor of its committed offset.
+                let replaced = matches!((&row.log_id, &a.log_id), (Some(was), Some(now)) if was != now);
+                if replaced || a.committed_offset > row.committed_offset || (a.committed_offset == row.committed_offset && a.anchor_event_id.is_some()) {
                     row.anchor_event_id = a.anchor_event_id.clone();
                 }
-                row.committed_offset = row.committed_offset.max(a.committed_offset);
+                row.committed_offset = if replaced { a.committed_offset } else { row.committed_offset.max(a.committed_offset) };
+                if a.log_id.is_some() {
+                    row.log_id = a.log_id.clone();
+                }
                 row.applied += a.applied;
                 row.duplicates += a.duplicates;
                 row.quarantined += a.quarantined;
@@ -383,6 +390,13 @@ impl ConsumerStore for MemoryConsumerStore {
         // The committed reading with this transaction's own changes on top.
         let mut r = reading_of(&tx.lock(), &k);
         for (_, c) in tx.readings.iter().filter(|(pk, _)| *pk == k) {
+            if c.new_log {
+                r.next_offset = None;
+                r.open.clear();
+            }
+            if c.log_id.is_some() {
+                r.log_id = c.log_id.clone();
+            }
             r.next_offset = Some(r.next_offset.unwrap_or(0).max(c.next_offset));
             for g in c.opened.iter().chain(c.shrunk.iter()) {
                 r.open.retain(|o| o.detected_from != g.detected_from);
@@ -425,11 +439,19 @@ fn reading_of(st: &MemoryConsumerState, k: &PartitionKey) -> Reading {
         st.watermarks.iter().filter(|((c, cl, t, p, _), _)| (c, cl, t, p) == (&k.0, &k.1, &k.2, &k.3)).map(|(_, w)| w.committed_offset).max()
     });
     let open = st.gaps.range((k.clone(), i64::MIN)..=(k.clone(), i64::MAX)).filter(|(_, g)| g.close_reason.is_none()).map(|(_, g)| g.gap.clone()).collect();
-    Reading { next_offset: next, open }
+    Reading { next_offset: next, open, log_id: st.reading_logs.get(k).cloned() }
 }
 
 /// Applies a committed reading change.
 fn apply_reading(st: &mut MemoryConsumerState, k: &PartitionKey, c: &ReadingChange) {
+    if c.new_log {
+        // The old log's reading and gaps say nothing of the new log.
+        st.readings.insert(k.clone(), c.next_offset);
+        st.gaps.retain(|(pk, _), _| pk != k);
+    }
+    if let Some(log) = &c.log_id {
+        st.reading_logs.insert(k.clone(), log.clone());
+    }
     let next = st.readings.entry(k.clone()).or_insert(c.next_offset);
     *next = (*next).max(c.next_offset);
     for g in c.opened.iter().chain(c.shrunk.iter()) {

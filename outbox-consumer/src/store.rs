@@ -47,7 +47,12 @@ pub enum Claim {
 pub struct WatermarkAdvance {
     /// The topic id the decided messages name (`None`: `destination.v1`).
     pub topic_id: Option<String>,
-    /// The next offset to read: the row moves to it, never back.
+    /// The log the decided messages were fetched from
+    /// ([`RawMessage::log_id`](crate::RawMessage::log_id)).
+    pub log_id: Option<String>,
+    /// The next offset to read: the row moves to it, never back, unless the
+    /// row was of another log (both log ids known and different): then it
+    /// is replaced by this one.
     pub committed_offset: i64,
     /// Events applied in this transaction.
     pub applied: i64,
@@ -389,16 +394,16 @@ impl ConsumerStore for PgConsumerStore {
         // The reading row is locked (when there is one) so that a second
         // decider of the partition waits; a first reading falls back to the
         // watermark rows (a database from before readings were kept).
-        let row: (Option<i64>, Option<i64>, Vec<i64>, Vec<i64>, Vec<i64>) = sqlx::query_as(
+        let row: (Option<i64>, Option<String>, Option<i64>, Vec<i64>, Vec<i64>, Vec<i64>) = sqlx::query_as(
             "WITH r AS (
-                 SELECT next_offset FROM outbox_consumer_readings
+                 SELECT next_offset, log_id FROM outbox_consumer_readings
                  WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4
                  FOR UPDATE
              ), g AS (
                  SELECT detected_from, from_offset, to_offset FROM outbox_consumer_gaps
                  WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4 AND closed_at IS NULL
              )
-             SELECT (SELECT next_offset FROM r),
+             SELECT (SELECT next_offset FROM r), (SELECT log_id FROM r),
                     (SELECT max(committed_offset) FROM outbox_consumer_watermarks
                       WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4),
                     COALESCE((SELECT array_agg(detected_from ORDER BY detected_from) FROM g), '{}'),
@@ -411,26 +416,41 @@ impl ConsumerStore for PgConsumerStore {
         .bind(partition)
         .fetch_one(&mut **tx)
         .await?;
-        let (next, watermark, detected, from, to) = row;
+        let (next, log_id, watermark, detected, from, to) = row;
         let open = detected.into_iter().zip(from).zip(to).map(|((detected_from, from_offset), to_offset)| OffsetGap { detected_from, from_offset, to_offset }).collect();
-        Ok(Reading { next_offset: next.or(watermark), open })
+        Ok(Reading { next_offset: next.or(watermark), open, log_id })
     }
 
     async fn save_reading(&self, tx: &mut PgTx, consumer_id: &str, cluster_id: &str, topic: &str, partition: i32, change: &ReadingChange) -> Result<(), ConsumerError> {
         sqlx::query(
-            "INSERT INTO outbox_consumer_readings AS r (consumer_id, cluster_id, topic, partition, next_offset)
-             VALUES ($1, $2, $3, $4, $5)
+            "INSERT INTO outbox_consumer_readings AS r (consumer_id, cluster_id, topic, partition, next_offset, log_id)
+             VALUES ($1, $2, $3, $4, $5, $6)
              ON CONFLICT (consumer_id, cluster_id, topic, partition) DO UPDATE
-                 SET next_offset = GREATEST(r.next_offset, EXCLUDED.next_offset), updated_at = now()
-                 WHERE r.next_offset < EXCLUDED.next_offset",
+                 SET next_offset = CASE WHEN $7 THEN EXCLUDED.next_offset ELSE GREATEST(r.next_offset, EXCLUDED.next_offset) END,
+                     log_id = COALESCE(EXCLUDED.log_id, r.log_id), updated_at = now()
+                 WHERE $7 OR r.next_offset < EXCLUDED.next_offset OR r.log_id IS DISTINCT FROM COALESCE(EXCLUDED.log_id, r.log_id)",
         )
         .bind(consumer_id)
         .bind(cluster_id)
         .bind(topic)
         .bind(partition)
         .bind(change.next_offset)
+        .bind(change.log_id.as_deref())
+        .bind(change.new_log)
         .execute(&mut **tx)
         .await?;
+        if change.new_log {
+            // The old log is gone: its gaps (open or closed) say nothing of
+            // the new one's offsets, and their identities would collide
+            // with the new log's.
+            sqlx::query("DELETE FROM outbox_consumer_gaps WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4")
+                .bind(consumer_id)
+                .bind(cluster_id)
+                .bind(topic)
+                .bind(partition)
+                .execute(&mut **tx)
+                .await?;
+        }
         if change.opened.is_empty() && change.shrunk.is_empty() {
             return Ok(());
         }
@@ -481,18 +501,23 @@ impl ConsumerStore for PgConsumerStore {
         let dead: Vec<i64> = rows.iter().map(|r| r.dead_lettered).collect();
         let last: Vec<Option<&str>> = rows.iter().map(|r| r.last_event_id.as_deref()).collect();
         let anchors: Vec<Option<&str>> = rows.iter().map(|r| r.anchor_event_id.as_deref()).collect();
+        let log_ids: Vec<Option<&str>> = rows.iter().map(|r| r.log_id.as_deref()).collect();
+        // A row of another log (both log ids known, and different) is
+        // replaced: its offset counted in a log that is gone.
         sqlx::query(
             "INSERT INTO outbox_consumer_watermarks AS w
-                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, cluster_id, topic_id, anchor_event_id, anchor_recorded)
-             SELECT $1, $2, $3, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, now(), $4, u.topic_id, u.anchor, true
-             FROM UNNEST($5::text[], $6::int8[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::text[], $12::text[])
-                 AS u(topic_id, committed_offset, applied, duplicates, quarantined, dead, last_event_id, anchor)
+                 (consumer_id, topic, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, cluster_id, topic_id, anchor_event_id, anchor_recorded, log_id)
+             SELECT $1, $2, $3, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, now(), $4, u.topic_id, u.anchor, true, u.log_id
+             FROM UNNEST($5::text[], $6::int8[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::text[], $12::text[], $13::text[])
+                 AS u(topic_id, committed_offset, applied, duplicates, quarantined, dead, last_event_id, anchor, log_id)
              ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
-                 anchor_event_id = CASE WHEN EXCLUDED.committed_offset > w.committed_offset THEN EXCLUDED.anchor_event_id
+                 anchor_event_id = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset > w.committed_offset THEN EXCLUDED.anchor_event_id
                                         WHEN EXCLUDED.committed_offset = w.committed_offset THEN COALESCE(EXCLUDED.anchor_event_id, w.anchor_event_id)
                                         ELSE w.anchor_event_id END,
-                 anchor_recorded = CASE WHEN EXCLUDED.committed_offset >= w.committed_offset THEN true ELSE w.anchor_recorded END,
-                 committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
+                 anchor_recorded = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset >= w.committed_offset THEN true ELSE w.anchor_recorded END,
+                 committed_offset = CASE WHEN w.log_id <> EXCLUDED.log_id THEN EXCLUDED.committed_offset
+                                         ELSE GREATEST(w.committed_offset, EXCLUDED.committed_offset) END,
+                 log_id = COALESCE(EXCLUDED.log_id, w.log_id),
                  applied_count = w.applied_count + EXCLUDED.applied_count,
                  duplicate_count = w.duplicate_count + EXCLUDED.duplicate_count,
                  quarantined_count = w.quarantined_count + EXCLUDED.quarantined_count,
@@ -512,6 +537,7 @@ impl ConsumerStore for PgConsumerStore {
         .bind(&dead)
         .bind(&last)
         .bind(&anchors)
+        .bind(&log_ids)
         .execute(&mut **tx)
         .await?;
         Ok(())

@@ -534,6 +534,33 @@ async fn a_group_reset_to_the_end_is_a_gap_the_watermark_does_not_pass(pool: PgP
     assert_eq!(metrics.snapshot().offset_gaps, 1);
 }
 
+/// Every message the consumer fetches carries the id of its topic's log as
+/// the cluster reports it (DescribeTopics), and the partition's reading
+/// and watermark are kept under it: a topic created again under its name
+/// has another id, and its messages then start the reading over
+/// (`store_conformance::a_replaced_log_read_from_the_old_position_is_a_gap_on_both_stores`).
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn fetched_messages_carry_their_topics_id_into_the_reading_and_watermark(pool: PgPool) {
+    init_tracing();
+    create_effects_table(&pool).await;
+    let kafka = Kafka::new("orders", 1);
+    let h = TestHandler::default();
+    for i in 0..3 {
+        kafka.send(&fixture("orders", 1, &format!("id-{i}"))).await;
+    }
+    let c = Running::start(IdempotentConsumer::new(config(&kafka, "fulfilment", "orders"), pool.clone(), h.clone()).unwrap());
+    c.wait_decided(3).await;
+    c.stop().await;
+    let admin: BaseConsumer = ClientConfig::new().set("bootstrap.servers", kafka.bootstrap()).create().unwrap();
+    let id = outbox_topic_id::topic_id(admin.client(), "orders", Duration::from_secs(10)).expect("DescribeTopics").expect("the mock cluster gives topic ids");
+    let id = outbox_core::envelope::topic_id_text(&id);
+    let marks: Vec<(i64, Option<String>)> =
+        sqlx::query_as("SELECT committed_offset, log_id FROM outbox_consumer_watermarks WHERE consumer_id = 'fulfilment'").fetch_all(&pool).await.unwrap();
+    assert_eq!(marks, vec![(3, Some(id.clone()))]);
+    let reading: Option<String> = sqlx::query_scalar("SELECT log_id FROM outbox_consumer_readings WHERE consumer_id = 'fulfilment'").fetch_one(&pool).await.unwrap();
+    assert_eq!(reading, Some(id));
+}
+
 /// A scratch replay (a new group, its own database, the production
 /// consumer's id) in replay mode publishes no watermark record: the
 /// production consumer's watermarks on the watermark topic are left alone

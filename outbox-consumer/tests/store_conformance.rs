@@ -221,3 +221,84 @@ async fn the_memory_store_decides_as_postgres_does(pool: PgPool) {
     assert_eq!((committed, applied_n, quarantined, dead), (11, 3, 2, 1), "{:?}", pg.watermarks);
     assert!(dups >= 6, "{:?}", pg.watermarks);
 }
+
+/// (gaps as (detected from, from, to, closed), next offset, watermark rows
+/// as (committed offset, log id)) of partition 1.
+type LogState = (Vec<(i64, i64, i64, bool)>, Option<i64>, Vec<(i64, Option<String>)>);
+
+async fn pg_state(pool: &PgPool) -> LogState {
+    let gaps = sqlx::query_as::<_, (i64, i64, i64, bool)>(
+        "SELECT detected_from, from_offset, to_offset, closed_at IS NOT NULL FROM outbox_consumer_gaps
+         WHERE consumer_id = 'billing' AND partition = 1 ORDER BY detected_from",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let next = sqlx::query_scalar("SELECT next_offset FROM outbox_consumer_readings WHERE consumer_id = 'billing' AND partition = 1").fetch_optional(pool).await.unwrap();
+    let marks = sqlx::query_as("SELECT committed_offset, log_id FROM outbox_consumer_watermarks WHERE consumer_id = 'billing' AND partition = 1 ORDER BY topic_id NULLS FIRST")
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    (gaps, next, marks)
+}
+
+fn mem_state(store: &MemoryConsumerStore) -> LogState {
+    let st = store.lock();
+    let gaps = st.gaps.values().map(|g| (g.gap.detected_from, g.gap.from_offset, g.gap.to_offset, g.close_reason.is_some())).collect();
+    let next = st.readings.get(&("billing".to_owned(), "kafka-a".to_owned(), TOPIC.to_owned(), 1)).copied();
+    let marks = st.watermarks.iter().filter(|((_, _, _, p, _), _)| *p == 1).map(|(_, w)| (w.committed_offset, w.log_id.clone())).collect();
+    (gaps, next, marks)
+}
+
+/// The messages of the scenario below: `tag`'s events at `offsets` of
+/// partition 1, fetched from the log `log`.
+fn of_log(log: &str, tag: &str, offsets: std::ops::Range<i64>) -> Vec<RawMessage> {
+    offsets.map(|o| RawMessage { log_id: Some(log.to_owned()), ..fixture_on(TOPIC, 4, 1, &format!("{tag}{o}")).raw(o) }).collect()
+}
+
+/// A partition's log replaced under the consumer (the topic deleted and
+/// created again under its name, or the cluster replaced), and the consumer
+/// goes on reading the new log from the old log's position (its group's
+/// committed offset). The new log's offsets below that position were never
+/// read: without the log's identity the reads look continuous and the
+/// watermark passes them (retention would purge their events). With it,
+/// the reading starts over in the new log: `[0, 3)` of it is a gap, the old
+/// log's watermark row is replaced by one at 0, and a replay of the new
+/// log's start closes the gap and lets the watermark move on. Both stores alike.
+#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
+async fn a_replaced_log_read_from_the_old_position_is_a_gap_on_both_stores(pool: PgPool) {
+    sqlx::query("CREATE TABLE conformance_effects (event_id text NOT NULL)").execute(&pool).await.unwrap();
+    let pg = Processor::new("billing", pool.clone(), handler("none")).unwrap().with_retry(retry()).unwrap().with_cluster_id("kafka-a");
+    let store = MemoryConsumerStore::new();
+    let mem = Processor::over(store.clone(), "billing", handler("none")).unwrap().with_retry(retry()).unwrap().with_cluster_id("kafka-a");
+    let old = of_log("log-A", "old", 0..3);
+    let new_after = of_log("log-B", "new", 3..5);
+    let new_start = of_log("log-B", "new", 0..3);
+    let mixed: Vec<RawMessage> = old[2..].iter().chain(&new_after[..1]).cloned().collect();
+    assert!(pg.process_batch(&mixed).await.is_err(), "a batch of two logs is refused");
+
+    for batch in [&old, &new_after] {
+        assert!(pg.process_batch(batch).await.unwrap().iter().all(|o| o.kind() == "applied"));
+        assert!(mem.process_batch(batch).await.unwrap().iter().all(|o| o.kind() == "applied"));
+    }
+    let want: LogState = (vec![(0, 0, 3, false)], Some(5), vec![(0, Some("log-B".into()))]);
+    assert_eq!(pg_state(&pool).await, want, "PostgreSQL, after the new log's 3..5");
+    assert_eq!(mem_state(&store), want, "memory, after the new log's 3..5");
+
+    for p in [pg.process_batch(&new_start).await.unwrap(), mem.process_batch(&new_start).await.unwrap()] {
+        assert!(p.iter().all(|o| o.kind() == "applied"));
+    }
+    // The watermark moves to what the replay decided (3); the next message
+    // decided moves it on past 3..5.
+    let want: LogState = (vec![(0, 3, 3, true)], Some(5), vec![(3, Some("log-B".into()))]);
+    assert_eq!(pg_state(&pool).await, want, "PostgreSQL, after the replay");
+    assert_eq!(mem_state(&store), want, "memory, after the replay");
+}
+
+/// The deliberate defect `replaced-log-read-as-continuous` (the reading goes
+/// on across a replaced log) turns the replaced-log test red.
+#[test]
+fn the_replaced_log_test_catches_a_reading_kept_across_logs() {
+    let out = run_mutant("a_replaced_log_read_from_the_old_position_is_a_gap_on_both_stores", "replaced-log-read-as-continuous");
+    assert!(out.contains("panicked") && out.contains("after the new log's 3..5"), "{out}");
+}

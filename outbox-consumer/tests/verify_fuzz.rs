@@ -57,6 +57,7 @@ fn genuine(order: u32, partitions: u32, payload: Vec<u8>) -> RawMessage {
         payload: Some(payload),
         headers: hs,
         non_utf8_header_names: Vec::new(),
+        log_id: None,
     }
 }
 
@@ -263,7 +264,7 @@ fn arbitrary_messages_never_panic() {
     let strategy = ("[a-z]{0,8}", any::<i32>(), any::<i64>(), proptest::option::of(bytes(64)), proptest::option::of(bytes(512)), proptest::collection::vec(header, 0..40));
     runner
         .run(&strategy, |(topic, partition, offset, key, payload, hs)| {
-            let mut m = RawMessage { topic, partition, offset, key, payload, headers: Vec::new(), non_utf8_header_names: Vec::new() };
+            let mut m = RawMessage { topic, partition, offset, key, payload, headers: Vec::new(), non_utf8_header_names: Vec::new(), log_id: None };
             for (k, v) in hs {
                 m.headers.push((String::new(), v));
                 let i = m.headers.len() - 1;

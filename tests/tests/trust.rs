@@ -69,6 +69,7 @@ fn raw(m: &LogMessage) -> RawMessage {
         payload: Some(m.payload.clone()),
         headers: m.headers.clone(),
         non_utf8_header_names: Vec::new(),
+        log_id: None,
     }
 }
 

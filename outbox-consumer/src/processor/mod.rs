@@ -395,6 +395,9 @@ fn check_batch(msgs: &[RawMessage]) -> Result<(), ConsumerError> {
         if w[0].topic != w[1].topic || w[0].partition != w[1].partition {
             return Err(ConsumerError::InvalidBatch("messages of more than one partition".into()));
         }
+        if w[0].log_id != w[1].log_id {
+            return Err(ConsumerError::InvalidBatch("messages of more than one log (log_id)".into()));
+        }
         if w[0].offset >= w[1].offset {
             return Err(ConsumerError::InvalidBatch(format!("offset {} follows {}", w[1].offset, w[0].offset)));
         }

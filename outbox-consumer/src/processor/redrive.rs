@@ -40,6 +40,9 @@ impl Processor<PgConsumerStore> {
             payload: Some(row.try_get("payload")?),
             headers: headers_from_json(&headers_value).ok_or_else(|| ConsumerError::CorruptRow(format!("dead letter headers of {event_id}")))?,
             non_utf8_header_names: Vec::new(),
+            // A dead letter's log is not kept: the partition's reading stays
+            // in the log it is in.
+            log_id: None,
         };
         let p = self.prepare(&msg);
         if let Prepared::Bad { quarantined, .. } = &p {

@@ -49,6 +49,7 @@ impl Fixture {
             payload: Some(self.payload.clone()),
             headers: self.headers.clone(),
             non_utf8_header_names: Vec::new(),
+            log_id: None,
         }
     }
 }

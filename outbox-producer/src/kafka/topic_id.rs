@@ -159,95 +159,12 @@ impl KafkaBroker {
 }
 
 impl AnyProducer {
-    /// The topic id of `topic` (Kafka's 16-byte topic UUID) from the admin
-    /// DescribeTopics API (`rd_kafka_DescribeTopics`), or `None` when the
-    /// cluster answers the all-zero id (a broker without topic ids).
-    #[allow(unsafe_code)]
-    /// The request goes to broker `broker_id` (any broker answers it: it is
-    /// a metadata request), not to the controller librdkafka would wait for.
+    /// The topic id of `topic` (Kafka's 16-byte topic UUID), asked of broker
+    /// `broker_id` ([`outbox_topic_id::describe_topic_id`]).
     fn describe_topic_id(&self, topic: &str, broker_id: i32, timeout: Duration) -> Result<Option<[u8; 16]>, String> {
-        use rdkafka_sys as sys;
-        let name = std::ffi::CString::new(topic).map_err(|_| format!("topic name {topic:?} holds a NUL byte"))?;
-        let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
-        let rk = self.native();
-        let mut names = [name.as_ptr()];
-        // SAFETY: every object created below is destroyed exactly once on
-        // every path; `rk` is the live handle owned by `self` for the whole
-        // call; the strings librdkafka returns are copied before the event
-        // that owns them is destroyed.
-        unsafe {
-            let topics = sys::rd_kafka_TopicCollection_of_topic_names(names.as_mut_ptr(), 1);
-            if topics.is_null() {
-                return Err("DescribeTopics: no topic collection".into());
-            }
-            let options = sys::rd_kafka_AdminOptions_new(rk, sys::rd_kafka_admin_op_t::RD_KAFKA_ADMIN_OP_DESCRIBETOPICS);
-            if !options.is_null() {
-                let mut errstr = [0 as std::os::raw::c_char; 256];
-                sys::rd_kafka_AdminOptions_set_request_timeout(options, timeout_ms, errstr.as_mut_ptr(), errstr.len());
-                sys::rd_kafka_AdminOptions_set_broker(options, broker_id, errstr.as_mut_ptr(), errstr.len());
-            }
-            let queue = sys::rd_kafka_queue_new(rk);
-            sys::rd_kafka_DescribeTopics(rk, topics, options, queue);
-            // One result event per request; bounded by the timeout plus a
-            // margin (the request timeout answers first).
-            let event = sys::rd_kafka_queue_poll(queue, timeout_ms.saturating_add(1_000));
-            let out = if event.is_null() {
-                Err(format!("DescribeTopics {topic}: no answer within {timeout_ms} ms"))
-            } else {
-                let r = describe_topics_answer(event, topic);
-                sys::rd_kafka_event_destroy(event);
-                r
-            };
-            sys::rd_kafka_queue_destroy(queue);
-            if !options.is_null() {
-                sys::rd_kafka_AdminOptions_destroy(options);
-            }
-            sys::rd_kafka_TopicCollection_destroy(topics);
-            out
+        match self {
+            AnyProducer::Plain(p) => outbox_topic_id::describe_topic_id(rdkafka::producer::Producer::client(p), topic, broker_id, timeout),
+            AnyProducer::OAuth(p) => outbox_topic_id::describe_topic_id(rdkafka::producer::Producer::client(p), topic, broker_id, timeout),
         }
     }
-}
-
-/// Reads the topic id of `topic` out of one DescribeTopics result event.
-///
-/// # Safety
-/// `event` must be a live event returned by `rd_kafka_queue_poll`.
-#[allow(unsafe_code)]
-unsafe fn describe_topics_answer(event: *mut rdkafka_sys::rd_kafka_event_t, topic: &str) -> Result<Option<[u8; 16]>, String> {
-    use rdkafka_sys as sys;
-    let text = |p: *const std::os::raw::c_char| if p.is_null() { String::new() } else { std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned() };
-    let err = sys::rd_kafka_event_error(event);
-    if RDKafkaErrorCode::from(err) != RDKafkaErrorCode::NoError {
-        return Err(format!("DescribeTopics {topic}: {}: {}", RDKafkaErrorCode::from(err), text(sys::rd_kafka_event_error_string(event))));
-    }
-    let result = sys::rd_kafka_event_DescribeTopics_result(event);
-    if result.is_null() {
-        return Err(format!("DescribeTopics {topic}: not a DescribeTopics result"));
-    }
-    let mut count = 0usize;
-    let descs = sys::rd_kafka_DescribeTopics_result_topics(result, &mut count);
-    if descs.is_null() || count == 0 {
-        return Err(format!("DescribeTopics {topic}: no topic in the answer"));
-    }
-    for i in 0..count {
-        let d = *descs.add(i);
-        if d.is_null() || text(sys::rd_kafka_TopicDescription_name(d)) != topic {
-            continue;
-        }
-        let e = sys::rd_kafka_TopicDescription_error(d);
-        if !e.is_null() && RDKafkaErrorCode::from(sys::rd_kafka_error_code(e)) != RDKafkaErrorCode::NoError {
-            return Err(format!("DescribeTopics {topic}: {}", text(sys::rd_kafka_error_string(e))));
-        }
-        let id = sys::rd_kafka_TopicDescription_topic_id(d);
-        if id.is_null() {
-            return Ok(None);
-        }
-        let hi = sys::rd_kafka_Uuid_most_significant_bits(id).to_be_bytes();
-        let lo = sys::rd_kafka_Uuid_least_significant_bits(id).to_be_bytes();
-        let mut bytes = [0u8; 16];
-        bytes[..8].copy_from_slice(&hi);
-        bytes[8..].copy_from_slice(&lo);
-        return Ok(if bytes == [0u8; 16] { None } else { Some(bytes) });
-    }
-    Err(format!("DescribeTopics {topic}: topic not in the answer"))
 }

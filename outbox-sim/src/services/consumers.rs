@@ -34,8 +34,9 @@
 //! `receipt_effect_mismatch` (a receipt without its effect or an effect
 //! without its receipt), `unseen` (an event published at a position the log
 //! still holds, never applied nor dead-lettered, and not skipped by a
-//! reset), `watermark_passes_unread` (the group's watermark past such an
-//! event's offset, reset or not), `genuine_quarantined` (a message the
+//! reset), `watermark_passes_unread` (the group's watermark in such an
+//! event's log past its offset, reset or not, in a replaced log or the
+//! first), `genuine_quarantined` (a message the
 //! dispatcher wrote refused by the consumer's verification). Retention
 //! (`retention.rs`) purges on the watermarks this group's store holds.
 
@@ -434,7 +435,6 @@ impl Consumers {
             let skipped = self.skipped(&u);
             (u, skipped)
         }).collect();
-        let marks = group_watermarks(&self.store);
         let st = self.store.lock();
         let mut w = world(&self.ctx.world);
         let mut effects: BTreeMap<&str, u64> = BTreeMap::new();
@@ -462,11 +462,18 @@ impl Consumers {
                 w.figures.unseen += 1;
                 violations.push(format!("unseen: {id} at {t}/p{p}@{o} published and never applied by {GROUP}"));
             }
-            // A log never reset: the watermarks of its name are its own
-            // (a reset log's may be an old log's, which retention holds
-            // apart by the receipt's position epoch).
-            let mark = marks.iter().filter(|m| (m.log.cluster_id.as_str(), m.log.topic.as_str(), m.log.partition) == (CLUSTER, t.as_str(), *p)).map(|m| m.committed_offset).max();
-            if u.incarnation == 0 && mark.is_some_and(|m| m > o) {
+            // The watermarks the consumer keeps in the event's own log (the
+            // log id its fetches saw: one per incarnation), of any
+            // incarnation: a consumer that reads a replaced log from the old
+            // log's position must not count the new log's offsets below it.
+            let log = format!("incarnation-{}", u.incarnation);
+            let mark = st
+                .watermarks
+                .iter()
+                .filter(|((c, cl, wt, wp, _), row)| (c.as_str(), cl.as_str(), wt.as_str(), *wp) == (GROUP, CLUSTER, t.as_str(), *p) && row.log_id.as_deref() == Some(log.as_str()))
+                .map(|(_, row)| row.committed_offset)
+                .max();
+            if mark.is_some_and(|m| m > o) {
                 w.figures.watermark_passes_unread += 1;
                 violations.push(format!("watermark_passes_unread: {GROUP}'s watermark on {t}/p{p} is {mark:?}, past {id}@{o}, which it never applied"));
             }
@@ -632,6 +639,9 @@ async fn feed(ctx: Arc<Ctx>, key: Key, incarnation_read: usize, mut next: i64, t
                             payload: Some(m.payload.clone()),
                             headers: m.headers.clone(),
                             non_utf8_header_names: Vec::new(),
+                            // The log's identity as the fetch saw it (a
+                            // topic id: another for each incarnation).
+                            log_id: Some(format!("incarnation-{incarnation_read}")),
                         })
                         .collect()
                 })

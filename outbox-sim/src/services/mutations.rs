@@ -40,7 +40,7 @@ pub const STREAM_MUTATIONS: [(&str, &str); 4] = [
 /// process with the defect switched on (`outbox_core::simulation::MUTATION_ENV`)
 /// and expects it to fail; `every_component_mutation_has_a_test` holds this
 /// list to the tests.
-pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 3] = [
+pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 4] = [
     (
         "payload-digest-from-header",
         "a message's payload digest is taken from its header instead of hashed from its bytes, so changed bytes verify",
@@ -55,5 +55,10 @@ pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 3] = [
         "receipt-key-unchecked",
         "acceptDispatchReceipt takes a receipt whose message key is not the frozen routing key (no quarantine): a forged or re-keyed copy becomes the event's publication",
         "outbox-producer kafka_adapter the_forged_key_test_catches_a_receipt_key_left_unchecked",
+    ),
+    (
+        "replaced-log-read-as-continuous",
+        "the consumer's reading of a partition goes on across a replaced log (a topic created again, a cluster replaced), so a consumer that reads the new log from the old log's position counts the new log's offsets below it as read",
+        "outbox-consumer store_conformance the_replaced_log_test_catches_a_reading_kept_across_logs",
     ),
 ];
