@@ -176,8 +176,8 @@ mod tests {
     #[test]
     fn unconsumed_is_judged_on_the_very_log() {
         let topics = vec!["orders".to_owned()];
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2 }, offset: 10, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None };
-        let wm = |cluster_id, topic_id, partition, committed_offset| WatermarkRef { log: crate::LogRef { cluster_id, topic: "orders", topic_id, partition }, consumer_id: "c", committed_offset, anchor: crate::retention::WatermarkAnchor::Unrecorded };
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2 }, offset: 10, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None, log_id: None };
+        let wm = |cluster_id, topic_id, partition, committed_offset| WatermarkRef { log: crate::LogRef { cluster_id, topic: "orders", topic_id, partition }, consumer_id: "c", committed_offset, anchor: crate::retention::WatermarkAnchor::Unrecorded, log_id: None };
         let judge = |wms: &[WatermarkRef<'_>]| unconsumed_published(Published, NOW - 100, NOW, 50, &at, "c", &topics, wms);
         assert_eq!(judge(&[]), Some(100), "no watermark");
         assert_eq!(judge(&[wm("k1", None, 2, 11)]), None, "passed");
@@ -202,8 +202,8 @@ mod tests {
     #[test]
     fn no_watermark_passes_an_event_of_a_replaced_unnamed_log() {
         let topics = vec!["orders".to_owned()];
-        let wm = |topic_id| WatermarkRef { log: crate::LogRef { cluster_id: "k1", topic: "orders", topic_id, partition: 2 }, consumer_id: "c", committed_offset: 1_000, anchor: crate::retention::WatermarkAnchor::Unrecorded };
-        let replaced = LogPosition { log: crate::LogRef { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2 }, offset: 10, position_epoch: 1, partition_replaced: false, position_lost: false, sent_from_ms: None };
+        let wm = |topic_id| WatermarkRef { log: crate::LogRef { cluster_id: "k1", topic: "orders", topic_id, partition: 2 }, consumer_id: "c", committed_offset: 1_000, anchor: crate::retention::WatermarkAnchor::Unrecorded, log_id: None };
+        let replaced = LogPosition { log: crate::LogRef { cluster_id: "k1", topic: "orders", topic_id: None, partition: 2 }, offset: 10, position_epoch: 1, partition_replaced: false, position_lost: false, sent_from_ms: None, log_id: None };
         assert_eq!(unconsumed_published(Published, NOW - 100, NOW, 50, &replaced, "c", &topics, &[wm(None)]), Some(100));
         let named = LogPosition { log: crate::LogRef { topic_id: Some("AAAAAAAAAAAAAAAAAAAAAQ"), ..replaced.log }, ..replaced };
         assert_eq!(unconsumed_published(Published, NOW - 100, NOW, 50, &named, "c", &topics, &[wm(Some("AAAAAAAAAAAAAAAAAAAAAQ"))]), None);

@@ -306,6 +306,7 @@ impl MessageClaims {
             partition,
             offset,
             key: Some(key.unwrap_or_default().to_vec()),
+            log_id: None,
         }
     }
 }

@@ -47,6 +47,17 @@ pub struct BrokerReceipt {
     /// the key was kept: the key is then not compared. Serialized as hex.
     #[serde(default, skip_serializing_if = "Option::is_none", with = "key_hex")]
     pub key: Option<Vec<u8>>,
+    /// The identity of the log the message was written to or read from, as
+    /// the client that did it saw the topic just before: its topic id then
+    /// (`None`: not known). For a `destination.v1` (no topic id frozen) the
+    /// one evidence of which log a receipt is in once a topic was created
+    /// again under its name or its cluster replaced: a consumer watermark
+    /// kept under another log id does not cover it
+    /// ([`crate::WatermarkRef::anchor_agrees_with`]). Read before the write,
+    /// it can lag a replacement (the receipt is then held, never passed),
+    /// but never name a log that did not exist yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_id: Option<String>,
 }
 
 /// A message key as lowercase hex in serialized receipts.
@@ -393,6 +404,7 @@ pub(crate) fn sample_receipt(offset: i64) -> BrokerReceipt {
         partition: 0,
         offset,
         key: None,
+        log_id: None,
     }
 }
 
@@ -463,6 +475,7 @@ mod tests {
                 partition: self.event.destination.partition,
                 offset,
                 key: Some(self.event.destination.routing_key.as_bytes().to_vec()),
+                log_id: None,
             }
         }
 

@@ -142,9 +142,15 @@ pub struct LogPosition<'a> {
     /// Whether an open `receipt_position_lost` finding says the log no
     /// longer holds the event at this position.
     pub position_lost: bool,
-    /// The earliest start of any attempt to send the event, ms: its
-    /// message cannot have been written before (`None`: not known).
+    /// When the message at this position was written at the earliest, ms:
+    /// the start of the attempt the receipt names (the message carries that
+    /// attempt's id, which did not exist before), or the cut of the stream
+    /// batch that registered it (`None`: not known).
     pub sent_from_ms: Option<i64>,
+    /// The log id the receipt names: the topic's id as the client that
+    /// wrote or read the message saw it just before
+    /// ([`crate::BrokerReceipt::log_id`]; `None`: not known).
+    pub log_id: Option<&'a str>,
 }
 
 impl LogPosition<'_> {
@@ -171,24 +177,40 @@ pub struct WatermarkRef<'a> {
     pub log: LogRef<'a>,
     /// The next offset the consumer reads.
     pub committed_offset: i64,
+    /// The log the consumer kept it in, as its fetches saw it (the topic's
+    /// id; `None`: not known).
+    pub log_id: Option<&'a str>,
     /// What it recorded of its last message there.
     pub anchor: WatermarkAnchor,
 }
 
 impl WatermarkRef<'_> {
     /// Whether this watermark's anchor agrees with the log of `at`: always
-    /// for a `destination.v2` position (its topic id names its log) and for
-    /// an unrecorded anchor. For a `destination.v1` position, the anchor's
+    /// for a `destination.v2` position (its topic id names its log). For a
+    /// `destination.v1` position, never when the watermark and the receipt
+    /// each name a log id and the two differ (the consumer kept the
+    /// watermark in another log than the one the message went to); then
+    /// always for an unrecorded anchor; otherwise the anchor's
     /// receipt sits at the watermark's last offset in `at`'s position
     /// epoch (a watermark carried over from a replaced log, or moved by the
     /// log that replaced `at`'s, names an event whose receipt is elsewhere),
     /// and the two can be of one log by time: in one log a message below
     /// the anchor's was written before the anchor's, so before the anchor's
-    /// receipt was accepted. An event at a lower offset whose first attempt
-    /// started after that (beyond [`ANCHOR_ORDER_SKEW_MS`]) was written to
+    /// receipt was accepted. An event at a lower offset whose message was
+    /// written after that (its receipt's attempt started beyond
+    /// [`ANCHOR_ORDER_SKEW_MS`] after it) was written to
     /// another log of the same name: the anchor's log was replaced, with
     /// no receipt yet at a position the old one held to say so.
     pub fn anchor_agrees_with(&self, at: &LogPosition<'_>) -> bool {
+        if at.log.topic_id.is_none() && !crate::simulation::mutation_active("receipt-log-id-ignored") {
+            if let (Some(kept), Some(written)) = (self.log_id, at.log_id) {
+                if kept != written {
+                    // The consumer kept this watermark in another log than
+                    // the one the receipt's message went to.
+                    return false;
+                }
+            }
+        }
         match self.anchor {
             _ if at.log.topic_id.is_some() => true,
             WatermarkAnchor::Unrecorded => true,
@@ -287,15 +309,15 @@ mod tests {
     fn purge(state: EventState, published: i64, wms: &[(&str, &str, i32, i64)], mandatory: &[&str]) -> Result<(), HoldReason> {
         let wms: Vec<WatermarkRef<'_>> = wms
             .iter()
-            .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, log: crate::LogRef { cluster_id: "k-a", topic, topic_id: None, partition }, committed_offset, anchor: WatermarkAnchor::Unrecorded })
+            .map(|&(consumer_id, topic, partition, committed_offset)| WatermarkRef { consumer_id, log: crate::LogRef { cluster_id: "k-a", topic, topic_id: None, partition }, committed_offset, anchor: WatermarkAnchor::Unrecorded, log_id: None })
             .collect();
-        may_purge(state, published, 10_000, W, LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None }, &wms, mandatory)
+        may_purge(state, published, 10_000, W, LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None, log_id: None }, &wms, mandatory)
     }
 
     #[test]
     fn a_watermark_on_another_cluster_holds_nothing_up() {
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None };
-        let far_on_b = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None, log_id: None };
+        let far_on_b = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-b", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded, log_id: None }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &far_on_b, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let past_on_a = [WatermarkRef { log: crate::LogRef { cluster_id: "k-a", ..far_on_b[0].log }, ..far_on_b[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past_on_a, &["c1"]), Ok(()));
@@ -310,8 +332,8 @@ mod tests {
     fn a_watermark_of_another_topic_id_holds_nothing_up() {
         const OLD: &str = "AAECAwQFBgcICQoLDA0ODw";
         const NEW: &str = "_____________________w";
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None };
-        let on_new = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2 }, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(OLD), partition: 2 }, offset: 7, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None, log_id: None };
+        let on_new = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: Some(NEW), partition: 2 }, committed_offset: 1_000, anchor: WatermarkAnchor::Unrecorded, log_id: None }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &on_new, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
         let without_id = [WatermarkRef { log: crate::LogRef { topic_id: None, ..on_new[0].log }, ..on_new[0] }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &without_id, &["c1"]), Err(HoldReason::NoWatermark { consumer_id: "c1".into() }));
@@ -333,8 +355,8 @@ mod tests {
     #[test]
     fn a_v1_receipt_of_a_replaced_log_is_held_whatever_the_watermark() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 1, partition_replaced: false, position_lost: false, sent_from_ms: None };
-        let past = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 7, position_epoch: 1, partition_replaced: false, position_lost: false, sent_from_ms: None, log_id: None };
+        let past = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded, log_id: None }];
         let held = Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 1 });
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), held);
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &["c1"]), held);
@@ -365,8 +387,8 @@ mod tests {
     #[test]
     fn every_v1_receipt_of_a_replaced_partition_is_held_whatever_its_epoch() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: true, position_lost: false, sent_from_ms: None };
-        let new_log = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: true, position_lost: false, sent_from_ms: None, log_id: None };
+        let new_log = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1, anchor: WatermarkAnchor::Unrecorded, log_id: None }];
         assert!(at.on_replaced_unnamed_log());
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &new_log, &["c1"]), Err(HoldReason::ReplacedLog { consumer_id: "c1".into(), position_epoch: 0 }));
         let unreplaced = LogPosition { partition_replaced: false, ..at };
@@ -387,8 +409,8 @@ mod tests {
     #[test]
     fn a_v1_watermark_anchored_in_another_log_lets_nothing_go() {
         const ID: &str = "AAECAwQFBgcICQoLDA0ODw";
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None };
-        let w = |anchor| [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1, anchor }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: false, sent_from_ms: None, log_id: None };
+        let w = |anchor| [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: 1, anchor, log_id: None }];
         let purge = |at: LogPosition<'_>, anchor| may_purge(EventState::Retained, 0, 10_000, W, at, &w(anchor), &["c1"]);
         let other = Err(HoldReason::WatermarkOfAnotherLog { consumer_id: "c1".into(), committed_offset: 1 });
         assert_eq!(purge(at, WatermarkAnchor::Unrecorded), Ok(()));
@@ -410,7 +432,7 @@ mod tests {
     /// 1,000) and the consumer's watermark stands at 2 anchored on it. The
     /// cluster is replaced; the new log's first event lands at @0 (no
     /// receipt collides, so epoch 0, and no receipt says the log changed).
-    /// Its first attempt started at 5,000, after A's receipt: in one log it
+    /// Its receipt's attempt started at 5,000, after A's receipt: in one log it
     /// would lie above A, so the watermark is of another log and the event
     /// is held, and unconsumed. One that started before A's receipt (or
     /// within the clocks' allowance, or at A's own offset) may be of A's
@@ -422,6 +444,7 @@ mod tests {
             log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 },
             committed_offset: 2,
             anchor: WatermarkAnchor::At { epoch: Some(0), accepted_at_ms },
+            log_id: None,
         }];
         let at = |offset, sent_from_ms| LogPosition {
             log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 },
@@ -430,6 +453,7 @@ mod tests {
             partition_replaced: false,
             position_lost: false,
             sent_from_ms,
+            log_id: None,
         };
         let purge = |at: LogPosition<'_>, accepted| may_purge(EventState::Retained, 0, 10_000, W, at, &anchored(accepted), &["c1"]);
         let other = Err(HoldReason::WatermarkOfAnotherLog { consumer_id: "c1".into(), committed_offset: 2 });
@@ -453,8 +477,8 @@ mod tests {
     /// it is the only copy left for the operator to publish again.
     #[test]
     fn an_event_whose_position_was_lost_is_held_whatever_the_consumers() {
-        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: true, sent_from_ms: None };
-        let past = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded }];
+        let at = LogPosition { log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, offset: 0, position_epoch: 0, partition_replaced: false, position_lost: true, sent_from_ms: None, log_id: None };
+        let past = [WatermarkRef { consumer_id: "c1", log: crate::LogRef { cluster_id: "k-a", topic: "orders", topic_id: None, partition: 2 }, committed_offset: i64::MAX, anchor: WatermarkAnchor::Unrecorded, log_id: None }];
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &past, &["c1"]), Err(HoldReason::PositionLost));
         assert_eq!(may_purge(EventState::Retained, 0, 10_000, W, at, &[], &[]), Err(HoldReason::PositionLost));
         // The window and the state come first.

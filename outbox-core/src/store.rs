@@ -238,6 +238,16 @@ pub trait Broker: Send + Sync {
     /// Sends one message and waits for its outcome.
     async fn send(&self, message: OutgoingMessage) -> SendOutcome;
 
+    /// The identity of `topic`'s log (its partition `partition`) as this
+    /// client knows it now, without I/O: the topic's id as last read
+    /// (`None`: not known). Read just before a send (or a lookup's read),
+    /// it is recorded in the receipt ([`crate::BrokerReceipt::log_id`]):
+    /// it may lag a replacement of the log, but never names one that did
+    /// not exist before the message was written.
+    fn log_id(&self, _topic: &str, _partition: i32) -> Option<String> {
+        None
+    }
+
     /// Whether [`Broker::lookup`] can answer at all.
     fn supports_lookup(&self) -> bool;
 
@@ -430,9 +440,11 @@ pub struct PublishedFacts {
     pub partition_replaced: bool,
     /// Whether an open `receipt_position_lost` finding names it.
     pub position_lost: bool,
-    /// The earliest start of any attempt to send it, ms (see
+    /// When its receipt's message was written at the earliest, ms (see
     /// [`crate::LogPosition::sent_from_ms`]).
     pub sent_from_ms: Option<i64>,
+    /// The log id its receipt names (see [`crate::BrokerReceipt::log_id`]).
+    pub log_id: Option<String>,
 }
 
 impl PublishedFacts {
@@ -445,6 +457,7 @@ impl PublishedFacts {
             partition_replaced: self.partition_replaced,
             position_lost: self.position_lost,
             sent_from_ms: self.sent_from_ms,
+            log_id: self.log_id.as_deref(),
         }
     }
 }
@@ -471,6 +484,9 @@ pub struct ConsumerWatermark {
     pub anchor_epoch: Option<i32>,
     /// When that receipt was accepted, ms (`None`: no receipt of it there).
     pub anchor_accepted_ms: Option<i64>,
+    /// The log the consumer kept the watermark in, as its fetches saw it
+    /// (the topic's id; `None`: not known, or a copy that does not carry it).
+    pub log_id: Option<String>,
 }
 
 impl ConsumerWatermark {
@@ -480,6 +496,7 @@ impl ConsumerWatermark {
             consumer_id: &self.consumer_id,
             log: self.log.as_ref(),
             committed_offset: self.committed_offset,
+            log_id: self.log_id.as_deref(),
             anchor: if self.anchor_recorded {
                 crate::retention::WatermarkAnchor::At {
                     epoch: self.anchor_epoch.filter(|_| self.anchor_event_id.is_some()),

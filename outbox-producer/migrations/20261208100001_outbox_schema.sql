@@ -1227,6 +1227,12 @@ CREATE TABLE outbox_publish_receipts (
     -- A receipt of a stream event's attempt: the batch that registered it
     -- (section 17), where other receipts name a row of outbox_attempts.
     batch_id            bigint,
+    -- The log's identity as the client that wrote (or read) the message
+    -- knew it just before: the topic's id then (NULL: not known). Beside a
+    -- destination.v1 (no topic_id) it tells which log of the partition's
+    -- name the receipt is in: a consumer watermark kept under another log
+    -- id does not cover it (outbox_core::WatermarkRef::anchor_agrees_with).
+    log_id              text CHECK (log_id IS NULL OR length(log_id) <= 64),
     PRIMARY KEY (event_id, envelope_generation),
     -- One event per log position (per epoch), the position naming its
     -- topic identity. With the topic id before the partition, it serves the
@@ -1339,6 +1345,7 @@ CREATE TABLE outbox_duplicate_receipts (
     topic_id            text COLLATE "C"
         CHECK (topic_id IS NULL OR (topic_id ~ '^[A-Za-z0-9_-]{21}[AQgw]$' AND topic_id <> 'AAAAAAAAAAAAAAAAAAAAAA')),
     message_key         bytea,
+    log_id              text CHECK (log_id IS NULL OR length(log_id) <= 64),
     CONSTRAINT outbox_duplicate_receipts_position_key
         UNIQUE NULLS NOT DISTINCT (event_id, envelope_generation, cluster_id, topic, topic_id, partition, "offset")
 );

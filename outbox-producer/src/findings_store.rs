@@ -102,6 +102,7 @@ impl outbox_core::FindingsStore for PgStore {
         let passed = if crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
             format!("(NOT (r.topic_id IS NULL AND (r.position_epoch > 0 OR {PARTITION_REPLACED})) AND EXISTS (SELECT 1 FROM outbox_consumer_watermarks w {ANCHOR_JOIN} WHERE w.consumer_id = $4 AND w.cluster_id = r.cluster_id AND w.topic = r.topic
                      AND w.partition = r.partition AND w.topic_id IS NOT DISTINCT FROM r.topic_id AND w.committed_offset > r.\"offset\"
+                     AND (r.topic_id IS NOT NULL OR w.log_id IS NULL OR r.log_id IS NULL OR w.log_id = r.log_id)
                      AND (r.topic_id IS NOT NULL OR NOT w.anchor_recorded OR (an.anchor_epoch IS NOT DISTINCT FROM r.position_epoch
                           AND NOT COALESCE(r.\"offset\" < w.committed_offset - 1 AND sf.sent_from_ms > an.anchor_accepted_ms + {skew}, false)))))",
                 skew = outbox_core::retention::ANCHOR_ORDER_SKEW_MS)
@@ -109,7 +110,7 @@ impl outbox_core::FindingsStore for PgStore {
             "false".to_owned()
         };
         let rows = sqlx::query(&format!(
-            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
+            "SELECT e.event_id, e.state, e.published_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch, r.log_id,
                     {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost, sf.sent_from_ms FROM outbox_events e
              JOIN outbox_publish_receipts r ON r.event_id = e.event_id AND r.envelope_generation = e.envelope_generation
              {SENT_FROM_JOIN}
@@ -117,7 +118,7 @@ impl outbox_core::FindingsStore for PgStore {
                AND NOT {passed}
              UNION ALL
              -- Stream events (schema section 17): published by their receipt.
-             SELECT r.event_id, 'PUBLISHED', r.accepted_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
+             SELECT r.event_id, 'PUBLISHED', r.accepted_at_ms, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch, r.log_id,
                     {PARTITION_REPLACED}, {POSITION_LOST}, sf.sent_from_ms
              FROM outbox_publish_receipts r {SENT_FROM_JOIN}
              WHERE r.batch_id IS NOT NULL AND r.envelope_generation = 1 AND r.accepted_at_ms < $1 AND r.topic = ANY($3)
@@ -144,6 +145,7 @@ impl outbox_core::FindingsStore for PgStore {
                     partition_replaced: r.try_get("partition_replaced").map_err(store_err)?,
                     position_lost: r.try_get("position_lost").map_err(store_err)?,
                     sent_from_ms: r.try_get("sent_from_ms").map_err(store_err)?,
+                    log_id: r.try_get("log_id").map_err(store_err)?,
                 })
             })
             .collect()
@@ -153,9 +155,9 @@ impl outbox_core::FindingsStore for PgStore {
         if !crate::report::has_watermarks(self.pool()).await.map_err(crate::topic_scan::to_store)? {
             return Ok(Vec::new());
         }
-        type Row = (String, String, String, Option<String>, i32, i64, bool, Option<String>, Option<i32>, Option<i64>);
+        type Row = (String, String, String, Option<String>, i32, i64, bool, Option<String>, Option<i32>, Option<i64>, Option<String>);
         let rows: Vec<Row> = sqlx::query_as(&format!(
-            "SELECT w.consumer_id, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, an.anchor_epoch, an.anchor_accepted_ms
+            "SELECT w.consumer_id, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, an.anchor_epoch, an.anchor_accepted_ms, w.log_id
              FROM outbox_consumer_watermarks w {ANCHOR_JOIN} WHERE w.consumer_id = $1 AND w.topic = ANY($2)"
         ))
         .bind(consumer_id)
@@ -165,7 +167,7 @@ impl outbox_core::FindingsStore for PgStore {
         .map_err(store_err)?;
         Ok(rows
             .into_iter()
-            .map(|(consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch, anchor_accepted_ms)| ConsumerWatermark {
+            .map(|(consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch, anchor_accepted_ms, log_id)| ConsumerWatermark {
                 log: outbox_core::LogId { cluster_id, topic, topic_id, partition },
                 consumer_id,
                 committed_offset,
@@ -173,6 +175,7 @@ impl outbox_core::FindingsStore for PgStore {
                 anchor_event_id,
                 anchor_epoch,
                 anchor_accepted_ms,
+                log_id,
             })
             .collect())
     }

@@ -29,11 +29,13 @@ pub(crate) const ANCHOR_JOIN: &str = "LEFT JOIN LATERAL (SELECT ar.position_epoc
      WHERE ar.event_id = w.anchor_event_id AND ar.cluster_id = w.cluster_id AND ar.topic = w.topic AND ar.partition = w.partition
        AND ar.\"offset\" = w.committed_offset - 1 ORDER BY ar.position_epoch DESC LIMIT 1) an ON true";
 
-/// The earliest start of any attempt to send receipt `r`'s event (its
-/// attempts' and its stream batch's; `LogPosition::sent_from_ms`), joined
-/// once per receipt row as `sf.sent_from_ms` (`OFFSET 0` keeps the planner
-/// from copying the expression into each place a query reads it).
-pub(crate) const SENT_FROM_JOIN: &str = "CROSS JOIN LATERAL (SELECT LEAST((SELECT min(a.started_at_ms) FROM outbox_attempts a WHERE a.event_id = r.event_id),
+/// When the message at receipt `r`'s position was written at the earliest
+/// (`LogPosition::sent_from_ms`): the start of the attempt the receipt
+/// names (the message carries that attempt's id, made when it started), or
+/// for a stream event's receipt the cut of the batch that registered it.
+/// Joined once per receipt row as `sf.sent_from_ms` (`OFFSET 0` keeps the
+/// planner from copying the expression into each place a query reads it).
+pub(crate) const SENT_FROM_JOIN: &str = "CROSS JOIN LATERAL (SELECT COALESCE((SELECT a.started_at_ms FROM outbox_attempts a WHERE a.attempt_id = r.attempt_id),
      (SELECT b.cut_at_ms FROM outbox_batches b WHERE b.id = r.batch_id)) AS sent_from_ms OFFSET 0) sf";
 
 /// Whether an open `receipt_position_lost` finding names receipt `r`'s
@@ -413,7 +415,7 @@ impl RetentionStore for PgRetention {
         }
         let ids: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
         let rows = sqlx::query(&format!(
-            "SELECT r.event_id, r.envelope_generation, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch,
+            "SELECT r.event_id, r.envelope_generation, r.cluster_id, r.topic, r.topic_id, r.partition, r.\"offset\", r.position_epoch, r.log_id,
                     {PARTITION_REPLACED} AS partition_replaced, {POSITION_LOST} AS position_lost, sf.sent_from_ms
              FROM outbox_publish_receipts r {SENT_FROM_JOIN} WHERE r.event_id = ANY($1)"
         ))
@@ -439,6 +441,7 @@ impl RetentionStore for PgRetention {
                 position_lost: r.try_get("position_lost")?,
                 sent_from_ms: r.try_get("sent_from_ms")?,
                 event_id,
+                log_id: r.try_get("log_id")?,
             });
         }
         Ok(Page { candidates, last, full })
@@ -451,10 +454,10 @@ impl RetentionStore for PgRetention {
         if topics.is_empty() {
             return Ok(Registry::default());
         }
-        type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>, Option<bool>, Option<String>, Option<i32>, Option<i64>);
+        type Row = (String, Vec<String>, Option<String>, Option<String>, Option<String>, Option<i32>, Option<i64>, Option<bool>, Option<String>, Option<i32>, Option<i64>, Option<String>);
         let rows: Vec<Row> = if self.watermarks {
             sqlx::query_as(&format!(
-                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, an.anchor_epoch, an.anchor_accepted_ms
+                "SELECT c.consumer_id, c.topics, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.anchor_recorded, w.anchor_event_id, an.anchor_epoch, an.anchor_accepted_ms, w.log_id
                  FROM outbox_consumers c
                  LEFT JOIN outbox_consumer_watermarks w ON w.consumer_id = c.consumer_id AND w.topic = ANY($1::text[])
                  {ANCHOR_JOIN}
@@ -465,7 +468,7 @@ impl RetentionStore for PgRetention {
             .await?
         } else {
             sqlx::query_as(
-                "SELECT consumer_id, topics, NULL::text, NULL::text, NULL::text, NULL::int, NULL::bigint, NULL::boolean, NULL::text, NULL::int, NULL::bigint
+                "SELECT consumer_id, topics, NULL::text, NULL::text, NULL::text, NULL::int, NULL::bigint, NULL::boolean, NULL::text, NULL::int, NULL::bigint, NULL::text
                  FROM outbox_consumers WHERE mandatory AND topics && $1::text[]",
             )
             .bind(topics)
@@ -473,12 +476,12 @@ impl RetentionStore for PgRetention {
             .await?
         };
         let mut registry = Registry::default();
-        for (consumer_id, topics, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch, anchor_accepted_ms) in rows {
+        for (consumer_id, topics, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, anchor_epoch, anchor_accepted_ms, log_id) in rows {
             if !registry.mandatory.iter().any(|(id, _)| *id == consumer_id) {
                 registry.mandatory.push((consumer_id.clone(), topics));
             }
             if let (Some(cluster_id), Some(topic), Some(partition), Some(committed_offset)) = (cluster_id, topic, partition, committed_offset) {
-                registry.watermarks.push(outbox_core::ConsumerWatermark { log: outbox_core::LogId { cluster_id, topic, topic_id, partition }, consumer_id, committed_offset, anchor_recorded: anchor_recorded.unwrap_or(false), anchor_event_id, anchor_epoch, anchor_accepted_ms });
+                registry.watermarks.push(outbox_core::ConsumerWatermark { log: outbox_core::LogId { cluster_id, topic, topic_id, partition }, consumer_id, committed_offset, anchor_recorded: anchor_recorded.unwrap_or(false), anchor_event_id, anchor_epoch, anchor_accepted_ms, log_id });
             }
         }
         Ok(registry)
@@ -574,6 +577,7 @@ impl RetentionStore for outbox_memory::MemoryStore {
                     partition_replaced: st.partition_replaced(slot.log()),
                     position_lost: st.position_lost(&e.envelope.event_id),
                     sent_from_ms: st.sent_from(&e.envelope.event_id),
+                    log_id: slot.log_id.clone(),
                 })
             })
             .collect();

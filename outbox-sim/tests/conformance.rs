@@ -87,3 +87,20 @@ fn the_reconciler_compares_every_nth_round() {
         assert_eq!((compared.bypass_publish, compared.scanned_messages), (1, 1), "round 3 compares");
     });
 }
+
+/// The deliberate defect `receipt-log-id-ignored` (retention and the
+/// reconciler let a `destination.v1` receipt pass a watermark kept in
+/// another log than the one the receipt names) turns the suite red on the
+/// scenario `purge_holds_an_event_whose_receipt_names_another_log`.
+#[test]
+fn the_log_id_scenario_catches_a_receipts_log_id_ignored() {
+    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["memory_store_passes_the_conformance_suite", "--exact", "--test-threads", "1", "--nocapture"])
+        .env(outbox_core::simulation::MUTATION_ENV, "receipt-log-id-ignored")
+        .output()
+        .expect("the test binary runs again");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("running 1 test"), "the child ran no test: {text}");
+    assert!(!out.status.success(), "the suite passed with the defect switched on\n{text}");
+    assert!(text.contains("purge_holds_an_event_whose_receipt_names_another_log"), "{text}");
+}

@@ -140,6 +140,7 @@ pub fn ack_receipt(ev: &outbox_core::ClaimedEvent, a: &outbox_core::AttemptRecor
         partition,
         offset,
         key: Some(ev.destination.routing_key.as_bytes().to_vec()),
+        log_id: None,
     }
 }
 

@@ -143,7 +143,7 @@ impl PgHarness {
             .bind(w.log.partition)
             .execute(&self.pool)
             .await?;
-        sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")
+        sqlx::query("INSERT INTO outbox_consumer_watermarks (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, anchor_recorded, anchor_event_id, log_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)")
             .bind(&w.consumer_id)
             .bind(&w.log.cluster_id)
             .bind(&w.log.topic)
@@ -152,6 +152,7 @@ impl PgHarness {
             .bind(w.committed_offset)
             .bind(w.anchor_recorded)
             .bind(&w.anchor_event_id)
+            .bind(&w.log_id)
             .execute(&self.pool)
             .await?;
         Ok(())

@@ -138,6 +138,7 @@ async fn divergent_receipt_for_an_unknown_event_quarantines_it_and_records_the_r
         partition: e.destination.partition,
         offset: 0,
         key: Some(e.destination.routing_key.as_bytes().to_vec()),
+        log_id: None,
     };
     let out = f.store.accept_dispatch_receipt(&tampered).await.unwrap();
     assert!(matches!(out.decision, outbox_core::ReceiptDecision::Quarantine { move_event: true, .. }), "{out:?}");
@@ -421,6 +422,7 @@ async fn purge_never_overtakes_a_lagging_mandatory_consumer(pool: PgPool) {
         partition: primary.2,
         offset: primary.3 + 10_000,
         key: None,
+        log_id: None,
     };
     let out = f.store.accept_dispatch_receipt(&dup).await.unwrap();
     assert_eq!(out.decision, outbox_core::ReceiptDecision::Duplicate);
@@ -567,7 +569,7 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
         let watermarks: Vec<outbox_core::WatermarkRef<'_>> = wm_rows
             .iter()
             .filter(|w| registry.iter().any(|(c, mandatory, _)| *mandatory && c == &w.0))
-            .map(|w| outbox_core::WatermarkRef { log: outbox_core::LogRef { cluster_id: &w.1, topic: &w.2, topic_id: w.3.as_deref(), partition: w.4 }, consumer_id: &w.0, committed_offset: w.5, anchor: outbox_core::WatermarkAnchor::Unrecorded })
+            .map(|w| outbox_core::WatermarkRef { log: outbox_core::LogRef { cluster_id: &w.1, topic: &w.2, topic_id: w.3.as_deref(), partition: w.4 }, consumer_id: &w.0, committed_offset: w.5, anchor: outbox_core::WatermarkAnchor::Unrecorded, log_id: None })
             .collect();
         // With `blind`, as a predicate that ignores topic ids would decide.
         let decide = |blind: bool| -> Vec<String> {
@@ -581,7 +583,7 @@ async fn purge_decides_as_may_purge_does(pool: PgPool) {
                     let on_topic: Vec<&str> = registry.iter().filter(|(_, m, topics)| *m && topics.iter().any(|t| t == topic)).map(|(c, _, _)| c.as_str()).collect();
                     let topic_id = topic_id.as_deref().filter(|_| !blind);
                     let partition_replaced = events.iter().any(|e| (&e.3, &e.4, e.6) == (cluster, topic, *partition) && e.8 > 0);
-                    let at = outbox_core::LogPosition { log: outbox_core::LogRef { cluster_id: cluster, topic, topic_id, partition: *partition }, offset: *offset, position_epoch: *position_epoch, partition_replaced, position_lost: false, sent_from_ms: None };
+                    let at = outbox_core::LogPosition { log: outbox_core::LogRef { cluster_id: cluster, topic, topic_id, partition: *partition }, offset: *offset, position_epoch: *position_epoch, partition_replaced, position_lost: false, sent_from_ms: None, log_id: None };
                     outbox_core::may_purge(state, *published_at, later, policy.replay_window_ms, at, &watermarks, &on_topic).is_ok()
                 })
                 .map(|e| e.0.clone())

@@ -198,6 +198,7 @@ pub(super) fn receipt(ce: &ClaimedEvent, attempt: &AttemptRecord, offset: i64) -
         partition: ce.destination.partition,
         offset,
         key: Some(ce.destination.routing_key.as_bytes().to_vec()),
+        log_id: None,
     }
 }
 

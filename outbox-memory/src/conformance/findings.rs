@@ -54,6 +54,7 @@ pub(super) async fn comparison_findings<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
         anchor_event_id: None,
         anchor_epoch: None,
         anchor_accepted_ms: None,
+        log_id: None,
     };
     let at = c.offset(10);
     let consumers: Vec<(String, Vec<String>)> = [&other_cluster, &other_id, &behind, &passed].iter().map(|id| ((*id).clone(), vec![d.topic.clone()])).collect();
@@ -131,6 +132,7 @@ pub(super) async fn unconsumed_on_a_replaced_log<H: Harness>(c: &Ctx<'_, H>) -> 
         anchor_event_id: None,
         anchor_epoch: None,
         anchor_accepted_ms: None,
+        log_id: None,
     };
     let open = c.h.compare_findings(&th, &[(consumer.clone(), vec![d.topic.clone()])], &[watermark]).await?;
     let ids: Vec<String> = published.iter().map(|(id, _)| id.to_string()).collect();

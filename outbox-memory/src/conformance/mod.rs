@@ -282,6 +282,7 @@ pub async fn run_all_as<H: Harness>(h: &H, run: u64) -> Vec<(&'static str, Verdi
         ("purge_holds_an_event_of_a_replaced_log", retention::purge_holds_an_event_of_a_replaced_log(&ctx("replacedlog")).await),
         ("purge_checks_a_watermarks_anchor", retention::purge_checks_a_watermarks_anchor(&ctx("anchor")).await),
         ("purge_holds_an_event_first_sent_after_the_watermarks_anchor_below_it", retention::purge_holds_an_event_first_sent_after_the_watermarks_anchor_below_it(&ctx("late")).await),
+        ("purge_holds_an_event_whose_receipt_names_another_log", retention::purge_holds_an_event_whose_receipt_names_another_log(&ctx("logid")).await),
         ("registration_floor_is_past_the_logs_last_receipt", claims::registration_floor(&ctx("floor")).await),
         ("the_bypass_scan_judges_every_message_of_a_page", scans::bypass_scan_judgement(&ctx("scan")).await),
         ("the_comparison_judges_each_condition_and_resolves_what_no_longer_holds", findings::comparison_findings(&ctx("findings")).await),

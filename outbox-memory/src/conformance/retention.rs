@@ -58,6 +58,7 @@ pub(super) async fn purge_waits_for_mandatory_watermarks<H: Harness>(c: &Ctx<'_,
         anchor_event_id: None,
         anchor_epoch: None,
         anchor_accepted_ms: None,
+        log_id: None,
     };
     let (m, o, x, other_topic) = (format!("{}-m", c.prefix), format!("{}-o", c.prefix), format!("{}-x", c.prefix), format!("{}-other", c.prefix));
     let (on_topic, on_other): (&[&str], &[&str]) = (&[topic.as_str()], &[other_topic.as_str()]);
@@ -165,6 +166,7 @@ pub(super) async fn purge_holds_an_event_of_a_replaced_log<H: Harness>(c: &Ctx<'
         anchor_event_id: None,
         anchor_epoch: None,
         anchor_accepted_ms: None,
+        log_id: None,
     };
     let check = |stage: &'static str, want: [EventState; 3]| {
         let events = &events;
@@ -228,6 +230,7 @@ pub(super) async fn purge_checks_a_watermarks_anchor<H: Harness>(c: &Ctx<'_, H>)
         anchor_event_id: anchor.map(str::to_owned),
         anchor_epoch: None,
         anchor_accepted_ms: None,
+        log_id: None,
     };
     c.h.advance_ms(W + 1);
     let stranger = EventId::generate(c.h.now_ms() as u64).to_string();
@@ -280,11 +283,58 @@ pub(super) async fn purge_holds_an_event_first_sent_after_the_watermarks_anchor_
         anchor_event_id: Some(anchor.to_string()),
         anchor_epoch: None,
         anchor_accepted_ms: None,
+        log_id: None,
     };
     c.h.advance_ms(W + 1);
     let out = c.h.purge(W, &registry, &[wm]).await?;
     eq("the anchor's event goes, the late one is held", out, PurgeCounts { retained: 2, purged: 1, held: 1, replaced_log: 0, lost_position: lost_before })?;
     eq("the late event", c.state(&late).await?.0, EventState::Retained)?;
     eq("the anchor", c.state(&anchor).await?.0, EventState::Purged)?;
+    Ok(())
+}
+
+/// A `destination.v1` receipt names the log its message was written to
+/// (`BrokerReceipt::log_id`: the topic's id as the dispatcher's client knew
+/// it), and a consumer's watermark the log it was kept in. An event written
+/// to a partition's log before it was replaced, never read, sits below a
+/// watermark the consumer kept in the new log, whose anchor's receipt
+/// agrees with it by position epoch and by time (no receipt collided, and
+/// the event was written first): the log ids alone tell the two logs
+/// apart, and it is held; the anchor's own event, of the watermark's log,
+/// goes.
+pub(super) async fn purge_holds_an_event_whose_receipt_names_another_log<H: Harness>(c: &Ctx<'_, H>) -> Verdict {
+    const W: i64 = 60_000;
+    c.h.advance_ms(W + 1);
+    let lost_before = c.h.purge(W, &[], &[]).await?.lost_position;
+    let old = c.emit(0, "logid").await;
+    let ce = c.claim_some("w1", &old).await?;
+    let a = c.register(&ce.token).await?;
+    let old_receipt = BrokerReceipt { log_id: Some("topic-id-old".into()), ..receipt(&ce, &a, c.offset(0)) };
+    eq("publish the old log's event", c.accept(&old_receipt).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    c.h.advance_ms(10_000);
+    let anchor = c.emit(1, "logid").await;
+    let ce = c.claim_some("w1", &anchor).await?;
+    let a = c.register(&ce.token).await?;
+    let anchor_receipt = BrokerReceipt { log_id: Some("topic-id-new".into()), ..receipt(&ce, &a, c.offset(1)) };
+    eq("publish the new log's event", c.accept(&anchor_receipt).await?, ReceiptDecision::Accept { from: EventState::Sending })?;
+    eq("one partition", (old_receipt.partition, old_receipt.topic_id.as_deref()), (anchor_receipt.partition, None))?;
+    let m = format!("{}-m", c.prefix);
+    let on_topic: &[&str] = &[anchor_receipt.topic.as_str()];
+    let registry = [(m.as_str(), on_topic, true)];
+    let wm = MemoryWatermark {
+        log: outbox_core::LogId { cluster_id: anchor_receipt.cluster_id.clone(), topic: anchor_receipt.topic.clone(), topic_id: None, partition: anchor_receipt.partition },
+        consumer_id: m.clone(),
+        committed_offset: c.offset(2),
+        anchor_recorded: true,
+        anchor_event_id: Some(anchor.to_string()),
+        anchor_epoch: None,
+        anchor_accepted_ms: None,
+        log_id: Some("topic-id-new".into()),
+    };
+    c.h.advance_ms(W + 1);
+    let out = c.h.purge(W, &registry, &[wm]).await?;
+    eq("the new log's event goes, the old log's is held", out, PurgeCounts { retained: 2, purged: 1, held: 1, replaced_log: 0, lost_position: lost_before })?;
+    eq("the old log's event", c.state(&old).await?.0, EventState::Retained)?;
+    eq("the new log's event", c.state(&anchor).await?.0, EventState::Purged)?;
     Ok(())
 }

@@ -84,6 +84,7 @@ impl outbox_core::store::FindingsStore for MemoryStore {
                 partition_replaced: st.partition_replaced(slot.log()),
                 position_lost: st.position_lost(&e.envelope.event_id),
                 sent_from_ms: st.sent_from(&e.envelope.event_id),
+                log_id: slot.log_id.clone(),
             })
             .collect();
         v.sort_by_key(|p| p.published_at_ms);
@@ -159,10 +160,15 @@ impl super::MemoryState {
         outbox_core::store::ConsumerWatermark { anchor_epoch: anchor.map(|a| a.0), anchor_accepted_ms: anchor.and_then(|a| a.1), ..w.clone() }
     }
 
-    /// The earliest start of any attempt to send `event_id`
-    /// (`outbox_core::LogPosition::sent_from_ms`).
+    /// When the message of `event_id`'s receipt was written at the earliest
+    /// (`outbox_core::LogPosition::sent_from_ms`): the start of the attempt
+    /// the receipt names (the message carries that attempt's id, made when
+    /// it started), or the earliest start of any attempt of the event when
+    /// the receipt names none of them.
     pub fn sent_from(&self, event_id: &outbox_core::EventId) -> Option<i64> {
-        self.attempts.get(event_id)?.iter().map(|a| a.started_at_ms).min()
+        let attempts = self.attempts.get(event_id)?;
+        let named = self.events.get(event_id).and_then(|e| e.slot.as_ref()).and_then(|s| attempts.iter().find(|a| a.attempt_id == s.attempt_id));
+        named.map(|a| a.started_at_ms).or_else(|| attempts.iter().map(|a| a.started_at_ms).min())
     }
 
     /// Whether an open `receipt_position_lost` finding names `event_id`.

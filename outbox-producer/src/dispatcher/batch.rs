@@ -51,7 +51,7 @@ pub struct InFlightBatch {
     pub(super) owner: String,
     pub(super) started: Instant,
     pub(super) report: BatchReport,
-    pub(super) sends: Vec<(ClaimedEvent, AttemptRecord, JoinHandle<SendOutcome>)>,
+    pub(super) sends: Vec<(ClaimedEvent, AttemptRecord, JoinHandle<(SendOutcome, Option<String>)>)>,
 }
 
 impl InFlightBatch {

@@ -108,9 +108,12 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                     let handle = tokio::spawn(
                         async move {
                             let at = Instant::now();
+                            // The log's identity as the client knows it
+                            // before the write (the receipt records it).
+                            let log_id = broker.log_id(&message.topic, message.partition);
                             let outcome = send_before(broker, message, send_deadline).await;
                             metrics.histograms.sent(&topic, &event_type, at.elapsed());
-                            outcome
+                            (outcome, log_id)
                         }
                         .instrument(span),
                     );

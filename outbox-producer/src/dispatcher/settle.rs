@@ -37,8 +37,8 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
             .into_iter()
             .enumerate()
             .map(|(i, (ev, attempt, handle))| async move {
-                let outcome = handle.await.unwrap_or_else(|e| SendOutcome::Unknown(format!("send task failed: {e}")));
-                (i, ev, attempt, outcome)
+                let (outcome, log_id) = handle.await.unwrap_or_else(|e| (SendOutcome::Unknown(format!("send task failed: {e}")), None));
+                (i, ev, attempt, outcome, log_id)
             })
             .collect();
         let mut results = Vec::with_capacity(pending.len());
@@ -89,7 +89,7 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         let mut receipts: Vec<BrokerReceipt> = Vec::new();
         let mut receipt_types: Vec<&str> = Vec::new();
         let mut reports = Vec::new();
-        for (i, ev, attempt, outcome) in &results {
+        for (i, ev, attempt, outcome, log_id) in &results {
             match outcome {
                 SendOutcome::Acked { partition, offset } => {
                     if late[*i] {
@@ -117,6 +117,8 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                     offset: *offset,
                     // The key the message was sent under (`outgoing_message`).
                     key: Some(ev.destination.routing_key.as_bytes().to_vec()),
+                    // The log's identity as the client knew it before the write.
+                    log_id: log_id.clone(),
                     });
                 }
                 SendOutcome::NotPersisted(why) => reports.push((ev, attempt, false, why)),

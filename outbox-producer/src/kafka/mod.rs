@@ -359,6 +359,12 @@ impl KafkaBroker {
 
 #[async_trait]
 impl Broker for KafkaBroker {
+    /// The topic's id as last read (at most [`TOPIC_ID_CACHE_MS`] ago; a
+    /// read is begun when there is none).
+    fn log_id(&self, topic: &str, _partition: i32) -> Option<String> {
+        self.log_id_now(topic)
+    }
+
     fn cluster_id(&self) -> &str {
         &self.shared.cluster_id
     }
@@ -427,6 +433,9 @@ impl Broker for KafkaBroker {
             Ok(Err(_)) => return LookupOutcome::Unavailable("kafka adapter closed".into()),
             Err(_) => return LookupOutcome::Unavailable(format!("no lookup slot within {} ms", timeout.as_millis())),
         };
+        // The log's identity as known before the read: the receipts of what
+        // it finds record it.
+        let log_id = self.log_id_now(&destination.topic);
         let deadline = started + timeout;
         let scan = ScanRequest {
             tokens: self.inner().tokens.clone(),
@@ -445,7 +454,12 @@ impl Broker for KafkaBroker {
         })
         .await;
         match outcome {
-            Ok(o) => {
+            Ok(mut o) => {
+                if let LookupOutcome::Found(found) = &mut o {
+                    for r in found.iter_mut() {
+                        r.log_id = log_id.clone();
+                    }
+                }
                 debug!(event_id = %event_id, topic = %destination.topic, partition = destination.partition, outcome = ?o, "kafka lookup");
                 o
             }

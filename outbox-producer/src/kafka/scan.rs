@@ -485,6 +485,7 @@ fn match_message(cluster_id: &str, event_id: &EventId, msg: &BorrowedMessage<'_>
                 partition,
                 offset,
                 key: Some(msg.key().unwrap_or_default().to_vec()),
+                log_id: None,
             }
         }
     })

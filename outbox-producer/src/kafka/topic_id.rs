@@ -90,7 +90,32 @@ impl KafkaBroker {
     /// waiting for it until `deadline`. `None`: not known (no id, no answer
     /// in time, an error: all logged at debug).
     pub(super) async fn topic_id_for_send(&self, topic: &str, deadline: tokio::time::Instant) -> Option<String> {
-        let mut answer = {
+        let mut answer = self.topic_id_read(topic);
+        let id = match tokio::time::timeout_at(deadline, answer.wait_for(Option::is_some)).await {
+            Ok(Ok(id)) => id.clone().flatten(),
+            _ => {
+                debug!(%topic, "topic id not read within the send's wait: sent unchecked");
+                None
+            }
+        };
+        id
+    }
+
+    /// The id of `topic`'s log for a receipt, without waiting: the answer
+    /// of a read begun less than [`TOPIC_ID_CACHE_MS`] ago (one is begun
+    /// when there is none), `None` until it is in or when no id could be
+    /// read.
+    pub(super) fn log_id_now(&self, topic: &str) -> Option<String> {
+        let answer = self.topic_id_read(topic);
+        let id = answer.borrow().clone();
+        id.flatten()
+    }
+
+    /// The read of `topic`'s current id begun less than
+    /// [`TOPIC_ID_CACHE_MS`] ago, or one begun now (one read per topic at a
+    /// time, its answer kept for the others).
+    fn topic_id_read(&self, topic: &str) -> watch::Receiver<Option<Option<String>>> {
+        {
             let mut reads = lock(&self.shared.topic_ids);
             match reads.get(topic).filter(|r| r.began.elapsed() < Duration::from_millis(TOPIC_ID_CACHE_MS)) {
                 Some(r) => r.answer.clone(),
@@ -116,15 +141,7 @@ impl KafkaBroker {
                     rx
                 }
             }
-        };
-        let id = match tokio::time::timeout_at(deadline, answer.wait_for(Option::is_some)).await {
-            Ok(Ok(id)) => id.clone().flatten(),
-            _ => {
-                debug!(%topic, "topic id not read within the send's wait: sent unchecked");
-                None
-            }
-        };
-        id
+        }
     }
 
     /// The topic id of `topic` as the cluster reports it now (Kafka's topic

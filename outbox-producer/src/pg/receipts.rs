@@ -376,13 +376,14 @@ async fn insert_receipts(
     let pa: Vec<i32> = receipts.iter().map(|r| r.partition).collect();
     let of: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
     let ky: Vec<Option<&[u8]>> = receipts.iter().map(|r| r.key.as_deref()).collect();
+    let li: Vec<Option<&str>> = receipts.iter().map(|r| r.log_id.as_deref()).collect();
     let (epoch_column, epoch_values) = match epochs {
-        Some(_) => (", position_epoch", ", $13::int[]"),
+        Some(_) => (", position_epoch", ", $14::int[]"),
         None => ("", ""),
     };
     let sql = format!(
         "INSERT INTO {table} ({RECEIPT_COLUMNS}{epoch_column}, {at_column})
-         SELECT *, $11 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::int[], $10::bigint[], $12::bytea[]{epoch_values})
+         SELECT *, $11 FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::int[], $10::bigint[], $12::bytea[], $13::text[]{epoch_values})
          {conflict}"
     );
     let query = sqlx::query(&sql)
@@ -397,7 +398,8 @@ async fn insert_receipts(
     .bind(&pa)
     .bind(&of)
     .bind(now)
-    .bind(&ky);
+    .bind(&ky)
+    .bind(&li);
     let query = match epochs {
         Some(e) => query.bind(e),
         None => query,

@@ -44,12 +44,13 @@ pub(super) fn receipt_from_row(r: &PgRow) -> Result<BrokerReceipt, StoreError> {
         partition: r.try_get("partition").map_err(g)?,
         offset: r.try_get("offset").map_err(g)?,
         key: r.try_get("message_key").map_err(g)?,
+        log_id: r.try_get("log_id").map_err(g)?,
     })
 }
 
 pub(super) const ATTEMPT_COLUMNS: &str =
     "attempt_id, event_id, envelope_generation, attempt_generation, claim_generation, owner, state, destination_digest, started_at_ms, scan_from_offset, send_deadline_ms, scan_anchor_event_id, scan_anchor_attempt_id";
-pub(super) const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, topic_id, partition, \"offset\", message_key";
+pub(super) const RECEIPT_COLUMNS: &str = "event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic, topic_id, partition, \"offset\", message_key, log_id";
 
 /// A claimed row whose frozen envelope or destination cannot be read:
 /// `(event id, envelope generation, why)`.

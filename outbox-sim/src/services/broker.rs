@@ -79,6 +79,10 @@ impl Broker for SimBroker {
         CLUSTER
     }
 
+    fn log_id(&self, topic: &str, partition: i32) -> Option<String> {
+        Some(world(&self.world).log_id(&(topic.to_owned(), partition)))
+    }
+
     async fn send(&self, message: OutgoingMessage) -> SendOutcome {
         let (fate, write_after, answer_after) = {
             let mut w = world(&self.world);
@@ -236,6 +240,7 @@ impl SimBroker {
     fn scan(&self, destination: &Destination, event_id: &EventId, from: &outbox_core::ScanFrom) -> LookupOutcome {
         let w = world(&self.world);
         let log_key = (destination.topic.clone(), destination.partition);
+        let log_id = w.log_id(&log_key);
         let start = w.log_start.get(&log_key).copied().unwrap_or(0);
         let end = w.logs.get(&log_key).map_or(0, |l| l.len() as i64);
         // The anchor check as the Kafka adapter makes it, decided by the same core function.
@@ -283,6 +288,7 @@ impl SimBroker {
                 partition: destination.partition,
                 offset: offset as i64,
                 key: Some(m.key.clone()),
+                log_id: Some(log_id.clone()),
             });
         }
         if found.is_empty() {

@@ -466,7 +466,7 @@ impl Consumers {
             // log id its fetches saw: one per incarnation), of any
             // incarnation: a consumer that reads a replaced log from the old
             // log's position must not count the new log's offsets below it.
-            let log = format!("incarnation-{}", u.incarnation);
+            let log = super::world::log_id_of(u.incarnation);
             let mark = st
                 .watermarks
                 .iter()
@@ -516,6 +516,7 @@ pub(super) fn group_watermarks(store: &MemoryConsumerStore) -> Vec<MemoryWaterma
             anchor_event_id: row.anchor_event_id.clone(),
             anchor_epoch: None,
             anchor_accepted_ms: None,
+            log_id: row.log_id.clone(),
         })
         .collect()
 }
@@ -641,7 +642,7 @@ async fn feed(ctx: Arc<Ctx>, key: Key, incarnation_read: usize, mut next: i64, t
                             non_utf8_header_names: Vec::new(),
                             // The log's identity as the fetch saw it (a
                             // topic id: another for each incarnation).
-                            log_id: Some(format!("incarnation-{incarnation_read}")),
+                            log_id: Some(super::world::log_id_of(incarnation_read)),
                         })
                         .collect()
                 })

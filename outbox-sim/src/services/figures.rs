@@ -78,12 +78,6 @@ service_figures! {
         purged,
         /// Retention passes that held an event back for a mandatory consumer.
         held_by_consumers,
-        /// `destination.v1` events retention purged, never applied by the
-        /// consumer group, on a watermark of a partition whose log was
-        /// replaced before the store had any evidence of the replacement
-        /// (no receipt above position epoch 0 there, no lost position): the
-        /// documented limit of routes without a topic id.
-        purged_past_undetected_replacement,
         /// Events the consumer group applied (one receipt each).
         consumer_applied,
         /// Redeliveries the consumer group answered with a receipt.

@@ -40,7 +40,7 @@ pub const STREAM_MUTATIONS: [(&str, &str); 4] = [
 /// process with the defect switched on (`outbox_core::simulation::MUTATION_ENV`)
 /// and expects it to fail; `every_component_mutation_has_a_test` holds this
 /// list to the tests.
-pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 4] = [
+pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 5] = [
     (
         "payload-digest-from-header",
         "a message's payload digest is taken from its header instead of hashed from its bytes, so changed bytes verify",
@@ -60,5 +60,10 @@ pub const COMPONENT_MUTATIONS: [(&str, &str, &str); 4] = [
         "replaced-log-read-as-continuous",
         "the consumer's reading of a partition goes on across a replaced log (a topic created again, a cluster replaced), so a consumer that reads the new log from the old log's position counts the new log's offsets below it as read",
         "outbox-consumer store_conformance the_replaced_log_test_catches_a_reading_kept_across_logs",
+    ),
+    (
+        "receipt-log-id-ignored",
+        "retention and the reconciler let a destination.v1 receipt pass a consumer watermark kept in another log than the one the receipt names (both log ids known)",
+        "outbox-sim conformance the_log_id_scenario_catches_a_receipts_log_id_ignored",
     ),
 ];

@@ -52,6 +52,7 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
                     anchor_event_id: None,
                     anchor_epoch: None,
                     anchor_accepted_ms: None,
+                    log_id: None,
                 }));
                 // Rows come in no particular order.
                 if w.rng.chance(0.5) {
@@ -62,14 +63,6 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
             inner.set_now_ms(now);
             inner.set_retention_registry(mandatory.clone(), watermarks.clone());
             let purged_before: BTreeSet<EventId> = inner.lock().events.values().filter(|e| e.state == EventState::Purged).map(|e| e.envelope.event_id.clone()).collect();
-            // What the store knew of replaced logs before the pass (the
-            // pass holds at least what it knew then).
-            let (replaced_before, lost_before): (BTreeSet<(String, String, i32)>, BTreeSet<EventId>) = {
-                let st = inner.lock();
-                let replaced = st.replaced_partitions().map(|l| (l.cluster_id.to_owned(), l.topic.to_owned(), l.partition)).collect();
-                let lost = st.events.keys().filter(|id| st.position_lost(id)).cloned().collect();
-                (replaced, lost)
-            };
             let out = outbox_producer::retention::purge_with(&inner, now, &RETENTION_POLICY, false, |_| {}).await;
             let mut w = world(&shared);
             let out = match out {
@@ -94,26 +87,15 @@ pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: M
                 if decided(&consumers, id.as_str()) {
                     continue;
                 }
-                // A destination.v1 event of a partition whose log was
-                // replaced, while the store had no evidence of it (no
-                // receipt of the partition above position epoch 0, no lost
-                // position): a watermark of the partition's name may be of
-                // either log, and nothing says which. The documented limit
-                // of destination.v1 routes (docs/OPERATIONS.md, a topic
-                // was recreated, step 5), counted on its own.
-                let evidence = replaced_before.contains(&(slot.cluster_id.clone(), slot.topic.clone(), slot.partition)) || lost_before.contains(id);
-                let replaced = w.incarnation(&(slot.topic.clone(), slot.partition)) > 0;
-                if slot.topic_id.is_none() && replaced && !evidence {
-                    w.figures.purged_past_undetected_replacement += 1;
-                    w.note(|| format!("retention purges {id}, never applied by {GROUP}, on a watermark its partition's replaced log may have left: no receipt or finding told the store of the replacement (destination.v1)"));
-                } else {
-                    w.figures.premature_purge += 1;
-                    let v = format!(
-                        "premature_purge: {id} at {}/{}/p{}@{} purged, never applied nor dead-lettered by {GROUP} (its watermarks there {marks:?})",
-                        slot.cluster_id, slot.topic, slot.partition, slot.offset
-                    );
-                    w.violations.push(v);
-                }
+                // Whatever its route: a destination.v1 event of a replaced
+                // log too (the receipt's log id and the consumer's tell
+                // the two logs apart, `WatermarkRef::anchor_agrees_with`).
+                w.figures.premature_purge += 1;
+                let v = format!(
+                    "premature_purge: {id} at {}/{}/p{}@{} purged, never applied nor dead-lettered by {GROUP} (its watermarks there {marks:?})",
+                    slot.cluster_id, slot.topic, slot.partition, slot.offset
+                );
+                w.violations.push(v);
             }
         }
     })

@@ -203,6 +203,12 @@ impl World {
         self.gone.iter().filter(|g| g.key == *key).count()
     }
 
+    /// The identity of a partition's current log, as clients read it (a
+    /// topic id: another for each incarnation).
+    pub(super) fn log_id(&self, key: &(String, i32)) -> String {
+        log_id_of(self.incarnation(key))
+    }
+
     pub(super) fn note(&mut self, line: impl FnOnce() -> String) {
         if self.log.is_some() {
             let at = self.now_ms() - T0_MS;
@@ -227,4 +233,10 @@ impl Drop for Busy {
 
 pub(super) fn world(w: &Shared) -> std::sync::MutexGuard<'_, World> {
     w.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The identity of a partition's log in its `incarnation` (what a client
+/// reads as the topic's id).
+pub(super) fn log_id_of(incarnation: usize) -> String {
+    format!("incarnation-{incarnation}")
 }

@@ -117,9 +117,9 @@ impl PgStore {
             let a: Vec<&BrokerReceipt> = accepted.iter().map(|x| x.0).collect();
             let inserted: BTreeSet<String> = sqlx::query_scalar(
                 "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic,
-                      topic_id, partition, \"offset\", message_key, accepted_at_ms, batch_id)
-                 SELECT t.e, t.g, t.a, t.pd, t.dd, t.c, t.tp, t.ti, t.p, t.o, t.k, $12, t2.batch_id FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
-                                                        $9::int[], $10::bigint[], $11::bytea[]) WITH ORDINALITY AS t(e, g, a, pd, dd, c, tp, ti, p, o, k, n)
+                      topic_id, partition, \"offset\", message_key, accepted_at_ms, batch_id, log_id)
+                 SELECT t.e, t.g, t.a, t.pd, t.dd, t.c, t.tp, t.ti, t.p, t.o, t.k, $12, t2.batch_id, t.li FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
+                                                        $9::int[], $10::bigint[], $11::bytea[], $14::text[]) WITH ORDINALITY AS t(e, g, a, pd, dd, c, tp, ti, p, o, k, li, n)
                  JOIN UNNEST($13::bigint[]) WITH ORDINALITY AS t2(batch_id, n) USING (n)
                  ON CONFLICT DO NOTHING
                  RETURNING event_id",
@@ -137,6 +137,7 @@ impl PgStore {
             .bind(a.iter().map(|r| r.key.as_deref()).collect::<Vec<_>>())
             .bind(now)
             .bind(accepted.iter().map(|x| x.1).collect::<Vec<_>>())
+            .bind(a.iter().map(|r| r.log_id.as_deref()).collect::<Vec<_>>())
             .fetch_all(&mut *tx)
             .await
             .map_err(g)?
