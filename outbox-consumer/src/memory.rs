@@ -243,10 +243,11 @@ impl ConsumerStore for MemoryConsumerStore {
                 if replaced || a.committed_offset > row.committed_offset || (a.committed_offset == row.committed_offset && a.anchor_event_id.is_some()) {
                     row.anchor_event_id = a.anchor_event_id.clone();
                 }
-                row.committed_offset = if replaced { a.committed_offset } else { row.committed_offset.max(a.committed_offset) };
-                if a.log_id.is_some() {
+                // The row's log id is the one its offset was read in.
+                if a.log_id.is_some() && (replaced || a.committed_offset >= row.committed_offset) {
                     row.log_id = a.log_id.clone();
                 }
+                row.committed_offset = if replaced { a.committed_offset } else { row.committed_offset.max(a.committed_offset) };
                 row.applied += a.applied;
                 row.duplicates += a.duplicates;
                 row.quarantined += a.quarantined;

@@ -517,7 +517,8 @@ impl ConsumerStore for PgConsumerStore {
                  anchor_recorded = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset >= w.committed_offset THEN true ELSE w.anchor_recorded END,
                  committed_offset = CASE WHEN w.log_id <> EXCLUDED.log_id THEN EXCLUDED.committed_offset
                                          ELSE GREATEST(w.committed_offset, EXCLUDED.committed_offset) END,
-                 log_id = COALESCE(EXCLUDED.log_id, w.log_id),
+                 log_id = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset >= w.committed_offset
+                               THEN COALESCE(EXCLUDED.log_id, w.log_id) ELSE w.log_id END,
                  applied_count = w.applied_count + EXCLUDED.applied_count,
                  duplicate_count = w.duplicate_count + EXCLUDED.duplicate_count,
                  quarantined_count = w.quarantined_count + EXCLUDED.quarantined_count,

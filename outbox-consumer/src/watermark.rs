@@ -42,12 +42,16 @@ pub struct Watermark {
     /// `[committed_offset, open_gap_end)` were skipped, not read
     /// ([`crate::gap`]; `None`: no open gap there).
     pub open_gap_end: Option<i64>,
+    /// The log the watermark was kept in, as the consumer's fetches saw it
+    /// (the topic's id; [`RawMessage::log_id`](crate::RawMessage::log_id);
+    /// `None`: not known).
+    pub log_id: Option<String>,
 }
 
 /// The columns of a watermark row (`w`), with the end of the open gap it
 /// stands at (one probe of `outbox_consumer_gaps_open`).
 const COLUMNS: &str = "w.consumer_id, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.applied_count, w.duplicate_count,
-     w.quarantined_count, w.dead_lettered_count, w.last_event_id, w.updated_at,
+     w.quarantined_count, w.dead_lettered_count, w.last_event_id, w.updated_at, w.log_id,
      (SELECT min(g.to_offset) FROM outbox_consumer_gaps g
       WHERE g.consumer_id = w.consumer_id AND g.cluster_id = w.cluster_id AND g.topic = w.topic AND g.partition = w.partition
         AND g.closed_at IS NULL AND g.from_offset <= w.committed_offset AND g.to_offset > w.committed_offset) AS open_gap_end";
@@ -70,6 +74,7 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<Watermark, sqlx::Error> {
         last_event_id: row.try_get("last_event_id")?,
         updated_at: row.try_get("updated_at")?,
         open_gap_end: row.try_get("open_gap_end")?,
+        log_id: row.try_get("log_id")?,
     })
 }
 
@@ -98,7 +103,8 @@ pub(crate) async fn watermarks_on(pool: &PgPool, consumer_id: &str, cluster_id: 
 /// (run [`migrate`](crate::migrate) on the outbox database once). The copy is
 /// monotonic: offsets and counts only grow (`GREATEST`), `updated_at` keeps
 /// the consumer's own time, so a late or repeated publish never moves a
-/// watermark back. Call it periodically (e.g. every few seconds) and after
+/// watermark back, except to replace a row of another log (both log ids
+/// known and different: the consumer's reading started over in a new log). Call it periodically (e.g. every few seconds) and after
 /// shutdown; a watermark that lags only delays retention and alarms, it never
 /// lets an unconsumed event be purged.
 pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -> Result<usize, ConsumerError> {
@@ -117,6 +123,7 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     let dead: Vec<i64> = rows.iter().map(|w| w.dead_lettered_count).collect();
     let last: Vec<Option<&str>> = rows.iter().map(|w| w.last_event_id.as_deref()).collect();
     let updated: Vec<DateTime<Utc>> = rows.iter().map(|w| w.updated_at).collect();
+    let log_ids: Vec<Option<&str>> = rows.iter().map(|w| w.log_id.as_deref()).collect();
     let n = sqlx::query(outbox_core::watermark_record::COPY_UPSERT_SQL)
     .bind(consumer_id)
     .bind(&topics)
@@ -130,6 +137,7 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     .bind(&updated)
     .bind(&clusters)
     .bind(&topic_ids)
+    .bind(&log_ids)
     .execute(to)
     .await?
     .rows_affected();

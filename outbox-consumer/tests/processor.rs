@@ -298,6 +298,25 @@ async fn watermarks_are_published_to_the_outbox_database(pool: PgPool) {
     let again = outbox_consumer::watermarks(&outbox, "billing").await.unwrap();
     assert_eq!(again, copied);
 
+    // Partition 0's log is replaced under the consumer (the topic created
+    // again), which goes on from the old log's position: its reading
+    // starts over in the new log, its watermark there stands at 0 with the
+    // new log's [0, 3) a gap, and the copy follows it back, log id and all.
+    let known = |log: &str, part: i32, tag: &str, at: i64| RawMessage { log_id: Some(log.to_owned()), ..fixture_on(TOPIC, 4, part, tag).raw(at) };
+    p.process_batch(&[known("log-a", 0, "wa", 3)]).await.unwrap();
+    outbox_consumer::publish_watermarks(&pool, &outbox, "billing").await.unwrap();
+    let first = outbox_consumer::watermarks(&outbox, "billing").await.unwrap();
+    let p0 = first.iter().find(|w| w.partition == 0).unwrap();
+    assert_eq!((p0.committed_offset, p0.log_id.as_deref()), (4, Some("log-a")));
+    p.process_batch(&[known("log-b", 0, "wb", 4)]).await.unwrap();
+    outbox_consumer::publish_watermarks(&pool, &outbox, "billing").await.unwrap();
+    let replaced = outbox_consumer::watermarks(&outbox, "billing").await.unwrap();
+    let p0 = replaced.iter().find(|w| w.partition == 0).unwrap();
+    assert_eq!((p0.committed_offset, p0.log_id.as_deref()), (0, Some("log-b")), "{replaced:?}");
+    let own = outbox_consumer::watermarks(&pool, "billing").await.unwrap();
+    let own0 = own.iter().find(|w| w.partition == 0).unwrap();
+    assert_eq!((own0.committed_offset, own0.log_id.as_deref(), own0.open_gap_end), (0, Some("log-b"), Some(4)), "{own:?}");
+
     outbox.close().await;
     sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&pool).await.unwrap();
 }

@@ -415,22 +415,29 @@ pub fn verify_signature(value: &[u8], key_id: Option<&[u8]>, signature: Option<&
 /// each describing row `i`: `$2` topic (`text[]`), `$3` partition (`int4[]`),
 /// `$4` committed offset, `$5` applied, `$6` duplicates, `$7` quarantined,
 /// `$8` dead-lettered (`int8[]` each), `$9` last event id (`text[]`),
-/// `$10` updated at (`timestamptz[]`), `$11` cluster id and `$12` topic id
-/// (`text[]`).
+/// `$10` updated at (`timestamptz[]`), `$11` cluster id, `$12` topic id and
+/// `$13` log id (`text[]`). A row of another log (both log ids known and
+/// different: the consumer's reading started over in a new log) is
+/// replaced, its offset included, not raised. A row's log id is always the
+/// one its offset was read in: a copy that does not move the offset does
+/// not relabel it.
 pub const COPY_UPSERT_SQL: &str = "INSERT INTO outbox_consumer_watermarks AS w
-         (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at)
-     SELECT $1, u.cluster_id, u.topic, u.topic_id, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at
-     FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[], $12::text[])
-         AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id, topic_id)
+         (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, log_id)
+     SELECT $1, u.cluster_id, u.topic, u.topic_id, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at, u.log_id
+     FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[], $12::text[], $13::text[])
+         AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id, topic_id, log_id)
      ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
-         anchor_event_id = CASE WHEN EXCLUDED.committed_offset > w.committed_offset THEN NULL ELSE w.anchor_event_id END,
-         anchor_recorded = CASE WHEN EXCLUDED.committed_offset > w.committed_offset THEN false ELSE w.anchor_recorded END,
-         committed_offset = GREATEST(w.committed_offset, EXCLUDED.committed_offset),
+         anchor_event_id = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset > w.committed_offset THEN NULL ELSE w.anchor_event_id END,
+         anchor_recorded = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset > w.committed_offset THEN false ELSE w.anchor_recorded END,
+         committed_offset = CASE WHEN w.log_id <> EXCLUDED.log_id THEN EXCLUDED.committed_offset
+                                 ELSE GREATEST(w.committed_offset, EXCLUDED.committed_offset) END,
+         log_id = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset >= w.committed_offset
+                       THEN COALESCE(EXCLUDED.log_id, w.log_id) ELSE w.log_id END,
          applied_count = GREATEST(w.applied_count, EXCLUDED.applied_count),
          duplicate_count = GREATEST(w.duplicate_count, EXCLUDED.duplicate_count),
          quarantined_count = GREATEST(w.quarantined_count, EXCLUDED.quarantined_count),
          dead_lettered_count = GREATEST(w.dead_lettered_count, EXCLUDED.dead_lettered_count),
-         last_event_id = CASE WHEN EXCLUDED.committed_offset >= w.committed_offset
+         last_event_id = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset >= w.committed_offset
                               THEN COALESCE(EXCLUDED.last_event_id, w.last_event_id) ELSE w.last_event_id END,
          updated_at = GREATEST(w.updated_at, EXCLUDED.updated_at)";
 

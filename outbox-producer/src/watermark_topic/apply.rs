@@ -66,6 +66,8 @@ pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecor
         .bind([updated_at])
         .bind([r.cluster_id.as_str()])
         .bind([r.topic_id.as_deref()])
+        // A record names no log id (the row keeps the one it had).
+        .bind([None::<&str>])
         .execute(&mut **tx)
         .await?;
     Ok(Applied::Yes)
