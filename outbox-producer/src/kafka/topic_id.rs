@@ -154,19 +154,9 @@ impl KafkaBroker {
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || {
             let timeout = Duration::from_millis(inner.config.connect_timeout_ms);
-            let md = inner.producer.fetch_metadata(Some(&topic), timeout)?;
-            let t = topic_in(&md, &topic)?;
-            // The leader of one of its partitions surely knows the topic.
-            let broker_id = t
-                .partitions()
-                .iter()
-                .map(|p| p.leader())
-                .find(|l| *l >= 0)
-                .or_else(|| md.brokers().first().map(|b| b.id()))
-                .ok_or_else(|| KafkaAdapterError::Metadata(format!("topic {topic}: no broker in metadata")))?;
             inner
                 .producer
-                .describe_topic_id(&topic, broker_id, timeout)
+                .topic_id(&topic, timeout)
                 .map(|id| id.map(|b| outbox_core::envelope::topic_id_text(&b)))
                 .map_err(|e| KafkaAdapterError::Metadata(redact_text(&e, &inner.config.extra)))
         })
@@ -176,12 +166,12 @@ impl KafkaBroker {
 }
 
 impl AnyProducer {
-    /// The topic id of `topic` (Kafka's 16-byte topic UUID), asked of broker
-    /// `broker_id` ([`outbox_topic_id::describe_topic_id`]).
-    fn describe_topic_id(&self, topic: &str, broker_id: i32, timeout: Duration) -> Result<Option<[u8; 16]>, String> {
+    /// The topic id of `topic` (Kafka's 16-byte topic UUID):
+    /// [`outbox_topic_id::topic_id`] over this producer's client.
+    fn topic_id(&self, topic: &str, timeout: Duration) -> Result<Option<[u8; 16]>, String> {
         match self {
-            AnyProducer::Plain(p) => outbox_topic_id::describe_topic_id(rdkafka::producer::Producer::client(p), topic, broker_id, timeout),
-            AnyProducer::OAuth(p) => outbox_topic_id::describe_topic_id(rdkafka::producer::Producer::client(p), topic, broker_id, timeout),
+            AnyProducer::Plain(p) => outbox_topic_id::topic_id(rdkafka::producer::Producer::client(p), topic, timeout),
+            AnyProducer::OAuth(p) => outbox_topic_id::topic_id(rdkafka::producer::Producer::client(p), topic, timeout),
         }
     }
 }
