@@ -74,8 +74,11 @@ async fn duplicated_and_reordered_messages_have_one_effect_each(pool: PgPool) {
 
 /// Tampered bytes, a wrong placement and a missing header are quarantined
 /// with evidence; the events around them are applied.
-#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
-async fn tampered_messages_are_quarantined_and_the_partition_moves_on(pool: PgPool) {
+#[tokio::test]
+async fn tampered_messages_are_quarantined_and_the_partition_moves_on() {
+    // Its own database: `run_mutant` runs this test again in a child process.
+    let db = own_database("consumer_tampered").await;
+    let pool = db.pool.clone();
     create_effects_table(&pool).await;
     let h = TestHandler::default();
     let p = processor(&pool, &h);
@@ -125,6 +128,7 @@ async fn tampered_messages_are_quarantined_and_the_partition_moves_on(pool: PgPo
     // decided there as genuine (retention finds its receipt there).
     let anchor: Option<String> = sqlx::query_scalar("SELECT anchor_event_id FROM outbox_consumer_watermarks WHERE consumer_id = 'billing'").fetch_one(&pool).await.unwrap();
     assert_eq!(anchor.as_deref(), Some(victim.event_id().as_str()));
+    db.drop_now().await;
 }
 
 /// The same eventId with other payload bytes (each copy self-consistent) is
@@ -545,8 +549,11 @@ async fn watermark(pool: &PgPool) -> i64 {
 /// is a recorded gap, counted and logged; the watermark stays at its start
 /// (so retention cannot purge what it holds); a replay of the range closes
 /// the gap and the watermark moves on.
-#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
-async fn an_offset_reset_or_out_of_range_jump_is_a_gap_the_watermark_does_not_pass(pool: PgPool) {
+#[tokio::test]
+async fn an_offset_reset_or_out_of_range_jump_is_a_gap_the_watermark_does_not_pass() {
+    // Its own database: `run_mutant` runs this test again in a child process.
+    let db = own_database("consumer_gap_jump").await;
+    let pool = db.pool.clone();
     create_effects_table(&pool).await;
     let h = TestHandler::default();
     let p = processor(&pool, &h);
@@ -575,6 +582,7 @@ async fn an_offset_reset_or_out_of_range_jump_is_a_gap_the_watermark_does_not_pa
     assert_eq!(watermark(&pool).await, 12);
     assert_eq!(effects(&pool).await, (12, 12), "every event applied once");
     assert_eq!(p.metrics().snapshot().offset_gaps, 1);
+    db.drop_now().await;
 }
 
 /// A consumer whose first read of a partition begins past offset 0 (a new

@@ -265,8 +265,11 @@ fn of_log(log: &str, tag: &str, offsets: std::ops::Range<i64>) -> Vec<RawMessage
 /// the reading starts over in the new log: `[0, 3)` of it is a gap, the old
 /// log's watermark row is replaced by one at 0, and a replay of the new
 /// log's start closes the gap and lets the watermark move on. Both stores alike.
-#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]
-async fn a_replaced_log_read_from_the_old_position_is_a_gap_on_both_stores(pool: PgPool) {
+#[tokio::test]
+async fn a_replaced_log_read_from_the_old_position_is_a_gap_on_both_stores() {
+    // Its own database: `run_mutant` runs this test again in a child process.
+    let db = own_database("consumer_replaced_log").await;
+    let pool = db.pool.clone();
     sqlx::query("CREATE TABLE conformance_effects (event_id text NOT NULL)").execute(&pool).await.unwrap();
     let pg = Processor::new("billing", pool.clone(), handler("none")).unwrap().with_retry(retry()).unwrap().with_cluster_id("kafka-a");
     let store = MemoryConsumerStore::new();
@@ -293,6 +296,7 @@ async fn a_replaced_log_read_from_the_old_position_is_a_gap_on_both_stores(pool:
     let want: LogState = (vec![(0, 3, 3, true)], Some(5), vec![(3, Some("log-B".into()))]);
     assert_eq!(pg_state(&pool).await, want, "PostgreSQL, after the replay");
     assert_eq!(mem_state(&store), want, "memory, after the replay");
+    db.drop_now().await;
 }
 
 /// The deliberate defect `replaced-log-read-as-continuous` (the reading goes

@@ -274,6 +274,68 @@ pub fn init_tracing() {
 /// with the deliberate defect `mutation` switched on
 /// (`outbox_core::simulation::MUTATION_ENV`), and expects it to fail: the
 /// test catches that defect. Answers the child's output.
+/// A migrated database of its own for a test that [`run_mutant`] runs
+/// again in a child process. `#[sqlx::test]` names a test's database after
+/// the test's path and drops any database of that name before creating
+/// it, so the child's run of the same test would drop the database the
+/// parent's run is using (seen in CI: "database ... does not exist", the
+/// parent's test failing while its mutant check ran). A name unique to the
+/// process and the moment cannot collide.
+pub struct OwnDatabase {
+    pub pool: PgPool,
+    admin: sqlx::postgres::PgConnectOptions,
+    name: String,
+    dropped: bool,
+}
+
+/// Creates and migrates a database named `<prefix>_<pid>_<n>_<nanos>` on
+/// the server of `DATABASE_URL`.
+pub async fn own_database(prefix: &str) -> OwnDatabase {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL must be set");
+    let admin: sqlx::postgres::PgConnectOptions = url.parse().expect("DATABASE_URL is a PostgreSQL URL");
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let name = format!("{prefix}_{}_{}_{nanos}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+    let mut conn = sqlx::ConnectOptions::connect(&admin).await.expect("connect to DATABASE_URL");
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.expect("create the test's database");
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(5).connect_with(admin.clone().database(&name)).await.expect("connect to the test's database");
+    outbox_consumer::MIGRATOR.run(&pool).await.expect("migrate the test's database");
+    OwnDatabase { pool, admin, name, dropped: false }
+}
+
+async fn drop_database(admin: &sqlx::postgres::PgConnectOptions, name: &str) {
+    let mut conn = sqlx::ConnectOptions::connect(admin).await.expect("connect to DATABASE_URL");
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut conn).await.expect("drop the test's database");
+}
+
+impl OwnDatabase {
+    /// Closes the pool and drops the database.
+    pub async fn drop_now(mut self) {
+        self.dropped = true;
+        self.pool.close().await;
+        drop_database(&self.admin, &self.name).await;
+    }
+}
+
+/// A test that panicked (a mutant's run always does) drops its database
+/// too, from a thread of its own: the test's runtime may be unwinding.
+impl Drop for OwnDatabase {
+    fn drop(&mut self) {
+        if self.dropped {
+            return;
+        }
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime to drop the test's database");
+            rt.block_on(drop_database(&admin, &name));
+        })
+        .join();
+    }
+}
+
+/// Runs `test` of this test binary again in a child process with the
+/// deliberate defect `mutation` switched on, expects it to fail, and answers
+/// its output. A test it runs uses [`own_database`], not `#[sqlx::test]`.
 pub fn run_mutant(test: &str, mutation: &str) -> String {
     let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
         .args([test, "--exact", "--test-threads", "1", "--nocapture"])
