@@ -149,6 +149,7 @@ async fn every_service_works_under_its_role_and_nothing_more() {
         cluster_id: broker.cluster_id().into(),
         topic: "orders".into(),
         topic_id: None,
+        log_id: None,
         partition: receipt.partition,
         committed_offset: receipt.offset + 1,
         open_gap_end: None,

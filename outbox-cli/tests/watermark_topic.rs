@@ -210,6 +210,16 @@ async fn watermarks_over_the_broker_without_cross_database_credentials() {
     assert_eq!(round["compared"]["unconsumedPublished"], 0, "{round}");
     assert_eq!(round["report"]["findings"], json!([]), "caught up: no finding left open: {round}");
     assert_eq!(rows(orders.clone()).await, consumer_rows, "the outbox holds what the consumer's database holds");
+    // The records named the log each offset was read in (`.v4`).
+    let log_ids = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, Option<String>>("SELECT log_id FROM outbox_consumer_watermarks WHERE consumer_id = 'shipping' ORDER BY topic, partition")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    let consumer_logs = log_ids(shipping.clone()).await;
+    assert!(consumer_logs.iter().all(Option::is_some), "the cluster gives topic ids: {consumer_logs:?}");
+    assert_eq!(log_ids(orders.clone()).await, consumer_logs);
 
     // Status: zero lag (library and binary).
     let status = outbox_cli::status::status(&orders, outbox_producer::report::DEFAULT_RECONCILER_STALE_MS).await.unwrap();
@@ -313,6 +323,7 @@ impl Rig {
             cluster_id: self.broker.cluster_id().into(),
             topic: self.topic.clone(),
             topic_id: None,
+            log_id: None,
             partition: 0,
             committed_offset: committed,
             open_gap_end: None,
@@ -593,6 +604,46 @@ async fn records_of_two_topic_ids_are_applied_to_their_own_rows() {
             .await
             .unwrap();
     assert_eq!(rows, vec![(None, 3), (Some(id.to_owned()), 1)]);
+    rig.env.drop_now().await;
+}
+
+/// Issue 46, replaced log: a consumer whose topic was deleted and created
+/// again (or whose cluster was replaced under the same id) reads the new
+/// log from offset 0 under the same key. Its `.v4` record names the log
+/// its offset was read in: a lower offset of another log id replaces the
+/// row's offset and log id (before `.v4` it was refused as moved back, and
+/// the row kept counting the old log's offsets as consumed in the new log);
+/// a lower offset of the same log, or of no log id, still moves back.
+#[tokio::test]
+async fn a_record_of_a_new_log_replaces_the_watermark_instead_of_moving_back() {
+    let rig = rig("wm_newlog").await;
+    let t = rig.clock.now_ms();
+    let (old, new) = ("AAECAwQFBgcICQoLDA0ODw", "ERESERESERESERESERESEQ");
+    let on_old = WatermarkRecord { log_id: Some(old.into()), ..rig.record("shipping", 3, t) };
+    assert!(on_old.value_bytes().starts_with(b"outboxWatermark.v4\n"));
+    rig.send(&on_old).await;
+    let reader = rig.reader().await;
+    assert_eq!(reader.ingest_once().await.unwrap().applied, 1);
+    let row = || async {
+        sqlx::query_as::<_, (i64, Option<String>)>("SELECT committed_offset, log_id FROM outbox_consumer_watermarks WHERE consumer_id = 'shipping'")
+            .fetch_one(rig.env.pool())
+            .await
+            .unwrap()
+    };
+    assert_eq!(row().await, (3, Some(old.to_owned())));
+
+    // Lower on the same log, and lower naming no log: moved back.
+    rig.send(&WatermarkRecord { log_id: Some(old.into()), ..rig.record("shipping", 1, t + 10) }).await;
+    rig.send(&rig.record("shipping", 1, t + 20)).await;
+    let report = reader.ingest_once().await.unwrap();
+    assert_eq!((report.applied, report.moved_back), (0, 2), "{report:?}");
+    assert_eq!(row().await, (3, Some(old.to_owned())));
+
+    // Lower on a new log: the consumer's reading started over there.
+    rig.send(&WatermarkRecord { log_id: Some(new.into()), applied_count: 4, ..rig.record("shipping", 1, t + 30) }).await;
+    let report = reader.ingest_once().await.unwrap();
+    assert_eq!((report.applied, report.moved_back), (1, 0), "{report:?}");
+    assert_eq!(row().await, (1, Some(new.to_owned())), "the new log's offset and id replace the old log's");
     rig.env.drop_now().await;
 }
 

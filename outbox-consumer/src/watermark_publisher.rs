@@ -5,7 +5,8 @@
 //! every `watermark_publish_interval_ms` and once more at a graceful
 //! shutdown, reads the consumer's watermark rows of the cluster it consumes
 //! from its own database and produces one `outboxWatermark.v1` record per row
-//! (`.v2` for a row of a topic id) to the watermark topic of that cluster
+//! (`.v2` for a row of a topic id, `.v3` at an open gap, `.v4` for a row
+//! that knows the log it was read in) to the watermark topic of that cluster
 //! (keyed by consumer, cluster, topic, topic id and partition, so a
 //! compacted topic keeps the newest per key).
 //!
@@ -202,6 +203,7 @@ impl Publisher {
                 cluster_id: w.cluster_id,
                 topic: w.topic,
                 topic_id: w.topic_id,
+                log_id: w.log_id,
                 partition: w.partition,
                 committed_offset: w.committed_offset,
                 open_gap_end: w.open_gap_end,

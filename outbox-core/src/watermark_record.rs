@@ -1,5 +1,5 @@
 //! The watermark record a consumer publishes over the broker
-//! (`outboxWatermark.v1` or `.v2`), and its key (`outboxWatermarkKey.v1` or
+//! (`outboxWatermark.v1` to `.v4`), and its key (`outboxWatermarkKey.v1` or
 //! `.v2`).
 //!
 //! A consumer whose state lives in its own database publishes, for each of
@@ -30,6 +30,14 @@
 //! `consumer_gap` finding, resolved by the consumer's first record without
 //! a gap (the gap replayed, or accepted by an operator).
 //!
+//! **The log read.** A consumer that knows the log it read its offset in
+//! (the topic's id on the broker when it fetched) names it:
+//! `outboxWatermark.v4`, the `.v3` fields with `logId` after `topicId` and
+//! `openGapEnd` empty when no gap is open. The key stays `.v1` or `.v2`. A
+//! reader takes a record of another log id than its row's for the
+//! consumer's reading started over in a new log (the topic recreated, the
+//! cluster replaced under the same id): its offset replaces the row's.
+//!
 //! **Authentication (optional).** A consumer with a watermark signing key
 //! adds two headers: [`KEY_ID_HEADER`] (the key id) and [`SIGNATURE_HEADER`]
 //! (`hmac-sha256:` + 64 lower-case hex: HMAC-SHA256 of the exact value
@@ -52,6 +60,10 @@ pub const SCHEMA_V2: &str = "outboxWatermark.v2";
 /// (`topicId` after `topic`, empty without one; `openGapEnd` after
 /// `committedOffset`).
 pub const SCHEMA_V3: &str = "outboxWatermark.v3";
+/// Schema of the value of a record that names the log its offsets were
+/// read in (`topicId` and `logId` after `topic`, `openGapEnd` after
+/// `committedOffset`; `topicId` and `openGapEnd` empty when absent).
+pub const SCHEMA_V4: &str = "outboxWatermark.v4";
 /// Schema of the key of a record without a topic id.
 pub const KEY_SCHEMA: &str = "outboxWatermarkKey.v1";
 /// Schema of the key of a record with a topic id (`topicId` after `topic`).
@@ -124,6 +136,15 @@ pub struct WatermarkRecord {
     /// The topic id the counted messages' destinations name (`None`: of no
     /// id, `destination.v1` messages): with the topic, which log.
     pub topic_id: Option<String>,
+    /// The log the committed offset was read in: the topic id the broker
+    /// gave the topic when the consumer read it (`None`: unknown, a cluster
+    /// without topic ids or a consumer older than it). Unlike `topic_id`
+    /// (what the counted messages' destinations name) it is the log itself:
+    /// a record of another log id than the stored row's is the consumer's
+    /// reading started over in a new log (the topic recreated, the cluster
+    /// replaced under the same id), and replaces the row rather than being
+    /// taken for a watermark moved back.
+    pub log_id: Option<String>,
     /// Partition.
     pub partition: i32,
     /// Next offset the consumer reads: every message below has a committed decision.
@@ -164,6 +185,9 @@ impl WatermarkRecord {
         if let Some(id) = &self.topic_id {
             crate::envelope::validate_topic_id(id)?;
         }
+        if let Some(id) = &self.log_id {
+            crate::envelope::validate_topic_id(id).map_err(|e| bad(format!("logId: {e}")))?;
+        }
         if self.partition < 0 {
             return Err(bad(format!("partition {} is negative", self.partition)));
         }
@@ -191,13 +215,15 @@ impl WatermarkRecord {
         Ok(())
     }
 
-    /// The schema of the value: [`SCHEMA_V3`] with an open gap,
-    /// [`SCHEMA_V2`] with a topic id, [`SCHEMA`] without either.
+    /// The schema of the value: [`SCHEMA_V4`] with a log id,
+    /// [`SCHEMA_V3`] with an open gap, [`SCHEMA_V2`] with a topic id,
+    /// [`SCHEMA`] with none of them.
     pub fn schema(&self) -> &'static str {
-        match (self.open_gap_end, &self.topic_id) {
-            (Some(_), _) => SCHEMA_V3,
-            (None, Some(_)) => SCHEMA_V2,
-            (None, None) => SCHEMA,
+        match (&self.log_id, self.open_gap_end, &self.topic_id) {
+            (Some(_), _, _) => SCHEMA_V4,
+            (None, Some(_), _) => SCHEMA_V3,
+            (None, None, Some(_)) => SCHEMA_V2,
+            (None, None, None) => SCHEMA,
         }
     }
 
@@ -219,21 +245,29 @@ impl WatermarkRecord {
     /// The value bytes: `outboxWatermark.v1`, fields in the documented order;
     /// `outboxWatermark.v2`, with `topicId` after `topic`, when the record
     /// has a topic id; `outboxWatermark.v3`, with `topicId` (empty without
-    /// one) and `openGapEnd` after `committedOffset`, when it has an open gap.
+    /// one) and `openGapEnd` after `committedOffset`, when it has an open gap;
+    /// `outboxWatermark.v4`, with `topicId`, `logId` and `openGapEnd` always
+    /// (`topicId` and `openGapEnd` empty when absent), when it has a log id.
     pub fn value_bytes(&self) -> Vec<u8> {
-        let w = CanonicalWriter::new(self.schema())
+        let schema = self.schema();
+        let w = CanonicalWriter::new(schema)
             .field("consumerId", &self.consumer_id)
             .field("groupId", &self.group_id)
             .field("clusterId", &self.cluster_id)
             .field("topic", &self.topic);
-        let w = match (&self.topic_id, self.open_gap_end) {
-            (None, None) => w,
-            (id, _) => w.field("topicId", id.as_deref().unwrap_or("")),
+        let w = match schema {
+            SCHEMA => w,
+            _ => w.field("topicId", self.topic_id.as_deref().unwrap_or("")),
+        };
+        let w = match &self.log_id {
+            Some(log) => w.field("logId", log),
+            None => w,
         };
         let w = w.field("partition", self.partition.to_string()).field("committedOffset", self.committed_offset.to_string());
-        let w = match self.open_gap_end {
-            None => w,
-            Some(end) => w.field("openGapEnd", end.to_string()),
+        let w = match (schema, self.open_gap_end) {
+            (SCHEMA_V4, end) => w.field("openGapEnd", end.map(|e| e.to_string()).unwrap_or_default()),
+            (_, None) => w,
+            (_, Some(end)) => w.field("openGapEnd", end.to_string()),
         };
         w.field("appliedCount", self.applied_count.to_string())
             .field("duplicateCount", self.duplicate_count.to_string())
@@ -251,7 +285,7 @@ impl WatermarkRecord {
         key.sign(&self.value_bytes())
     }
 
-    /// Reads a record from its key and value (`.v1` or `.v2`), refusing
+    /// Reads a record from its key and value (`.v1` to `.v4`), refusing
     /// anything malformed, oversized, or whose key does not name what its
     /// value says (consumer, cluster, topic, topic id and partition, the
     /// key's schema included: a `.v1` key does not name a `.v2` value).
@@ -262,21 +296,36 @@ impl WatermarkRecord {
             return Err(bad(format!("watermark record over {MAX_RECORD_BYTES} bytes")));
         }
         let is = |schema: &str| value.starts_with(schema.as_bytes()) && value.get(schema.len()) == Some(&b'\n');
-        let (v2, v3) = (is(SCHEMA_V2), is(SCHEMA_V3));
-        let mut r = CanonicalReader::new(value, if v3 { SCHEMA_V3 } else if v2 { SCHEMA_V2 } else { SCHEMA })?;
+        let schema = [SCHEMA_V2, SCHEMA_V3, SCHEMA_V4].into_iter().find(|s| is(s)).unwrap_or(SCHEMA);
+        let mut r = CanonicalReader::new(value, schema)?;
+        let nonempty = |s: &str| Some(s).filter(|s| !s.is_empty()).map(str::to_owned);
         let record = WatermarkRecord {
             consumer_id: r.field("consumerId")?.to_owned(),
             group_id: r.field("groupId")?.to_owned(),
             cluster_id: r.field("clusterId")?.to_owned(),
             topic: r.field("topic")?.to_owned(),
-            topic_id: match (v2, v3) {
-                (true, _) => Some(r.field("topicId")?.to_owned()),
-                (_, true) => Some(r.field("topicId")?).filter(|s| !s.is_empty()).map(str::to_owned),
+            topic_id: match schema {
+                SCHEMA => None,
+                SCHEMA_V2 => Some(r.field("topicId")?.to_owned()),
+                _ => nonempty(r.field("topicId")?),
+            },
+            log_id: match schema {
+                SCHEMA_V4 => match r.field("logId")? {
+                    "" => return Err(bad("an outboxWatermark.v4 record with an empty logId")),
+                    log => Some(log.to_owned()),
+                },
                 _ => None,
             },
             partition: r.int("partition")?,
             committed_offset: r.int("committedOffset")?,
-            open_gap_end: if v3 { Some(r.int("openGapEnd")?) } else { None },
+            open_gap_end: match schema {
+                SCHEMA_V3 => Some(r.int("openGapEnd")?),
+                SCHEMA_V4 => match r.field("openGapEnd")? {
+                    "" => None,
+                    end => Some(end.parse().map_err(|_| bad(format!("openGapEnd {end:?} is not an integer")))?),
+                },
+                _ => None,
+            },
             applied_count: r.int("appliedCount")?,
             duplicate_count: r.int("duplicateCount")?,
             quarantined_count: r.int("quarantinedCount")?,
@@ -473,6 +522,7 @@ mod tests {
             cluster_id: "kafka-prod".into(),
             topic: "orders".into(),
             topic_id: None,
+            log_id: None,
             partition: 3,
             committed_offset: 42,
             open_gap_end: None,
@@ -542,6 +592,38 @@ mod tests {
             let err = WatermarkRecord::decode(Some(&bad.key_bytes()), Some(&bad.value_bytes())).unwrap_err();
             assert!(err.to_string().contains("openGapEnd"), "{err}");
         }
+    }
+
+    /// A record that names the log its offset was read in is `.v4`
+    /// (`topicId`, `logId` and `openGapEnd` always, the absent ones empty)
+    /// under the same `.v1` or `.v2` key, and round-trips with or without a
+    /// topic id and a gap; an empty or malformed log id is refused.
+    #[test]
+    fn a_log_id_makes_a_v4_value_under_the_same_key() {
+        let log = Some("ERESERESERESERESERESEQ".to_owned());
+        let plain = WatermarkRecord { log_id: log.clone(), ..sample() };
+        assert_eq!(plain.schema(), SCHEMA_V4);
+        assert_eq!(plain.key_bytes(), sample().key_bytes());
+        assert!(plain.value_bytes().starts_with(
+            b"outboxWatermark.v4\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=0:\nlogId=22:ERESERESERESERESERESEQ\npartition=1:3\ncommittedOffset=2:42\nopenGapEnd=0:\nappliedCount=2:40\n"
+        ));
+        let both = WatermarkRecord { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), open_gap_end: Some(50), ..plain.clone() };
+        assert!(both.value_bytes().starts_with(
+            b"outboxWatermark.v4\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=22:AAECAwQFBgcICQoLDA0ODw\nlogId=22:ERESERESERESERESERESEQ\npartition=1:3\ncommittedOffset=2:42\nopenGapEnd=2:50\n"
+        ));
+        assert!(both.key_bytes().starts_with(b"outboxWatermarkKey.v2\n"));
+        for r in [&plain, &both] {
+            assert_eq!(&WatermarkRecord::decode(Some(&r.key_bytes()), Some(&r.value_bytes())).unwrap(), r);
+        }
+        let empty = plain.value_bytes().windows(b"logId=22:ERESERESERESERESERESEQ".len()).position(|w| w == b"logId=22:ERESERESERESERESERESEQ").unwrap();
+        let mut no_log = plain.value_bytes()[..empty].to_vec();
+        no_log.extend_from_slice(b"logId=0:\n");
+        no_log.extend_from_slice(&plain.value_bytes()[empty + b"logId=22:ERESERESERESERESERESEQ\n".len()..]);
+        let err = WatermarkRecord::decode(Some(&plain.key_bytes()), Some(&no_log)).unwrap_err();
+        assert!(err.to_string().contains("logId"), "{err}");
+        let bad = WatermarkRecord { log_id: Some("not-a-log-id".into()), ..sample() };
+        let err = WatermarkRecord::decode(Some(&bad.key_bytes()), Some(&bad.value_bytes())).unwrap_err();
+        assert!(err.to_string().contains("logId"), "{err}");
     }
 
     /// A consumer's watermarks split into the gap findings to open, with

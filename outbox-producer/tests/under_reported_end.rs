@@ -295,6 +295,7 @@ async fn a_watermark_within_the_served_end_is_applied() {
         cluster_id: broker.cluster_id().into(),
         topic: TOPIC.into(),
         topic_id: None,
+        log_id: None,
         partition: 0,
         committed_offset: committed,
         open_gap_end: None,

@@ -198,8 +198,9 @@ fn wire_md_worked_example_is_what_the_code_produces() {
 }
 
 /// The watermark record's example in docs/WIRE.md, as the code encodes it:
-/// of no topic id (`.v1`), or of the log of `topic_id` (`.v2`).
-fn watermark_example(topic_id: Option<&str>, open_gap_end: Option<i64>) -> String {
+/// of no topic id (`.v1`), of the log of `topic_id` (`.v2`), at an open
+/// gap (`.v3`), or naming the log it was read in (`.v4`).
+fn watermark_example(topic_id: Option<&str>, open_gap_end: Option<i64>, log_id: Option<&str>) -> String {
     use outbox_core::watermark_record::WatermarkRecord;
     let event_id = EventId::from_parts(1_764_547_200_123, 0x0123_4567_89ab_cdef_0123);
     let r = WatermarkRecord {
@@ -208,6 +209,7 @@ fn watermark_example(topic_id: Option<&str>, open_gap_end: Option<i64>) -> Strin
         cluster_id: "kafka-prod".into(),
         topic: "orders".into(),
         topic_id: topic_id.map(str::to_owned),
+        log_id: log_id.map(str::to_owned),
         partition: 3,
         committed_offset: 1042,
         open_gap_end,
@@ -237,8 +239,13 @@ fn watermark_example(topic_id: Option<&str>, open_gap_end: Option<i64>) -> Strin
 fn wire_md_watermark_example_is_what_the_code_produces() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/WIRE.md");
     let doc = std::fs::read_to_string(&path).expect("docs/WIRE.md");
-    for (topic_id, open_gap_end) in [(None, None), (Some("AAECAwQFBgcICQoLDA0ODw"), None), (None, Some(1050))] {
-        let want = watermark_example(topic_id, open_gap_end);
+    for (topic_id, open_gap_end, log_id) in [
+        (None, None, None),
+        (Some("AAECAwQFBgcICQoLDA0ODw"), None, None),
+        (None, Some(1050), None),
+        (None, None, Some("ERESERESERESERESERESEQ")),
+    ] {
+        let want = watermark_example(topic_id, open_gap_end, log_id);
         assert!(doc.contains(&want), "docs/WIRE.md must contain the watermark record example exactly as the code encodes it:\n{want}");
     }
 }

@@ -20,10 +20,13 @@ pub(super) enum Applied {
     MovedBack(String),
 }
 
-/// Applies one record to `outbox_consumer_watermarks`, monotonically.
+/// Applies one record to `outbox_consumer_watermarks`, monotonically
+/// within one log: a record of another log than the stored row's (both log
+/// ids known and different) is the consumer's reading started over in a new
+/// log, and replaces the row's offset instead of being refused as moved back.
 pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord) -> Result<Applied, ProducerError> {
     let row = sqlx::query(
-        "SELECT committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count,
+        "SELECT committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, log_id,
                 floor(extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
          FROM outbox_consumer_watermarks
          WHERE consumer_id = $1 AND cluster_id = $2 AND topic = $3 AND partition = $4 AND topic_id IS NOT DISTINCT FROM $5 FOR UPDATE",
@@ -40,6 +43,8 @@ pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecor
         if r.updated_at_ms < updated_ms {
             return Ok(Applied::OutOfDate);
         }
+        let stored_log: Option<String> = row.try_get("log_id")?;
+        let new_log = matches!((stored_log.as_deref(), r.log_id.as_deref()), (Some(was), Some(now)) if was != now);
         for (name, stored, got) in [
             ("committed offset", row.try_get::<i64, _>("committed_offset")?, r.committed_offset),
             ("applied count", row.try_get("applied_count")?, r.applied_count),
@@ -47,7 +52,7 @@ pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecor
             ("quarantined count", row.try_get("quarantined_count")?, r.quarantined_count),
             ("dead-lettered count", row.try_get("dead_lettered_count")?, r.dead_lettered_count),
         ] {
-            if got < stored {
+            if got < stored && !new_log {
                 return Ok(Applied::MovedBack(format!("{name} {got} is below the stored {stored}")));
             }
         }
@@ -66,8 +71,8 @@ pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecor
         .bind([updated_at])
         .bind([r.cluster_id.as_str()])
         .bind([r.topic_id.as_deref()])
-        // A record names no log id (the row keeps the one it had).
-        .bind([None::<&str>])
+        // A record of no log id (before `.v4`) leaves the row's as it was.
+        .bind([r.log_id.as_deref()])
         .execute(&mut **tx)
         .await?;
     Ok(Applied::Yes)

@@ -3,7 +3,8 @@
 //!
 //! An idempotent consumer whose state lives in its own database publishes
 //! its watermark rows as `outboxWatermark.v1` records (`.v2` for a row of a
-//! topic id: the log of one incarnation of a topic) to a compacted topic
+//! topic id: the log of one incarnation of a topic; `.v3` at an open gap;
+//! `.v4` naming the log its offset was read in) to a compacted topic
 //! of the cluster it reads ([`DEFAULT_TOPIC`], one per cluster). The
 //! [`WatermarkTopicReader`] reads that topic from the start of its log (its
 //! read position is kept in `outbox_watermark_topic_cursors` and moves in
@@ -13,7 +14,7 @@
 //!
 //! **What is applied.** A record is applied only when all of this holds;
 //! otherwise it is ignored and, but for the first case, is a finding:
-//! - it decodes (`outboxWatermark.v1` or `.v2`, its key naming its value) and names
+//! - it decodes (`outboxWatermark.v1` to `.v4`, its key naming its value) and names
 //!   the cluster it was read from (`watermark_rejected` otherwise);
 //! - when [`WatermarkTopicConfig::verify_keys`] holds keys for the consumer
 //!   it names: it is signed (headers `outbox-watermark-key-id` and
@@ -35,7 +36,12 @@
 //!   database's time of the row, is not below the stored one): an older
 //!   record is a reordered earlier publication and is ignored quietly;
 //! - the committed offset and every count are at least what is stored:
-//!   offsets and counts never move back (`watermark_moved_back` otherwise).
+//!   offsets and counts never move back (`watermark_moved_back` otherwise),
+//!   except in a new log: a `.v4` record whose log id differs from the one
+//!   stored with the row (the topic deleted and created again, the cluster
+//!   replaced under the same id) is the consumer's reading started over,
+//!   and replaces the row's offset; the retention gate then holds every
+//!   event whose receipt names the old log.
 //!
 //! A declared consumer that has published over the broker and whose last
 //! acceptable record is older than `ReconcilerConfig::stale_watermark_after_ms`
