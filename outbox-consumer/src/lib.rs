@@ -70,7 +70,7 @@
 //!   compacted watermark topic of its cluster
 //!   ([`ConsumerConfig::watermark_topic`], default `outbox.watermarks`) every
 //!   [`ConsumerConfig::watermark_publish_interval_ms`] and at shutdown, as
-//!   `outboxWatermark.v1` records (`.v2` for a row of a topic id;
+//!   `outboxWatermark.v1` records (`.v2` for a row of a topic id, `.v3` at an open gap, `.v4` naming the log read;
 //!   docs/WIRE.md); the producer side's
 //!   reconciler applies those of registered consumers. Publishing never
 //!   holds up consumption; a failed publication is counted
