@@ -93,9 +93,23 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
         // whose answer came late leaves little or nothing.
         let (now_ms, now) = (self.store.now_ms(), Instant::now());
         let mut sends = Vec::with_capacity(verified.len());
+        // Each partition's log identity, read once per batch before any of
+        // its sends starts (the read precedes each write, so a receipt
+        // never names a log newer than the one written; the receipt
+        // records it).
+        let mut log_ids: Vec<(String, i32, Option<String>)> = Vec::new();
         for (ev, reg) in verified.into_iter().zip(registered) {
             match reg {
                 Ok(attempt) => {
+                    let (topic, partition) = (&ev.destination.topic, ev.destination.partition);
+                    let log_id = match log_ids.iter().find(|(t, p, _)| t == topic && *p == partition) {
+                        Some((_, _, id)) => id.clone(),
+                        None => {
+                            let id = self.broker.log_id(topic, partition);
+                            log_ids.push((topic.clone(), partition, id.clone()));
+                            id
+                        }
+                    };
                     let send_deadline = now + Duration::from_millis(ev.token.lease_until_ms.saturating_sub(now_ms).max(0) as u64);
                     let message = outgoing_message_signed(&ev, &attempt, self.signer.as_ref());
                     let broker = self.broker.clone();
@@ -108,9 +122,6 @@ impl<B: Broker + 'static, S: ServiceStore> Dispatcher<B, S> {
                     let handle = tokio::spawn(
                         async move {
                             let at = Instant::now();
-                            // The log's identity as the client knows it
-                            // before the write (the receipt records it).
-                            let log_id = broker.log_id(&message.topic, message.partition);
                             let outcome = send_before(broker, message, send_deadline).await;
                             metrics.histograms.sent(&topic, &event_type, at.elapsed());
                             (outcome, log_id)
