@@ -745,7 +745,9 @@ pub async fn run_partition<S: ConsumerStore>(
 /// each partition starts over there (module [`gap`](crate::gap)). Messages
 /// fetched from the new log before that are counted in the old log's
 /// reading, and become part of the new log's gap once the new id is read:
-/// held, never passed.
+/// held, never passed, unless an operator accepts that gap (an accepted
+/// range counts as read: accept a gap only once its messages are known
+/// to be gone or not meant for this consumer).
 pub const TOPIC_ID_REFRESH_MS: u64 = 5_000;
 
 /// Most time one read of a topic's id may take, ms.

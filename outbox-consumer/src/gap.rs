@@ -109,6 +109,15 @@ pub fn reading_in_log(before: Reading, log_id: Option<&str>) -> (Reading, bool) 
     }
 }
 
+/// The reading after deciding `decided` on messages fetched from the log
+/// `log_id`, from the reading `stored` kept for the partition: started over
+/// first when `log_id` replaced the stored reading's log
+/// ([`reading_in_log`]; the change then says so, `new_log`).
+pub fn decide_reading_in_log(stored: &Reading, log_id: Option<&str>, decided: &[i64]) -> ReadingChange {
+    let (before, new_log) = reading_in_log(stored.clone(), log_id);
+    ReadingChange { new_log, ..decide_reading(&before, decided) }
+}
+
 /// The reading after deciding `decided` (the offsets a transaction decided
 /// on the partition, in any order, repeats allowed), from `before`.
 pub fn decide_reading(before: &Reading, decided: &[i64]) -> ReadingChange {
@@ -254,6 +263,8 @@ mod tests {
         assert_eq!(c.opened, vec![OffsetGap { detected_from: 0, from_offset: 0, to_offset: 500 }]);
         assert_eq!(capped_watermark(c.next_offset, c.watermark_cap), 0);
         assert_eq!(c.log_id.as_deref(), Some("B"));
+        assert_eq!(decide_reading_in_log(&old, Some("B"), &[500, 501]), ReadingChange { new_log: true, ..c.clone() }, "the same in one call");
+        assert!(!decide_reading_in_log(&old, Some("A"), &[500, 501]).new_log);
         // Without the log's identity the same reads look continuous: the
         // watermark would pass the new log's 500 unread offsets.
         let blind = decide_reading(&old, &[500, 501]);

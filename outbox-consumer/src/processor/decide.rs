@@ -12,7 +12,7 @@ use super::verify::bytes_json;
 use super::{position, Fail, Prepared, Processor};
 use crate::error::ConsumerError;
 use crate::event::{headers_json, ConsumedEvent, RawMessage, MAX_EVIDENCE_HEADER_BYTES};
-use crate::gap::{capped_watermark, decide_reading, reading_in_log, OffsetGap};
+use crate::gap::{capped_watermark, decide_reading, decide_reading_in_log, OffsetGap};
 use crate::metrics::Metrics;
 use crate::outcome::{DeadLettered, Outcome, Quarantined, QuarantineReason, Receipt};
 use crate::store::{Claim, ConsumerStore, QuarantineRow, WatermarkAdvance};
@@ -252,26 +252,23 @@ impl<S: ConsumerStore> Processor<S> {
     pub(super) async fn advance_watermarks(&self, tx: &mut S::Tx, at: &RawMessage, tally: &Tally) -> Result<Found, ConsumerError> {
         let (cluster, topic, partition) = (self.cluster_id(), &at.topic, at.partition);
         let stored = self.store.reading(tx, &self.consumer_id, cluster, topic, partition).await?;
-        let stored_log = stored.log_id.clone();
-        let (before, new_log) = if outbox_core::simulation::mutation_active("replaced-log-read-as-continuous") {
+        let mut change = if outbox_core::simulation::mutation_active("replaced-log-read-as-continuous") {
             // The deliberate defect: the reading goes on across a replaced
             // log, as if the new log's offsets continued the old one's.
-            (stored, false)
+            decide_reading(&stored, &tally.1)
         } else {
-            reading_in_log(stored, at.log_id.as_deref())
+            decide_reading_in_log(&stored, at.log_id.as_deref(), &tally.1)
         };
-        if new_log {
-            warn!(consumer = %self.consumer_id, cluster = %cluster, topic = %topic, partition, old_log = ?stored_log, new_log = ?at.log_id,
+        if change.new_log {
+            warn!(consumer = %self.consumer_id, cluster = %cluster, topic = %topic, partition, old_log = ?stored.log_id, new_log = ?at.log_id,
                 "the partition's log was replaced (the topic was created again, or the cluster replaced): this consumer's reading and watermark start over in the new log");
         }
-        let mut change = decide_reading(&before, &tally.1);
-        change.new_log = new_log;
         if outbox_core::simulation::mutation_active("watermark-passes-gaps") {
             // The deliberate defect: the watermark moves to the last offset
             // decided plus one, past a range this consumer never read.
             change.watermark_cap = None;
         }
-        if new_log || before.log_id != stored_log || before.next_offset != Some(change.next_offset) || !change.opened.is_empty() || !change.shrunk.is_empty() {
+        if change.new_log || change.log_id != stored.log_id || stored.next_offset != Some(change.next_offset) || !change.opened.is_empty() || !change.shrunk.is_empty() {
             self.store.save_reading(tx, &self.consumer_id, cluster, topic, partition, &change).await?;
         }
         let rows: Vec<WatermarkAdvance> = tally
