@@ -149,7 +149,7 @@ pub use store::{ConsumerStore, PgConsumerStore, TxHandler};
 pub use processor::{purge_receipts_before, receipt, verify_message, verify_message_with, Processor, Rejection, LIMIT_PURGE_ROWS, MAX_RESULT_BYTES};
 pub use trust::{TopicTrust, TrustPolicy, LIMIT_TRUST_ENTRIES};
 pub use watermark::{publish_watermarks, watermarks, Watermark, MAX_WATERMARK_ROWS};
-pub use watermark_publisher::{SHARED_KAFKA_PROPERTY_PREFIXES, WATERMARK_TOPIC_PARTITIONS};
+pub use watermark_publisher::{watermark_record_of, SHARED_KAFKA_PROPERTY_PREFIXES, WATERMARK_TOPIC_PARTITIONS};
 
 /// The consumer's schema (`migrations/`, one file, version `20261208200001`),
 /// for `#[sqlx::test(migrator = "outbox_consumer::MIGRATOR")]` and tools.

@@ -51,6 +51,29 @@ use crate::watermark::watermarks_on;
 /// consumer-only properties are not given to its producer.
 pub const SHARED_KAFKA_PROPERTY_PREFIXES: &[&str] = &["security.", "sasl.", "ssl.", "socket.", "broker.", "client.dns.", "client.rack"];
 
+/// The record that publishes the watermark row `w` of a consumer of the
+/// Kafka group `group_id`, at `published_at_ms` (ms since the epoch).
+pub fn watermark_record_of(w: crate::Watermark, group_id: &str, published_at_ms: i64) -> WatermarkRecord {
+    WatermarkRecord {
+        consumer_id: w.consumer_id,
+        group_id: group_id.to_owned(),
+        cluster_id: w.cluster_id,
+        topic: w.topic,
+        topic_id: w.topic_id,
+        log_id: w.log_id,
+        partition: w.partition,
+        committed_offset: w.committed_offset,
+        open_gap_end: w.open_gap_end,
+        applied_count: w.applied_count,
+        duplicate_count: w.duplicate_count,
+        quarantined_count: w.quarantined_count,
+        dead_lettered_count: w.dead_lettered_count,
+        last_event_id: w.last_event_id,
+        updated_at_ms: w.updated_at.timestamp_millis(),
+        published_at_ms,
+    }
+}
+
 /// Partitions of the watermark topic when the publisher creates it.
 pub const WATERMARK_TOPIC_PARTITIONS: i32 = 1;
 
@@ -197,24 +220,7 @@ impl Publisher {
         let now_ms = chrono::Utc::now().timestamp_millis();
         let mut pending = Vec::with_capacity(rows.len());
         for w in rows {
-            let record = WatermarkRecord {
-                consumer_id: w.consumer_id,
-                group_id: self.group_id.clone(),
-                cluster_id: w.cluster_id,
-                topic: w.topic,
-                topic_id: w.topic_id,
-                log_id: w.log_id,
-                partition: w.partition,
-                committed_offset: w.committed_offset,
-                open_gap_end: w.open_gap_end,
-                applied_count: w.applied_count,
-                duplicate_count: w.duplicate_count,
-                quarantined_count: w.quarantined_count,
-                dead_lettered_count: w.dead_lettered_count,
-                last_event_id: w.last_event_id,
-                updated_at_ms: w.updated_at.timestamp_millis(),
-                published_at_ms: now_ms,
-            };
+            let record = watermark_record_of(w, &self.group_id, now_ms);
             if let Err(e) = record.validate() {
                 warn!(error = %e, topic = %record.topic, partition = record.partition, "watermark row not publishable");
                 continue;

@@ -8,23 +8,16 @@ use std::collections::HashMap;
 use outbox_core::watermark_record::WatermarkRecord;
 use sqlx::{PgPool, Postgres, Row as _, Transaction};
 
+use super::decide::{judge, Judgement, Stored};
 use crate::error::ProducerError;
 
 /// Most findings one round records per kind (the rest are counted only).
 pub const MAX_FINDINGS_PER_ROUND: usize = 1_000;
 
-/// What [`apply`] did with a record.
-pub(super) enum Applied {
-    Yes,
-    OutOfDate,
-    MovedBack(String),
-}
-
-/// Applies one record to `outbox_consumer_watermarks`, monotonically
-/// within one log: a record of another log than the stored row's (both log
-/// ids known and different) is the consumer's reading started over in a new
-/// log, and replaces the row's offset instead of being refused as moved back.
-pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord) -> Result<Applied, ProducerError> {
+/// Applies one record to `outbox_consumer_watermarks` as
+/// [`judge`] decides against the row it locks: monotonically within one
+/// log; a record of another log than the row's replaces it.
+pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecord) -> Result<Judgement, ProducerError> {
     let row = sqlx::query(
         "SELECT committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, log_id,
                 floor(extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
@@ -38,24 +31,18 @@ pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecor
     .bind(r.topic_id.as_deref())
     .fetch_optional(&mut **tx)
     .await?;
-    if let Some(row) = row {
-        let updated_ms: i64 = row.try_get("updated_ms")?;
-        if r.updated_at_ms < updated_ms {
-            return Ok(Applied::OutOfDate);
-        }
-        let stored_log: Option<String> = row.try_get("log_id")?;
-        let new_log = matches!((stored_log.as_deref(), r.log_id.as_deref()), (Some(was), Some(now)) if was != now);
-        for (name, stored, got) in [
-            ("committed offset", row.try_get::<i64, _>("committed_offset")?, r.committed_offset),
-            ("applied count", row.try_get("applied_count")?, r.applied_count),
-            ("duplicate count", row.try_get("duplicate_count")?, r.duplicate_count),
-            ("quarantined count", row.try_get("quarantined_count")?, r.quarantined_count),
-            ("dead-lettered count", row.try_get("dead_lettered_count")?, r.dead_lettered_count),
-        ] {
-            if got < stored && !new_log {
-                return Ok(Applied::MovedBack(format!("{name} {got} is below the stored {stored}")));
-            }
-        }
+    let stored = match row {
+        Some(row) => Some(Stored {
+            committed_offset: row.try_get("committed_offset")?,
+            counts: [row.try_get("applied_count")?, row.try_get("duplicate_count")?, row.try_get("quarantined_count")?, row.try_get("dead_lettered_count")?],
+            updated_at_ms: row.try_get("updated_ms")?,
+            log_id: row.try_get("log_id")?,
+        }),
+        None => None,
+    };
+    let judgement = judge(stored.as_ref(), r);
+    if judgement != Judgement::Apply {
+        return Ok(judgement);
     }
     let updated_at = chrono::DateTime::<chrono::Utc>::from_timestamp_millis(r.updated_at_ms).unwrap_or_default();
     sqlx::query(outbox_core::watermark_record::COPY_UPSERT_SQL)
@@ -75,7 +62,7 @@ pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecor
         .bind([r.log_id.as_deref()])
         .execute(&mut **tx)
         .await?;
-    Ok(Applied::Yes)
+    Ok(Judgement::Apply)
 }
 
 /// A declared consumer's acceptable record arrived at `now`.

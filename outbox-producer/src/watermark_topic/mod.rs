@@ -66,7 +66,9 @@
 //! log, whatever id the record names.
 //!
 //! Files: `config` holds the [`WatermarkTopicConfig`] (verification keys
-//! and opt-outs, their parsing and validation); `reader` the
+//! and opt-outs, their parsing and validation); [`decide`] the decisions
+//! about one record, without I/O (the simulator's reader makes them too);
+//! `reader` the
 //! [`WatermarkTopicReader`]: the Kafka client, and a round that reads the
 //! topic and decides about each record ([`IngestReport`]); `apply` the SQL
 //! a round runs in its transaction (the monotonic watermark upsert, the
@@ -74,6 +76,7 @@
 
 mod apply;
 mod config;
+pub mod decide;
 mod reader;
 
 pub use outbox_core::watermark_record::DEFAULT_TOPIC;

@@ -6,7 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::watermark_record::{self, WatermarkRecord, WriterDecision};
+use outbox_core::watermark_record::{self, WriterDecision};
 use outbox_core::{Clock, SystemClock};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -14,8 +14,9 @@ use rdkafka::message::Message;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use sqlx::PgPool;
 
-use super::apply::{apply, arrived, ignored, pin, record_findings, Applied};
-use super::config::{no_key_reason, WatermarkTopicConfig};
+use super::apply::{apply, arrived, ignored, pin, record_findings};
+use super::config::WatermarkTopicConfig;
+use super::decide::{log_of, screen, Cause, Judgement, RecordBytes, Rejected, Screen};
 use crate::error::ProducerError;
 use crate::kafka::PAST_END_READ_MS;
 
@@ -294,32 +295,13 @@ impl WatermarkTopicReader {
         // registered consumers speak about (only theirs: a record of anybody
         // else costs no broker request).
         let declared: Vec<String> = sqlx::query_scalar("SELECT consumer_id FROM outbox_consumers").fetch_all(&self.pool).await?;
+        let screening = Screen { cluster_id: &self.cluster_id, verify_keys: &self.config.verify_keys, allow_unsigned: &self.config.allow_unsigned, declared: &declared };
         let mut decoded = Vec::with_capacity(messages.len());
         let mut data_ends: HashMap<(String, i32), Result<i64, String>> = HashMap::new();
         for m in messages {
             let (p, off) = (m.partition, m.offset);
-            let r = WatermarkRecord::decode(m.key.as_deref(), m.value.as_deref()).map_err(|e| Rejected { why: e.to_string(), consumer: None, cause: Cause::Format }).and_then(|r| {
-                if r.cluster_id != self.cluster_id {
-                    return Err(Rejected { why: format!("names cluster {:?} but was read from cluster {:?}", r.cluster_id, self.cluster_id), consumer: None, cause: Cause::Format });
-                }
-                match self.config.verify_keys.get(&r.consumer_id) {
-                    Some(keys) => {
-                        let value = m.value.as_deref().unwrap_or_default();
-                        if let Err(e) = watermark_record::verify_signature(value, m.key_id.as_deref(), m.signature.as_deref(), keys) {
-                            return Err(Rejected { why: format!("consumer {}: {e}", r.consumer_id), consumer: Some(r.consumer_id.clone()), cause: Cause::Signature });
-                        }
-                    }
-                    // Opted out by name: not checked.
-                    None if self.config.allow_unsigned.contains(&r.consumer_id) => {}
-                    // Neither keyed nor opted out: refused. (An undeclared
-                    // consumer's record is `watermark_undeclared_consumer` below.)
-                    None if declared.contains(&r.consumer_id) => {
-                        return Err(Rejected { why: no_key_reason(&r.consumer_id), consumer: Some(r.consumer_id.clone()), cause: Cause::NoKey(log_of(&r)) });
-                    }
-                    None => {}
-                }
-                Ok(r)
-            });
+            let bytes = RecordBytes { key: m.key.as_deref(), value: m.value.as_deref(), key_id: m.key_id.as_deref(), signature: m.signature.as_deref() };
+            let r = screen(&screening, bytes);
             if let Some(r) = r.as_ref().ok().filter(|r| declared.contains(&r.consumer_id)) {
                 if let std::collections::hash_map::Entry::Vacant(slot) = data_ends.entry((r.topic.clone(), r.partition)) {
                     slot.insert(self.offsets(&r.topic, r.partition).await.map(|(_, high)| high).map_err(|e| e.to_string()));
@@ -447,16 +429,16 @@ impl WatermarkTopicReader {
                 }
             }
             match apply(&mut tx, &record).await? {
-                Applied::Yes => {
+                Judgement::Apply => {
                     report.applied += 1;
                     arrived(&mut tx, &record, now).await?;
                     gaps.entry(record.consumer_id.clone()).or_default().insert(log, (record.committed_offset, record.open_gap_end));
                 }
-                Applied::OutOfDate => {
+                Judgement::OutOfDate => {
                     report.out_of_date += 1;
                     arrived(&mut tx, &record, now).await?;
                 }
-                Applied::MovedBack(why) => {
+                Judgement::MovedBack(why) => {
                     report.moved_back += 1;
                     ignored(&mut tx, &record, now).await?;
                     findings.push(("watermark_moved_back", log, record.consumer_id.clone(), format!("watermark record at {at} ignored: {why}")));
@@ -512,27 +494,4 @@ struct ReadRecord {
     signature: Option<Vec<u8>>,
     /// The last `outbox-watermark-decider` header.
     decider: Option<Vec<u8>>,
-}
-
-/// Why a record was rejected, and the consumer it named when it decoded.
-struct Rejected {
-    why: String,
-    consumer: Option<String>,
-    cause: Cause,
-}
-
-/// What a rejection counts as.
-enum Cause {
-    /// Does not decode, or names another cluster.
-    Format,
-    /// Fails the signature check of a consumer with keys.
-    Signature,
-    /// Of a declared consumer without keys that is not opted out; the log
-    /// the record is about (what its finding names).
-    NoKey(String),
-}
-
-/// The log a record is about, as findings name it.
-fn log_of(r: &WatermarkRecord) -> String {
-    watermark_record::log_name(&r.cluster_id, &r.topic, r.topic_id.as_deref(), r.partition)
 }
