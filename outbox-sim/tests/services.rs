@@ -233,6 +233,14 @@ fn watermark_passes_gaps_in_the_shipped_processor_is_caught() {
     assert_caught("watermark-passes-gaps", 300, "watermark_passes_unread");
 }
 
+/// The watermark topic's reader applying a keyed consumer's records
+/// unchecked: the forger's records (the group's watermark moved to a
+/// partition's end) pass, and retention purges what the group never read.
+#[test]
+fn watermark_signature_unchecked_in_the_shipped_reader_is_caught() {
+    assert_caught("watermark-signature-unchecked", 300, "premature_purge");
+}
+
 /// The shipped retention decision purging without the mandatory consumers'
 /// watermarks purges events a consumer has not read.
 #[test]

@@ -127,6 +127,11 @@ service_figures! {
         late_copies_unheard,
         /// Topics deleted and created again, and clusters replaced by empty ones.
         log_resets,
+        /// Records a forger wrote to the watermark topic (unsigned, or
+        /// signed with a key not the group's), in the traces that run it.
+        forged_watermark_records,
+        /// Watermark-topic records the reader applied to the outbox side's copy.
+        watermark_records_applied,
         /// Published events whose receipt's position held their message in
         /// a log that is gone since (its topic recreated, its cluster replaced).
         receipt_positions_lost,

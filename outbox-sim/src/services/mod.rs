@@ -66,7 +66,13 @@
 //! job purges every 0.6–6 s on the watermarks its receipt store holds, and
 //! on a topic of the same name on `OTHER_CLUSTER` (far ahead). Its owners
 //! sometimes start at the log's end (a group reset to latest): the offsets
-//! skipped must stay a gap its watermark does not pass.
+//! skipped must stay a gap its watermark does not pass. In half the traces
+//! with retention the watermarks reach it over the watermark topic: the
+//! group publishes its rows as signed records, a forger writes records
+//! moving the group's watermark to a partition's end (unsigned, or under a
+//! key not the group's) and replays old ones, and the reader judges each
+//! with the shipped decisions (`outbox_producer::watermark_topic::decide`)
+//! into the copy retention reads.
 //!
 //! Then faults stop, the services run until every event is settled, and the
 //! checks read the store and the log (names as Jepsen's Kafka checker uses
@@ -109,6 +115,8 @@
 //! - `processes`: the shipped services as processes on hosts of their own
 //!   (dispatchers, the reconciler, the operator's migration) and their killer;
 //! - `retention`: the mandatory consumer's watermarks and the retention job;
+//! - `watermark_topic`: the group's publisher, the forger and the reader
+//!   of the watermark topic, and the copy they keep;
 //! - `trace`: one trace: emits, retried commands, faults on a timeline,
 //!   kills, the settling phase;
 //! - `checks`: what the stores and the logs must show once a trace settled;
@@ -127,6 +135,7 @@ mod processes;
 mod retention;
 mod store;
 mod trace;
+mod watermark_topic;
 mod world;
 
 pub use broker::SimBroker;

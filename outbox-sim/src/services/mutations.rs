@@ -3,7 +3,7 @@
 
 /// Deliberate defects in shipped code, each switched by
 /// [`outbox_core::simulation::mutation_active`] at one line.
-pub const SERVICE_MUTATIONS: [(&str, &str); 17] = [
+pub const SERVICE_MUTATIONS: [(&str, &str); 18] = [
     ("send-after-lease", "the dispatcher hands a message to the client after its claim's lease ran out"),
     ("bound-from-registration-clock", "the in-flight bound counts from the attempt's registration, not from the end of the lease it was sent under"),
     ("absence-from-truncated-log", "a lookup range below the log's start (or above its end) proves absence"),
@@ -21,6 +21,7 @@ pub const SERVICE_MUTATIONS: [(&str, &str); 17] = [
     ("ack-without-digest-check", "acceptDispatchReceipt takes a receipt whose payload digest is not the frozen one (no quarantine)"),
     ("quarantine-resend-unproven", "the migration decision re-sends a QUARANTINED event under a new envelope generation whatever its attempts say (one whose genuine copy is in the old topic too)"),
     ("watermark-passes-gaps", "the consumer's watermark moves to the last offset decided plus one, past a range of offsets it never read (a group reset to latest, an offset out of range); the consumer's own test `processor::the_gap_test_catches_a_watermark_that_passes_a_gap` catches it too"),
+    ("watermark-signature-unchecked", "the watermark topic's reader applies a record of a consumer it holds keys for without checking its signature: a forged record moves the consumer's watermark"),
 ];
 
 /// Deliberate defects in the insert-only stream's shipped decisions

@@ -11,6 +11,7 @@ use outbox_memory::{MemoryStore, MemoryWatermark};
 
 use super::consumers::{decided, group_watermarks, GROUP};
 use super::processes::Process;
+use super::watermark_topic::{copied_watermarks, SharedTopic};
 use super::world::{world, Shared};
 use super::{NEW_TOPIC, PARTITIONS, TOPIC};
 
@@ -27,17 +28,23 @@ const RETENTION_POLICY: outbox_producer::retention::RetentionPolicy = outbox_pro
 /// the same name on `OTHER_CLUSTER` (another log, far ahead). A retention
 /// job runs the shipped retention pass (`outbox_producer::retention::purge_with`,
 /// which `outbox purge` runs over PostgreSQL; its decision is `may_purge`)
-/// on the watermarks the group's store holds at that moment, every
+/// on the watermarks the group's store holds at that moment (or, in the
+/// traces that run the watermark topic, the copy its reader keeps), every
 /// 0.6–6 s, in small pages, and every event it purges must have been
 /// applied or dead-lettered by the group.
-pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: MemoryConsumerStore) -> Process {
+pub(super) fn start_retention(shared: &Shared, inner: &MemoryStore, consumers: MemoryConsumerStore, copy: Option<SharedTopic>) -> Process {
     let (shared, inner) = (shared.clone(), inner.clone());
     tokio::spawn(async move {
         let mandatory = vec![(GROUP.to_owned(), vec![TOPIC.to_owned(), NEW_TOPIC.to_owned()])];
         loop {
             let tick = world(&shared).rng.range(600, 6_000);
             tokio::time::sleep(Duration::from_millis(tick as u64)).await;
-            let mut watermarks = group_watermarks(&consumers);
+            // The group's rows as its store holds them, or (the traces that
+            // run the watermark topic) the outbox side's copy of them.
+            let mut watermarks = match &copy {
+                Some(topic) => copied_watermarks(topic),
+                None => group_watermarks(&consumers),
+            };
             {
                 let mut w = world(&shared);
                 for partition in 0..PARTITIONS as i32 {

@@ -18,6 +18,7 @@ use super::consumers;
 use super::figures::{ServiceFigures, ServiceOutcome};
 use super::processes::{kill_one, new_route, start_dispatcher, start_operator, start_reconciler, DispatcherProcess, Processes};
 use super::retention::start_retention;
+use super::watermark_topic;
 use super::store::SimStore;
 use super::world::{world, Host, Shared, World};
 use super::{CLUSTER, FAULT_PHASE_MS, LEASE_MS, NEW_TOPIC, PARTITIONS, T0_MS, TOPIC};
@@ -119,7 +120,16 @@ async fn trace(cfg: ServiceTraceConfig, mode: StoreMode, log: bool) -> ServiceOu
     let all_dispatchers = dispatchers.iter().map(|d| d.metrics.clone()).collect();
     let mut procs = Processes { dispatchers, all_dispatchers, reconciler, operator: None, incarnation };
     let mut consumers = consumers::Consumers::start(&shared, cfg.seed);
-    let retention = cfg.faults.retention.then(|| start_retention(&shared, &inner, consumers.store()));
+    // Half the traces with retention carry the group's watermarks over the
+    // watermark topic (publisher, forger, reader); the others read the
+    // group's store directly. Drawn on its own.
+    let over_topic = cfg.faults.retention && Rng::new(cfg.seed ^ 0x003a_7e4d).chance(0.5);
+    let copy = over_topic.then(|| watermark_topic::SharedTopic::default());
+    let topic_tasks = copy.as_ref().map(|t| watermark_topic::start(&shared, cfg.seed, consumers.store(), t.clone())).unwrap_or_default();
+    if over_topic {
+        world(&shared).note(|| "the group's watermarks reach retention over the watermark topic".into());
+    }
+    let retention = cfg.faults.retention.then(|| start_retention(&shared, &inner, consumers.store(), copy));
     if let Some(at) = cfg.faults.truncate_at_ms {
         let partition = rng.below(u64::from(PARTITIONS)) as i32;
         let w = shared.clone();
@@ -317,7 +327,7 @@ async fn trace(cfg: ServiceTraceConfig, mode: StoreMode, log: bool) -> ServiceOu
             break;
         }
     }
-    for p in procs.dispatchers.drain(..).map(|d| d.task).chain([procs.reconciler]).chain(procs.operator).chain(retention) {
+    for p in procs.dispatchers.drain(..).map(|d| d.task).chain([procs.reconciler]).chain(procs.operator).chain(retention).chain(topic_tasks) {
         p.abort();
     }
     let late_acks: u64 = procs.all_dispatchers.iter().map(|m| m.late_acks.load(std::sync::atomic::Ordering::Relaxed)).sum();

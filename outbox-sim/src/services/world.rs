@@ -238,5 +238,9 @@ pub(super) fn world(w: &Shared) -> std::sync::MutexGuard<'_, World> {
 /// The identity of a partition's log in its `incarnation` (what a client
 /// reads as the topic's id).
 pub(super) fn log_id_of(incarnation: usize) -> String {
-    format!("incarnation-{incarnation}")
+    // In a topic id's text form, as a broker gives it (watermark records
+    // carry it and refuse anything else).
+    let mut bytes = [0x51u8; 16];
+    bytes[8..].copy_from_slice(&(incarnation as u64).to_be_bytes());
+    outbox_core::envelope::topic_id_text(&bytes)
 }

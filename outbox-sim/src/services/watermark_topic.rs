@@ -1,0 +1,230 @@
+//! The watermark topic, in the traces that run it: the mandatory consumer
+//! group publishes its watermark rows as signed records (the shipped
+//! encoding, `outbox_consumer::watermark_record_of` and
+//! `outbox_core::watermark_record`), a forger writes records of its own to
+//! the same topic (unsigned, or signed with a key that is not the group's,
+//! moving the group's watermark to the end of a partition it has not
+//! read) and replays old genuine ones, and a reader judges each record with
+//! the shipped decisions (`outbox_producer::watermark_topic::decide`:
+//! `screen`, then `judge`) into the outbox side's copy of the watermarks,
+//! the copy retention reads in those traces. A record the reader wrongly
+//! applies shows as a `premature_purge`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_consumer::memory::MemoryConsumerStore;
+use outbox_core::trust::SigningKey;
+use outbox_core::watermark_record::WatermarkRecord;
+use outbox_memory::MemoryWatermark;
+use outbox_producer::watermark_topic::decide::{judge, screen, Judgement, RecordBytes, Screen, Stored};
+
+use super::consumers::GROUP;
+use super::processes::Process;
+use super::world::{world, Shared};
+use super::CLUSTER;
+use crate::rng::Rng;
+
+/// The group's watermark signing key (the reader holds it).
+const KEY_ID: &str = "wm-sim";
+/// A row of the copy: consumer, cluster, topic, topic id, partition.
+type RowKey = (String, String, String, Option<String>, i32);
+
+/// One record on the topic: key, value, and the signature headers.
+#[derive(Debug, Clone)]
+struct TopicRecord {
+    key: Vec<u8>,
+    value: Vec<u8>,
+    key_id: Option<Vec<u8>>,
+    signature: Option<Vec<u8>>,
+}
+
+/// The topic, the reader's position in it, and the outbox side's copy.
+#[derive(Debug, Default)]
+pub(super) struct WatermarkTopic {
+    records: Vec<TopicRecord>,
+    read: usize,
+    copy: BTreeMap<RowKey, Stored>,
+    /// Each row's version as published: what the row held, and since when
+    /// (the consumer database's time of its last change).
+    versions: BTreeMap<RowKey, (WatermarkRecord, i64)>,
+}
+
+/// The topic shared by the publisher, the reader and retention.
+pub(super) type SharedTopic = Arc<Mutex<WatermarkTopic>>;
+
+fn lock(t: &SharedTopic) -> std::sync::MutexGuard<'_, WatermarkTopic> {
+    t.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn group_key() -> SigningKey {
+    SigningKey::from_hex(KEY_ID, &"5c".repeat(32)).expect("a valid key")
+}
+
+/// The copy's rows, as retention's registry reads them: a record names no
+/// anchor (the watermark is judged by its log id).
+pub(super) fn copied_watermarks(topic: &SharedTopic) -> Vec<MemoryWatermark> {
+    lock(topic)
+        .copy
+        .iter()
+        .map(|((consumer_id, cluster_id, topic, topic_id, partition), s)| MemoryWatermark {
+            log: outbox_core::LogId { cluster_id: cluster_id.clone(), topic: topic.clone(), topic_id: topic_id.clone(), partition: *partition },
+            consumer_id: consumer_id.clone(),
+            committed_offset: s.committed_offset,
+            anchor_recorded: false,
+            anchor_event_id: None,
+            anchor_epoch: None,
+            anchor_accepted_ms: None,
+            log_id: s.log_id.clone(),
+        })
+        .collect()
+}
+
+/// The group's watermark rows as its database would list them
+/// (`outbox_consumer::watermarks`): an open gap at a row's offset is
+/// named, and each row's time is when it last changed.
+fn group_rows(store: &MemoryConsumerStore, topic: &mut WatermarkTopic, now_ms: i64) -> Vec<WatermarkRecord> {
+    let st = store.lock();
+    let mut out = Vec::new();
+    for ((consumer_id, cluster_id, t, partition, topic_id), row) in &st.watermarks {
+        if consumer_id != GROUP {
+            continue;
+        }
+        let pk = (consumer_id.clone(), cluster_id.clone(), t.clone(), *partition);
+        let open_gap_end = st
+            .gaps
+            .range((pk.clone(), i64::MIN)..=(pk, i64::MAX))
+            .filter(|(_, g)| g.close_reason.is_none() && g.gap.from_offset <= row.committed_offset && g.gap.to_offset > row.committed_offset)
+            .map(|(_, g)| g.gap.to_offset)
+            .min();
+        let w = outbox_consumer::Watermark {
+            consumer_id: consumer_id.clone(),
+            cluster_id: cluster_id.clone(),
+            topic: t.clone(),
+            topic_id: topic_id.clone(),
+            partition: *partition,
+            committed_offset: row.committed_offset,
+            applied_count: row.applied,
+            duplicate_count: row.duplicates,
+            quarantined_count: row.quarantined,
+            dead_lettered_count: row.dead_lettered,
+            last_event_id: row.last_event_id.clone(),
+            updated_at: chrono::DateTime::from_timestamp_millis(now_ms).unwrap_or_default(),
+            open_gap_end,
+            log_id: row.log_id.clone(),
+        };
+        let mut record = outbox_consumer::watermark_record_of(w, GROUP, now_ms);
+        let key = (consumer_id.clone(), cluster_id.clone(), t.clone(), topic_id.clone(), *partition);
+        let since = match topic.versions.get(&key) {
+            Some((was, since)) if WatermarkRecord { updated_at_ms: was.updated_at_ms, published_at_ms: was.published_at_ms, ..record.clone() } == *was => *since,
+            _ => now_ms,
+        };
+        record.updated_at_ms = since;
+        topic.versions.insert(key, (record.clone(), since));
+        out.push(record);
+    }
+    out
+}
+
+/// Starts the group's publisher (every 0.3–3 s), the forger (while faults
+/// are on), and the reader (every 0.6–4 s), all on `topic`.
+pub(super) fn start(shared: &Shared, seed: u64, consumers: MemoryConsumerStore, topic: SharedTopic) -> Vec<Process> {
+    let publisher = {
+        let (shared, topic) = (shared.clone(), topic.clone());
+        let mut rng = Rng::new(seed ^ 0x000b_115e);
+        tokio::spawn(async move {
+            let key = group_key();
+            let wrong = SigningKey::from_hex(KEY_ID, &"e7".repeat(32)).expect("a valid key");
+            loop {
+                tokio::time::sleep(Duration::from_millis(rng.range(300, 3_000) as u64)).await;
+                let (now, ends, on) = {
+                    let w = world(&shared);
+                    let ends: BTreeMap<(String, i32), i64> = w.logs.iter().map(|(k, l)| (k.clone(), l.len() as i64)).collect();
+                    (w.now_ms(), ends, w.on)
+                };
+                let mut t = lock(&topic);
+                for r in group_rows(&consumers, &mut t, now) {
+                    let value = r.value_bytes();
+                    let signature = key.sign(&value);
+                    t.records.push(TopicRecord { key: r.key_bytes(), value, key_id: Some(KEY_ID.into()), signature: Some(signature.into_bytes()) });
+                    if !on {
+                        continue;
+                    }
+                    // The forger: the group's watermark moved to the end of
+                    // the partition, unsigned or under a key not the group's.
+                    if rng.chance(0.5) {
+                        let end = ends.get(&(r.topic.clone(), r.partition)).copied().unwrap_or(0);
+                        let forged = WatermarkRecord { committed_offset: end.max(r.committed_offset), open_gap_end: None, updated_at_ms: now, ..r.clone() };
+                        let value = forged.value_bytes();
+                        let signed = rng.chance(0.5).then(|| wrong.sign(&value).into_bytes());
+                        let key_id = signed.as_ref().map(|_| KEY_ID.as_bytes().to_vec());
+                        t.records.push(TopicRecord { key: forged.key_bytes(), value, key_id, signature: signed });
+                        world(&shared).figures.forged_watermark_records += 1;
+                    }
+                    // A genuine record of a while ago, replayed.
+                    if rng.chance(0.1) && t.records.len() > 10 {
+                        let at = rng.below(t.records.len() as u64) as usize;
+                        let old = t.records[at].clone();
+                        t.records.push(old);
+                    }
+                }
+            }
+        })
+    };
+    let reader = {
+        let (shared, topic) = (shared.clone(), topic.clone());
+        let mut rng = Rng::new(seed ^ 0x000e_ade7);
+        tokio::spawn(async move {
+            let keys: BTreeMap<String, Vec<SigningKey>> = [(GROUP.to_owned(), vec![group_key()])].into();
+            let (unsigned, declared) = (BTreeSet::new(), vec![GROUP.to_owned()]);
+            let ctx = Screen { cluster_id: CLUSTER, verify_keys: &keys, allow_unsigned: &unsigned, declared: &declared };
+            loop {
+                tokio::time::sleep(Duration::from_millis(rng.range(600, 4_000) as u64)).await;
+                let ends: BTreeMap<(String, i32), i64> = world(&shared).logs.iter().map(|(k, l)| (k.clone(), l.len() as i64)).collect();
+                let mut t = lock(&topic);
+                let fresh: Vec<TopicRecord> = t.records[t.read..].to_vec();
+                t.read = t.records.len();
+                let mut applied = 0u64;
+                for rec in fresh {
+                    let bytes = RecordBytes { key: Some(&rec.key), value: Some(&rec.value), key_id: rec.key_id.as_deref(), signature: rec.signature.as_deref() };
+                    let Ok(r) = screen(&ctx, bytes) else { continue };
+                    // Beyond the partition's end: refused (`watermark_beyond_end`).
+                    if ends.get(&(r.topic.clone(), r.partition)).is_none_or(|&end| r.committed_offset > end) {
+                        continue;
+                    }
+                    let key = (r.consumer_id.clone(), r.cluster_id.clone(), r.topic.clone(), r.topic_id.clone(), r.partition);
+                    let stored = t.copy.get(&key).cloned();
+                    if judge(stored.as_ref(), &r) != Judgement::Apply {
+                        continue;
+                    }
+                    applied += 1;
+                    t.copy.insert(key, copy_upsert(stored.as_ref(), &r));
+                }
+                world(&shared).figures.watermark_records_applied += applied;
+            }
+        })
+    };
+    vec![publisher, reader]
+}
+
+/// The copy's row after applying `r` (`COPY_UPSERT_SQL`): within a log,
+/// offsets and counts only grow, and the log id follows the offset; a
+/// record of another log replaces the row's offset and log id.
+fn copy_upsert(stored: Option<&Stored>, r: &WatermarkRecord) -> Stored {
+    let counts = [r.applied_count, r.duplicate_count, r.quarantined_count, r.dead_lettered_count];
+    let Some(s) = stored else {
+        return Stored { committed_offset: r.committed_offset, counts, updated_at_ms: r.updated_at_ms, log_id: r.log_id.clone() };
+    };
+    let new_log = matches!((s.log_id.as_deref(), r.log_id.as_deref()), (Some(was), Some(now)) if was != now);
+    let mut max = s.counts;
+    for (m, c) in max.iter_mut().zip(counts) {
+        *m = (*m).max(c);
+    }
+    Stored {
+        committed_offset: if new_log { r.committed_offset } else { s.committed_offset.max(r.committed_offset) },
+        counts: max,
+        updated_at_ms: s.updated_at_ms.max(r.updated_at_ms),
+        log_id: if new_log || r.committed_offset >= s.committed_offset { r.log_id.clone().or_else(|| s.log_id.clone()) } else { s.log_id.clone() },
+    }
+}
