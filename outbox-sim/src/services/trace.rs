@@ -124,7 +124,7 @@ async fn trace(cfg: ServiceTraceConfig, mode: StoreMode, log: bool) -> ServiceOu
     // watermark topic (publisher, forger, reader); the others read the
     // group's store directly. Drawn on its own.
     let over_topic = cfg.faults.retention && Rng::new(cfg.seed ^ 0x003a_7e4d).chance(0.5);
-    let copy = over_topic.then(|| watermark_topic::SharedTopic::default());
+    let copy = over_topic.then(watermark_topic::SharedTopic::default);
     let topic_tasks = copy.as_ref().map(|t| watermark_topic::start(&shared, cfg.seed, consumers.store(), t.clone())).unwrap_or_default();
     if over_topic {
         world(&shared).note(|| "the group's watermarks reach retention over the watermark topic".into());
