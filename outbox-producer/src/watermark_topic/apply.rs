@@ -9,6 +9,7 @@ use outbox_core::watermark_record::WatermarkRecord;
 use sqlx::{PgPool, Postgres, Row as _, Transaction};
 
 use super::decide::{judge, Judgement, Stored};
+use super::round::{RoundFinding, RoundSink};
 use crate::error::ProducerError;
 
 /// Most findings one round records per kind (the rest are counted only).
@@ -163,4 +164,64 @@ pub(super) async fn record_findings(tx: &mut Transaction<'_, Postgres>, findings
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+/// What a round writes, in its PostgreSQL transaction (committed by the
+/// reader after [`decide_round`](super::round::decide_round)).
+pub(super) struct PgRoundSink {
+    pub(super) tx: Transaction<'static, Postgres>,
+    pub(super) cluster_id: String,
+    /// The watermark topic.
+    pub(super) topic: String,
+}
+
+#[async_trait::async_trait]
+impl RoundSink for PgRoundSink {
+    async fn pinned(&mut self) -> Result<HashMap<String, String>, ProducerError> {
+        Ok(sqlx::query_as::<_, (String, String)>("SELECT consumer_id, decider FROM outbox_watermark_publishers WHERE cluster_id = $1 AND decider IS NOT NULL")
+            .bind(&self.cluster_id)
+            .fetch_all(&mut *self.tx)
+            .await?
+            .into_iter()
+            .collect())
+    }
+
+    async fn pin(&mut self, r: &WatermarkRecord, decider: &str, now: i64) -> Result<(), ProducerError> {
+        pin(&mut self.tx, r, decider, now).await
+    }
+
+    async fn ignored(&mut self, r: &WatermarkRecord, now: i64) -> Result<(), ProducerError> {
+        ignored(&mut self.tx, r, now).await
+    }
+
+    async fn apply(&mut self, r: &WatermarkRecord) -> Result<Judgement, ProducerError> {
+        apply(&mut self.tx, r).await
+    }
+
+    async fn arrived(&mut self, r: &WatermarkRecord, now: i64) -> Result<(), ProducerError> {
+        arrived(&mut self.tx, r, now).await
+    }
+
+    async fn advance(&mut self, partition: i32, next: i64) -> Result<(), ProducerError> {
+        sqlx::query(
+            "INSERT INTO outbox_watermark_topic_cursors (cluster_id, topic, partition, next_offset) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (cluster_id, topic, partition) DO UPDATE SET next_offset = GREATEST(outbox_watermark_topic_cursors.next_offset, EXCLUDED.next_offset)",
+        )
+        .bind(&self.cluster_id)
+        .bind(&self.topic)
+        .bind(partition)
+        .bind(next)
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
+    async fn resolve_gaps(&mut self, consumer: &str, logs: &[String], now: i64) -> Result<(), ProducerError> {
+        sqlx::query(outbox_core::watermark_record::GAP_FINDINGS_RESOLVE_SQL).bind(consumer).bind(logs).bind(now).execute(&mut *self.tx).await?;
+        Ok(())
+    }
+
+    async fn record_findings(&mut self, findings: &[RoundFinding], now: i64) -> Result<(), ProducerError> {
+        record_findings(&mut self.tx, findings, now).await
+    }
 }

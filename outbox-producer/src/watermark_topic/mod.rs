@@ -67,8 +67,9 @@
 //!
 //! Files: `config` holds the [`WatermarkTopicConfig`] (verification keys
 //! and opt-outs, their parsing and validation); [`decide`] the decisions
-//! about one record, without I/O (the simulator's reader makes them too);
-//! `reader` the
+//! about one record, without I/O, and [`round`] a round's over the records
+//! it read, through a [`round::RoundSink`] (the simulator's reader runs
+//! both); `reader` the
 //! [`WatermarkTopicReader`]: the Kafka client, and a round that reads the
 //! topic and decides about each record ([`IngestReport`]); `apply` the SQL
 //! a round runs in its transaction (the monotonic watermark upsert, the
@@ -78,6 +79,7 @@ mod apply;
 mod config;
 pub mod decide;
 mod reader;
+pub mod round;
 
 pub use outbox_core::watermark_record::DEFAULT_TOPIC;
 

@@ -2,11 +2,11 @@
 //! round that reads what is new, decides about each record and applies
 //! the round in one transaction.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::watermark_record::{self, WriterDecision};
+use outbox_core::watermark_record;
 use outbox_core::{Clock, SystemClock};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -14,9 +14,11 @@ use rdkafka::message::Message;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use sqlx::PgPool;
 
-use super::apply::{apply, arrived, ignored, pin, record_findings};
+use super::apply::PgRoundSink;
+pub use super::round::IngestReport;
+use super::round::{decide_round, RoundInput, Screened};
 use super::config::WatermarkTopicConfig;
-use super::decide::{log_of, screen, Cause, Judgement, RecordBytes, Rejected, Screen};
+use super::decide::{screen, RecordBytes, Screen};
 use crate::error::ProducerError;
 use crate::kafka::PAST_END_READ_MS;
 
@@ -26,48 +28,6 @@ pub const READ_PAST_END_IDLE_MS: u64 = 200;
 
 /// Finding kinds raised by the reader; evidence, left open until an operator resolves them.
 pub const READER_FINDINGS: &[&str] = &["watermark_undeclared_consumer", "watermark_moved_back", "watermark_beyond_end", "watermark_rejected", outbox_core::findings::CONSUMER_GAP];
-
-/// What one round of [`WatermarkTopicReader::ingest_once`] did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct IngestReport {
-    /// Records read.
-    pub read: usize,
-    /// Records applied (the stored watermark now says what they say).
-    pub applied: usize,
-    /// Records older than the stored watermark (reordered earlier publications), ignored.
-    pub out_of_date: usize,
-    /// Records of consumers not declared in `outbox_consumers`, ignored.
-    pub undeclared: usize,
-    /// Records that would move an offset or a count back, ignored.
-    pub moved_back: usize,
-    /// Records beyond the end of their partition, ignored.
-    pub beyond_end: usize,
-    /// Records that do not decode, name another cluster, fail their
-    /// consumer's signature check, or are of a declared consumer the reader
-    /// holds no key for, ignored.
-    pub rejected: usize,
-    /// Of [`Self::rejected`], those that failed the signature check of a
-    /// consumer with keys (unsigned, unknown key id, bad signature).
-    pub bad_signature: usize,
-    /// Of [`Self::rejected`], those of a declared consumer that has no
-    /// verification key and is not opted out
-    /// ([`WatermarkTopicConfig::allow_unsigned`]), signed or not.
-    pub no_key: usize,
-    /// Of [`Self::rejected`], those decided by another database than the
-    /// one pinned for their consumer (a second writer under its id: a
-    /// replay; [`watermark_record::DECIDER_HEADER`]).
-    pub second_writer: usize,
-    /// Logs whose last applied record stands at an open gap (a
-    /// `consumer_gap` finding each; applied, not ignored).
-    pub gaps: usize,
-}
-
-impl IngestReport {
-    /// Records ignored with a finding.
-    pub fn findings(&self) -> usize {
-        self.undeclared + self.moved_back + self.beyond_end + self.rejected
-    }
-}
 
 /// Reads the watermark topic of one cluster into the outbox database.
 pub struct WatermarkTopicReader {
@@ -307,14 +267,14 @@ impl WatermarkTopicReader {
                     slot.insert(self.offsets(&r.topic, r.partition).await.map(|(_, high)| high).map_err(|e| e.to_string()));
                 }
             }
-            decoded.push((p, off, r, m.decider));
+            decoded.push(Screened { partition: p, offset: off, record: r, decider: m.decider });
         }
         // A committed offset past a partition's reported end is checked
         // against what the broker serves there: a broker may report an end
         // below records it serves (tansu 0.6).
         let mut beyond: HashMap<(String, i32), i64> = HashMap::new();
-        for (_, _, r, _) in &decoded {
-            if let Ok(r) = r {
+        for screened in &decoded {
+            if let Ok(r) = &screened.record {
                 if let Some(Ok(end)) = data_ends.get(&(r.topic.clone(), r.partition)) {
                     if r.committed_offset > *end {
                         let highest = beyond.entry((r.topic.clone(), r.partition)).or_insert(r.committed_offset);
@@ -330,145 +290,10 @@ impl WatermarkTopicReader {
         }
 
         let now = self.clock.now_ms();
-        let mut tx = self.pool.begin().await?;
-        // The database pinned as each consumer's writer on this cluster.
-        let mut pinned: HashMap<String, String> =
-            sqlx::query_as::<_, (String, String)>("SELECT consumer_id, decider FROM outbox_watermark_publishers WHERE cluster_id = $1 AND decider IS NOT NULL")
-                .bind(&self.cluster_id)
-                .fetch_all(&mut *tx)
-                .await?
-                .into_iter()
-                .collect();
-        // Index in `findings` of the second-writer finding of each (log, consumer).
-        let mut second_at: HashMap<(String, String), usize> = HashMap::new();
-        let mut findings: Vec<(&'static str, String, String, String)> = Vec::new();
-        let mut unkeyed: BTreeSet<String> = BTreeSet::new();
-        // Index in `findings` of the no-key finding of each (log, consumer):
-        // the last record's position wins.
-        let mut no_key_at: HashMap<(String, String), usize> = HashMap::new();
-        // Per (log, consumer), what its last applied record said of a gap
-        // at its watermark: the finding's detail, or `None` (no gap: an
-        // open finding is resolved).
-        // Per consumer, per log: the applied watermark and its open gap's end.
-        let mut gaps: HashMap<String, HashMap<String, (i64, Option<i64>)>> = HashMap::new();
-        for (p, off, r, decider) in decoded {
-            let at = format!("{}/{}/{p}@{off}", self.cluster_id, topic);
-            let record = match r {
-                Ok(r) => r,
-                Err(Rejected { why, consumer, cause }) => {
-                    report.rejected += 1;
-                    let consumer = consumer.unwrap_or_default();
-                    match cause {
-                        Cause::Format => findings.push(("watermark_rejected", at, consumer, format!("watermark record ignored: {why}"))),
-                        Cause::Signature => {
-                            report.bad_signature += 1;
-                            findings.push(("watermark_rejected", at, consumer, format!("watermark record ignored: {why}")));
-                        }
-                        Cause::NoKey(log) => {
-                            // One open finding per consumer and log, not per
-                            // record: such a consumer publishes every few seconds.
-                            report.no_key += 1;
-                            let detail = format!("watermark record at {at} ignored: {why}");
-                            match no_key_at.entry((log.clone(), consumer.clone())) {
-                                std::collections::hash_map::Entry::Occupied(i) => findings[*i.get()].3 = detail,
-                                std::collections::hash_map::Entry::Vacant(slot) => {
-                                    slot.insert(findings.len());
-                                    findings.push(("watermark_rejected", log, consumer.clone(), detail));
-                                }
-                            }
-                            unkeyed.insert(consumer);
-                        }
-                    }
-                    continue;
-                }
-            };
-            let log = log_of(&record);
-            if !declared.contains(&record.consumer_id) {
-                report.undeclared += 1;
-                findings.push(("watermark_undeclared_consumer", log, record.consumer_id.clone(), format!("watermark record at {at} from a consumer not declared in outbox_consumers, ignored")));
-                continue;
-            }
-            match watermark_record::decide_writer(pinned.get(&record.consumer_id).map(String::as_str), decider.as_deref()) {
-                WriterDecision::Same => {}
-                WriterDecision::Pin(d) => {
-                    pin(&mut tx, &record, &d, now).await?;
-                    pinned.insert(record.consumer_id.clone(), d);
-                }
-                WriterDecision::Second { pinned, found } => {
-                    // One open finding per consumer and log: a replay
-                    // publishes every few seconds.
-                    report.rejected += 1;
-                    report.second_writer += 1;
-                    ignored(&mut tx, &record, now).await?;
-                    let detail = format!(
-                        "watermark record at {at} ignored: a second writer under consumer id {c}: decided by database {found}, while {pinned} is this consumer's. A replay under the production consumer's id? Run it with OUTBOX_CONSUMER_REPLAY=true. If the consumer's database really moved, `outbox watermarks repin --consumer {c}` takes the next record's database",
-                        c = record.consumer_id
-                    );
-                    match second_at.entry((log.clone(), record.consumer_id.clone())) {
-                        std::collections::hash_map::Entry::Occupied(i) => findings[*i.get()].3 = detail,
-                        std::collections::hash_map::Entry::Vacant(slot) => {
-                            slot.insert(findings.len());
-                            findings.push(("watermark_rejected", log, record.consumer_id.clone(), detail));
-                        }
-                    }
-                    continue;
-                }
-            }
-            match data_ends.get(&(record.topic.clone(), record.partition)) {
-                Some(Ok(end)) if record.committed_offset <= *end => {}
-                other => {
-                    report.beyond_end += 1;
-                    let why = match other {
-                        Some(Ok(end)) => format!("committed offset {} is beyond the partition's end {end}", record.committed_offset),
-                        Some(Err(e)) => format!("the partition's end could not be read ({e})"),
-                        None => "the partition's end is unknown".to_owned(),
-                    };
-                    ignored(&mut tx, &record, now).await?;
-                    findings.push(("watermark_beyond_end", log, record.consumer_id.clone(), format!("watermark record at {at} ignored: {why}")));
-                    continue;
-                }
-            }
-            match apply(&mut tx, &record).await? {
-                Judgement::Apply => {
-                    report.applied += 1;
-                    arrived(&mut tx, &record, now).await?;
-                    gaps.entry(record.consumer_id.clone()).or_default().insert(log, (record.committed_offset, record.open_gap_end));
-                }
-                Judgement::OutOfDate => {
-                    report.out_of_date += 1;
-                    arrived(&mut tx, &record, now).await?;
-                }
-                Judgement::MovedBack(why) => {
-                    report.moved_back += 1;
-                    ignored(&mut tx, &record, now).await?;
-                    findings.push(("watermark_moved_back", log, record.consumer_id.clone(), format!("watermark record at {at} ignored: {why}")));
-                }
-            }
-        }
-        for (p, n) in &next {
-            sqlx::query(
-                "INSERT INTO outbox_watermark_topic_cursors (cluster_id, topic, partition, next_offset) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (cluster_id, topic, partition) DO UPDATE SET next_offset = GREATEST(outbox_watermark_topic_cursors.next_offset, EXCLUDED.next_offset)",
-            )
-            .bind(&self.cluster_id)
-            .bind(&topic)
-            .bind(p)
-            .bind(n)
-            .execute(&mut *tx)
-            .await?;
-        }
-        for (consumer, logs) in gaps {
-            let split = watermark_record::GapFindings::of(&consumer, logs.into_iter().map(|(log, (committed, end))| (log, committed, end)));
-            report.gaps += split.open.len();
-            for (log, detail) in split.open {
-                findings.push((outbox_core::findings::CONSUMER_GAP, log, consumer.clone(), detail));
-            }
-            if !split.resolved.is_empty() {
-                sqlx::query(watermark_record::GAP_FINDINGS_RESOLVE_SQL).bind(&consumer).bind(&split.resolved).bind(now).execute(&mut *tx).await?;
-            }
-        }
-        record_findings(&mut tx, &findings, now).await?;
-        tx.commit().await?;
+        let mut sink = PgRoundSink { tx: self.pool.begin().await?, cluster_id: self.cluster_id.clone(), topic: topic.clone() };
+        let input = RoundInput { cluster_id: &self.cluster_id, topic: &topic, declared: &declared, data_ends: &data_ends, next: &next, now };
+        let unkeyed = decide_round(&mut sink, input, decoded, &mut report).await?;
+        sink.tx.commit().await?;
         if report.findings() > 0 {
             tracing::warn!(?report, "watermark records ignored");
         }

@@ -132,6 +132,8 @@ service_figures! {
         forged_watermark_records,
         /// Watermark-topic records the reader applied to the outbox side's copy.
         watermark_records_applied,
+        /// Watermark-topic records the reader refused (the forger's among them).
+        watermark_records_refused,
         /// Published events whose receipt's position held their message in
         /// a log that is gone since (its topic recreated, its cluster replaced).
         receipt_positions_lost,

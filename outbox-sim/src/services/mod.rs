@@ -70,9 +70,9 @@
 //! with retention the watermarks reach it over the watermark topic: the
 //! group publishes its rows as signed records, a forger writes records
 //! moving the group's watermark to a partition's end (unsigned, or under a
-//! key not the group's) and replays old ones, and the reader judges each
-//! with the shipped decisions (`outbox_producer::watermark_topic::decide`)
-//! into the copy retention reads.
+//! key not the group's) and replays old ones, and the reader runs the
+//! shipped reader's round (`outbox_producer::watermark_topic::{decide,
+//! round}`) into the copy retention reads.
 //!
 //! Then faults stop, the services run until every event is settled, and the
 //! checks read the store and the log (names as Jepsen's Kafka checker uses

@@ -4,13 +4,15 @@
 //! `outbox_core::watermark_record`), a forger writes records of its own to
 //! the same topic (unsigned, or signed with a key that is not the group's,
 //! moving the group's watermark to the end of a partition it has not
-//! read) and replays old genuine ones, and a reader judges each record with
-//! the shipped decisions (`outbox_producer::watermark_topic::decide`:
-//! `screen`, then `judge`) into the outbox side's copy of the watermarks,
-//! the copy retention reads in those traces. A record the reader wrongly
-//! applies shows as a `premature_purge`.
+//! read) and replays old genuine ones, and a reader runs the shipped
+//! reader's decisions over what it read: each record screened
+//! (`outbox_producer::watermark_topic::decide::screen`), then the round
+//! (`watermark_topic::round::decide_round`: writer pin, partition end,
+//! `judge`) writing through a sink of its own into the outbox side's copy
+//! of the watermarks, the copy retention reads in those traces. A record
+//! the reader wrongly applies shows as a `premature_purge`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,6 +21,9 @@ use outbox_core::trust::SigningKey;
 use outbox_core::watermark_record::WatermarkRecord;
 use outbox_memory::MemoryWatermark;
 use outbox_producer::watermark_topic::decide::{judge, screen, Judgement, RecordBytes, Screen, Stored};
+use outbox_producer::watermark_topic::round::{decide_round, RoundFinding, RoundInput, RoundSink, Screened};
+use outbox_producer::watermark_topic::IngestReport;
+use outbox_producer::ProducerError;
 
 use super::consumers::GROUP;
 use super::processes::Process;
@@ -28,24 +33,30 @@ use crate::rng::Rng;
 
 /// The group's watermark signing key (the reader holds it).
 const KEY_ID: &str = "wm-sim";
+/// The database that decides the group's watermarks (`outbox-watermark-decider`).
+const DECIDER: &str = "7301/fulfilment";
 /// A row of the copy: consumer, cluster, topic, topic id, partition.
 type RowKey = (String, String, String, Option<String>, i32);
 
-/// One record on the topic: key, value, and the signature headers.
+/// One record on the topic: key, value, and the headers the reader reads.
 #[derive(Debug, Clone)]
 struct TopicRecord {
     key: Vec<u8>,
     value: Vec<u8>,
     key_id: Option<Vec<u8>>,
     signature: Option<Vec<u8>>,
+    decider: Option<Vec<u8>>,
 }
 
 /// The topic, the reader's position in it, and the outbox side's copy.
 #[derive(Debug, Default)]
 pub(super) struct WatermarkTopic {
     records: Vec<TopicRecord>,
+    /// The reader's position (`outbox_watermark_topic_cursors`).
     read: usize,
     copy: BTreeMap<RowKey, Stored>,
+    /// The writer pinned per consumer (`outbox_watermark_publishers`).
+    pinned: BTreeMap<String, String>,
     /// Each row's version as published: what the row held, and since when
     /// (the consumer database's time of its last change).
     versions: BTreeMap<RowKey, (WatermarkRecord, i64)>,
@@ -147,7 +158,7 @@ pub(super) fn start(shared: &Shared, seed: u64, consumers: MemoryConsumerStore, 
                 for r in group_rows(&consumers, &mut t, now) {
                     let value = r.value_bytes();
                     let signature = key.sign(&value);
-                    t.records.push(TopicRecord { key: r.key_bytes(), value, key_id: Some(KEY_ID.into()), signature: Some(signature.into_bytes()) });
+                    t.records.push(TopicRecord { key: r.key_bytes(), value, key_id: Some(KEY_ID.into()), signature: Some(signature.into_bytes()), decider: Some(DECIDER.into()) });
                     if !on {
                         continue;
                     }
@@ -159,7 +170,7 @@ pub(super) fn start(shared: &Shared, seed: u64, consumers: MemoryConsumerStore, 
                         let value = forged.value_bytes();
                         let signed = rng.chance(0.5).then(|| wrong.sign(&value).into_bytes());
                         let key_id = signed.as_ref().map(|_| KEY_ID.as_bytes().to_vec());
-                        t.records.push(TopicRecord { key: forged.key_bytes(), value, key_id, signature: signed });
+                        t.records.push(TopicRecord { key: forged.key_bytes(), value, key_id, signature: signed, decider: Some(DECIDER.into()) });
                         world(&shared).figures.forged_watermark_records += 1;
                     }
                     // A genuine record of a while ago, replayed.
@@ -181,27 +192,33 @@ pub(super) fn start(shared: &Shared, seed: u64, consumers: MemoryConsumerStore, 
             let ctx = Screen { cluster_id: CLUSTER, verify_keys: &keys, allow_unsigned: &unsigned, declared: &declared };
             loop {
                 tokio::time::sleep(Duration::from_millis(rng.range(600, 4_000) as u64)).await;
-                let ends: BTreeMap<(String, i32), i64> = world(&shared).logs.iter().map(|(k, l)| (k.clone(), l.len() as i64)).collect();
-                let mut t = lock(&topic);
-                let fresh: Vec<TopicRecord> = t.records[t.read..].to_vec();
-                t.read = t.records.len();
-                let mut applied = 0u64;
-                for rec in fresh {
-                    let bytes = RecordBytes { key: Some(&rec.key), value: Some(&rec.value), key_id: rec.key_id.as_deref(), signature: rec.signature.as_deref() };
-                    let Ok(r) = screen(&ctx, bytes) else { continue };
-                    // Beyond the partition's end: refused (`watermark_beyond_end`).
-                    if ends.get(&(r.topic.clone(), r.partition)).is_none_or(|&end| r.committed_offset > end) {
-                        continue;
-                    }
-                    let key = (r.consumer_id.clone(), r.cluster_id.clone(), r.topic.clone(), r.topic_id.clone(), r.partition);
-                    let stored = t.copy.get(&key).cloned();
-                    if judge(stored.as_ref(), &r) != Judgement::Apply {
-                        continue;
-                    }
-                    applied += 1;
-                    t.copy.insert(key, copy_upsert(stored.as_ref(), &r));
+                let data_ends: HashMap<(String, i32), Result<i64, String>> = world(&shared).logs.iter().map(|(k, l)| (k.clone(), Ok(l.len() as i64))).collect();
+                let (screened, next) = {
+                    let t = lock(&topic);
+                    let from = t.read;
+                    let screened: Vec<Screened> = t.records[from..]
+                        .iter()
+                        .enumerate()
+                        .map(|(i, rec)| {
+                            let bytes = RecordBytes { key: Some(&rec.key), value: Some(&rec.value), key_id: rec.key_id.as_deref(), signature: rec.signature.as_deref() };
+                            Screened { partition: 0, offset: (from + i) as i64, record: screen(&ctx, bytes), decider: rec.decider.clone() }
+                        })
+                        .collect();
+                    (screened, HashMap::from([(0, t.records.len() as i64)]))
+                };
+                let now = world(&shared).now_ms();
+                let input = RoundInput { cluster_id: CLUSTER, topic: "outbox.watermarks", declared: &declared, data_ends: &data_ends, next: &next, now };
+                let mut report = IngestReport::default();
+                let mut sink = MemorySink(topic.clone());
+                if let Err(e) = decide_round(&mut sink, input, screened, &mut report).await {
+                    let mut w = world(&shared);
+                    w.violations.push(format!("service_error: the watermark topic's round failed: {e}"));
+                    w.figures.service_error += 1;
+                    return;
                 }
-                world(&shared).figures.watermark_records_applied += applied;
+                let mut w = world(&shared);
+                w.figures.watermark_records_applied += report.applied as u64;
+                w.figures.watermark_records_refused += report.rejected as u64;
             }
         })
     };
@@ -226,5 +243,54 @@ fn copy_upsert(stored: Option<&Stored>, r: &WatermarkRecord) -> Stored {
         counts: max,
         updated_at_ms: s.updated_at_ms.max(r.updated_at_ms),
         log_id: if new_log || r.committed_offset >= s.committed_offset { r.log_id.clone().or_else(|| s.log_id.clone()) } else { s.log_id.clone() },
+    }
+}
+
+/// What a round writes, in the simulator: the copy, the pinned writers and
+/// the read position (findings are not kept: retention reads the copy).
+struct MemorySink(SharedTopic);
+
+#[async_trait::async_trait]
+impl RoundSink for MemorySink {
+    async fn pinned(&mut self) -> Result<HashMap<String, String>, ProducerError> {
+        Ok(lock(&self.0).pinned.iter().map(|(c, d)| (c.clone(), d.clone())).collect())
+    }
+
+    async fn pin(&mut self, r: &WatermarkRecord, decider: &str, _now: i64) -> Result<(), ProducerError> {
+        lock(&self.0).pinned.insert(r.consumer_id.clone(), decider.to_owned());
+        Ok(())
+    }
+
+    async fn ignored(&mut self, _r: &WatermarkRecord, _now: i64) -> Result<(), ProducerError> {
+        Ok(())
+    }
+
+    async fn apply(&mut self, r: &WatermarkRecord) -> Result<Judgement, ProducerError> {
+        let mut t = lock(&self.0);
+        let key = (r.consumer_id.clone(), r.cluster_id.clone(), r.topic.clone(), r.topic_id.clone(), r.partition);
+        let stored = t.copy.get(&key).cloned();
+        let judgement = judge(stored.as_ref(), r);
+        if judgement == Judgement::Apply {
+            t.copy.insert(key, copy_upsert(stored.as_ref(), r));
+        }
+        Ok(judgement)
+    }
+
+    async fn arrived(&mut self, _r: &WatermarkRecord, _now: i64) -> Result<(), ProducerError> {
+        Ok(())
+    }
+
+    async fn advance(&mut self, _partition: i32, next: i64) -> Result<(), ProducerError> {
+        let mut t = lock(&self.0);
+        t.read = t.read.max(next as usize);
+        Ok(())
+    }
+
+    async fn resolve_gaps(&mut self, _consumer: &str, _logs: &[String], _now: i64) -> Result<(), ProducerError> {
+        Ok(())
+    }
+
+    async fn record_findings(&mut self, _findings: &[RoundFinding], _now: i64) -> Result<(), ProducerError> {
+        Ok(())
     }
 }
