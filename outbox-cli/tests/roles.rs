@@ -150,6 +150,8 @@ async fn every_service_works_under_its_role_and_nothing_more() {
         topic: "orders".into(),
         topic_id: None,
         log_id: None,
+        anchor_recorded: false,
+        anchor_event_id: None,
         partition: receipt.partition,
         committed_offset: receipt.offset + 1,
         open_gap_end: None,

@@ -324,6 +324,8 @@ impl Rig {
             topic: self.topic.clone(),
             topic_id: None,
             log_id: None,
+            anchor_recorded: false,
+            anchor_event_id: None,
             partition: 0,
             committed_offset: committed,
             open_gap_end: None,
@@ -644,6 +646,26 @@ async fn a_record_of_a_new_log_replaces_the_watermark_instead_of_moving_back() {
     let report = reader.ingest_once().await.unwrap();
     assert_eq!((report.applied, report.moved_back), (1, 0), "{report:?}");
     assert_eq!(row().await, (1, Some(new.to_owned())), "the new log's offset and id replace the old log's");
+
+    // The anchor a `.v4` record carries is stored with the row (retention
+    // finds its receipt there); a record older than `.v4` at the same
+    // offset leaves it, one that moves the offset takes its own.
+    let anchor = "evt-01KBBKB13V04HMASW9NF6YY093";
+    let anchored = WatermarkRecord { log_id: Some(new.into()), anchor_recorded: true, anchor_event_id: Some(anchor.into()), applied_count: 5, ..rig.record("shipping", 2, t + 40) };
+    assert!(anchored.value_bytes().windows(13).any(|w| w == b"anchorEventId"));
+    rig.send(&anchored).await;
+    rig.send(&WatermarkRecord { applied_count: 5, ..rig.record("shipping", 2, t + 50) }).await;
+    assert_eq!(reader.ingest_once().await.unwrap().applied, 2);
+    let stored_anchor = || async {
+        sqlx::query_as::<_, (bool, Option<String>)>("SELECT anchor_recorded, anchor_event_id FROM outbox_consumer_watermarks WHERE consumer_id = 'shipping'")
+            .fetch_one(rig.env.pool())
+            .await
+            .unwrap()
+    };
+    assert_eq!(stored_anchor().await, (true, Some(anchor.to_owned())));
+    rig.send(&WatermarkRecord { applied_count: 6, ..rig.record("shipping", 3, t + 60) }).await;
+    assert_eq!(reader.ingest_once().await.unwrap().applied, 1);
+    assert_eq!(stored_anchor().await, (false, None), "moved by a record that records no anchor");
     rig.env.drop_now().await;
 }
 

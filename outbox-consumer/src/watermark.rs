@@ -46,12 +46,19 @@ pub struct Watermark {
     /// (the topic's id; [`RawMessage::log_id`](crate::RawMessage::log_id);
     /// `None`: not known).
     pub log_id: Option<String>,
+    /// Whether the consumer recorded what it decided at
+    /// `committed_offset - 1` (its own store does; a copy moved by an
+    /// older watermark record does not).
+    pub anchor_recorded: bool,
+    /// The event of the message at `committed_offset - 1`, when the
+    /// consumer decided it as a genuine message of it.
+    pub anchor_event_id: Option<String>,
 }
 
 /// The columns of a watermark row (`w`), with the end of the open gap it
 /// stands at (one probe of `outbox_consumer_gaps_open`).
 const COLUMNS: &str = "w.consumer_id, w.cluster_id, w.topic, w.topic_id, w.partition, w.committed_offset, w.applied_count, w.duplicate_count,
-     w.quarantined_count, w.dead_lettered_count, w.last_event_id, w.updated_at, w.log_id,
+     w.quarantined_count, w.dead_lettered_count, w.last_event_id, w.updated_at, w.log_id, w.anchor_recorded, w.anchor_event_id,
      (SELECT min(g.to_offset) FROM outbox_consumer_gaps g
       WHERE g.consumer_id = w.consumer_id AND g.cluster_id = w.cluster_id AND g.topic = w.topic AND g.partition = w.partition
         AND g.closed_at IS NULL AND g.from_offset <= w.committed_offset AND g.to_offset > w.committed_offset) AS open_gap_end";
@@ -75,6 +82,8 @@ fn from_row(row: &sqlx::postgres::PgRow) -> Result<Watermark, sqlx::Error> {
         updated_at: row.try_get("updated_at")?,
         open_gap_end: row.try_get("open_gap_end")?,
         log_id: row.try_get("log_id")?,
+        anchor_recorded: row.try_get("anchor_recorded")?,
+        anchor_event_id: row.try_get("anchor_event_id")?,
     })
 }
 
@@ -124,6 +133,8 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     let last: Vec<Option<&str>> = rows.iter().map(|w| w.last_event_id.as_deref()).collect();
     let updated: Vec<DateTime<Utc>> = rows.iter().map(|w| w.updated_at).collect();
     let log_ids: Vec<Option<&str>> = rows.iter().map(|w| w.log_id.as_deref()).collect();
+    let anchors: Vec<Option<&str>> = rows.iter().map(|w| w.anchor_event_id.as_deref()).collect();
+    let recorded: Vec<bool> = rows.iter().map(|w| w.anchor_recorded).collect();
     let n = sqlx::query(outbox_core::watermark_record::COPY_UPSERT_SQL)
     .bind(consumer_id)
     .bind(&topics)
@@ -138,6 +149,8 @@ pub async fn publish_watermarks(from: &PgPool, to: &PgPool, consumer_id: &str) -
     .bind(&clusters)
     .bind(&topic_ids)
     .bind(&log_ids)
+    .bind(&anchors)
+    .bind(&recorded)
     .execute(to)
     .await?
     .rows_affected();

@@ -61,6 +61,8 @@ pub fn watermark_record_of(w: crate::Watermark, group_id: &str, published_at_ms:
         topic: w.topic,
         topic_id: w.topic_id,
         log_id: w.log_id,
+        anchor_recorded: w.anchor_recorded,
+        anchor_event_id: w.anchor_event_id,
         partition: w.partition,
         committed_offset: w.committed_offset,
         open_gap_end: w.open_gap_end,

@@ -87,8 +87,9 @@ pub enum HoldReason {
 /// last one it decided there), and what the store's receipts say of it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum WatermarkAnchor {
-    /// Nothing recorded (a watermark read from the watermark topic): the
-    /// watermark is judged by its log's name alone.
+    /// Nothing recorded (a watermark moved by a watermark record older
+    /// than `outboxWatermark.v4`): the watermark is judged by its log's
+    /// name (and log id) alone.
     #[default]
     Unrecorded,
     /// The consumer recorded what it decided at `committed_offset - 1`;

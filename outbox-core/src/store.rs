@@ -472,8 +472,9 @@ pub struct ConsumerWatermark {
     /// The next offset the consumer reads.
     pub committed_offset: i64,
     /// Whether the consumer that moved it recorded its anchor (the outbox
-    /// consumer's own store does; a watermark record read from the
-    /// watermark topic does not; see [`crate::WatermarkAnchor`]).
+    /// consumer's own store does, and so do its copies: `.v4` watermark
+    /// records and `publish_watermarks`; a record older than `.v4` does
+    /// not; see [`crate::WatermarkAnchor`]).
     pub anchor_recorded: bool,
     /// The event the consumer recorded at `committed_offset - 1`, when it
     /// decided a genuine message of one there (`None`: another message,

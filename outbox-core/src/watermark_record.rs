@@ -30,13 +30,19 @@
 //! `consumer_gap` finding, resolved by the consumer's first record without
 //! a gap (the gap replayed, or accepted by an operator).
 //!
-//! **The log read.** A consumer that knows the log it read its offset in
-//! (the topic's id on the broker when it fetched) names it:
-//! `outboxWatermark.v4`, the `.v3` fields with `logId` after `topicId` and
-//! `openGapEnd` empty when no gap is open. The key stays `.v1` or `.v2`. A
-//! reader takes a record of another log id than its row's for the
+//! **The log read, and the anchor.** `outboxWatermark.v4` names the log
+//! the consumer read its offset in (`logId`: the topic's id on the broker
+//! when it fetched; empty when not known) and what it decided just below
+//! it (`anchorEventId`: the event of the message at `committedOffset - 1`
+//! when it was a genuine message of it; empty otherwise): the `.v3` fields
+//! with `logId` after `topicId`, `openGapEnd` (empty when no gap is open)
+//! and `anchorEventId` after `committedOffset`. The key stays `.v1` or
+//! `.v2`. A reader takes a record of another log id than its row's for the
 //! consumer's reading started over in a new log (the topic recreated, the
-//! cluster replaced under the same id): its offset replaces the row's.
+//! cluster replaced under the same id): its offset replaces the row's. The
+//! anchor lets retention tell a watermark of a replaced log from the new
+//! log's events when the log ids cannot (a send whose receipt read the
+//! topic's id just before the topic was recreated).
 //!
 //! **Authentication (optional).** A consumer with a watermark signing key
 //! adds two headers: [`KEY_ID_HEADER`] (the key id) and [`SIGNATURE_HEADER`]
@@ -61,8 +67,9 @@ pub const SCHEMA_V2: &str = "outboxWatermark.v2";
 /// `committedOffset`).
 pub const SCHEMA_V3: &str = "outboxWatermark.v3";
 /// Schema of the value of a record that names the log its offsets were
-/// read in (`topicId` and `logId` after `topic`, `openGapEnd` after
-/// `committedOffset`; `topicId` and `openGapEnd` empty when absent).
+/// read in and its anchor (`topicId` and `logId` after `topic`,
+/// `openGapEnd` and `anchorEventId` after `committedOffset`; each empty
+/// when absent).
 pub const SCHEMA_V4: &str = "outboxWatermark.v4";
 /// Schema of the key of a record without a topic id.
 pub const KEY_SCHEMA: &str = "outboxWatermarkKey.v1";
@@ -145,6 +152,18 @@ pub struct WatermarkRecord {
     /// replaced under the same id), and replaces the row rather than being
     /// taken for a watermark moved back.
     pub log_id: Option<String>,
+    /// Whether the record says what the consumer decided at
+    /// `committed_offset - 1` (`anchor_event_id`): every `.v4` record does;
+    /// older ones do not, and their watermark is judged by its log's name
+    /// and id alone.
+    pub anchor_recorded: bool,
+    /// The event of the message at `committed_offset - 1`, when the
+    /// consumer decided it as a genuine message of that event (`None`:
+    /// another message, or an offset capped at a gap). Retention finds that
+    /// event's receipt there, so a watermark of a replaced log under the
+    /// same name (and id, when a send's receipt read the id before the
+    /// replacement) does not pass the new log's events.
+    pub anchor_event_id: Option<String>,
     /// Partition.
     pub partition: i32,
     /// Next offset the consumer reads: every message below has a committed decision.
@@ -207,6 +226,12 @@ impl WatermarkRecord {
         if let Some(e) = &self.last_event_id {
             e.parse::<EventId>()?;
         }
+        if let Some(e) = &self.anchor_event_id {
+            if !self.anchor_recorded {
+                return Err(bad("an anchor event on a record that does not record its anchor"));
+            }
+            e.parse::<EventId>().map_err(|e| bad(format!("anchorEventId: {e}")))?;
+        }
         if let Some(end) = self.open_gap_end {
             if end <= self.committed_offset {
                 return Err(bad(format!("openGapEnd {end} is not above committedOffset {}", self.committed_offset)));
@@ -215,15 +240,15 @@ impl WatermarkRecord {
         Ok(())
     }
 
-    /// The schema of the value: [`SCHEMA_V4`] with a log id,
-    /// [`SCHEMA_V3`] with an open gap, [`SCHEMA_V2`] with a topic id,
-    /// [`SCHEMA`] with none of them.
+    /// The schema of the value: [`SCHEMA_V4`] with a log id or a recorded
+    /// anchor, [`SCHEMA_V3`] with an open gap, [`SCHEMA_V2`] with a topic
+    /// id, [`SCHEMA`] with none of them.
     pub fn schema(&self) -> &'static str {
-        match (&self.log_id, self.open_gap_end, &self.topic_id) {
-            (Some(_), _, _) => SCHEMA_V4,
-            (None, Some(_), _) => SCHEMA_V3,
-            (None, None, Some(_)) => SCHEMA_V2,
-            (None, None, None) => SCHEMA,
+        match (self.log_id.is_some() || self.anchor_recorded, self.open_gap_end, &self.topic_id) {
+            (true, _, _) => SCHEMA_V4,
+            (false, Some(_), _) => SCHEMA_V3,
+            (false, None, Some(_)) => SCHEMA_V2,
+            (false, None, None) => SCHEMA,
         }
     }
 
@@ -246,8 +271,9 @@ impl WatermarkRecord {
     /// `outboxWatermark.v2`, with `topicId` after `topic`, when the record
     /// has a topic id; `outboxWatermark.v3`, with `topicId` (empty without
     /// one) and `openGapEnd` after `committedOffset`, when it has an open gap;
-    /// `outboxWatermark.v4`, with `topicId`, `logId` and `openGapEnd` always
-    /// (`topicId` and `openGapEnd` empty when absent), when it has a log id.
+    /// `outboxWatermark.v4`, with `topicId`, `logId`, `openGapEnd` and
+    /// `anchorEventId` always (each empty when absent), when it has a log
+    /// id or records its anchor.
     pub fn value_bytes(&self) -> Vec<u8> {
         let schema = self.schema();
         let w = CanonicalWriter::new(schema)
@@ -259,13 +285,13 @@ impl WatermarkRecord {
             SCHEMA => w,
             _ => w.field("topicId", self.topic_id.as_deref().unwrap_or("")),
         };
-        let w = match &self.log_id {
-            Some(log) => w.field("logId", log),
-            None => w,
+        let w = match schema {
+            SCHEMA_V4 => w.field("logId", self.log_id.as_deref().unwrap_or("")),
+            _ => w,
         };
         let w = w.field("partition", self.partition.to_string()).field("committedOffset", self.committed_offset.to_string());
         let w = match (schema, self.open_gap_end) {
-            (SCHEMA_V4, end) => w.field("openGapEnd", end.map(|e| e.to_string()).unwrap_or_default()),
+            (SCHEMA_V4, end) => w.field("openGapEnd", end.map(|e| e.to_string()).unwrap_or_default()).field("anchorEventId", self.anchor_event_id.as_deref().unwrap_or("")),
             (_, None) => w,
             (_, Some(end)) => w.field("openGapEnd", end.to_string()),
         };
@@ -310,12 +336,10 @@ impl WatermarkRecord {
                 _ => nonempty(r.field("topicId")?),
             },
             log_id: match schema {
-                SCHEMA_V4 => match r.field("logId")? {
-                    "" => return Err(bad("an outboxWatermark.v4 record with an empty logId")),
-                    log => Some(log.to_owned()),
-                },
+                SCHEMA_V4 => nonempty(r.field("logId")?),
                 _ => None,
             },
+            anchor_recorded: schema == SCHEMA_V4,
             partition: r.int("partition")?,
             committed_offset: r.int("committedOffset")?,
             open_gap_end: match schema {
@@ -324,6 +348,10 @@ impl WatermarkRecord {
                     "" => None,
                     end => Some(end.parse().map_err(|_| bad(format!("openGapEnd {end:?} is not an integer")))?),
                 },
+                _ => None,
+            },
+            anchor_event_id: match schema {
+                SCHEMA_V4 => nonempty(r.field("anchorEventId")?),
                 _ => None,
             },
             applied_count: r.int("appliedCount")?,
@@ -456,28 +484,35 @@ pub fn verify_signature(value: &[u8], key_id: Option<&[u8]>, signature: Option<&
 /// reader (`outbox_producer::WatermarkTopicReader`). Monotonic: offsets and
 /// counts only grow, `updated_at` keeps the consumer's own time and never
 /// goes back, and `last_event_id` follows the committed offset (a copy whose
-/// offset is behind the stored one keeps the stored event). A record names
-/// no anchor (`anchor_event_id`): a copy that moves the offset leaves the
-/// row unanchored.
+/// offset is behind the stored one keeps the stored event). The anchor
+/// (`anchor_event_id`, `anchor_recorded`) follows the offset too: a copy
+/// that moves the offset brings its own (an unrecorded one from a record
+/// older than `.v4`), and one at the same offset keeps a recorded anchor
+/// unless it records one itself.
 ///
 /// Binds: `$1` the consumer id, then one array per column, element `i` of
 /// each describing row `i`: `$2` topic (`text[]`), `$3` partition (`int4[]`),
 /// `$4` committed offset, `$5` applied, `$6` duplicates, `$7` quarantined,
 /// `$8` dead-lettered (`int8[]` each), `$9` last event id (`text[]`),
-/// `$10` updated at (`timestamptz[]`), `$11` cluster id, `$12` topic id and
-/// `$13` log id (`text[]`). A row of another log (both log ids known and
+/// `$10` updated at (`timestamptz[]`), `$11` cluster id, `$12` topic id,
+/// `$13` log id and `$14` anchor event id (`text[]`), `$15` anchor
+/// recorded (`bool[]`). A row of another log (both log ids known and
 /// different: the consumer's reading started over in a new log) is
 /// replaced, its offset included, not raised. A row's log id is always the
 /// one its offset was read in: a copy that does not move the offset does
 /// not relabel it.
 pub const COPY_UPSERT_SQL: &str = "INSERT INTO outbox_consumer_watermarks AS w
-         (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, log_id)
-     SELECT $1, u.cluster_id, u.topic, u.topic_id, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at, u.log_id
-     FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[], $12::text[], $13::text[])
-         AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id, topic_id, log_id)
+         (consumer_id, cluster_id, topic, topic_id, partition, committed_offset, applied_count, duplicate_count, quarantined_count, dead_lettered_count, last_event_id, updated_at, log_id, anchor_event_id, anchor_recorded)
+     SELECT $1, u.cluster_id, u.topic, u.topic_id, u.partition, u.committed_offset, u.applied, u.duplicates, u.quarantined, u.dead, u.last_event_id, u.updated_at, u.log_id, u.anchor, u.recorded
+     FROM UNNEST($2::text[], $3::int4[], $4::int8[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::text[], $10::timestamptz[], $11::text[], $12::text[], $13::text[], $14::text[], $15::bool[])
+         AS u(topic, partition, committed_offset, applied, duplicates, quarantined, dead, last_event_id, updated_at, cluster_id, topic_id, log_id, anchor, recorded)
      ON CONFLICT (consumer_id, cluster_id, topic, partition, topic_id) DO UPDATE SET
-         anchor_event_id = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset > w.committed_offset THEN NULL ELSE w.anchor_event_id END,
-         anchor_recorded = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset > w.committed_offset THEN false ELSE w.anchor_recorded END,
+         anchor_event_id = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset > w.committed_offset THEN EXCLUDED.anchor_event_id
+                                WHEN EXCLUDED.committed_offset = w.committed_offset AND EXCLUDED.anchor_recorded THEN EXCLUDED.anchor_event_id
+                                ELSE w.anchor_event_id END,
+         anchor_recorded = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset > w.committed_offset THEN EXCLUDED.anchor_recorded
+                                WHEN EXCLUDED.committed_offset = w.committed_offset THEN w.anchor_recorded OR EXCLUDED.anchor_recorded
+                                ELSE w.anchor_recorded END,
          committed_offset = CASE WHEN w.log_id <> EXCLUDED.log_id THEN EXCLUDED.committed_offset
                                  ELSE GREATEST(w.committed_offset, EXCLUDED.committed_offset) END,
          log_id = CASE WHEN w.log_id <> EXCLUDED.log_id OR EXCLUDED.committed_offset >= w.committed_offset
@@ -523,6 +558,8 @@ mod tests {
             topic: "orders".into(),
             topic_id: None,
             log_id: None,
+            anchor_recorded: false,
+            anchor_event_id: None,
             partition: 3,
             committed_offset: 42,
             open_gap_end: None,
@@ -594,36 +631,41 @@ mod tests {
         }
     }
 
-    /// A record that names the log its offset was read in is `.v4`
-    /// (`topicId`, `logId` and `openGapEnd` always, the absent ones empty)
-    /// under the same `.v1` or `.v2` key, and round-trips with or without a
-    /// topic id and a gap; an empty or malformed log id is refused.
+    /// A record that names the log its offset was read in, or records its
+    /// anchor, is `.v4` (`topicId`, `logId`, `openGapEnd` and
+    /// `anchorEventId` always, the absent ones empty) under the same `.v1`
+    /// or `.v2` key, and round-trips with or without a topic id, a log id, a
+    /// gap and an anchor event; a `.v4` record always records its anchor
+    /// (empty: none); a malformed log id or anchor is refused.
     #[test]
-    fn a_log_id_makes_a_v4_value_under_the_same_key() {
+    fn a_log_id_or_an_anchor_makes_a_v4_value_under_the_same_key() {
         let log = Some("ERESERESERESERESERESEQ".to_owned());
-        let plain = WatermarkRecord { log_id: log.clone(), ..sample() };
+        let anchor = Some("evt-01KBBKB13V04HMASW9NF6YY093".to_owned());
+        let plain = WatermarkRecord { log_id: log.clone(), anchor_recorded: true, ..sample() };
         assert_eq!(plain.schema(), SCHEMA_V4);
         assert_eq!(plain.key_bytes(), sample().key_bytes());
         assert!(plain.value_bytes().starts_with(
-            b"outboxWatermark.v4\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=0:\nlogId=22:ERESERESERESERESERESEQ\npartition=1:3\ncommittedOffset=2:42\nopenGapEnd=0:\nappliedCount=2:40\n"
+            b"outboxWatermark.v4\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=0:\nlogId=22:ERESERESERESERESERESEQ\npartition=1:3\ncommittedOffset=2:42\nopenGapEnd=0:\nanchorEventId=0:\nappliedCount=2:40\n"
         ));
-        let both = WatermarkRecord { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), open_gap_end: Some(50), ..plain.clone() };
+        let both = WatermarkRecord { topic_id: Some("AAECAwQFBgcICQoLDA0ODw".into()), open_gap_end: Some(50), anchor_event_id: anchor.clone(), ..plain.clone() };
         assert!(both.value_bytes().starts_with(
-            b"outboxWatermark.v4\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=22:AAECAwQFBgcICQoLDA0ODw\nlogId=22:ERESERESERESERESERESEQ\npartition=1:3\ncommittedOffset=2:42\nopenGapEnd=2:50\n"
+            b"outboxWatermark.v4\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=22:AAECAwQFBgcICQoLDA0ODw\nlogId=22:ERESERESERESERESERESEQ\npartition=1:3\ncommittedOffset=2:42\nopenGapEnd=2:50\nanchorEventId=30:evt-01KBBKB13V04HMASW9NF6YY093\n"
         ));
         assert!(both.key_bytes().starts_with(b"outboxWatermarkKey.v2\n"));
-        for r in [&plain, &both] {
+        let anchored_only = WatermarkRecord { anchor_recorded: true, anchor_event_id: anchor.clone(), ..sample() };
+        assert_eq!(anchored_only.schema(), SCHEMA_V4, "an anchor without a log id");
+        assert!(anchored_only.value_bytes().starts_with(b"outboxWatermark.v4\nconsumerId=8:shipping\ngroupId=8:shipping\nclusterId=10:kafka-prod\ntopic=6:orders\ntopicId=0:\nlogId=0:\n"));
+        for r in [&plain, &both, &anchored_only] {
             assert_eq!(&WatermarkRecord::decode(Some(&r.key_bytes()), Some(&r.value_bytes())).unwrap(), r);
         }
-        let empty = plain.value_bytes().windows(b"logId=22:ERESERESERESERESERESEQ".len()).position(|w| w == b"logId=22:ERESERESERESERESERESEQ").unwrap();
-        let mut no_log = plain.value_bytes()[..empty].to_vec();
-        no_log.extend_from_slice(b"logId=0:\n");
-        no_log.extend_from_slice(&plain.value_bytes()[empty + b"logId=22:ERESERESERESERESERESEQ\n".len()..]);
-        let err = WatermarkRecord::decode(Some(&plain.key_bytes()), Some(&no_log)).unwrap_err();
-        assert!(err.to_string().contains("logId"), "{err}");
         let bad = WatermarkRecord { log_id: Some("not-a-log-id".into()), ..sample() };
         let err = WatermarkRecord::decode(Some(&bad.key_bytes()), Some(&bad.value_bytes())).unwrap_err();
         assert!(err.to_string().contains("logId"), "{err}");
+        let bad = WatermarkRecord { anchor_event_id: Some("evt-nope".into()), ..plain.clone() };
+        let err = WatermarkRecord::decode(Some(&bad.key_bytes()), Some(&bad.value_bytes())).unwrap_err();
+        assert!(err.to_string().contains("anchorEventId"), "{err}");
+        let unrecorded = WatermarkRecord { anchor_recorded: false, anchor_event_id: anchor, ..sample() };
+        assert!(unrecorded.validate().is_err(), "an anchor event on a record that records none");
     }
 
     /// A consumer's watermarks split into the gap findings to open, with

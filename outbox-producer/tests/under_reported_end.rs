@@ -296,6 +296,8 @@ async fn a_watermark_within_the_served_end_is_applied() {
         topic: TOPIC.into(),
         topic_id: None,
         log_id: None,
+        anchor_recorded: false,
+        anchor_event_id: None,
         partition: 0,
         committed_offset: committed,
         open_gap_end: None,

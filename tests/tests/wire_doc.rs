@@ -210,6 +210,8 @@ fn watermark_example(topic_id: Option<&str>, open_gap_end: Option<i64>, log_id: 
         topic: "orders".into(),
         topic_id: topic_id.map(str::to_owned),
         log_id: log_id.map(str::to_owned),
+        anchor_recorded: log_id.is_some(),
+        anchor_event_id: log_id.map(|_| event_id.as_str().to_owned()),
         partition: 3,
         committed_offset: 1042,
         open_gap_end,

@@ -61,6 +61,8 @@ pub(super) async fn apply(tx: &mut Transaction<'_, Postgres>, r: &WatermarkRecor
         .bind([r.topic_id.as_deref()])
         // A record of no log id (before `.v4`) leaves the row's as it was.
         .bind([r.log_id.as_deref()])
+        .bind([r.anchor_event_id.as_deref()])
+        .bind([r.anchor_recorded])
         .execute(&mut **tx)
         .await?;
     Ok(Judgement::Apply)

@@ -161,6 +161,8 @@ mod tests {
             topic: "orders".into(),
             topic_id: None,
             log_id: log_id.map(str::to_owned),
+            anchor_recorded: false,
+            anchor_event_id: None,
             partition: 0,
             committed_offset: committed,
             open_gap_end: None,

@@ -54,12 +54,20 @@ pub(super) struct WatermarkTopic {
     records: Vec<TopicRecord>,
     /// The reader's position (`outbox_watermark_topic_cursors`).
     read: usize,
-    copy: BTreeMap<RowKey, Stored>,
+    copy: BTreeMap<RowKey, CopyRow>,
     /// The writer pinned per consumer (`outbox_watermark_publishers`).
     pinned: BTreeMap<String, String>,
     /// Each row's version as published: what the row held, and since when
     /// (the consumer database's time of its last change).
     versions: BTreeMap<RowKey, (WatermarkRecord, i64)>,
+}
+
+/// A row of the outbox side's copy: what [`judge`] reads, and the anchor.
+#[derive(Debug, Clone)]
+struct CopyRow {
+    stored: Stored,
+    anchor_recorded: bool,
+    anchor_event_id: Option<String>,
 }
 
 /// The topic shared by the publisher, the reader and retention.
@@ -73,21 +81,21 @@ fn group_key() -> SigningKey {
     SigningKey::from_hex(KEY_ID, &"5c".repeat(32)).expect("a valid key")
 }
 
-/// The copy's rows, as retention's registry reads them: a record names no
-/// anchor (the watermark is judged by its log id).
+/// The copy's rows, as retention's registry reads them (with the anchor a
+/// `.v4` record carries).
 pub(super) fn copied_watermarks(topic: &SharedTopic) -> Vec<MemoryWatermark> {
     lock(topic)
         .copy
         .iter()
-        .map(|((consumer_id, cluster_id, topic, topic_id, partition), s)| MemoryWatermark {
+        .map(|((consumer_id, cluster_id, topic, topic_id, partition), row)| MemoryWatermark {
             log: outbox_core::LogId { cluster_id: cluster_id.clone(), topic: topic.clone(), topic_id: topic_id.clone(), partition: *partition },
             consumer_id: consumer_id.clone(),
-            committed_offset: s.committed_offset,
-            anchor_recorded: false,
-            anchor_event_id: None,
+            committed_offset: row.stored.committed_offset,
+            anchor_recorded: row.anchor_recorded,
+            anchor_event_id: row.anchor_event_id.clone(),
             anchor_epoch: None,
             anchor_accepted_ms: None,
-            log_id: s.log_id.clone(),
+            log_id: row.stored.log_id.clone(),
         })
         .collect()
 }
@@ -124,6 +132,8 @@ fn group_rows(store: &MemoryConsumerStore, topic: &mut WatermarkTopic, now_ms: i
             updated_at: chrono::DateTime::from_timestamp_millis(now_ms).unwrap_or_default(),
             open_gap_end,
             log_id: row.log_id.clone(),
+            anchor_recorded: true,
+            anchor_event_id: row.anchor_event_id.clone(),
         };
         let mut record = outbox_consumer::watermark_record_of(w, GROUP, now_ms);
         let key = (consumer_id.clone(), cluster_id.clone(), t.clone(), topic_id.clone(), *partition);
@@ -149,9 +159,11 @@ pub(super) fn start(shared: &Shared, seed: u64, consumers: MemoryConsumerStore, 
             let wrong = SigningKey::from_hex(KEY_ID, &"e7".repeat(32)).expect("a valid key");
             loop {
                 tokio::time::sleep(Duration::from_millis(rng.range(300, 3_000) as u64)).await;
+                // Each partition's end, and the event of its last message
+                // (what a forger reading the log names as the anchor).
                 let (now, ends, on) = {
                     let w = world(&shared);
-                    let ends: BTreeMap<(String, i32), i64> = w.logs.iter().map(|(k, l)| (k.clone(), l.len() as i64)).collect();
+                    let ends: BTreeMap<(String, i32), (i64, Option<String>)> = w.logs.iter().map(|(k, l)| (k.clone(), (l.len() as i64, l.last().map(|m| m.event_id.clone())))).collect();
                     (w.now_ms(), ends, w.on)
                 };
                 let mut t = lock(&topic);
@@ -165,8 +177,12 @@ pub(super) fn start(shared: &Shared, seed: u64, consumers: MemoryConsumerStore, 
                     // The forger: the group's watermark moved to the end of
                     // the partition, unsigned or under a key not the group's.
                     if rng.chance(0.5) {
-                        let end = ends.get(&(r.topic.clone(), r.partition)).copied().unwrap_or(0);
-                        let forged = WatermarkRecord { committed_offset: end.max(r.committed_offset), open_gap_end: None, updated_at_ms: now, ..r.clone() };
+                        let (end, last) = ends.get(&(r.topic.clone(), r.partition)).cloned().unwrap_or((0, None));
+                        let forged = if end > r.committed_offset {
+                            WatermarkRecord { committed_offset: end, open_gap_end: None, anchor_event_id: last, updated_at_ms: now, ..r.clone() }
+                        } else {
+                            WatermarkRecord { open_gap_end: None, updated_at_ms: now, ..r.clone() }
+                        };
                         let value = forged.value_bytes();
                         let signed = rng.chance(0.5).then(|| wrong.sign(&value).into_bytes());
                         let key_id = signed.as_ref().map(|_| KEY_ID.as_bytes().to_vec());
@@ -226,24 +242,37 @@ pub(super) fn start(shared: &Shared, seed: u64, consumers: MemoryConsumerStore, 
 }
 
 /// The copy's row after applying `r` (`COPY_UPSERT_SQL`): within a log,
-/// offsets and counts only grow, and the log id follows the offset; a
-/// record of another log replaces the row's offset and log id.
-fn copy_upsert(stored: Option<&Stored>, r: &WatermarkRecord) -> Stored {
+/// offsets and counts only grow, and the log id and the anchor follow the
+/// offset; a record of another log replaces the row's offset, log id and
+/// anchor.
+fn copy_upsert(row: Option<&CopyRow>, r: &WatermarkRecord) -> CopyRow {
     let counts = [r.applied_count, r.duplicate_count, r.quarantined_count, r.dead_lettered_count];
-    let Some(s) = stored else {
-        return Stored { committed_offset: r.committed_offset, counts, updated_at_ms: r.updated_at_ms, log_id: r.log_id.clone() };
+    let Some(c) = row else {
+        let stored = Stored { committed_offset: r.committed_offset, counts, updated_at_ms: r.updated_at_ms, log_id: r.log_id.clone() };
+        return CopyRow { stored, anchor_recorded: r.anchor_recorded, anchor_event_id: r.anchor_event_id.clone() };
     };
+    let s = &c.stored;
     let new_log = matches!((s.log_id.as_deref(), r.log_id.as_deref()), (Some(was), Some(now)) if was != now);
     let mut max = s.counts;
-    for (m, c) in max.iter_mut().zip(counts) {
-        *m = (*m).max(c);
+    for (m, n) in max.iter_mut().zip(counts) {
+        *m = (*m).max(n);
     }
-    Stored {
+    let forward = new_log || r.committed_offset > s.committed_offset;
+    let same = !new_log && r.committed_offset == s.committed_offset;
+    let (anchor_recorded, anchor_event_id) = if forward {
+        (r.anchor_recorded, r.anchor_event_id.clone())
+    } else if same {
+        (c.anchor_recorded || r.anchor_recorded, if r.anchor_recorded { r.anchor_event_id.clone() } else { c.anchor_event_id.clone() })
+    } else {
+        (c.anchor_recorded, c.anchor_event_id.clone())
+    };
+    let stored = Stored {
         committed_offset: if new_log { r.committed_offset } else { s.committed_offset.max(r.committed_offset) },
         counts: max,
         updated_at_ms: s.updated_at_ms.max(r.updated_at_ms),
         log_id: if new_log || r.committed_offset >= s.committed_offset { r.log_id.clone().or_else(|| s.log_id.clone()) } else { s.log_id.clone() },
-    }
+    };
+    CopyRow { stored, anchor_recorded, anchor_event_id }
 }
 
 /// What a round writes, in the simulator: the copy, the pinned writers and
@@ -268,10 +297,10 @@ impl RoundSink for MemorySink {
     async fn apply(&mut self, r: &WatermarkRecord) -> Result<Judgement, ProducerError> {
         let mut t = lock(&self.0);
         let key = (r.consumer_id.clone(), r.cluster_id.clone(), r.topic.clone(), r.topic_id.clone(), r.partition);
-        let stored = t.copy.get(&key).cloned();
-        let judgement = judge(stored.as_ref(), r);
+        let row = t.copy.get(&key).cloned();
+        let judgement = judge(row.as_ref().map(|c| &c.stored), r);
         if judgement == Judgement::Apply {
-            t.copy.insert(key, copy_upsert(stored.as_ref(), r));
+            t.copy.insert(key, copy_upsert(row.as_ref(), r));
         }
         Ok(judgement)
     }
