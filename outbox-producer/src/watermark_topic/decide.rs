@@ -121,6 +121,12 @@ pub enum Judgement {
     MovedBack(String),
 }
 
+/// Whether `r` is of another log than the stored row `s`: both log ids
+/// known and different (the consumer's reading started over in a new log).
+pub fn is_new_log(s: &Stored, r: &WatermarkRecord) -> bool {
+    matches!((s.log_id.as_deref(), r.log_id.as_deref()), (Some(was), Some(now)) if was != now)
+}
+
 /// Judges `r` against the stored watermark of its log (`None`: none yet).
 /// A record never moves an offset or a count back within a log; one of
 /// another log than the stored row's (both log ids known and different) is
@@ -130,8 +136,7 @@ pub fn judge(stored: Option<&Stored>, r: &WatermarkRecord) -> Judgement {
     if r.updated_at_ms < s.updated_at_ms {
         return Judgement::OutOfDate;
     }
-    let new_log = matches!((s.log_id.as_deref(), r.log_id.as_deref()), (Some(was), Some(now)) if was != now);
-    if new_log {
+    if is_new_log(s, r) {
         return Judgement::Apply;
     }
     let [applied, duplicates, quarantined, dead] = s.counts;

@@ -20,7 +20,7 @@ use outbox_consumer::memory::MemoryConsumerStore;
 use outbox_core::trust::SigningKey;
 use outbox_core::watermark_record::WatermarkRecord;
 use outbox_memory::MemoryWatermark;
-use outbox_producer::watermark_topic::decide::{judge, screen, Judgement, RecordBytes, Screen, Stored};
+use outbox_producer::watermark_topic::decide::{is_new_log, judge, screen, Judgement, RecordBytes, Screen, Stored};
 use outbox_producer::watermark_topic::round::{decide_round, RoundFinding, RoundInput, RoundSink, Screened};
 use outbox_producer::watermark_topic::IngestReport;
 use outbox_producer::ProducerError;
@@ -223,7 +223,7 @@ pub(super) fn start(shared: &Shared, seed: u64, consumers: MemoryConsumerStore, 
                     (screened, HashMap::from([(0, t.records.len() as i64)]))
                 };
                 let now = world(&shared).now_ms();
-                let input = RoundInput { cluster_id: CLUSTER, topic: "outbox.watermarks", declared: &declared, data_ends: &data_ends, next: &next, now };
+                let input = RoundInput { cluster_id: CLUSTER, topic: outbox_core::watermark_record::DEFAULT_TOPIC, declared: &declared, data_ends: &data_ends, next: &next, now };
                 let mut report = IngestReport::default();
                 let mut sink = MemorySink(topic.clone());
                 if let Err(e) = decide_round(&mut sink, input, screened, &mut report).await {
@@ -252,7 +252,7 @@ fn copy_upsert(row: Option<&CopyRow>, r: &WatermarkRecord) -> CopyRow {
         return CopyRow { stored, anchor_recorded: r.anchor_recorded, anchor_event_id: r.anchor_event_id.clone() };
     };
     let s = &c.stored;
-    let new_log = matches!((s.log_id.as_deref(), r.log_id.as_deref()), (Some(was), Some(now)) if was != now);
+    let new_log = is_new_log(s, r);
     let mut max = s.counts;
     for (m, n) in max.iter_mut().zip(counts) {
         *m = (*m).max(n);
