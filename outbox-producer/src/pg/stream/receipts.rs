@@ -22,6 +22,26 @@ impl PgStore {
     /// row: `Some(outcome)` where the stream decided it, `None` where the
     /// event was moved to the lane for the chains path to decide.
     pub(crate) async fn accept_stream_receipts(&self, receipts: &[&BrokerReceipt]) -> Result<Vec<Option<ReceiptOutcome>>, StoreError> {
+        // The slot's insert is a plain insert first: arbitrating a conflict
+        // (`ON CONFLICT`) costs about a third of the insert, and a conflict
+        // is rare (a receipt racing another for the same slot, or a
+        // position another event's receipt holds: a replaced log). A plain
+        // insert that meets one fails the transaction, which is then run
+        // again whole with the arbitrating insert, which decides it.
+        match self.accept_stream_receipts_as(receipts, SlotInsert::Plain).await? {
+            Some(out) => Ok(out),
+            None => {
+                tracing::debug!(receipts = receipts.len(), "a stream receipt met another in its slot or position: deciding the batch again with ON CONFLICT");
+                self.accept_stream_receipts_as(receipts, SlotInsert::Arbitrated)
+                    .await?
+                    .ok_or_else(|| StoreError::Backend { message: "an arbitrated receipt insert reported a conflict".into(), retryable: true })
+            }
+        }
+    }
+
+    /// [`Self::accept_stream_receipts`] with the slot's insert `how`: `None`
+    /// when a plain insert met a conflict (nothing was written).
+    async fn accept_stream_receipts_as(&self, receipts: &[&BrokerReceipt], how: SlotInsert) -> Result<Option<Vec<Option<ReceiptOutcome>>>, StoreError> {
         let now = self.now_ms();
         let g = |e: sqlx::Error| store_err(e);
         let mut tx = self.begin().await?;
@@ -115,15 +135,10 @@ impl PgStore {
         // holds is not taken here: that receipt goes to the lane.
         if !accepted.is_empty() {
             let a: Vec<&BrokerReceipt> = accepted.iter().map(|x| x.0).collect();
-            let inserted: BTreeSet<String> = sqlx::query_scalar(
-                "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic,
-                      topic_id, partition, \"offset\", message_key, accepted_at_ms, batch_id, log_id)
-                 SELECT t.e, t.g, t.a, t.pd, t.dd, t.c, t.tp, t.ti, t.p, t.o, t.k, $12, t2.batch_id, t.li FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
-                                                        $9::int[], $10::bigint[], $11::bytea[], $14::text[]) WITH ORDINALITY AS t(e, g, a, pd, dd, c, tp, ti, p, o, k, li, n)
-                 JOIN UNNEST($13::bigint[]) WITH ORDINALITY AS t2(batch_id, n) USING (n)
-                 ON CONFLICT DO NOTHING
-                 RETURNING event_id",
-            )
+            let inserted: Result<Vec<String>, sqlx::Error> = sqlx::query_scalar(match how {
+                SlotInsert::Plain => INSERT_SLOTS,
+                SlotInsert::Arbitrated => INSERT_SLOTS_ARBITRATED,
+            })
             .bind(a.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>())
             .bind(a.iter().map(|r| r.envelope_generation as i32).collect::<Vec<_>>())
             .bind(a.iter().map(|r| r.attempt_id.as_str()).collect::<Vec<_>>())
@@ -139,10 +154,11 @@ impl PgStore {
             .bind(accepted.iter().map(|x| x.1).collect::<Vec<_>>())
             .bind(a.iter().map(|r| r.log_id.as_deref()).collect::<Vec<_>>())
             .fetch_all(&mut *tx)
-            .await
-            .map_err(g)?
-            .into_iter()
-            .collect();
+            .await;
+            let inserted: BTreeSet<String> = match inserted {
+                Err(e) if how == SlotInsert::Plain && e.as_database_error().and_then(|d| d.code()).as_deref() == Some("23505") => return Ok(None),
+                r => r.map_err(g)?.into_iter().collect(),
+            };
             for (i, r) in receipts.iter().enumerate() {
                 let was_accepted = matches!(out[i], Some(ReceiptOutcome { decision: ReceiptDecision::Accept { .. }, .. }));
                 if was_accepted && !inserted.contains(r.event_id.as_str()) {
@@ -169,9 +185,36 @@ impl PgStore {
         }
         move_to_lane(&mut tx, &moves, now).await?;
         tx.commit().await.map_err(store_err)?;
-        Ok(out)
+        Ok(Some(out))
     }
 }
+
+/// How a receipt transaction inserts its slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotInsert {
+    /// A plain insert: a conflict fails the statement (and the transaction).
+    Plain,
+    /// `ON CONFLICT DO NOTHING`: a receipt that meets a taken slot or
+    /// position is not inserted, and goes to the lane.
+    Arbitrated,
+}
+
+/// The slots' insert, one row per accepted receipt, answering the events inserted.
+const INSERT_SLOTS: &str = "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic,
+      topic_id, partition, \"offset\", message_key, accepted_at_ms, batch_id, log_id)
+ SELECT t.e, t.g, t.a, t.pd, t.dd, t.c, t.tp, t.ti, t.p, t.o, t.k, $12, t2.batch_id, t.li FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
+                                        $9::int[], $10::bigint[], $11::bytea[], $14::text[]) WITH ORDINALITY AS t(e, g, a, pd, dd, c, tp, ti, p, o, k, li, n)
+ JOIN UNNEST($13::bigint[]) WITH ORDINALITY AS t2(batch_id, n) USING (n)
+ RETURNING event_id";
+
+/// [`INSERT_SLOTS`] arbitrating conflicts.
+const INSERT_SLOTS_ARBITRATED: &str = "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic,
+      topic_id, partition, \"offset\", message_key, accepted_at_ms, batch_id, log_id)
+ SELECT t.e, t.g, t.a, t.pd, t.dd, t.c, t.tp, t.ti, t.p, t.o, t.k, $12, t2.batch_id, t.li FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
+                                        $9::int[], $10::bigint[], $11::bytea[], $14::text[]) WITH ORDINALITY AS t(e, g, a, pd, dd, c, tp, ti, p, o, k, li, n)
+ JOIN UNNEST($13::bigint[]) WITH ORDINALITY AS t2(batch_id, n) USING (n)
+ ON CONFLICT DO NOTHING
+ RETURNING event_id";
 
 /// One event's state, wherever it lives (`outbox_event_state`).
 pub(crate) async fn outbox_state(tx: &mut Transaction<'static, Postgres>, id: &str) -> Result<EventState, StoreError> {
