@@ -88,7 +88,7 @@ BEGIN
                              'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
                              'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream',
-                             'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies',
+                             'outbox_bucket_leases', 'outbox_bucket_slots', 'outbox_bucket_lease_log', 'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies',
                              'outbox_stream_drops', 'outbox_aggregate_heads'] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('REVOKE ALL ON TABLE %s FROM outbox_app, outbox_dispatcher, outbox_reconciler, outbox_operator,
@@ -159,13 +159,18 @@ SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_route_policie
 -- move heads and re-queue emptied chains.
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_chain_heads');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE, DELETE', 'outbox_chain_arrivals');
--- The stream path: claims read the stream, hold the buckets' leases (a row
--- per cluster and bucket, made on first use), insert a batch per cut and a
--- step per hand-out or registration. An event leaving the happy path is
+-- The stream path: claims read the stream, hold the buckets' leases (a slot
+-- per cluster and bucket, made on first use, locked and never updated; the
+-- lease state a log of inserts, pruned by the lease sweep; the view of the
+-- newest state), insert a batch per cut and a step per hand-out or
+-- registration. An event leaving the happy path is
 -- copied into outbox_events by outbox_stream_to_lane (below), never by an
 -- insert of the dispatcher's own.
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_stream');
-SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE', 'outbox_bucket_leases');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT', 'outbox_bucket_leases');
+-- UPDATE: for the row locks (FOR UPDATE / FOR SHARE) only; the slots refuse updates.
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, UPDATE', 'outbox_bucket_slots');
+SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT, DELETE', 'outbox_bucket_lease_log');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_batches');
 SELECT pg_temp.outbox_grant('outbox_dispatcher', 'SELECT, INSERT', 'outbox_batch_steps');
 
@@ -234,7 +239,7 @@ FROM unnest(ARRAY['outbox_route_policies', 'outbox_events', 'outbox_commands', '
                   'outbox_dispatcher_aliases', 'outbox_dispatcher_alias_history', 'outbox_reconciler_rounds', 'outbox_unknown_lookups', 'outbox_identity',
                              'outbox_watermark_topic_cursors', 'outbox_watermark_publishers', 'outbox_chain_heads', 'outbox_chain_arrivals',
                   'outbox_consumer_readings', 'outbox_consumer_gaps', 'outbox_settings', 'outbox_stream', 'outbox_bucket_leases',
-                  'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies', 'outbox_stream_drops', 'outbox_aggregate_heads']) t;
+                  'outbox_bucket_slots', 'outbox_bucket_lease_log', 'outbox_batches', 'outbox_batch_steps', 'outbox_poison_policies', 'outbox_stream_drops', 'outbox_aggregate_heads']) t;
 
 -- outbox_consumer: its own receipts (the handler's result is written back on
 -- the receipt), watermarks, quarantine and dead letters (a redrive deletes

@@ -450,7 +450,7 @@ async fn table_sizes(pool: &sqlx::PgPool) -> anyhow::Result<String> {
         "SELECT c.relname::text, pg_relation_size(c.oid) / 1024, pg_indexes_size(c.oid) / 1024 FROM pg_class c
          WHERE c.relkind = 'r' AND c.relname IN ('outbox_events', 'outbox_chain_heads', 'outbox_chain_arrivals', 'outbox_attempts',
                                                  'outbox_envelopes', 'outbox_publish_receipts', 'outbox_commands', 'outbox_stream_p0',
-                                                 'outbox_bucket_leases', 'outbox_batches', 'outbox_batch_steps')
+                                                 'outbox_bucket_slots', 'outbox_bucket_lease_log', 'outbox_batches', 'outbox_batch_steps')
          ORDER BY c.relname",
     )
     .fetch_all(pool)

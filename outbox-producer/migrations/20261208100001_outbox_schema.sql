@@ -2001,9 +2001,36 @@ REVOKE EXECUTE ON FUNCTION outbox_stream_drop_settled(integer) FROM PUBLIC;
 -- of a transaction visible in `cut` drew its seq before that snapshot was
 -- taken). `open_batch` is the batch being sent. Written per grant,
 -- renewal and cut, never per event.
-CREATE TABLE outbox_bucket_leases (
+--
+-- Insert-only, so that a held snapshot (a long report, an idle
+-- transaction, a replication slot) leaves no row versions for the hot path
+-- to walk: an updated row keeps every version since the oldest snapshot,
+-- and each read of it walks them all. So the state is a log, one row per
+-- write, read newest first (one index descent; the rows behind it are
+-- never read), and the lock is a row of its own that is locked, never
+-- written:
+-- - `outbox_bucket_slots`: one row per cluster and bucket, inserted once.
+--   A claim locks the slots it cuts (FOR UPDATE SKIP LOCKED), a
+--   registration or a receipt the slots of its batches (FOR SHARE), a
+--   renewal, a takeover or a move to the lane FOR UPDATE. A row lock writes
+--   no row version.
+-- - `outbox_bucket_lease_log`: the state, a row per write by a holder of
+--   the slot's lock, read after the lock is held (in a later statement, so
+--   in a snapshot that sees every write of the holders before).
+--   `outbox_bucket_lease_log_prune` (run by the lease sweep) deletes the
+--   rows behind each slot's newest.
+-- - `outbox_bucket_leases`: each slot with its newest state (a view).
+CREATE TABLE outbox_bucket_slots (
     cluster_id     text COLLATE "C" NOT NULL,
     bucket         smallint NOT NULL CHECK (bucket >= 0 AND bucket < 64),
+    PRIMARY KEY (cluster_id, bucket)
+);
+CREATE TRIGGER outbox_bucket_slots_frozen BEFORE UPDATE OR DELETE ON outbox_bucket_slots
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+CREATE TABLE outbox_bucket_lease_log (
+    cluster_id     text COLLATE "C" NOT NULL,
+    bucket         smallint NOT NULL CHECK (bucket >= 0 AND bucket < 64),
+    seq            bigint GENERATED ALWAYS AS IDENTITY,
     owner          text,
     generation     bigint NOT NULL DEFAULT 0,
     lease_until_ms bigint NOT NULL DEFAULT 0,
@@ -2013,8 +2040,56 @@ CREATE TABLE outbox_bucket_leases (
     cut_seq        bigint NOT NULL DEFAULT 0,
     window_done    boolean NOT NULL DEFAULT true,
     open_batch     bigint,
-    PRIMARY KEY (cluster_id, bucket)
-) WITH (fillfactor = 50);
+    PRIMARY KEY (cluster_id, bucket, seq)
+);
+-- The prune's order (rows behind the newest, oldest first).
+CREATE INDEX outbox_bucket_lease_log_seq ON outbox_bucket_lease_log (seq);
+CREATE TRIGGER outbox_bucket_lease_log_frozen BEFORE UPDATE ON outbox_bucket_lease_log
+    FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+CREATE VIEW outbox_bucket_leases AS
+    SELECT k.cluster_id, k.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut, l.cut, l.after_seq, l.cut_seq, l.window_done, l.open_batch
+    FROM outbox_bucket_slots k
+    CROSS JOIN LATERAL (SELECT g.owner, g.generation, g.lease_until_ms, g.prev_cut, g.cut, g.after_seq, g.cut_seq, g.window_done, g.open_batch
+                        FROM outbox_bucket_lease_log g WHERE g.cluster_id = k.cluster_id AND g.bucket = k.bucket
+                        ORDER BY g.seq DESC LIMIT 1) l;
+
+-- Deletes the lease log's rows behind each slot's newest, at most p_limit,
+-- oldest first, of seq above p_after (the caller's last answer: every row
+-- at or below it is deleted already, so rows a held snapshot keeps are not
+-- read again). Answers how far every row is deleted: below the lowest of
+-- the slots' newest rows every row is behind its slot's newest.
+CREATE FUNCTION outbox_bucket_lease_log_prune(p_after bigint, p_limit integer) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_floor bigint;
+    v_deleted bigint;
+    v_max bigint;
+BEGIN
+    SELECT min(l.top) INTO v_floor
+    FROM outbox_bucket_slots k
+    CROSS JOIN LATERAL (SELECT g.seq AS top FROM outbox_bucket_lease_log g
+                        WHERE g.cluster_id = k.cluster_id AND g.bucket = k.bucket ORDER BY g.seq DESC LIMIT 1) l;
+    IF v_floor IS NULL THEN
+        RETURN p_after;
+    END IF;
+    WITH gone AS (
+        DELETE FROM outbox_bucket_lease_log g
+        WHERE g.seq IN (
+            SELECT x.seq FROM outbox_bucket_lease_log x
+            WHERE x.seq > p_after
+              AND x.seq < (SELECT y.seq FROM outbox_bucket_lease_log y WHERE y.cluster_id = x.cluster_id AND y.bucket = x.bucket
+                           ORDER BY y.seq DESC LIMIT 1)
+            ORDER BY x.seq LIMIT p_limit)
+        RETURNING g.seq)
+    SELECT count(*), max(gone.seq) INTO v_deleted, v_max FROM gone;
+    IF v_deleted >= p_limit THEN
+        RETURN greatest(p_after, least(v_floor - 1, v_max));
+    END IF;
+    RETURN greatest(p_after, v_floor - 1);
+END
+$$;
 
 -- One row per batch, inserted by the cut (its registration: every event of
 -- it may be sent from then on). The id is the claim generation of its
@@ -2230,18 +2305,141 @@ $$;
 -- the run out, locked (a concurrent claim skips them: each bucket is cut
 -- by one claim at a time, which is what fences the lease row's writes),
 -- with the claim's snapshot (a new window's cut).
+--
+-- Two statements: the lock of the slots, then their state, read in a
+-- snapshot taken after the locks are held (a state read in the locking
+-- statement's snapshot may miss the write of a holder that released the
+-- slot since). A slot whose state no longer qualifies stays locked until
+-- the claim ends and is not answered.
 CREATE FUNCTION outbox_stream_claim_leases(p_scope text, p_owner text, p_now bigint)
     RETURNS TABLE (cluster_id text, bucket smallint, owner text, generation bigint, lease_until_ms bigint, prev_cut text, cut text,
                    after_seq bigint, cut_seq bigint, window_done boolean, open_batch bigint, snapshot text)
+    LANGUAGE plpgsql VOLATILE
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_clusters text[];
+    v_buckets smallint[];
+BEGIN
+    SELECT array_agg(x.cluster_id ORDER BY x.cluster_id, x.bucket), array_agg(x.bucket ORDER BY x.cluster_id, x.bucket)
+    INTO v_clusters, v_buckets
+    FROM (SELECT k.cluster_id, k.bucket FROM outbox_bucket_slots k
+          CROSS JOIN LATERAL (SELECT g.owner, g.lease_until_ms FROM outbox_bucket_lease_log g
+                              WHERE g.cluster_id = k.cluster_id AND g.bucket = k.bucket ORDER BY g.seq DESC LIMIT 1) l
+          WHERE (p_scope IS NULL OR k.cluster_id = p_scope) AND (l.owner = p_owner OR l.owner IS NULL OR l.lease_until_ms <= p_now)
+          ORDER BY k.cluster_id, k.bucket
+          FOR UPDATE OF k SKIP LOCKED) x;
+    RETURN QUERY
+    SELECT l.cluster_id::text, l.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut::text, l.cut::text, l.after_seq, l.cut_seq, l.window_done,
+           l.open_batch, pg_current_snapshot()::text
+    FROM unnest(v_clusters, v_buckets) AS u(cluster_id, bucket)
+    JOIN outbox_bucket_leases l ON l.cluster_id = u.cluster_id AND l.bucket = u.bucket
+    WHERE l.owner = p_owner OR l.owner IS NULL OR l.lease_until_ms <= p_now
+    ORDER BY l.cluster_id, l.bucket;
+END
+$$;
+
+-- The leases of the buckets of batches p_batches, locked (FOR SHARE, or
+-- FOR UPDATE when p_exclusive) in key order, then read (after the locks).
+CREATE FUNCTION outbox_stream_lock_leases(p_batches bigint[], p_exclusive boolean)
+    RETURNS TABLE (id bigint, owner text, generation bigint, lease_until_ms bigint, open_batch bigint)
+    LANGUAGE plpgsql VOLATILE
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_exclusive THEN
+        PERFORM 1 FROM outbox_bucket_slots k
+        WHERE (k.cluster_id, k.bucket) IN (SELECT b.cluster_id, b.bucket FROM outbox_batches b WHERE b.id = ANY (p_batches))
+        ORDER BY k.cluster_id, k.bucket FOR UPDATE OF k;
+    ELSE
+        PERFORM 1 FROM outbox_bucket_slots k
+        WHERE (k.cluster_id, k.bucket) IN (SELECT b.cluster_id, b.bucket FROM outbox_batches b WHERE b.id = ANY (p_batches))
+        ORDER BY k.cluster_id, k.bucket FOR SHARE OF k;
+    END IF;
+    RETURN QUERY
+    SELECT b.id, l.owner, l.generation, l.lease_until_ms, l.open_batch
+    FROM outbox_batches b JOIN outbox_bucket_leases l ON l.cluster_id = b.cluster_id AND l.bucket = b.bucket
+    WHERE b.id = ANY (p_batches);
+END
+$$;
+
+-- Renews the leases of batches p_batches (each with the owner renewing
+-- it) that are their bucket's open batch under that owner's running lease
+-- of the batch's generation: a new state row with the lease running to
+-- p_now + p_lease_ms at least. Answers (batch, new lease end) per renewal.
+CREATE FUNCTION outbox_stream_renew(p_batches bigint[], p_owners text[], p_now bigint, p_lease_ms bigint)
+    RETURNS TABLE (id bigint, lease_until_ms bigint)
+    LANGUAGE plpgsql VOLATILE
+    SET search_path FROM CURRENT
+AS $$
+BEGIN
+    PERFORM 1 FROM outbox_bucket_slots k
+    WHERE (k.cluster_id, k.bucket) IN (SELECT b.cluster_id, b.bucket FROM outbox_batches b WHERE b.id = ANY (p_batches))
+    ORDER BY k.cluster_id, k.bucket FOR UPDATE OF k;
+    RETURN QUERY
+    WITH renewed AS (
+        INSERT INTO outbox_bucket_lease_log (cluster_id, bucket, owner, generation, lease_until_ms, prev_cut, cut, after_seq, cut_seq, window_done, open_batch)
+        SELECT l.cluster_id, l.bucket, l.owner, l.generation, greatest(l.lease_until_ms, p_now + p_lease_ms), l.prev_cut, l.cut, l.after_seq, l.cut_seq,
+               l.window_done, l.open_batch
+        FROM UNNEST(p_batches, p_owners) AS t(batch_id, owner)
+        JOIN outbox_batches b ON b.id = t.batch_id
+        JOIN outbox_bucket_leases l ON l.cluster_id = b.cluster_id AND l.bucket = b.bucket
+        WHERE l.open_batch = b.id AND l.owner = t.owner AND b.owner = t.owner AND l.generation = b.lease_generation AND l.lease_until_ms > p_now
+        RETURNING outbox_bucket_lease_log.open_batch, outbox_bucket_lease_log.lease_until_ms)
+    SELECT r.open_batch, r.lease_until_ms FROM renewed r;
+END
+$$;
+
+-- The open batches whose lease ran out by p_now, their slots locked
+-- (skipping those another transaction holds) and their state read after
+-- the locks: the lease sweep takes them over (`outbox_stream_close` then
+-- closes them).
+CREATE FUNCTION outbox_stream_expired(p_now bigint) RETURNS SETOF bigint
+    LANGUAGE plpgsql VOLATILE
+    SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_clusters text[];
+    v_buckets smallint[];
+BEGIN
+    SELECT array_agg(x.cluster_id), array_agg(x.bucket) INTO v_clusters, v_buckets
+    FROM (SELECT k.cluster_id, k.bucket FROM outbox_bucket_slots k
+          CROSS JOIN LATERAL (SELECT g.open_batch, g.lease_until_ms FROM outbox_bucket_lease_log g
+                              WHERE g.cluster_id = k.cluster_id AND g.bucket = k.bucket ORDER BY g.seq DESC LIMIT 1) l
+          WHERE l.open_batch IS NOT NULL AND l.lease_until_ms <= p_now
+          ORDER BY k.cluster_id, k.bucket
+          FOR UPDATE OF k SKIP LOCKED) x;
+    RETURN QUERY
+    SELECT l.open_batch FROM unnest(v_clusters, v_buckets) AS u(cluster_id, bucket)
+    JOIN outbox_bucket_leases l ON l.cluster_id = u.cluster_id AND l.bucket = u.bucket
+    WHERE l.open_batch IS NOT NULL AND l.lease_until_ms <= p_now;
+END
+$$;
+
+-- Closes open batches p_batches (their slots locked by the caller): a new
+-- state row of each bucket without its open batch.
+CREATE FUNCTION outbox_stream_close(p_batches bigint[]) RETURNS void
     LANGUAGE sql VOLATILE
     SET search_path FROM CURRENT
 AS $$
-    SELECT l.cluster_id::text, l.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut::text, l.cut::text, l.after_seq, l.cut_seq, l.window_done,
-           l.open_batch, pg_current_snapshot()::text
-    FROM outbox_bucket_leases l
-    WHERE (p_scope IS NULL OR l.cluster_id = p_scope) AND (l.owner = p_owner OR l.owner IS NULL OR l.lease_until_ms <= p_now)
-    ORDER BY l.cluster_id, l.bucket
-    FOR UPDATE SKIP LOCKED
+    INSERT INTO outbox_bucket_lease_log (cluster_id, bucket, owner, generation, lease_until_ms, prev_cut, cut, after_seq, cut_seq, window_done, open_batch)
+    SELECT l.cluster_id, l.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut, l.cut, l.after_seq, l.cut_seq, l.window_done, NULL
+    FROM outbox_batches b JOIN outbox_bucket_leases l ON l.cluster_id = b.cluster_id AND l.bucket = b.bucket
+    WHERE b.id = ANY (p_batches) AND l.open_batch = b.id
+$$;
+
+-- Writes the lease state of the slots locked by the caller: one log row
+-- per slot (`outbox_bucket_lease_log`).
+CREATE FUNCTION outbox_bucket_lease_write(p_clusters text[], p_buckets smallint[], p_owners text[], p_generations bigint[], p_leases bigint[],
+                                          p_prev_cuts text[], p_cuts text[], p_after bigint[], p_cut_seqs bigint[], p_done boolean[], p_open bigint[])
+    RETURNS void
+    LANGUAGE sql VOLATILE
+    SET search_path FROM CURRENT
+AS $$
+    INSERT INTO outbox_bucket_lease_log (cluster_id, bucket, owner, generation, lease_until_ms, prev_cut, cut, after_seq, cut_seq, window_done, open_batch)
+    SELECT t.cluster_id, t.bucket, t.owner, t.generation, t.lease, t.prev_cut::pg_snapshot, t.cut::pg_snapshot, t.after_seq, t.cut_seq, t.done, t.open_batch
+    FROM UNNEST(p_clusters, p_buckets, p_owners, p_generations, p_leases, p_prev_cuts, p_cuts, p_after, p_cut_seqs, p_done, p_open)
+         AS t(cluster_id, bucket, owner, generation, lease, prev_cut, cut, after_seq, cut_seq, done, open_batch)
 $$;
 
 -- The next events of each bucket's window, buckets in the order given,

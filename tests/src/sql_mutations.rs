@@ -50,9 +50,9 @@ pub const SQL_MUTATIONS: [SqlMutation; 4] = [
     },
     SqlMutation {
         name: "stream-sql-unfenced-lease-write",
-        defect: "a claim reads the bucket leases it will rewrite without locking them, so two claims cut the same bucket from the same window",
+        defect: "a claim reads the bucket leases it will rewrite without locking their slots, so two claims cut the same bucket from the same window",
         function: "outbox_stream_claim_leases",
-        from: "FOR UPDATE SKIP LOCKED",
+        from: "FOR UPDATE OF k SKIP LOCKED",
         to: "",
         caught_as: "duplicate",
     },

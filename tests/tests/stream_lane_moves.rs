@@ -118,12 +118,12 @@ async fn a_migrations_move_between_hand_out_and_registration_keeps_the_attempt_k
     let claimed = f.store.claim_batch("manual", 10, LEASE_MS).await.unwrap();
     let mine = claimed.into_iter().find(|c| c.envelope.event_id == *e.event_id()).expect("E handed out");
     // The interleaving of the checker's run, made deterministic by holding
-    // E's bucket lease row: the operator's migration moves E to the lane
+    // E's bucket slot (its lease's lock): the operator's migration moves E to the lane
     // (waiting for the row, exclusively) while the dispatcher's
     // registration, which looked for a lane row before the move committed,
     // waits for the same row behind it.
     let mut holder = f.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM outbox_bucket_leases l JOIN outbox_stream s ON s.cluster_id = l.cluster_id AND s.bucket = l.bucket WHERE s.event_id = $1 FOR UPDATE OF l")
+    sqlx::query("SELECT 1 FROM outbox_bucket_slots l JOIN outbox_stream s ON s.cluster_id = l.cluster_id AND s.bucket = l.bucket WHERE s.event_id = $1 FOR UPDATE OF l")
         .bind(&id)
         .fetch_one(&mut *holder)
         .await

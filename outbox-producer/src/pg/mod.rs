@@ -61,6 +61,8 @@ pub struct PgStore {
     stream_rounds: Arc<std::sync::atomic::AtomicU64>,
     /// How much of each bucket's window a claim reads.
     window_reads: Arc<stream::WindowReads>,
+    /// The highest lease-log seq the lease sweep has pruned up to.
+    lease_log_pruned: Arc<std::sync::atomic::AtomicI64>,
 }
 
 /// The protocol version of [`crate::PROTOCOL_VERSION`], as a number.
@@ -71,12 +73,12 @@ fn own_protocol_version() -> i32 {
 impl PgStore {
     /// A store on `pool` using the system clock.
     pub fn new(pool: PgPool) -> Self {
-        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: true, path_seen: Arc::default(), stream_rounds: Arc::default(), window_reads: Arc::default() }
+        PgStore { pool, clock: Arc::new(SystemClock), cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: true, path_seen: Arc::default(), stream_rounds: Arc::default(), window_reads: Arc::default(), lease_log_pruned: Arc::default() }
     }
 
     /// A store whose leases and timestamps follow `clock` (tests, simulations).
     pub fn with_clock(pool: PgPool, clock: Arc<dyn Clock>) -> Self {
-        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: false, path_seen: Arc::default(), stream_rounds: Arc::default(), window_reads: Arc::default() }
+        PgStore { pool, clock, cluster_scope: None, max_protocol_version: own_protocol_version(), cloudevents: Arc::default(), database_clock: false, path_seen: Arc::default(), stream_rounds: Arc::default(), window_reads: Arc::default(), lease_log_pruned: Arc::default() }
     }
 
     /// Fills [`ClaimedEvent::cloudevents`] of events read outside a claim

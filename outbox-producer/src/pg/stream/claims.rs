@@ -234,10 +234,13 @@ pub(super) async fn take_over(tx: &mut Transaction<'static, Postgres>, batches: 
 /// rows, which the claims find work by.
 pub(super) async fn ensure_leases<'e>(executor: impl sqlx::PgExecutor<'e>, scope: Option<&str>) -> Result<(), StoreError> {
     sqlx::query(
-        "INSERT INTO outbox_bucket_leases (cluster_id, bucket)
-         SELECT c.cluster_id, b::smallint FROM (SELECT DISTINCT cluster_id FROM outbox_route_policies WHERE $1::text IS NULL OR cluster_id = $1) c
-         CROSS JOIN generate_series(0, 63) b
-         ON CONFLICT DO NOTHING",
+        "WITH made AS (
+             INSERT INTO outbox_bucket_slots (cluster_id, bucket)
+             SELECT c.cluster_id, b::smallint FROM (SELECT DISTINCT cluster_id FROM outbox_route_policies WHERE $1::text IS NULL OR cluster_id = $1) c
+             CROSS JOIN generate_series(0, 63) b
+             ON CONFLICT DO NOTHING
+             RETURNING cluster_id, bucket)
+         INSERT INTO outbox_bucket_lease_log (cluster_id, bucket) SELECT cluster_id, bucket FROM made",
     )
     .bind(scope)
     .execute(executor)
@@ -640,15 +643,15 @@ impl PgStore {
             b.owner = None;
             b.lease_until_ms = 0;
         }
-        // The lease rows that changed.
+        // The lease states that changed.
         let dirty: Vec<&BucketRow> = buckets.iter().filter(|b| b.dirty).collect();
         if !dirty.is_empty() {
+            // A new state row per bucket (the lease log is insert-only: no
+            // row version for a held snapshot to keep), under the slots'
+            // locks this claim holds.
             sqlx::query(
-                "UPDATE outbox_bucket_leases l SET owner = t.owner, generation = t.generation, lease_until_ms = t.lease, prev_cut = t.prev_cut::pg_snapshot,
-                        cut = t.cut::pg_snapshot, after_seq = t.after_seq, cut_seq = t.cut_seq, window_done = t.done, open_batch = t.open_batch
-                 FROM UNNEST($1::text[], $2::smallint[], $3::text[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::bigint[], $9::bigint[], $10::bool[], $11::bigint[])
-                      AS t(cluster_id, bucket, owner, generation, lease, prev_cut, cut, after_seq, cut_seq, done, open_batch)
-                 WHERE l.cluster_id = t.cluster_id AND l.bucket = t.bucket",
+                "SELECT outbox_bucket_lease_write($1::text[], $2::smallint[], $3::text[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::bigint[],
+                                                  $9::bigint[], $10::bool[], $11::bigint[])",
             )
             .bind(dirty.iter().map(|b| b.cluster_id.as_str()).collect::<Vec<_>>())
             .bind(dirty.iter().map(|b| b.bucket).collect::<Vec<_>>())

@@ -34,13 +34,9 @@ pub(super) async fn lock_leases(tx: &mut Transaction<'static, Postgres>, ids: &[
         return Ok(HashMap::new());
     }
     let g = |e: sqlx::Error| store_err(e);
-    let rows = sqlx::query(&format!(
-        "SELECT b.id, l.owner, l.generation, l.lease_until_ms, l.open_batch
-         FROM outbox_batches b JOIN outbox_bucket_leases l ON l.cluster_id = b.cluster_id AND l.bucket = b.bucket
-         WHERE b.id = ANY($1) ORDER BY l.cluster_id, l.bucket FOR {} OF l",
-        if exclusive { "UPDATE" } else { "SHARE" }
-    ))
+    let rows = sqlx::query("SELECT id, owner, generation, lease_until_ms, open_batch FROM outbox_stream_lock_leases($1, $2)")
     .bind(ids)
+    .bind(exclusive)
     .fetch_all(&mut **tx)
     .await
     .map_err(g)?;
@@ -229,13 +225,7 @@ impl PgStore {
         let now = self.now_ms();
         let batch_ids: Vec<i64> = tokens.iter().map(|t| t.claim_generation as i64).collect::<BTreeSet<_>>().into_iter().collect();
         let owners: Vec<&str> = batch_ids.iter().map(|b| tokens.iter().find(|t| t.claim_generation as i64 == *b).map_or("", |t| t.owner.as_str())).collect();
-        let rows = sqlx::query(
-            "UPDATE outbox_bucket_leases l SET lease_until_ms = greatest(l.lease_until_ms, $3 + $4)
-             FROM UNNEST($1::bigint[], $2::text[]) AS t(batch_id, owner), outbox_batches b
-             WHERE b.id = t.batch_id AND l.cluster_id = b.cluster_id AND l.bucket = b.bucket AND l.open_batch = b.id
-               AND l.owner = t.owner AND b.owner = t.owner AND l.generation = b.lease_generation AND l.lease_until_ms > $3
-             RETURNING b.id, l.lease_until_ms",
-        )
+        let rows = sqlx::query("SELECT id, lease_until_ms FROM outbox_stream_renew($1, $2, $3, $4)")
         .bind(&batch_ids)
         .bind(&owners)
         .bind(now)
@@ -258,22 +248,39 @@ impl PgStore {
         }
         let now = self.now_ms();
         let mut tx = self.begin().await?;
-        let ids: Vec<i64> = sqlx::query_scalar(
-            "SELECT open_batch FROM outbox_bucket_leases WHERE open_batch IS NOT NULL AND lease_until_ms <= $1
-             ORDER BY cluster_id, bucket FOR UPDATE SKIP LOCKED",
-        )
+        let ids: Vec<i64> = sqlx::query_scalar("SELECT * FROM outbox_stream_expired($1)")
         .bind(now)
         .fetch_all(&mut *tx)
         .await
         .map_err(store_err)?;
         if ids.is_empty() {
+            drop(tx);
+            self.prune_lease_log().await?;
             return Ok(0);
         }
         let batches = load_batches(&mut tx, &ids, true).await?;
         let n = take_over(&mut tx, &batches, now).await?;
-        sqlx::query("UPDATE outbox_bucket_leases SET open_batch = NULL WHERE open_batch = ANY($1)").bind(&ids).execute(&mut *tx).await.map_err(store_err)?;
+        sqlx::query("SELECT outbox_stream_close($1)").bind(&ids).execute(&mut *tx).await.map_err(store_err)?;
         tx.commit().await.map_err(store_err)?;
+        self.prune_lease_log().await?;
         Ok(n)
+    }
+
+    /// Deletes the lease log's rows behind each bucket's newest state (at
+    /// most `LEASE_LOG_PRUNE` per sweep), from where the last prune of this
+    /// store stopped: rows it deleted are not read again even while a held
+    /// snapshot keeps them.
+    async fn prune_lease_log(&self) -> Result<(), StoreError> {
+        const LEASE_LOG_PRUNE: i32 = 50_000;
+        let after = self.lease_log_pruned.load(std::sync::atomic::Ordering::Relaxed);
+        let upto: i64 = sqlx::query_scalar("SELECT outbox_bucket_lease_log_prune($1, $2)")
+            .bind(after)
+            .bind(LEASE_LOG_PRUNE)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_err)?;
+        self.lease_log_pruned.fetch_max(upto, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -338,7 +345,14 @@ impl PgStore {
         else {
             return Ok(());
         };
-        let open: Option<Option<i64>> = sqlx::query_scalar("SELECT open_batch FROM outbox_bucket_leases WHERE cluster_id = $1 AND bucket = $2 FOR UPDATE")
+        // The slot's lock first, then its state, read after it.
+        sqlx::query("SELECT 1 FROM outbox_bucket_slots WHERE cluster_id = $1 AND bucket = $2 FOR UPDATE")
+            .bind(&cluster_id)
+            .bind(bucket)
+            .execute(&mut *tx)
+            .await
+            .map_err(g)?;
+        let open: Option<Option<i64>> = sqlx::query_scalar("SELECT open_batch FROM outbox_bucket_leases WHERE cluster_id = $1 AND bucket = $2")
             .bind(&cluster_id)
             .bind(bucket)
             .fetch_optional(&mut *tx)
