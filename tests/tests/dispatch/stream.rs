@@ -358,3 +358,53 @@ async fn on_the_stream_with_a_manual_clock(pool: &PgPool) -> (outbox_tests::kafk
 async fn clock_far(pool: &PgPool) -> i64 {
     sqlx::query_scalar::<_, i64>("SELECT (extract(epoch FROM now()) * 1000)::bigint + 86400000").fetch_one(pool).await.unwrap()
 }
+
+/// The lease log's prune (`outbox_bucket_lease_log_prune`, run by the
+/// lease sweep) deletes the rows behind each bucket's newest state, never
+/// the newest, and answers how far every row is deleted: a caller that
+/// goes on from that answer never leaves a row behind it, even a row that
+/// was a bucket's newest when it was passed and was superseded later (a
+/// quiet bucket's state row sits far behind the busy buckets' writes).
+#[sqlx::test(migrator = "outbox_producer::MIGRATOR")]
+async fn the_lease_log_prune_keeps_each_buckets_newest_and_leaves_nothing_behind(pool: PgPool) {
+    let write = |bucket: i16, owner: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query("INSERT INTO outbox_bucket_lease_log (cluster_id, bucket, owner) VALUES ('c', $1, $2)").bind(bucket).bind(owner).execute(&pool).await.unwrap();
+        }
+    };
+    sqlx::query("INSERT INTO outbox_bucket_slots (cluster_id, bucket) SELECT 'c', b::smallint FROM generate_series(0, 2) b").execute(&pool).await.unwrap();
+    // Bucket 0 quiet (one row), bucket 1 busy, bucket 2 in between.
+    write(0, "quiet").await;
+    for _ in 0..5 {
+        write(1, "busy").await;
+    }
+    write(2, "mid").await;
+    write(2, "mid").await;
+    let newest = |pool: PgPool| async move {
+        sqlx::query_as::<_, (i16, i64)>("SELECT bucket, max(seq) FROM outbox_bucket_lease_log GROUP BY bucket ORDER BY bucket").fetch_all(&pool).await.unwrap()
+    };
+    let behind_floor = |pool: PgPool, upto: i64| async move {
+        count(&pool, &format!("SELECT count(*) FROM outbox_bucket_lease_log WHERE seq <= {upto}")).await
+    };
+    let prune = |pool: PgPool, after: i64, limit: i32| async move {
+        sqlx::query_scalar::<_, i64>("SELECT outbox_bucket_lease_log_prune($1, $2)").bind(after).bind(limit).fetch_one(&pool).await.unwrap()
+    };
+    let tops = newest(pool.clone()).await;
+    // Two rows at a time: the answer never passes a row left in place.
+    let mut after = 0;
+    for _ in 0..4 {
+        after = prune(pool.clone(), after, 2).await;
+        assert_eq!(behind_floor(pool.clone(), after).await, 0, "a row at or below the answer {after} was left");
+    }
+    assert_eq!(newest(pool.clone()).await, tops, "a bucket's newest row was deleted");
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_bucket_lease_log").await, 3, "one row per bucket is left");
+    // The quiet bucket's row held the answer below it; once it is
+    // superseded, the next prune deletes it.
+    write(0, "woke").await;
+    after = prune(pool.clone(), after, 100).await;
+    assert_eq!(behind_floor(pool.clone(), after).await, 0);
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_bucket_lease_log WHERE owner = 'quiet'").await, 0, "the superseded row was left behind");
+    let owners: Vec<String> = sqlx::query_scalar("SELECT owner FROM outbox_bucket_leases ORDER BY bucket").fetch_all(&pool).await.unwrap();
+    assert_eq!(owners, ["woke", "busy", "mid"], "the view reads each bucket's newest state");
+}
