@@ -2057,7 +2057,9 @@ CREATE VIEW outbox_bucket_leases AS
 -- oldest first, of seq above p_after (the caller's last answer: every row
 -- at or below it is deleted already, so rows a held snapshot keeps are not
 -- read again). Answers how far every row is deleted: below the lowest of
--- the slots' newest rows every row is behind its slot's newest.
+-- the slots' newest rows every row is behind its slot's newest. One prune
+-- at a time (every dispatcher's lease sweep runs one): a prune that finds
+-- another running returns at once, rather than wait for its row locks.
 CREATE FUNCTION outbox_bucket_lease_log_prune(p_after bigint, p_limit integer) RETURNS bigint
     LANGUAGE plpgsql VOLATILE
     SET search_path FROM CURRENT
@@ -2067,6 +2069,9 @@ DECLARE
     v_deleted bigint;
     v_max bigint;
 BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtextextended('outbox_bucket_lease_log_prune', 0)) THEN
+        RETURN p_after;
+    END IF;
     SELECT min(l.top) INTO v_floor
     FROM outbox_bucket_slots k
     CROSS JOIN LATERAL (SELECT g.seq AS top FROM outbox_bucket_lease_log g

@@ -391,6 +391,13 @@ async fn the_lease_log_prune_keeps_each_buckets_newest_and_leaves_nothing_behind
         sqlx::query_scalar::<_, i64>("SELECT outbox_bucket_lease_log_prune($1, $2)").bind(after).bind(limit).fetch_one(&pool).await.unwrap()
     };
     let tops = newest(pool.clone()).await;
+    // One prune at a time: while another holds the prune's lock, a prune
+    // returns at once, deleting nothing.
+    let mut other = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('outbox_bucket_lease_log_prune', 0))").execute(&mut *other).await.unwrap();
+    assert_eq!(prune(pool.clone(), 0, 100).await, 0, "a prune ran beside another");
+    assert_eq!(count(&pool, "SELECT count(*) FROM outbox_bucket_lease_log").await, 8, "a prune beside another deleted rows");
+    other.rollback().await.unwrap();
     // Two rows at a time: the answer never passes a row left in place.
     let mut after = 0;
     for _ in 0..4 {

@@ -255,32 +255,31 @@ impl PgStore {
         .map_err(store_err)?;
         if ids.is_empty() {
             drop(tx);
-            self.prune_lease_log().await?;
+            self.prune_lease_log().await;
             return Ok(0);
         }
         let batches = load_batches(&mut tx, &ids, true).await?;
         let n = take_over(&mut tx, &batches, now).await?;
         sqlx::query("SELECT outbox_stream_close($1)").bind(&ids).execute(&mut *tx).await.map_err(store_err)?;
         tx.commit().await.map_err(store_err)?;
-        self.prune_lease_log().await?;
+        self.prune_lease_log().await;
         Ok(n)
     }
 
     /// Deletes the lease log's rows behind each bucket's newest state (at
     /// most `LEASE_LOG_PRUNE` per sweep), from where the last prune of this
     /// store stopped: rows it deleted are not read again even while a held
-    /// snapshot keeps them.
-    async fn prune_lease_log(&self) -> Result<(), StoreError> {
+    /// snapshot keeps them. A failure is logged and the next sweep tries
+    /// again: the takeovers of the sweep stand whatever the prune does.
+    async fn prune_lease_log(&self) {
         const LEASE_LOG_PRUNE: i32 = 50_000;
         let after = self.lease_log_pruned.load(std::sync::atomic::Ordering::Relaxed);
-        let upto: i64 = sqlx::query_scalar("SELECT outbox_bucket_lease_log_prune($1, $2)")
-            .bind(after)
-            .bind(LEASE_LOG_PRUNE)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_err)?;
-        self.lease_log_pruned.fetch_max(upto, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        match sqlx::query_scalar::<_, i64>("SELECT outbox_bucket_lease_log_prune($1, $2)").bind(after).bind(LEASE_LOG_PRUNE).fetch_one(&self.pool).await {
+            Ok(upto) => {
+                self.lease_log_pruned.fetch_max(upto, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(error = %e, "pruning the bucket lease log failed; the next lease sweep tries again"),
+        }
     }
 }
 
