@@ -2046,10 +2046,13 @@ CREATE TABLE outbox_bucket_lease_log (
 CREATE INDEX outbox_bucket_lease_log_seq ON outbox_bucket_lease_log (seq);
 CREATE TRIGGER outbox_bucket_lease_log_frozen BEFORE UPDATE ON outbox_bucket_lease_log
     FOR EACH ROW EXECUTE FUNCTION outbox_frozen();
+-- The one definition of "a slot's newest state" (with its row's `seq`);
+-- every reader, the locking functions and the prune read through it.
 CREATE VIEW outbox_bucket_leases AS
-    SELECT k.cluster_id, k.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut, l.cut, l.after_seq, l.cut_seq, l.window_done, l.open_batch
+    SELECT k.cluster_id, k.bucket, l.owner, l.generation, l.lease_until_ms, l.prev_cut, l.cut, l.after_seq, l.cut_seq, l.window_done, l.open_batch,
+           l.seq AS state_seq
     FROM outbox_bucket_slots k
-    CROSS JOIN LATERAL (SELECT g.owner, g.generation, g.lease_until_ms, g.prev_cut, g.cut, g.after_seq, g.cut_seq, g.window_done, g.open_batch
+    CROSS JOIN LATERAL (SELECT g.owner, g.generation, g.lease_until_ms, g.prev_cut, g.cut, g.after_seq, g.cut_seq, g.window_done, g.open_batch, g.seq
                         FROM outbox_bucket_lease_log g WHERE g.cluster_id = k.cluster_id AND g.bucket = k.bucket
                         ORDER BY g.seq DESC LIMIT 1) l;
 
@@ -2072,10 +2075,7 @@ BEGIN
     IF NOT pg_try_advisory_xact_lock(hashtextextended('outbox_bucket_lease_log_prune', 0)) THEN
         RETURN p_after;
     END IF;
-    SELECT min(l.top) INTO v_floor
-    FROM outbox_bucket_slots k
-    CROSS JOIN LATERAL (SELECT g.seq AS top FROM outbox_bucket_lease_log g
-                        WHERE g.cluster_id = k.cluster_id AND g.bucket = k.bucket ORDER BY g.seq DESC LIMIT 1) l;
+    SELECT min(l.state_seq) INTO v_floor FROM outbox_bucket_leases l;
     IF v_floor IS NULL THEN
         RETURN p_after;
     END IF;
@@ -2084,8 +2084,7 @@ BEGIN
         WHERE g.seq IN (
             SELECT x.seq FROM outbox_bucket_lease_log x
             WHERE x.seq > p_after
-              AND x.seq < (SELECT y.seq FROM outbox_bucket_lease_log y WHERE y.cluster_id = x.cluster_id AND y.bucket = x.bucket
-                           ORDER BY y.seq DESC LIMIT 1)
+              AND x.seq < (SELECT l.state_seq FROM outbox_bucket_leases l WHERE l.cluster_id = x.cluster_id AND l.bucket = x.bucket)
             ORDER BY x.seq LIMIT p_limit)
         RETURNING g.seq)
     SELECT count(*), max(gone.seq) INTO v_deleted, v_max FROM gone;
@@ -2329,8 +2328,7 @@ BEGIN
     SELECT array_agg(x.cluster_id ORDER BY x.cluster_id, x.bucket), array_agg(x.bucket ORDER BY x.cluster_id, x.bucket)
     INTO v_clusters, v_buckets
     FROM (SELECT k.cluster_id, k.bucket FROM outbox_bucket_slots k
-          CROSS JOIN LATERAL (SELECT g.owner, g.lease_until_ms FROM outbox_bucket_lease_log g
-                              WHERE g.cluster_id = k.cluster_id AND g.bucket = k.bucket ORDER BY g.seq DESC LIMIT 1) l
+          JOIN outbox_bucket_leases l ON l.cluster_id = k.cluster_id AND l.bucket = k.bucket
           WHERE (p_scope IS NULL OR k.cluster_id = p_scope) AND (l.owner = p_owner OR l.owner IS NULL OR l.lease_until_ms <= p_now)
           ORDER BY k.cluster_id, k.bucket
           FOR UPDATE OF k SKIP LOCKED) x;
@@ -2409,8 +2407,7 @@ DECLARE
 BEGIN
     SELECT array_agg(x.cluster_id), array_agg(x.bucket) INTO v_clusters, v_buckets
     FROM (SELECT k.cluster_id, k.bucket FROM outbox_bucket_slots k
-          CROSS JOIN LATERAL (SELECT g.open_batch, g.lease_until_ms FROM outbox_bucket_lease_log g
-                              WHERE g.cluster_id = k.cluster_id AND g.bucket = k.bucket ORDER BY g.seq DESC LIMIT 1) l
+          JOIN outbox_bucket_leases l ON l.cluster_id = k.cluster_id AND l.bucket = k.bucket
           WHERE l.open_batch IS NOT NULL AND l.lease_until_ms <= p_now
           ORDER BY k.cluster_id, k.bucket
           FOR UPDATE OF k SKIP LOCKED) x;

@@ -135,10 +135,7 @@ impl PgStore {
         // holds is not taken here: that receipt goes to the lane.
         if !accepted.is_empty() {
             let a: Vec<&BrokerReceipt> = accepted.iter().map(|x| x.0).collect();
-            let inserted: Result<Vec<String>, sqlx::Error> = sqlx::query_scalar(match how {
-                SlotInsert::Plain => INSERT_SLOTS,
-                SlotInsert::Arbitrated => INSERT_SLOTS_ARBITRATED,
-            })
+            let inserted: Result<Vec<String>, sqlx::Error> = sqlx::query_scalar(how.sql())
             .bind(a.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>())
             .bind(a.iter().map(|r| r.envelope_generation as i32).collect::<Vec<_>>())
             .bind(a.iter().map(|r| r.attempt_id.as_str()).collect::<Vec<_>>())
@@ -199,22 +196,31 @@ enum SlotInsert {
     Arbitrated,
 }
 
-/// The slots' insert, one row per accepted receipt, answering the events inserted.
-const INSERT_SLOTS: &str = "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic,
+/// The slots' insert, one row per accepted receipt, answering the events
+/// inserted; `$conflict` is what the two forms differ by.
+macro_rules! insert_slots {
+    ($conflict:literal) => {
+        concat!(
+            "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic,
       topic_id, partition, \"offset\", message_key, accepted_at_ms, batch_id, log_id)
  SELECT t.e, t.g, t.a, t.pd, t.dd, t.c, t.tp, t.ti, t.p, t.o, t.k, $12, t2.batch_id, t.li FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
                                         $9::int[], $10::bigint[], $11::bytea[], $14::text[]) WITH ORDINALITY AS t(e, g, a, pd, dd, c, tp, ti, p, o, k, li, n)
- JOIN UNNEST($13::bigint[]) WITH ORDINALITY AS t2(batch_id, n) USING (n)
- RETURNING event_id";
+ JOIN UNNEST($13::bigint[]) WITH ORDINALITY AS t2(batch_id, n) USING (n) ",
+            $conflict,
+            " RETURNING event_id"
+        )
+    };
+}
 
-/// [`INSERT_SLOTS`] arbitrating conflicts.
-const INSERT_SLOTS_ARBITRATED: &str = "INSERT INTO outbox_publish_receipts (event_id, envelope_generation, attempt_id, payload_digest, destination_digest, cluster_id, topic,
-      topic_id, partition, \"offset\", message_key, accepted_at_ms, batch_id, log_id)
- SELECT t.e, t.g, t.a, t.pd, t.dd, t.c, t.tp, t.ti, t.p, t.o, t.k, $12, t2.batch_id, t.li FROM UNNEST($1::text[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
-                                        $9::int[], $10::bigint[], $11::bytea[], $14::text[]) WITH ORDINALITY AS t(e, g, a, pd, dd, c, tp, ti, p, o, k, li, n)
- JOIN UNNEST($13::bigint[]) WITH ORDINALITY AS t2(batch_id, n) USING (n)
- ON CONFLICT DO NOTHING
- RETURNING event_id";
+impl SlotInsert {
+    /// Its statement.
+    fn sql(self) -> &'static str {
+        match self {
+            SlotInsert::Plain => insert_slots!(""),
+            SlotInsert::Arbitrated => insert_slots!("ON CONFLICT DO NOTHING"),
+        }
+    }
+}
 
 /// One event's state, wherever it lives (`outbox_event_state`).
 pub(crate) async fn outbox_state(tx: &mut Transaction<'static, Postgres>, id: &str) -> Result<EventState, StoreError> {

@@ -241,11 +241,20 @@ impl PgStore {
     }
 
     /// The lease sweep's share on the stream: open batches whose lease ran
-    /// out are taken over. Returns the events moved to the lane.
+    /// out are taken over, then the lease log is pruned. Returns the events
+    /// moved to the lane.
     pub(crate) async fn expire_stream(&self) -> Result<usize, StoreError> {
         if !self.path_seen.maybe_stream() {
             return Ok(0);
         }
+        let taken_over = self.take_over_expired().await?;
+        self.prune_lease_log().await;
+        Ok(taken_over)
+    }
+
+    /// The lease sweep's takeovers on the stream: open batches whose lease
+    /// ran out go to the lane and are closed. Returns the events moved.
+    async fn take_over_expired(&self) -> Result<usize, StoreError> {
         let now = self.now_ms();
         let mut tx = self.begin().await?;
         let ids: Vec<i64> = sqlx::query_scalar("SELECT * FROM outbox_stream_expired($1)")
@@ -254,15 +263,12 @@ impl PgStore {
         .await
         .map_err(store_err)?;
         if ids.is_empty() {
-            drop(tx);
-            self.prune_lease_log().await;
             return Ok(0);
         }
         let batches = load_batches(&mut tx, &ids, true).await?;
         let n = take_over(&mut tx, &batches, now).await?;
         sqlx::query("SELECT outbox_stream_close($1)").bind(&ids).execute(&mut *tx).await.map_err(store_err)?;
         tx.commit().await.map_err(store_err)?;
-        self.prune_lease_log().await;
         Ok(n)
     }
 
